@@ -1,0 +1,18 @@
+"""Build of the asynchronous I/O extension (aio_csrc/ -> tiers._aio).
+
+Everything else about the package lives in pyproject.toml; setuptools needs this
+file only to describe the C extension. It links nothing but libc: io_uring is
+driven with raw syscalls against <linux/io_uring.h>.
+"""
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "tiers._aio",
+            sources=["aio_csrc/aio.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            libraries=["pthread"],
+        )
+    ]
+)

@@ -1,0 +1,84 @@
+"""The one small interface every tier implements (shared/DESIGN.md, "tiers").
+
+[Note: tier keys]
+A tier stores opaque byte ranges. ``allocate`` (or ``put``) returns an integer key;
+the key's size is fixed at allocation. Reads and writes move a contiguous tensor's
+bytes to or from the key, optionally at a byte offset inside it, and return a
+future. Tiers never interpret the bytes: the engine keeps dtype and shape.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Protocol
+
+import torch
+
+
+class Future(Protocol):
+    """A pending transfer. ``wait()`` returns the byte count or raises ``OSError``."""
+
+    def wait(self) -> int: ...
+
+    def done(self) -> bool: ...
+
+
+class CompletedFuture:
+    """A transfer that finished synchronously (host and CPU device tiers)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def wait(self) -> int:
+        return self.nbytes
+
+    def done(self) -> bool:
+        return True
+
+
+class Tier(abc.ABC):
+    """A place where tensors' bytes live: ``device``, ``host`` or ``nvme``."""
+
+    name: str
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int, tag: str = "") -> int:
+        """Reserve ``nbytes`` and return their key; the content is undefined until written.
+
+        ``tag`` names the owner (e.g. the parameter) for error messages and telemetry.
+        """
+
+    def put(self, src: torch.Tensor, tag: str = "") -> int:
+        """Allocate a key the size of ``src`` and write ``src`` into it; returns once written."""
+        key = self.allocate(src.numel() * src.element_size(), tag)
+        self.write(key, src).wait()
+        return key
+
+    @abc.abstractmethod
+    def write(self, key: int, src: torch.Tensor, offset: int = 0) -> Future:
+        """Start copying the contiguous tensor ``src`` into ``key`` at byte ``offset``."""
+
+    @abc.abstractmethod
+    def read(self, key: int, dst: torch.Tensor, offset: int = 0) -> Future:
+        """Start copying ``dst.nbytes`` bytes of ``key`` from byte ``offset`` into ``dst``."""
+
+    @abc.abstractmethod
+    def free(self, key: int) -> None:
+        """Release ``key``; an unknown key raises ``KeyError`` naming it."""
+
+    @abc.abstractmethod
+    def nbytes(self, key: int) -> int:
+        """The size ``key`` was allocated with."""
+
+    @abc.abstractmethod
+    def capacity(self) -> int | None:
+        """Bytes this tier may hold in all (None: unbounded / unknown)."""
+
+    @abc.abstractmethod
+    def bytes_in_use(self) -> int:
+        """Bytes currently allocated."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict:
+        """Telemetry: bytes_read, bytes_written, wait_seconds, bytes_in_use, peak_bytes, ..."""
