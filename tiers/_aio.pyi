@@ -1,0 +1,40 @@
+"""Type stub for the C core tiers._aio (aio_csrc/aio.c). See tiers/aio.py for the Python face."""
+from typing import Any, Sequence
+
+__version__: str
+OP_READ: int
+OP_WRITE: int
+
+def engines() -> list[str]:
+    """Engines this kernel allows, best first: ["io_uring", "threads"] or ["threads"]."""
+
+def buffer_info(obj: Any, writable: bool = ...) -> tuple[int, int]:
+    """(address, nbytes) of a C-contiguous buffer-protocol object."""
+
+class Handle:
+    """One I/O engine instance; ids are opaque ints, valid until reaped."""
+
+    engine: str  # "io_uring" | "threads"
+    queue_depth: int
+    threads: int
+    block_size: int
+    closed: bool
+    active: int  # requests submitted and not yet complete
+    pieces_issued: int
+    def __init__(self, engine: str = ..., queue_depth: int = ..., threads: int = ..., block_size: int = ...) -> None: ...
+    def submit(self, op: int, fd: int, file_offset: int, buffer: Any) -> int:
+        """Start a read/write of a buffer-protocol object (held until reaped)."""
+    def submit_ptr(self, op: int, fd: int, file_offset: int, address: int, nbytes: int, owner: Any) -> int:
+        """Start a read/write of raw memory; ``owner`` is kept referenced until reaped."""
+    def wait(self, id: int, timeout: float = ...) -> bool:
+        """Block with the GIL released until ``id`` completes (timeout < 0: forever); False on timeout."""
+    def done(self, id: int) -> bool: ...
+    def reap(self, id: int) -> tuple[int, int]:
+        """(nbytes or -errno, failing file offset or -1); frees the id and releases the buffer."""
+    def release(self, id: int) -> None:
+        """Forget ``id``: its buffer is released once it completes."""
+    def wait_any(self, ids: Sequence[int], timeout: float = ...) -> int | None: ...
+    def wait_all(self, timeout: float = ...) -> bool: ...
+    def close(self) -> None: ...
+    def _inject(self, op: int, errno: int, nth: int) -> None:
+        """Test hook: the nth next piece of ``op`` (-1: any op) fails with ``errno`` instead of being issued."""
