@@ -1,0 +1,235 @@
+"""Translation of a DeepSpeed config into ours (``infinity.config.from_deepspeed``).
+
+[Note: DeepSpeed translation]
+DeepSpeed counts most ZeRO-3 sizes in elements of the parameter dtype; ours are in
+elements where the engine thinks in elements (persistence threshold, live parameters,
+sub-groups) and in bytes where it thinks in bytes (prefetch budgets, pool buffers).
+Element counts that become bytes are multiplied by the itemsize of the translated
+``precision.dtype`` (and pool buffers rounded up to the 4 KiB I/O alignment).
+
+Keys are sorted three ways: translated into a field; accepted because they ask for
+what infinity always does (``contiguous_gradients: true``, ``aio.overlap_events:
+true``); or reported, with their full path and the reason, in the list returned
+beside the config. A value that cannot be read at all (``stage3_max_live_parameters:
+"lots"``) is a ConfigError naming the DeepSpeed key.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from infinity import _sizes
+from infinity.config import ALIGNMENT, Config, ConfigError, _read, load_config
+
+_OFFLOAD_DEVICE = {"param": {"cpu": "host", "nvme": "nvme", "none": "device"},
+                   "optimizer": {"cpu": "host", "nvme": "nvme"}}
+
+# Keys that ask for what infinity always does, with the value that means it.
+_BUILT_IN = {
+    "zero_optimization.contiguous_gradients": (True, "infinity always moves gradients in flat, contiguous buffers"),
+    "zero_optimization.reduce_scatter": (True, "infinity always reduce-scatters gradients"),
+    "zero_optimization.offload_optimizer.pipeline_read": (True, "infinity always reads the next sub-group while stepping one"),
+    "zero_optimization.offload_optimizer.pipeline_write": (True, "infinity always writes a sub-group back while stepping the next"),
+    "aio.single_submit": (False, "infinity's engines always submit requests in batches"),
+    "aio.overlap_events": (True, "infinity always overlaps submission and completion"),
+    "aio.use_gds": (False, "infinity reads NVMe into host buffers; GPUDirect Storage is not one of its engines"),
+}
+
+# (DeepSpeed key in zero_optimization, its pydantic alias, our key, element count -> bytes?)
+_ZERO_SCALARS = (
+    ("stage3_prefetch_bucket_size", "prefetch_bucket_size", "prefetch.device_bytes", True),
+    ("stage3_param_persistence_threshold", "param_persistence_threshold", "partition.persistence_threshold", False),
+    ("stage3_max_live_parameters", "max_live_parameters", "partition.max_live_parameters", False),
+    ("stage3_max_reuse_distance", "max_reuse_distance", "prefetch.reuse_distance", True),
+    ("sub_group_size", None, "partition.sub_group_size", False),
+)
+
+_PROGRAM_KEYS = {
+    "optimizer": "create the optimizer in the program: infinity.AdamW(model, lr=...)",
+    "scheduler": "create the learning-rate scheduler in the program",
+    "train_batch_size": "batch sizes belong to the program's data loader",
+    "train_micro_batch_size_per_gpu": "batch sizes belong to the program's data loader",
+    "gradient_accumulation_steps": "accumulate in the program: call opt.step() every N backward passes",
+}
+_NO_EQUIVALENT = "no equivalent in infinity's config"
+
+
+class _Translation:
+    """One translation: our sections as plain data, where each came from, and what was skipped."""
+
+    def __init__(self) -> None:
+        self.ours: dict[str, dict[str, Any]] = {}
+        self.origin: dict[str, str] = {"tiers.nvme_path": "zero_optimization.offload_param.nvme_path"}
+        self.skipped: list[str] = []
+        self.itemsize = 4
+
+    def put(self, our_key: str, ds_key: str, value: object) -> None:
+        section, name = our_key.split(".")
+        self.ours.setdefault(section, {})[name] = value
+        self.origin[our_key] = ds_key
+
+    def skip(self, ds_key: str, reason: str) -> None:
+        self.skipped.append(f"{ds_key}: {reason}")
+
+    def count(self, ds_key: str, value: object) -> int | None:
+        """An element count as DeepSpeed writes it (1e9); None for "auto" (reported, default kept)."""
+        if value == "auto":
+            self.skip(ds_key, "\"auto\" is filled in by the Hugging Face Trainer; kept infinity's default")
+            return None
+        try:
+            return _sizes.parse_count(value)
+        except ValueError as exc:
+            raise ConfigError(f"{value!r} is not an element count: {exc}", ds_key) from None
+
+    def built_in_or_skip(self, ds_key: str, value: object) -> None:
+        expected, reason = _BUILT_IN.get(ds_key, (None, None))
+        if reason is None:
+            self.skip(ds_key, _NO_EQUIVALENT)
+        elif value != expected:
+            self.skip(ds_key, f"{value!r} cannot be honoured: {reason}")
+
+
+def _section(data: Mapping[str, Any], name: str, where: str = "") -> Mapping[str, Any]:
+    body = data.get(name) or {}
+    if not isinstance(body, Mapping):
+        raise ConfigError(f"expected an object, got {body!r}", f"{where}{name}")
+    return body
+
+
+def _precision(t: _Translation, data: Mapping[str, Any]) -> None:
+    enabled = {}
+    for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        body = _section(data, name)
+        for key, value in body.items():
+            if key != "enabled":
+                t.skip(f"{name}.{key}", _NO_EQUIVALENT)
+        value = body.get("enabled", False)
+        if value == "auto":
+            t.skip(f"{name}.enabled", "\"auto\" is filled in by the Hugging Face Trainer; kept float32")
+        elif not isinstance(value, bool):
+            raise ConfigError(f"expected true or false, got {value!r}", f"{name}.enabled")
+        elif value:
+            enabled[name] = dtype
+    if len(enabled) == 2:
+        raise ConfigError("bf16.enabled and fp16.enabled are both true; choose one", "bf16.enabled")
+    for name, dtype in enabled.items():
+        t.put("precision.dtype", f"{name}.enabled", dtype)
+        t.itemsize = 2
+
+
+def _offload(t: _Translation, zero: Mapping[str, Any], what: str, nvme_paths: list[str], pins: dict) -> None:
+    key = f"offload_{what}"
+    body = _section(zero, key, "zero_optimization.")
+    where = f"zero_optimization.{key}"
+    our_tier = "tiers.params" if what == "param" else "tiers.optimizer"
+    for name, value in body.items():
+        ds_key = f"{where}.{name}"
+        if name == "device":
+            device = "none" if value is None else str(value).lower()
+            if device in _OFFLOAD_DEVICE[what]:
+                t.put(our_tier, ds_key, _OFFLOAD_DEVICE[what][device])
+            elif what == "optimizer" and device == "none":
+                t.skip(ds_key, "\"none\": infinity's optimizer always steps on the host; kept \"host\"")
+            else:
+                raise ConfigError(f"{value!r} is not allowed; expected one of {', '.join(map(repr, _OFFLOAD_DEVICE[what]))}", ds_key)
+        elif name == "nvme_path":
+            for path in [value] if isinstance(value, str) else list(value or ()):
+                if path not in nvme_paths:
+                    nvme_paths.append(path)
+            t.origin["tiers.nvme_path"] = ds_key
+        elif name == "pin_memory":
+            pins[ds_key] = value
+        elif name == "buffer_count":
+            count = t.count(ds_key, value)
+            previous = t.ours.get("tiers", {}).get("pool_buffers", 0)
+            if count is not None and count > previous:
+                t.put("tiers.pool_buffers", ds_key, count)
+        elif name == "buffer_size" and what == "param":
+            numel = t.count(ds_key, value)
+            if numel is not None:
+                nbytes = -(-numel * t.itemsize // ALIGNMENT) * ALIGNMENT
+                t.put("tiers.pool_buffer_size", ds_key, nbytes)
+        else:
+            t.built_in_or_skip(ds_key, value)
+
+
+def _zero(t: _Translation, data: Mapping[str, Any]) -> None:
+    zero = _section(data, "zero_optimization")
+    nvme_paths: list[str] = []
+    pins: dict[str, object] = {}
+    handled = {"offload_param", "offload_optimizer"}
+    _offload(t, zero, "param", nvme_paths, pins)
+    _offload(t, zero, "optimizer", nvme_paths, pins)
+    if nvme_paths:
+        t.put("tiers.nvme_path", t.origin["tiers.nvme_path"], nvme_paths)
+    if pins:
+        values = set(pins.values())
+        if len(values) > 1:
+            t.skip(" and ".join(pins), "disagree; infinity pins all host buffers or none: kept \"auto\"")
+        elif values == {True}:
+            t.put("tiers.pin_memory", next(iter(pins)), "auto")
+        elif values == {False}:
+            t.put("tiers.pin_memory", next(iter(pins)), "never")
+    for ds_name, alias, our_key, to_bytes in _ZERO_SCALARS:
+        for name in (ds_name, alias):
+            if name in zero:
+                handled.add(name)
+                numel = t.count(f"zero_optimization.{name}", zero[name])
+                if numel is not None:
+                    t.put(our_key, f"zero_optimization.{name}", numel * t.itemsize if to_bytes else numel)
+    for name, value in zero.items():
+        if name in handled:
+            continue
+        if name == "stage":
+            if value != 3:
+                t.skip("zero_optimization.stage", f"{value!r}: infinity always partitions parameters, gradients "
+                       "and optimizer states (stage 3)")
+        elif name == "cpu_offload" and value is True:
+            t.put("tiers.optimizer", "zero_optimization.cpu_offload", "host")
+        elif name == "cpu_offload_params" and value is True:
+            t.put("tiers.params", "zero_optimization.cpu_offload_params", "host")
+        else:
+            t.built_in_or_skip(f"zero_optimization.{name}", value)
+
+
+def _aio(t: _Translation, data: Mapping[str, Any]) -> None:
+    aio = _section(data, "aio")
+    threads = {name: aio[name] for name in ("thread_count", "intra_op_parallelism") if name in aio}
+    if len(set(map(repr, threads.values()))) > 1:
+        t.skip("aio.thread_count", f"{threads['thread_count']!r} differs from aio.intra_op_parallelism "
+               f"({threads['intra_op_parallelism']!r}), its newer name; used intra_op_parallelism")
+    for name, value in aio.items():
+        ds_key = f"aio.{name}"
+        if name == "block_size":
+            t.put("aio.block_size", ds_key, value)
+        elif name == "queue_depth":
+            t.put("aio.queue_depth", ds_key, value)
+        elif name in threads:
+            if name == "intra_op_parallelism" or "intra_op_parallelism" not in threads:
+                t.put("aio.threads", ds_key, value)
+        else:
+            t.built_in_or_skip(ds_key, value)
+
+
+def translate(ds_config: Mapping[str, Any] | str | os.PathLike) -> tuple[Config, list[str]]:
+    """See ``infinity.config.from_deepspeed``."""
+    file = None
+    if isinstance(ds_config, (str, os.PathLike)):
+        file, ds_config = _read(ds_config)
+    if not isinstance(ds_config, Mapping):
+        raise ConfigError(f"expected a DeepSpeed config (a dict or a JSON file), got {type(ds_config).__name__}")
+    t = _Translation()
+    try:
+        _precision(t, ds_config)
+        _zero(t, ds_config)
+        _aio(t, ds_config)
+        for name in ds_config:
+            if name not in ("bf16", "fp16", "zero_optimization", "aio"):
+                t.skip(name, _PROGRAM_KEYS.get(name, _NO_EQUIVALENT))
+        config = load_config(t.ours)
+    except ConfigError as exc:
+        ds_key = t.origin.get(exc.key or "")
+        key = f"{ds_key} (as {exc.key})" if ds_key else exc.key
+        raise ConfigError(exc.reason, key, file).in_file(exc.file) from None
+    return config, t.skipped
