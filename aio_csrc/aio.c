@@ -662,9 +662,12 @@ static PyObject *submit_common(Handle *h, int op, int fd, long long file_offset,
     if (flags < 0) return PyErr_SetFromErrno(PyExc_OSError);
     int acc = flags & O_ACCMODE;
     if ((op == OP_READ && acc == O_WRONLY) || (op == OP_WRITE && acc == O_RDONLY)) {
-        errno = EBADF;
-        PyErr_Format(PyExc_OSError, "file descriptor %d is not open for %s", fd,
-                     op == OP_READ ? "reading" : "writing");
+        PyObject *exc = Py_BuildValue("(is)", EBADF, op == OP_READ ? "file is not open for reading"
+                                                                   : "file is not open for writing");
+        if (exc) {
+            PyErr_SetObject(PyExc_OSError, exc);
+            Py_DECREF(exc);
+        }
         return NULL;
     }
     sweep_zombies(h);
