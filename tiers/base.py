@@ -82,3 +82,34 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> dict:
         """Telemetry: bytes_read, bytes_written, wait_seconds, bytes_in_use, peak_bytes, ..."""
+
+
+class TierFullError(MemoryError):
+    """An allocation would take a tier past its capacity (or its disk is full)."""
+
+
+def byte_view(tensor: torch.Tensor, what: str = "tensor") -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat ``uint8`` tensor aliasing them (no copy).
+
+    Raises ``ValueError`` naming ``what`` when ``tensor`` is not contiguous, because
+    copying silently would defeat zero-copy transfers and hide a layout bug.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{what} must be contiguous (shape {tuple(tensor.shape)}, strides {tensor.stride()}); "
+            "call .contiguous() first"
+        )
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def format_nbytes(nbytes: int | float) -> str:
+    """``38.2 GiB``-style text for error messages and tables."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"

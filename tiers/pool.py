@@ -1,0 +1,198 @@
+"""Constant-size buffer pools (ZeRO-R): a fixed number of fixed-size aligned host buffers.
+
+[Note: constant-size buffers]
+Every staging buffer the NVMe path needs comes from a pool made once, at start-up:
+``count`` buffers of ``buffer_nbytes`` each, carved out of ONE allocation (one
+``mmap``, one pinning: pinning costs ~0.35 s/GiB, see host_alloc). In the steady
+state nothing is allocated, nothing fragments, and the peak host memory of I/O is
+``count * buffer_nbytes``, known from the config. A transfer larger than a buffer is
+moved in buffer-sized pieces (tiers/staging.py), never refused. When every buffer is
+out, ``acquire`` waits for one to come back; after ``timeout`` seconds it raises
+:class:`PoolTimeoutError` naming who holds them, because a silent hang is the worst
+way to learn about a leak.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import torch
+
+from tiers.base import format_nbytes
+from tiers.host_alloc import ALIGNMENT, HostAllocator
+
+
+class PoolTimeoutError(TimeoutError):
+    """No buffer came back within the timeout; the message names the holders."""
+
+
+class PoolBuffer:
+    """One buffer on loan from a :class:`BufferPool`; give it back with :meth:`release`.
+
+    Use as a context manager. ``tensor`` is the whole ``uint8`` buffer (aligned to 4096);
+    it must not be touched after release (the next owner may be writing it).
+    """
+
+    __slots__ = ("_pool", "_index", "_tensor", "owner")
+
+    def __init__(self, pool: "BufferPool", index: int, tensor: torch.Tensor, owner: str) -> None:
+        self._pool = pool
+        self._index = index
+        self._tensor: torch.Tensor | None = tensor
+        self.owner = owner
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise RuntimeError(
+                f"buffer {self._index} of pool {self._pool.name!r} was already released by {self.owner!r}"
+            )
+        return self._tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self._pool.buffer_nbytes
+
+    def release(self) -> None:
+        """Return the buffer to its pool. Releasing twice is a no-op (safe in ``finally``)."""
+        if self._tensor is None:
+            return
+        self._tensor = None
+        self._pool._give_back(self._index)
+
+    def __enter__(self) -> "PoolBuffer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._tensor is None else "held"
+        return f"PoolBuffer(pool={self._pool.name!r}, index={self._index}, owner={self.owner!r}, {state})"
+
+
+class BufferPool:
+    """``count`` buffers of ``buffer_nbytes`` (rounded up to 4096), allocated once.
+
+    Parameters
+    ----------
+    buffer_nbytes : int
+        Size of each buffer; rounded up to a multiple of 4096 so any buffer can be the
+        target of an ``O_DIRECT`` transfer.
+    count : int
+        Number of buffers (>= 1).
+    allocator : HostAllocator | None
+        Where the memory comes from (pinned / NUMA-bound as configured). None: an
+        unpinned, unbound allocator.
+    name : str
+        Named in errors and telemetry.
+
+    Examples
+    --------
+    >>> pool = BufferPool(1 << 20, 2, HostAllocator(pin="never"), name="demo")
+    >>> with pool.acquire("example") as buf:
+    ...     buf.tensor.numel()
+    1048576
+    """
+
+    def __init__(self, buffer_nbytes: int, count: int, allocator: HostAllocator | None = None,
+                 name: str = "pool") -> None:
+        if not isinstance(buffer_nbytes, int) or buffer_nbytes <= 0:
+            raise ValueError(f"pool {name!r}: buffer_nbytes must be an int > 0, got {buffer_nbytes!r}")
+        if not isinstance(count, int) or count <= 0:
+            raise ValueError(f"pool {name!r}: count must be an int > 0, got {count!r}")
+        self.name = name
+        self.buffer_nbytes = -(-buffer_nbytes // ALIGNMENT) * ALIGNMENT
+        self.count = count
+        self.allocator = allocator if allocator is not None else HostAllocator(pin="never")
+        self._memory = self.allocator.empty(self.buffer_nbytes * count)
+        self._buffers = [self._memory[i * self.buffer_nbytes:(i + 1) * self.buffer_nbytes]
+                         for i in range(count)]
+        self._free = collections.deque(range(count))
+        self._owners: dict[int, str] = {}
+        self._cond = threading.Condition()
+        self._acquires = 0
+        self._waits = 0
+        self._wait_seconds = 0.0
+        self._peak_in_use = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held by the pool in all (its fixed peak)."""
+        return self.buffer_nbytes * self.count
+
+    def acquire(self, owner: str, timeout: float = 60) -> PoolBuffer:
+        """Take a buffer, waiting up to ``timeout`` seconds for one to be released.
+
+        ``owner`` says who holds it (e.g. ``"nvme read key 7 (layer3.weight)"``) and is
+        named by :class:`PoolTimeoutError` when the pool stays empty.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if not self._free:
+                self._waits += 1
+                start = time.perf_counter()
+                while not self._free:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._cond.wait(left) and not self._free:
+                        self._wait_seconds += time.perf_counter() - start
+                        raise PoolTimeoutError(self._timeout_message(owner, timeout))
+                self._wait_seconds += time.perf_counter() - start
+            return self._lend(owner)
+
+    def try_acquire(self, owner: str) -> PoolBuffer | None:
+        """A buffer if one is free right now, else None (never waits)."""
+        with self._cond:
+            return self._lend(owner) if self._free else None
+
+    def _lend(self, owner: str) -> PoolBuffer:
+        index = self._free.popleft()
+        self._owners[index] = owner
+        self._acquires += 1
+        self._peak_in_use = max(self._peak_in_use, len(self._owners))
+        return PoolBuffer(self, index, self._buffers[index], owner)
+
+    def _give_back(self, index: int) -> None:
+        with self._cond:
+            del self._owners[index]
+            self._free.append(index)
+            self._cond.notify()
+
+    def _timeout_message(self, owner: str, timeout: float) -> str:
+        held = collections.Counter(self._owners.values())
+        holders = ", ".join(f"{name!r} x{n}" if n > 1 else repr(name) for name, n in held.most_common())
+        return (
+            f"pool {self.name!r}: {owner!r} waited {timeout:g} s for a buffer; all {self.count} buffers "
+            f"({format_nbytes(self.buffer_nbytes)} each) are held by: {holders}. A holder never released "
+            "its buffer, or the pool is too small for this many concurrent transfers "
+            "(raise tiers.pool_buffers)"
+        )
+
+    def holders(self) -> list[str]:
+        """Owner strings of the buffers out on loan right now."""
+        with self._cond:
+            return list(self._owners.values())
+
+    def in_use(self) -> int:
+        with self._cond:
+            return len(self._owners)
+
+    def stats(self) -> dict:
+        """``buffers``, ``buffer_nbytes``, ``in_use``, ``peak_in_use``, ``acquires``, ``waits``, ``wait_seconds``."""
+        with self._cond:
+            return {
+                "name": self.name,
+                "buffers": self.count,
+                "buffer_nbytes": self.buffer_nbytes,
+                "nbytes": self.nbytes,
+                "in_use": len(self._owners),
+                "peak_in_use": self._peak_in_use,
+                "acquires": self._acquires,
+                "waits": self._waits,
+                "wait_seconds": self._wait_seconds,
+            }
+
+    def __repr__(self) -> str:
+        return (f"BufferPool(name={self.name!r}, count={self.count}, "
+                f"buffer_nbytes={self.buffer_nbytes}, in_use={self.in_use()})")

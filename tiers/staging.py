@@ -1,0 +1,209 @@
+"""Streaming a tensor's bytes to or from files through pool buffers, piece by piece.
+
+[Note: staged transfers]
+``O_DIRECT`` needs the memory address, the file offset and the length to be multiples
+of 4096. Ordinary torch tensors are 64-byte aligned and their sizes are arbitrary, so
+the NVMe tier moves them through :class:`~tiers.pool.BufferPool` buffers (always
+aligned): each file-contiguous :class:`Run` is cut into pieces of at most one buffer,
+over the 4096-aligned window around it. Pieces rotate through a small ring of buffers
+(two by default: double buffering), so the disk reads piece i+1 while the CPU copies
+piece i out (and, writing, copies piece i+1 in while piece i is written). Only the
+first buffer is waited for; more are taken only if free right now, so two transfers
+each holding one buffer can never deadlock waiting for a second.
+
+A write whose window is wider than its data (an unaligned offset or length) first
+reads the partial edge blocks into the buffer, then copies the data over them
+(read-modify-write), so the bytes around the data are kept. Concurrent writes to one
+key must therefore not share a 4096-byte block; different keys never do.
+
+Aligned transfers skip all of this (:func:`split_direct`): the tier hands the caller's
+memory straight to the aio handle.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+
+from tiers.aio import ALIGNMENT, AioFile, AioFuture, AioHandle
+from tiers.pool import BufferPool, PoolBuffer
+
+
+@dataclass(frozen=True)
+class Run:
+    """``nbytes`` contiguous bytes at ``file_offset`` of ``file`` <-> at ``mem_offset`` of the memory."""
+
+    file: AioFile
+    file_offset: int
+    mem_offset: int
+    nbytes: int
+
+
+def _floor(value: int) -> int:
+    return value - value % ALIGNMENT
+
+
+def _ceil(value: int) -> int:
+    return -(-value // ALIGNMENT) * ALIGNMENT
+
+
+def split_direct(runs: list[Run], memory: torch.Tensor) -> tuple[list[Run], list[Run]]:
+    """Split ``runs`` into those the handle can move straight from/to ``memory`` and the rest.
+
+    A run is direct when its memory address and file offset are aligned; its whole
+    blocks go direct and a partial last block (if any) is left to the staged path.
+    """
+    base = memory.data_ptr()
+    direct: list[Run] = []
+    staged: list[Run] = []
+    for run in runs:
+        if (base + run.mem_offset) % ALIGNMENT or run.file_offset % ALIGNMENT or run.nbytes < ALIGNMENT:
+            staged.append(run)
+            continue
+        whole = _floor(run.nbytes)
+        direct.append(Run(run.file, run.file_offset, run.mem_offset, whole))
+        if whole < run.nbytes:
+            staged.append(Run(run.file, run.file_offset + whole, run.mem_offset + whole, run.nbytes - whole))
+    return direct, staged
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """The aligned window ``[window_start, window_end)`` of ``run.file`` one buffer moves."""
+
+    run: Run
+    window_start: int
+    window_end: int
+
+    @property
+    def data_start(self) -> int:
+        return max(self.window_start, self.run.file_offset)
+
+    @property
+    def data_end(self) -> int:
+        return min(self.window_end, self.run.file_offset + self.run.nbytes)
+
+    def memory(self, memory: torch.Tensor) -> torch.Tensor:
+        start = self.run.mem_offset + self.data_start - self.run.file_offset
+        return memory[start:start + self.data_end - self.data_start]
+
+    def buffer(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The part of the window's buffer that holds the data bytes."""
+        return buffer[self.data_start - self.window_start:self.data_end - self.window_start]
+
+
+def _pieces(runs: list[Run], piece_nbytes: int) -> list[_Piece]:
+    pieces = []
+    for run in runs:
+        window = _floor(run.file_offset)
+        end = _ceil(run.file_offset + run.nbytes)
+        while window < end:
+            pieces.append(_Piece(run, window, min(window + piece_nbytes, end)))
+            window += piece_nbytes
+    return pieces
+
+
+class Staging:
+    """Moves runs between memory and files through a ring of up to ``depth`` pool buffers.
+
+    Both methods block until done (the NVMe tier runs them on worker threads) and raise
+    the first ``OSError``; buffers go back to the pool only once no I/O is in flight on them.
+
+    Examples
+    --------
+    >>> staging = Staging(handle, pool)                                  # doctest: +SKIP
+    >>> staging.write([Run(f, 4096, 0, 10)], torch.arange(10, dtype=torch.uint8), "demo")  # doctest: +SKIP
+    10
+    """
+
+    def __init__(self, handle: AioHandle, pool: BufferPool, depth: int = 2,
+                 acquire_timeout: float = 60) -> None:
+        if depth < 1:
+            raise ValueError(f"Staging: depth must be >= 1, got {depth}")
+        self.handle = handle
+        self.pool = pool
+        self.depth = depth
+        self.acquire_timeout = acquire_timeout
+
+    def _ring(self, owner: str, pieces: int) -> list[PoolBuffer]:
+        ring = [self.pool.acquire(owner, self.acquire_timeout)]
+        while len(ring) < min(self.depth, pieces):
+            extra = self.pool.try_acquire(owner)
+            if extra is None:
+                break
+            ring.append(extra)
+        return ring
+
+    def read(self, runs: list[Run], memory: torch.Tensor, owner: str) -> int:
+        """Fill ``memory`` (flat ``uint8``, CPU) from ``runs``; returns the bytes moved."""
+        pieces = _pieces(runs, self.pool.buffer_nbytes)
+        if not pieces:
+            return 0
+        ring = self._ring(owner, len(pieces))
+        free = [buf.tensor for buf in ring]
+        inflight: collections.deque[tuple[_Piece, torch.Tensor, AioFuture]] = collections.deque()
+        todo = iter(pieces)
+        try:
+            while True:
+                for piece in todo:
+                    buffer = free.pop()
+                    window = buffer[:piece.window_end - piece.window_start]
+                    inflight.append((piece, buffer, self.handle.pread(piece.run.file, window, piece.window_start)))
+                    if not free:
+                        break
+                if not inflight:
+                    break
+                piece, buffer, future = inflight.popleft()
+                future.wait()
+                piece.memory(memory).copy_(piece.buffer(buffer))
+                free.append(buffer)
+        finally:
+            self._settle(inflight, ring)
+        return sum(run.nbytes for run in runs)
+
+    def write(self, runs: list[Run], memory: torch.Tensor, owner: str) -> int:
+        """Write ``memory`` (flat ``uint8``, CPU) to ``runs``; returns the bytes moved."""
+        pieces = _pieces(runs, self.pool.buffer_nbytes)
+        if not pieces:
+            return 0
+        ring = self._ring(owner, len(pieces))
+        free = [buf.tensor for buf in ring]
+        inflight: collections.deque[tuple[_Piece, torch.Tensor, AioFuture]] = collections.deque()
+        try:
+            for piece in pieces:
+                if not free:
+                    _done, buffer, future = inflight.popleft()
+                    future.wait()
+                    free.append(buffer)
+                buffer = free.pop()
+                window = buffer[:piece.window_end - piece.window_start]
+                self._read_edges(piece, window)
+                piece.buffer(window).copy_(piece.memory(memory))
+                inflight.append((piece, buffer, self.handle.pwrite(piece.run.file, window, piece.window_start)))
+            while inflight:
+                inflight.popleft()[2].wait()
+        finally:
+            self._settle(inflight, ring)
+        return sum(run.nbytes for run in runs)
+
+    def _read_edges(self, piece: _Piece, window: torch.Tensor) -> None:
+        """Read-modify-write: load the partial first / last blocks the data does not cover."""
+        size = window.numel()
+        head = piece.data_start > piece.window_start
+        tail = piece.data_end < piece.window_end
+        if head:
+            self.handle.pread(piece.run.file, window[:ALIGNMENT], piece.window_start).wait()
+        if tail and not (head and size == ALIGNMENT):
+            self.handle.pread(piece.run.file, window[size - ALIGNMENT:], piece.window_end - ALIGNMENT).wait()
+
+    @staticmethod
+    def _settle(inflight: collections.deque, ring: list[PoolBuffer]) -> None:
+        """After an error: let in-flight I/O finish before the buffers can be reused."""
+        for _piece, _buffer, future in inflight:
+            try:
+                future.wait()
+            except OSError:
+                pass
+        for buf in ring:
+            buf.release()

@@ -1,0 +1,289 @@
+"""One NVMe directory's swap file: its lock, its header, its slots (shared/DESIGN.md, "tiers").
+
+[Note: one owner per directory]
+Each swap directory holds ``.<tier>.lock`` and ``<tier>.swap``. The lock file is held
+with ``fcntl.flock(LOCK_EX | LOCK_NB)`` for the life of the tier and names the holder
+(pid, run id), so a second process (or a second tier of the same name in this
+process) fails at once with :class:`SwapDirectoryLockedError` naming the directory and
+the holder, instead of clobbering its slots. flock is released by the kernel when the
+holder dies, so a crash never leaves a directory locked.
+
+[Note: stale swap files]
+Keys live only in the memory of the process that wrote them: a swap file is never
+reopened as data. A swap file found while taking the lock was left by a run that
+crashed (a clean close deletes it). Its header (magic, run id, pid, time) is read
+only to say whose it was; then it is removed (``stale="remove"``, with a warning) or
+refused (``stale="refuse"``, :class:`StaleSwapFileError`). A corrupted header is
+reported as such and treated the same way. While running, :meth:`SwapFile.diagnose`
+explains I/O errors: the file removed, replaced, truncated, or its header overwritten.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import warnings
+
+import torch
+
+from tiers.aio import ALIGNMENT, AioHandle, aligned_empty
+from tiers.base import TierFullError, format_nbytes
+from tiers.freelist import FreeList
+
+_MAGIC = b"INFINITY-SWAP-1\n"
+_HEADER_NBYTES = ALIGNMENT
+_STALE_CHOICES = ("remove", "refuse")
+
+
+class SwapDirectoryError(OSError):
+    """The swap directory is missing, not a directory, or not writable."""
+
+
+class SwapDirectoryLockedError(RuntimeError):
+    """Another process (or another tier in this one) holds the directory's lock."""
+
+
+class StaleSwapFileError(RuntimeError):
+    """A swap file left by an earlier run was found and ``stale="refuse"``."""
+
+
+class NVMeSpaceError(TierFullError):
+    """The filesystem of a swap directory has no room for a new slot (``errno`` is ENOSPC)."""
+
+    errno = errno.ENOSPC
+
+
+def _read_header(path: str) -> str:
+    """Who wrote the swap file at ``path``, in words (never trusted as data)."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(_HEADER_NBYTES)
+    except OSError as exc:
+        return f"unreadable header ({exc.strerror})"
+    if not raw.startswith(_MAGIC):
+        return f"not an infinity swap header ({len(raw)} bytes: corrupted, truncated or foreign)"
+    try:
+        meta = json.loads(raw[len(_MAGIC):].rstrip(b"\0 \n").decode())
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["created"]))
+        return f"run {meta['run_id']} (pid {meta['pid']} on {meta['host']}, started {when})"
+    except (ValueError, KeyError, TypeError):
+        return "an infinity swap header whose metadata is corrupted"
+
+
+class SwapFile:
+    """The swap file of one directory, locked for this process, with aligned slots.
+
+    Parameters
+    ----------
+    directory : str
+        An existing, writable directory (the config's ``nvme_path`` entry).
+    tier_name : str
+        Names the files (``<tier_name>.swap``, ``.<tier_name>.lock``).
+    run_id : str
+        Written into the header and the lock file.
+    handle : AioHandle
+        Opens the file (with its ``direct`` setting) and writes the header.
+    stale : {"remove", "refuse"}
+        What to do with a swap file left by a crashed run; see [Note: stale swap files].
+    """
+
+    def __init__(self, directory: str, tier_name: str, run_id: str, handle: AioHandle,
+                 stale: str = "remove") -> None:
+        if stale not in _STALE_CHOICES:
+            raise ValueError(f"stale must be one of {_STALE_CHOICES}, got {stale!r}")
+        self.directory = os.path.abspath(directory)
+        self._check_directory()
+        self.path = os.path.join(self.directory, f"{tier_name}.swap")
+        self.lock_path = os.path.join(self.directory, f".{tier_name}.lock")
+        self.tier_name = tier_name
+        self.run_id = run_id
+        self._lock = threading.Lock()
+        self._lock_fd = self._take_lock()
+        try:
+            self._clear_stale(stale)
+            self.file = handle.open(self.path, "rw", create=True)
+            self._inode = os.fstat(self.file.fd).st_ino
+            self._header = self._make_header()
+            handle.pwrite(self.file, self._header, 0).wait()
+        except BaseException:
+            self._drop_lock()
+            raise
+        self._slots = FreeList(start=_HEADER_NBYTES, alignment=ALIGNMENT)
+        self._handle = handle
+
+    def _check_directory(self) -> None:
+        if not os.path.exists(self.directory):
+            raise SwapDirectoryError(errno.ENOENT, "nvme_path directory does not exist (create it first, "
+                                     "or fix the path in [tiers] nvme_path)", self.directory)
+        if not os.path.isdir(self.directory):
+            raise SwapDirectoryError(errno.ENOTDIR, "nvme_path is not a directory", self.directory)
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise SwapDirectoryError(errno.EACCES, "nvme_path directory is not writable by this user",
+                                     self.directory)
+
+    def _take_lock(self) -> int:
+        # The inode check guards against a holder unlinking the lock file between our
+        # open and our flock (we would then hold a lock nobody else can see).
+        for _attempt in range(100):
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise SwapDirectoryLockedError(self._locked_message(holder)) from None
+            try:
+                same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} run {self.run_id}\n".encode(), 0)
+                return fd
+            os.close(fd)
+        raise SwapDirectoryLockedError(f"nvme_path {self.directory}: lock file {self.lock_path} keeps "
+                                       "being replaced by another process; cannot take the lock")
+
+    def _locked_message(self, holder: str) -> str:
+        who = holder
+        fields = holder.split()
+        if len(fields) >= 2 and fields[0] == "pid" and fields[1] == str(os.getpid()):
+            who = f"this process ({holder}): another tier named {self.tier_name!r} is open on it; close it first"
+        else:
+            who = f"another process ({holder})"
+        return (f"nvme_path {self.directory} is locked by {who}; lock file {self.lock_path}. "
+                "Two processes must not share swap files: give each process (rank) its own nvme_path "
+                "or tier name, or stop the other process")
+
+    def _clear_stale(self, stale: str) -> None:
+        if not os.path.lexists(self.path):
+            return
+        whose = _read_header(self.path)
+        if stale == "refuse":
+            raise StaleSwapFileError(
+                f"stale swap file {self.path} from an earlier run that did not close cleanly ({whose}); "
+                "its contents are never reused. Delete it, or construct the tier with stale='remove'"
+            )
+        os.unlink(self.path)
+        warnings.warn(f"removed stale swap file {self.path} left by {whose}; its contents are not reused",
+                      RuntimeWarning, stacklevel=4)
+
+    def _make_header(self) -> torch.Tensor:
+        meta = {"run_id": self.run_id, "pid": os.getpid(), "host": socket.gethostname(),
+                "created": time.time(), "tier": self.tier_name, "slot_alignment": ALIGNMENT}
+        raw = _MAGIC + json.dumps(meta).encode() + b"\n"
+        header = aligned_empty(_HEADER_NBYTES)
+        header.zero_()
+        header[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        return header
+
+    # -- slots --------------------------------------------------------------------------------
+    def allocate(self, nbytes: int, what: str) -> int:
+        """File offset of a new slot of ``nbytes`` (rounded up to 4096), space reserved on disk.
+
+        Raises :class:`NVMeSpaceError` when the filesystem is full; nothing changes then.
+        """
+        with self._lock:
+            old_end = self._slots.end
+            offset = self._slots.allocate(nbytes)
+            if self._slots.end > old_end:
+                try:
+                    self._grow(old_end, self._slots.end)
+                except OSError as exc:
+                    self._slots.release(offset, nbytes)
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise NVMeSpaceError(
+                            f"no space left on nvme_path {self.directory} for {what} "
+                            f"({format_nbytes(nbytes)}): {format_nbytes(self.disk_free())} free. Nothing "
+                            "was written; existing keys are intact. Free space or add another nvme_path"
+                        ) from exc
+                    raise OSError(exc.errno, f"cannot grow swap file for {what}: {exc.strerror}",
+                                  self.path) from exc
+            return offset
+
+    def _grow(self, old_end: int, new_end: int) -> None:
+        # posix_fallocate reserves the blocks now, so a full disk fails here, before any
+        # data moves, rather than in the middle of a write; reads of reserved but unwritten
+        # blocks return zeros. Filesystems without fallocate get a sparse file instead.
+        try:
+            os.posix_fallocate(self.file.fd, old_end, new_end - old_end)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.ftruncate(self.file.fd, new_end)
+
+    def release(self, offset: int, nbytes: int) -> None:
+        """Return a slot; when the end of the file frees up, the file shrinks."""
+        with self._lock:
+            old_end = self._slots.end
+            self._slots.release(offset, nbytes)
+            if self._slots.end < old_end:
+                os.ftruncate(self.file.fd, self._slots.end)
+
+    def disk_free(self) -> int:
+        """Free bytes on this directory's filesystem."""
+        stat = os.fstatvfs(self.file.fd)
+        return stat.f_bavail * stat.f_frsize
+
+    def filesystem(self) -> int:
+        return os.fstat(self.file.fd).st_dev
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"path": self.path, "file_nbytes": self._slots.end, "hole_bytes": self._slots.hole_bytes,
+                    "holes": self._slots.holes}
+
+    @property
+    def file_nbytes(self) -> int:
+        with self._lock:
+            return self._slots.end
+
+    # -- health -------------------------------------------------------------------------------
+    def diagnose(self) -> str | None:
+        """Why I/O on this file may fail, in words, or None when it looks healthy."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return (f"swap file {self.path} was removed (directory deleted?); its data stays readable "
+                    "through the open descriptor until the tier closes")
+        if stat.st_ino != self._inode:
+            return f"swap file {self.path} was replaced by another file"
+        size = os.fstat(self.file.fd).st_size
+        if size < self.file_nbytes:
+            return (f"swap file {self.path} was truncated to {size} bytes; this run's slots reach "
+                    f"{self.file_nbytes} bytes: data past the cut is lost")
+        with open(self.path, "rb") as handle:
+            if handle.read(_HEADER_NBYTES) != bytes(self._header.numpy()):
+                return f"the header of swap file {self.path} was overwritten (the file is corrupted)"
+        return None
+
+    def close(self) -> None:
+        """Close and delete the swap file, then release the directory lock."""
+        if self.file.closed:
+            return
+        self.file.close()
+        try:
+            if os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._drop_lock()
+
+    def _drop_lock(self) -> None:
+        if self._lock_fd < 0:
+            return
+        try:
+            if os.stat(self.lock_path).st_ino == os.fstat(self._lock_fd).st_ino:
+                os.unlink(self.lock_path)
+        except FileNotFoundError:
+            pass
+        os.close(self._lock_fd)
+        self._lock_fd = -1
+
+    def __repr__(self) -> str:
+        return f"SwapFile({self.path!r}, nbytes={self.file_nbytes})"
+
