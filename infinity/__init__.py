@@ -1,9 +1,37 @@
-"""infinity: heterogeneous-memory offload engine for PyTorch (ZeRO-Infinity style)."""
+"""infinity: heterogeneous-memory offload engine for PyTorch (ZeRO-Infinity style).
+
+[Note: glossary]
+- rank: one data-parallel process; parameters, gradients and optimizer states are
+  split over all ranks (ZeRO-3).
+- shard: one rank's 1/N slice of a flattened, padded parameter group.
+- tier: where bytes live: ``device`` (the compute device), ``host`` (page-aligned,
+  pinned host RAM) or ``nvme`` (swap files, asynchronous direct I/O).
+- parameter group: the direct parameters of one module, the unit of every transfer.
+- parameter states: NOT_AVAILABLE (only shards exist), INFLIGHT (reads and the
+  all-gather issued), AVAILABLE (whole on the compute device); released back to
+  NOT_AVAILABLE after use.
+- trace: the order in which modules asked for their parameters during a step,
+  recorded once and followed by the prefetcher.
+- tile: one of the k slices of a huge linear layer's weight, fetched and released
+  one after another.
+- sub-group: a fixed-size range of a rank's flat fp32 optimizer space, the unit of
+  the host Adam step and of optimizer-state I/O.
+"""
 
 __version__ = "0.1.0"
 
 # Public names resolve on first use, so `import infinity` stays cheap (no torch import).
-_LAZY = {"load_config": "infinity.config"}
+_LAZY = {
+    "load_config": "infinity.config",
+    "Init": "infinity.init",
+    "AdamW": "infinity.optimizer",
+    "Adam": "infinity.optimizer",
+    "clip_grad_norm_": "infinity.optimizer",
+    "gathered": "infinity.gathered",
+    "stats": "infinity.telemetry",
+    "save_checkpoint": "infinity.checkpoint",
+    "load_checkpoint": "infinity.checkpoint",
+}
 
 
 def __getattr__(name: str):

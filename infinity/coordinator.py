@@ -1,0 +1,254 @@
+"""The one owner of parameter availability: fetch, gather, release.
+
+Module hooks (infinity/hooks.py) only ask the coordinator; every state change of
+a parameter group happens here (see [Note: parameter states] in param_group.py).
+
+[Note: bandwidth-centric fetch]
+Each rank reads only its own shard of a group from its own parameter tier (host
+memory or NVMe), moves it to the compute device, and the ranks assemble the whole
+with one all-gather. With N ranks the tier traffic of each rank is 1/N of the
+group, so the aggregate read bandwidth grows with N.
+
+[Note: in-use counts]
+A group stays AVAILABLE while a module that needs it is running (nested modules,
+a module called several times, parameters shared between modules). ``acquire``
+and ``release`` count those users; the group is dropped when the count returns to
+zero, unless it is persistent (below ``partition.persistence_threshold``) or a
+prefetcher asked to keep it for an imminent reuse.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from infinity.param_group import ParamGroup, ParamSlot, ParamState
+
+
+class _PendingFetch:
+    """A shard read issued to the parameter tier, waiting to be gathered."""
+
+    __slots__ = ("future", "staging", "release_staging", "issued_at")
+
+    def __init__(self, future, staging, release_staging) -> None:
+        self.future = future
+        self.staging = staging
+        self.release_staging = release_staging
+        self.issued_at = time.perf_counter()
+
+
+class FetchStats:
+    """Counters the engine reports per step (see infinity.stats)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.stall_seconds = 0.0
+        self.fetches = 0
+        self.prefetch_hits = 0
+        self.bytes_gathered = 0
+        self.bytes_read_from_tier = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "stall_seconds": self.stall_seconds,
+            "fetches": self.fetches,
+            "prefetch_hits": self.prefetch_hits,
+            "hit_rate": self.prefetch_hits / self.fetches if self.fetches else 0.0,
+            "bytes_gathered": self.bytes_gathered,
+            "bytes_read_from_tier": self.bytes_read_from_tier,
+        }
+
+
+class Coordinator:
+    """Owns every parameter group and its transitions.
+
+    Parameters
+    ----------
+    param_tier:
+        The tier holding each rank's compute-dtype shards.
+    ranks:
+        The data-parallel ranks (infinity.dist.Ranks).
+    device:
+        The compute device (infinity.device.ComputeDevice).
+    dtype:
+        The compute dtype.
+    staging:
+        Optional ``tiers.BufferPool`` of aligned host buffers for direct NVMe reads.
+    """
+
+    def __init__(self, param_tier, ranks, device, dtype: torch.dtype, staging=None) -> None:
+        self.param_tier = param_tier
+        self.ranks = ranks
+        self.device = device
+        self.dtype = dtype
+        self.staging = staging
+        self.groups: list[ParamGroup] = []
+        self.group_of: dict[nn.Parameter, ParamGroup] = {}
+        self.module_groups: dict[nn.Module, list[ParamGroup]] = {}
+        self.in_use: dict[ParamGroup, int] = defaultdict(int)
+        self.keep: set[ParamGroup] = set()
+        self.backward_held: set[ParamGroup] = set()
+        self.stats = FetchStats()
+        self.prefetcher = None
+        self.on_shard_written = None
+
+    # -- partitioning --------------------------------------------------------------------------
+    def partition(self, name: str, params: list[tuple[str, nn.Parameter]],
+                  full_fp32: list[torch.Tensor]) -> tuple[ParamGroup, torch.Tensor]:
+        """Create the group for ``params`` whose full values are ``full_fp32``; keep this rank's shard.
+
+        The caller has made the values identical on every rank (broadcast from rank 0).
+        Returns the group, NOT_AVAILABLE, with parameters pointing at empty placeholders,
+        and this rank's fp32 shard (the initial master weights, for the optimizer's tier).
+        """
+        slots, offset = [], 0
+        for pname, p in params:
+            slots.append(ParamSlot(p, pname, p.shape, p.numel(), offset))
+            offset += p.numel()
+        group = ParamGroup(len(self.groups), name, slots, self.dtype, self.device.device,
+                           self.ranks.world_size, self.ranks.rank)
+        flat32 = torch.zeros(group.padded_numel, dtype=torch.float32)
+        for slot, t in zip(slots, full_fp32):
+            flat32[slot.offset:slot.offset + slot.numel].copy_(t.reshape(-1))
+        shard = group.shard_of(flat32).to(self.dtype).contiguous()
+        group.param_key = self.param_tier.put(shard, tag=f"param:{name}")
+        self.groups.append(group)
+        for slot in slots:
+            self.group_of[slot.param] = group
+            slot.param.data = torch.empty(0, dtype=self.dtype, device=self.device.device)
+        return group, group.shard_of(flat32).clone()
+
+    def write_shard(self, group: ParamGroup, values: torch.Tensor, offset_numel: int = 0):
+        """Start writing ``values`` (compute dtype, or converted) into the group's shard at an element offset."""
+        src = values if values.dtype == self.dtype else values.to(self.dtype)
+        nbytes_per = src.element_size()
+        return self.param_tier.write(group.param_key, src.contiguous(), offset=offset_numel * nbytes_per)
+
+    # -- fetching ----------------------------------------------------------------------------
+    def start_fetch(self, group: ParamGroup, prefetch: bool = False) -> None:
+        """Issue the read of this rank's shard (no wait). A no-op unless NOT_AVAILABLE."""
+        if group.state is not ParamState.NOT_AVAILABLE:
+            return
+        staging, release = self._staging_buffer(group)
+        future = self.param_tier.read(group.param_key, staging)
+        group.to_inflight(_PendingFetch(future, staging, release))
+        group.prefetched = prefetch
+        self.stats.bytes_read_from_tier += group.shard_nbytes
+
+    def _staging_buffer(self, group: ParamGroup):
+        nbytes = group.shard_nbytes
+        if self.staging is not None and nbytes <= self.staging.buffer_nbytes:
+            buf = self.staging.acquire(owner=f"param:{group.name}")
+            view = buf.tensor[:nbytes].view(self.dtype)
+            return view, buf.release
+        return torch.empty(group.shard_numel, dtype=self.dtype), None
+
+    def wait_available(self, group: ParamGroup) -> None:
+        """Finish the group's read and all-gather; afterwards it is AVAILABLE."""
+        if group.state is ParamState.AVAILABLE:
+            return
+        if group.state is ParamState.NOT_AVAILABLE:
+            self.start_fetch(group)
+        elif getattr(group, "prefetched", False):
+            self.stats.prefetch_hits += 1
+        pending = group.pending
+        t0 = time.perf_counter()
+        pending.future.wait()
+        full = torch.empty(group.padded_numel, dtype=self.dtype, device=self.device.device)
+        if self.device.is_cuda:
+            with self.device.copy_stream():
+                shard = pending.staging.to(self.device.device, non_blocking=True)
+            self.device.wait_for(self.device.record_copy_done())
+        else:
+            shard = pending.staging
+        self.ranks.all_gather(full, shard)
+        if pending.release_staging is not None:
+            if self.device.is_cuda:
+                self.device.synchronize()
+            pending.release_staging()
+        self.stats.stall_seconds += time.perf_counter() - t0
+        self.stats.fetches += 1
+        self.stats.bytes_gathered += group.full_nbytes
+        group.to_available(full)
+
+    def gather(self, groups) -> None:
+        """Make ``groups`` AVAILABLE: issue every read first, then wait in order."""
+        for g in groups:
+            self.start_fetch(g)
+        for g in groups:
+            self.wait_available(g)
+
+    def drop(self, group: ParamGroup) -> None:
+        """Release a group regardless of users (end of step, after an optimizer update)."""
+        if group.state is ParamState.INFLIGHT:
+            self.wait_available(group)
+        if group.state is ParamState.AVAILABLE:
+            group.to_not_available()
+        self.in_use.pop(group, None)
+
+    # -- module lifecycle ------------------------------------------------------------------------
+    def acquire(self, module: nn.Module) -> None:
+        groups = self.module_groups.get(module, ())
+        if self.prefetcher is not None:
+            self.prefetcher.on_request(module, groups)
+        self.gather(groups)
+        for g in groups:
+            self.in_use[g] += 1
+
+    def release(self, module: nn.Module) -> None:
+        for g in self.module_groups.get(module, ()):
+            n = self.in_use.get(g, 0) - 1
+            if n > 0:
+                self.in_use[g] = n
+                continue
+            self.in_use.pop(g, None)
+            if g.persistent or g in self.keep or g in self.backward_held:
+                continue
+            if g.state is ParamState.AVAILABLE:
+                g.to_not_available()
+
+    def adopt(self, module: nn.Module, group: ParamGroup) -> None:
+        """``module`` uses ``group`` without owning it: gather it now and with the module from now on."""
+        groups = self.module_groups.setdefault(module, [])
+        if group not in groups:
+            groups.append(group)
+        self.gather([group])
+        self.in_use[group] += 1
+
+    def hold_for_backward(self, module: nn.Module) -> None:
+        """Gather a module's groups for its backward; they stay until their gradients are reduced."""
+        groups = self.module_groups.get(module, ())
+        if self.prefetcher is not None:
+            self.prefetcher.on_request(module, groups)
+        self.gather(groups)
+        self.backward_held.update(groups)
+
+    def backward_done(self, group: ParamGroup) -> None:
+        """Autograd will not touch ``group`` again in this backward: release it."""
+        self.backward_held.discard(group)
+        if self.in_use.get(group) or group.persistent or group in self.keep:
+            return
+        if group.state is ParamState.AVAILABLE:
+            group.to_not_available()
+
+    def end_backward(self) -> None:
+        self.backward_held.clear()
+        self.release_all()
+
+    def release_all(self, include_persistent: bool = False) -> None:
+        """Drop every gathered group not in use (end of backward, before/after an update)."""
+        for g in self.groups:
+            if self.in_use.get(g):
+                continue
+            if g.persistent and not include_persistent:
+                continue
+            if g.state is not ParamState.NOT_AVAILABLE:
+                self.drop(g)
+        self.keep.clear()
+
+    def available_nbytes(self) -> int:
+        return sum(g.full_nbytes for g in self.groups if g.state is ParamState.AVAILABLE)

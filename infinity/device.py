@@ -1,0 +1,87 @@
+"""The compute device: where gathered parameters live and the model computes.
+
+[Note: device abstraction]
+Everything device-specific (CUDA streams for copies, events, memory queries)
+sits behind ``ComputeDevice`` so the engine reads the same on a GPU and on the
+CPU. On CUDA, host<->device copies of shards run on a side stream and the
+compute stream waits on an event recorded after them; on the CPU the copies are
+plain ``copy_`` calls and the event is a no-op.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import psutil
+import torch
+
+
+class _NullEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class ComputeDevice:
+    """The device the model computes on ("cpu" or a CUDA device).
+
+    Parameters
+    ----------
+    kind:
+        "auto" (CUDA when available, else CPU), "cpu" or "cuda".
+    """
+
+    def __init__(self, kind: str = "auto") -> None:
+        if kind == "auto":
+            kind = "cuda" if torch.cuda.is_available() else "cpu"
+        if kind == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("tiers.device = 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self._copy_stream = torch.cuda.Stream(self.device)
+        elif kind == "cpu":
+            self.device = torch.device("cpu")
+            self._copy_stream = None
+        else:
+            raise ValueError(f"tiers.device: {kind!r} is not one of 'auto', 'cpu', 'cuda'")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def copy_stream(self):
+        """Context under which shard copies run (the side stream on CUDA)."""
+        if self._copy_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._copy_stream)
+
+    def record_copy_done(self):
+        """An event marking the copies issued so far on the copy stream."""
+        if self._copy_stream is None:
+            return _NullEvent()
+        event = torch.cuda.Event()
+        event.record(self._copy_stream)
+        return event
+
+    def wait_for(self, event) -> None:
+        """Make the compute stream wait for ``event`` (no host block on CUDA)."""
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes of the compute device's memory."""
+        if self.is_cuda:
+            return torch.cuda.mem_get_info(self.device)
+        vm = psutil.virtual_memory()
+        return vm.available, vm.total
+
+    def __repr__(self) -> str:
+        return f"ComputeDevice({self.device})"

@@ -1,0 +1,57 @@
+"""``infinity.gathered``: the whole parameters of a model, readable and writable, for a while."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from infinity import registry
+
+
+@contextmanager
+def gathered(model: nn.Module, modifier_rank: int | None = None):
+    """Gather every parameter of ``model`` (or of a sub-module) for the duration of the block.
+
+    Inside, parameters have their full shapes and values and can be read (export,
+    evaluation) or changed in place (custom initialisation). On exit, groups whose
+    values changed are written back to their shards and fp32 master weights.
+
+    Parameters
+    ----------
+    model:
+        A model built inside ``infinity.Init``, or any of its sub-modules.
+    modifier_rank:
+        When set, that rank's values are broadcast to all ranks on exit; otherwise each
+        rank writes back its own slice (every rank should make the same changes).
+
+    Examples
+    --------
+    >>> with infinity.gathered(model):                       # doctest: +SKIP
+    ...     torch.nn.init.zeros_(model.head.bias)
+    ...     sd = {k: v.clone() for k, v in model.state_dict().items()}
+    """
+    engine = registry.engine_of(model, "infinity.gathered")
+    if engine.optimizer is not None:
+        engine.optimizer.synchronize()
+    coordinator = engine.coordinator
+    groups = engine.groups_of(model)
+    coordinator.gather(groups)
+    snapshots = {}
+    for g in groups:
+        coordinator.in_use[g] += 1
+        snapshots[g] = g.shard_of(g.full).clone()
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for g in groups:
+                current = g.flatten()
+                if modifier_rank is not None:
+                    engine.ranks.broadcast(current, src=modifier_rank)
+                if not torch.equal(g.shard_of(current), snapshots[g]):
+                    engine.write_param_shard(g, current)
+                coordinator.in_use[g] -= 1
+                if coordinator.in_use[g] <= 0:
+                    coordinator.in_use.pop(g, None)
+                coordinator.drop(g)

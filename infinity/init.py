@@ -1,0 +1,232 @@
+"""``infinity.Init``: build a model that never exists whole.
+
+[Note: intercepting construction]
+While the context is open, every ``nn.Module`` subclass's ``__init__`` is wrapped
+(classes defined inside the context too, through ``__init_subclass__``). When the
+outermost ``__init__`` of an instance returns, that module's parameters are
+partitioned at once: flattened per module, broadcast from rank 0 so every rank
+agrees, sharded, stored in the tiers, and the full tensors freed. Peak memory
+during construction is about one module. Every wrapper is removed on exit,
+exactly, also when construction raises.
+
+[Note: edits after partitioning]
+Model code often touches parameters after their module was built: a parent's
+``self.apply(self._init_weights)``, ``nn.init.normal_(p)`` over
+``named_parameters()``, ``p.data.zero_()``. A ``TorchFunctionMode`` active inside
+the context sees any torch call whose arguments include a partitioned parameter,
+gathers that parameter's group in fp32 (exactly, from the master shards) before the
+call, and keeps it materialized; the least recently touched groups are re-sharded
+(rank 0's values win) when more than a few are open, and all of them at exit. So
+such code works unchanged and yields the same weights as without ``Init``.
+"""
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from contextlib import contextmanager
+
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from infinity.config import Config, load_config
+from infinity.engine import Engine
+from infinity import registry
+
+_MAX_OPEN_GROUPS = 4
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in out:
+                out.append(sub)
+                todo.append(sub)
+    return out
+
+
+class _TouchMode(TorchFunctionMode):
+    """Materializes partitioned parameters that construction code touches (see the note)."""
+
+    def __init__(self, init: "Init") -> None:
+        super().__init__()
+        self.init = init
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.init._suspended:
+            group_of = self.init.engine.coordinator.group_of
+            for a in tree_flatten((args, kwargs))[0]:
+                if isinstance(a, nn.Parameter):
+                    group = group_of.get(a)
+                    if group is not None:
+                        self.init._open(group)
+        return func(*args, **kwargs)
+
+
+class Init:
+    """Context manager under which models are built sharded over ranks and tiers.
+
+    Parameters
+    ----------
+    config:
+        A path to a TOML/JSON config, a dict, a loaded ``Config``, or None for defaults.
+    group:
+        A ``torch.distributed`` process group; None uses the default group when one is
+        initialized (torchrun), else runs as a single rank.
+
+    Examples
+    --------
+    >>> import torch, infinity
+    >>> with infinity.Init({"tiers": {"params": "host"}}):
+    ...     model = torch.nn.Linear(4, 3)
+    >>> model.weight.shape          # released: only shards exist until a forward gathers them
+    torch.Size([0])
+    >>> with infinity.gathered(model):
+    ...     model.weight.shape
+    torch.Size([3, 4])
+    """
+
+    def __init__(self, config: str | dict | Config | None = None, *, group=None) -> None:
+        self.config = load_config(config)
+        self.group = group
+        self.engine: Engine | None = None
+        self._patched: list[tuple[type, object]] = []
+        self._had_init_subclass = False
+        self._old_init_subclass = None
+        self._depth: dict[int, int] = {}
+        self._built: list[nn.Module] = []
+        self._children: set[int] = set()
+        self._open_groups: OrderedDict = OrderedDict()
+        self._suspended = False
+        self._mode: _TouchMode | None = None
+
+    # -- context -----------------------------------------------------------------------------
+    def __enter__(self) -> "Init":
+        if getattr(nn.Module.__init__, "_infinity_init", False) or any(
+                getattr(c.__dict__.get("__init__"), "_infinity_init", False) for c in (nn.Linear,)):
+            raise RuntimeError("infinity.Init is already active; nested Init contexts are not supported")
+        self.engine = Engine(self.config, self.group)
+        try:
+            for cls in _all_subclasses(nn.Module):
+                self._wrap(cls)
+            self._had_init_subclass = "__init_subclass__" in nn.Module.__dict__
+            self._old_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+            wrap = self._wrap
+            old = self._old_init_subclass
+
+            def __init_subclass__(cls, **kwargs):
+                if old is not None:
+                    old.__get__(None, cls)(**kwargs)
+                else:
+                    super(nn.Module, cls).__init_subclass__(**kwargs)
+                wrap(cls)
+
+            nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+            self._mode = _TouchMode(self)
+            self._mode.__enter__()
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(exc_type, exc, tb)
+                self._mode = None
+        finally:
+            self._restore()
+        if exc_type is not None:
+            return False
+        with self.suspended():
+            self._close_all()
+            roots = self._roots()
+            if not roots:
+                raise RuntimeError("infinity.Init: no module with parameters was built inside the context")
+            self.engine.finalize(roots)
+            for root in roots:
+                for m in root.modules():
+                    registry.register(m, self.engine)
+        return False
+
+    def _restore(self) -> None:
+        for cls, orig in reversed(self._patched):
+            cls.__init__ = orig
+        self._patched.clear()
+        if self._had_init_subclass:
+            nn.Module.__init_subclass__ = self._old_init_subclass
+        elif "__init_subclass__" in nn.Module.__dict__:
+            del nn.Module.__init_subclass__
+
+    # -- interception ----------------------------------------------------------------------------
+    def _wrap(self, cls: type) -> None:
+        orig = cls.__dict__.get("__init__")
+        if orig is None or getattr(orig, "_infinity_init", False):
+            return
+        init = self
+
+        @functools.wraps(orig)
+        def __init__(module, *args, **kwargs):
+            key = id(module)
+            depth = init._depth.get(key, 0)
+            init._depth[key] = depth + 1
+            try:
+                orig(module, *args, **kwargs)
+            finally:
+                if depth:
+                    init._depth[key] = depth
+                else:
+                    init._depth.pop(key, None)
+            if depth == 0:
+                init._on_built(module)
+
+        __init__._infinity_init = True
+        cls.__init__ = __init__
+        self._patched.append((cls, orig))
+
+    def _on_built(self, module: nn.Module) -> None:
+        with self.suspended():
+            for child in module.children():
+                self._children.add(id(child))
+            self._built.append(module)
+            self.engine.partition_module(module)
+
+    def _roots(self) -> list[nn.Module]:
+        roots, seen = [], set()
+        for m in self._built:
+            if id(m) in self._children or id(m) in seen:
+                continue
+            if any(True for _ in m.parameters()):
+                roots.append(m)
+                seen.add(id(m))
+        # A module built here may have become a child after its parent was built
+        # (assigned later): keep only modules that are nobody's descendant.
+        inner = {id(d) for r in roots for d in r.modules() if d is not r}
+        return [r for r in roots if id(r) not in inner]
+
+    @contextmanager
+    def suspended(self):
+        """Engine-internal torch calls run without the touch mode's interception."""
+        prev, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = prev
+
+    def _open(self, group) -> None:
+        if group in self._open_groups:
+            self._open_groups.move_to_end(group)
+            return
+        with self.suspended():
+            self.engine.materialize(group)
+            self._open_groups[group] = True
+            while len(self._open_groups) > _MAX_OPEN_GROUPS:
+                old, _ = self._open_groups.popitem(last=False)
+                self.engine.dematerialize(old)
+
+    def _close_all(self) -> None:
+        while self._open_groups:
+            group, _ = self._open_groups.popitem(last=False)
+            self.engine.dematerialize(group)

@@ -1,0 +1,157 @@
+"""One module's parameters as one sharded unit, and its availability state machine.
+
+[Note: parameter groups]
+The direct parameters of a module (``module.parameters(recurse=False)``) are
+flattened into one flat tensor in the compute dtype, padded so that it splits
+into ``world_size`` equal shards whose length is a multiple of ``ALIGN_NUMEL``,
+and each rank keeps only its shard, in the parameter tier. A group is the unit
+of every transfer: one tier read, one all-gather, one reduce-scatter. Keeping
+shard lengths a multiple of 2048 elements keeps every shard's byte offset in the
+optimizer's flat fp32 space, and in a 2-byte parameter tier, a multiple of the
+4096-byte ``O_DIRECT`` block.
+
+[Note: parameter states]
+NOT_AVAILABLE: only shards exist, in a tier; each ``nn.Parameter`` holds an
+empty tensor. INFLIGHT: the shard read (and on several ranks the all-gather) has
+been issued. AVAILABLE: the whole flat tensor is on the compute device and every
+parameter is a view into it. Releasing goes back to NOT_AVAILABLE. Transitions
+check the state they start from and raise ``ParamStateError`` naming the group.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ALIGN_NUMEL = 2048
+
+
+class ParamState(enum.Enum):
+    NOT_AVAILABLE = "not_available"
+    INFLIGHT = "inflight"
+    AVAILABLE = "available"
+
+
+class ParamStateError(RuntimeError):
+    """A parameter group was asked for a transition its current state does not allow."""
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter sits inside its group's flat tensor."""
+
+    param: nn.Parameter
+    name: str
+    shape: torch.Size
+    numel: int
+    offset: int
+
+
+def padded_shard_numel(numel: int, world_size: int) -> int:
+    """Shard length for ``numel`` elements over ``world_size`` ranks (a multiple of ALIGN_NUMEL)."""
+    per_rank = -(-numel // world_size)
+    return max(ALIGN_NUMEL, -(-per_rank // ALIGN_NUMEL) * ALIGN_NUMEL)
+
+
+class ParamGroup:
+    """The sharded parameters of one module.
+
+    Parameters
+    ----------
+    index:
+        Position of the group in the engine (also its order in the flat fp32 space).
+    name:
+        Qualified name of the owning module, for messages.
+    slots:
+        The parameters, in flat order.
+    dtype, device:
+        Compute dtype and device of the gathered tensor.
+    world_size, rank:
+        The sharding.
+    """
+
+    def __init__(self, index: int, name: str, slots: list[ParamSlot], dtype: torch.dtype,
+                 device: torch.device, world_size: int, rank: int) -> None:
+        self.index = index
+        self.name = name
+        self.slots = slots
+        self.dtype = dtype
+        self.device = device
+        self.numel = sum(s.numel for s in slots)
+        self.shard_numel = padded_shard_numel(self.numel, world_size)
+        self.rank = rank
+        self.world_size = world_size
+        self.state = ParamState.NOT_AVAILABLE
+        self.persistent = False
+        # Filled by the coordinator: the tier key of this rank's shard, and the
+        # group's start in this rank's flat fp32 optimizer space.
+        self.param_key: int | None = None
+        self.flat_offset = 0
+        self.full: torch.Tensor | None = None
+        self.pending = None
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def shard_nbytes(self) -> int:
+        return self.shard_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def full_nbytes(self) -> int:
+        return self.shard_nbytes * self.world_size
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [s.param for s in self.slots]
+
+    def __repr__(self) -> str:
+        return f"ParamGroup({self.index}, {self.name!r}, numel={self.numel}, {self.state.name})"
+
+    # -- flat layout -------------------------------------------------------------------------
+    def flatten(self, tensors: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The padded flat tensor of the parameters' current values (or of ``tensors``)."""
+        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        for slot, t in zip(self.slots, tensors or [s.param.data for s in self.slots]):
+            flat[slot.offset:slot.offset + slot.numel].copy_(t.reshape(-1))
+        return flat
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a padded flat tensor."""
+        start = self.rank * self.shard_numel
+        return flat[start:start + self.shard_numel]
+
+    # -- transitions -------------------------------------------------------------------------
+    def _expect(self, *states: ParamState, to: str) -> None:
+        if self.state not in states:
+            allowed = " or ".join(s.name for s in states)
+            raise ParamStateError(
+                f"parameter group {self.name!r} (#{self.index}): cannot become {to} from "
+                f"{self.state.name}; expected {allowed}")
+
+    def to_inflight(self, pending) -> None:
+        self._expect(ParamState.NOT_AVAILABLE, to="INFLIGHT")
+        self.pending = pending
+        self.state = ParamState.INFLIGHT
+
+    def to_available(self, full: torch.Tensor) -> None:
+        """Point every parameter at its view of the gathered flat tensor."""
+        self._expect(ParamState.INFLIGHT, to="AVAILABLE")
+        self.full = full
+        self.pending = None
+        for slot in self.slots:
+            slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self.state = ParamState.AVAILABLE
+
+    def to_not_available(self) -> None:
+        """Drop the gathered tensor; parameters go back to empty placeholders."""
+        self._expect(ParamState.AVAILABLE, to="NOT_AVAILABLE")
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for slot in self.slots:
+            slot.param.data = empty
+        self.full = None
+        self.state = ParamState.NOT_AVAILABLE

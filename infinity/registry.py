@@ -1,0 +1,35 @@
+"""Which engine manages which model.
+
+[Note: engine registry]
+The engine never writes attributes onto the user's modules or parameters
+(STYLE.md 2). Like FSDP2's composable-state mapping, a weak-keyed dictionary maps
+each managed module to its engine; entries vanish with the module.
+"""
+from __future__ import annotations
+
+import weakref
+
+from torch import nn
+
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+class NotManagedError(TypeError):
+    """A model or parameter that infinity does not manage was passed to an infinity API."""
+
+
+def register(module: nn.Module, engine) -> None:
+    _ENGINES[module] = engine
+
+
+def engine_of(model: nn.Module, what: str = "this call"):
+    """The engine managing ``model``; a clear error when it was built outside ``infinity.Init``."""
+    if not isinstance(model, nn.Module):
+        raise NotManagedError(f"{what}: expected the nn.Module built inside infinity.Init, "
+                              f"got {type(model).__name__}")
+    engine = _ENGINES.get(model)
+    if engine is None:
+        raise NotManagedError(
+            f"{what}: {type(model).__name__} was not built inside infinity.Init, so its parameters "
+            "are not sharded; construct it under `with infinity.Init(config): model = ...`")
+    return engine

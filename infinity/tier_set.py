@@ -1,0 +1,81 @@
+"""Build the tiers one rank uses from the config (the engine's side of the tiers layer).
+
+[Note: per-rank swap directories]
+Each rank keeps its NVMe swap files in ``<nvme_path>/rank<r>`` under every
+configured path, so ranks sharing a drive never share a directory lock and a
+multi-node job can point every node at the same mount name.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from infinity.config import Config, ConfigError
+
+
+class TierSet:
+    """The tiers, host allocator, I/O handle and pools of one rank.
+
+    Parameters
+    ----------
+    config:
+        The loaded config.
+    device:
+        The compute device (infinity.device.ComputeDevice).
+    rank:
+        This rank, for the per-rank swap directories.
+    """
+
+    def __init__(self, config: Config, device, rank: int) -> None:
+        from tiers.device import DeviceTier
+        from tiers.host import HostTier
+        from tiers.host_alloc import HostAllocator
+        from tiers.pool import BufferPool
+
+        t = config.tiers
+        self.allocator = HostAllocator(pin=t.pin_memory if device.is_cuda else "never",
+                                       numa_node=t.numa_node)
+        self.device_tier = DeviceTier(device.device)
+        self.host_tier = HostTier(self.allocator, capacity=t.host_budget or None)
+        self.nvme_tier = None
+        self.handle = None
+        self.pool = None
+        uses_nvme = "nvme" in (t.params, t.optimizer)
+        if uses_nvme:
+            if not t.nvme_path:
+                raise ConfigError("tiers.nvme_path: required when tiers.params or tiers.optimizer "
+                                  "is 'nvme'; give a directory (or a list of directories) on a fast drive")
+            for path in t.nvme_path:
+                if not os.path.isdir(path):
+                    raise ConfigError(f"tiers.nvme_path: directory {path!r} does not exist "
+                                      f"(rank {rank}); create it or point the config elsewhere")
+                if not os.access(path, os.W_OK):
+                    raise ConfigError(f"tiers.nvme_path: directory {path!r} is not writable (rank {rank})")
+            from tiers.nvme import NVMeTier
+            from tiers.aio import AioHandle
+
+            a = config.aio
+            self.handle = AioHandle(block_size=a.block_size, queue_depth=a.queue_depth,
+                                    threads=a.threads, engine=a.engine, direct=a.direct)
+            self.pool = BufferPool(t.pool_buffer_size, t.pool_buffers, self.allocator, name="nvme-io")
+            dirs = [os.path.join(p, f"rank{rank}") for p in t.nvme_path]
+            for d in dirs:
+                os.makedirs(d, exist_ok=True)
+            self.nvme_tier = NVMeTier(dirs, self.handle, self.pool)
+        self.by_name = {"device": self.device_tier, "host": self.host_tier, "nvme": self.nvme_tier}
+        self.params = self.by_name[t.params]
+        self.optimizer = self.by_name[t.optimizer]
+
+    def stats(self) -> dict:
+        out = {name: tier.stats() for name, tier in self.by_name.items() if tier is not None}
+        out["host_allocator"] = self.allocator.stats()
+        if self.pool is not None:
+            out["nvme_pool"] = self.pool.stats()
+        return out
+
+    def close(self) -> None:
+        if self.nvme_tier is not None and hasattr(self.nvme_tier, "close"):
+            self.nvme_tier.close()
+        if self.handle is not None:
+            self.handle.close()
