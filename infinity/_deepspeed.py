@@ -230,6 +230,6 @@ def translate(ds_config: Mapping[str, Any] | str | os.PathLike) -> tuple[Config,
         config = load_config(t.ours)
     except ConfigError as exc:
         ds_key = t.origin.get(exc.key or "")
-        key = f"{ds_key} (as {exc.key})" if ds_key else exc.key
+        key = f"{ds_key} (as {exc.key})" if ds_key and ds_key != exc.key else exc.key
         raise ConfigError(exc.reason, key, file).in_file(exc.file) from None
     return config, t.skipped

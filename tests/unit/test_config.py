@@ -1,0 +1,334 @@
+"""infinity.config: defaults, sizes, strict keys, types, syntax errors, presets and round trips."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import subprocess
+import sys
+import pytest
+
+from infinity import _sizes, _toml, config
+from infinity.config import Config, ConfigError, dump, load_config
+
+MiB = 1 << 20
+
+# The contract (notes/CONTRACTS.md), written out once more on purpose: a changed default must
+# show up here as a failing test, not slip through.
+CONTRACT_DEFAULTS = {
+    "tiers": {"params": "device", "optimizer": "host", "nvme_path": (), "host_budget": 0, "device": "auto",
+              "numa_node": None, "pin_memory": "auto", "pool_buffer_size": 64 * MiB, "pool_buffers": 8},
+    "aio": {"block_size": 8 * MiB, "queue_depth": 32, "threads": 4, "engine": "auto", "direct": True},
+    "precision": {"dtype": "float32"},
+    "partition": {"persistence_threshold": 0, "sub_group_size": 32 * MiB, "max_live_parameters": 0},
+    "prefetch": {"enabled": True, "nvme_bytes": 256 * MiB, "device_bytes": 128 * MiB, "reuse_distance": 0,
+                 "log_every": 0},
+    "tiling": {"enabled": True, "threshold": 2**30, "tiles": 0, "max_tile_bytes": 256 * MiB, "modules": ()},
+    "dpu": {"enabled": False, "warmup_steps": 5, "threads": 0},
+    "checkpoint": {"buffer_size": 64 * MiB},
+}
+
+
+def error_of(src, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(src, **kwargs)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- defaults
+
+
+@pytest.mark.parametrize("section", sorted(CONTRACT_DEFAULTS))
+def test_every_section_defaults_match_the_contract(section):
+    got = getattr(Config(), section)
+    assert {f.name: getattr(got, f.name) for f in dataclasses.fields(got)} == CONTRACT_DEFAULTS[section]
+
+
+def test_defaults_are_the_same_from_every_source(tmp_path):
+    (tmp_path / "empty.toml").write_text("")
+    (tmp_path / "empty.json").write_text("{}")
+    assert load_config() == load_config({}) == load_config(tmp_path / "empty.toml") == load_config(
+        str(tmp_path / "empty.json")) == Config()
+
+
+def test_every_field_has_a_docstring():
+    for section in config._SECTIONS:
+        docs = config._field_docs(section)
+        missing = [f.name for f in dataclasses.fields(section) if not docs.get(f.name)]
+        assert not missing, f"{section.section}: fields without a docstring: {missing}"
+        assert section.__doc__
+
+
+def test_sections_are_frozen_and_hashable():
+    cfg = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.aio.queue_depth = 1  # type: ignore[misc]
+    assert hash(cfg) == hash(Config())
+
+
+def test_precision_dtype_and_itemsize():
+    import torch
+
+    assert load_config({"precision": {"dtype": "bfloat16"}}).precision.torch_dtype is torch.bfloat16
+    assert Config().precision.itemsize == 4
+
+
+def test_importing_infinity_and_loading_a_config_does_not_import_torch():
+    code = "import sys, infinity; infinity.load_config('nvme'); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("64MiB", 64 * MiB), ("1.5 GB", 1_500_000_000), ("4096", 4096), (4096, 4096), ("4 KiB", 4096),
+    ("1TB", 10**12), ("2tib", 2 << 40), ("8192B", 8192), ("0.5MiB", MiB // 2), ("1e3KB", 10**6), (0, 0),
+])
+def test_sizes_in_bytes(text, nbytes):
+    assert load_config({"tiers": {"host_budget": text}}).tiers.host_budget == nbytes
+
+
+@pytest.mark.parametrize("text, numel", [("32Mi", 32 * MiB), (1e9, 10**9), ("1.5K", 1500), ("2G", 2 * 10**9), (7, 7)])
+def test_element_counts(text, numel):
+    assert load_config({"partition": {"sub_group_size": text}}).partition.sub_group_size == numel
+
+
+@pytest.mark.parametrize("value, reason", [
+    ("12 parsecs", "unknown unit 'parsecs'"),
+    ("4k", "unit 'k' is ambiguous for bytes; write KiB (powers of 1024) or KB (powers of 1000)"),
+    ("4Mi", "unit 'Mi' counts elements; for bytes write MiB"),
+    ("1.1 B", "is not a whole number of bytes"),
+    ("-1MiB", "must not be negative"),
+    (-1, "must not be negative"),
+    (True, "expected an integer number of bytes"),
+    (1.5, "expected an integer number of bytes"),
+    ("lots", "not a number and a unit"),
+])
+def test_bad_sizes_name_key_value_and_allowed(value, reason):
+    message = error_of({"aio": {"block_size": value}})
+    assert message.startswith(f"aio.block_size: {json.dumps(value)} is not a valid size in bytes: ")
+    assert reason in message
+
+
+def test_bad_element_count():
+    message = error_of({"partition": {"sub_group_size": "32 MiB"}})
+    assert message.startswith('partition.sub_group_size: "32 MiB" is not a valid element count: unknown unit')
+
+
+def test_format_size_round_trips():
+    for nbytes in (0, 1, 4095, 4096, 4097, 64 * MiB, 3 << 40, 1_500_000_000):
+        assert _sizes.parse_size(_sizes.format_size(nbytes)) == nbytes
+        assert _sizes.parse_count(_sizes.format_count(nbytes)) == nbytes
+
+
+# ---------------------------------------------------------------------------------------------- unknown keys
+
+
+def test_unknown_key_in_a_section_suggests_the_closest(tmp_path):
+    path = tmp_path / "offload.toml"
+    path.write_text("[aio]\nqueue_dept = 8\n")
+    assert error_of(path) == f"{path}: aio.queue_dept: unknown key; did you mean aio.queue_depth?"
+
+
+def test_unknown_section_suggests_the_closest():
+    assert error_of({"tier": {"params": "host"}}) == "tier: unknown section; did you mean tiers?"
+
+
+def test_key_at_top_level_points_into_its_section():
+    assert error_of({"nvme_path": "/x"}) == (
+        "nvme_path: unknown section; did you mean tiers.nvme_path? (settings go inside a [section])")
+
+
+def test_key_in_the_wrong_section_points_to_the_right_one():
+    assert error_of({"aio": {"nvme_path": "/x"}}) == "aio.nvme_path: unknown key; did you mean tiers.nvme_path?"
+
+
+def test_nested_table_inside_a_section_is_an_unknown_key(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[prefetch.nvme]\nbytes = 3\n")
+    assert error_of(path) == f"{path}: prefetch.nvme: unknown key; did you mean prefetch.nvme_bytes?"
+
+
+def test_unknown_key_without_a_close_match_lists_the_valid_ones():
+    assert error_of({"dpu": {"zzz": 1}}) == "dpu.zzz: unknown key; valid keys in [dpu] are enabled, warmup_steps, threads"
+
+
+def test_every_unknown_key_is_reported_at_once():
+    message = error_of({"aio": {"queue_dept": 1, "treads": 2}, "tilling": {}})
+    assert message.splitlines() == ["aio.queue_dept: unknown key; did you mean aio.queue_depth?",
+                                    "aio.treads: unknown key; did you mean aio.threads?",
+                                    "tilling: unknown section; did you mean tiling?"]
+
+
+def test_deepspeed_config_is_recognised():
+    assert "infinity.config.from_deepspeed" in error_of({"zero_optimization": {"stage": 3}})
+
+
+def test_unknown_keys_in_overrides_and_in_mapping_sections():
+    assert error_of("device", overrides={"aio": {"depth": 1}}).endswith("aio.depth: unknown key; did you mean aio.queue_depth?")
+    with pytest.raises(ConfigError, match=r"^aio.queue_dept: unknown key"):
+        Config(aio={"queue_dept": 3})
+
+
+# ---------------------------------------------------------------------------------------------- types and values
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"tiers": {"params": "gpu"}}, 'tiers.params: "gpu" is not allowed; expected one of "device", "host", "nvme"'),
+    ({"tiers": {"params": "Host"}}, '"Host" is not allowed; expected one of "device", "host", "nvme"; did you mean "host"?'),
+    ({"tiers": {"optimizer": "device"}}, 'tiers.optimizer: "device" is not allowed; expected one of "host", "nvme"'),
+    ({"aio": {"direct": "yes"}}, 'aio.direct: expected true or false, got "yes" (string)'),
+    ({"aio": {"queue_depth": "32"}}, 'aio.queue_depth: expected an integer, got "32" (string)'),
+    ({"aio": {"queue_depth": 8.0}}, "aio.queue_depth: expected an integer, got 8.0 (float)"),
+    ({"aio": {"queue_depth": 0}}, "aio.queue_depth: expected an integer >= 1, got 0"),
+    ({"aio": {"threads": True}}, "aio.threads: expected an integer, got true (boolean)"),
+    ({"aio": {"block_size": "1000B"}}, "aio.block_size: 1000 bytes is not a positive multiple of 4096"),
+    ({"aio": 3}, "aio: expected a table of settings, got 3 (integer)"),
+    ({"aio": {"engine": ["io_uring"]}}, 'aio.engine: ["io_uring"] is not allowed; expected one of "auto", "io_uring", "threads"'),
+    ({"tiers": {"params": {"x": 1}}}, 'tiers.params: a table {"x": 1} is not allowed'),
+    ({"tiers": {"nvme_path": 7}}, "tiers.nvme_path: expected a path or a list of paths (non-empty strings), got 7 (integer)"),
+    ({"tiers": {"nvme_path": ["/a", ""]}}, "tiers.nvme_path: expected a path or a list of paths"),
+    ({"tiers": {"nvme_path": ["/a", "/a"]}}, 'tiers.nvme_path: ["/a", "/a"] names an entry twice'),
+    ({"tiers": {"params": "nvme"}}, 'tiers.nvme_path: required when tiers.params is "nvme"'),
+    ({"tiers": {"optimizer": "nvme"}}, 'tiers.nvme_path: required when tiers.optimizer is "nvme"'),
+    ({"tiers": {"numa_node": "near"}}, 'tiers.numa_node: expected a NUMA node number >= 0 or "auto", got "near" (string)'),
+    ({"tiers": {"numa_node": -2}}, "tiers.numa_node: expected a NUMA node number >= 0"),
+    ({"tiers": {"pool_buffers": 0}}, "tiers.pool_buffers: expected an integer >= 1, got 0"),
+    ({"tiling": {"modules": [1]}}, "tiling.modules: expected a string or a list of strings"),
+    ({"tiling": {"threshold": 0}}, "tiling.threshold: expected an integer >= 1, got 0"),
+    ({"dpu": {"warmup_steps": -1}}, "dpu.warmup_steps: expected an integer >= 0, got -1"),
+    ({"checkpoint": {"buffer_size": "6000B"}}, "checkpoint.buffer_size: 6000 bytes is not a positive multiple of 4096"),
+    ([1, 2], "expected a path, a preset name, a dict or a Config, got list"),
+])
+def test_wrong_types_and_values_name_key_value_and_allowed(data, message):
+    assert message in error_of(data)
+
+
+def test_values_are_coerced():
+    cfg = load_config({"tiers": {"nvme_path": "~/swap", "numa_node": "auto"}, "tiling": {"modules": "blocks.*"}})
+    assert cfg.tiers.nvme_path[0].endswith("/swap") and not cfg.tiers.nvme_path[0].startswith("~")
+    assert cfg.tiers.numa_node == -1 and cfg.tiling.modules == ("blocks.*",)
+    assert config.AioConfig(block_size="4MiB").block_size == 4 * MiB
+    with pytest.raises(ConfigError, match=r"^aio.block_size: \"4k\""):
+        config.AioConfig(block_size="4k")
+
+
+def test_config_error_is_a_value_error_that_pickles():
+    err = ConfigError("bad", "aio.threads", "x.toml")
+    again = pickle.loads(pickle.dumps(err))
+    assert isinstance(again, ValueError) and str(again) == "x.toml: aio.threads: bad" and again.key == "aio.threads"
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def test_toml_syntax_error_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[aio]\nqueue_depth = 8\nblock_size 4MiB\n")
+    message = error_of(path)
+    assert message.startswith(f"{path}: TOML syntax error at line 3, column ")
+
+
+def test_json_syntax_error_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{\n  "aio": {\n    "queue_depth": 8,\n  }\n}\n')
+    assert error_of(path).startswith(f"{path}: JSON syntax error at line 4, column 3: ")
+
+
+def test_json_duplicate_key_and_non_object(tmp_path):
+    path = tmp_path / "dup.json"
+    path.write_text('{"aio": {"threads": 1, "threads": 2}}')
+    assert error_of(path) == f"{path}: key 'threads' appears twice in one JSON object"
+    path.write_text("[1]")
+    assert error_of(path) == f"{path}: expected a JSON object of sections at the top, got list"
+
+
+def test_errors_raised_without_chained_tracebacks(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("x = = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert info.value.file == str(path)
+
+
+def test_missing_file_and_wrong_suffix(tmp_path):
+    assert error_of(tmp_path / "nope.toml") == f"{tmp_path / 'nope.toml'}: no such file"
+    (tmp_path / "c.yaml").write_text("aio: {}\n")
+    assert "expected a .toml or .json file" in error_of(tmp_path / "c.yaml")
+    (tmp_path / "dir.toml").mkdir()
+    assert error_of(tmp_path / "dir.toml").startswith(f"{tmp_path / 'dir.toml'}: cannot read")
+
+
+def test_value_error_in_a_file_names_the_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"tiers": {"params": "gpu"}}))
+    assert error_of(path).startswith(f'{path}: tiers.params: "gpu" is not allowed')
+
+
+# ---------------------------------------------------------------------------------------------- presets, dump
+
+
+def test_the_four_presets_ship():
+    assert set(config.presets()) == {"device", "offload-optimizer", "offload-host", "nvme"}
+    tiers = {name: (load_config(name).tiers.params, load_config(name).tiers.optimizer) for name in config.presets()}
+    assert tiers == {"device": ("device", "host"), "offload-optimizer": ("device", "host"),
+                     "offload-host": ("host", "host"), "nvme": ("nvme", "nvme")}
+
+
+def test_presets_are_documented_with_comments():
+    for name in config.presets():
+        text = config.preset_path(name).read_text()
+        assert text.startswith(f'# Preset "{name}"'), name
+        assert len([line for line in text.splitlines() if line.startswith("#")]) >= 5, name
+
+
+@pytest.mark.parametrize("name", ["device", "offload-optimizer", "offload-host", "nvme"])
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_every_preset_round_trips(name, suffix, tmp_path):
+    cfg = load_config(name)
+    path = dump(cfg, tmp_path / f"{name}{suffix}")
+    assert load_config(path) == cfg
+    assert load_config(cfg.to_dict()) == cfg
+    json.dumps(cfg.to_dict())  # plain and JSON-able
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_non_default_values_round_trip(suffix, tmp_path):
+    cfg = load_config({
+        "tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": ['/mnt/a "quoted"\\dir', "/mnt/ü b"],
+                  "numa_node": "auto", "host_budget": "1.5GB", "pin_memory": "never", "pool_buffer_size": "4KiB"},
+        "aio": {"block_size": 4096 * 3, "engine": "threads", "direct": False},
+        "precision": {"dtype": "float16"},
+        "partition": {"sub_group_size": 1_000_001, "persistence_threshold": "1Ki"},
+        "tiling": {"modules": ["a.*", "b\nc"], "tiles": 3},
+        "dpu": {"enabled": True},
+    })
+    assert load_config(dump(cfg, tmp_path / f"c{suffix}")) == cfg
+
+
+def test_dump_writes_readable_sizes_and_validates_dicts(tmp_path):
+    text = dump({"aio": {"queue_depth": 8}}, tmp_path / "c.toml").read_text()
+    assert 'block_size = "8MiB"' in text and "queue_depth = 8" in text and "numa_node" not in text
+    with pytest.raises(ConfigError, match="aio.queue_dept: unknown key"):
+        dump({"aio": {"queue_dept": 8}}, tmp_path / "bad.toml")
+    assert not (tmp_path / "bad.toml").exists()
+    with pytest.raises(ConfigError, match="expected a .toml or .json file name"):
+        dump(Config(), tmp_path / "c.yaml")
+
+
+def test_overrides_and_preset_names():
+    cfg = load_config("nvme", overrides={"tiers": {"nvme_path": ["/x", "/y"]}, "aio": {"queue_depth": 4}})
+    assert cfg.tiers.nvme_path == ("/x", "/y") and cfg.aio.queue_depth == 4 and cfg.tiers.params == "nvme"
+    assert load_config(cfg) is cfg
+    assert load_config(cfg, overrides={"dpu": {"enabled": True}}).dpu.enabled
+    assert "did you mean 'nvme'?" in str(pytest.raises(ConfigError, config.preset_path, "nvmee").value)
+
+
+def test_toml_writer_escapes_and_quotes():
+    data = {"top": 1, "a b": {"s": 'q"\\\n\tü', "f": 1.5, "t": True, "l": [1, "x"], "none": None}, "n": {"m": {"k": 2}}}
+    text = _toml.dumps(data)
+    assert _toml.loads(text) == {"top": 1, "a b": {"s": 'q"\\\n\tü', "f": 1.5, "t": True, "l": [1, "x"]},
+                                   "n": {"m": {"k": 2}}}

@@ -1,0 +1,132 @@
+"""infinity.config.from_deepspeed: a realistic ZeRO-Infinity config, HF "auto" values, the aio section."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from infinity.config import ConfigError, from_deepspeed, load_config
+
+# Shaped like DeepSpeed's documented ZeRO-Infinity NVMe example (zero_optimization with both
+# offloads on NVMe, the aio section), plus what a real training config carries around it.
+ZERO_INFINITY = {
+    "train_batch_size": 64,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 100,
+    "wall_clock_breakdown": False,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1000}},
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+        "reduce_bucket_size": 1e7,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_prefetch_bucket_size": 1e7,
+        "stage3_param_persistence_threshold": 1e5,
+        "sub_group_size": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                              "buffer_count": 4, "fast_init": False},
+        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                          "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+            "overlap_events": True, "use_gds": False},
+}
+
+
+def test_realistic_zero_infinity_config(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ZERO_INFINITY, indent=2))
+    cfg, skipped = from_deepspeed(path)
+    assert (cfg.tiers.params, cfg.tiers.optimizer, cfg.tiers.nvme_path) == ("nvme", "nvme", ("/local_nvme",))
+    assert cfg.tiers.pin_memory == "auto"
+    assert cfg.tiers.pool_buffers == 5
+    assert cfg.tiers.pool_buffer_size == 200_003_584  # 1e8 bf16 elements, rounded up to 4 KiB
+    assert cfg.precision.dtype == "bfloat16"
+    assert (cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.threads) == (1 << 20, 8, 1)
+    assert cfg.partition.persistence_threshold == 100_000
+    assert cfg.partition.max_live_parameters == 10**9
+    assert cfg.partition.sub_group_size == 10**9
+    assert cfg.prefetch.device_bytes == 2 * 10**7  # 1e7 bf16 elements
+    assert cfg.prefetch.reuse_distance == 2 * 10**9
+    assert sorted(line.split(":")[0] for line in skipped) == sorted([
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+        "steps_per_print", "wall_clock_breakdown", "optimizer", "scheduler",
+        "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_param.max_in_cpu",
+    ])
+    assert "optimizer: create the optimizer in the program: infinity.AdamW(model, lr=...)" in skipped
+    assert load_config(cfg.to_dict()) == cfg
+
+
+def test_hugging_face_auto_values_keep_defaults_and_are_reported():
+    ds = {"fp16": {"enabled": "auto", "loss_scale": 0},
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                "stage3_prefetch_bucket_size": "auto", "sub_group_size": 1e9}}
+    cfg, skipped = from_deepspeed(ds)
+    assert (cfg.tiers.params, cfg.tiers.optimizer, cfg.precision.dtype) == ("host", "host", "float32")
+    assert cfg.prefetch.device_bytes == load_config().prefetch.device_bytes
+    assert skipped == [
+        "fp16.loss_scale: no equivalent in infinity's config",
+        "fp16.enabled: \"auto\" is filled in by the Hugging Face Trainer; kept float32",
+        "zero_optimization.stage3_prefetch_bucket_size: \"auto\" is filled in by the Hugging Face Trainer; "
+        "kept infinity's default",
+    ]
+
+
+def test_both_aio_thread_names():
+    assert from_deepspeed({"aio": {"thread_count": 3}})[0].aio.threads == 3
+    assert from_deepspeed({"aio": {"intra_op_parallelism": 6}})[0].aio.threads == 6
+    assert from_deepspeed({"aio": {"thread_count": 2, "intra_op_parallelism": 2}}) == (load_config({"aio": {"threads": 2}}), [])
+    cfg, skipped = from_deepspeed({"aio": {"thread_count": 1, "intra_op_parallelism": 8}})
+    assert cfg.aio.threads == 8
+    assert skipped == ["aio.thread_count: 1 differs from aio.intra_op_parallelism (8), its newer name; "
+                       "used intra_op_parallelism"]
+
+
+def test_aio_behaviour_keys_pass_when_they_match_and_are_reported_when_not():
+    _, skipped = from_deepspeed({"aio": {"single_submit": True, "overlap_events": False, "use_gds": True}})
+    assert [line.split(":")[0] for line in skipped] == ["aio.single_submit", "aio.overlap_events", "aio.use_gds"]
+    assert "GPUDirect" in skipped[2]
+
+
+def test_other_offload_devices_stages_and_precisions():
+    cfg, skipped = from_deepspeed({"fp16": {"enabled": True}, "zero_optimization": {
+        "stage": 2, "offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}}})
+    assert (cfg.tiers.params, cfg.tiers.optimizer, cfg.precision.dtype) == ("device", "host", "float16")
+    assert [line.split(":")[0] for line in skipped] == ["zero_optimization.offload_optimizer.device", "zero_optimization.stage"]
+    cfg, _ = from_deepspeed({"zero_optimization": {"stage3_prefetch_bucket_size": 1000}})
+    assert cfg.prefetch.device_bytes == 4000  # float32: 4 bytes per element
+    cfg, _ = from_deepspeed({"zero_optimization": {"offload_param": {"device": "cpu", "pin_memory": False},
+                                                   "offload_optimizer": {"device": "cpu", "pin_memory": False}}})
+    assert cfg.tiers.pin_memory == "never"
+
+
+def test_errors_name_the_deepspeed_key(tmp_path):
+    ds = copy.deepcopy(ZERO_INFINITY)
+    del ds["zero_optimization"]["offload_param"]["nvme_path"], ds["zero_optimization"]["offload_optimizer"]["nvme_path"]
+    with pytest.raises(ConfigError, match=r"^zero_optimization.offload_param.nvme_path \(as tiers.nvme_path\): required"):
+        from_deepspeed(ds)
+    ds = copy.deepcopy(ZERO_INFINITY)
+    ds["zero_optimization"]["sub_group_size"] = "lots"
+    with pytest.raises(ConfigError, match=r"^zero_optimization.sub_group_size: 'lots' is not an element count"):
+        from_deepspeed(ds)
+    with pytest.raises(ConfigError, match=r"^aio.queue_depth: expected an integer >= 1, got 0"):
+        from_deepspeed({"aio": {"queue_depth": 0}})
+    with pytest.raises(ConfigError, match=r"^zero_optimization.offload_param.device: 'disk' is not allowed"):
+        from_deepspeed({"zero_optimization": {"offload_param": {"device": "disk"}}})
+    with pytest.raises(ConfigError, match=r"^bf16.enabled: bf16.enabled and fp16.enabled are both true"):
+        from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"^zero_optimization: expected an object"):
+        from_deepspeed({"zero_optimization": 3})
+    with pytest.raises(ConfigError, match=r"ds.json: no such file$"):
+        from_deepspeed(tmp_path / "ds.json")
