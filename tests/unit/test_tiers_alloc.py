@@ -1,0 +1,109 @@
+"""HostAllocator: aligned zero-copy tensors, pinning (GPU), NUMA binding (libnuma)."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tiers import HostAllocator, HostAllocatorError
+from tiers.host_alloc import _libnuma
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_NUMA = _libnuma() is not None
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, 1 << 20])
+def test_aligned_zeroed_tensors(nbytes):
+    t = HostAllocator(pin="never").empty(nbytes)
+    assert t.dtype == torch.uint8 and t.numel() == nbytes and t.device.type == "cpu"
+    assert t.data_ptr() % 4096 == 0 and int(t.sum()) == 0
+
+
+def test_larger_alignment_and_views_share_memory():
+    alloc = HostAllocator(pin="never")
+    t = alloc.empty(10_000, alignment=1 << 21)
+    assert t.data_ptr() % (1 << 21) == 0
+    as_float = t[:8].view(torch.float32)
+    as_float[0] = 1.0  # the float view aliases the same bytes: no copy anywhere
+    assert t[:4].tolist() == [0, 0, 128, 63]
+
+
+def test_memory_is_returned_when_the_last_view_dies():
+    alloc = HostAllocator(pin="never")
+    t = alloc.empty(3 << 20)
+    view = t[100:200]
+    del t
+    gc.collect()
+    assert alloc.stats()["bytes_allocated"] == 3 << 20  # the view keeps it alive
+    view.fill_(7)
+    del view
+    gc.collect()
+    stats = alloc.stats()
+    assert stats["bytes_allocated"] == 0 and stats["allocations"] == 0 and stats["peak_bytes"] == 3 << 20
+
+
+def test_zero_bytes_and_bad_arguments():
+    alloc = HostAllocator(pin="never")
+    assert alloc.empty(0).numel() == 0
+    with pytest.raises(ValueError, match="nbytes must be an int >= 0"):
+        alloc.empty(-1)
+    with pytest.raises(ValueError, match="power of two"):
+        alloc.empty(10, alignment=3000)
+    with pytest.raises(ValueError, match="pin must be one of"):
+        HostAllocator(pin="sometimes")
+    with pytest.raises(ValueError, match="numa_node must be"):
+        HostAllocator(numa_node=-5)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only behaviour")
+def test_without_cuda_auto_does_not_pin_and_always_refuses():
+    assert HostAllocator(pin="auto").pinned is False
+    with pytest.raises(HostAllocatorError, match="pin='always' needs CUDA"):
+        HostAllocator(pin="always")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="pinning (cudaHostRegister) needs a CUDA device")
+def test_pinned_memory_is_registered_and_released():
+    alloc = HostAllocator(pin="always")
+    t = alloc.empty(1 << 20)
+    assert alloc.pinned and t.is_pinned() and alloc.stats()["pinned_bytes"] == 1 << 20
+    gpu = torch.arange(1 << 18, dtype=torch.float32, device="cuda")
+    t.view(torch.float32).copy_(gpu, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(t.view(torch.float32), gpu.cpu())
+    del t
+    gc.collect()
+    assert alloc.stats()["pinned_bytes"] == 0
+
+
+def _policy_of(address: int) -> str:
+    with open("/proc/self/numa_maps") as maps:
+        for line in maps:
+            if int(line.split()[0], 16) == address:
+                return line.split()[1]
+    raise AssertionError(f"no numa_maps entry starts at {address:#x}")
+
+
+@pytest.mark.skipif(not HAS_NUMA, reason="libnuma is not installed or the kernel has no NUMA support")
+def test_numa_binding_shows_in_numa_maps():
+    alloc = HostAllocator(pin="never", numa_node=0)
+    assert alloc.numa.node == 0
+    t = alloc.empty(1 << 20)
+    t.fill_(1)
+    assert _policy_of(t.data_ptr()) == "bind:0"
+    unbound = HostAllocator(pin="never").empty(1 << 20)
+    assert _policy_of(unbound.data_ptr()) == "default"
+
+
+@pytest.mark.skipif(not HAS_NUMA, reason="libnuma is not installed or the kernel has no NUMA support")
+def test_numa_node_that_does_not_exist():
+    with pytest.raises(HostAllocatorError, match="numa_node=4096 does not exist"):
+        HostAllocator(numa_node=4096)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU fallback of numa_node=-1")
+def test_gpu_node_without_gpu_is_not_bound():
+    alloc = HostAllocator(numa_node=-1)
+    assert alloc.numa.node is None and "no GPU" in alloc.numa.reason
