@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from infinity import _sizes
-from infinity.config import ALIGNMENT, Config, ConfigError, _read, load_config
+from infinity._config_text import read
+from infinity.config import ALIGNMENT, Config, ConfigError, load_config
 
 _OFFLOAD_DEVICE = {"param": {"cpu": "host", "nvme": "nvme", "none": "device"},
                    "optimizer": {"cpu": "host", "nvme": "nvme"}}
@@ -216,7 +217,7 @@ def translate(ds_config: Mapping[str, Any] | str | os.PathLike) -> tuple[Config,
     """See ``infinity.config.from_deepspeed``."""
     file = None
     if isinstance(ds_config, (str, os.PathLike)):
-        file, ds_config = _read(ds_config)
+        file, ds_config = read(ds_config)
     if not isinstance(ds_config, Mapping):
         raise ConfigError(f"expected a DeepSpeed config (a dict or a JSON file), got {type(ds_config).__name__}")
     t = _Translation()

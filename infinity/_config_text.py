@@ -1,0 +1,175 @@
+"""A config as text: reading files and presets, writing them, and the Markdown reference.
+
+Nothing here knows the sections by name; ``infinity/config.py`` passes them in.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+
+from infinity import _sizes, _toml
+from infinity._config_values import ConfigError, Kind, type_name
+
+
+def presets() -> list[str]:
+    """Names of the config files shipped in ``infinity/presets`` (usable as ``load_config(name)``)."""
+    return sorted(p.stem for p in (Path(__file__).parent / "presets").glob("*.toml"))
+
+
+def preset_path(name: str) -> Path:
+    """Path of the shipped preset ``name`` (see ``presets()``)."""
+    path = Path(__file__).parent / "presets" / f"{name}.toml"
+    if not path.is_file():
+        close = difflib.get_close_matches(name, presets(), n=1)
+        raise ConfigError(f"no preset named {name!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                          + f"; presets are {', '.join(presets())}")
+    return path
+
+
+def read(src: str | os.PathLike) -> tuple[str, dict]:
+    """Read a .toml or .json file (or a preset name) into plain data."""
+    path = Path(src)
+    if not path.suffix and not path.exists() and str(src) in presets():
+        path = preset_path(str(src))
+    file = str(path)
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError(f"expected a .toml or .json file (or a preset: {', '.join(presets())})", file=file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("no such file", file=file) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read: {getattr(exc, 'strerror', None) or exc}", file=file) from None
+    if path.suffix == ".json":
+        return file, parse_json(text, file)
+    try:
+        return file, _toml.loads(text)
+    except _toml.TOMLUnavailable as exc:
+        raise ConfigError(str(exc), file=file) from None
+    except _toml.decode_error_type() as exc:
+        message = str(exc)
+        # tomllib ends its messages with "(at line L, column C)"; put the place first, like JSON's.
+        head, _, place = message.rpartition(" (at ")
+        if head and place.startswith("line "):
+            raise ConfigError(f"TOML syntax error at {place.rstrip(')')}: {head}", file=file) from None
+        raise ConfigError(f"TOML syntax error: {message}", file=file) from None
+
+
+def parse_json(text: str, file: str) -> dict:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+        keys = [k for k, _ in pairs]
+        for key in keys:
+            if keys.count(key) > 1:
+                raise ConfigError(f"key {key!r} appears twice in one JSON object", file=file)
+        return dict(pairs)
+
+    try:
+        data = json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}", file=file) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a JSON object of sections at the top, got {type_name(data)}", file=file)
+    return data
+
+
+def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def file_value(hint: Any, value: object) -> object:
+    """A stored value as a person would write it in a file: "64MiB", "auto", lists."""
+    kind = get_args(hint)[1] if get_origin(hint) is Annotated else None
+    if kind is Kind.BYTES:
+        return _sizes.format_size(value)
+    if kind is Kind.COUNT:
+        return _sizes.format_count(value)
+    if kind is Kind.NUMA and value == -1:
+        return "auto"
+    return list(value) if isinstance(value, tuple) else value
+
+
+def file_dict(cfg: object, sections: Sequence[type]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for cls in sections:
+        hints = get_type_hints(cls, include_extras=True)
+        section = getattr(cfg, cls.section)
+        out[cls.section] = {f.name: file_value(hints[f.name], getattr(section, f.name)) for f in dataclasses.fields(cls)}
+    return out
+
+
+def write(data: Mapping[str, Any], path: Path) -> Path:
+    """Write plain config data as TOML or JSON by ``path``'s suffix, under a temporary name then renamed."""
+    if path.suffix == ".toml":
+        text = "# infinity config (see README.md, \"Config reference\")\n" + _toml.dumps(data)
+    elif path.suffix == ".json":
+        text = json.dumps(data, indent=2) + "\n"
+    else:
+        raise ConfigError("expected a .toml or .json file name to write", file=str(path))
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write: {exc.strerror or exc}", file=str(path)) from None
+    return path
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under dataclass fields (Python keeps none at run time, so read the source)."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _allowed(hint: Any) -> str:
+    kind = get_args(hint)[1] if get_origin(hint) is Annotated else None
+    if kind is Kind.BYTES:
+        return 'bytes: integer or "64MiB", "1.5GB"'
+    if kind is Kind.COUNT:
+        return 'elements: integer or "32Mi", "1G"'
+    if kind is Kind.PATHS:
+        return "path or list of paths"
+    if kind is Kind.PATTERNS:
+        return "string or list of strings"
+    if kind is Kind.NUMA:
+        return 'integer >= 0 or "auto"'
+    if get_origin(hint) is Literal:
+        return " \\| ".join(f'"{choice}"' for choice in get_args(hint))
+    return {bool: "true \\| false", int: "integer"}[hint]
+
+
+def reference_markdown(sections: Sequence[type]) -> str:
+    """The config reference in Markdown, generated from the docstrings of ``sections``.
+
+    See ``infinity.config.reference_markdown``.
+    """
+    out = []
+    for cls in sections:
+        hints, docs = get_type_hints(cls, include_extras=True), field_docs(cls)
+        out += [f"### `[{cls.section}]`", "", inspect.getdoc(cls), "",
+                "| key | allowed | default | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            default = file_value(hints[f.name], f.default if f.default is not dataclasses.MISSING else f.default_factory())
+            shown = "unset" if default is None else f"`{json.dumps(default)}`"
+            meaning = docs.get(f.name, "").replace("|", "\\|")
+            out.append(f"| `{f.name}` | {_allowed(hints[f.name])} | {shown} | {meaning} |")
+        out.append("")
+    return "\n".join(out)
