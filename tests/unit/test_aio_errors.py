@@ -170,7 +170,7 @@ def test_enospc_real_tmpfs(tmp_path, engine: str) -> None:
 def test_kernel_einval_for_unchecked_direct_request(tmp_path, handle) -> None:
     # Bypassing the Python alignment check, the kernel's own EINVAL still comes back as an errno.
     with open_file(_file_with(tmp_path, 4096), "r") as f:
-        rid = handle._core.submit(_aio.OP_READ, f.fd, 0, bytearray(4097)[1:])
+        rid = handle._core.submit(_aio.OP_READ, f.fd, 0, memoryview(bytearray(8192))[1:4097])
         assert handle._core.wait(rid, 10.0)
         assert handle._core.reap(rid) == (-errno.EINVAL, 0)
 
