@@ -58,20 +58,27 @@ def _whole(amount: Fraction, what: str) -> int:
     return int(amount)
 
 
+def _number(value: int | float, what: str, units_help: str) -> int:
+    """An int, or an integral float such as JSON's 1e9, as a non-negative int."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        raise ValueError(f"expected {units_help}")
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value if isinstance(value, int) else _whole(Fraction(value), what)
+
+
 def parse_size(value: object) -> int:
-    """Return the number of bytes that ``value`` (an int or a string such as "64MiB") denotes.
+    """Return the number of bytes that ``value`` (an int, an integral float, or "64MiB") denotes.
 
     Examples
     --------
     >>> parse_size("64MiB"), parse_size("1.5 GB"), parse_size(4096)
     (67108864, 1500000000, 4096)
     """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"expected {BYTE_UNITS_HELP}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError("must not be negative")
-        return value
+    if not isinstance(value, str):
+        return _number(value, "bytes", BYTE_UNITS_HELP)
     amount, unit, written = _split(value, BYTE_UNITS_HELP)
     if unit in _AMBIGUOUS:
         letter = _AMBIGUOUS[unit]
@@ -93,17 +100,8 @@ def parse_count(value: object) -> int:
     """
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"expected {COUNT_UNITS_HELP}")
-    if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"expected {COUNT_UNITS_HELP}")
-        value_fraction = Fraction(value)
-        if value_fraction < 0:
-            raise ValueError("must not be negative")
-        return _whole(value_fraction, "elements")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError("must not be negative")
-        return value
+    if not isinstance(value, str):
+        return _number(value, "elements", COUNT_UNITS_HELP)
     amount, unit, written = _split(value, COUNT_UNITS_HELP)
     if unit not in _COUNT_UNITS:
         raise ValueError(f"unknown unit {written!r}; expected {COUNT_UNITS_HELP}")

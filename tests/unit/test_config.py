@@ -84,7 +84,7 @@ def test_importing_infinity_and_loading_a_config_does_not_import_torch():
 
 @pytest.mark.parametrize("text, nbytes", [
     ("64MiB", 64 * MiB), ("1.5 GB", 1_500_000_000), ("4096", 4096), (4096, 4096), ("4 KiB", 4096),
-    ("1TB", 10**12), ("2tib", 2 << 40), ("8192B", 8192), ("0.5MiB", MiB // 2), ("1e3KB", 10**6), (0, 0),
+    ("1TB", 10**12), ("2tib", 2 << 40), ("8192B", 8192), ("0.5MiB", MiB // 2), ("1e3KB", 10**6), (0, 0), (1e9, 10**9),
 ])
 def test_sizes_in_bytes(text, nbytes):
     assert load_config({"tiers": {"host_budget": text}}).tiers.host_budget == nbytes
@@ -103,7 +103,8 @@ def test_element_counts(text, numel):
     ("-1MiB", "must not be negative"),
     (-1, "must not be negative"),
     (True, "expected an integer number of bytes"),
-    (1.5, "expected an integer number of bytes"),
+    (1.5, "is not a whole number of bytes (1.5)"),
+    (float("nan"), "expected an integer number of bytes"),
     ("lots", "not a number and a unit"),
 ])
 def test_bad_sizes_name_key_value_and_allowed(value, reason):
