@@ -1,0 +1,184 @@
+"""``infinity-plan``: model-state arithmetic and per-rank plans, before step 0.
+
+Usage::
+
+    infinity-plan table --params 7.5e9,128e9,1e12 --ranks 1,4,16,64,256,1024
+    infinity-plan model --model mypkg.models:build --config offload.toml --ranks 4 \\
+        --bench-json nvme.json
+    infinity-plan model --params 1.3e9 --config offload.toml --read-gbps 2.4 --write-gbps 3 --json
+
+Exit status: 0 on success; 1 when ``model`` finds the plan does not fit this machine; 2 on bad
+input (one line on stderr naming the problem, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+PROG = "infinity-plan"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    table = sub.add_parser(
+        "table",
+        help="ZeRO model states per rank for each stage, in GB (1e9 bytes)",
+        description="The ZeRO paper's per-rank model-state bytes for stages 0-3, in decimal GB.",
+    )
+    table.add_argument("--params", required=True,
+                       help="comma-separated parameter counts, e.g. 7.5e9,128e9,1e12 or 1.3B")
+    table.add_argument("--ranks", required=True,
+                       help="comma-separated data-parallel degrees, e.g. 1,4,16,64")
+    table.add_argument("--k", type=int, default=12,
+                       help="optimizer-state bytes per parameter (default 12: mixed-precision Adam)")
+    table.add_argument("--param-bytes", type=int, default=2, help="bytes per parameter (default 2)")
+    table.add_argument("--grad-bytes", type=int, default=2, help="bytes per gradient (default 2)")
+    table.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                       help="write JSON to PATH (or to stdout instead of the table, without PATH)")
+
+    model = sub.add_parser(
+        "model",
+        help="per-rank bytes per tier, fit, NVMe traffic and step-time bound for a model",
+        description="Plan a model under an infinity config: bytes per tier per rank (GiB), "
+                    "whether it fits this machine, NVMe traffic per step and a step-time bound.",
+    )
+    what = model.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", metavar="PKG.MODULE:CALLABLE",
+                      help="a callable returning an nn.Module, built on the meta device")
+    what.add_argument("--params", help="a bare parameter count, e.g. 1.3e9 or 1.3B")
+    model.add_argument("--config", required=True, help="config file (.toml/.json) or preset name")
+    model.add_argument("--ranks", type=int, default=1, help="data-parallel world size (default 1)")
+    model.add_argument("--local-ranks", type=int, default=None,
+                       help="ranks on this machine (default: all); must divide --ranks")
+    bw = model.add_mutually_exclusive_group()
+    bw.add_argument("--bench-json", metavar="FILE", help="an 'infinity-bench nvme --json' result")
+    bw.add_argument("--read-gbps", type=float, help="NVMe read bandwidth, GB/s (1e9 bytes/s)")
+    model.add_argument("--write-gbps", type=float, help="NVMe write bandwidth, GB/s")
+    model.add_argument("--no-check", action="store_true",
+                       help="do not check the plan against this machine's memory and disks")
+    model.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                       help="write JSON to PATH (or to stdout instead of the table, without PATH)")
+    return parser
+
+
+def _split(text: str, what: str) -> list[str]:
+    from infinity.plan import PlanError
+
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise PlanError(f"{what} needs at least one value, got {text!r}")
+    return items
+
+
+def _parse_ranks(text: str) -> list[int]:
+    from infinity.plan import PlanError
+
+    ranks = []
+    for item in _split(text, "--ranks"):
+        if not item.isdigit() or int(item) < 1:
+            raise PlanError(f"--ranks values must be positive integers, got {item!r}")
+        ranks.append(int(item))
+    return ranks
+
+
+def _emit_json(data: object, dest: str) -> None:
+    text = json.dumps(data, indent=2)
+    if dest == "-":
+        print(text)
+    else:
+        Path(dest).write_text(text + "\n")
+
+
+def _run_table(args: argparse.Namespace) -> int:
+    from infinity.plan import render_zero_table, zero_table
+
+    rows = zero_table(
+        _split(args.params, "--params"),
+        _parse_ranks(args.ranks),
+        k=args.k,
+        param_bytes=args.param_bytes,
+        grad_bytes=args.grad_bytes,
+    )
+    if args.json != "-":
+        print(render_zero_table(rows, k=args.k))
+    if args.json:
+        _emit_json(
+            {
+                "unit": "bytes per rank (GB = 1e9 bytes in the printed table)",
+                "k": args.k,
+                "param_bytes": args.param_bytes,
+                "grad_bytes": args.grad_bytes,
+                "rows": rows,
+            },
+            args.json,
+        )
+    return 0
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    from infinity.plan import Bandwidth, PlanError, plan
+
+    bandwidth: object = None
+    if args.bench_json:
+        if args.write_gbps is not None:
+            raise PlanError("give --bench-json or --read-gbps/--write-gbps, not both")
+        bandwidth = args.bench_json
+    elif (args.read_gbps is None) != (args.write_gbps is None):
+        raise PlanError("--read-gbps and --write-gbps go together")
+    elif args.read_gbps is not None:
+        bandwidth = Bandwidth(args.read_gbps, args.write_gbps, source="command line")
+    result = plan(
+        args.model if args.model else args.params,
+        args.config,
+        world_size=args.ranks,
+        nvme_bandwidth=bandwidth,
+        local_ranks=args.local_ranks,
+        check_fit=not args.no_check,
+    )
+    if args.json != "-":
+        print(result.table())
+    if args.json:
+        _emit_json(result.to_dict(), args.json)
+    return 0 if result.fit is None or result.fit.fits else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``infinity-plan``; returns the exit status.
+
+    Examples
+    --------
+    >>> main(["table", "--params", "7.5e9", "--ranks", "64"])  # doctest: +SKIP
+    0
+    """
+    args = _build_parser().parse_args(argv)
+    from infinity.plan import PlanError
+
+    try:
+        if args.command == "table":
+            return _run_table(args)
+        return _run_model(args)
+    except PlanError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`infinity-plan ... | head`): not an error of ours.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (keeps interpreter exit quiet)
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

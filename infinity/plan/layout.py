@@ -1,0 +1,189 @@
+"""Shard arithmetic: from a census, a config and a world size to bytes per tier and NVMe traffic.
+
+[Note: where each byte lives]
+Following shared/DESIGN.md ("Where each byte lives") and the engine's allocations, per rank:
+
+* compute copy of each group's shard, ``precision.dtype``, in ``tiers.params``. In fp32 with
+  params and optimizer in the same tier it *is* the master weight: the design keeps one copy,
+  counted once, under the master.
+* fp32 master, Adam m and v, fp32 gradient accumulator of the trainable shards:
+  ``tiers.optimizer``.
+* when anything is on NVMe: the I/O buffer pool (``tiers.pool_buffers`` x
+  ``tiers.pool_buffer_size``) in host memory.
+* when the optimizer is on NVMe: its sub-group pipeline buffers in host memory: 4 fp32 buffers
+  (master, m, v, gradient) of one sub-group, double buffered (one sub-group stepped while the
+  next is read). A sub-group is ``partition.sub_group_size`` elements rounded up to the shard
+  alignment, but never more than the rank's whole shard (``infinity/optim_state.py``).
+* when params are on NVMe: aligned host staging buffers the shard reads land in, the NVMe
+  prefetch window: as many buffers of the largest shard as ``prefetch.nvme_bytes`` holds, at
+  least 3 and at most 64 (``infinity/engine.py``, [Note: staging buffers]).
+* on the compute device: the largest group gathered whole (its padded flat buffer, compute
+  dtype); in backward the largest trainable group's flat fp32 gradient buffer before its
+  reduce-scatter (``infinity/grads.py``); ``prefetch.device_bytes`` when prefetching; and groups
+  below ``partition.persistence_threshold`` elements, which stay gathered on every rank.
+
+[Note: padding]
+Each group's flat buffer is padded so that every rank's shard is a whole multiple of
+``SHARD_ALIGN_NUMEL`` elements (2048, as ``infinity.param_group.ALIGN_NUMEL``: the brief asked for
+1024; the engine uses 2048 so that a 2-byte shard is a whole 4096-byte O_DIRECT block):
+shard = roundup(ceil(numel / world_size), 2048). Every rank therefore holds the same bytes (one
+rank type) and nothing has to divide the world size. NVMe slots are whole 4096-byte blocks.
+
+[Note: NVMe traffic per step]
+shared/DESIGN.md, one micro-batch per step, steady state: compute copies are read in forward and
+again in backward (persistent groups once: they are re-gathered after the update only); gradients
+are written as they are reduce-scattered; one pass over the optimizer's sub-groups reads master,
+m, v and gradient and writes master, m, v and the new compute copy (frozen groups are not
+rewritten; with a shared fp32 copy the master write is the compute copy).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from infinity.plan.census import ModelCensus
+from infinity.plan.units import round_up
+
+if TYPE_CHECKING:
+    from infinity.config import Config
+    from infinity.plan.planner import PlanRow
+
+SHARD_ALIGN_NUMEL = 2048
+NVME_ALIGN_BYTES = 4096
+FP32_BYTES = 4
+# Bounds on the number of NVMe staging buffers (infinity/engine.py, [Note: staging buffers]).
+STAGING_MIN_BUFFERS = 3
+STAGING_MAX_BUFFERS = 64
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """One rank's padded shard of a group of ``numel`` elements (see [Note: padding])."""
+    return round_up(-(-numel // world_size), SHARD_ALIGN_NUMEL)
+
+
+class Layout:
+    """Per-rank sizes of one (census, config, world size); yields the plan's rows and traffic.
+
+    Parameters
+    ----------
+    census : ModelCensus
+        The partition groups.
+    cfg : infinity.config.Config
+        The loaded config.
+    world_size : int
+        Data-parallel ranks.
+    param_bytes : int
+        Bytes per element of the compute dtype.
+    """
+
+    def __init__(self, census: ModelCensus, cfg: "Config", world_size: int, param_bytes: int):
+        self.cfg = cfg
+        self.pb = param_bytes
+        self.structured = census.structured
+        self.params_tier = cfg.tiers.params
+        self.opt_tier = cfg.tiers.optimizer
+        self.shared = param_bytes == FP32_BYTES and self.params_tier == self.opt_tier
+        threshold = int(cfg.partition.persistence_threshold)
+        copy_bytes = FP32_BYTES if self.shared else param_bytes
+        self.shard_numel = 0
+        self.trainable_numel = 0
+        self.persistent_padded_numel = 0
+        self.compute_nvme = 0  # compute-copy bytes as stored on NVMe (block aligned)
+        self.read_nvme = 0  # compute-copy bytes read per step (forward + backward)
+        self.rewrite_nvme = 0  # compute-copy bytes of trainable groups, rewritten by the update
+        self.largest_shard = 0
+        self.largest_name: str | None = None
+        self.largest_numel: int | None = None
+        self.largest_trainable_numel = 0
+        for group in census.groups:
+            shard = shard_numel(group.numel, world_size)
+            padded = shard * world_size
+            on_disk = round_up(shard * copy_bytes, NVME_ALIGN_BYTES)
+            persistent = threshold > 0 and group.numel < threshold
+            self.shard_numel += shard
+            self.compute_nvme += on_disk
+            self.read_nvme += on_disk if persistent else 2 * on_disk
+            self.largest_shard = max(self.largest_shard, shard)
+            if persistent:
+                self.persistent_padded_numel += padded
+            if group.trainable:
+                self.trainable_numel += shard
+                self.rewrite_nvme += on_disk
+                self.largest_trainable_numel = max(self.largest_trainable_numel, padded)
+            if census.structured and (self.largest_numel is None or padded > self.largest_numel):
+                self.largest_name, self.largest_numel = group.name, padded
+        if not census.structured:
+            self.largest_trainable_numel = 0
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.params_tier, self.opt_tier)
+
+    def rows(self) -> Iterator["PlanRow"]:
+        """Every byte one rank holds, by purpose (see [Note: where each byte lives])."""
+        from infinity.plan.planner import PlanRow
+
+        cfg, pb, dtype = self.cfg, self.pb, self.cfg.precision.dtype
+        if self.shared:
+            yield PlanRow("compute_copy", "compute copy of params (float32): shared with the "
+                          "fp32 master", self.params_tier, 0)
+        else:
+            nbytes = self.compute_nvme if self.params_tier == "nvme" else self.shard_numel * pb
+            yield PlanRow("compute_copy", f"compute copy of params ({dtype}, "
+                          f"{self.shard_numel:,} elements)", self.params_tier, nbytes)
+        t = self.trainable_numel
+        yield PlanRow("master", f"fp32 master params ({t:,} trainable elements)", self.opt_tier,
+                      FP32_BYTES * t)
+        yield PlanRow("adam_moments", "Adam m and v (fp32)", self.opt_tier, 2 * FP32_BYTES * t)
+        yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier,
+                      FP32_BYTES * t)
+        if self.uses_nvme:
+            count, size = int(cfg.tiers.pool_buffers), int(cfg.tiers.pool_buffer_size)
+            yield PlanRow("pool_buffers", f"NVMe I/O buffer pool ({count} x "
+                          f"{size / 2**20:g} MiB)", "host", count * size)
+        if self.opt_tier == "nvme" and t:
+            sub = min(round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL),
+                      max(t, SHARD_ALIGN_NUMEL))
+            yield PlanRow("optimizer_subgroup_buffers", f"optimizer sub-group buffers (2 sets x "
+                          f"4 fp32 x {sub:,} elements)", "host", 2 * 4 * FP32_BYTES * sub)
+        if self.params_tier == "nvme" and not self.structured:
+            yield PlanRow("nvme_staging", "NVMe read staging / prefetch window (largest shard "
+                          "unknown: prefetch.nvme_bytes)", "host", int(cfg.prefetch.nvme_bytes))
+        elif self.params_tier == "nvme":
+            size = round_up(self.largest_shard * pb, NVME_ALIGN_BYTES)
+            count = max(STAGING_MIN_BUFFERS,
+                        min(STAGING_MAX_BUFFERS, int(cfg.prefetch.nvme_bytes) // size))
+            yield PlanRow("nvme_staging", f"NVMe read staging / prefetch window ({count} x "
+                          f"{size / 2**20:.3g} MiB)", "host", count * size)
+        if self.largest_numel is not None:
+            yield PlanRow("working_set", f"largest working set: {self.largest_name} gathered "
+                          f"({self.largest_numel:,} elements, {dtype})", "device",
+                          self.largest_numel * pb)
+        if self.largest_trainable_numel:
+            yield PlanRow("working_set_grad", f"largest gradient buffer before reduce-scatter "
+                          f"({self.largest_trainable_numel:,} elements, fp32)", "device",
+                          self.largest_trainable_numel * FP32_BYTES)
+        if cfg.prefetch.enabled:
+            yield PlanRow("device_prefetch", "host->device prefetch budget", "device",
+                          int(cfg.prefetch.device_bytes))
+        if self.persistent_padded_numel:
+            yield PlanRow("persistent_params", f"groups below persistence_threshold, kept "
+                          f"gathered ({self.persistent_padded_numel:,} elements)", "device",
+                          self.persistent_padded_numel * pb)
+
+    def nvme_read_bytes(self) -> int:
+        """Bytes one rank reads from NVMe per step (see [Note: NVMe traffic per step])."""
+        total = self.read_nvme if self.params_tier == "nvme" else 0
+        if self.opt_tier == "nvme":
+            total += 4 * FP32_BYTES * self.trainable_numel  # master, m, v, gradient
+        return total
+
+    def nvme_write_bytes(self) -> int:
+        """Bytes one rank writes to NVMe per step (see [Note: NVMe traffic per step])."""
+        total = 0
+        if self.opt_tier == "nvme":
+            total += FP32_BYTES * self.trainable_numel  # gradients, as reduce-scattered
+            total += 3 * FP32_BYTES * self.trainable_numel  # master, m, v
+        if self.params_tier == "nvme" and not self.shared:
+            total += self.rewrite_nvme
+        return total

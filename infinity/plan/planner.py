@@ -1,0 +1,453 @@
+"""The per-rank plan of a model under a config: bytes per tier, NVMe traffic, a step-time bound.
+
+Sizes come from ``infinity.plan.layout`` ([Note: where each byte lives], [Note: padding],
+[Note: NVMe traffic per step]); this module turns them into a :class:`Plan`, checks it against
+the machine (``tiers.budget``) and bounds the step time.
+
+[Note: step-time lower bound]
+All ranks on one machine are assumed to share the NVMe paths the bench measured, and a disk's
+bandwidth is shared between reads and writes (mixed traffic runs no faster than either pure
+rate), so the bound is local_ranks x (read_bytes / read rate + write_bytes / write rate).
+Compute, PCIe copies and collectives can only add to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from infinity.plan.bandwidth import Bandwidth
+from infinity.plan.census import ModelCensus, census_of_module, load_model
+from infinity.plan.errors import PlanError
+from infinity.plan.layout import Layout
+from infinity.plan.units import parse_count, parse_positive_int
+
+if TYPE_CHECKING:
+    from infinity.config import Config
+    from tiers.budget import Need
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TIERS = ("device", "host", "nvme")
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """Bytes one rank holds for one purpose in one tier.
+
+    Attributes
+    ----------
+    key : str
+        Stable identifier (``compute_copy``, ``master``, ``adam_moments``, ``grad_accumulator``,
+        ``pool_buffers``, ``optimizer_subgroup_buffers``, ``nvme_staging``, ``working_set``,
+        ``working_set_grad``, ``device_prefetch``, ``persistent_params``).
+    what : str
+        Human description, including dtype and sizes.
+    tier : str
+        ``device``, ``host`` or ``nvme``.
+    nbytes : int
+        Bytes per rank.
+    """
+
+    key: str
+    what: str
+    tier: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FitCheck:
+    """The outcome of checking a plan's needs against this machine (``tiers.budget``)."""
+
+    fits: bool
+    shortfalls: tuple[str, ...]
+    rows: tuple[dict, ...]
+    local_ranks: int
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The setting a plan was made for: ranks, precision, tiers, compute device.
+
+    Attributes
+    ----------
+    world_size : int
+        Data-parallel ranks.
+    local_ranks : int
+        Ranks sharing one machine (its RAM and NVMe paths); divides ``world_size``.
+    dtype : str
+        ``precision.dtype`` (the compute copy's dtype).
+    param_bytes : int
+        Bytes per element of ``dtype``.
+    params_tier, optimizer_tier : str
+        ``tiers.params`` and ``tiers.optimizer``.
+    compute_device : str
+        ``cpu`` or ``cuda`` (``tiers.device`` with ``auto`` resolved on this machine).
+    nvme_paths : tuple of str
+        ``tiers.nvme_path``.
+    host_budget : int
+        ``tiers.host_budget`` (0: RAM available).
+    """
+
+    world_size: int
+    local_ranks: int
+    dtype: str
+    param_bytes: int
+    params_tier: str
+    optimizer_tier: str
+    compute_device: str
+    nvme_paths: tuple[str, ...]
+    host_budget: int
+
+
+@dataclass(frozen=True)
+class ShardSizes:
+    """Element counts of one rank's shards (see [Note: padding] in ``infinity.plan.layout``).
+
+    Attributes
+    ----------
+    shard_numel : int
+        Elements per rank over all groups, padding included.
+    trainable_shard_numel : int
+        Of which in trainable groups (what fp32 master, Adam m, v and gradients cover).
+    padding_numel : int
+        Padding elements over all ranks and groups.
+    largest_group : str or None
+        Name of the largest group (None when only a parameter count was given).
+    largest_group_numel : int or None
+        Its padded, gathered element count.
+    """
+
+    shard_numel: int
+    trainable_shard_numel: int
+    padding_numel: int
+    largest_group: str | None
+    largest_group_numel: int | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every rank must hold, where, and what one step moves to and from NVMe.
+
+    Build one with :func:`plan`. Byte counts are per rank (every rank holds the same bytes);
+    ``needs`` multiplies host and NVMe bytes by the ranks sharing this machine.
+
+    Attributes
+    ----------
+    source : str
+        The model (callable spec, class name or parameter count).
+    num_params : int
+        Parameter elements, unpadded.
+    settings : PlanSettings
+    shards : ShardSizes
+    rows : tuple of PlanRow
+        Every purpose bytes are held for, per rank.
+    nvme_read_bytes, nvme_write_bytes : int
+        NVMe traffic of one step, per rank.
+    bandwidth : Bandwidth or None
+        For the step-time bound.
+    fit : FitCheck or None
+        The check against this machine, when made.
+    """
+
+    source: str
+    num_params: int
+    settings: PlanSettings
+    shards: ShardSizes
+    rows: tuple[PlanRow, ...]
+    nvme_read_bytes: int
+    nvme_write_bytes: int
+    bandwidth: Bandwidth | None = None
+    fit: FitCheck | None = field(default=None, compare=False)
+
+    def tier_bytes(self, tier: str) -> int:
+        """Bytes one rank needs in ``tier`` (``device``, ``host`` or ``nvme``)."""
+        if tier not in TIERS:
+            raise PlanError(f"tier must be one of {list(TIERS)}, got {tier!r}")
+        return sum(row.nbytes for row in self.rows if row.tier == tier)
+
+    def row(self, key: str) -> PlanRow | None:
+        """The row with this key, or None when the config makes it unnecessary."""
+        return next((row for row in self.rows if row.key == key), None)
+
+    @property
+    def step_time_lower_bound_s(self) -> float | None:
+        """Seconds per step the NVMe traffic alone takes (see [Note: step-time lower bound]).
+
+        None when no bandwidth was given; 0.0 when nothing is on NVMe.
+        """
+        if self.nvme_read_bytes == 0 and self.nvme_write_bytes == 0:
+            return 0.0
+        if self.bandwidth is None:
+            return None
+        return self.settings.local_ranks * self.bandwidth.seconds(
+            self.nvme_read_bytes, self.nvme_write_bytes
+        )
+
+    def needs(self, local_ranks: int | None = None) -> list["Need"]:
+        """The plan as ``tiers.budget.Need`` rows for ``check_budget``, for one machine.
+
+        Host and NVMe bytes are multiplied by ``local_ranks`` (default: the plan's), since
+        those ranks share this machine's memory and disks; device bytes are per GPU, except
+        with the CPU as compute device, where every rank's "device" bytes are this machine's
+        RAM too (``check_budget`` then checks host + device together). NVMe bytes are spread
+        evenly over ``tiers.nvme_path``.
+
+        Examples
+        --------
+        >>> from tiers.budget import check_budget  # doctest: +SKIP
+        >>> check_budget(plan(model, cfg).needs(), host_budget=cfg.tiers.host_budget)  # doctest: +SKIP
+        """
+        from tiers.budget import Need
+
+        st = self.settings
+        ranks = st.local_ranks if local_ranks is None else parse_positive_int(
+            local_ranks, "local_ranks"
+        )
+        out: list[Need] = []
+        for row in self.rows:
+            if row.nbytes == 0:
+                continue
+            tier, what = row.tier, row.what
+            per_gpu = tier == "device" and st.compute_device != "cpu"
+            copies = 1 if per_gpu else ranks
+            if copies > 1:
+                what = f"{what} x {copies} ranks"
+            total = row.nbytes * copies
+            if tier != "nvme":
+                out.append(Need(what=what, tier=tier, nbytes=total))
+                continue
+            share, extra = divmod(total, len(st.nvme_paths))
+            for i, path in enumerate(st.nvme_paths):
+                out.append(
+                    Need(what=what, tier="nvme", nbytes=share + (i < extra), path=path)
+                )
+        return out
+
+    def check_fit(self, local_ranks: int | None = None) -> FitCheck:
+        """Check :meth:`needs` against this machine with ``tiers.budget.check_budget``.
+
+        An NVMe path that cannot be inspected (missing directory) counts as a shortfall
+        naming the path and the error, not as an exception.
+        """
+        from tiers.budget import check_budget
+
+        st = self.settings
+        ranks = st.local_ranks if local_ranks is None else local_ranks
+        try:
+            report = check_budget(
+                self.needs(ranks),
+                host_budget=st.host_budget,
+                device=torch.device(st.compute_device),
+            )
+        except OSError as exc:
+            return FitCheck(
+                fits=False,
+                shortfalls=(f"cannot inspect {exc.filename or 'an NVMe path'}: "
+                            f"{exc.strerror or exc}",),
+                rows=(),
+                local_ranks=ranks,
+            )
+        return FitCheck(
+            fits=bool(report.fits),
+            shortfalls=tuple(report.shortfalls()),
+            rows=tuple(dict(row) for row in report.rows),
+            local_ranks=ranks,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain, JSON-able form (bytes as ints; what ``infinity-plan model --json`` writes)."""
+        return {
+            "source": self.source,
+            "num_params": self.num_params,
+            **dataclasses.asdict(self.settings),
+            "nvme_paths": list(self.settings.nvme_paths),
+            **dataclasses.asdict(self.shards),
+            "per_rank": [
+                {"key": r.key, "what": r.what, "tier": r.tier, "nbytes": r.nbytes}
+                for r in self.rows
+            ],
+            "tier_bytes": {tier: self.tier_bytes(tier) for tier in TIERS},
+            "nvme_read_bytes_per_step": self.nvme_read_bytes,
+            "nvme_write_bytes_per_step": self.nvme_write_bytes,
+            "bandwidth": None if self.bandwidth is None else self.bandwidth.to_dict(),
+            "step_time_lower_bound_s": self.step_time_lower_bound_s,
+            "fit": None
+            if self.fit is None
+            else {
+                "fits": self.fit.fits,
+                "shortfalls": list(self.fit.shortfalls),
+                "local_ranks": self.fit.local_ranks,
+                "rows": [dict(row) for row in self.fit.rows],
+            },
+        }
+
+    def table(self) -> str:
+        """The plan as text: one table for the rank type (every rank holds the same bytes)."""
+        from infinity.plan.render import render_plan
+
+        return render_plan(self)
+
+
+def plan(
+    model_or_num_params: "nn.Module | str | int | float | ModelCensus",
+    config: "Config | str | Path | dict",
+    *,
+    world_size: int = 1,
+    nvme_bandwidth: Bandwidth | tuple[float, float] | str | Path | None = None,
+    local_ranks: int | None = None,
+    check_fit: bool = True,
+) -> Plan:
+    """Plan where each rank's bytes live for a model under a config.
+
+    Parameters
+    ----------
+    model_or_num_params : nn.Module, str, int or ModelCensus
+        A module (meta-device models work), a ``"package.module:callable"`` built on the meta
+        device, a parameter count (``1.3e9``, ``"1.3B"``) or a census the engine has taken.
+    config : Config, path, preset name or dict
+        Anything ``infinity.load_config`` accepts (a preset is named without ``.toml``).
+    world_size : int
+        Data-parallel ranks (a positive integer; groups are padded, so nothing must divide it).
+    nvme_bandwidth : Bandwidth, (read_gbps, write_gbps), bench JSON path, or None
+        For the step-time lower bound.
+    local_ranks : int, optional
+        Ranks sharing this machine (default: ``world_size``, all on this machine). Must divide
+        ``world_size``: every machine runs the same number of ranks.
+    check_fit : bool
+        Check the needs against this machine now (``Plan.fit``).
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    PlanError
+        On bad sizes, world sizes, model specs or configs, naming the culprit.
+
+    Examples
+    --------
+    >>> p = plan(1_300_000_000, {"precision": {"dtype": "bfloat16"}})  # doctest: +SKIP
+    >>> p.row("master").nbytes  # doctest: +SKIP
+    5200001024
+    """
+    cfg = resolve_config(config)
+    ranks = parse_positive_int(world_size, "world_size")
+    local = ranks if local_ranks is None else parse_positive_int(local_ranks, "local_ranks")
+    if local > ranks or ranks % local:
+        raise PlanError(
+            f"local_ranks ({local}) must divide world_size ({ranks}): every machine runs the "
+            f"same number of ranks"
+        )
+    dtype = str(cfg.precision.dtype)
+    if dtype not in DTYPE_BYTES:
+        raise PlanError(f"precision.dtype must be one of {list(DTYPE_BYTES)}, got {dtype!r}")
+    param_bytes = DTYPE_BYTES[dtype]
+    census = take_census(model_or_num_params, cfg, param_bytes)
+    bandwidth = resolve_bandwidth(nvme_bandwidth)
+    layout = Layout(census, cfg, ranks, param_bytes)
+    settings = PlanSettings(
+        world_size=ranks,
+        local_ranks=local,
+        dtype=dtype,
+        param_bytes=param_bytes,
+        params_tier=cfg.tiers.params,
+        optimizer_tier=cfg.tiers.optimizer,
+        compute_device=_compute_device(cfg.tiers.device),
+        nvme_paths=tuple(str(p) for p in cfg.tiers.nvme_path),
+        host_budget=int(cfg.tiers.host_budget),
+    )
+    shards = ShardSizes(
+        shard_numel=layout.shard_numel,
+        trainable_shard_numel=layout.trainable_numel,
+        padding_numel=layout.shard_numel * ranks - census.num_params,
+        largest_group=layout.largest_name,
+        largest_group_numel=layout.largest_numel,
+    )
+    result = Plan(
+        source=census.source,
+        num_params=census.num_params,
+        settings=settings,
+        shards=shards,
+        rows=tuple(layout.rows()),
+        nvme_read_bytes=layout.nvme_read_bytes(),
+        nvme_write_bytes=layout.nvme_write_bytes(),
+        bandwidth=bandwidth,
+    )
+    if not check_fit:
+        return result
+    return dataclasses.replace(result, fit=result.check_fit())
+
+
+def resolve_config(config: object) -> "Config":
+    """Load ``config`` (a Config, file, preset name or dict), turning failures into PlanError."""
+    from infinity.config import Config, ConfigError, load_config
+
+    if isinstance(config, Config):
+        return config
+    try:
+        return load_config(config)
+    except (ConfigError, OSError, ValueError, TypeError) as exc:
+        raise PlanError(f"config {config!s} does not load: {exc}") from exc
+
+
+def take_census(
+    model_or_num_params: object, cfg: "Config", param_bytes: int
+) -> ModelCensus:
+    """The census of a module, callable spec, parameter count or ready census."""
+    if isinstance(model_or_num_params, ModelCensus):
+        return model_or_num_params
+    source = None
+    model = model_or_num_params
+    if isinstance(model, str) and ":" in model:
+        source = model
+        model = load_model(model)
+    if isinstance(model, nn.Module):
+        tiling = cfg.tiling
+        return census_of_module(
+            model,
+            tiling_enabled=bool(tiling.enabled),
+            tiling_threshold=int(tiling.threshold),
+            tiles=int(tiling.tiles),
+            max_tile_bytes=int(tiling.max_tile_bytes),
+            tiling_modules=tuple(tiling.modules),
+            param_bytes=param_bytes,
+            source=source,
+        )
+    if isinstance(model, str) and re.search(r"[A-Za-z_]{2,}", model):
+        # Words, not a count such as "1.3B": a callable spec missing its ":callable".
+        raise PlanError(
+            f"model must look like 'package.module:callable' or be a parameter count such as "
+            f"1.3e9, got {model!r}"
+        )
+    if isinstance(model, (int, float, str)):
+        return ModelCensus.from_num_params(parse_count(model, "number of parameters"))
+    raise PlanError(
+        f"model must be an nn.Module, a 'package.module:callable' string or a parameter "
+        f"count, got {type(model).__name__}"
+    )
+
+
+def resolve_bandwidth(value: object) -> Bandwidth | None:
+    """A Bandwidth from a Bandwidth, a (read, write) GB/s pair or a bench JSON path."""
+    if value is None or isinstance(value, Bandwidth):
+        return value
+    if isinstance(value, (str, Path)):
+        return Bandwidth.from_bench_json(value)
+    if isinstance(value, tuple) and len(value) == 2:
+        return Bandwidth(read_gbps=value[0], write_gbps=value[1], source="given")
+    raise PlanError(
+        f"nvme_bandwidth must be a Bandwidth, a (read_gbps, write_gbps) pair or a bench JSON "
+        f"path, got {value!r}"
+    )
+
+
+def _compute_device(setting: str) -> str:
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(setting)

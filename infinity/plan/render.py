@@ -1,0 +1,86 @@
+"""A Plan as text: what ``infinity-plan model`` prints and ``Plan.table()`` returns."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from infinity.plan.layout import SHARD_ALIGN_NUMEL
+from infinity.plan.units import format_count, format_gib
+
+if TYPE_CHECKING:
+    from infinity.plan.planner import Plan
+
+_TIER_ORDER = {"device": 0, "host": 1, "nvme": 2}
+
+
+def render_plan(plan: "Plan") -> str:
+    """The plan's header, its per-rank table (GiB), NVMe traffic, step-time bound and fit."""
+    st, sh = plan.settings, plan.shards
+    ranks = st.world_size
+    rank_span = "rank 0" if ranks == 1 else f"ranks 0-{ranks - 1}"
+    where = f"{st.local_ranks} on this machine"
+    paths = f" ({', '.join(st.nvme_paths)})" if st.nvme_paths else ""
+    lines = [
+        f"Plan for {plan.source}: {format_count(plan.num_params)} parameters, "
+        f"world size {ranks} ({where})",
+        f"precision {st.dtype} ({st.param_bytes} bytes/element); params in "
+        f"{st.params_tier}, optimizer in {st.optimizer_tier}{paths}; compute device "
+        f"{st.compute_device}",
+        f"Every rank holds the same bytes: each group's shard is padded to a multiple of "
+        f"{SHARD_ALIGN_NUMEL} elements ({sh.shard_numel:,} elements per rank, "
+        f"{sh.padding_numel:,} padding in all).",
+        "",
+        f"Per rank ({rank_span}), GiB = 2^30 bytes",
+        f"{'tier':<7}{'GiB/rank':>10}  what",
+    ]
+    rows = sorted(plan.rows, key=lambda row: _TIER_ORDER[row.tier])
+    for row in rows:
+        lines.append(f"{row.tier:<7}{format_gib(row.nbytes):>10}  {row.what}")
+    totals = ", ".join(
+        f"{tier} {format_gib(plan.tier_bytes(tier))}" for tier in ("device", "host", "nvme")
+    )
+    lines.append(f"total per rank, GiB: {totals}")
+    if sh.largest_group is None:
+        lines.append(
+            "largest working set: unknown (only a parameter count was given; pass a model "
+            "to size it)"
+        )
+    lines.append("")
+    lines.append(
+        f"NVMe traffic per step, per rank: read {format_gib(plan.nvme_read_bytes)} GiB, "
+        f"write {format_gib(plan.nvme_write_bytes)} GiB"
+    )
+    lines.append(_step_time_line(plan))
+    if plan.fit is not None:
+        lines.append(_fit_line(plan))
+    return "\n".join(lines)
+
+
+def _step_time_line(plan: "Plan") -> str:
+    bound = plan.step_time_lower_bound_s
+    if bound == 0.0:
+        return "Step time lower bound from NVMe: none (nothing lives on NVMe)"
+    if bound is None or plan.bandwidth is None:
+        return (
+            "Step time lower bound from NVMe: needs a bandwidth (--bench-json, or "
+            "--read-gbps and --write-gbps)"
+        )
+    bw = plan.bandwidth
+    local = plan.settings.local_ranks
+    sharing = f"{local} ranks sharing " if local > 1 else ""
+    return (
+        f"Step time lower bound from NVMe: {bound:.3f} s ({sharing}read {bw.read_gbps:.2f} "
+        f"GB/s, write {bw.write_gbps:.2f} GB/s, GB = 1e9 bytes; from {bw.source})"
+    )
+
+
+def _fit_line(plan: "Plan") -> str:
+    fit = plan.fit
+    if fit is None:
+        return ""
+    machine = f"this machine ({fit.local_ranks} rank{'s' if fit.local_ranks > 1 else ''})"
+    if fit.fits:
+        return f"Fits {machine}: yes"
+    return f"Fits {machine}: NO: " + "; ".join(fit.shortfalls)
+
+
+__all__ = ["render_plan"]

@@ -1,0 +1,291 @@
+"""Per-rank plans of small models, checked against sums worked out by hand.
+
+[Note: the tiny model]
+fc1 = Linear(100, 300): 30,000 + 300 = 30,300 elements; norm = LayerNorm(300): 600;
+fc2 = Linear(300, 10, bias=False): 3,000. On 2 ranks each group's shard is
+ceil(numel / 2) rounded up to 2048 elements: fc1 15,150 -> 16,384; norm 300 -> 2,048;
+fc2 1,500 -> 2,048; 20,480 elements per rank, 40,960 over both (7,060 of padding).
+The largest group gathered is fc1: 32,768 elements.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from infinity.plan import Bandwidth, ModelCensus, PlanError, census_of_module, load_model, plan
+from infinity.plan.layout import SHARD_ALIGN_NUMEL, shard_numel
+
+MiB = 1 << 20
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(100, 300)
+        self.norm = nn.LayerNorm(300)
+        self.fc2 = nn.Linear(300, 10, bias=False)
+
+
+def _rows(p):
+    return {row.key: (row.tier, row.nbytes) for row in p.rows}
+
+
+def test_host_params_nvme_optimizer_bf16(tmp_path):
+    cfg = {
+        "tiers": {"params": "host", "optimizer": "nvme", "nvme_path": str(tmp_path)},
+        "precision": {"dtype": "bfloat16"},
+        "partition": {"persistence_threshold": 1000},
+    }
+    p = plan(Tiny(), cfg, world_size=2, nvme_bandwidth=(1.0, 2.0), check_fit=False)
+    assert p.num_params == 33_900
+    assert p.shards.shard_numel == 20_480
+    assert p.shards.trainable_shard_numel == 20_480
+    assert p.shards.padding_numel == 7_060
+    assert p.shards.largest_group == "fc1"
+    assert p.shards.largest_group_numel == 32_768
+    assert _rows(p) == {
+        "compute_copy": ("host", 2 * 20_480),
+        "master": ("nvme", 4 * 20_480),
+        "adam_moments": ("nvme", 8 * 20_480),
+        "grad_accumulator": ("nvme", 4 * 20_480),
+        "pool_buffers": ("host", 8 * 64 * MiB),
+        # The whole shard is smaller than a sub-group: 2 sets x 4 states x fp32 x 20,480.
+        "optimizer_subgroup_buffers": ("host", 2 * 4 * 4 * 20_480),
+        "working_set": ("device", 2 * 32_768),
+        "working_set_grad": ("device", 4 * 32_768),
+        "device_prefetch": ("device", 128 * MiB),
+        # norm (600 elements < 1000) stays gathered: 4,096 padded elements in bf16.
+        "persistent_params": ("device", 2 * 4_096),
+    }
+    assert p.tier_bytes("host") == 40_960 + 8 * 64 * MiB + 655_360
+    assert p.tier_bytes("nvme") == 16 * 20_480
+    # Optimizer pass: read master, m, v, grad; write grad (backward) + master, m, v.
+    assert p.nvme_read_bytes == 16 * 20_480
+    assert p.nvme_write_bytes == 16 * 20_480
+    # Both ranks share the disk: 2 x (327,680 B / 1 GB/s + 327,680 B / 2 GB/s).
+    assert p.step_time_lower_bound_s == pytest.approx(2 * (327_680 / 1e9 + 327_680 / 2e9))
+
+
+def test_everything_on_nvme_fp32_shares_compute_copy_with_master(tmp_path):
+    cfg = {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}}
+    p = plan(Tiny(), cfg, world_size=2, check_fit=False)
+    rows = _rows(p)
+    assert rows["compute_copy"] == ("nvme", 0)
+    assert rows["master"] == ("nvme", 4 * 20_480)
+    # Staging: largest shard fc1 16,384 x 4 B = 64 KiB; 256 MiB holds 4,096, capped at 64.
+    assert rows["nvme_staging"] == ("host", 64 * 65_536)
+    assert rows["working_set"] == ("device", 4 * 32_768)
+    # Forward and backward read the fp32 copy (= master): 2 x 81,920; then the optimizer pass.
+    assert p.nvme_read_bytes == 2 * 81_920 + 16 * 20_480
+    # The master write is the compute copy: no separate compute-copy write.
+    assert p.nvme_write_bytes == 16 * 20_480
+    assert p.step_time_lower_bound_s is None
+
+
+def test_nvme_params_host_optimizer_with_frozen_group(tmp_path):
+    model = Tiny()
+    model.fc2.weight.requires_grad_(False)
+    cfg = {
+        "tiers": {"params": "nvme", "optimizer": "host", "nvme_path": str(tmp_path)},
+        "precision": {"dtype": "bfloat16"},
+        "prefetch": {"enabled": False},
+    }
+    p = plan(model, cfg, world_size=2, check_fit=False)
+    rows = _rows(p)
+    trainable = 16_384 + 2_048
+    assert p.shards.trainable_shard_numel == trainable
+    assert rows["compute_copy"] == ("nvme", 2 * 20_480)
+    assert rows["master"] == ("host", 4 * trainable)
+    assert "device_prefetch" not in rows and "optimizer_subgroup_buffers" not in rows
+    # Staging is there whether or not prefetching is on: 32 KiB shards, 3 to 64 of them.
+    assert rows["nvme_staging"] == ("host", 64 * 32_768)
+    assert p.nvme_read_bytes == 2 * 2 * 20_480
+    # Only trainable groups' compute copies are rewritten by the update.
+    assert p.nvme_write_bytes == 2 * trainable
+
+
+def test_needs_cover_this_machine(tmp_path):
+    cfg = {
+        "tiers": {"params": "host", "optimizer": "nvme", "nvme_path": str(tmp_path),
+                  "device": "cpu"},
+        "precision": {"dtype": "bfloat16"},
+    }
+    p = plan(Tiny(), cfg, world_size=4, local_ranks=2, check_fit=False)
+    needs = p.needs()
+    per_tier = {tier: sum(n.nbytes for n in needs if n.tier == tier)
+                for tier in ("device", "host", "nvme")}
+    # Two ranks on this machine; with the CPU as compute device its "device" bytes are RAM too.
+    assert per_tier == {tier: 2 * p.tier_bytes(tier) for tier in per_tier}
+    assert {n.path for n in needs if n.tier == "nvme"} == {str(tmp_path)}
+    assert all("x 2 ranks" in n.what for n in needs)
+    assert sum(n.nbytes for n in p.needs(local_ranks=1)) == sum(
+        p.tier_bytes(t) for t in ("device", "host", "nvme"))
+
+
+def test_nvme_bytes_spread_over_paths(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    cfg = {"tiers": {"params": "host", "optimizer": "nvme", "nvme_path": [str(a), str(b)]}}
+    p = plan(Tiny(), cfg, world_size=2, local_ranks=1, check_fit=False)
+    nvme = [n for n in p.needs() if n.tier == "nvme"]
+    assert {n.path for n in nvme} == {str(a), str(b)}
+    assert sum(n.nbytes for n in nvme) == p.tier_bytes("nvme")
+
+
+def test_fit_check_names_the_shortfall(tmp_path):
+    cfg = {
+        "tiers": {"params": "host", "optimizer": "nvme", "nvme_path": str(tmp_path),
+                  "host_budget": "1MiB"},
+    }
+    p = plan(Tiny(), cfg, world_size=1)
+    assert p.fit is not None and not p.fit.fits
+    assert any("host_budget" in line for line in p.fit.shortfalls)
+    roomy = plan(Tiny(), {"tiers": {"host_budget": "64GiB"}, "prefetch": {"enabled": False}})
+    assert roomy.fit is not None and roomy.fit.fits, roomy.fit.shortfalls
+    assert "Fits this machine (1 rank): yes" in roomy.table()
+
+
+def test_table_and_dict_say_units_and_agree(tmp_path):
+    cfg = {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)},
+           "precision": {"dtype": "bfloat16"}}
+    p = plan(Tiny(), cfg, world_size=2, nvme_bandwidth=Bandwidth(2.0, 3.0, "test"),
+             check_fit=False)
+    text = p.table()
+    assert "GiB = 2^30 bytes" in text and "GB = 1e9 bytes" in text
+    assert "ranks 0-1" in text and "padded to a multiple of 2048" in text
+    d = p.to_dict()
+    assert d["tier_bytes"]["nvme"] == p.tier_bytes("nvme")
+    assert d["nvme_read_bytes_per_step"] == p.nvme_read_bytes
+    assert d["step_time_lower_bound_s"] == pytest.approx(
+        2 * (p.nvme_read_bytes / 2e9 + p.nvme_write_bytes / 3e9))
+    assert [r["key"] for r in d["per_rank"]] == [r.key for r in p.rows]
+
+
+def test_tiling_splits_large_linear_layers():
+    model = nn.Linear(64, 4096)  # weight 262,144 elements, bias 4,096
+    tiling = dict(tiling_enabled=True, tiling_threshold=100_000, param_bytes=2)
+    # 128 KiB tiles of bf16: ceil(262,144 x 2 / 131,072) = 4 tiles of 1,024 rows x 64.
+    census = census_of_module(model, max_tile_bytes=128 * 1024, **tiling)
+    assert [(g.name, g.numel) for g in census.groups] == [
+        (f"<root>[tile {i}/4]", 65_536) for i in range(1, 5)] + [("<root>", 4_096)]
+    # tiles = 3 splits 4,096 rows as 1,366 / 1,365 / 1,365.
+    census = census_of_module(model, tiles=3, **tiling)
+    assert [g.numel for g in census.groups] == [1_366 * 64, 1_365 * 64, 1_365 * 64, 4_096]
+    # Patterns that do not match leave the layer whole; below the threshold nothing is tiled.
+    assert len(census_of_module(model, tiles=3, tiling_modules=("blocks.*",), **tiling).groups) == 1
+    assert len(census_of_module(model, tiles=3, tiling_enabled=True, tiling_threshold=10**6,
+                                param_bytes=2).groups) == 1
+    # The tile is the working set.
+    p = plan(model, {"tiling": {"threshold": 100_000, "tiles": 3},
+                     "precision": {"dtype": "bfloat16"}}, check_fit=False)
+    assert p.shards.largest_group == "<root>[tile 1/3]"
+    assert p.shards.largest_group_numel == shard_numel(1_366 * 64, 1)
+
+
+def test_tied_weights_and_meta_models_count_once():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(1000, 64)
+            self.head = nn.Linear(64, 1000, bias=False)
+            self.head.weight = self.emb.weight
+
+    with torch.device("meta"):
+        model = Tied()
+    assert model.emb.weight.is_meta
+    census = census_of_module(model)
+    assert [(g.name, g.numel) for g in census.groups] == [("emb", 64_000)]
+
+
+def test_callable_spec_builds_on_meta(tmp_path, monkeypatch):
+    (tmp_path / "plan_tinymod.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "SEEN = []\n"
+        "def build():\n"
+        "    m = nn.Sequential(nn.Linear(100, 300), nn.LayerNorm(300))\n"
+        "    SEEN.append(m[0].weight.device.type)\n"
+        "    return m\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = load_model("plan_tinymod:build")
+    import plan_tinymod
+
+    assert plan_tinymod.SEEN == ["meta"]
+    p = plan("plan_tinymod:build", {}, world_size=2, check_fit=False)
+    assert p.source == "plan_tinymod:build"
+    assert p.num_params == sum(t.numel() for t in model.parameters()) == 30_900
+
+
+def test_bare_parameter_count():
+    p = plan("1e6", {"precision": {"dtype": "bfloat16"}}, check_fit=False)
+    assert p.num_params == 10**6
+    assert p.shards.shard_numel == shard_numel(10**6, 1) == 1_001_472
+    assert p.shards.largest_group is None and p.row("working_set") is None
+    assert "largest working set: unknown" in p.table()
+    census = ModelCensus.from_num_params(10**6)
+    assert plan(census, {}, check_fit=False).num_params == 10**6
+
+
+def test_padding_matches_the_engine():
+    param_group = pytest.importorskip("infinity.param_group")
+    assert SHARD_ALIGN_NUMEL == param_group.ALIGN_NUMEL
+    for numel in (1, 4095, 4096, 4097, 30_300, 10**7 + 1):
+        for ranks in (1, 2, 3, 4, 7):
+            assert shard_numel(numel, ranks) == param_group.padded_shard_numel(numel, ranks)
+
+
+@pytest.mark.parametrize(
+    "model, kwargs, match",
+    [
+        (Tiny(), {"world_size": 0}, "world_size must be a positive integer"),
+        (Tiny(), {"world_size": -2}, "world_size must be a positive integer"),
+        (Tiny(), {"world_size": 4, "local_ranks": 3}, r"local_ranks \(3\) must divide world_size"),
+        (Tiny(), {"world_size": 2, "local_ranks": 4}, "must divide world_size"),
+        (0, {}, "must be positive"),
+        (-1e9, {}, "must be positive"),
+        (object(), {}, "model must be an nn.Module"),
+        (nn.ReLU(), {}, "has no parameters"),
+        (Tiny(), {"nvme_bandwidth": (0.0, 1.0)}, "read_gbps must be a positive number"),
+        (Tiny(), {"nvme_bandwidth": (1.0, -3.0)}, "write_gbps must be a positive number"),
+    ],
+)
+def test_bad_plan_input(model, kwargs, match):
+    with pytest.raises(PlanError, match=match):
+        plan(model, {}, check_fit=False, **kwargs)
+
+
+def test_tiles_must_fit_the_rows():
+    with pytest.raises(PlanError, match="tiling.tiles = 3 but layer '<root>' has only 2"):
+        plan(nn.Linear(64, 2), {"tiling": {"threshold": 1, "tiles": 3}}, check_fit=False)
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("no_such_pkg_for_plan.models:build",
+         "cannot import module 'no_such_pkg_for_plan.models' .*ModuleNotFoundError"),
+        ("torch.nn", "must look like 'package.module:callable'"),
+        ("torch.nn:NoSuchLayer", "module 'torch.nn' has no attribute 'NoSuchLayer'"),
+        ("torch.nn:Linear", "building model 'torch.nn:Linear' on the meta device failed: TypeError"),
+        ("math:pi", "is not callable"),
+        ("builtins:dict", "returned a dict, not a torch.nn.Module"),
+    ],
+)
+def test_bad_model_callable(spec, match):
+    with pytest.raises(PlanError, match=match):
+        plan(spec, {}, check_fit=False)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ("/nonexistent/offload.toml", "config /nonexistent/offload.toml does not load"),
+        ({"tiers": {"parms": "host"}}, "does not load: .*parms"),
+        ({"tiers": {"params": "nvme"}}, "does not load: .*nvme_path"),
+        ("no-such-preset", "does not load"),
+    ],
+)
+def test_bad_config(config, match):
+    with pytest.raises(PlanError, match=match):
+        plan(Tiny(), config, check_fit=False)
