@@ -305,7 +305,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="infinity-report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="infinity-report", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--path", default=tempfile.gettempdir(),
                         help="directory to check for O_DIRECT, free space and I/O engines (default: %(default)s)")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
