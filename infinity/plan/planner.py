@@ -32,6 +32,20 @@ if TYPE_CHECKING:
     from tiers.budget import Need
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Short names for budget messages, which join every need of one resource in a sentence.
+NEED_LABELS = {
+    "compute_copy": "params (compute copy)",
+    "master": "fp32 master",
+    "adam_moments": "Adam m, v",
+    "grad_accumulator": "fp32 gradients",
+    "pool_buffers": "NVMe I/O pool",
+    "optimizer_subgroup_buffers": "optimizer sub-group buffers",
+    "nvme_staging": "NVMe staging",
+    "working_set": "largest gathered group",
+    "working_set_grad": "its gradient buffer",
+    "device_prefetch": "device prefetch",
+    "persistent_params": "persistent params",
+}
 TIERS = ("device", "host", "nvme")
 
 
@@ -212,11 +226,11 @@ class Plan:
         for row in self.rows:
             if row.nbytes == 0:
                 continue
-            tier, what = row.tier, row.what
+            tier, what = row.tier, NEED_LABELS.get(row.key, row.what)
             per_gpu = tier == "device" and st.compute_device != "cpu"
             copies = 1 if per_gpu else ranks
             if copies > 1:
-                what = f"{what} x {copies} ranks"
+                what = f"{what} (x{copies} ranks)"
             total = row.nbytes * copies
             if tier != "nvme":
                 out.append(Need(what=what, tier=tier, nbytes=total))

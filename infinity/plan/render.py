@@ -80,7 +80,7 @@ def _fit_line(plan: "Plan") -> str:
     machine = f"this machine ({fit.local_ranks} rank{'s' if fit.local_ranks > 1 else ''})"
     if fit.fits:
         return f"Fits {machine}: yes"
-    return f"Fits {machine}: NO: " + "; ".join(fit.shortfalls)
+    return f"Fits {machine}: NO:\n" + "\n".join(f"  - {line}" for line in fit.shortfalls)
 
 
 __all__ = ["render_plan"]

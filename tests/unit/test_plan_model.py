@@ -118,7 +118,8 @@ def test_needs_cover_this_machine(tmp_path):
     # Two ranks on this machine; with the CPU as compute device its "device" bytes are RAM too.
     assert per_tier == {tier: 2 * p.tier_bytes(tier) for tier in per_tier}
     assert {n.path for n in needs if n.tier == "nvme"} == {str(tmp_path)}
-    assert all("x 2 ranks" in n.what for n in needs)
+    assert all(n.what.endswith("(x2 ranks)") for n in needs)
+    assert "fp32 master (x2 ranks)" in {n.what for n in needs}
     assert sum(n.nbytes for n in p.needs(local_ranks=1)) == sum(
         p.tier_bytes(t) for t in ("device", "host", "nvme"))
 
