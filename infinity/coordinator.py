@@ -47,6 +47,9 @@ class FetchStats:
 
     def reset(self) -> None:
         self.stall_seconds = 0.0
+        # Part of stall_seconds spent blocked on the tier read itself (the rest is the
+        # host->device copy and the all-gather); issue 6 reports it as I/O stall.
+        self.read_wait_seconds = 0.0
         self.fetches = 0
         self.prefetch_hits = 0
         self.bytes_gathered = 0
@@ -55,6 +58,7 @@ class FetchStats:
     def as_dict(self) -> dict:
         return {
             "stall_seconds": self.stall_seconds,
+            "read_wait_seconds": self.read_wait_seconds,
             "fetches": self.fetches,
             "prefetch_hits": self.prefetch_hits,
             "hit_rate": self.prefetch_hits / self.fetches if self.fetches else 0.0,
@@ -129,12 +133,28 @@ class Coordinator:
         return self.param_tier.write(group.param_key, src.contiguous(), offset=offset_numel * nbytes_per)
 
     # -- fetching ----------------------------------------------------------------------------
-    def start_fetch(self, group: ParamGroup, prefetch: bool = False) -> None:
-        """Issue the read of this rank's shard (no wait). A no-op unless NOT_AVAILABLE."""
+    def start_fetch(self, group: ParamGroup, prefetch: bool = False, staging=None) -> None:
+        """Issue the read of this rank's shard (no wait). A no-op unless NOT_AVAILABLE.
+
+        ``staging``: an aligned host buffer with ``.tensor`` (uint8) and ``.release()`` to read
+        into instead of one from the staging pool; the prefetcher passes slices of its own
+        arena (see [Note: why prefetched reads have their own staging] in staging_arena.py).
+        It is released when the fetch completes (or at once when this call is a no-op).
+        """
         if group.state is not ParamState.NOT_AVAILABLE:
+            if staging is not None:
+                staging.release()
             return
-        staging, release = self._staging_buffer(group)
-        future = self.param_tier.read(group.param_key, staging)
+        if staging is not None:
+            staging, release = staging.tensor[:group.shard_nbytes].view(self.dtype), staging.release
+        else:
+            staging, release = self._staging_buffer(group)
+        try:
+            future = self.param_tier.read(group.param_key, staging)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
         group.to_inflight(_PendingFetch(future, staging, release))
         group.prefetched = prefetch
         self.stats.bytes_read_from_tier += group.shard_nbytes
@@ -158,6 +178,7 @@ class Coordinator:
         pending = group.pending
         t0 = time.perf_counter()
         pending.future.wait()
+        self.stats.read_wait_seconds += time.perf_counter() - t0
         full = torch.empty(group.padded_numel, dtype=self.dtype, device=self.device.device)
         if self.device.is_cuda:
             with self.device.copy_stream():

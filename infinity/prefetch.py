@@ -1,0 +1,321 @@
+"""The prefetcher: walks ahead in the recorded trace and fetches parameters before they are asked for.
+
+[Note: two windows]
+After each request the prefetcher walks the trace ahead of the cursor (see
+[Note: the trace] in trace.py), group by group in trace order, and keeps two
+windows full, each with its own byte budget:
+
+- reads (``prefetch.nvme_bytes``, only when the parameter tier is NVMe): the shard
+  read from NVMe into host memory is issued (``coordinator.start_fetch(group,
+  prefetch=True)``) into a slice of the prefetcher's staging arena; the aio
+  engine's threads do the I/O while the model computes. Held: the shard bytes of
+  groups INFLIGHT that were read ahead and not yet asked for.
+- gathers (``prefetch.device_bytes``): the host->device copy and the all-gather
+  (``coordinator.wait_available``), after which the group is AVAILABLE. Held: the
+  gathered bytes of groups made AVAILABLE ahead and not yet asked for.
+
+Each window is filled in trace order and stops at the first group that does not
+fit, so the budgets are never exceeded, and fetches happen in the order they are
+needed. A group leaves the windows when a module asks for it (it then belongs to
+that module, "the group currently needed").
+
+[Note: ordered gathers]
+With several ranks, the all-gather is a collective: every rank must issue the same
+all-gathers in the same order, interleaved the same way with the gradient
+reduce-scatters. Decisions therefore depend only on the sequence of requests and
+on byte counts, never on timing: with several ranks a group entering the gather
+window is gathered then, waiting for its read if need be (on CUDA the host is
+ahead of the GPU, so this wait rarely shows as a GPU stall). With one rank there
+is no collective; a gather ahead is done only when its read has already finished
+(``future.done()``), so the compute thread never blocks on a read it does not need
+yet, and the rest is left to the module's own request.
+
+[Note: reuse]
+A group asked for again within ``prefetch.reuse_distance`` bytes of fetches (per
+the trace) is put in ``coordinator.keep`` at its request, so the coordinator does
+not release it after use; it leaves ``keep`` at its last use within that distance.
+Kept bytes are reported separately (``kept_bytes``); ``reuse_distance`` bounds them.
+
+[Note: leftovers]
+Groups read or gathered ahead but never asked for (after a divergence, or a
+forward with no backward) are dropped at the end of the step: at the end of a
+backward the coordinator drops every group not in use; at the end of a no-grad
+forward and at the start of every step the prefetcher drops what it still holds.
+Dropping an INFLIGHT group waits for its read, so every staging slice comes back.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+
+from torch import nn
+
+from infinity.param_group import ParamGroup, ParamState
+from infinity.staging_arena import StagingArena
+from infinity.steps import StepTelemetry
+from infinity.trace import BACKWARD, FORWARD, Divergence, Trace, TraceEntry, TraceMode
+
+logger = logging.getLogger("infinity")
+
+
+class Prefetcher:
+    """Records the request order of a step, then fetches ahead of it; also meters every step.
+
+    The engine creates one in ``Engine.finalize`` and calls its lifecycle methods
+    (``begin_forward``, ``end_forward``, ``begin_backward``, ``end_backward``,
+    ``on_request``). With ``prefetch.enabled = false`` it only meters steps (see
+    [Note: step records] in steps.py), so ``infinity.stats`` reports the same figures
+    with prefetching off.
+
+    Parameters
+    ----------
+    engine:
+        The engine (``config``, ``coordinator``, ``ranks``, ``tiers``, ``roots``, ``optimizer``).
+    """
+
+    def __init__(self, engine) -> None:
+        cfg = engine.config.prefetch
+        self.engine = engine
+        self.coordinator = engine.coordinator
+        self.enabled = cfg.enabled
+        self.nvme_bytes = cfg.nvme_bytes
+        self.device_bytes = cfg.device_bytes
+        self.reuse_distance = cfg.reuse_distance
+        self.reads_ahead = engine.config.tiers.params == "nvme"
+        self.ordered_gathers = engine.ranks.world_size > 1
+        self.arena = (StagingArena(engine.tiers.allocator, cfg.nvme_bytes)
+                      if self.enabled and self.reads_ahead and cfg.nvme_bytes > 0 else None)
+        self.trace = Trace()
+        self.telemetry = StepTelemetry(engine, cfg.log_every, logger)
+        self.names: dict[nn.Module, str] = {}
+        for root in engine.roots:
+            for qualname, module in root.named_modules():
+                self.names.setdefault(module, qualname)
+        self.modules = {qualname: module for module, qualname in self.names.items()}
+        self._roots = {id(r) for r in engine.roots}
+        self._ahead: dict[ParamGroup, None] = {}    # read or gathered ahead, not yet asked for (in order)
+        self._kept: set[ParamGroup] = set()
+        self._distances: list[dict[int, int | None]] = []
+        self._in_backward = False
+        self.step = -1
+        self._step_key = None
+        self._forwards = 0
+        self._step_diverged = False
+        self.divergence_counts: collections.Counter = collections.Counter()
+        self.divergence_text: dict[tuple, str] = {}
+        self.peak_nvme_bytes = 0
+        self.peak_device_bytes = 0
+        self.peak_kept_bytes = 0
+
+    # -- lifecycle (called by the engine) ----------------------------------------------------
+    def begin_forward(self, module: nn.Module) -> None:
+        """A forward starts with an empty module stack; a root's first forward after a step opens a step."""
+        if self._in_backward or id(module) not in self._roots:
+            return   # a forward inside backward (recomputation) belongs to the backward phase
+        self._forwards += 1
+        optimizer = self.engine.optimizer
+        # An optimizer step (taken or skipped for a non-finite gradient) closes a step; with
+        # no optimizer (inference) every root forward is a step.
+        key = ((optimizer.step_count, getattr(optimizer, "skipped_steps", 0)) if optimizer is not None
+               else self._forwards)
+        if key != self._step_key:
+            self._step_key = key
+            self._new_step()
+
+    def end_forward(self) -> None:
+        import torch
+
+        if not self._in_backward and not torch.is_grad_enabled():
+            self._drop_leftovers()   # no backward can follow a no-grad forward
+
+    def begin_backward(self) -> None:
+        self._in_backward = True
+
+    def end_backward(self) -> None:
+        # coordinator.end_backward() has just dropped every group not in use (ours too)
+        # and cleared coordinator.keep.
+        self._in_backward = False
+        self._ahead.clear()
+        self._kept.clear()
+
+    def on_request(self, module: nn.Module, groups) -> None:
+        """A module asks for ``groups`` (forward or backward); called before they are gathered."""
+        self.telemetry.count_request(groups, self._ahead, self._kept)
+        for g in groups:
+            self._ahead.pop(g, None)
+        if not self.enabled or self.telemetry.step is None:
+            return
+        name = self.names.get(module)
+        if name is None:
+            name = f"<{type(module).__name__} outside the model>"
+        phase = BACKWARD if self._in_backward else FORWARD
+        found = self.trace.observe(phase, name, tuple(g.index for g in groups))
+        if found is not None:
+            self._diverged(found)
+            return
+        if self.trace.mode is TraceMode.FOLLOWING:
+            self._reuse(groups, self.trace.cursor - 1)
+            self._walk()
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _new_step(self) -> None:
+        if self.telemetry.step is not None:
+            found = self.trace.end_step() if self.enabled else None
+            if found is not None:
+                self._diverged(found)
+            self._drop_leftovers()
+            self.telemetry.end_step(self._step_extra())
+        self.step += 1
+        if self.enabled:
+            self.trace.begin_step(self._current_groups)
+            if self.trace.mode is TraceMode.FOLLOWING:
+                nbytes = [g.full_nbytes for g in self.coordinator.groups]
+                self._distances = self.trace.next_use_distances(lambda i: nbytes[i])
+        self._step_diverged = False
+        self.telemetry.begin_step(self.step)
+        self.peak_nvme_bytes = self.peak_device_bytes = self.peak_kept_bytes = 0
+
+    def _current_groups(self, entry: TraceEntry) -> tuple[int, ...]:
+        module = self.modules.get(entry.name)
+        if module is None:
+            return entry.groups
+        return tuple(g.index for g in self.coordinator.module_groups.get(module, ()))
+
+    def _step_extra(self) -> dict:
+        return {"trace": self.trace.mode.value if self.enabled else "off",
+                "diverged": self._step_diverged,
+                "peak_prefetch_nvme_bytes": self.peak_nvme_bytes,
+                "peak_prefetch_device_bytes": self.peak_device_bytes,
+                "peak_kept_bytes": self.peak_kept_bytes}
+
+    def _diverged(self, found: Divergence) -> None:
+        """Stop prefetching for this step; warn once per distinct divergence (see [Note: trace states])."""
+        self._step_diverged = True
+        key = found.key()
+        self.divergence_counts[key] += 1
+        if self.divergence_counts[key] == 1:
+            self.divergence_text[key] = found.describe()
+            logger.warning("infinity prefetch: the model left its recorded trace: %s. Prefetching stops "
+                           "for the rest of this step and the next step records the trace again "
+                           "(shown once per distinct divergence; data-dependent control flow, an eval or "
+                           "no-grad forward, or a different input shape path cause this).", found.describe())
+
+    def _drop_leftovers(self) -> None:
+        """Drop what was fetched ahead and never asked for (see [Note: leftovers])."""
+        c = self.coordinator
+        for g in list(self._ahead):
+            if g.state is not ParamState.NOT_AVAILABLE and not self._busy(g):
+                c.drop(g)
+        self._ahead.clear()
+        for g in list(self._kept):
+            c.keep.discard(g)
+            if g.state is not ParamState.NOT_AVAILABLE and not self._busy(g):
+                c.drop(g)
+        self._kept.clear()
+
+    def _busy(self, g: ParamGroup) -> bool:
+        c = self.coordinator
+        return bool(c.in_use.get(g)) or g in c.backward_held or g.persistent
+
+    # -- reuse -----------------------------------------------------------------------------------
+    def _reuse(self, groups, position: int) -> None:
+        if self.reuse_distance <= 0 or position >= len(self._distances):
+            return
+        distances = self._distances[position]
+        for g in groups:
+            d = distances.get(g.index)
+            if d is not None and d <= self.reuse_distance and not g.persistent:
+                self.coordinator.keep.add(g)
+                self._kept.add(g)
+            elif g in self._kept:
+                self.coordinator.keep.discard(g)
+                self._kept.discard(g)
+
+    # -- the walk ahead --------------------------------------------------------------------------
+    def held(self) -> dict:
+        """Bytes held ahead right now: ``nvme`` (reads in flight), ``device`` (gathered), ``kept``."""
+        nvme = device = 0
+        for g in list(self._ahead):
+            if g.state is ParamState.INFLIGHT:
+                nvme += g.shard_nbytes
+            elif g.state is ParamState.AVAILABLE and not self.coordinator.in_use.get(g):
+                device += g.full_nbytes
+            else:
+                del self._ahead[g]    # dropped or taken by another path: no longer ahead
+        kept = sum(g.full_nbytes for g in self._kept if g.state is ParamState.AVAILABLE)
+        return {"nvme": nvme, "device": device, "kept": kept}
+
+    def _walk(self) -> None:
+        """Fill both windows in trace order (see [Note: two windows])."""
+        c = self.coordinator
+        held = self.held()
+        nvme_room = self.nvme_bytes - held["nvme"]
+        device_room = self.device_bytes - held["device"]
+        reads_open = self.arena is not None
+        gathers_open = self.device_bytes > 0
+        seen: set[int] = set()
+        for _, entry in self.trace.ahead():
+            for index in entry.groups:
+                if index in seen:
+                    continue
+                seen.add(index)
+                g = c.groups[index]
+                if g.persistent or g.state is ParamState.AVAILABLE:
+                    continue
+                if gathers_open:
+                    if g.full_nbytes <= device_room and self._may_gather(g):
+                        if g.state is ParamState.INFLIGHT and g in self._ahead:
+                            nvme_room += g.shard_nbytes
+                        self._gather(g)
+                        device_room -= g.full_nbytes
+                        continue
+                    gathers_open = False
+                if reads_open and g.state is ParamState.NOT_AVAILABLE:
+                    staging = self.arena.take(g.shard_nbytes, f"prefetch {g.name}") \
+                        if g.shard_nbytes <= nvme_room else None
+                    if staging is None:
+                        reads_open = False
+                    else:
+                        c.start_fetch(g, prefetch=True, staging=staging)
+                        self._ahead[g] = None
+                        nvme_room -= g.shard_nbytes
+                if not (gathers_open or reads_open):
+                    break
+            if not (gathers_open or reads_open):
+                break
+        self._note_peaks()
+
+    def _may_gather(self, g: ParamGroup) -> bool:
+        if self.ordered_gathers:
+            return True
+        if g.state is ParamState.INFLIGHT:
+            return g in self._ahead and g.pending.future.done()
+        return not self.reads_ahead     # host/device tier: the "read" is a copy, nothing to wait for
+
+    def _gather(self, g: ParamGroup) -> None:
+        if g.state is ParamState.NOT_AVAILABLE:
+            self.coordinator.start_fetch(g, prefetch=True)
+        self.coordinator.wait_available(g)
+        self._ahead[g] = None
+
+    def _note_peaks(self) -> None:
+        held = self.held()
+        self.peak_nvme_bytes = max(self.peak_nvme_bytes, held["nvme"])
+        self.peak_device_bytes = max(self.peak_device_bytes, held["device"])
+        self.peak_kept_bytes = max(self.peak_kept_bytes, held["kept"])
+
+    # -- telemetry -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Trace state, budgets, bytes held now and at the step's peak, divergences, the running step."""
+        return {
+            "enabled": self.enabled,
+            "trace": self.trace.summary(),
+            "budgets": {"nvme_bytes": self.nvme_bytes, "device_bytes": self.device_bytes,
+                        "reuse_distance": self.reuse_distance},
+            "held": self.held(),
+            "peak": {"nvme": self.peak_nvme_bytes, "device": self.peak_device_bytes, "kept": self.peak_kept_bytes},
+            "arena": None if self.arena is None else self.arena.stats(),
+            "divergences": [{"what": self.divergence_text[k], "count": n} for k, n in self.divergence_counts.items()],
+            "last_step": self.telemetry.last,
+            "current_step": self.telemetry.current(),
+        }
