@@ -230,7 +230,7 @@ def render_table(summary: list[dict], settings: Sequence[nv.Setting], ops: Seque
                  repeats: int, fio: bool, color: bool) -> str:
     head = ["setting"] + [f"{op} GB/s" for op in ops] + [f"CPU s/GB {op}" for op in ops]
     if fio:
-        head += [f"fio {op}" for op in ops] + [f"ours/fio {op}" for op in ops]
+        head += [f"fio {op}" for op in ops] + [f"ours/fio {op}" for op in ops] + [f"fio CPU s/GB {op}" for op in ops]
     rows: list[list[str]] = []
     marks: list[bool] = []
     for s in settings:
@@ -242,6 +242,7 @@ def render_table(summary: list[dict], settings: Sequence[nv.Setting], ops: Seque
             row += [f"{t['gb_per_s']:.2f}" if t else "-" for t in theirs]
             row += [f"{o['gb_per_s'] / t['gb_per_s']:.2f}x" if o and t and t["gb_per_s"] else "-"
                     for o, t in zip(ours, theirs)]
+            row += [f"{t['cpu_s_per_gb']:.3f}" if t else "-" for t in theirs]
         rows.append(row)
         marks.append(s == best)
     for tool, name in (("python", "python buffered 8MiB"), ("aiofiles", "aiofiles 8MiB")):

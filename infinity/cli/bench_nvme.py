@@ -125,12 +125,12 @@ def measure_ours(path: str, size: int, op: str, setting: Setting, buf: torch.Ten
 
     Every request reads into (or writes from) the same buffer: their bytes are not looked at, and
     one buffer keeps the benchmark's memory at one request whatever the queue depth. Requests are
-    kept in flight until twice the engine's window (depth x block) is pending, so the C core always
-    has the next piece ready when a slot frees.
+    kept in flight until twice the engine's window (depth x block) plus two requests are pending, so
+    the C core still has pieces to issue while Python wakes up to submit the next request.
     """
     request = request_size(setting, size)
     in_flight_pieces = setting.queue_depth if setting.engine == "io_uring" else setting.threads
-    target = max(2 * in_flight_pieces * setting.block_size, 2 * request)
+    target = 2 * in_flight_pieces * setting.block_size + 2 * request
     chunk = buf[:request]
     with aio.AioHandle(block_size=setting.block_size, queue_depth=setting.queue_depth, threads=setting.threads,
                        engine=setting.engine, direct=setting.direct) as handle, \
