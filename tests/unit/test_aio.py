@@ -217,3 +217,49 @@ def test_aiofile_helpers(tmp_path) -> None:
     f.close()
     with pytest.raises(ValueError, match="closed file"):
         f.fileno()
+
+
+def _buffered_file(tmp_path, nbytes: int):
+    path = tmp_path / "big.bin"
+    with open(path, "wb") as f:
+        f.truncate(nbytes)  # sparse: reads are page-cache fast and need no disk space
+    return open_file(path, "r", direct=False)
+
+
+def test_gil_released_while_waiting(tmp_path) -> None:
+    # With a 10 s switch interval the other thread can only run while wait() has dropped the GIL.
+    import sys
+
+    old = sys.getswitchinterval()
+    with AioHandle(block_size=4096, threads=1, engine="threads") as h, _buffered_file(tmp_path, 32 << 20) as f:
+        seen: list[bool] = []
+        fut_box: list[aio.AioFuture] = []
+        started = threading.Event()
+
+        def watcher() -> None:
+            started.set()
+            while not fut_box:
+                pass
+            seen.append(fut_box[0].done())
+
+        th = threading.Thread(target=watcher)
+        th.start()
+        started.wait()
+        sys.setswitchinterval(10.0)
+        try:
+            fut_box.append(h.pread(f, bytearray(32 << 20), 0))
+            fut_box[0].wait()
+        finally:
+            sys.setswitchinterval(old)
+        th.join(10)
+    assert seen == [False]  # the watcher ran, during the wait, before the read finished
+
+
+def test_wait_returns_for_its_own_request_only(tmp_path) -> None:
+    # One worker, 4 KiB pieces: the big request needs 16384 preads, the small one a single pread.
+    with AioHandle(block_size=4096, threads=1, engine="threads") as h, _buffered_file(tmp_path, 64 << 20) as f:
+        small = h.pread(f, bytearray(4096), 0)
+        big = h.pread(f, bytearray(64 << 20), 0)
+        assert small.wait() == 4096
+        assert not big.done()
+        assert big.wait() == 64 << 20
