@@ -81,6 +81,9 @@ class NVMeTier(Tier):
         Stripe size for keys spread over several directories (default: ``pool.buffer_nbytes``).
     workers : int | None
         Threads running staged transfers (default: ``max(1, pool.count // 2)``).
+    staging_depth : int
+        Most pool buffers one staged transfer uses (>= 2 gives double buffering; more are
+        taken only when free, see tiers/staging.py).
 
     Examples
     --------
@@ -91,7 +94,8 @@ class NVMeTier(Tier):
     """
 
     def __init__(self, paths: Sequence[str], handle: AioHandle, pool: BufferPool, name: str = "nvme", *,
-                 stale: str = "remove", stripe_nbytes: int | None = None, workers: int | None = None) -> None:
+                 stale: str = "remove", stripe_nbytes: int | None = None, workers: int | None = None,
+                 staging_depth: int = 4) -> None:
         if isinstance(paths, str):
             paths = [paths]
         if not paths:
@@ -112,7 +116,7 @@ class NVMeTier(Tier):
             for swap in self._files:
                 swap.close()
             raise
-        self._staging = Staging(handle, pool)
+        self._staging = Staging(handle, pool, depth=staging_depth)
         self._workers = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers or max(1, pool.count // 2), thread_name_prefix=f"{name}-staging")
         self._keys: KeyTable[Placement] = KeyTable(name)

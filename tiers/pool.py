@@ -107,6 +107,9 @@ class BufferPool:
         self.count = count
         self.allocator = allocator if allocator is not None else HostAllocator(pin="never")
         self._memory = self.allocator.empty(self.buffer_nbytes * count)
+        # Touch every page now: a first-use page fault costs more than the copy it serves,
+        # and the pool's peak should be real from the start, not grow on the hot path.
+        self._memory.zero_()
         self._buffers = [self._memory[i * self.buffer_nbytes:(i + 1) * self.buffer_nbytes]
                          for i in range(count)]
         self._free = collections.deque(range(count))
@@ -147,7 +150,8 @@ class BufferPool:
             return self._lend(owner) if self._free else None
 
     def _lend(self, owner: str) -> PoolBuffer:
-        index = self._free.popleft()
+        # Last in, first out: the buffer released most recently is warm in cache and TLB.
+        index = self._free.pop()
         self._owners[index] = owner
         self._acquires += 1
         self._peak_in_use = max(self._peak_in_use, len(self._owners))
