@@ -14,7 +14,9 @@
  * list and the completion rule below; only the way a piece is issued differs.
  *
  * [Note: requests and pieces]
- * A request is one submit call. It is split into block_size pieces, and at most queue_depth pieces
+ * A request is one submit call. Python chooses block_size and queue_depth (the policy); the split
+ * itself happens here because a 128 KiB piece at 3 GB/s comes every 40 us, too often to cross into
+ * Python and back for each one. A request is split into block_size pieces, and at most queue_depth pieces
  * (io_uring) or `threads` pieces (pool) are in flight per handle. Requests are served in submission
  * order: pieces of a later request go out only when the earlier ones have all been issued. A request
  * is complete when every issued piece has come back and either all bytes were issued or an error

@@ -107,8 +107,10 @@ def _cpu(who: int) -> float:
 
 
 def request_size(setting: Setting, size: int) -> int:
-    """Bytes per submitted request: large, so that per-request Python costs stay out of the way."""
-    return max(setting.block_size, min(REQUEST_CAP, size, setting.block_size * setting.queue_depth))
+    """Bytes per submitted request: large (the C core splits it into block_size pieces), so that the
+    Python thread wakes rarely and a late wake-up on a busy machine never leaves the queue empty."""
+    cap = max(setting.block_size, REQUEST_CAP // setting.block_size * setting.block_size)
+    return max(setting.block_size, min(cap, size))
 
 
 def make_buffer(nbytes: int) -> torch.Tensor:
