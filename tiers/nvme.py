@@ -151,6 +151,8 @@ class NVMeTier(Tier):
             try:
                 offset = self._files[index].allocate(nbytes, what)
             except NVMeSpaceError as exc:
+                if len(self._files) == 1:
+                    raise
                 errors.append(str(exc))
                 continue
             return Placement((index,), (offset,), (nbytes,), self.stripe_nbytes)

@@ -302,3 +302,25 @@ def test_constructor_validation(tmp_path, handle, pool):
     with pytest.raises(ValueError, match="stale must be one of"):
         NVMeTier([str(tmp_path)], handle, pool, stale="keep")
     assert os.listdir(tmp_path) == []  # a failed construction leaves no lock behind
+
+
+def test_small_key_skips_a_full_directory(tmp_path, handle, pool, monkeypatch):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "free").mkdir()
+    with NVMeTier([str(tmp_path / "full"), str(tmp_path / "free")], handle, pool, name="k") as t:
+        full_fd = t._files[0].file.fd
+        real = os.posix_fallocate
+
+        def first_is_full(fd, offset, length):
+            if fd == full_fd:
+                raise OSError(errno.ENOSPC, "full")
+            return real(fd, offset, length)
+
+        monkeypatch.setattr(os, "posix_fallocate", first_is_full)
+        keys = [t.put(_bytes(1000, i)) for i in range(3)]  # round robin would put one in "full"
+        assert [f["file_nbytes"] for f in t.stats()["files"]] == [4096, 4096 + 3 * 4096]
+        assert all(torch.equal(_read(t, k), _bytes(1000, i)) for i, k in enumerate(keys))
+        monkeypatch.setattr(os, "posix_fallocate", lambda fd, o, n: (_ for _ in ()).throw(OSError(errno.ENOSPC, "x")))
+        with pytest.raises(NVMeSpaceError, match="no directory has room for a new key:") as info:
+            t.allocate(10)
+        assert f"nvme_path {tmp_path / 'full'} " in str(info.value) and f"nvme_path {tmp_path / 'free'} " in str(info.value)
