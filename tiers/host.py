@@ -35,7 +35,7 @@ class HostTier(Tier):
     >>> tier = HostTier(HostAllocator(pin="never"))
     >>> key = tier.put(torch.ones(3, dtype=torch.float16))
     >>> tier.view(key)
-    tensor([  0,  60,   0,  60,   0,  60], dtype=torch.uint8)
+    tensor([ 0, 60,  0, 60,  0, 60], dtype=torch.uint8)
     """
 
     def __init__(self, allocator: HostAllocator | None = None, capacity: int | None = None,
