@@ -110,7 +110,7 @@ class AioFile:
     direct : bool  (opened with ``O_DIRECT``)
     """
 
-    __slots__ = ("path", "fd", "mode", "direct", "_pending", "__weakref__")
+    __slots__ = ("path", "fd", "mode", "direct", "_pending", "_prune_at", "__weakref__")
 
     def __init__(self, path: str, fd: int, mode: str, direct: bool) -> None:
         self.path = path
@@ -121,6 +121,7 @@ class AioFile:
         # gone). close() waits for them so the descriptor is never closed, and its number reused
         # by another open(), while the kernel still reads or writes through it.
         self._pending: dict[int, Any] = {}
+        self._prune_at = _PENDING_PRUNE
 
     @property
     def closed(self) -> bool:
@@ -166,6 +167,7 @@ class AioFile:
 
 
 _MODE_FLAGS = {"r": os.O_RDONLY, "w": os.O_WRONLY, "rw": os.O_RDWR}
+_PENDING_PRUNE = 1024
 
 
 def open_file(path: str | os.PathLike[str], mode: str, *, direct: bool = True, create: bool = False) -> AioFile:
@@ -443,6 +445,13 @@ class AioHandle:
             raise OSError(e.errno, f"cannot {opname} {file.path}: {e.strerror}", file.path) from e
         fut = AioFuture(self, rid, file, file_offset, nbytes, opname)
         self._futures[rid] = fut
+        if len(file._pending) >= file._prune_at:
+            # Requests whose futures were dropped unreaped stay listed; forget the finished ones.
+            # Pruning again only after the list doubles keeps the cost amortised O(1) per request.
+            for old_id, core in list(file._pending.items()):
+                if core.done(old_id) and old_id not in self._futures:
+                    del file._pending[old_id]
+            file._prune_at = max(_PENDING_PRUNE, 2 * len(file._pending))
         file._pending[rid] = self._core
         return fut
 

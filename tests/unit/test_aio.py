@@ -1,7 +1,6 @@
 """tiers.aio: data round trips, splitting into pieces, futures, both engines (issue 3)."""
 from __future__ import annotations
 
-import gc
 import threading
 import weakref
 
@@ -151,12 +150,10 @@ def test_buffer_dropped_while_in_flight_is_held(tmp_path, engine: str) -> None:
         alive = weakref.ref(buf)
         fut = h.pread(f, buf, 0)
         del buf
-        gc.collect()
         # The C core holds the tensor until the request is reaped; it is alive even if the read
         # already completed, and freed right after wait() reaps it.
         assert alive() is not None
         assert fut.wait() == nbytes
-        gc.collect()
         assert alive() is None
         # A future dropped before completion: the request finishes and its buffer is released.
         buf2 = aligned_empty(nbytes)
@@ -165,9 +162,19 @@ def test_buffer_dropped_while_in_flight_is_held(tmp_path, engine: str) -> None:
         del buf2
         h.wait_all()
         h.pwrite(f, aligned_empty(4096), 0).wait()  # the next submit sweeps released requests
-        gc.collect()
         assert alive2() is None
         f.close()
+
+
+def test_dropped_futures_do_not_grow_the_file_list(tmp_path, engine: str, monkeypatch) -> None:
+    monkeypatch.setattr(aio, "_PENDING_PRUNE", 16)
+    with AioHandle(block_size=4096, engine=engine) as h, open_file(tmp_path / "f.bin", "rw", create=True) as f:
+        h.pwrite(f, aligned_empty(4096), 0).wait()
+        for _ in range(6):
+            for _ in range(10):
+                h.pread(f, aligned_empty(4096), 0)  # future dropped unreaped
+            h.wait_all()
+        assert len(f._pending) <= 20  # 60 dropped requests, pruned as they finished
 
 
 def test_file_close_waits_for_in_flight(tmp_path, engine: str) -> None:
@@ -262,4 +269,8 @@ def test_wait_returns_for_its_own_request_only(tmp_path) -> None:
         big = h.pread(f, bytearray(64 << 20), 0)
         assert small.wait() == 4096
         assert not big.done()
+        with pytest.raises(TimeoutError, match="still in flight after 0 s"):
+            big.wait(timeout=0)
+        assert h.wait_any([big], timeout=0) is None
         assert big.wait() == 64 << 20
+        assert h.wait_any([big], timeout=0) is big
