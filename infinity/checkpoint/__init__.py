@@ -1,0 +1,30 @@
+"""Sharded, streamed, crash-safe checkpoints, and their consolidation into one state dict.
+
+- ``save_checkpoint(path, model, opt, extra=None, *, keep=1)``: every rank streams its shards
+  from their tiers to files (writer.py, stream.py); rank 0 commits (directory.py).
+- ``load_checkpoint(path, model, opt) -> extra``: onto any world size, grouping and tier
+  layout (reader.py, reshard.py).
+- ``verify_checkpoint(path) -> dict``: every checksum, without a model.
+- ``consolidate(ckpt, out, dtype=torch.float32, safetensors=False)``: one ordinary state dict
+  (consolidate.py; the ``infinity-consolidate`` command).
+
+The on-disk layout is described in [Note: checkpoint layout] (directory.py), the
+commit in [Note: commit protocol], the checksums in [Note: checksums] (manifest.py),
+memory bounds in [Note: bounded streaming] (stream.py) and resharding in
+[Note: resharding by parameter] (reshard.py).
+"""
+from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
+                                        CheckpointNotFoundError)
+from infinity.checkpoint.reader import load_checkpoint, verify_checkpoint
+from infinity.checkpoint.writer import save_checkpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "consolidate", "CheckpointError",
+           "CheckpointCorruptError", "CheckpointMismatchError", "CheckpointNotFoundError"]
+
+
+def __getattr__(name: str):
+    if name == "consolidate":
+        from infinity.checkpoint.consolidate import consolidate
+
+        return consolidate
+    raise AttributeError(f"module 'infinity.checkpoint' has no attribute {name!r}")

@@ -1,0 +1,291 @@
+"""One ordinary state dict from a sharded checkpoint, streamed, without the model.
+
+[Note: streaming into torch.save's format]
+``torch.save`` needs every tensor in memory at once. Instead we let torch write the
+file's skeleton: under ``torch.serialization.skip_data`` it pickles a dict of
+*fake* tensors (``FakeTensorMode``: shapes and dtypes, no memory) and reserves each
+storage's bytes in the zip archive without writing them. We then find each
+storage record's data offset in the archive (standard zip headers; storage ``k``
+is the ``k``-th distinct tensor in dict order, which is how ``torch.save`` numbers
+them) and stream the values there, window by window, straight from the checkpoint's
+fp32 master shards, converting to the requested dtype on the way. Tied parameters
+are one tensor under several keys, so they share one storage as in ``torch.save``
+of the plain model. Last, the CRC-32 fields of the zip records are filled in, so
+the archive passes ``zipfile.testzip()``; the result is read by ``torch.load``
+(``weights_only=True``, ``mmap=True`` too) like any file ``torch.save`` writes.
+Host memory is one window of the checkpoint (``checkpoint.buffer_size``) plus one
+converted window, whatever the model size.
+
+Safetensors files are written directly (an 8-byte header length, a JSON header,
+the tensors back to back), with the same streaming; the format forbids shared
+storage, so a tied parameter is written once per name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+import zipfile
+import zlib
+
+import torch
+
+from infinity.checkpoint.directory import SavedCheckpoint
+from infinity.checkpoint.errors import CheckpointError
+from infinity.checkpoint.manifest import dtype_of, fsync_dir, itemsize, read_small_file
+from infinity.checkpoint.reshard import SavedLayout
+from infinity.checkpoint.stream import Run, StreamIO, _Done, _pwrite_all, read_runs
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class _Entry:
+    """One tensor of the output: a saved parameter (``param``) or a saved buffer (``buffer``)."""
+
+    def __init__(self, key: str, shape, src_dtype: torch.dtype, out_dtype: torch.dtype, param=None, buffer=None):
+        self.key, self.shape, self.src_dtype, self.out_dtype = key, tuple(shape), src_dtype, out_dtype
+        self.param, self.buffer = param, buffer
+        self.numel = 1
+        for d in self.shape:
+            self.numel *= d
+
+    @property
+    def out_nbytes(self) -> int:
+        return self.numel * itemsize(self.out_dtype)
+
+    @property
+    def identity(self):
+        """Entries with one identity are one tensor (a tied parameter under several names)."""
+        return ("param", self.param.group, self.param.offset) if self.param is not None else ("buffer", self.key)
+
+
+def _entries(manifest: dict, layout: SavedLayout, dtype: torch.dtype) -> list[_Entry]:
+    buffers = {e["name"]: e for e in manifest["buffers"]}
+    keys = list(manifest["state_dict_keys"])
+    keys += [n for p in layout.params for n in p.names if n not in keys]
+    entries = []
+    for key in keys:
+        if key in layout.by_name:
+            p = layout.by_name[key]
+            entries.append(_Entry(key, p.shape, torch.float32, dtype, param=p))
+        elif key in buffers:
+            b = buffers[key]
+            src = dtype_of(b["dtype"])
+            entries.append(_Entry(key, b["shape"], src, dtype if src.is_floating_point else src, buffer=b))
+    return entries
+
+
+class _FileDest:
+    """Values of ``src`` dtype into the output file at ``base``, converted to ``out`` dtype."""
+
+    def __init__(self, fd: int, base: int, src: torch.dtype, out: torch.dtype) -> None:
+        self.fd, self.base, self.src, self.out = fd, base, src, out
+        self.ratio = (itemsize(src), itemsize(out))
+
+    def write(self, dest_offset: int, data: torch.Tensor):
+        if self.src != self.out:
+            data = data.view(self.src).to(self.out).view(torch.uint8)
+        _pwrite_all(self.fd, data, self.base + dest_offset // self.ratio[0] * self.ratio[1])
+        return _Done()
+
+
+def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
+                safetensors: bool = False, buffer_size: int | None = None) -> dict:
+    """Write the checkpoint's model as one ordinary state dict, streaming (see the module note).
+
+    Parameters
+    ----------
+    ckpt:
+        A checkpoint directory (its ``latest`` version) or a version directory.
+    out:
+        The file to write (replaced atomically when complete).
+    dtype:
+        dtype of the parameters (and floating-point buffers); values come from the fp32 masters.
+    safetensors:
+        Write the safetensors format instead of ``torch.save``'s.
+    buffer_size:
+        Bytes read from the checkpoint at a time (default: the ``[checkpoint]`` default, 64 MiB).
+
+    Returns
+    -------
+    dict
+        ``tensors``, ``nbytes`` written, ``seconds``, ``format`` and the source ``directory``.
+
+    Examples
+    --------
+    >>> consolidate("ckpt", "model.pt")                            # doctest: +SKIP
+    >>> GPT().load_state_dict(torch.load("model.pt"))              # doctest: +SKIP
+    """
+    from infinity.config import load_config
+
+    t0 = time.perf_counter()
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"consolidate: dtype must be float32, bfloat16 or float16, got {dtype}")
+    saved = SavedCheckpoint(ckpt)
+    manifest = saved.manifest
+    layout = SavedLayout(manifest)
+    entries = _entries(manifest, layout, dtype)
+    out = os.fspath(out)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    config = load_config(None)
+    try:
+        if safetensors:
+            offsets, data_start = _safetensors_skeleton(tmp, entries, manifest)
+            offsets = {e.key: data_start + offsets[e.key] for e in entries}
+        else:
+            offsets = _torch_skeleton(tmp, entries)
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            _fill(saved, layout, entries, offsets, fd, config, buffer_size or config.checkpoint.buffer_size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if not safetensors:
+            _fix_zip_crcs(tmp)
+        os.replace(tmp, out)
+        fsync_dir(os.path.dirname(os.path.abspath(out)))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return {"directory": saved.directory, "tensors": len(entries), "nbytes": os.path.getsize(out),
+            "seconds": time.perf_counter() - t0, "format": "safetensors" if safetensors else "torch"}
+
+
+def _fill(saved, layout, entries, offsets, fd, config, buffer_size) -> None:
+    files, runs, done = {}, [], set()
+    for entry in entries:
+        if entry.param is None:
+            continue
+        if not _shares_storage(entry, offsets, done):
+            continue
+        dest = _FileDest(fd, offsets[entry.key], torch.float32, entry.out_dtype)
+        p = entry.param
+        for rank, flat, rel, n in layout.locate(p.group, p.offset, p.numel):
+            key = f"rank{rank}/master"
+            if key not in files:
+                record = saved.file(rank, "master")
+                files[key] = (saved.path_of(record), record)
+            runs.append(Run(key, flat * 4, n * 4, dest, rel * 4))
+    with StreamIO(config.aio, buffer_size) as io:
+        read_runs(io, files, runs)
+    buffers = [e for e in entries if e.buffer is not None]
+    if buffers:
+        raw = read_small_file(saved.directory, saved.file(0, "buffers"))
+        for entry in buffers:
+            b = entry.buffer
+            chunk = bytearray(raw[b["offset"]:b["offset"] + b["nbytes"]])
+            if chunk:
+                _FileDest(fd, offsets[entry.key], entry.src_dtype, entry.out_dtype).write(
+                    0, torch.frombuffer(chunk, dtype=torch.uint8))
+
+
+def _shares_storage(entry: _Entry, offsets: dict, done: set) -> bool:
+    """Whether this entry's bytes still need writing (aliases sharing one storage are written once)."""
+    where = offsets[entry.key]
+    if where in done:
+        return False
+    done.add(where)
+    return True
+
+
+def _torch_skeleton(path: str, entries: list[_Entry]) -> dict[str, int]:
+    """``torch.save`` of fake tensors with data skipped; returns each key's data offset in the file."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tensors, order = {}, []
+    with FakeTensorMode():
+        for e in entries:
+            if e.identity not in tensors:
+                tensors[e.identity] = torch.empty(e.shape, dtype=e.out_dtype)
+                order.append(e.identity)
+    state = {e.key: tensors[e.identity] for e in entries}
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(state, path)
+    nbytes = {e.identity: e.out_nbytes for e in entries}
+    records = _zip_data_records(path)
+    offsets_of = {}
+    for index, identity in enumerate(order):
+        record = records.get(str(index))
+        if record is None or record[1] != nbytes[identity]:
+            raise CheckpointError(f"consolidate: torch.save laid out {path} differently than expected (storage {index}"
+                                  f" is {record}, expected {nbytes[identity]} bytes); this torch version is not "
+                                  "supported by infinity-consolidate, use --safetensors")
+        offsets_of[identity] = record[0]
+    return {e.key: offsets_of[e.identity] for e in entries}
+
+
+def _zip_data_records(path: str) -> dict[str, tuple[int, int]]:
+    """``{storage key: (data offset, size)}`` of the ``<archive>/data/<key>`` records."""
+    out = {}
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for info in z.infolist():
+            head, _, key = info.filename.rpartition("/")
+            if head.rpartition("/")[2] != "data":
+                continue
+            f.seek(info.header_offset)
+            local = f.read(30)
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            out[key] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+    return out
+
+
+def _fix_zip_crcs(path: str) -> None:
+    """Fill the CRC-32 of the data records (skipped by ``skip_data``) in descriptors and central directory."""
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        start_dir = z.start_dir
+    crcs = {}
+    with open(path, "r+b") as f:
+        for info in infos:
+            if info.CRC != 0 or info.file_size == 0:
+                continue
+            f.seek(info.header_offset)
+            name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
+            data = info.header_offset + 30 + name_len + extra_len
+            f.seek(data)
+            crc, left = 0, info.file_size
+            while left:
+                block = f.read(min(left, 16 << 20))
+                crc = zlib.crc32(block, crc)
+                left -= len(block)
+            crcs[info.filename] = crc
+            if info.flag_bits & 0x08:
+                f.seek(data + info.compress_size)
+                at = data + info.compress_size + (4 if f.read(4) == b"PK\x07\x08" else 0)
+                f.seek(at)
+                f.write(struct.pack("<I", crc))
+        f.seek(start_dir)
+        position = start_dir
+        while True:
+            f.seek(position)
+            header = f.read(46)
+            if len(header) < 46 or header[:4] != b"PK\x01\x02":
+                break
+            name_len, extra_len, comment_len = struct.unpack("<HHH", header[28:34])
+            name = f.read(name_len).decode("utf-8")
+            if name in crcs:
+                f.seek(position + 16)
+                f.write(struct.pack("<I", crcs[name]))
+            position += 46 + name_len + extra_len + comment_len
+
+
+def _safetensors_skeleton(path: str, entries: list[_Entry], manifest: dict) -> tuple[dict[str, int], int]:
+    """Write the safetensors header (tensors back to back, aliases as copies); returns offsets and data start."""
+    header, offsets, position = {}, {}, 0
+    for e in entries:
+        header[e.key] = {"dtype": _SAFETENSORS_DTYPES[e.out_dtype], "shape": list(e.shape),
+                         "data_offsets": [position, position + e.out_nbytes]}
+        offsets[e.key] = position
+        position += e.out_nbytes
+    header["__metadata__"] = {"format": "pt", "source": "infinity-consolidate", "step": str(manifest.get("step", 0))}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.truncate(8 + len(raw) + position)
+    return offsets, 8 + len(raw)

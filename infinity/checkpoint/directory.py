@@ -1,0 +1,198 @@
+"""The checkpoint directory on disk: versions, the ``latest`` pointer, and how a save is committed.
+
+[Note: checkpoint layout]
+``save_checkpoint(path, ...)`` treats ``path`` as a directory it owns::
+
+    path/
+      latest                      text: the name of the current version ("step00000120-3f9c...")
+      step00000120-3f9c.../       one committed version
+        COMMIT                    written last: id, step, world size, CRC-32 of every manifest
+        manifest.json             global: config, groups and parameter names, layout, optimizer
+        rank0/manifest.json       per rank: file records (size, chunk CRCs), RNG states
+        rank0/params.bin          compute-copy shards of every group, back to back, group order
+        rank0/master.bin          fp32 master shards: this rank's flat optimizer space
+        rank0/exp_avg.bin, rank0/exp_avg_sq.bin
+        rank0/buffers.bin         module buffers (rank 0 only)
+        rank0/extra.pt            ``extra`` of this rank (torch.save), when given
+        rank1/...
+      .tmp-<id>/                  a save in progress (or killed): never read, removed by the next save
+
+[Note: commit protocol]
+Every rank writes its files under ``path/.tmp-<id>/rank<r>/`` and fsyncs them and its
+directory. The ranks then agree (an all-reduce) that all of them succeeded. Only
+rank 0 goes on: it writes the global manifest and ``COMMIT`` (fsynced), renames the
+temporary directory to ``step<k>-<id>`` (fsync of ``path``), then writes
+``latest.tmp-<id>`` and renames it over ``latest`` (fsync of ``path``). That last
+rename is the commit point: ``rename(2)`` replaces ``latest`` atomically, so at every
+instant ``latest`` names either the previous version or the new one, both complete.
+Only then are older versions (beyond ``keep``) and leftovers of killed saves removed
+(renamed to ``.trash-*`` first, so a half-deleted version never looks committed).
+
+We chose this over writing ``path.tmp``, renaming ``path`` to ``path.old`` and the new
+directory to ``path``: ``rename(2)`` cannot replace a non-empty directory, so that
+scheme has a moment where ``path`` does not exist at all and a crash there leaves
+the reader to guess between two directories. With the pointer there is one atomic
+step, ``path`` always exists, and a version directory (named explicitly) can be
+loaded or consolidated on its own. Ranks must share the filesystem holding ``path``
+(rank 0 reads every rank's manifest to commit); one job writes to a ``path`` at a time.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import zlib
+
+from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from infinity.checkpoint.manifest import (COMMIT, FORMAT, LATEST, MANIFEST, VERSION, FileRecord, dump_json,
+                                          fsync_dir, load_json, write_durably)
+
+_TMP = ".tmp-"
+_TRASH = ".trash-"
+
+
+def tmp_dir(root: str, save_id: str) -> str:
+    return os.path.join(root, f"{_TMP}{save_id}")
+
+
+def version_name(step: int, save_id: str) -> str:
+    return f"step{step:08d}-{save_id}"
+
+
+def rank_dir(version: str, rank: int) -> str:
+    return os.path.join(version, f"rank{rank}")
+
+
+def commit(root: str, tmp: str, name: str, record: dict, keep: int) -> str:
+    """Rank 0: make the finished temporary directory the current version (see [Note: commit protocol])."""
+    manifests = {}
+    for rel in _manifest_paths(tmp, record["world_size"]):
+        path = os.path.join(tmp, rel)
+        try:
+            with open(path, "rb") as f:
+                manifests[rel] = zlib.crc32(f.read())
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{path} is missing at commit: every rank must write to a filesystem "
+                                  "shared with rank 0") from exc
+    body = dict(record, format=FORMAT, version=VERSION, committed=time.time(), manifests=manifests)
+    write_durably(os.path.join(tmp, COMMIT), dump_json(body))
+    fsync_dir(tmp)
+    final = os.path.join(root, name)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    pointer = os.path.join(root, f"{LATEST}.tmp-{record['id']}")
+    write_durably(pointer, (name + "\n").encode())
+    os.replace(pointer, os.path.join(root, LATEST))
+    fsync_dir(root)
+    _clean(root, name, keep)
+    return final
+
+
+def _manifest_paths(version: str, world_size: int) -> list[str]:
+    return [MANIFEST] + [os.path.join(f"rank{r}", MANIFEST) for r in range(world_size)]
+
+
+def _clean(root: str, current: str, keep: int) -> None:
+    """Remove leftovers of killed saves and committed versions beyond the newest ``keep``."""
+    versions = []
+    for entry in os.listdir(root):
+        path = os.path.join(root, entry)
+        if entry.startswith((_TMP, _TRASH)) or entry.startswith(f"{LATEST}.tmp-"):
+            _remove(root, entry)
+        elif entry.startswith("step") and entry != current and os.path.isfile(os.path.join(path, COMMIT)):
+            try:
+                committed = float(load_json(os.path.join(path, COMMIT), "commit record").get("committed", 0.0))
+            except (CheckpointCorruptError, TypeError, ValueError):
+                committed = 0.0
+            versions.append((committed, entry))
+    versions.sort(reverse=True)
+    for _, entry in versions[max(keep - 1, 0):]:
+        _remove(root, entry)
+
+
+def _remove(root: str, entry: str) -> None:
+    path = os.path.join(root, entry)
+    if os.path.isdir(path) and not entry.startswith(_TRASH):
+        trash = os.path.join(root, f"{_TRASH}{entry}")
+        try:
+            os.rename(path, trash)
+            path = trash
+        except OSError:
+            pass
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def resolve(path: str | os.PathLike) -> str:
+    """The committed version directory ``path`` designates: itself, or what its ``latest`` names."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, COMMIT)):
+        return path
+    pointer = os.path.join(path, LATEST)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            name = f.read().strip()
+        version = os.path.join(path, name)
+        if not name or os.sep in name or not os.path.isfile(os.path.join(version, COMMIT)):
+            raise CheckpointCorruptError(f"{pointer} names {name!r}, which is not a committed checkpoint "
+                                         f"(no {os.path.join(version, COMMIT)})")
+        return version
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: the directory does not exist")
+    found = sorted(e for e in os.listdir(path) if os.path.isfile(os.path.join(path, e, COMMIT)))
+    hint = f"; committed versions found: {', '.join(found)} (pass one of them)" if found else ""
+    raise CheckpointNotFoundError(f"no committed checkpoint at {path}: neither {COMMIT} nor {LATEST} there "
+                                  f"(a save that was interrupted leaves only .tmp-* directories){hint}")
+
+
+class SavedCheckpoint:
+    """A committed checkpoint opened for reading: its commit record and manifests, verified.
+
+    Parameters
+    ----------
+    path:
+        The checkpoint directory (its ``latest`` version is opened) or a version directory.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.directory = resolve(path)
+        self.commit = load_json(os.path.join(self.directory, COMMIT), "commit record")
+        if self.commit.get("format") != FORMAT or self.commit.get("version") != VERSION:
+            raise CheckpointCorruptError(
+                f"{os.path.join(self.directory, COMMIT)}: format {self.commit.get('format')!r} version "
+                f"{self.commit.get('version')!r}; this infinity reads {FORMAT!r} version {VERSION}")
+        self._crcs = self.commit.get("manifests", {})
+        self.world_size = int(self.commit.get("world_size", 0))
+        if sorted(self._crcs) != sorted(_manifest_paths(self.directory, self.world_size)):
+            raise CheckpointCorruptError(f"{os.path.join(self.directory, COMMIT)}: lists manifests "
+                                         f"{sorted(self._crcs)} for world size {self.world_size}")
+        self.manifest = self._load(MANIFEST, "global manifest")
+        self._ranks: dict[int, dict] = {}
+
+    def _load(self, rel: str, what: str) -> dict:
+        return load_json(os.path.join(self.directory, rel), what, expect_crc=int(self._crcs[rel]))
+
+    def rank_manifest(self, rank: int) -> dict:
+        if not 0 <= rank < self.world_size:
+            raise CheckpointError(f"{self.directory}: no rank {rank} (saved with world size {self.world_size})")
+        if rank not in self._ranks:
+            self._ranks[rank] = self._load(os.path.join(f"rank{rank}", MANIFEST), f"manifest of rank {rank}")
+        return self._ranks[rank]
+
+    def file(self, rank: int, name: str) -> FileRecord | None:
+        """The record of data file ``name`` ("master", "buffers", ...) of ``rank``; None if not saved."""
+        data = self.rank_manifest(rank).get("files", {}).get(name)
+        where = os.path.join(self.directory, f"rank{rank}", MANIFEST)
+        return None if data is None else FileRecord.from_json(data, where)
+
+    def path_of(self, record: FileRecord) -> str:
+        return os.path.join(self.directory, record.path)
+
+    @property
+    def step(self) -> int:
+        return int(self.commit.get("step", 0))

@@ -1,0 +1,181 @@
+"""The checkpoint's own words about itself: file records, checksums, dtypes, JSON on disk.
+
+[Note: checksums]
+Every data file is checksummed in fixed chunks of ``chunk_nbytes`` (4 MiB, or the
+save's buffer size when smaller): the manifest of the rank that wrote it lists one
+CRC-32 per chunk. The CRCs are computed as the bytes stream to the file, so saving
+reads nothing twice, and a reader that needs only part of a file (a resharded load
+reads a slice of another rank's shard; consolidation reads one tensor) verifies just
+the chunks it reads. zlib's CRC-32 runs at ~5 GB/s on one core here, above the
+disk's bandwidth, and catches every burst error up to 32 bits and any truncation or
+zeroed block; it is not a defence against deliberate tampering (use a signed
+manifest for that). The manifests themselves are covered by the CRCs in ``COMMIT``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from infinity.checkpoint.errors import CheckpointCorruptError
+
+FORMAT = "infinity-checkpoint"
+VERSION = 1
+CHUNK_NBYTES = 4 << 20
+MANIFEST = "manifest.json"
+COMMIT = "COMMIT"
+LATEST = "latest"
+STATE_FILES = ("params", "master", "exp_avg", "exp_avg_sq")
+"""The per-rank data files: the compute copy shards, then the fp32 master and Adam moments."""
+
+_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the names the manifest uses)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise CheckpointCorruptError(f"dtype {dtype} cannot be stored in a checkpoint; supported: {', '.join(_DTYPES)}")
+    return name
+
+
+def dtype_of(name: str, where: str = "manifest") -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; an unknown name is a corrupt manifest."""
+    if name not in _DTYPES:
+        raise CheckpointCorruptError(f"{where}: unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}")
+    return getattr(torch, name)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One data file of a checkpoint: its path inside the version directory, size and chunk CRCs."""
+
+    path: str
+    nbytes: int
+    chunk_nbytes: int
+    crc32: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "nbytes": self.nbytes, "chunk_nbytes": self.chunk_nbytes,
+                "crc32": list(self.crc32)}
+
+    @classmethod
+    def from_json(cls, data: dict, where: str) -> "FileRecord":
+        try:
+            record = cls(str(data["path"]), int(data["nbytes"]), int(data["chunk_nbytes"]),
+                         tuple(int(c) for c in data["crc32"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"{where}: malformed file record {data!r} ({exc})") from exc
+        expected = -(-record.nbytes // record.chunk_nbytes) if record.chunk_nbytes > 0 else -1
+        if expected != len(record.crc32):
+            raise CheckpointCorruptError(f"{where}: file record of {record.path} lists {len(record.crc32)} "
+                                         f"checksums for {record.nbytes} bytes in chunks of {record.chunk_nbytes}")
+        return record
+
+
+class ChunkChecksum:
+    """CRC-32 of each ``chunk_nbytes`` chunk of a stream of bytes fed in order (see [Note: checksums])."""
+
+    def __init__(self, chunk_nbytes: int) -> None:
+        self.chunk_nbytes = chunk_nbytes
+        self.crcs: list[int] = []
+        self.nbytes = 0
+        self._crc = 0
+        self._filled = 0
+
+    def feed(self, data) -> None:
+        """Add the next bytes (any C-contiguous buffer: numpy array, bytes, memoryview)."""
+        view = memoryview(data).cast("B")
+        position = 0
+        while position < len(view):
+            take = min(self.chunk_nbytes - self._filled, len(view) - position)
+            self._crc = zlib.crc32(view[position:position + take], self._crc)
+            self._filled += take
+            position += take
+            if self._filled == self.chunk_nbytes:
+                self.crcs.append(self._crc)
+                self._crc, self._filled = 0, 0
+        self.nbytes += len(view)
+
+    def finish(self) -> tuple[int, ...]:
+        if self._filled:
+            self.crcs.append(self._crc)
+            self._crc, self._filled = 0, 0
+        return tuple(self.crcs)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: str, data: bytes) -> None:
+    """Write ``data`` to a new file and fsync it (the caller fsyncs the directory)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_small_file(directory: str, relpath: str, data: bytes, chunk_nbytes: int) -> FileRecord:
+    """Write a small data file (buffers, extra) durably and return its record."""
+    write_durably(os.path.join(directory, relpath), data)
+    checksum = ChunkChecksum(chunk_nbytes)
+    checksum.feed(data)
+    return FileRecord(relpath, len(data), chunk_nbytes, checksum.finish())
+
+
+def read_small_file(directory: str, record: FileRecord) -> bytes:
+    """Read a small data file whole and verify it against its record."""
+    path = os.path.join(directory, record.path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"{path}: missing from the checkpoint") from exc
+    if len(data) != record.nbytes:
+        raise CheckpointCorruptError(f"{path}: {len(data)} bytes, the manifest says {record.nbytes} (truncated?)")
+    checksum = ChunkChecksum(record.chunk_nbytes)
+    checksum.feed(data)
+    found = checksum.finish()
+    for index, (want, got) in enumerate(zip(record.crc32, found)):
+        if want != got:
+            start = index * record.chunk_nbytes
+            raise CheckpointCorruptError(
+                f"{path}: bytes {start}..{min(start + record.chunk_nbytes, record.nbytes)} fail their CRC-32 "
+                f"(expected {want:08x}, found {got:08x}); the file is corrupt")
+    return data
+
+
+def dump_json(data: dict) -> bytes:
+    return (json.dumps(data, indent=1, sort_keys=False) + "\n").encode()
+
+
+def load_json(path: str, what: str, expect_crc: int | None = None) -> dict:
+    """Read a JSON manifest; a missing, unreadable or (given ``expect_crc``) altered one is corrupt."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"{path}: the {what} is missing") from exc
+    if expect_crc is not None and zlib.crc32(raw) != expect_crc:
+        raise CheckpointCorruptError(f"{path}: the {what} fails its CRC-32 recorded in COMMIT "
+                                     f"(expected {expect_crc:08x}, found {zlib.crc32(raw):08x}); it was altered")
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"{path}: the {what} is not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointCorruptError(f"{path}: the {what} is not a JSON object")
+    return data

@@ -1,0 +1,253 @@
+"""``load_checkpoint``: each rank reads the saved bytes of its own new shards into its tiers.
+
+The target world size, grouping and tier layout may all differ from the saved ones
+(see [Note: resharding by parameter] in reshard.py): bytes go through the tier
+interface (``tier.write`` for optimizer states, ``coordinator.write_shard`` for
+compute copies), so params and states land on host or NVMe as the loading config
+says. Every chunk read is verified against its CRC-32 before its bytes are used.
+"""
+from __future__ import annotations
+
+import io as _io
+import os
+
+import torch
+from torch import nn
+
+from infinity import registry
+from infinity.checkpoint import rng
+from infinity.checkpoint.agreement import agree
+from infinity.checkpoint.directory import SavedCheckpoint
+from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from infinity.checkpoint.manifest import STATE_FILES, dtype_of, itemsize, read_small_file
+from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, plan_shards
+from infinity.checkpoint.stream import Run, StreamIO, read_runs
+from infinity.checkpoint.writer import check_ready, model_buffers, names_by_param
+
+_F32 = 4
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
+    """Load a checkpoint written by ``save_checkpoint`` into ``model`` and ``opt``; call on every rank.
+
+    The checkpoint may have been saved with another world size (it is resharded) and
+    with parameters or optimizer states in other tiers. Its commit record, manifests
+    and every chunk read are verified; a missing, truncated or corrupt file raises
+    ``CheckpointCorruptError`` naming the file (the model's states are then partly
+    loaded: load another checkpoint before training). Restores the step count,
+    hyper-parameters and, on each rank, the RNG states saved by the same rank (by rank
+    ``rank % saved_world_size`` after resharding). Accumulated gradients are cleared.
+
+    Parameters
+    ----------
+    path:
+        The checkpoint directory (its ``latest`` version) or one version directory.
+    model:
+        The model built inside ``infinity.Init``; parameter names and shapes must match.
+    opt:
+        Its infinity optimizer, or None (then step and hyper-parameters are not restored).
+
+    Returns
+    -------
+    The ``extra`` this rank's counterpart passed to ``save_checkpoint`` (None if none).
+
+    Examples
+    --------
+    >>> extra = infinity.load_checkpoint("ckpt", model, opt)   # doctest: +SKIP
+    """
+    engine = registry.engine_of(model, "infinity.load_checkpoint")
+    check_ready(engine, opt, "infinity.load_checkpoint")
+    error, extra = None, None
+    engine.coordinator.release_all(include_persistent=True)
+    try:
+        saved = SavedCheckpoint(path)
+        extra = _load(engine, model, opt, saved)
+    except BaseException as exc:
+        error = exc
+    finally:
+        engine.coordinator.release_all(include_persistent=True)
+    agree(engine.ranks, error, f"loading checkpoint {os.fspath(path)}")
+    return extra
+
+
+class _StateDest:
+    """Bytes of fp32 states into one sub-group key of the optimizer tier."""
+
+    def __init__(self, tier, key: int, base: int) -> None:
+        self.tier, self.key, self.base = tier, key, base
+
+    def write(self, dest_offset: int, data: torch.Tensor):
+        return self.tier.write(self.key, data, self.base + dest_offset)
+
+
+class _ParamDest:
+    """Bytes of ``src_dtype`` values into a group's compute-copy shard (converted when dtypes differ)."""
+
+    def __init__(self, coordinator, group, elem: int, src_dtype: torch.dtype) -> None:
+        self.coordinator, self.group, self.elem, self.src_dtype = coordinator, group, elem, src_dtype
+        self.src_itemsize = itemsize(src_dtype)
+
+    def write(self, dest_offset: int, data: torch.Tensor):
+        values = data.view(self.src_dtype)
+        return self.coordinator.write_shard(self.group, values, self.elem + dest_offset // self.src_itemsize)
+
+
+def _sub_pieces(layout, flat: int, numel: int):
+    """``(sub, offset_in_sub, n, rel)`` for elements ``[flat, flat + numel)`` of the rank's flat space."""
+    size = layout.sub_group_size
+    done = 0
+    while done < numel:
+        sub, within = divmod(flat + done, size)
+        take = min(size - within, numel - done)
+        yield sub, within, take, done
+        done += take
+
+
+def target_groups(engine, model: nn.Module) -> list[TargetGroup]:
+    names = names_by_param(model)
+    groups = []
+    for g in engine.coordinator.groups:
+        slots = tuple(TargetSlot(tuple(names.get(s.param) or [s.name]), s.offset, s.numel, tuple(s.shape))
+                      for s in g.slots)
+        groups.append(TargetGroup(g.index, g.shard_numel, slots))
+    return groups
+
+
+def _load(engine, model: nn.Module, opt, saved: SavedCheckpoint):
+    manifest = saved.manifest
+    ranks = engine.ranks
+    coordinator, store, layout = engine.coordinator, engine.store, engine.layout
+    moves, fills = plan_shards(SavedLayout(manifest), target_groups(engine, model), ranks.rank, ranks.world_size)
+    buffers, _ = model_buffers(model, names_by_param(model))
+    _check_buffers(manifest, buffers)
+    files: dict[str, tuple[str, object]] = {}
+
+    def source(rank: int, name: str) -> str:
+        key = f"rank{rank}/{name}"
+        if key not in files:
+            record = saved.file(rank, name)
+            if record is None:
+                raise CheckpointCorruptError(f"{saved.directory}: rank {rank} has no {name!r} file in its manifest")
+            files[key] = (saved.path_of(record), record)
+        return key
+
+    saved_dtype = dtype_of(manifest["param_dtype"])
+    param_source = "params" if saved_dtype == coordinator.dtype else "master"
+    param_dtype = saved_dtype if param_source == "params" else torch.float32
+    param_size = itemsize(param_dtype)
+    groups = coordinator.groups
+    runs = []
+    for m in moves:
+        runs.append(Run(source(m.src_rank, param_source), m.src_elem * param_size, m.numel * param_size,
+                        _ParamDest(coordinator, groups[m.group], m.dst_elem, param_dtype)))
+        flat = layout.group_starts[m.group] + m.dst_elem
+        for state in STATE_FILES[1:]:
+            src = source(m.src_rank, state)
+            for sub, within, n, rel in _sub_pieces(layout, flat, m.numel):
+                runs.append(Run(src, (m.src_elem + rel) * _F32, n * _F32,
+                                _StateDest(store.tier, store.keys[state][sub], within * _F32)))
+    with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
+        read_runs(io, files, runs)
+        _fill_zeros(io, coordinator, store, layout, fills)
+    store.moments_initialized = True
+    if opt is not None:
+        opt.zero_grad()
+        _restore_optimizer(opt, manifest)
+    else:
+        store.zero_grad()
+    _restore_buffers(saved, manifest, buffers)
+    twin = ranks.rank % saved.world_size
+    rng.restore(saved.rank_manifest(twin)["rng"])
+    record = saved.file(twin, "extra")
+    if record is None:
+        return None
+    return torch.load(_io.BytesIO(read_small_file(saved.directory, record)), weights_only=False)
+
+
+def _fill_zeros(io, coordinator, store, layout, fills) -> None:
+    """Padding of the new shards (no parameter covers it) is zero, as at partitioning."""
+    zeros = io.zeros
+    futures = []
+    for fill in fills:
+        group = coordinator.groups[fill.group]
+        for start in range(0, fill.numel, zeros.numel() // _F32):
+            n = min(zeros.numel() // _F32, fill.numel - start)
+            futures.append(coordinator.write_shard(group, zeros[:n * _F32].view(torch.float32),
+                                                   fill.dst_elem + start))
+            flat = layout.group_starts[fill.group] + fill.dst_elem + start
+            for state in STATE_FILES[1:]:
+                for sub, within, m, rel in _sub_pieces(layout, flat, n):
+                    futures.append(store.tier.write(store.keys[state][sub], zeros[:m * _F32], within * _F32))
+        if len(futures) > 64:
+            for fut in futures:
+                fut.wait()
+            futures = []
+    for fut in futures:
+        fut.wait()
+
+
+def _restore_optimizer(opt, manifest: dict) -> None:
+    saved = manifest.get("optimizer")
+    if saved is None:
+        return
+    group = opt.param_groups[0]
+    for key, value in saved["hyper"].items():
+        if isinstance(group.get(key), tuple) and isinstance(value, list):
+            value = tuple(value)
+        group[key] = value
+    opt.step_count = int(saved["step"])
+    if hasattr(opt, "skipped_steps"):
+        opt.skipped_steps = int(saved.get("skipped_steps", 0))
+
+
+def _check_buffers(manifest: dict, buffers: dict[str, torch.Tensor]) -> None:
+    saved = {e["name"]: e for e in manifest["buffers"]}
+    missing = sorted(set(buffers) - set(saved))
+    unexpected = sorted(set(saved) - set(buffers))
+    if missing or unexpected:
+        raise CheckpointMismatchError(f"module buffers differ: in the model only: {missing}; "
+                                      f"in the checkpoint only: {unexpected}")
+    for key, entry in saved.items():
+        if tuple(entry["shape"]) != tuple(buffers[key].shape):
+            raise CheckpointMismatchError(f"buffer {key!r} has shape {tuple(buffers[key].shape)} in the model "
+                                          f"but {tuple(entry['shape'])} in the checkpoint")
+
+
+def _restore_buffers(saved: SavedCheckpoint, manifest: dict, buffers: dict[str, torch.Tensor]) -> None:
+    if not manifest["buffers"]:
+        return
+    raw = read_small_file(saved.directory, saved.file(0, "buffers"))
+    with torch.no_grad():
+        for entry in manifest["buffers"]:
+            dtype = dtype_of(entry["dtype"])
+            chunk = bytearray(raw[entry["offset"]:entry["offset"] + entry["nbytes"]])
+            value = torch.frombuffer(chunk, dtype=dtype) if chunk else torch.empty(0, dtype=dtype)
+            buffers[entry["name"]].copy_(value.reshape(entry["shape"]))
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Check a checkpoint without loading it: commit record, manifests, sizes and every chunk's CRC-32.
+
+    Returns a summary (``directory``, ``step``, ``world_size``, ``files``, ``nbytes``); raises
+    ``CheckpointCorruptError`` naming the first bad file.
+
+    Examples
+    --------
+    >>> infinity.checkpoint.verify_checkpoint("ckpt")["step"]   # doctest: +SKIP
+    1200
+    """
+    from infinity.config import load_config
+
+    saved = SavedCheckpoint(path)
+    files, runs = {}, []
+    for rank in range(saved.world_size):
+        for name in saved.rank_manifest(rank).get("files", {}):
+            record = saved.file(rank, name)
+            key = f"rank{rank}/{name}"
+            files[key] = (saved.path_of(record), record)
+            runs.append(Run(key, 0, record.nbytes, None))
+    config = load_config(None)
+    with StreamIO(config.aio, config.checkpoint.buffer_size) as io:
+        read_runs(io, files, runs)
+    return {"directory": saved.directory, "step": saved.step, "world_size": saved.world_size,
+            "files": len(files), "nbytes": sum(r.nbytes for _, r in files.values())}

@@ -1,0 +1,228 @@
+"""``save_checkpoint``: every rank streams its shards to files; rank 0 commits (see directory.py)."""
+from __future__ import annotations
+
+import collections
+import io as _io
+import os
+import shutil
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from infinity import registry
+from infinity.checkpoint import directory, rng
+from infinity.checkpoint.agreement import agree, agree_id
+from infinity.checkpoint.errors import CheckpointError
+from infinity.checkpoint.manifest import (CHUNK_NBYTES, FORMAT, MANIFEST, STATE_FILES, VERSION, dtype_name,
+                                          dump_json, fsync_dir, itemsize, write_durably, write_small_file)
+from infinity.checkpoint.stream import StreamIO, TierSpan, ZeroSpan, write_file
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=None, *, keep: int = 1) -> str:
+    """Save the sharded model and optimizer states to ``path``, crash-safely; call on every rank.
+
+    Each rank streams its compute-copy, fp32 master and Adam moment shards from their
+    tiers (host or NVMe) into files through a few buffers of ``checkpoint.buffer_size``
+    bytes, with CRC-32 checksums, so host memory stays bounded whatever the model size.
+    The new version becomes current only once every rank has finished and rank 0 has
+    committed it; until then the previous checkpoint at ``path`` stays intact and
+    loadable (see [Note: commit protocol] in ``infinity/checkpoint/directory.py``).
+    Accumulated gradients are not saved: save after ``opt.step()`` / ``opt.zero_grad()``.
+
+    Parameters
+    ----------
+    path:
+        Directory of the checkpoint (created when missing); versions are kept inside it.
+    model:
+        The model built inside ``infinity.Init`` (every managed parameter must be reachable from it).
+    opt:
+        Its ``infinity.AdamW`` / ``infinity.Adam`` (step count and hyper-parameters are saved), or None.
+    extra:
+        Anything ``torch.save`` can write (scheduler state, data position), saved per rank and
+        returned by ``load_checkpoint`` (it is pickled: load only checkpoints you trust).
+    keep:
+        Committed versions to keep in ``path``, the new one included (older ones are removed).
+
+    Returns
+    -------
+    str
+        The directory of the committed version.
+
+    Examples
+    --------
+    >>> infinity.save_checkpoint("ckpt", model, opt, extra={"epoch": 3})   # doctest: +SKIP
+    'ckpt/step00001200-5c0d2e4f9a1b3c77'
+    """
+    if keep < 1:
+        raise ValueError(f"infinity.save_checkpoint: keep must be >= 1, got {keep}")
+    engine = registry.engine_of(model, "infinity.save_checkpoint")
+    check_ready(engine, opt, "infinity.save_checkpoint")
+    ranks = engine.ranks
+    root = os.fspath(path)
+    save_id = agree_id(ranks)
+    tmp = directory.tmp_dir(root, save_id)
+    step = opt.step_count if opt is not None else 0
+    chunk = min(CHUNK_NBYTES, engine.config.checkpoint.buffer_size)
+    error = None
+    try:
+        description = describe(engine, model)
+        os.makedirs(directory.rank_dir(tmp, ranks.rank), exist_ok=True)
+        _write_rank(engine, tmp, chunk, extra, description["buffer_tensors"])
+    except BaseException as exc:
+        error = exc
+    agree(ranks, error, f"writing their shards of checkpoint {root}")
+    name = directory.version_name(step, save_id)
+    if ranks.rank == 0:
+        try:
+            manifest = _global_manifest(engine, opt, description, save_id, step, chunk)
+            write_durably(os.path.join(tmp, MANIFEST), dump_json(manifest))
+            record = {"id": save_id, "step": step, "world_size": ranks.world_size}
+            directory.commit(root, tmp, name, record, keep)
+        except BaseException as exc:
+            error = exc
+            shutil.rmtree(tmp, ignore_errors=True)
+    agree(ranks, error, f"committing checkpoint {root}")
+    return os.path.join(root, name)
+
+
+def check_ready(engine, opt, what: str) -> None:
+    """The optimizer belongs to this model, no backward is running, background updates are published."""
+    if opt is not None and getattr(opt, "engine", None) is not engine:
+        raise CheckpointError(f"{what}: opt is not the infinity optimizer of this model "
+                              f"(got {type(opt).__name__}); pass the optimizer created for this model, or None")
+    if engine.reducer.pending() or engine._backward_active:
+        raise CheckpointError(f"{what}: called while a backward pass is still running; call it between steps")
+    if opt is not None:
+        opt.synchronize()
+
+
+def names_by_param(model: nn.Module) -> dict:
+    """Every name (tied parameters have several) under which ``model`` holds each parameter."""
+    names: dict = collections.defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names[p].append(name)
+    return names
+
+
+def model_buffers(model: nn.Module, managed) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The persistent buffers of ``model`` by state-dict key, and the keys that are not tensors."""
+    buffers, skipped = {}, []
+    for key, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            skipped.append(key)
+        elif value not in managed:
+            buffers[key] = value
+    return buffers, skipped
+
+
+def describe(engine, model: nn.Module) -> dict:
+    """Groups with parameter names, buffers, and state-dict keys, as the manifest records them."""
+    names = names_by_param(model)
+    groups = []
+    for g in engine.coordinator.groups:
+        params = []
+        for s in g.slots:
+            if s.param not in names:
+                raise CheckpointError(
+                    f"infinity.save_checkpoint: parameter {s.name!r} of group {g.name!r} is not reachable from "
+                    f"the {type(model).__name__} passed in; pass the root model (models built in one "
+                    "infinity.Init share an engine and must be saved through their common root)")
+            params.append({"names": names[s.param], "shape": list(s.shape), "offset": s.offset, "numel": s.numel})
+        groups.append({"index": g.index, "module": g.name, "trainable": bool(g.trainable), "numel": g.numel,
+                       "shard_numel": g.shard_numel, "params": params})
+    buffers, skipped = model_buffers(model, names)
+    if skipped:
+        warnings.warn(f"infinity.save_checkpoint: state-dict entries that are not tensors are not saved: {skipped}",
+                      RuntimeWarning, stacklevel=3)
+    return {"groups": groups, "buffer_tensors": buffers, "skipped_keys": skipped,
+            "state_dict_keys": list(model.state_dict(keep_vars=True).keys())}
+
+
+def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Tensor]) -> None:
+    rank = engine.ranks.rank
+    coordinator, store, layout = engine.coordinator, engine.store, engine.layout
+    rdir = directory.rank_dir(tmp, rank)
+    files = {}
+    with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
+        nbytes = itemsize(coordinator.dtype)
+        spans = [TierSpan(coordinator.param_tier, g.param_key, 0, g.shard_numel * nbytes) for g in coordinator.groups]
+        files["params"] = write_file(io, tmp, f"rank{rank}/params.bin", spans, chunk)
+        for state in STATE_FILES[1:]:
+            if state in _MOMENTS and not store.moments_initialized:
+                spans = [ZeroSpan(n * 4) for _, n in layout.sub_ranges]
+            else:
+                spans = [TierSpan(store.tier, store.keys[state][sub], 0, n * 4)
+                         for sub, (_, n) in enumerate(layout.sub_ranges)]
+            files[state] = write_file(io, tmp, f"rank{rank}/{state}.bin", spans, chunk)
+    if rank == 0:
+        files["buffers"] = write_small_file(tmp, f"rank{rank}/buffers.bin", _buffer_bytes(buffers), chunk)
+    if extra is not None:
+        raw = _io.BytesIO()
+        torch.save(extra, raw)
+        files["extra"] = write_small_file(tmp, f"rank{rank}/extra.pt", raw.getvalue(), chunk)
+    manifest = {"rank": rank, "world_size": engine.ranks.world_size,
+                "files": {k: v.to_json() for k, v in files.items()}, "rng": rng.capture()}
+    write_durably(os.path.join(rdir, MANIFEST), dump_json(manifest))
+    fsync_dir(rdir)
+    fsync_dir(tmp)
+
+
+def _buffer_bytes(buffers: dict[str, torch.Tensor]) -> bytes:
+    return b"".join(_raw(t) for t in buffers.values())
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def _buffer_entries(buffers: dict[str, torch.Tensor]) -> list[dict]:
+    entries, offset = [], 0
+    for key, t in buffers.items():
+        nbytes = t.numel() * t.element_size()
+        entries.append({"name": key, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset,
+                        "nbytes": nbytes})
+        offset += nbytes
+    return entries
+
+
+def _jsonable_hyper(opt) -> dict:
+    out = {}
+    for key, value in opt.param_groups[0].items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, tuple):
+            value = list(value)
+        if not (value is None or isinstance(value, (bool, int, float, str, list))):
+            raise CheckpointError(f"infinity.save_checkpoint: optimizer hyper-parameter {key!r} = {value!r} "
+                                  "cannot be recorded (numbers, strings and tuples can)")
+        out[key] = value
+    return out
+
+
+def _global_manifest(engine, opt, description: dict, save_id: str, step: int, chunk: int) -> dict:
+    layout = engine.layout
+    optimizer = None
+    if opt is not None:
+        optimizer = {"class": type(opt).__name__, "hyper": _jsonable_hyper(opt), "step": opt.step_count,
+                     "skipped_steps": int(getattr(opt, "skipped_steps", 0))}
+    return {
+        "format": FORMAT, "version": VERSION, "id": save_id, "step": step, "created": time.time(),
+        "world_size": engine.ranks.world_size, "chunk_nbytes": chunk,
+        "param_dtype": dtype_name(engine.coordinator.dtype),
+        "moments_initialized": bool(engine.store.moments_initialized),
+        "layout": {"sub_group_size": layout.sub_group_size, "total_numel": layout.total_numel,
+                   "group_starts": list(layout.group_starts)},
+        "groups": description["groups"],
+        "buffers": _buffer_entries(description["buffer_tensors"]),
+        "state_dict_keys": description["state_dict_keys"],
+        "skipped_keys": description["skipped_keys"],
+        "optimizer": optimizer,
+        "config": engine.config.to_dict(),
+    }

@@ -1,0 +1,355 @@
+"""Checkpoints on one rank: exact resume across tier layouts, the commit protocol, consolidation, damage.
+
+The resume tests train a tiny GPT, save at step k, keep training (the uninterrupted run), then
+build a fresh model with other weights, load, train the same steps, and require the losses, the
+gathered parameters, the optimizer shards, the step count and the RNG draws to be identical.
+"""
+from __future__ import annotations
+
+import os
+import random
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import infinity
+from infinity.checkpoint import (CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError,
+                                 verify_checkpoint)
+from infinity.checkpoint.consolidate import consolidate
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, h, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        T = x.shape[1]
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """The tiny GPT of the engine's smoke test, plus a persistent and a non-persistent buffer."""
+
+    def __init__(self, vocab=64, d=32, h=4, n=2, T=16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Parameter(torch.zeros(T, d))
+        self.blocks = nn.ModuleList([Block(d, h) for _ in range(n)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        self.register_buffer("pos_scale", torch.ones(T, 1))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+        self.apply(self._init)
+        nn.init.normal_(self.wpe, std=0.02)
+
+    def _init(self, m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe[: idx.shape[1]] * self.pos_scale[: idx.shape[1]].to(self.wpe.dtype)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def config(tmp_path, tag, params="host", optimizer="host", **sections):
+    nvme = tmp_path / f"nvme-{tag}"
+    nvme.mkdir(exist_ok=True)
+    cfg = {"tiers": {"params": params, "optimizer": optimizer, "nvme_path": str(nvme),
+                     "pool_buffer_size": "256KiB", "pool_buffers": 4},
+           # Small sub-groups: groups straddle them, so the streaming crosses key boundaries.
+           "partition": {"sub_group_size": 8192}, "prefetch": {"nvme_bytes": "2MiB"},
+           # The thread engine: io_uring's first writes into fresh swap slots are slow in containers.
+           "aio": {"engine": "threads"},
+           # Small buffers and chunks: every file takes several pieces and several checksums.
+           "checkpoint": {"buffer_size": "64KiB"}}
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def build(cfg, seed=0, lr=1e-2):
+    torch.manual_seed(seed)
+    with infinity.Init(cfg):
+        model = GPT()
+    return model, infinity.AdamW(model, lr=lr, weight_decay=0.01)
+
+
+def train(model, opt, steps):
+    """Steps on batches from the global RNG (so restoring it matters); returns the losses."""
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, 64, (4, 16))
+        tgt = torch.randint(0, 64, (4, 16))
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def snapshot(model, opt):
+    with infinity.gathered(model):
+        params = {k: v.clone() for k, v in model.state_dict().items()}
+    shards = opt.state_dict()["shards"]
+    return params, {s: torch.cat(shards[s]) for s in ("master", "exp_avg", "exp_avg_sq")}
+
+
+def draws():
+    return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+
+def assert_same(a, b):
+    (pa, sa), (pb, sb) = a, b
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    for s in sa:
+        assert torch.equal(sa[s], sb[s]), s
+
+
+def seed_all(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+# -- exact resume ------------------------------------------------------------------------------------
+RESUME = [
+    pytest.param(("host", "host"), ("nvme", "nvme"), {}, id="host-to-nvme"),
+    pytest.param(("nvme", "nvme"), ("nvme", "nvme"), {}, id="nvme-to-nvme"),
+    pytest.param(("nvme", "nvme"), ("device", "host"), {}, id="nvme-to-device-host"),
+    pytest.param(("host", "host"), ("host", "host"), {"precision": {"dtype": "bfloat16"}}, id="bf16"),
+    pytest.param(("host", "host"), ("host", "host"), {"dpu": {"enabled": True, "warmup_steps": 1}}, id="dpu"),
+]
+
+
+@pytest.mark.parametrize("saved_tiers, loaded_tiers, extra_cfg", RESUME)
+def test_resume_matches_uninterrupted_run(tmp_path, saved_tiers, loaded_tiers, extra_cfg):
+    model, opt = build(config(tmp_path, "a", *saved_tiers, **extra_cfg))
+    with torch.no_grad():
+        model.pos_scale.fill_(0.5)
+    seed_all(1)
+    train(model, opt, 2)
+    ckpt = tmp_path / "ckpt"
+    version = infinity.save_checkpoint(ckpt, model, opt, extra={"epoch": 7})
+    assert os.path.basename(version).startswith("step00000002-")
+    expected_draws = draws()
+    expected_losses = train(model, opt, 3)
+    expected = snapshot(model, opt)
+
+    resumed, ropt = build(config(tmp_path, "b", *loaded_tiers, **extra_cfg), seed=5, lr=0.5)
+    assert infinity.load_checkpoint(ckpt, resumed, ropt) == {"epoch": 7}
+    assert ropt.step_count == 2 and ropt.param_groups[0]["lr"] == 1e-2
+    assert ropt.param_groups[0]["betas"] == (0.9, 0.999)
+    assert torch.equal(resumed.pos_scale, torch.full((16, 1), 0.5))
+    assert draws() == expected_draws
+    assert train(resumed, ropt, 3) == expected_losses
+    assert ropt.step_count == opt.step_count == 5
+    assert_same(snapshot(resumed, ropt), expected)
+
+
+def test_load_fp32_checkpoint_into_bf16_model(tmp_path):
+    model, opt = build(config(tmp_path, "a"))
+    train(model, opt, 1)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    masters = snapshot(model, opt)[1]["master"]
+    bf16, bopt = build(config(tmp_path, "b", precision={"dtype": "bfloat16"}), seed=3)
+    infinity.load_checkpoint(tmp_path / "ckpt", bf16, bopt)
+    assert torch.equal(snapshot(bf16, bopt)[1]["master"], masters)
+    with infinity.gathered(model), infinity.gathered(bf16):
+        for (name, p), (_, q) in zip(model.named_parameters(), bf16.named_parameters()):
+            assert q.dtype == torch.bfloat16 and torch.equal(q, p.to(torch.bfloat16)), name
+
+
+def test_save_before_the_first_step_and_without_optimizer(tmp_path):
+    model, opt = build(config(tmp_path, "a", "nvme", "nvme"))
+    infinity.save_checkpoint(tmp_path / "ckpt", model, None)
+    other, oopt = build(config(tmp_path, "b", "nvme", "nvme"), seed=9)
+    infinity.load_checkpoint(tmp_path / "ckpt", other, oopt)
+    assert oopt.step_count == 0
+    seed_all(2)
+    a = train(model, opt, 2)
+    seed_all(2)
+    assert train(other, oopt, 2) == a
+
+
+# -- the directory and its commit protocol -----------------------------------------------------------
+def test_versions_latest_pointer_and_cleanup(tmp_path):
+    model, opt = build(config(tmp_path, "a"))
+    ckpt = tmp_path / "ckpt"
+    v1 = infinity.save_checkpoint(ckpt, model, opt, extra=1)
+    (ckpt / ".tmp-deadbeef" / "rank0").mkdir(parents=True)      # a save killed earlier
+    (ckpt / "latest.tmp-deadbeef").write_text("junk")
+    train(model, opt, 1)
+    v2 = infinity.save_checkpoint(ckpt, model, opt, extra=2, keep=2)
+    train(model, opt, 1)
+    v3 = infinity.save_checkpoint(ckpt, model, opt, extra=3, keep=2)
+    entries = sorted(os.listdir(ckpt))
+    assert entries == sorted(["latest", os.path.basename(v2), os.path.basename(v3)])
+    assert (ckpt / "latest").read_text().strip() == os.path.basename(v3)
+    assert not os.path.exists(v1)
+    assert sorted(os.listdir(v3)) == ["COMMIT", "manifest.json", "rank0"]
+    assert sorted(os.listdir(os.path.join(v3, "rank0"))) == [
+        "buffers.bin", "exp_avg.bin", "exp_avg_sq.bin", "extra.pt", "manifest.json", "master.bin", "params.bin"]
+    other, oopt = build(config(tmp_path, "b"), seed=4)
+    assert infinity.load_checkpoint(ckpt, other, oopt) == 3
+    assert infinity.load_checkpoint(v2, other, oopt) == 2 and oopt.step_count == 1
+    summary = verify_checkpoint(ckpt)
+    assert summary["step"] == 2 and summary["world_size"] == 1 and summary["files"] == 6
+
+
+def test_nothing_committed_is_not_found(tmp_path):
+    model, opt = build(config(tmp_path, "a"))
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        infinity.load_checkpoint(tmp_path / "nowhere", model, opt)
+    (tmp_path / "ckpt" / ".tmp-0123").mkdir(parents=True)
+    with pytest.raises(CheckpointNotFoundError, match="interrupted"):
+        infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+
+
+def test_rejects_a_foreign_optimizer_and_bad_keep(tmp_path):
+    model, _ = build(config(tmp_path, "a"))
+    other, other_opt = build(config(tmp_path, "b"))
+    with pytest.raises(infinity.checkpoint.CheckpointError, match="not the infinity optimizer of this model"):
+        infinity.save_checkpoint(tmp_path / "ckpt", model, other_opt)
+    with pytest.raises(ValueError, match="keep"):
+        infinity.save_checkpoint(tmp_path / "ckpt", model, None, keep=0)
+
+
+# -- consolidation -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("consolidate")
+    model, opt = build(config(tmp, "a", "nvme", "nvme"))
+    with torch.no_grad():
+        model.pos_scale.fill_(0.25)
+    train(model, opt, 2)
+    infinity.save_checkpoint(tmp / "ckpt", model, opt)
+    with infinity.gathered(model):
+        gathered = {k: v.clone() for k, v in model.state_dict().items()}
+    return tmp, gathered
+
+
+def test_consolidated_weights_equal_gathered_and_load_strictly(trained):
+    tmp, gathered = trained
+    summary = consolidate(tmp / "ckpt", tmp / "model.pt", buffer_size=8192)
+    assert summary["format"] == "torch" and summary["tensors"] == len(gathered)
+    sd = torch.load(tmp / "model.pt", weights_only=True)
+    assert list(sd) == list(gathered)           # the plain model's state-dict order, aliases included
+    for k in gathered:
+        assert sd[k].dtype == torch.float32 and torch.equal(sd[k], gathered[k]), k
+    assert sd["head.weight"].data_ptr() == sd["wte.weight"].data_ptr()    # tied: one storage, as torch.save
+    plain = GPT()
+    plain.load_state_dict(sd, strict=True)
+    assert torch.equal(plain.pos_scale, torch.full((16, 1), 0.25))
+    assert zipfile.ZipFile(tmp / "model.pt").testzip() is None        # CRCs filled in
+    mapped = torch.load(tmp / "model.pt", weights_only=True, mmap=True)
+    assert torch.equal(mapped["wpe"], gathered["wpe"])
+
+
+def test_consolidate_cli_dtype_and_safetensors(trained, capsys):
+    from infinity.cli.consolidate import main
+
+    tmp, gathered = trained
+    assert main([str(tmp / "ckpt"), str(tmp / "half.pt"), "--dtype", "bfloat16"]) == 0
+    assert "tensors" in capsys.readouterr().out
+    sd = torch.load(tmp / "half.pt", weights_only=True)
+    for k in gathered:
+        assert torch.equal(sd[k], gathered[k].to(torch.bfloat16)), k
+    assert main([str(tmp / "ckpt"), str(tmp / "model.safetensors"), "--dtype", "float16"]) == 0
+    header_len = int.from_bytes((tmp / "model.safetensors").read_bytes()[:8], "little")
+    assert header_len % 8 == 0
+    assert main([str(tmp / "missing"), str(tmp / "x.pt")]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_safetensors_output_loads_with_the_package(trained):
+    safetensors_torch = pytest.importorskip("safetensors.torch", reason="the safetensors package is not installed")
+    tmp, gathered = trained
+    consolidate(tmp / "ckpt", tmp / "st.safetensors", torch.float32, safetensors=True)
+    sd = safetensors_torch.load_file(str(tmp / "st.safetensors"))
+    assert sd.keys() == gathered.keys()
+    for k in gathered:
+        assert torch.equal(sd[k], gathered[k]), k
+    GPT().load_state_dict(sd, strict=True)
+
+
+# -- damage ------------------------------------------------------------------------------------------
+@pytest.fixture
+def saved(tmp_path):
+    model, opt = build(config(tmp_path, "a"))
+    train(model, opt, 1)
+    version = infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    fresh, fopt = build(config(tmp_path, "b"), seed=2)
+    return version, fresh, fopt
+
+
+def test_a_flipped_byte_is_caught_naming_the_file(saved):
+    version, model, opt = saved
+    path = os.path.join(version, "rank0", "exp_avg.bin")
+    with open(path, "r+b") as f:
+        f.seek(70_000)
+        byte = f.read(1)
+        f.seek(70_000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CheckpointCorruptError, match=r"rank0/exp_avg\.bin: bytes 65536\.\.131072 fail their CRC"):
+        infinity.load_checkpoint(version, model, opt)
+    with pytest.raises(CheckpointCorruptError, match=r"exp_avg\.bin"):
+        verify_checkpoint(version)
+
+
+def test_a_truncated_or_missing_file_is_caught_naming_it(saved):
+    version, model, opt = saved
+    path = os.path.join(version, "rank0", "master.bin")
+    os.truncate(path, os.path.getsize(path) - 4096)
+    with pytest.raises(CheckpointCorruptError, match=r"rank0/master\.bin: .* bytes, the manifest says \d+ \(truncated\)"):
+        infinity.load_checkpoint(version, model, opt)
+    with pytest.raises(CheckpointCorruptError, match=r"master\.bin"):
+        consolidate(version, os.path.join(os.path.dirname(version), "x.pt"))
+    os.unlink(os.path.join(version, "rank0", "params.bin"))
+    with pytest.raises(CheckpointCorruptError, match=r"rank0/params\.bin: missing"):
+        verify_checkpoint(version)
+
+
+def test_an_altered_manifest_is_caught(saved):
+    version, model, opt = saved
+    path = os.path.join(version, "rank0", "manifest.json")
+    text = open(path).read()
+    with open(path, "w") as f:
+        f.write(text.replace('"rank": 0', '"rank":  0'))
+    with pytest.raises(CheckpointCorruptError, match=r"rank0/manifest\.json: the manifest of rank 0 fails its CRC"):
+        infinity.load_checkpoint(version, model, opt)
+
+
+def test_a_different_model_is_a_mismatch(tmp_path, saved):
+    version, _, _ = saved
+    torch.manual_seed(0)
+    with infinity.Init(config(tmp_path, "c")):
+        wider = GPT(d=48)
+    with pytest.raises(CheckpointMismatchError, match=r"'wte.weight' has shape \(64, 48\) in the model"):
+        infinity.load_checkpoint(version, wider, infinity.AdamW(wider))
+    with infinity.Init(config(tmp_path, "d")):
+        deeper = GPT(n=3)
+    with pytest.raises(CheckpointMismatchError, match=r"parameter\(s\) of the model are not in the checkpoint: "
+                                                      r"'blocks\.2\.ln1\.weight'"):
+        infinity.load_checkpoint(version, deeper, infinity.AdamW(deeper))
