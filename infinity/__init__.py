@@ -27,7 +27,7 @@ _LAZY = {
     "AdamW": "infinity.optimizer",
     "Adam": "infinity.optimizer",
     "clip_grad_norm_": "infinity.optimizer",
-    "gathered": "infinity.gathered",
+    "gathered": "infinity.full_params",
     "stats": "infinity.telemetry",
     "save_checkpoint": "infinity.checkpoint",
     "load_checkpoint": "infinity.checkpoint",

@@ -1,0 +1,41 @@
+"""Run a function on N spawned gloo ranks and collect what each returns."""
+import os
+import pickle
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn, world_size: int, workdir: str, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
+    out = os.path.join(workdir, f"result{rank}.pkl")
+    try:
+        result = ("ok", fn(rank, world_size, workdir, *args))
+    except BaseException:  # report to the parent with the rank's traceback
+        result = ("error", traceback.format_exc())
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    with open(out, "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_ranks(fn, world_size: int, workdir, *args):
+    """Spawn ``world_size`` ranks running ``fn(rank, world_size, workdir, *args)``; returns the results."""
+    workdir = str(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    mp.start_processes(_entry, args=(fn, world_size, workdir, args), nprocs=world_size,
+                       start_method="spawn", join=True)
+    results = []
+    for r in range(world_size):
+        with open(os.path.join(workdir, f"result{r}.pkl"), "rb") as f:
+            status, value = pickle.load(f)
+        if status != "ok":
+            raise AssertionError(f"rank {r} failed:\n{value}")
+        results.append(value)
+    return results

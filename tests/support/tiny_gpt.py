@@ -1,0 +1,59 @@
+"""A tiny GPT-style model for engine tests: tied embeddings, layer norms, attention, MLP."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        # No in-projection bias: the key bias has an exactly-zero true gradient, so Adam amplifies
+        # rounding noise there and parameter comparisons would test noise, not the engine.
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True, bias=False)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        T = x.shape[1]
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 2, seq: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Parameter(torch.zeros(seq, d))
+        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        self.register_buffer("scale", torch.ones(1), persistent=False)
+        self.apply(self._init)
+        nn.init.normal_(self.wpe, std=0.02)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x)) * self.scale
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def batches(steps: int, batch: int, seq: int = 16, vocab: int = 64, seed: int = 1):
+    """Deterministic (idx, targets) pairs."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (batch, seq), generator=g),
+             torch.randint(0, vocab, (batch, seq), generator=g)) for _ in range(steps)]
