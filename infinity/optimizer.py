@@ -2,21 +2,49 @@
 
 [Note: host Adam kernel]
 The update runs torch's fused CPU Adam/AdamW kernel (``torch._fused_adamw_``) on
-one flat fp32 tensor per sub-group: on these machines that is ~2.7 G params/s, as
-fast as DeepSpeed's AVX-512 CPUAdam, while many small tensors cost ~35% and the
-foreach / for-loop paths ~9x. The kernel's math is torch.optim.AdamW's, so results
-match plain PyTorch to rounding. It releases the GIL, so a background step (DPU)
-runs beside compute.
+the flat fp32 sub-groups, one tensor per run of trainable groups (usually one per
+sub-group). It streams the ~28 bytes a parameter needs (read master, grad, m, v;
+write master, m, v) at about the machine's memory bandwidth, and many small tensors
+or the foreach / for-loop paths are slower (benchmarks/adam.py measures all of them
+against a triad bandwidth bound). The kernel's math is ``torch.optim.AdamW``'s, so
+results match plain PyTorch to rounding. Gradient clipping is folded into the
+kernel's ``grad_scale`` (it divides by ``1 / clip_coef``), which saves a pass over
+the gradients and differs from a separate multiplication by at most one rounding.
+The kernel releases the GIL, so a background step (DPU) runs beside compute.
+
+[Note: the update pass]
+Every update, synchronous or delayed, is one :class:`infinity.dpu.StepJob` run by
+``_apply``: one pass over the sub-groups that reads master, gradient and moments,
+runs the kernel, writes them back and writes each trainable group's new compute
+copy into the parameter tier. On the host tier the states are updated in place; on
+NVMe two sets of sub-group buffers pipeline the pass (sub-group i+1 is read while i
+is stepped and i-1 written back). The job carries every key it touches (the
+gradient keys and the compute-copy keys may be the second buffers of DPU), so the
+pass never reads state the main thread may be changing. See [Note: delayed
+parameter update] in dpu.py for when jobs run and are published.
+
+[Note: skipped steps]
+When any rank saw a non-finite gradient (``GradReducer.nonfinite``, e.g. an fp16
+overflow), ``step()`` skips the update as ``torch.cuda.amp.GradScaler`` does: the
+step count does not advance, the gradient is dropped, ``skipped_steps`` counts it and
+a ``RuntimeWarning`` names the step. With DPU the update still pending from the
+previous step is published as usual.
 """
 from __future__ import annotations
 
 import math
+import time
+import warnings
 
 import torch
 from torch import nn
 
 from infinity import registry
+from infinity.dpu import DelayedUpdate, DpuStats, StepJob
 from infinity.engine import EngineError
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
 
 
 class _OffloadAdam(torch.optim.Optimizer):
@@ -42,25 +70,43 @@ class _OffloadAdam(torch.optim.Optimizer):
         self.store = engine.store
         self.step_count = 0
         self.skipped_steps = 0
+        self._calls = 0
         self._clip_coef: float | None = None
-        self._write_futures: list = []
+        self._trainable, self._ranges = self._trainable_ranges(params)
+        self._stream_buffers: list[dict[str, torch.Tensor]] | None = None
+        self._stats = DpuStats()
+        dpu = engine.config.dpu
+        self._warmup_steps = dpu.warmup_steps
+        self._delay = (DelayedUpdate(self.store, engine.coordinator, self._apply, dpu.threads, engine.device,
+                                     self._trainable, self._stats) if dpu.enabled else None)
         engine.optimizer = self
 
     # -- hooks the engine calls --------------------------------------------------------------
     def _before_forward(self) -> None:
-        """A forward is starting: the parameters must be those of the last finished step."""
+        """A forward is starting. Parameters are only published inside step()/synchronize(),
+        so there is nothing to swap here; a failed background step is reported at once."""
+        if self._delay is not None:
+            self._delay.raise_if_failed()
 
     def _before_grad(self) -> None:
-        """A gradient is about to be accumulated."""
+        """A gradient is about to be accumulated: it must not land in keys a background step reads."""
+        if self._delay is not None and self._delay.reading_grads(self.store.keys["grad"]):
+            raise EngineError(f"{self._name}: a backward is accumulating into the gradient buffer that the "
+                              "background step still reads (internal error: the buffers were not swapped)")
 
     def synchronize(self) -> None:
-        """Wait until every parameter and state reflects all steps taken so far."""
-        self._drain_writes()
+        """Wait until every parameter and state reflects all steps taken so far.
+
+        With DPU this waits for the background step and publishes it, so the next
+        forward uses the newest parameters (the delay restarts from there).
+        """
+        if self._delay is not None:
+            self._publish(self._delay.wait())
 
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """Apply one Adam(W) update to every shard from the accumulated gradients."""
+        """Apply one Adam(W) update from the accumulated gradients (delayed by one step with DPU)."""
         if closure is not None:
             raise EngineError(f"{self._name}.step: closures are not supported with offloaded states")
         engine = self.engine
@@ -69,61 +115,232 @@ class _OffloadAdam(torch.optim.Optimizer):
         if not self.store.has_grad:
             raise EngineError(f"{self._name}.step() called before backward(): there are no gradients "
                               "to apply (call loss.backward() first)")
-        self.synchronize()
+        self._calls += 1
+        if self._delay is not None:
+            self._delay.raise_if_failed()
+        if self._grads_nonfinite():
+            self._skip()
+            return None
+        delayed = self._delay is not None and self.step_count >= self._warmup_steps
+        if delayed:
+            self._publish(self._delay.wait())
         self.step_count += 1
-        self._apply(self.step_count, self._clip_coef)
+        job = self._job(delayed)
         self._clip_coef = None
-        self._after_update()
+        if delayed:
+            self._delay.submit(job)
+        elif self._delay is not None:
+            self._delay.run_inline(job)
+            self._after_update()
+        else:
+            t0 = time.perf_counter()
+            self._apply(job)
+            seconds = time.perf_counter() - t0
+            self._stats.sync_steps += 1
+            self._stats.optimizer_seconds += seconds
+            self._stats.exposed_seconds += seconds
+            self._stats.last_job_seconds = seconds
+            self._after_update()
         return None
 
-    def _apply(self, step: int, clip_coef: float | None) -> None:
-        """One streaming pass over the sub-groups: read states, Adam, write states and compute copy."""
+    def _job(self, delayed: bool) -> StepJob:
         hp = self.param_groups[0]
-        lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
-        kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
-        groups = self.engine.coordinator.groups
-        for sub, st in self.store.iterate():
-            master, grad = st["master"], st["grad"]
-            if clip_coef is not None:
-                grad.mul_(clip_coef)
-            frozen = [(p, master[p.sub_offset:p.sub_offset + p.numel].clone())
-                      for p in self.store.layout.pieces_of_sub[sub] if not groups[p.group_index].trainable]
-            step_t = torch.tensor(float(step))
-            kernel([master], [grad], [st["exp_avg"]], [st["exp_avg_sq"]], [], [step_t],
-                   amsgrad=False, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
-                   maximize=False, grad_scale=None, found_inf=None)
-            for piece, saved in frozen:
-                master[piece.sub_offset:piece.sub_offset + piece.numel].copy_(saved)
-            self._write_compute_copies(sub, master)
-        self._drain_writes()
+        self.store.flush()  # gradient writes the backward issued to the tier must land before the pass reads
+        updated = frozenset(self._trainable & self.store.grad_written)
+        if delayed:
+            grad_keys = self._delay.hand_over_grads()
+        else:
+            grad_keys = tuple(self.store.keys["grad"])
+        if self._delay is not None:
+            param_keys = self._delay.target_param_keys(updated)
+        else:
+            param_keys = tuple(g.param_key if g.index in updated else None for g in self.engine.coordinator.groups)
+        return StepJob(step=self.step_count, call=self._calls, lr=float(hp["lr"]), beta1=float(hp["betas"][0]),
+                       beta2=float(hp["betas"][1]), eps=float(hp["eps"]), weight_decay=float(hp["weight_decay"]),
+                       decoupled=self._decoupled, clip_coef=self._clip_coef, grad_keys=grad_keys,
+                       updated=updated, param_keys=param_keys, delayed=delayed)
 
-    def _write_compute_copies(self, sub: int, master: torch.Tensor) -> None:
-        coordinator = self.engine.coordinator
-        for piece in self.store.layout.pieces_of_sub[sub]:
-            group = coordinator.groups[piece.group_index]
-            if not group.trainable:
-                continue
-            values = master[piece.sub_offset:piece.sub_offset + piece.numel].to(coordinator.dtype)
-            fut = coordinator.write_shard(group, values, offset_numel=piece.group_offset)
-            self._write_futures.append((fut, values))
+    def _grads_nonfinite(self) -> bool:
+        """Whether any rank's gradient of this step has an inf/NaN (the flag is consumed)."""
+        reducer = self.engine.reducer
+        flag = torch.tensor([1.0 if reducer.nonfinite else 0.0])
+        self.engine.ranks.all_reduce_max(flag)
+        reducer.nonfinite = False
+        return bool(flag.item())
 
-    def _drain_writes(self) -> None:
-        pending, self._write_futures = self._write_futures, []
-        for fut, _ in pending:
-            fut.wait()
+    def _skip(self) -> None:
+        """See [Note: skipped steps]."""
+        self.skipped_steps += 1
+        self._stats.skipped_steps += 1
+        if self._delay is not None:
+            self._publish(self._delay.wait())
+        self.store.zero_grad()
+        self._clip_coef = None
+        warnings.warn(f"{self._name}: opt.step() call {self._calls} found a non-finite gradient (inf/NaN, e.g. an "
+                      f"fp16 overflow) and skipped its update ({self.skipped_steps} skipped so far)",
+                      RuntimeWarning, stacklevel=3)
+
+    def _publish(self, job: StepJob | None) -> None:
+        if job is not None:
+            self._delay.publish(job)
+            self._after_update()
 
     def _after_update(self) -> None:
         """Gathered copies (persistent groups too) are stale after an update: drop them."""
         self.engine.coordinator.release_all(include_persistent=True)
 
+    # -- the update pass (see [Note: the update pass]) ----------------------------------------
+    def _trainable_ranges(self, params) -> tuple[set[int], list[list[tuple[int, int, int]]]]:
+        """The groups with parameters in the optimizer, and per sub-group their (group, offset, numel) ranges.
+
+        A group whose parameters all require gradients is one range, padding included
+        (padding stays exactly zero under Adam), so the kernel sees long runs.
+        Parameters frozen before the optimizer was built are left out, as in ``torch.optim``.
+        """
+        chosen = {id(p) for p in params}
+        layout = self.store.layout
+        trainable: set[int] = set()
+        ranges: list[list[tuple[int, int, int]]] = [[] for _ in range(layout.num_subs)]
+        for g in self.engine.coordinator.groups:
+            mine = [s for s in g.slots if id(s.param) in chosen]
+            if not mine:
+                continue
+            trainable.add(g.index)
+            if len(mine) == len(g.slots):
+                spans = [(0, g.shard_numel)]
+            else:
+                start = g.rank * g.shard_numel
+                spans = [(max(s.offset, start) - start, min(s.offset + s.numel, start + g.shard_numel)
+                          - max(s.offset, start)) for s in mine]
+            for piece in layout.pieces_of_group[g.index]:
+                for offset, numel in spans:
+                    a = max(offset, piece.group_offset)
+                    b = min(offset + numel, piece.group_offset + piece.numel)
+                    if a < b:
+                        ranges[piece.sub_index].append((g.index, piece.sub_offset + a - piece.group_offset, b - a))
+        return trainable, ranges
+
+    def _runs(self, sub: int, updated: frozenset[int]) -> list[tuple[int, int]]:
+        """The (offset, numel) runs of ``sub`` that ``updated`` changes, adjacent ranges merged."""
+        runs: list[tuple[int, int]] = []
+        for gi, offset, numel in self._ranges[sub]:
+            if gi not in updated:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == offset:
+                runs[-1] = (runs[-1][0], runs[-1][1] + numel)
+            else:
+                runs.append((offset, numel))
+        return runs
+
+    def _apply(self, job: StepJob) -> None:
+        """Run one update: Adam on every sub-group with trainable pieces, then new compute copies."""
+        kernel = torch._fused_adamw_ if job.decoupled else torch._fused_adam_
+        step_t = torch.tensor(float(job.step))
+        grad_scale = None if job.clip_coef is None else torch.tensor(1.0 / job.clip_coef)
+        coordinator = self.engine.coordinator
+        param_tier, dtype = coordinator.param_tier, coordinator.dtype
+        runs = [self._runs(sub, job.updated) for sub in range(self.store.layout.num_subs)]
+        if self.store.in_place:
+            passes = self._in_place_pass(job, [sub for sub, r in enumerate(runs) if r])
+        else:
+            passes = self._streamed_pass(job, runs)
+        for sub, st, writes in passes:
+            if not runs[sub]:
+                continue
+            master = st["master"]
+            cut = [[t[o:o + n] for o, n in runs[sub]] for t in (master, st["grad"], st["exp_avg"], st["exp_avg_sq"])]
+            kernel(*cut, [], [step_t] * len(runs[sub]), amsgrad=False, lr=job.lr, beta1=job.beta1, beta2=job.beta2,
+                   weight_decay=job.weight_decay, eps=job.eps, maximize=False, grad_scale=grad_scale,
+                   found_inf=None)
+            for piece in self.store.layout.pieces_of_sub[sub]:
+                key = job.param_keys[piece.group_index]
+                if key is None:
+                    continue
+                values = master[piece.sub_offset:piece.sub_offset + piece.numel].to(dtype)
+                fut = param_tier.write(key, values, offset=piece.group_offset * values.element_size())
+                writes.append((fut, values))
+
+    def _in_place_pass(self, job: StepJob, subs: list[int]):
+        """Host tier: yield the stored states themselves; compute-copy writes are waited at the end."""
+        store, writes = self.store, []
+        for sub in subs:
+            st = {s: store.view(s, sub) for s in ("master", *_MOMENTS)}
+            st["grad"] = store.tier.view(job.grad_keys[sub]).view(torch.float32)
+            yield sub, st, writes
+        for fut, _ in writes:
+            fut.wait()
+
+    def _streamed_pass(self, job: StepJob, runs: list[list[tuple[int, int]]]):
+        """NVMe tier: two buffer sets, the next sub-group read while this one is stepped.
+
+        Sub-groups the update does not change are not read or written, except in the first
+        pass, which writes every sub-group's (zero) moments so that their keys hold data.
+        """
+        store, tier = self.store, self.store.tier
+        layout = store.layout
+        bufs = self._buffers()
+        moments_known = store.moments_initialized
+        subs = [sub for sub, r in enumerate(runs) if r or not moments_known]
+        reads: list[list] = [[], []]
+        writes: list[list] = [[], []]
+
+        def key(state: str, sub: int) -> int:
+            return job.grad_keys[sub] if state == "grad" else store.keys[state][sub]
+
+        def issue_reads(i: int) -> None:
+            sub, slot = subs[i], i % 2
+            for fut, _ in writes[slot]:
+                fut.wait()
+            writes[slot] = []
+            numel = layout.sub_ranges[sub][1]
+            reads[slot] = []
+            for s in _STATES:
+                buf = bufs[slot][s][:numel]
+                if s in _MOMENTS and not moments_known:
+                    buf.zero_()
+                elif s == "grad" and not runs[sub]:
+                    continue
+                else:
+                    reads[slot].append(tier.read(key(s, sub), buf))
+
+        if subs:
+            issue_reads(0)
+        for i, sub in enumerate(subs):
+            slot = i % 2
+            for fut in reads[slot]:
+                fut.wait()
+            if i + 1 < len(subs):
+                issue_reads(i + 1)
+            numel = layout.sub_ranges[sub][1]
+            st = {s: bufs[slot][s][:numel] for s in _STATES}
+            yield sub, st, writes[slot]
+            for s in ("master", *_MOMENTS):
+                writes[slot].append((tier.write(store.keys[s][sub], st[s]), st[s]))
+        for slot in range(2):
+            for fut, _ in writes[slot]:
+                fut.wait()
+        store.moments_initialized = True
+
+    def _buffers(self) -> list[dict[str, torch.Tensor]]:
+        if self._stream_buffers is None:
+            n = self.store.layout.sub_group_size
+            alloc = self.engine.tiers.allocator
+            self._stream_buffers = [{s: alloc.empty(n * 4).view(torch.float32) for s in _STATES}
+                                    for _ in range(2)]
+        return self._stream_buffers
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the accumulated gradient shards (the parameters' ``.grad`` are always None)."""
-        self.synchronize()
+        """Clear the accumulated gradient shards (the parameters' ``.grad`` are always None).
+
+        Does not wait for a background step: that step reads its own gradient buffer.
+        """
         self.store.zero_grad()
+        self.engine.reducer.nonfinite = False
         self._clip_coef = None
 
     # -- gradient clipping -------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this step's gradients by their global L2 norm (applied by the step, DPU included)."""
         norm_sq = torch.tensor([self.store.grad_norm_sq()], dtype=torch.float64)
         self.engine.ranks.all_reduce_sum(norm_sq)
         total = math.sqrt(float(norm_sq))
@@ -131,7 +348,18 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._clip_coef = coef if coef < 1.0 else None
         return torch.tensor(total)
 
-    # -- state ---------------------------------------------------------------------------------
+    # -- telemetry and state -------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Step counts and optimizer time: total, exposed to compute, and the fraction hidden by DPU.
+
+        ``pending`` is 1 while a background step has not been published.
+        """
+        out = self._stats.as_dict()
+        out.update(steps=self.step_count, calls=self._calls, dpu=self._delay is not None,
+                   pending=int(self._delay is not None and self._delay.pending),
+                   worker_threads=self._delay.worker_threads if self._delay is not None else None)
+        return out
+
     def state_dict(self) -> dict:
         """This rank's optimizer state: hyper-parameters, step, and fp32 shards per group.
 
@@ -143,8 +371,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         shards = {s: [self.store.read_state_shard(s, g.index) for g in groups]
                   for s in ("master", "exp_avg", "exp_avg_sq")}
         hp = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        return {"param_groups": [hp], "step": self.step_count, "rank": self.engine.ranks.rank,
-                "world_size": self.engine.ranks.world_size,
+        return {"param_groups": [hp], "step": self.step_count, "skipped_steps": self.skipped_steps,
+                "rank": self.engine.ranks.rank, "world_size": self.engine.ranks.world_size,
                 "shard_numels": [g.shard_numel for g in groups], "shards": shards}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -160,6 +388,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         for hp_key, value in state_dict["param_groups"][0].items():
             self.param_groups[0][hp_key] = value
         self.step_count = int(state_dict["step"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         for s, shards in state_dict["shards"].items():
             for g, shard in zip(groups, shards):
                 self.store.write_state_shard(s, g.index, shard)
@@ -175,6 +404,9 @@ class _OffloadAdam(torch.optim.Optimizer):
 
 class AdamW(_OffloadAdam):
     """AdamW (decoupled weight decay) over a model built in ``infinity.Init``.
+
+    With ``dpu.enabled`` in the config, updates after ``dpu.warmup_steps`` run in the
+    background, one step behind (see ``infinity.dpu``); ``synchronize()`` waits for them.
 
     Parameters
     ----------
@@ -212,7 +444,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 
     Like ``torch.nn.utils.clip_grad_norm_``: call after ``backward()`` and before
     ``opt.step()``. The scaling is applied to the fp32 gradient shards as the step
-    reads them.
+    reads them; with DPU it belongs to the step handed over next.
     """
     engine = registry.engine_of(model, "infinity.clip_grad_norm_")
     if engine.optimizer is None:
