@@ -174,7 +174,7 @@ def run_sweep(args: argparse.Namespace, settings: Sequence[nv.Setting], file: st
               progress: Progress) -> list[nv.Sample]:
     """All samples, interleaved as [Note: interleaving] describes."""
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    buf = nv.make_buffer(max(nv.request_size(s, args.size) for s in settings))
+    buf = nv.make_buffer(max(nv.buffer_size(s, args.size) for s in settings))
     samples: list[nv.Sample] = []
     for r in range(args.repeats):
         order = list(settings) if r % 2 == 0 else list(reversed(settings))
