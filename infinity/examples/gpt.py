@@ -31,7 +31,7 @@ Examples
 >>> cfg = preset("tiny")
 >>> model = GPT(cfg)
 >>> idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
->>> float(model(idx, idx)) > 0
+>>> model(idx, idx).item() > 0
 True
 """
 from __future__ import annotations
@@ -136,6 +136,30 @@ def preset(name: str, **overrides) -> GPTConfig:
     except KeyError:
         raise ValueError(f"unknown model size {name!r}; choose one of {', '.join(PRESETS)}") from None
     return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def shape_for_params(n_params: float, vocab_size: int = 50304, seq_len: int = 1024,
+                     width_per_layer: int = 80) -> GPTConfig:
+    """A GPT shape with about ``n_params`` parameters, GPT-3-like proportions.
+
+    Depth and width grow together (``d_model ~ width_per_layer * n_layer``, GPT-3's
+    ratio is 64-128), ``d_model`` a multiple of 128 with 64-wide heads, so a ladder
+    of sizes scales every layer, not just the count of layers.
+
+    Examples
+    --------
+    >>> cfg = shape_for_params(4e9)
+    >>> cfg.d_model, cfg.n_layer, round(cfg.n_params / 1e9, 2)
+    (2944, 37, 4.0)
+    """
+    if n_params < 1e5:
+        raise ValueError(f"shape_for_params: {n_params:.0f} parameters is below the smallest shape (1e5)")
+    d = (width_per_layer * n_params / 12) ** (1 / 3)
+    d_model = max(128, int(round(d / 128)) * 128)
+    per_layer = 12 * d_model * d_model + 13 * d_model
+    n_layer = max(1, int(round((n_params - (vocab_size + seq_len) * d_model) / per_layer)))
+    return GPTConfig(n_layer=n_layer, d_model=d_model, n_head=d_model // 64, vocab_size=vocab_size,
+                     seq_len=seq_len)
 
 
 class Linear(nn.Linear):

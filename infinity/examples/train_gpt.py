@@ -58,6 +58,7 @@ class TrainOptions:
     d_model: int | None = None
     heads: int | None = None
     vocab: int | None = None
+    seq_len: int | None = None
     progress: str = "auto"
     every: int = 1
     quiet: bool = False
@@ -100,6 +101,18 @@ def load_engine_config(options: TrainOptions):
         os.makedirs(options.nvme_dir, exist_ok=True)
         overrides.setdefault("tiers", {})["nvme_path"] = options.nvme_dir
     return load_config(options.config, overrides=overrides or None)
+
+
+def model_config(options: TrainOptions):
+    """The GPT shape: the preset, with --layers/--d-model/--heads/--vocab/--seq-len applied.
+
+    The position table is grown to ``--seq`` when that is longer than the preset's.
+    """
+    seq_len = options.seq_len
+    if seq_len is None and options.seq is not None and options.seq > PRESETS[options.model_size].seq_len:
+        seq_len = options.seq
+    return preset(options.model_size, n_layer=options.layers, d_model=options.d_model, n_head=options.heads,
+                  vocab_size=options.vocab, seq_len=seq_len)
 
 
 def _distributed() -> tuple[int, int]:
@@ -191,13 +204,8 @@ def train(options: TrainOptions, progress: Progress | None = None) -> dict:
     >>> report["summary"]["tokens_per_second"]                                      # doctest: +SKIP
     """
     rank, world = _distributed()
-    seq = options.seq
-    model_cfg = preset(options.model_size, n_layer=options.layers, d_model=options.d_model,
-                       n_head=options.heads, vocab_size=options.vocab)
-    if seq is not None and seq > model_cfg.seq_len:
-        model_cfg = preset(options.model_size, n_layer=options.layers, d_model=options.d_model,
-                           n_head=options.heads, vocab_size=options.vocab, seq_len=seq)
-    seq = seq or min(model_cfg.seq_len, 256)
+    model_cfg = model_config(options)
+    seq = options.seq or min(model_cfg.seq_len, 256)
     config = load_engine_config(options)
     rss_before = peak_rss_bytes()
     t0 = time.perf_counter()
@@ -294,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, default=None, help="override the preset's d_model")
     p.add_argument("--heads", type=int, default=None, help="override the preset's n_head")
     p.add_argument("--vocab", type=int, default=None, help="override the preset's vocab_size")
+    p.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len (position table)")
     p.add_argument("--progress", default="auto", choices=("auto", "tqdm", "plain", "none"))
     p.add_argument("--every", type=int, default=1, help="plain progress: print every N steps")
     p.add_argument("--quiet", action="store_true", help="no summary table")
