@@ -305,6 +305,13 @@ class Prefetcher:
         self.peak_kept_bytes = max(self.peak_kept_bytes, held["kept"])
 
     # -- telemetry -------------------------------------------------------------------------------
+    def current_step(self) -> dict | None:
+        """The running step's record so far (as in ``infinity.stats(model)["steps"]``), or None."""
+        record = self.telemetry.current()
+        if record is not None:
+            record.update(self._step_extra())
+        return record
+
     def stats(self) -> dict:
         """Trace state, budgets, bytes held now and at the step's peak, divergences, the running step."""
         return {
@@ -317,5 +324,5 @@ class Prefetcher:
             "arena": None if self.arena is None else self.arena.stats(),
             "divergences": [{"what": self.divergence_text[k], "count": n} for k, n in self.divergence_counts.items()],
             "last_step": self.telemetry.last,
-            "current_step": self.telemetry.current(),
+            "current_step": self.current_step(),
         }

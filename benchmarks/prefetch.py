@@ -1,0 +1,325 @@
+"""Step time with trace-driven prefetching against no prefetching, compute only, and pure I/O.
+
+One run builds the same GPT (a few GB of model states) once per mode and trains them
+side by side, one step of each in turn, so the disk's minute-to-minute swings hit every
+mode alike:
+
+- ``prefetch``:     params and optimizer states on NVMe, prefetch on;
+- ``no-prefetch``:  the same, prefetch off (every module waits for its own reads);
+- ``prefetch+dpu``: the same as ``prefetch`` with delayed parameter update (the optimizer
+                    pass of step t runs beside step t+1), when ``--dpu`` is given;
+- ``compute-only``: params and optimizer states in host memory, prefetch off (no I/O);
+- ``torch``:        plain PyTorch with ``torch.optim.AdamW`` (for reference, ``--torch``).
+
+Between rounds the raw aio read and write bandwidth of the NVMe path is measured with the
+configured I/O settings (what ``infinity-bench nvme`` measures, inline), and the pure I/O
+time of a step is its NVMe bytes (read and written, from ``infinity.stats``) at those
+bandwidths. The figure of merit is ``step(prefetch) / max(step(compute-only), io_time)``.
+
+Example::
+
+    python benchmarks/prefetch.py --path /mnt/nvme --steps 3 --json prefetch.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+# Run as a script, this folder is sys.path[0], and benchmarks/tiers.py would shadow the
+# `tiers` package the engine imports: look the package up from the repository root instead.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+GB = 1e9
+MODES = ("prefetch", "no-prefetch", "prefetch+dpu", "compute-only", "torch")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A GPT-2 style decoder with tied embeddings."""
+
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def count_params(args) -> int:
+    d, L = args.d_model, args.layers
+    per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    return args.vocab * d + args.seq * d + L * per_block + 2 * d
+
+
+# -- one model per mode ----------------------------------------------------------------------------
+class Runner:
+    """A model and its optimizer for one mode; ``step()`` trains one step and times it."""
+
+    def __init__(self, mode: str, args, root: str) -> None:
+        import infinity
+        from infinity.registry import engine_of
+
+        self.mode = mode
+        self.engine = None
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        if mode == "torch":
+            self.model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.seq)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+        else:
+            path = os.path.join(root, mode)
+            os.makedirs(path, exist_ok=True)
+            on_nvme = mode != "compute-only"
+            cfg = {"tiers": {"params": "nvme" if on_nvme else "host", "optimizer": "nvme" if on_nvme else "host",
+                             "nvme_path": path},
+                   "prefetch": {"enabled": mode in ("prefetch", "prefetch+dpu"),
+                                "nvme_bytes": args.nvme_bytes, "device_bytes": args.device_bytes},
+                   "dpu": {"enabled": mode == "prefetch+dpu", "warmup_steps": 1}}
+            with infinity.Init(cfg):
+                self.model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.seq)
+            self.engine = engine_of(self.model)
+            self.opt = infinity.AdamW(self.model, lr=1e-4)
+        self.build_seconds = time.perf_counter() - t0
+        g = torch.Generator().manual_seed(1)
+        self.idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+        self.tgt = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+        self.samples: list[dict] = []
+
+    def step(self) -> dict:
+        t0 = time.perf_counter()
+        loss = self.model(self.idx, self.tgt)
+        loss.backward()
+        t1 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad()
+        t2 = time.perf_counter()
+        sample = {"seconds": t2 - t0, "forward_backward": t1 - t0, "optimizer": t2 - t1, "loss": float(loss.detach()),
+                  "stall_seconds": 0.0, "read_wait_seconds": 0.0, "hit_rate": 0.0, "nvme_read": 0,
+                  "nvme_written": 0}
+        if self.engine is not None:
+            record = self.engine.prefetcher.current_step() or {}
+            nvme = record.get("tiers", {}).get("nvme", {})
+            sample.update(stall_seconds=record.get("stall_seconds", 0.0),
+                          read_wait_seconds=record.get("read_wait_seconds", 0.0),
+                          hit_rate=record.get("hit_rate", 0.0), late=record.get("late", 0),
+                          misses=record.get("misses", 0), trace=record.get("trace"),
+                          nvme_read=nvme.get("bytes_read", 0), nvme_written=nvme.get("bytes_written", 0))
+        self.samples.append(sample)
+        return sample
+
+
+# -- raw bandwidth ---------------------------------------------------------------------------------
+def measure_bandwidth(path: str, nbytes: int, aio_cfg) -> tuple[float, float]:
+    """(read, write) GB/s of one sequential pass over a file of ``nbytes`` with the configured aio settings."""
+    from tiers import aio
+
+    request = min(64 << 20, max(4096, nbytes // 4096 * 4096))
+    nbytes = max(request, nbytes // request * request)
+    buf = aio.aligned_empty(request)
+    buf.fill_(7)
+    name = os.path.join(path, "bandwidth.bin")
+    out = []
+    with aio.AioHandle(block_size=aio_cfg.block_size, queue_depth=aio_cfg.queue_depth, threads=aio_cfg.threads,
+                       engine=aio_cfg.engine, direct=aio_cfg.direct) as handle:
+        for op in ("write", "read"):
+            with aio.open_file(name, "w" if op == "write" else "r", direct=aio_cfg.direct, create=True) as f:
+                submit = handle.pwrite if op == "write" else handle.pread
+                t0 = time.perf_counter()
+                futures = [submit(f, buf, offset) for offset in range(0, nbytes, request)]
+                for fut in futures:
+                    fut.wait()
+                if op == "write":
+                    os.fsync(f.fd)
+                out.append(nbytes / (time.perf_counter() - t0) / GB)
+    os.unlink(name)
+    return out[1], out[0]
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def run(args) -> dict:
+    from infinity.config import load_config
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    root = tempfile.mkdtemp(prefix="infinity-prefetch-", dir=args.path)
+    modes = [m for m in MODES if m in args.modes]
+    aio_cfg = load_config({}).aio
+    try:
+        runners = {}
+        for mode in modes:
+            print(f"building {mode} ...", file=sys.stderr, flush=True)
+            runners[mode] = Runner(mode, args, root)
+            gc.collect()
+        bandwidth = []
+        for r in range(args.warmup + args.steps):
+            read_bw, write_bw = measure_bandwidth(root, args.bw_bytes, aio_cfg)
+            bandwidth.append({"round": r, "read_GBps": read_bw, "write_GBps": write_bw})
+            order = modes if r % 2 == 0 else modes[::-1]
+            for mode in order:
+                s = runners[mode].step()
+                s["round"] = r
+                print(f"round {r} {mode:13s} {s['seconds']:7.2f} s  (fwd+bwd {s['forward_backward']:.2f}, "
+                      f"optimizer {s['optimizer']:.2f}, stall {s.get('stall_seconds', 0):.2f}, "
+                      f"hit {100 * s.get('hit_rate', 0):.0f}%)", file=sys.stderr, flush=True)
+        results = {"settings": vars(args), "params": count_params(args),
+                   "state_bytes": 16 * count_params(args), "aio": aio_cfg.to_dict() if hasattr(aio_cfg, "to_dict")
+                   else str(aio_cfg), "bandwidth": bandwidth,
+                   "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                               "platform": platform.platform(), "torch": torch.__version__,
+                               "load_average": os.getloadavg()},
+                   "modes": {}}
+        for mode, runner in runners.items():
+            measured = [s for s in runner.samples if s["round"] >= args.warmup]
+            results["modes"][mode] = {"build_seconds": runner.build_seconds, "samples": runner.samples,
+                                      "median": {k: median([s.get(k) for s in measured])
+                                                 for k in ("seconds", "forward_backward", "optimizer",
+                                                           "stall_seconds", "read_wait_seconds", "hit_rate",
+                                                           "nvme_read", "nvme_written")}}
+        summarize(results, args)
+        return results
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def summarize(results: dict, args) -> None:
+    measured_bw = [b for b in results["bandwidth"] if b["round"] >= args.warmup] or results["bandwidth"]
+    read_bw = median([b["read_GBps"] for b in measured_bw])
+    write_bw = median([b["write_GBps"] for b in measured_bw])
+    modes = results["modes"]
+    ref = modes.get("prefetch") or modes.get("no-prefetch")
+    io_time = None
+    if ref is not None:
+        io_time = ref["median"]["nvme_read"] / GB / read_bw + ref["median"]["nvme_written"] / GB / write_bw
+    compute = modes.get("compute-only", {}).get("median", {}).get("seconds")
+    out = {"read_GBps": read_bw, "write_GBps": write_bw, "io_seconds": io_time, "compute_only_seconds": compute}
+    bound = max(v for v in (compute, io_time) if v is not None) if (compute or io_time) else None
+    for mode in ("prefetch", "prefetch+dpu"):
+        if mode in modes and bound:
+            out[f"ratio[{mode}]"] = modes[mode]["median"]["seconds"] / bound
+    if "prefetch" in modes and "no-prefetch" in modes:
+        out["speedup_over_no_prefetch"] = modes["no-prefetch"]["median"]["seconds"] / modes["prefetch"]["median"]["seconds"]
+    if "prefetch" in modes:
+        m = modes["prefetch"]["median"]
+        out["stall_fraction[prefetch]"] = m["stall_seconds"] / m["seconds"]
+        out["hit_rate[prefetch]"] = m["hit_rate"]
+    results["summary"] = out
+
+
+def print_table(results: dict) -> None:
+    s = results["summary"]
+    print(f"model: {results['params'] / 1e6:.0f} M params, {results['state_bytes'] / GB:.2f} GB of model states "
+          f"(16 B/param); torch threads {results['machine']['torch_threads']}, load average "
+          f"{results['machine']['load_average'][0]:.1f}")
+    print(f"raw aio bandwidth (median of rounds): read {s['read_GBps']:.2f} GB/s, write {s['write_GBps']:.2f} GB/s")
+    head = f"{'mode':14s} {'step s':>8s} {'fwd+bwd s':>10s} {'optim s':>8s} {'stall s':>8s} {'stall %':>8s} " \
+           f"{'hit %':>6s} {'NVMe rd GB':>10s} {'NVMe wr GB':>10s} {'GB/s':>6s}"
+    print(head)
+    print("-" * len(head))
+    for mode, r in results["modes"].items():
+        m = r["median"]
+        nbytes = (m["nvme_read"] or 0) + (m["nvme_written"] or 0)
+        stall = m["stall_seconds"] if m["stall_seconds"] == m["stall_seconds"] else 0.0
+        print(f"{mode:14s} {m['seconds']:8.2f} {m['forward_backward']:10.2f} {m['optimizer']:8.2f} "
+              f"{stall:8.2f} {100 * stall / m['seconds']:8.1f} {100 * (m['hit_rate'] or 0):6.0f} "
+              f"{(m['nvme_read'] or 0) / GB:10.2f} {(m['nvme_written'] or 0) / GB:10.2f} "
+              f"{nbytes / GB / m['seconds']:6.2f}")
+    if s.get("io_seconds") is not None:
+        print(f"pure I/O time of a step's NVMe bytes at the raw bandwidth: {s['io_seconds']:.2f} s")
+    if s.get("compute_only_seconds") is not None:
+        print(f"compute-only step (everything in host memory): {s['compute_only_seconds']:.2f} s")
+    for key, value in s.items():
+        if key.startswith("ratio["):
+            print(f"step({key[6:-1]}) / max(compute-only, I/O) = {value:.2f}   (goal <= 1.15)")
+    if "speedup_over_no_prefetch" in s:
+        print(f"speed-up of prefetch over no prefetch: {s['speedup_over_no_prefetch']:.2f}x; "
+              f"stall fraction {100 * s['stall_fraction[prefetch]']:.1f}%, hit rate {100 * s['hit_rate[prefetch]']:.0f}%")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--path", default=os.environ.get("TMPDIR", "/tmp"), help="directory on the NVMe drive")
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3, help="measured steps per mode (medians)")
+    p.add_argument("--warmup", type=int, default=2, help="steps per mode not measured (trace recording, DPU warm-up)")
+    p.add_argument("--nvme-bytes", default="256MiB", help="prefetch.nvme_bytes")
+    p.add_argument("--device-bytes", default="128MiB", help="prefetch.device_bytes")
+    p.add_argument("--bw-bytes", type=int, default=1 << 30, help="bytes per raw bandwidth pass")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--dpu", action="store_true", help="also run prefetch with delayed parameter update")
+    p.add_argument("--torch", action="store_true", help="also run plain PyTorch (reference)")
+    p.add_argument("--modes", nargs="*", default=None, choices=MODES, help="run only these modes")
+    p.add_argument("--json", default=None, help="write settings, machine, raw samples and summary here")
+    args = p.parse_args(argv)
+    if args.modes is None:
+        args.modes = ["prefetch", "no-prefetch", "compute-only"] + (["prefetch+dpu"] if args.dpu else []) \
+            + (["torch"] if args.torch else [])
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

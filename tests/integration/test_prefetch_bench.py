@@ -1,0 +1,42 @@
+"""Smoke run of benchmarks/prefetch.py at a tiny size: it runs, prints its table, writes its JSON."""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "prefetch.py")
+
+
+@pytest.fixture
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmark_prefetch", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prefetch_benchmark_tiny(bench, tmp_path, capsys):
+    threads = torch.get_num_threads()
+    out = tmp_path / "prefetch.json"
+    try:
+        rc = bench.main(["--path", str(tmp_path), "--vocab", "256", "--d-model", "32", "--heads", "2",
+                         "--layers", "2", "--seq", "16", "--steps", "1", "--warmup", "1", "--threads", "1",
+                         "--bw-bytes", str(8 << 20), "--modes", "prefetch", "no-prefetch", "compute-only",
+                         "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "step(prefetch) / max(compute-only, I/O)" in table and "speed-up of prefetch" in table
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    for key in ("read_GBps", "write_GBps", "io_seconds", "compute_only_seconds", "ratio[prefetch]",
+                "speedup_over_no_prefetch", "stall_fraction[prefetch]", "hit_rate[prefetch]"):
+        assert summary[key] is not None and summary[key] == summary[key], key
+    assert result["params"] == sum(p.numel() for p in bench.GPT(256, 32, 2, 2, 16).parameters())
+    prefetch = result["modes"]["prefetch"]
+    assert len(prefetch["samples"]) == 2 and prefetch["samples"][1]["trace"] == "following"
+    assert prefetch["median"]["nvme_read"] > 0 and result["modes"]["compute-only"]["median"]["nvme_read"] == 0
+    assert [p for p in os.listdir(tmp_path) if p.startswith("infinity-prefetch-")] == []   # cleaned up
