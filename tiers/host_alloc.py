@@ -10,6 +10,12 @@ references are told). The tensor is made with ``torch.frombuffer`` over a ctypes
 array that keeps the mapping alive, so there is no copy and the memory goes back to
 the kernel when the last tensor viewing it dies.
 
+[Note: huge pages]
+With THP in "madvise" mode (the common default) anonymous memory gets 4 KiB pages
+unless asked. Large buffers ask: measured here on 1 GiB, memmove went from 7.0 to
+9.4 GB/s, and O_DIRECT reads into the buffer from 2.9 to 3.4 GB/s (the kernel pins
+the buffer's pages for every request; fewer, larger pages are cheaper to pin).
+
 [Note: pinning cost]
 Registering (pinning) or ``mbind``-ing memory faults in and locks every page: about
 0.35 s per GiB on these machines. Allocate buffers once (pools, flat sub-group
@@ -28,6 +34,8 @@ import torch
 
 ALIGNMENT = 4096
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
 _PROT_READ_WRITE = 0x1 | 0x2
 _MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -60,6 +68,8 @@ def _libc() -> ctypes.CDLL:
                           ctypes.c_int, ctypes.c_long]
     libc.munmap.restype = ctypes.c_int
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.restype = ctypes.c_int
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
 
 
@@ -152,6 +162,9 @@ class HostAllocator:
         Bind pages to this node (``mbind(MPOL_BIND)`` through libnuma). ``-1`` means the
         current GPU's node; ``None`` leaves placement to the kernel. Without libnuma (or
         without a GPU for ``-1``) memory is not bound and :attr:`numa` says why.
+    huge_pages : bool
+        Ask for transparent huge pages (``madvise(MADV_HUGEPAGE)``, 2 MiB-aligned) for
+        allocations of 2 MiB and more; see [Note: huge pages].
 
     Examples
     --------
@@ -161,7 +174,7 @@ class HostAllocator:
     (torch.uint8, 10000, 0)
     """
 
-    def __init__(self, pin: str = "auto", numa_node: int | None = None) -> None:
+    def __init__(self, pin: str = "auto", numa_node: int | None = None, huge_pages: bool = True) -> None:
         if pin not in _PIN_CHOICES:
             raise ValueError(f"pin must be one of {_PIN_CHOICES}, got {pin!r}")
         if pin == "always" and not torch.cuda.is_available():
@@ -170,6 +183,7 @@ class HostAllocator:
                 "is False; use pin='auto' or 'never' on a machine without a GPU"
             )
         self.pin = pin
+        self.huge_pages = huge_pages
         self._cudart = torch.cuda.cudart() if pin != "never" and torch.cuda.is_available() else None
         self._libc = _libc()
         self._numa_lib: ctypes.CDLL | None = None
@@ -214,25 +228,42 @@ class HostAllocator:
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        extra = max(alignment - _PAGE, 0)
-        length = -(-nbytes // _PAGE) * _PAGE + extra
-        base = self._libc.mmap(None, length, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
-        if base is None or base == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise MemoryError(f"HostAllocator: mmap of {length} bytes failed: {os.strerror(err)}")
+        huge = self.huge_pages and nbytes >= _HUGE_PAGE
+        align = max(alignment, _HUGE_PAGE if huge else _PAGE)
+        # Page-rounded, not huge-page-rounded: THP covers the whole 2 MiB stretches and
+        # the tail keeps 4 KiB pages, so an odd size never costs a spare 2 MiB of RAM.
+        length = -(-nbytes // _PAGE) * _PAGE
+        address = self._map_aligned(length, align)
         try:
-            self._bind(base, length)
-            self._register(base, length)
+            if huge:
+                # Best effort: with THP off ("never") madvise fails and 4 KiB pages serve.
+                self._libc.madvise(address, length, _MADV_HUGEPAGE)
+            self._bind(address, length)
+            self._register(address, length)
         except BaseException:
-            self._libc.munmap(base, length)
+            self._libc.munmap(address, length)
             raise
-        region = _Region(base, length, nbytes, self._libc, self._cudart, self._accounting)
+        region = _Region(address, length, nbytes, self._libc, self._cudart, self._accounting)
         self._accounting.take(nbytes, pinned=self._cudart is not None)
-        address = -(-base // alignment) * alignment
         array = (ctypes.c_uint8 * nbytes).from_address(address)
         # The ctypes array keeps the region alive; torch.frombuffer keeps the array alive.
         array._region = region  # type: ignore[attr-defined]
         return torch.frombuffer(array, dtype=torch.uint8)
+
+    def _map_aligned(self, length: int, align: int) -> int:
+        """``mmap`` ``length`` bytes starting at a multiple of ``align``; the excess is unmapped."""
+        slack = align - _PAGE if align > _PAGE else 0
+        base = self._libc.mmap(None, length + slack, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
+        if base is None or base == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise MemoryError(f"HostAllocator: mmap of {length + slack} bytes failed: {os.strerror(err)}")
+        address = -(-base // align) * align
+        if address > base:
+            self._libc.munmap(base, address - base)
+        tail = base + length + slack - (address + length)
+        if tail:
+            self._libc.munmap(address + length, tail)
+        return address
 
     def _bind(self, base: int, length: int) -> None:
         if self._numa_lib is None or self.numa.node is None:

@@ -107,3 +107,36 @@ def test_numa_node_that_does_not_exist():
 def test_gpu_node_without_gpu_is_not_bound():
     alloc = HostAllocator(numa_node=-1)
     assert alloc.numa.node is None and "no GPU" in alloc.numa.reason
+
+
+def _smaps_field(address: int, field: str) -> int:
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not line.startswith(field):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith(field):
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unavailable"
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason=f"transparent huge pages are {_thp_mode()}")
+def test_large_allocations_get_huge_pages():
+    alloc = HostAllocator(pin="never")
+    big = alloc.empty((8 << 20) + 5)
+    big.fill_(1)
+    assert big.data_ptr() % (2 << 20) == 0
+    assert _smaps_field(big.data_ptr(), "AnonHugePages:") >= 4 << 10  # kB; the kernel may split some
+    small = HostAllocator(pin="never", huge_pages=False).empty(8 << 20)
+    small.fill_(1)
+    assert _smaps_field(small.data_ptr(), "AnonHugePages:") == 0 or _thp_mode() == "always"
