@@ -45,7 +45,7 @@ import zlib
 
 from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from infinity.checkpoint.manifest import (COMMIT, FORMAT, LATEST, MANIFEST, VERSION, FileRecord, dump_json,
-                                          fsync_dir, load_json, write_durably)
+                                          fsync_dir, load_json, sync_files, write_bytes, write_durably)
 
 _TMP = ".tmp-"
 _TRASH = ".trash-"
@@ -75,7 +75,8 @@ def commit(root: str, tmp: str, name: str, record: dict, keep: int) -> str:
             raise CheckpointError(f"{path} is missing at commit: every rank must write to a filesystem "
                                   "shared with rank 0") from exc
     body = dict(record, format=FORMAT, version=VERSION, committed=time.time(), manifests=manifests)
-    write_durably(os.path.join(tmp, COMMIT), dump_json(body))
+    write_bytes(os.path.join(tmp, COMMIT), dump_json(body))
+    sync_files([os.path.join(tmp, MANIFEST), os.path.join(tmp, COMMIT)])
     fsync_dir(tmp)
     final = os.path.join(root, name)
     os.rename(tmp, final)

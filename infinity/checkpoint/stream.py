@@ -176,7 +176,7 @@ def _host_view(tier, key: int) -> torch.Tensor | None:
 
 
 def write_file(io: StreamIO, directory: str, relpath: str, spans: list, chunk_nbytes: int) -> FileRecord:
-    """Stream ``spans`` into a new file ``directory/relpath``, fsync it, and return its record."""
+    """Stream ``spans`` into a new file ``directory/relpath`` and return its record (the caller syncs it)."""
     path = os.path.join(directory, relpath)
     direct = all(s.nbytes % ALIGN == 0 for s in spans)
     f = io.open(path, "w", direct)
@@ -234,7 +234,6 @@ def write_file(io: StreamIO, directory: str, relpath: str, spans: list, chunk_nb
             emit()
         while writes:
             retire()
-        os.fsync(f.fd)
     finally:
         for buf, fut, _ in list(writes):
             _settle(fut)

@@ -16,7 +16,7 @@ from infinity.checkpoint import directory, rng
 from infinity.checkpoint.agreement import agree, agree_id
 from infinity.checkpoint.errors import CheckpointError
 from infinity.checkpoint.manifest import (CHUNK_NBYTES, FORMAT, MANIFEST, STATE_FILES, VERSION, dtype_name,
-                                          dump_json, fsync_dir, itemsize, write_durably, write_small_file)
+                                          dump_json, fsync_dir, itemsize, sync_files, write_bytes, write_small_file)
 from infinity.checkpoint.stream import StreamIO, TierSpan, ZeroSpan, write_file
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -79,7 +79,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
     if ranks.rank == 0:
         try:
             manifest = _global_manifest(engine, opt, description, save_id, step, chunk)
-            write_durably(os.path.join(tmp, MANIFEST), dump_json(manifest))
+            write_bytes(os.path.join(tmp, MANIFEST), dump_json(manifest))
             record = {"id": save_id, "step": step, "world_size": ranks.world_size}
             directory.commit(root, tmp, name, record, keep)
         except BaseException as exc:
@@ -166,7 +166,8 @@ def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Te
         files["extra"] = write_small_file(tmp, f"rank{rank}/extra.pt", raw.getvalue(), chunk)
     manifest = {"rank": rank, "world_size": engine.ranks.world_size,
                 "files": {k: v.to_json() for k, v in files.items()}, "rng": rng.capture()}
-    write_durably(os.path.join(rdir, MANIFEST), dump_json(manifest))
+    write_bytes(os.path.join(rdir, MANIFEST), dump_json(manifest))
+    sync_files([os.path.join(tmp, r.path) for r in files.values()] + [os.path.join(rdir, MANIFEST)])
     fsync_dir(rdir)
     fsync_dir(tmp)
 

@@ -136,7 +136,6 @@ def seed_all(seed):
 # -- exact resume ------------------------------------------------------------------------------------
 RESUME = [
     pytest.param(("host", "host"), ("nvme", "nvme"), {}, id="host-to-nvme"),
-    pytest.param(("nvme", "nvme"), ("nvme", "nvme"), {}, id="nvme-to-nvme"),
     pytest.param(("nvme", "nvme"), ("device", "host"), {}, id="nvme-to-device-host"),
     pytest.param(("host", "host"), ("host", "host"), {"precision": {"dtype": "bfloat16"}}, id="bf16"),
     pytest.param(("host", "host"), ("host", "host"), {"dpu": {"enabled": True, "warmup_steps": 1}}, id="dpu"),
@@ -154,7 +153,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, saved_tiers, loaded_tiers, e
     version = infinity.save_checkpoint(ckpt, model, opt, extra={"epoch": 7})
     assert os.path.basename(version).startswith("step00000002-")
     expected_draws = draws()
-    expected_losses = train(model, opt, 3)
+    expected_losses = train(model, opt, 2)
     expected = snapshot(model, opt)
 
     resumed, ropt = build(config(tmp_path, "b", *loaded_tiers, **extra_cfg), seed=5, lr=0.5)
@@ -163,8 +162,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, saved_tiers, loaded_tiers, e
     assert ropt.param_groups[0]["betas"] == (0.9, 0.999)
     assert torch.equal(resumed.pos_scale, torch.full((16, 1), 0.5))
     assert draws() == expected_draws
-    assert train(resumed, ropt, 3) == expected_losses
-    assert ropt.step_count == opt.step_count == 5
+    assert train(resumed, ropt, 2) == expected_losses
+    assert ropt.step_count == opt.step_count == 4
     assert_same(snapshot(resumed, ropt), expected)
 
 
@@ -353,3 +352,9 @@ def test_a_different_model_is_a_mismatch(tmp_path, saved):
     with pytest.raises(CheckpointMismatchError, match=r"parameter\(s\) of the model are not in the checkpoint: "
                                                       r"'blocks\.2\.ln1\.weight'"):
         infinity.load_checkpoint(version, deeper, infinity.AdamW(deeper))
+
+
+def config_for_crash():
+    """The config of the child processes of test_checkpoint_crash.py (they import this module)."""
+    return {"tiers": {"params": "host", "optimizer": "host"}, "partition": {"sub_group_size": 8192},
+            "aio": {"engine": "threads"}, "checkpoint": {"buffer_size": "64KiB"}}
