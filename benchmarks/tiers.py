@@ -92,7 +92,12 @@ def bandwidth(args: argparse.Namespace, handle: AioHandle) -> dict:
     medians = {name: _gbps(size, statistics.median(times)) for name, times in samples.items()}
     ratios = {f"{v} {op} / raw": medians[f"{v} {op}"] / medians[f"raw {op}"]
               for v in ("staged", "direct") for op in ("write", "read")}
-    return {"size": size, "samples_s": samples, "median_GBps": medians, "ratio": ratios, "pool": pool_stats}
+    # Paired: each repeat's variant against the raw run next to it (within ~1 s), so a
+    # disk that drifts between repeats cancels out; the median of those ratios.
+    paired = {f"{v} {op} / raw": statistics.median(r / t for r, t in zip(samples[f"raw {op}"], samples[f"{v} {op}"]))
+              for v in ("staged", "direct") for op in ("write", "read")}
+    return {"size": size, "samples_s": samples, "median_GBps": medians, "ratio": ratios, "paired_ratio": paired,
+            "pool": pool_stats, "load_average": os.getloadavg()}
 
 
 def _verify(tier: NVMeTier, key: int, handle: AioHandle, raw_file, raw_offset: int, aligned: torch.Tensor,
@@ -209,12 +214,17 @@ def main(argv: list[str] | None = None) -> dict:
             bw = result["bandwidth"] = bandwidth(args, handle)
             print(f"NVMe tier vs raw aio handle: {_mib(bw['size'])} tensor, {args.repeats} alternating repeats, "
                   f"engine {handle.engine}, pool {args.pool_buffers} x {_mib(args.pool_buffer)}")
-            print(f"{'variant':<16}{'write GB/s':>12}{'read GB/s':>12}{'write/raw':>11}{'read/raw':>10}")
+            print(f"{'variant':<10}{'write GB/s':>11}{'read GB/s':>11}{'write/raw':>11}{'read/raw':>10}"
+                  f"{'paired w':>10}{'paired r':>10}")
             for name in ("raw", "staged", "direct"):
                 med = bw["median_GBps"]
-                ratio = ("", "") if name == "raw" else (f"{bw['ratio'][f'{name} write / raw']:.2f}x",
-                                                        f"{bw['ratio'][f'{name} read / raw']:.2f}x")
-                print(f"{name:<16}{med[f'{name} write']:>12.2f}{med[f'{name} read']:>12.2f}{ratio[0]:>11}{ratio[1]:>10}")
+                cells = ["", "", "", ""] if name == "raw" else [
+                    f"{table[f'{name} {op} / raw']:.2f}x" for table in (bw["ratio"], bw["paired_ratio"])
+                    for op in ("write", "read")]
+                print(f"{name:<10}{med[f'{name} write']:>11.2f}{med[f'{name} read']:>11.2f}{cells[0]:>11}{cells[1]:>10}"
+                      f"{cells[2]:>10}{cells[3]:>10}")
+            print(f"(load average {bw['load_average'][0]:.1f}; 'paired' = median of per-repeat ratios to the raw run "
+                  "beside it)")
         if "memory" not in args.skip:
             mem = result["memory"] = peak_memory(args, handle)
             print(f"\nPeak host memory moving {_mib(mem['moved_bytes'] / 2)} to NVMe and back "
