@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import infinity
+import infinity.optimizer
 from infinity.dpu import DpuWorkerError
 
 VOCAB, D, SEQ = 48, 32, 8
@@ -114,8 +115,10 @@ def capture_forward_params(model: nn.Module) -> dict:
     return seen
 
 
-def make(tmp_path, params="host", optimizer="host", warmup=2, enabled=True, threads=0, freeze_norm=False):
+def make(tmp_path, params="host", optimizer="host", warmup=2, enabled=True, threads=0, freeze_norm=False,
+         dtype="float32"):
     cfg = {"tiers": {"params": params, "optimizer": optimizer, "nvme_path": str(tmp_path)},
+           "precision": {"dtype": dtype},
            "partition": {"sub_group_size": 4096},
            "dpu": {"enabled": enabled, "warmup_steps": warmup, "threads": threads}}
     torch.manual_seed(0)
@@ -186,8 +189,11 @@ def test_dpu_off_matches_torch_adamw(tmp_path):
     assert gathered_diff(model, ref) <= TOL
 
 
-@pytest.mark.parametrize("params,optimizer", [("host", "host"), ("nvme", "nvme"), ("device", "nvme")])
-def test_delayed_schedule_matches_reference(tmp_path, params, optimizer):
+@pytest.mark.parametrize("params,optimizer,chunk", [("host", "host", None), ("nvme", "nvme", None),
+                                                   ("device", "nvme", 2048), ("nvme", "host", 6144)])
+def test_delayed_schedule_matches_reference(tmp_path, monkeypatch, params, optimizer, chunk):
+    if chunk is not None:  # chunks smaller than groups and sub-groups: the pass's boundary cases
+        monkeypatch.setattr(infinity.optimizer, "_CHUNK_NUMEL", chunk)
     model, ref = make(tmp_path, params, optimizer, warmup=2)
     opt, reference, out, covered = run_schedule(model, ref, 7, warmup=2, clip=0.5,
                                                 lr_at=lambda k: 1e-2 * 0.8 ** k)
@@ -297,3 +303,23 @@ def test_worker_failure_is_raised_on_the_main_thread(tmp_path, monkeypatch):
     opt.step()  # handed over: returns at once
     with pytest.raises(DpuWorkerError, match=r"background optimizer step 1 .*kernel exploded"):
         opt.synchronize()
+
+
+@pytest.mark.parametrize("params", ["host", "nvme"])
+def test_bf16_compute_copies_are_the_rounded_master_weights(tmp_path, monkeypatch, params):
+    monkeypatch.setattr(infinity.optimizer, "_CHUNK_NUMEL", 6144)
+    model, _ = make(tmp_path, params=params, warmup=1, dtype="bfloat16")
+    opt = infinity.AdamW(model, lr=1e-2)
+    for idx, tgt in batches(3):
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+    masters = opt.state_dict()["shards"]["master"]
+    checked = 0
+    with infinity.gathered(model):
+        for g, master in zip(model_groups(model), masters):
+            shard = g.shard_of(g.flatten())
+            assert shard.dtype == torch.bfloat16
+            assert torch.equal(shard, master.to(torch.bfloat16)), g.name
+            checked += 1
+    assert checked == len(masters) > 3
