@@ -179,14 +179,14 @@ class Coordinator:
         t0 = time.perf_counter()
         pending.future.wait()
         self.stats.read_wait_seconds += time.perf_counter() - t0
-        full = torch.empty(group.padded_numel, dtype=self.dtype, device=self.device.device)
+        full = group.flat_buffer()
         if self.device.is_cuda:
             with self.device.copy_stream():
                 shard = pending.staging.to(self.device.device, non_blocking=True)
             self.device.wait_for(self.device.record_copy_done())
         else:
             shard = pending.staging
-        self.ranks.all_gather(full, shard)
+        self.ranks.all_gather(full.data, shard)
         if pending.release_staging is not None:
             if self.device.is_cuda:
                 self.device.synchronize()

@@ -24,6 +24,7 @@ import torch
 
 STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
 _F32 = 4
+_MAX_PENDING_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,13 @@ class OptimizerStateStore:
         src = src.contiguous()
         fut = self.tier.write(self.keys[state][piece.sub_index], src, offset=piece.sub_offset * _F32)
         self._pending_writes.append((fut, src))
+        # Gradient shards arrive throughout backward: keep only unfinished writes (and
+        # their source tensors) referenced, and at most _MAX_PENDING_BYTES of them.
+        pending = [(f, t) for f, t in self._pending_writes if not f.done()]
+        while sum(t.numel() for _, t in pending) * _F32 > _MAX_PENDING_BYTES and len(pending) > 1:
+            f, _ = pending.pop(0)
+            f.wait()
+        self._pending_writes = pending
 
     def flush(self) -> None:
         """Wait for every write this store issued."""

@@ -16,6 +16,16 @@ empty tensor. INFLIGHT: the shard read (and on several ranks the all-gather) has
 been issued. AVAILABLE: the whole flat tensor is on the compute device and every
 parameter is a view into it. Releasing goes back to NOT_AVAILABLE. Transitions
 check the state they start from and raise ``ParamStateError`` naming the group.
+
+[Note: freeing storage, not tensors]
+Autograd keeps what forward saved for backward, and that is often a view of a
+parameter (``F.linear`` saves ``weight.t()``), which would keep the whole gathered
+tensor alive from forward to backward: the whole model, in memory. So each group
+owns one flat tensor for its lifetime, and releasing resizes that tensor's
+*storage* to zero bytes; gathering resizes it back and fills it in place, through
+``.data`` so that autograd's version counters (checked when saved tensors are
+unpacked) do not see the refill as an in-place edit. Saved views then read the
+refilled bytes in backward, after the module's pre-backward hook gathered it again.
 """
 from __future__ import annotations
 
@@ -91,6 +101,7 @@ class ParamGroup:
         self.flat_offset = 0
         self.full: torch.Tensor | None = None
         self.pending = None
+        self._flat: torch.Tensor | None = None
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -125,6 +136,16 @@ class ParamGroup:
         start = self.rank * self.shard_numel
         return flat[start:start + self.shard_numel]
 
+    def flat_buffer(self) -> torch.Tensor:
+        """The group's gathered flat tensor, its storage (re)allocated; fill it through ``.data``."""
+        if self._flat is None:
+            self._flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        else:
+            storage = self._flat.untyped_storage()
+            if storage.nbytes() < self.full_nbytes:
+                storage.resize_(self.full_nbytes)
+        return self._flat
+
     # -- transitions -------------------------------------------------------------------------
     def _expect(self, *states: ParamState, to: str) -> None:
         if self.state not in states:
@@ -153,5 +174,7 @@ class ParamGroup:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for slot in self.slots:
             slot.param.data = empty
+        if self.full is self._flat and self._flat is not None:
+            self._flat.untyped_storage().resize_(0)
         self.full = None
         self.state = ParamState.NOT_AVAILABLE
