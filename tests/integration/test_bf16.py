@@ -1,6 +1,6 @@
 """Mixed precision: bf16 compute with fp32 master weights tracks plain PyTorch under autocast.
 
-Stated tolerance: every step's loss within 2% (relative) of the autocast reference, over 15
+Stated tolerance: every step's loss within 0.5% (relative; measured 0.03%) of the autocast reference, over 15
 steps of the tiny GPT; fp32 masters keep the drift from growing with the step count.
 """
 import torch
@@ -9,7 +9,7 @@ import infinity
 from infinity import registry
 from tests.support.tiny_gpt import TinyGPT, batches
 
-TOLERANCE = 0.02
+TOLERANCE = 0.005
 
 
 def test_bf16_tracks_autocast_reference(tmp_path):
