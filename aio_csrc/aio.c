@@ -108,6 +108,7 @@ typedef struct {
     PyObject_HEAD
     int engine;
     int closing, closed, started;
+    pid_t pid; /* process that created the handle: a fork child has the memory but not the threads */
     int queue_depth, nthreads;
     uint64_t block_size;
     pthread_mutex_t mu;
@@ -268,7 +269,7 @@ static PyObject *Handle_wait(Handle *h, PyObject *args) {
     int idx;
     uint32_t gen;
     if (!PyArg_ParseTuple(args, "O|d", &idobj, &timeout)) return NULL;
-    if (parse_id(h, idobj, &idx, &gen) < 0) return NULL;
+    if (parse_id(h, idobj, &idx, &gen) < 0 || check_process(h) < 0) return NULL;
     if (!h->started || h->closed) Py_RETURN_TRUE;
     int done = 1;
     struct timespec ts;
@@ -293,7 +294,7 @@ static PyObject *Handle_wait(Handle *h, PyObject *args) {
 static PyObject *Handle_done(Handle *h, PyObject *idobj) {
     int idx;
     uint32_t gen;
-    if (parse_id(h, idobj, &idx, &gen) < 0) return NULL;
+    if (parse_id(h, idobj, &idx, &gen) < 0 || check_process(h) < 0) return NULL;
     if (!h->started || h->closed) Py_RETURN_TRUE;
     pthread_mutex_lock(&h->mu);
     req_t *r = lookup(h, idx, gen);
@@ -305,7 +306,7 @@ static PyObject *Handle_done(Handle *h, PyObject *idobj) {
 static PyObject *Handle_reap(Handle *h, PyObject *idobj) {
     int idx;
     uint32_t gen;
-    if (parse_id(h, idobj, &idx, &gen) < 0) return NULL;
+    if (parse_id(h, idobj, &idx, &gen) < 0 || check_process(h) < 0) return NULL;
     if (!h->started || h->closed) {
         PyErr_SetString(PyExc_ValueError, "I/O operation on a closed aio handle");
         return NULL;
@@ -335,7 +336,7 @@ static PyObject *Handle_release(Handle *h, PyObject *idobj) {
     int idx;
     uint32_t gen;
     if (parse_id(h, idobj, &idx, &gen) < 0) return NULL;
-    if (!h->started || h->closed) Py_RETURN_NONE;
+    if (!h->started || h->closed || in_child(h)) Py_RETURN_NONE;
     Py_buffer view;
     int has_view = 0;
     PyObject *owner = NULL;
@@ -356,7 +357,7 @@ static PyObject *Handle_release(Handle *h, PyObject *idobj) {
 static PyObject *Handle_wait_any(Handle *h, PyObject *args) {
     PyObject *seq;
     double timeout = -1.0;
-    if (!PyArg_ParseTuple(args, "O|d", &seq, &timeout)) return NULL;
+    if (!PyArg_ParseTuple(args, "O|d", &seq, &timeout) || check_process(h) < 0) return NULL;
     PyObject *fast = PySequence_Fast(seq, "wait_any expects a sequence of request ids");
     if (!fast) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -410,7 +411,7 @@ out : {
 
 static PyObject *Handle_wait_all(Handle *h, PyObject *args) {
     double timeout = -1.0;
-    if (!PyArg_ParseTuple(args, "|d", &timeout)) return NULL;
+    if (!PyArg_ParseTuple(args, "|d", &timeout) || check_process(h) < 0) return NULL;
     if (!h->started || h->closed) Py_RETURN_TRUE;
     int done = 1;
     struct timespec ts;
@@ -454,15 +455,16 @@ static PyObject *Handle_get_qd(Handle *h, void *c) { return PyLong_FromLong(h->q
 static PyObject *Handle_get_threads(Handle *h, void *c) { return PyLong_FromLong(h->nthreads); }
 static PyObject *Handle_get_block(Handle *h, void *c) { return PyLong_FromUnsignedLongLong(h->block_size); }
 static PyObject *Handle_get_closed(Handle *h, void *c) { return PyBool_FromLong(h->closed || h->closing); }
+static PyObject *Handle_get_pid(Handle *h, void *c) { return PyLong_FromLong((long)h->pid); }
 static PyObject *Handle_get_active(Handle *h, void *c) {
-    if (!h->started || h->closed) return PyLong_FromLong(0);
+    if (!h->started || h->closed || in_child(h)) return PyLong_FromLong(0);
     pthread_mutex_lock(&h->mu);
     int n = h->active;
     pthread_mutex_unlock(&h->mu);
     return PyLong_FromLong(n);
 }
 static PyObject *Handle_get_pieces(Handle *h, void *c) {
-    if (!h->started) return PyLong_FromLong(0);
+    if (!h->started || in_child(h)) return PyLong_FromLong(0);
     pthread_mutex_lock(&h->mu);
     uint64_t n = h->pieces_issued;
     pthread_mutex_unlock(&h->mu);
@@ -498,6 +500,7 @@ static PyGetSetDef Handle_getset[] = {
     {"threads", (getter)Handle_get_threads, NULL, NULL, NULL},
     {"block_size", (getter)Handle_get_block, NULL, NULL, NULL},
     {"closed", (getter)Handle_get_closed, NULL, NULL, NULL},
+    {"owner_pid", (getter)Handle_get_pid, NULL, "process that created the handle", NULL},
     {"active", (getter)Handle_get_active, NULL, "requests submitted and not yet complete", NULL},
     {"pieces_issued", (getter)Handle_get_pieces, NULL, "pieces issued since creation", NULL},
     {NULL, NULL, NULL, NULL, NULL},

@@ -6,7 +6,21 @@
 
 /* ------------------------------------------------------------------ handle lifecycle */
 
+static int in_child(Handle *h) { return h->started && getpid() != h->pid; }
+
+/* [Note: fork] A forked child (a DataLoader worker, say) inherits the handle's memory but none of its
+ * threads, and possibly a mutex some parent thread held at the fork: it must not touch either. */
+static int check_process(Handle *h) {
+    if (!in_child(h)) return 0;
+    PyErr_Format(PyExc_ValueError,
+                 "aio handle was created in process %d and cannot be used in process %d (after fork); "
+                 "create a new AioHandle in this process",
+                 (int)h->pid, (int)getpid());
+    return -1;
+}
+
 static int check_open(Handle *h) {
+    if (check_process(h) < 0) return -1;
     if (h->closing || h->closed || !h->started) {
         PyErr_SetString(PyExc_ValueError, h->started ? "I/O operation on a closed aio handle"
                                                      : "aio handle was not initialised");
@@ -99,6 +113,7 @@ static int Handle_init(Handle *h, PyObject *args, PyObject *kw) {
             h->nworkers++;
         }
     }
+    h->pid = getpid();
     h->started = 1;
     return 0;
 }
@@ -107,6 +122,12 @@ static int Handle_init(Handle *h, PyObject *args, PyObject *kw) {
 static void handle_shutdown(Handle *h) {
     if (!h->started || h->closed) return;
     h->closing = 1;
+    if (in_child(h)) {
+        /* See [Note: fork]: only this process's copies of the mappings and Python references. */
+        if (h->engine == ENGINE_URING) ring_unmap(&h->ring);
+        h->nworkers = 0;
+        goto release;
+    }
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&h->mu);
     while (h->active > 0) pthread_cond_wait(&h->done_cv, &h->mu);
@@ -121,6 +142,7 @@ static void handle_shutdown(Handle *h) {
     for (int t = 0; t < h->nworkers; t++) pthread_join(h->workers[t], NULL);
     Py_END_ALLOW_THREADS
     if (h->engine == ENGINE_URING) ring_unmap(&h->ring);
+release:
     for (int i = 0; i < h->nchunks * CHUNK; i++) {
         if (R(h, i)->state == R_FREE) continue;
         Py_buffer view;
@@ -139,7 +161,7 @@ static void Handle_dealloc(Handle *h) {
     free(h->slots);
     free(h->free_slots);
     free(h->workers);
-    if (h->started) {
+    if (h->started && !in_child(h)) {
         pthread_mutex_destroy(&h->mu);
         pthread_cond_destroy(&h->done_cv);
         pthread_cond_destroy(&h->work_cv);

@@ -19,6 +19,7 @@ class Handle:
     threads: int
     block_size: int
     closed: bool
+    owner_pid: int  # process that created the handle (a fork child cannot use it)
     active: int  # requests submitted and not yet complete
     pieces_issued: int
     def __init__(self, engine: str = ..., queue_depth: int = ..., threads: int = ..., block_size: int = ...) -> None: ...

@@ -143,8 +143,10 @@ class AioFile:
     def close(self) -> None:
         """Close the descriptor; wait for this file's in-flight requests first."""
         if self.fd >= 0:
+            pid = os.getpid()
             for rid, core in list(self._pending.items()):
-                core.wait(rid, -1.0)
+                if core.owner_pid == pid:  # a fork child only closes its copy of the descriptor
+                    core.wait(rid, -1.0)
             self._pending.clear()
             fd, self.fd = self.fd, -1
             os.close(fd)
@@ -489,6 +491,9 @@ class AioHandle:
     def close(self) -> None:
         """Wait for all requests, settle their futures, stop the engine. Idempotent."""
         if self._core.closed:
+            return
+        if self._core.owner_pid != os.getpid():
+            self._core.close()  # a fork child: see [Note: fork] in aio_csrc/lifecycle.h
             return
         self._core.wait_all(-1.0)
         for fut in list(self._futures.values()):

@@ -261,3 +261,27 @@ def test_device_tensor_is_refused(tmp_path, handle) -> None:
     with open_file(_file_with(tmp_path, 4096), "r") as f:
         with pytest.raises(ValueError, match="CPU tensors"):
             handle.pread(f, torch.empty(4096, dtype=torch.uint8, device="cuda"), 0)
+
+
+def test_handle_used_after_fork(tmp_path, engine: str) -> None:
+    # A forked child inherits the handle's memory but not its threads: it gets a clear error, and
+    # closing (or dropping) the handle there neither hangs nor touches the parent's I/O.
+    with AioHandle(block_size=4096, engine=engine) as h, open_file(_file_with(tmp_path, 8192), "r") as f:
+        fut = h.pread(f, aligned_empty(8192), 0)
+        pid = os.fork()
+        if pid == 0:  # child: exit code reports what happened
+            code = 1
+            try:
+                h.pread(f, aligned_empty(4096), 0)
+            except ValueError as e:
+                code = 0 if "after fork" in str(e) else 2
+            try:
+                h.close()
+                f.close()
+            except BaseException:
+                code = 3
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        assert fut.wait() == 8192  # the parent's request is untouched
+        assert h.pread(f, aligned_empty(4096), 0).wait() == 4096
