@@ -48,6 +48,7 @@ from __future__ import annotations
 import collections
 import logging
 
+import torch
 from torch import nn
 
 from infinity.param_group import ParamGroup, ParamState
@@ -123,8 +124,6 @@ class Prefetcher:
             self._new_step()
 
     def end_forward(self) -> None:
-        import torch
-
         if not self._in_backward and not torch.is_grad_enabled():
             self._drop_leftovers()   # no backward can follow a no-grad forward
 
