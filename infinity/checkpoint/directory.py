@@ -25,8 +25,16 @@ temporary directory to ``step<k>-<id>`` (fsync of ``path``), then writes
 ``latest.tmp-<id>`` and renames it over ``latest`` (fsync of ``path``). That last
 rename is the commit point: ``rename(2)`` replaces ``latest`` atomically, so at every
 instant ``latest`` names either the previous version or the new one, both complete.
-Only then are older versions (beyond ``keep``) and leftovers of killed saves removed
-(renamed to ``.trash-*`` first, so a half-deleted version never looks committed).
+Only then are older versions (beyond ``keep``) and leftovers of killed saves retired.
+
+[Note: deleting old versions]
+A retired directory is first renamed to ``.trash-<name>`` (atomic: a half-deleted
+version never looks committed), then deleted on a background thread, so the save
+returns as soon as the new version is committed. Freeing a multi-GB version can
+take seconds on a busy disk (measured: up to 9 s for 3 GB here, while the save
+itself took 1.9 s), which training need not wait for. The thread is not a daemon:
+the interpreter finishes the deletion before exiting; if the process is killed, the
+next save removes the ``.trash-*`` leftovers.
 
 We chose this over writing ``path.tmp``, renaming ``path`` to ``path.old`` and the new
 directory to ``path``: ``rename(2)`` cannot replace a non-empty directory, so that
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 import zlib
 
@@ -94,12 +103,19 @@ def _manifest_paths(version: str, world_size: int) -> list[str]:
 
 
 def _clean(root: str, current: str, keep: int) -> None:
-    """Remove leftovers of killed saves and committed versions beyond the newest ``keep``."""
-    versions = []
+    """Retire leftovers of killed saves and committed versions beyond the newest ``keep``.
+
+    See [Note: deleting old versions].
+    """
+    versions, trash = [], []
     for entry in os.listdir(root):
         path = os.path.join(root, entry)
-        if entry.startswith((_TMP, _TRASH)) or entry.startswith(f"{LATEST}.tmp-"):
-            _remove(root, entry)
+        if entry.startswith(_TRASH):
+            trash.append(path)
+        elif entry.startswith(_TMP):
+            trash.append(_retire(root, entry))
+        elif entry.startswith(f"{LATEST}.tmp-"):
+            _unlink(path)
         elif entry.startswith("step") and entry != current and os.path.isfile(os.path.join(path, COMMIT)):
             try:
                 committed = float(load_json(os.path.join(path, COMMIT), "commit record").get("committed", 0.0))
@@ -107,26 +123,31 @@ def _clean(root: str, current: str, keep: int) -> None:
                 committed = 0.0
             versions.append((committed, entry))
     versions.sort(reverse=True)
-    for _, entry in versions[max(keep - 1, 0):]:
-        _remove(root, entry)
+    trash += [_retire(root, entry) for _, entry in versions[max(keep - 1, 0):]]
+    if trash:
+        threading.Thread(target=_delete, args=(trash,), name="infinity-checkpoint-cleanup").start()
 
 
-def _remove(root: str, entry: str) -> None:
-    path = os.path.join(root, entry)
-    if os.path.isdir(path) and not entry.startswith(_TRASH):
-        trash = os.path.join(root, f"{_TRASH}{entry}")
-        try:
-            os.rename(path, trash)
-            path = trash
-        except OSError:
-            pass
-    if os.path.isdir(path):
+def _retire(root: str, entry: str) -> str:
+    """Rename a directory to ``.trash-<entry>`` (atomic: it stops being a version at once)."""
+    trash = os.path.join(root, f"{_TRASH}{entry}")
+    try:
+        os.rename(os.path.join(root, entry), trash)
+    except OSError:
+        return os.path.join(root, entry)
+    return trash
+
+
+def _delete(paths: list[str]) -> None:
+    for path in paths:
         shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def resolve(path: str | os.PathLike) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import zipfile
 
 import numpy as np
@@ -127,6 +128,13 @@ def assert_same(a, b):
         assert torch.equal(sa[s], sb[s]), s
 
 
+def wait_for_cleanup():
+    """Join the threads deleting retired versions (see [Note: deleting old versions])."""
+    for thread in threading.enumerate():
+        if thread.name == "infinity-checkpoint-cleanup":
+            thread.join()
+
+
 def seed_all(seed):
     torch.manual_seed(seed)
     random.seed(seed)
@@ -203,10 +211,11 @@ def test_versions_latest_pointer_and_cleanup(tmp_path):
     v2 = infinity.save_checkpoint(ckpt, model, opt, extra=2, keep=2)
     train(model, opt, 1)
     v3 = infinity.save_checkpoint(ckpt, model, opt, extra=3, keep=2)
+    assert not os.path.exists(v1)               # retired at once, deleted in the background
+    wait_for_cleanup()
     entries = sorted(os.listdir(ckpt))
     assert entries == sorted(["latest", os.path.basename(v2), os.path.basename(v3)])
     assert (ckpt / "latest").read_text().strip() == os.path.basename(v3)
-    assert not os.path.exists(v1)
     assert sorted(os.listdir(v3)) == ["COMMIT", "manifest.json", "rank0"]
     assert sorted(os.listdir(os.path.join(v3, "rank0"))) == [
         "buffers.bin", "exp_avg.bin", "exp_avg_sq.bin", "extra.pt", "manifest.json", "master.bin", "params.bin"]
@@ -358,3 +367,21 @@ def config_for_crash():
     """The config of the child processes of test_checkpoint_crash.py (they import this module)."""
     return {"tiers": {"params": "host", "optimizer": "host"}, "partition": {"sub_group_size": 8192},
             "aio": {"engine": "threads"}, "checkpoint": {"buffer_size": "64KiB"}}
+
+
+def test_benchmark_smoke(tmp_path, capsys):
+    import json
+
+    from benchmarks.checkpoint import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--path", str(tmp_path), "--numel", "300000", "--layers", "2", "--repeats", "1",
+                 "--buffer-size", "256KiB", "--pool-buffer-size", "256KiB", "--aio-engine", "threads",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "raw copy" in text and "peak RSS during save" in text
+    record = json.loads(out.read_text())
+    sample = record["samples"][0]
+    assert record["settings"]["checkpoint_nbytes"] > 0 and sample["save_s"] > 0 and sample["load_s"] > 0
+    assert sample["save_rss_peak"] >= sample["save_rss_before"]
+    assert os.listdir(tmp_path) == ["bench.json"]          # swap files and checkpoints removed

@@ -33,7 +33,6 @@ import torch, infinity
 root, mode, kill_at = sys.argv[2], sys.argv[3], int(sys.argv[4])
 with infinity.Init(tests.config_for_crash()):
     model = tests.GPT(d=64)
-opt = infinity.AdamW(model)
 calls = [0]
 
 def arm():
@@ -52,7 +51,7 @@ while True:
     with infinity.gathered(model):
         for p in model.parameters():
             p.data.fill_(float(version))
-    infinity.save_checkpoint(root, model, opt, extra={"version": version})
+    infinity.save_checkpoint(root, model, None, extra={"version": version})   # no optimizer: a faster child
     print(version, flush=True)
     if version == 1 and mode == "syscall":
         arm()
@@ -82,11 +81,11 @@ def _trial(root: str, mode: str, value: float, out: dict) -> None:
 
 
 def test_sigkill_during_saves_leaves_the_last_good_checkpoint(tmp_path):
-    from tests.unit.test_checkpoint import GPT, config_for_crash
+    from tests.unit.test_checkpoint import GPT, config_for_crash, wait_for_cleanup
 
     rng = random.Random(9)
     trials = [("time", rng.uniform(0.05, 0.5)) for _ in range(2)]
-    trials += [("syscall", n) for n in rng.sample(range(1, 40), 4)]
+    trials += [("syscall", n) for n in rng.sample(range(1, 40), 3)]
     roots = [str(tmp_path / f"ckpt-{i}-{mode}-{value:.2f}") for i, (mode, value) in enumerate(trials)]
     results: dict = {}
     threads = [threading.Thread(target=_trial, args=(root, mode, value, results))
@@ -111,5 +110,6 @@ def test_sigkill_during_saves_leaves_the_last_good_checkpoint(tmp_path):
             for name, p in model.named_parameters():
                 assert torch.all(p == loaded), f"{what}: {name} mixes versions"
         infinity.save_checkpoint(root, model, opt, extra={"version": loaded + 1})
+        wait_for_cleanup()
         assert [e for e in os.listdir(root) if e.startswith(".")] == [], what
         assert infinity.load_checkpoint(root, model, opt)["version"] == loaded + 1
