@@ -1,0 +1,226 @@
+"""Host Adam throughput against the memory-bandwidth bound, in one run.
+
+    python benchmarks/adam.py --sizes 100M,500M --json /tmp/adam.json
+
+For each size (fp32 parameters) it measures, one after another and ``--rounds`` times over:
+
+- ``triad``: the STREAM triad ``a = b + s * c`` with torch, the bandwidth bound's basis;
+- ``torch fused, 1 tensor``: ``torch.optim.AdamW(fused=True)`` on one flat parameter;
+- ``torch fused, 100 tensors``: the same on 100 parameters (views of the same memory);
+- ``torch foreach, 100 tensors``: ``torch.optim.AdamW(foreach=True)``;
+- ``deepspeed CPUAdam``: ``DeepSpeedCPUAdam`` on one flat parameter, when ``deepspeed`` imports
+  (its kernel is built by DeepSpeed's JIT the first time);
+- ``ours (engine step)``: ``infinity.AdamW.step()`` on a model of Linear layers built in
+  ``infinity.Init`` with every state on the host: the flat sub-group pass plus the fp32 compute
+  copies it writes, as training runs it.
+
+An Adam step moves 28 bytes per parameter (read parameter, gradient, m, v; write parameter,
+m, v); ours also writes the compute copy (32). The bound is triad bandwidth / 28 bytes. The
+triad is counted the STREAM way (12 bytes per element); its store also reads the line first
+(write-allocate), which Adam's in-place stores do not, so the "hardware" column counts 16.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+# Run as a script, this folder comes first on sys.path, and benchmarks/tiers.py would shadow
+# the ``tiers`` package the engine imports.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import psutil
+import torch
+from torch import nn
+
+ADAM_BYTES = 28
+KW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def parse_count(text: str) -> int:
+    units = {"K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+TRIAD_MAX_NUMEL = 100_000_000
+
+
+class Shared:
+    """One set of parameter, gradient and moment arrays that every torch-side variant steps.
+
+    Sharing keeps the memory at 16 bytes per parameter whatever the number of variants, so
+    they can be measured in alternation; the values only need to stay finite.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.p, self.g = torch.rand(n), torch.rand(n) * 1e-2
+        self.m, self.v = torch.zeros(n), torch.zeros(n)
+
+    def pieces(self, tensors: int):
+        n = self.p.numel()
+        bounds = [round(i * n / tensors) for i in range(tensors + 1)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            p = nn.Parameter(self.p[lo:hi])
+            p.grad = self.g[lo:hi]
+            yield p, self.m[lo:hi], self.v[lo:hi]
+
+
+def triad_step(n: int):
+    n = min(n, TRIAD_MAX_NUMEL)
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    return (lambda: torch.add(b, c, alpha=3.0, out=a)), n
+
+
+def torch_adamw_step(shared: Shared, tensors: int, **flags):
+    pieces = list(shared.pieces(tensors))
+    opt = torch.optim.AdamW([p for p, _, _ in pieces], **KW, **flags)
+    for p, m, v in pieces:
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": m, "exp_avg_sq": v}
+    return opt.step
+
+
+def deepspeed_step(shared: Shared):
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception as exc:  # not installed, or its JIT build failed: reported in the table
+        return f"unavailable: {type(exc).__name__}: {str(exc)[:80]}"
+    (p, m, v), = shared.pieces(1)
+    opt = DeepSpeedCPUAdam([p], adamw_mode=True, **KW)
+    opt.state[p] = {"step": 0, "exp_avg": m, "exp_avg_sq": v}
+    return opt.step
+
+
+class _Stack(nn.Module):
+    def __init__(self, d: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(layers)])
+
+
+def ours_step(n: int, workdir: str):
+    """``infinity.AdamW.step`` on Linear layers of about ``n`` parameters, all states on the host."""
+    import infinity
+
+    d = max(64, min(4096, int(n ** 0.5) // 64 * 64))
+    layers = max(1, round(n / (d * d + d)))
+    cfg = {"tiers": {"params": "device", "optimizer": "host", "device": "cpu", "nvme_path": workdir}}
+    with infinity.Init(cfg):
+        model = _Stack(d, layers)
+    opt = infinity.AdamW(model, **KW)
+    for g in opt.engine.coordinator.groups:
+        opt.store.accumulate_grad(g.index, torch.rand(g.shard_numel) * 1e-2)
+    return opt.step, sum(g.numel for g in opt.engine.coordinator.groups), (model, opt)
+
+
+def run_phase(variants: dict, repeats: int, raw: dict) -> None:
+    """Warm every variant up, then time one step of each in turn, ``repeats`` times."""
+    for fn in variants.values():
+        fn()  # lazy state, page faults, DeepSpeed's JIT build
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            raw.setdefault(name, []).append(time.perf_counter() - t0)
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="100M,500M", help="parameter counts, e.g. 100M,500M")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps of each variant per round, alternating")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds, each rebuilding every variant")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--skip", default="", help="comma-separated variants to leave out (foreach, deepspeed, ours)")
+    ap.add_argument("--json", help="write settings, machine and raw samples here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    skip = set(filter(None, args.skip.split(",")))
+    sizes = [parse_count(s) for s in args.sizes.split(",")]
+    results = {"settings": vars(args), "machine": machine(), "sizes": {}}
+    with tempfile.TemporaryDirectory() as workdir:
+        for n in sizes:
+            raw: dict[str, list[float]] = {}
+            notes: dict[str, str] = {}
+            counts = {}
+            # The torch-side variants share one set of arrays (16 B/param); ours owns its states
+            # (20 B/param). Together in one phase when that fits in half the free memory.
+            together = 36 * n < psutil.virtual_memory().available // 2
+            for _ in range(args.rounds):
+                triad, counts["triad"] = triad_step(n)
+                shared = Shared(n)
+                phase = {"triad": triad,
+                         "torch fused, 1 tensor": torch_adamw_step(shared, 1, fused=True),
+                         "torch fused, 100 tensors": torch_adamw_step(shared, 100, fused=True)}
+                if "foreach" not in skip:
+                    phase["torch foreach, 100 tensors"] = torch_adamw_step(shared, 100, foreach=True)
+                if "deepspeed" not in skip:
+                    got = deepspeed_step(shared)
+                    if isinstance(got, str):
+                        notes["deepspeed CPUAdam"] = got
+                    else:
+                        phase["deepspeed CPUAdam"] = got
+                if not together:
+                    run_phase(phase, args.repeats, raw)
+                    del shared
+                    phase = {"triad (ours' phase)": triad}
+                    gc.collect()
+                keep = None
+                if "ours" not in skip:
+                    phase["ours (engine step)"], counts["ours"], keep = ours_step(n, workdir)
+                run_phase(phase, args.repeats, raw)
+                del phase, keep, triad
+                shared = None
+                gc.collect()
+            results["sizes"][n] = {"raw_seconds": raw, "notes": notes, "numel": counts, "one_phase": together}
+            print_table(n, raw, notes, counts, together)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+def print_table(n: int, raw: dict, notes: dict, counts: dict, together: bool) -> None:
+    def bound_of(triad_name: str) -> tuple[float, float]:
+        bw = 12 * counts["triad"] / statistics.median(raw[triad_name])
+        return bw, bw / ADAM_BYTES
+
+    bw, bound = bound_of("triad")
+    print(f"\n{n / 1e6:.0f}M fp32 parameters, {torch.get_num_threads()} threads; triad {bw / 1e9:.1f} GB/s "
+          f"(STREAM count; {bw * 16 / 12 / 1e9:.1f} GB/s with write-allocate); "
+          f"bound {bound / 1e9:.2f} G params/s at {ADAM_BYTES} B/param"
+          + ("" if together else "; ours measured in its own phase, against its own triad"))
+    print(f"{'variant':30} {'median s':>9} {'G params/s':>11} {'GB/s moved':>11} {'x bound':>8}")
+    for name, samples in raw.items():
+        if name.startswith("triad"):
+            continue
+        mine = name.startswith("ours")
+        _, b = bound_of("triad" if together or not mine else "triad (ours' phase)")
+        count = counts["ours"] if mine else n
+        nbytes = ADAM_BYTES + (4 if mine else 0)
+        med = statistics.median(samples)
+        rate = count / med
+        print(f"{name:30} {med:9.4f} {rate / 1e9:11.2f} {rate * nbytes / 1e9:11.1f} {b / rate:8.2f}")
+    for name, why in notes.items():
+        print(f"{name:30} {why}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Smoke runs of benchmarks/adam.py and benchmarks/dpu.py at tiny sizes: tables printed, JSON written."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", os.path.join(_BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_adam_benchmark_tiny(tmp_path, capsys):
+    out = tmp_path / "adam.json"
+    load("adam").main(["--sizes", "300K", "--repeats", "2", "--rounds", "1", "--skip", "deepspeed",
+                       "--json", str(out)])
+    table = capsys.readouterr().out
+    for row in ("torch fused, 1 tensor", "torch fused, 100 tensors", "torch foreach, 100 tensors",
+                "ours (engine step)", "G params/s"):
+        assert row in table, row
+    record = json.loads(out.read_text())
+    size = record["sizes"]["300000"]
+    assert set(size["raw_seconds"]) >= {"triad", "torch fused, 1 tensor", "ours (engine step)"}
+    assert all(len(v) == 2 and min(v) > 0 for v in size["raw_seconds"].values())
+    assert 0.5 * 300_000 < size["numel"]["ours"] < 2 * 300_000  # whole layers
+    assert record["machine"]["torch"] == torch.__version__
+
+
+def test_dpu_benchmark_tiny(tmp_path, capsys):
+    out = tmp_path / "dpu.json"
+    load("dpu").main(["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "256", "--seq", "8",
+                      "--rounds", "1", "--turn", "2", "--dpu-threads", "1", "--compute-threads", "1",
+                      "--optimizer", "host,nvme", "--train-steps", "6", "--train-d-model", "32",
+                      "--nvme-dir", str(tmp_path), "--json", str(out)])
+    table = capsys.readouterr().out
+    assert "optimizer states on host" in table and "optimizer states on nvme" in table
+    assert "dpu / sync final loss" in table
+    record = json.loads(out.read_text())
+    for tier in ("host", "nvme"):
+        summary = record[f"step_time_{tier}"]["summary"]
+        assert set(summary) == {"sync c1", "dpu w1 c1"}
+        assert summary["dpu w1 c1"]["worker_threads"] == 1
+        assert len(record[f"step_time_{tier}"]["raw"]["sync c1"]["fb"]) == 1
+    runs = record["train"]["runs"]
+    assert len(runs["sync"]["losses"]) == len(runs["dpu"]["losses"]) == 6
+    assert runs["sync"]["losses"][0] == runs["dpu"]["losses"][0]  # same start, the schedules differ later
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("tmp")]  # the swap directories were removed
