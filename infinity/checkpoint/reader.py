@@ -45,7 +45,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
     model:
         The model built inside ``infinity.Init``; parameter names and shapes must match.
     opt:
-        Its infinity optimizer, or None (then step and hyper-parameters are not restored).
+        Its infinity optimizer; None means the one created for the model, if any. Create the
+        optimizer before loading: the moments are loaded in any case, and the step count and
+        hyper-parameters go to the optimizer.
 
     Returns
     -------
@@ -56,7 +58,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
     >>> extra = infinity.load_checkpoint("ckpt", model, opt)   # doctest: +SKIP
     """
     engine = registry.engine_of(model, "infinity.load_checkpoint")
-    check_ready(engine, opt, "infinity.load_checkpoint")
+    opt = check_ready(engine, opt, "infinity.load_checkpoint")
     error, extra = None, None
     engine.coordinator.release_all(include_persistent=True)
     try:

@@ -40,7 +40,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
     model:
         The model built inside ``infinity.Init`` (every managed parameter must be reachable from it).
     opt:
-        Its ``infinity.AdamW`` / ``infinity.Adam`` (step count and hyper-parameters are saved), or None.
+        Its ``infinity.AdamW`` / ``infinity.Adam``: step count and hyper-parameters are saved. None
+        means the optimizer created for the model, if any (its states are saved in any case).
     extra:
         Anything ``torch.save`` can write (scheduler state, data position), saved per rank and
         returned by ``load_checkpoint`` (it is pickled: load only checkpoints you trust).
@@ -60,7 +61,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
     if keep < 1:
         raise ValueError(f"infinity.save_checkpoint: keep must be >= 1, got {keep}")
     engine = registry.engine_of(model, "infinity.save_checkpoint")
-    check_ready(engine, opt, "infinity.save_checkpoint")
+    opt = check_ready(engine, opt, "infinity.save_checkpoint")
     ranks = engine.ranks
     root = os.fspath(path)
     save_id = agree_id(ranks)
@@ -89,15 +90,23 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
     return os.path.join(root, name)
 
 
-def check_ready(engine, opt, what: str) -> None:
-    """The optimizer belongs to this model, no backward is running, background updates are published."""
-    if opt is not None and getattr(opt, "engine", None) is not engine:
+def check_ready(engine, opt, what: str):
+    """The model's optimizer (``opt``, or the one created for it), once no backward runs and updates are published.
+
+    Why default to the engine's optimizer: the Adam moments live in the engine's store and
+    are always saved and loaded, so the step count (Adam's bias correction) must travel
+    with them whether or not the caller passed the optimizer.
+    """
+    if opt is None:
+        opt = engine.optimizer
+    elif getattr(opt, "engine", None) is not engine:
         raise CheckpointError(f"{what}: opt is not the infinity optimizer of this model "
                               f"(got {type(opt).__name__}); pass the optimizer created for this model, or None")
     if engine.reducer.pending() or engine._backward_active:
         raise CheckpointError(f"{what}: called while a backward pass is still running; call it between steps")
     if opt is not None:
         opt.synchronize()
+    return opt
 
 
 def names_by_param(model: nn.Module) -> dict:

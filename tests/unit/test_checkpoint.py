@@ -33,7 +33,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         T = x.shape[1]
-        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
         h = self.ln1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         return x + self.mlp(self.ln2(x))
@@ -94,13 +94,13 @@ def build(cfg, seed=0, lr=1e-2):
     return model, infinity.AdamW(model, lr=lr, weight_decay=0.01)
 
 
-def train(model, opt, steps):
+def train(model, opt, steps, device="cpu"):
     """Steps on batches from the global RNG (so restoring it matters); returns the losses."""
     losses = []
     for _ in range(steps):
         idx = torch.randint(0, 64, (4, 16))
         tgt = torch.randint(0, 64, (4, 16))
-        loss = model(idx, tgt)
+        loss = model(idx.to(device), tgt.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -172,6 +172,22 @@ def test_resume_matches_uninterrupted_run(tmp_path, saved_tiers, loaded_tiers, e
     assert draws() == expected_draws
     assert train(resumed, ropt, 2) == expected_losses
     assert ropt.step_count == opt.step_count == 4
+    assert_same(snapshot(resumed, ropt), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: parameters in GPU memory (the device tier)")
+def test_resume_with_parameters_on_the_gpu(tmp_path):
+    cfg = config(tmp_path, "a", "device", "host", tiers={"device": "cuda"})
+    model, opt = build(cfg)
+    seed_all(1)
+    train(model, opt, 2, "cuda")
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    expected_losses = train(model, opt, 2, "cuda")
+    expected = snapshot(model, opt)
+    resumed, ropt = build(config(tmp_path, "b", "nvme", "nvme", tiers={"device": "cuda"}), seed=5)
+    infinity.load_checkpoint(tmp_path / "ckpt", resumed, ropt)
+    assert train(resumed, ropt, 2, "cuda") == expected_losses
     assert_same(snapshot(resumed, ropt), expected)
 
 
