@@ -11,7 +11,10 @@ mode alike:
 - ``compute-only``: params and optimizer states in host memory, prefetch off (no I/O);
 - ``torch``:        plain PyTorch with ``torch.optim.AdamW`` (for reference, ``--torch``).
 
-Between rounds the raw aio read and write bandwidth of the NVMe path is measured with the
+Each round runs every mode for ``--block`` consecutive steps; the first step of a block is a
+lead-in and is not measured, and at the end of a block the delayed update still running is
+drained (untimed). So a measured DPU step overlaps its own forward/backward only, never
+another mode's step. Between rounds the raw aio read and write bandwidth of the NVMe path is measured with the
 configured I/O settings (what ``infinity-bench nvme`` measures, inline), and the pure I/O
 time of a step is its NVMe bytes (read and written, from ``infinity.stats``) at those
 bandwidths. The figure of merit is ``step(prefetch) / max(step(compute-only), io_time)``.
@@ -151,6 +154,11 @@ class Runner:
         self.samples.append(sample)
         return sample
 
+    def drain(self) -> None:
+        """Finish a delayed update still running (between blocks, untimed)."""
+        if self.engine is not None:
+            self.opt.synchronize()
+
 
 # -- raw bandwidth ---------------------------------------------------------------------------------
 def measure_bandwidth(path: str, nbytes: int, aio_cfg) -> tuple[float, float]:
@@ -205,11 +213,14 @@ def run(args) -> dict:
             bandwidth.append({"round": r, "read_GBps": read_bw, "write_GBps": write_bw})
             order = modes if r % 2 == 0 else modes[::-1]
             for mode in order:
-                s = runners[mode].step()
-                s["round"] = r
-                print(f"round {r} {mode:13s} {s['seconds']:7.2f} s  (fwd+bwd {s['forward_backward']:.2f}, "
-                      f"optimizer {s['optimizer']:.2f}, stall {s.get('stall_seconds', 0):.2f}, "
-                      f"hit {100 * s.get('hit_rate', 0):.0f}%)", file=sys.stderr, flush=True)
+                for i in range(args.block):
+                    s = runners[mode].step()
+                    s.update(round=r, lead_in=args.block > 1 and i == 0)
+                    print(f"round {r} {mode:13s} {s['seconds']:7.2f} s  (fwd+bwd {s['forward_backward']:.2f}, "
+                          f"optimizer {s['optimizer']:.2f}, stall {s['stall_seconds']:.2f}, "
+                          f"hit {100 * s['hit_rate']:.0f}%){' lead-in' if s['lead_in'] else ''}",
+                          file=sys.stderr, flush=True)
+                runners[mode].drain()
         results = {"settings": vars(args), "params": count_params(args),
                    "state_bytes": 16 * count_params(args), "aio": aio_cfg.to_dict() if hasattr(aio_cfg, "to_dict")
                    else str(aio_cfg), "bandwidth": bandwidth,
@@ -218,7 +229,7 @@ def run(args) -> dict:
                                "load_average": os.getloadavg()},
                    "modes": {}}
         for mode, runner in runners.items():
-            measured = [s for s in runner.samples if s["round"] >= args.warmup]
+            measured = [s for s in runner.samples if s["round"] >= args.warmup and not s["lead_in"]]
             results["modes"][mode] = {"build_seconds": runner.build_seconds, "samples": runner.samples,
                                       "median": {k: median([s.get(k) for s in measured])
                                                  for k in ("seconds", "forward_backward", "optimizer",
@@ -294,8 +305,10 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3, help="measured steps per mode (medians)")
-    p.add_argument("--warmup", type=int, default=2, help="steps per mode not measured (trace recording, DPU warm-up)")
+    p.add_argument("--steps", type=int, default=3, help="measured rounds (medians over them)")
+    p.add_argument("--warmup", type=int, default=1, help="rounds not measured (trace recording, DPU warm-up)")
+    p.add_argument("--block", type=int, default=2, help="consecutive steps per mode and round; all but the "
+                   "first are measured (1: every step measured, but DPU then overlaps other modes' steps)")
     p.add_argument("--nvme-bytes", default="256MiB", help="prefetch.nvme_bytes")
     p.add_argument("--device-bytes", default="128MiB", help="prefetch.device_bytes")
     p.add_argument("--bw-bytes", type=int, default=1 << 30, help="bytes per raw bandwidth pass")

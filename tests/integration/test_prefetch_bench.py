@@ -22,7 +22,7 @@ def test_prefetch_benchmark_tiny(bench, tmp_path, capsys):
     out = tmp_path / "prefetch.json"
     try:
         rc = bench.main(["--path", str(tmp_path), "--vocab", "256", "--d-model", "32", "--heads", "2",
-                         "--layers", "2", "--seq", "16", "--steps", "1", "--warmup", "1", "--threads", "1",
+                         "--layers", "2", "--seq", "16", "--steps", "1", "--warmup", "1", "--block", "2", "--threads", "1",
                          "--bw-bytes", str(8 << 20), "--modes", "prefetch", "no-prefetch", "compute-only",
                          "--json", str(out)])
     finally:
@@ -37,6 +37,8 @@ def test_prefetch_benchmark_tiny(bench, tmp_path, capsys):
         assert summary[key] is not None and summary[key] == summary[key], key
     assert result["params"] == sum(p.numel() for p in bench.GPT(256, 32, 2, 2, 16).parameters())
     prefetch = result["modes"]["prefetch"]
-    assert len(prefetch["samples"]) == 2 and prefetch["samples"][1]["trace"] == "following"
+    assert len(prefetch["samples"]) == 4 and [s["trace"] for s in prefetch["samples"]] == \
+        ["recording", "following", "following", "following"]
+    assert [s["lead_in"] for s in prefetch["samples"]] == [True, False, True, False]
     assert prefetch["median"]["nvme_read"] > 0 and result["modes"]["compute-only"]["median"]["nvme_read"] == 0
     assert [p for p in os.listdir(tmp_path) if p.startswith("infinity-prefetch-")] == []   # cleaned up
