@@ -65,7 +65,8 @@ class _Entry:
 def _entries(manifest: dict, layout: SavedLayout, dtype: torch.dtype) -> list[_Entry]:
     buffers = {e["name"]: e for e in manifest["buffers"]}
     keys = list(manifest["state_dict_keys"])
-    keys += [n for p in layout.params for n in p.names if n not in keys]
+    listed = set(keys)
+    keys += [n for p in layout.params for n in p.names if n not in listed]
     entries = []
     for key in keys:
         if key in layout.by_name:

@@ -11,7 +11,8 @@ the host tier are written straight from their memory (no copy, no buffer). A loa
 is the mirror image: a file is read in chunk-aligned windows of at most
 ``buffer_size`` bytes, the chunks are verified, and each window is scattered to the
 tier ranges ("runs") that need its bytes. The host memory a save or load adds is
-therefore ``DEPTH * buffer_size`` (3 x 64 MiB by default), whatever the model size.
+therefore ``DEPTH * buffer_size`` (3 x 64 MiB by default), plus 1 MiB of zeros for
+padding, whatever the model size.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from infinity.checkpoint.manifest import ChunkChecksum, FileRecord
 DEPTH = 3
 """Buffers one stream cycles through: one being read, one being checksummed, one being written."""
 ALIGN = 4096
+ZEROS_NBYTES = 1 << 20
 _MAX_WRITES_IN_FLIGHT = 8
 
 
@@ -133,12 +135,12 @@ class StreamIO:
             self.buffer_nbytes = nbytes
             self._made -= len(self._free)
             self._free.clear()
-            self._zeros = None
 
     @property
     def zeros(self) -> torch.Tensor:
+        """An aligned block of ``ZEROS_NBYTES`` zero bytes (padding, moments before the first step)."""
         if self._zeros is None:
-            self._zeros = self._empty(self.buffer_nbytes)
+            self._zeros = self._empty(ZEROS_NBYTES)
             self._zeros.zero_()
         return self._zeros
 
@@ -214,8 +216,9 @@ def write_file(io: StreamIO, directory: str, relpath: str, spans: list, chunk_nb
 
     try:
         for span in spans:
-            for start in range(0, span.nbytes, io.buffer_nbytes):
-                n = min(io.buffer_nbytes, span.nbytes - start)
+            piece = ZEROS_NBYTES if isinstance(span, ZeroSpan) else io.buffer_nbytes
+            for start in range(0, span.nbytes, piece):
+                n = min(piece, span.nbytes - start)
                 if isinstance(span, ZeroSpan):
                     reads.append((None, io.zeros[:n], None))
                 else:
