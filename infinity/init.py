@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 from infinity.config import Config, load_config
 from infinity.engine import Engine
 from infinity import registry
+from infinity.tiling_policy import apply_tiling
 
 _MAX_OPEN_GROUPS = 4
 
@@ -145,6 +146,7 @@ class Init:
             roots = self._roots()
             if not roots:
                 raise RuntimeError("infinity.Init: no module with parameters was built inside the context")
+            apply_tiling(self.engine, roots)   # issue 7: [Note: when layers are tiled] in tiling.py
             self.engine.finalize(roots)
             for root in roots:
                 for m in root.modules():
