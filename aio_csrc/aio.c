@@ -125,6 +125,8 @@ typedef struct {
     int nworkers, stop;
     int inject_op, inject_errno, inject_countdown;
     uint64_t pieces_issued;
+    uint64_t pieces_done, depth_sum; /* depth_sum / pieces_done: pieces in flight seen by each completion */
+    int pieces_in_flight;
 } Handle;
 
 #include "ring.h"
@@ -471,6 +473,21 @@ static PyObject *Handle_get_pieces(Handle *h, void *c) {
     return PyLong_FromUnsignedLongLong(n);
 }
 
+/* Mean queue occupancy tells whether the engine kept its queue full: a figure well under
+ * queue_depth (or threads) at full load means refills lag behind completions. */
+static PyObject *Handle_get_stats(Handle *h, void *c) {
+    uint64_t issued = 0, done = 0, sum = 0;
+    if (h->started && !in_child(h)) {
+        pthread_mutex_lock(&h->mu);
+        issued = h->pieces_issued;
+        done = h->pieces_done;
+        sum = h->depth_sum;
+        pthread_mutex_unlock(&h->mu);
+    }
+    return Py_BuildValue("{sKsKsd}", "pieces_issued", (unsigned long long)issued, "pieces_done",
+                         (unsigned long long)done, "mean_depth", done ? (double)sum / (double)done : 0.0);
+}
+
 static PyMethodDef Handle_methods[] = {
     {"submit", (PyCFunction)Handle_submit, METH_VARARGS,
      "submit(op, fd, file_offset, buffer) -> id: start a read/write of a buffer-protocol object."},
@@ -503,6 +520,7 @@ static PyGetSetDef Handle_getset[] = {
     {"owner_pid", (getter)Handle_get_pid, NULL, "process that created the handle", NULL},
     {"active", (getter)Handle_get_active, NULL, "requests submitted and not yet complete", NULL},
     {"pieces_issued", (getter)Handle_get_pieces, NULL, "pieces issued since creation", NULL},
+    {"stats", (getter)Handle_get_stats, NULL, "pieces issued and done, mean pieces in flight at completion", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

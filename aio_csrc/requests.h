@@ -86,6 +86,7 @@ static int take_piece(Handle *h, piece_t *p) {
         r->issued += len;
         r->inflight++;
         h->pieces_issued++;
+        h->pieces_in_flight++;
         if (r->issued >= r->nbytes) pend_unlink(h, i);
         return 1;
     }
@@ -96,6 +97,9 @@ static int take_piece(Handle *h, piece_t *p) {
 static void finish_piece(Handle *h, int i, int err, int64_t err_offset) {
     req_t *r = R(h, i);
     r->inflight--;
+    h->pieces_done++;
+    h->depth_sum += (uint64_t)h->pieces_in_flight;
+    h->pieces_in_flight--;
     if (err && !r->err) {
         r->err = err;
         r->err_offset = err_offset;

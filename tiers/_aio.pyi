@@ -22,6 +22,7 @@ class Handle:
     owner_pid: int  # process that created the handle (a fork child cannot use it)
     active: int  # requests submitted and not yet complete
     pieces_issued: int
+    stats: dict[str, float]  # pieces_issued, pieces_done, mean_depth (pieces in flight seen by each completion)
     def __init__(self, engine: str = ..., queue_depth: int = ..., threads: int = ..., block_size: int = ...) -> None: ...
     def submit(self, op: int, fd: int, file_offset: int, buffer: Any) -> int:
         """Start a read/write of a buffer-protocol object (held until reaped)."""
