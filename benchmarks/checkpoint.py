@@ -148,11 +148,14 @@ class RawDisk:
             os.fsync(dst.fd)
         return time.perf_counter() - start
 
-    def close(self) -> None:
-        self.handle.close()
+    def remove(self) -> None:
         for path in (self.a, self.b):
             if os.path.exists(path):
                 os.unlink(path)
+
+    def close(self) -> None:
+        self.handle.close()
+        self.remove()
 
 
 def _wait_for_cleanup() -> None:
@@ -200,6 +203,7 @@ def run(args: argparse.Namespace) -> dict:
             for repeat in range(args.repeats):
                 row = {"repeat": repeat, "raw_write_s": raw.write(), "raw_read_s": raw.read(),
                        "raw_copy_s": raw.copy()}
+                raw.remove()            # disk room for the two versions a save holds at its end
                 with RssPeak() as rss:
                     t = time.perf_counter()
                     infinity.save_checkpoint(ckpt, model, opt)
