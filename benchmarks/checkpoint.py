@@ -243,7 +243,7 @@ def table(record: dict) -> str:
     lines = [f"checkpoint of {s['numel'] / 1e6:.0f}M parameters on NVMe: {gb:.2f} GB "
              f"(params + fp32 master + 2 moments), buffers {DEPTH} x {s['buffer_size'] >> 20} MiB, "
              f"aio {record['machine']['aio_engine']}, {len(samples)} repeat(s), medians",
-             f"{'what':<12}{'seconds':>9}{'GB/s':>8}{'vs raw copy':>13}"]
+             f"{'what':<12}{'seconds':>9}{'GB/s':>8}{'vs raw copy':>13}   (GB/s over raw copy's, same repeat; median)"]
     for key, name in (("raw_write_s", "raw write"), ("raw_read_s", "raw read"), ("raw_copy_s", "raw copy"),
                       ("save_s", "save"), ("load_s", "load")):
         vs = f"{ratio[key]:.2f}" if key in ratio else ("1.00" if key == "raw_copy_s" else "")
