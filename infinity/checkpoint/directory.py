@@ -34,7 +34,9 @@ returns as soon as the new version is committed. Freeing a multi-GB version can
 take seconds on a busy disk (measured: up to 9 s for 3 GB here, while the save
 itself took 1.9 s), which training need not wait for. The thread is not a daemon:
 the interpreter finishes the deletion before exiting; if the process is killed, the
-next save removes the ``.trash-*`` leftovers.
+next save removes the ``.trash-*`` leftovers. A process reading the previous version
+while a save retires it keeps the files it has open but finds the others gone: jobs
+that read checkpoints beside training (evaluation) should save with ``keep >= 2``.
 
 We chose this over writing ``path.tmp``, renaming ``path`` to ``path.old`` and the new
 directory to ``path``: ``rename(2)`` cannot replace a non-empty directory, so that
