@@ -128,6 +128,7 @@ class OptimizerStateStore:
 
     def read_state_shard(self, state: str, group_index: int) -> torch.Tensor:
         """One group's shard of ``state`` as a new fp32 tensor (checkpoints, gathered views)."""
+        self.flush()
         out = torch.empty(self.layout.shard_numels[group_index], dtype=torch.float32)
         for piece in self.layout.pieces_of_group[group_index]:
             dst = out[piece.group_offset:piece.group_offset + piece.numel]
@@ -178,6 +179,7 @@ class OptimizerStateStore:
             elif first:
                 self._write(("grad", piece), src)
             else:
+                self.flush()  # this group's earlier writes must land before read-add-write
                 old = torch.empty(piece.numel, dtype=torch.float32)
                 self.tier.read(self.keys["grad"][piece.sub_index], old,
                                offset=piece.sub_offset * _F32).wait()
