@@ -87,3 +87,22 @@ def test_missing_directory(tmp_path, capsys) -> None:
 def test_unparseable_size(tmp_path) -> None:
     with pytest.raises(SystemExit):
         bench.main(["nvme", "--path", str(tmp_path), "--size", "12 furlongs"])
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (apt-get install fio)")
+def test_vs_fio_pairs_tool_smoke(tmp_path, capsys) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_nvme", Path(__file__).resolve().parents[2] / "benchmarks" / "nvme.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "pairs.json"
+    assert tool.main(["--path", str(tmp_path), "--size", "8MiB", "--pairs", "2", "--block-sizes", "1MiB",
+                      "--queue-depth", "4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["op"], len(r["ours_samples"]), len(r["fio_samples"])) for r in rows] == [("write", 2, 2), ("read", 2, 2)]
+    assert all(r["ours"] > 0 and r["fio"] > 0 for r in rows)
+    assert "pair-med" in capsys.readouterr().out
+    assert not list(tmp_path.glob("infinity-bench-*"))
