@@ -10,7 +10,9 @@ is the ``k``-th distinct tensor in dict order, which is how ``torch.save`` numbe
 them) and stream the values there, window by window, straight from the checkpoint's
 fp32 master shards, converting to the requested dtype on the way. Tied parameters
 are one tensor under several keys, so they share one storage as in ``torch.save``
-of the plain model. Last, the CRC-32 fields of the zip records are filled in, so
+of the plain model. A tiled layer (infinity/tiling.py) is written as the plain
+layer's tensor under its untiled key, each tile's values placed at their rows (or
+columns) of the joined tensor. Last, the CRC-32 fields of the zip records are filled in, so
 the archive passes ``zipfile.testzip()``; the result is read by ``torch.load``
 (``weights_only=True``, ``mmap=True`` too) like any file ``torch.save`` writes.
 Host memory is one window of the checkpoint (``checkpoint.buffer_size``) plus one
@@ -43,11 +45,17 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat1
 
 
 class _Entry:
-    """One tensor of the output: a saved parameter (``param``) or a saved buffer (``buffer``)."""
+    """One tensor of the output: a saved parameter, the join of a tiled layer's tiles, or a buffer.
 
-    def __init__(self, key: str, shape, src_dtype: torch.dtype, out_dtype: torch.dtype, param=None, buffer=None):
+    ``parts`` lists ``(saved parameter, segment, stride, shift)``: the parameter's elements go to
+    the output in runs of ``segment`` elements placed ``stride`` apart from element ``shift``
+    (a plain parameter: one run; a tile of a layer split along dimension d > 0: one run per
+    index of the dimensions before d). ``buffer`` is the manifest entry of a buffer.
+    """
+
+    def __init__(self, key: str, shape, src_dtype: torch.dtype, out_dtype: torch.dtype, parts=(), buffer=None):
         self.key, self.shape, self.src_dtype, self.out_dtype = key, tuple(shape), src_dtype, out_dtype
-        self.param, self.buffer = param, buffer
+        self.parts, self.buffer = list(parts), buffer
         self.numel = 1
         for d in self.shape:
             self.numel *= d
@@ -59,19 +67,40 @@ class _Entry:
     @property
     def identity(self):
         """Entries with one identity are one tensor (a tied parameter under several names)."""
-        return ("param", self.param.group, self.param.offset) if self.param is not None else ("buffer", self.key)
+        if self.buffer is not None:
+            return ("buffer", self.key)
+        return tuple((p.group, p.offset, seg, stride, shift) for p, seg, stride, shift in self.parts)
+
+
+def _join_parts(join: dict, layout: SavedLayout) -> list:
+    """The tiles of a tiled layer as ``(saved parameter, segment, stride, shift)`` (see ``_Entry``)."""
+    shape, dim = join["shape"], join["dim"]
+    inner = 1
+    for d in shape[dim + 1:]:
+        inner *= d
+    parts, start = [], 0
+    for name, size in zip(join["parts"], join["sizes"]):
+        if name not in layout.by_name:
+            raise CheckpointError(f"consolidate: tile {name!r} of {join['key']!r} is not in the checkpoint")
+        parts.append((layout.by_name[name], size * inner, shape[dim] * inner, start * inner))
+        start += size
+    return parts
 
 
 def _entries(manifest: dict, layout: SavedLayout, dtype: torch.dtype) -> list[_Entry]:
     buffers = {e["name"]: e for e in manifest["buffers"]}
+    joins = {j["key"]: j for j in manifest.get("joins", [])}
+    tiles = {name for j in joins.values() for name in j["parts"]}
     keys = list(manifest["state_dict_keys"])
     listed = set(keys)
-    keys += [n for p in layout.params for n in p.names if n not in listed]
+    keys += [n for p in layout.params for n in p.names if n not in listed and n not in tiles]
     entries = []
     for key in keys:
-        if key in layout.by_name:
+        if key in joins:
+            entries.append(_Entry(key, joins[key]["shape"], torch.float32, dtype, _join_parts(joins[key], layout)))
+        elif key in layout.by_name:
             p = layout.by_name[key]
-            entries.append(_Entry(key, p.shape, torch.float32, dtype, param=p))
+            entries.append(_Entry(key, p.shape, torch.float32, dtype, [(p, p.numel, p.numel, 0)]))
         elif key in buffers:
             b = buffers[key]
             src = dtype_of(b["dtype"])
@@ -80,16 +109,32 @@ def _entries(manifest: dict, layout: SavedLayout, dtype: torch.dtype) -> list[_E
 
 
 class _FileDest:
-    """Values of ``src`` dtype into the output file at ``base``, converted to ``out`` dtype."""
+    """Values of ``src`` dtype into the output file at ``base``, converted to ``out`` dtype.
 
-    def __init__(self, fd: int, base: int, src: torch.dtype, out: torch.dtype) -> None:
+    Element ``e`` of the source goes to element ``(e // segment) * stride + shift + e % segment``
+    of the output tensor (the identity for a plain parameter: ``segment == stride``, ``shift == 0``).
+    """
+
+    def __init__(self, fd: int, base: int, src: torch.dtype, out: torch.dtype, segment: int = 0, stride: int = 0,
+                 shift: int = 0) -> None:
         self.fd, self.base, self.src, self.out = fd, base, src, out
-        self.ratio = (itemsize(src), itemsize(out))
+        self.src_item, self.out_item = itemsize(src), itemsize(out)
+        self.segment, self.stride, self.shift = segment, stride, shift
 
     def write(self, dest_offset: int, data: torch.Tensor):
         if self.src != self.out:
             data = data.view(self.src).to(self.out).view(torch.uint8)
-        _pwrite_all(self.fd, data, self.base + dest_offset // self.ratio[0] * self.ratio[1])
+        first = dest_offset // self.src_item
+        if not self.segment or (self.segment == self.stride and not self.shift):
+            _pwrite_all(self.fd, data, self.base + first * self.out_item)
+            return _Done()
+        done, numel = 0, data.numel() // self.out_item
+        while done < numel:
+            row, within = divmod(first + done, self.segment)
+            take = min(self.segment - within, numel - done)
+            at = (row * self.stride + self.shift + within) * self.out_item
+            _pwrite_all(self.fd, data[done * self.out_item:(done + take) * self.out_item], self.base + at)
+            done += take
         return _Done()
 
 
@@ -159,18 +204,16 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
 def _fill(saved, layout, entries, offsets, fd, config, buffer_size) -> None:
     files, runs, done = {}, [], set()
     for entry in entries:
-        if entry.param is None:
+        if not entry.parts or not _shares_storage(entry, offsets, done):
             continue
-        if not _shares_storage(entry, offsets, done):
-            continue
-        dest = _FileDest(fd, offsets[entry.key], torch.float32, entry.out_dtype)
-        p = entry.param
-        for rank, flat, rel, n in layout.locate(p.group, p.offset, p.numel):
-            key = f"rank{rank}/master"
-            if key not in files:
-                record = saved.file(rank, "master")
-                files[key] = (saved.path_of(record), record)
-            runs.append(Run(key, flat * 4, n * 4, dest, rel * 4))
+        for p, segment, stride, shift in entry.parts:
+            dest = _FileDest(fd, offsets[entry.key], torch.float32, entry.out_dtype, segment, stride, shift)
+            for rank, flat, rel, n in layout.locate(p.group, p.offset, p.numel):
+                key = f"rank{rank}/master"
+                if key not in files:
+                    record = saved.file(rank, "master")
+                    files[key] = (saved.path_of(record), record)
+                runs.append(Run(key, flat * 4, n * 4, dest, rel * 4))
     with StreamIO(config.aio, buffer_size) as io:
         read_runs(io, files, runs)
     buffers = [e for e in entries if e.buffer is not None]

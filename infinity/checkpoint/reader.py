@@ -120,7 +120,7 @@ def _load(engine, model: nn.Module, opt, saved: SavedCheckpoint):
     ranks = engine.ranks
     coordinator, store, layout = engine.coordinator, engine.store, engine.layout
     moves, fills = plan_shards(SavedLayout(manifest), target_groups(engine, model), ranks.rank, ranks.world_size)
-    buffers, _ = model_buffers(model, names_by_param(model))
+    buffers = model_buffers(model)
     _check_buffers(manifest, buffers)
     files: dict[str, tuple[str, object]] = {}
 

@@ -117,15 +117,34 @@ def names_by_param(model: nn.Module) -> dict:
     return names
 
 
-def model_buffers(model: nn.Module, managed) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The persistent buffers of ``model`` by state-dict key, and the keys that are not tensors."""
-    buffers, skipped = {}, []
-    for key, value in model.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.Tensor):
-            skipped.append(key)
-        elif value not in managed:
-            buffers[key] = value
-    return buffers, skipped
+def model_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers of ``model`` under every state-dict key (shared modules: several)."""
+    buffers = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                buffers[f"{prefix}.{name}" if prefix else name] = buf
+    return buffers
+
+
+def tiled_joins(model: nn.Module) -> list[dict]:
+    """State-dict keys that join tile parameters (see [Note: the tiled weight] in infinity/tiling.py).
+
+    A tiled layer's ``state_dict()`` has the untiled key (``fc.weight``) while its parameters
+    are the tiles (``fc.tiles.0.weight``, ...); consolidation writes the joined tensor under the
+    untiled key, so the state dict loads into the plain, untiled model.
+    """
+    joins = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        tiled_params = getattr(module, "_tiled_params", None)
+        sizes = getattr(module, "tile_sizes", None)
+        if tiled_params is None or sizes is None:
+            continue
+        p = f"{prefix}." if prefix else ""
+        for name, dim, shape in tiled_params():
+            joins.append({"key": p + name, "dim": int(dim), "shape": [int(d) for d in shape],
+                          "sizes": [int(n) for n in sizes], "parts": [f"{p}tiles.{i}.{name}" for i in range(len(sizes))]})
+    return joins
 
 
 def describe(engine, model: nn.Module) -> dict:
@@ -143,12 +162,13 @@ def describe(engine, model: nn.Module) -> dict:
             params.append({"names": names[s.param], "shape": list(s.shape), "offset": s.offset, "numel": s.numel})
         groups.append({"index": g.index, "module": g.name, "trainable": bool(g.trainable), "numel": g.numel,
                        "shard_numel": g.shard_numel, "params": params})
-    buffers, skipped = model_buffers(model, names)
+    state_dict = model.state_dict(keep_vars=True)
+    skipped = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
     if skipped:
         warnings.warn(f"infinity.save_checkpoint: state-dict entries that are not tensors are not saved: {skipped}",
                       RuntimeWarning, stacklevel=3)
-    return {"groups": groups, "buffer_tensors": buffers, "skipped_keys": skipped,
-            "state_dict_keys": list(model.state_dict(keep_vars=True).keys())}
+    return {"groups": groups, "buffer_tensors": model_buffers(model), "skipped_keys": skipped,
+            "state_dict_keys": list(state_dict), "joins": tiled_joins(model)}
 
 
 def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Tensor]) -> None:
@@ -232,6 +252,7 @@ def _global_manifest(engine, opt, description: dict, save_id: str, step: int, ch
         "groups": description["groups"],
         "buffers": _buffer_entries(description["buffer_tensors"]),
         "state_dict_keys": description["state_dict_keys"],
+        "joins": description["joins"],
         "skipped_keys": description["skipped_keys"],
         "optimizer": optimizer,
         "config": engine.config.to_dict(),

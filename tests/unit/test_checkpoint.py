@@ -21,6 +21,7 @@ import infinity
 from infinity.checkpoint import (CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError,
                                  verify_checkpoint)
 from infinity.checkpoint.consolidate import consolidate
+from infinity.checkpoint.directory import SavedCheckpoint
 
 
 class Block(nn.Module):
@@ -316,6 +317,50 @@ def test_safetensors_output_loads_with_the_package(trained):
     for k in gathered:
         assert torch.equal(sd[k], gathered[k]), k
     GPT().load_state_dict(sd, strict=True)
+
+
+class Tagger(nn.Module):
+    """An untied embedding (tiled by columns) and a linear layer (tiled by rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 24)
+        self.fc = nn.Linear(24, 30)
+        self.ln = nn.LayerNorm(30)
+
+    def forward(self, idx):
+        return self.ln(self.fc(self.emb(idx))).square().mean()
+
+
+def test_consolidating_tiled_layers_gives_the_plain_state_dict(tmp_path):
+    for make, modules in ((Tagger, ["emb", "fc"]), (GPT, ["wte", "head", "blocks.1.mlp.0"])):
+        torch.manual_seed(0)
+        with infinity.Init(config(tmp_path, make.__name__, tiling={"modules": modules, "tiles": 3})):
+            model = make()
+        assert any(".tiles.2." in name for name, _ in model.named_parameters())
+        opt = infinity.AdamW(model)
+        loss = model(torch.randint(0, 40, (2, 16))) if make is Tagger else model(*[torch.randint(0, 64, (2, 16))] * 2)
+        loss.backward()
+        opt.step()
+        infinity.save_checkpoint(tmp_path / make.__name__, model, opt)
+        joins = SavedCheckpoint(tmp_path / make.__name__).manifest["joins"]
+        assert {j["dim"] for j in joins} == ({0, 1} if make is Tagger else {0})    # columns: strided writes
+        with infinity.gathered(model):
+            expected = {k: v.clone() for k, v in model.state_dict().items()}
+        for safetensors in (False, True):
+            out = tmp_path / f"{make.__name__}.{'safetensors' if safetensors else 'pt'}"
+            consolidate(tmp_path / make.__name__, out, safetensors=safetensors)
+            if safetensors:
+                sd = pytest.importorskip("safetensors.torch").load_file(str(out))
+            else:
+                sd = torch.load(out, weights_only=True)
+            assert sd.keys() == expected.keys()
+            for k in expected:
+                assert torch.equal(sd[k], expected[k]), k
+            make().load_state_dict(sd, strict=True)
+        if make is GPT:
+            sd = torch.load(tmp_path / "GPT.pt", weights_only=True)
+            assert sd["head.weight"].data_ptr() == sd["wte.weight"].data_ptr()
 
 
 # -- damage ------------------------------------------------------------------------------------------
