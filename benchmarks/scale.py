@@ -13,7 +13,9 @@ the model states (fp32 master + Adam m, v + compute copy: 16 B/param) against th
 machine's RAM, the peak host RSS, the NVMe bytes used and the step time; at the end,
 how much the peak RSS grew from the smallest to the largest size against how much
 the model states grew (flat RSS = the host holds only fixed-size buffers).
-``--sizes 125M,1.3B,4B`` (presets or parameter counts) replaces the ladder.
+``--sizes 125M,1.3B,4B`` (presets or parameter counts) replaces the ladder;
+``--fixed-width D`` grows only the depth at d_model = D, so the largest layer (and
+the token embedding) stays the same size while the model grows.
 """
 from __future__ import annotations
 
@@ -45,11 +47,11 @@ def _label(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
-def shape_of(size: str, vocab: int, seq_len: int):
+def shape_of(size: str, vocab: int, seq_len: int, d_model: int | None = None):
     """A preset name, or a parameter count turned into a shape."""
     if size in PRESETS:
         return PRESETS[size]
-    return shape_for_params(_count(size), vocab_size=vocab, seq_len=seq_len)
+    return shape_for_params(_count(size), vocab_size=vocab, seq_len=seq_len, d_model=d_model)
 
 
 def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
@@ -72,13 +74,16 @@ def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
         row.update(peak_rss_bytes=s["peak_rss_bytes"], nvme_peak_bytes=nvme_peak,
                    nvme_bytes_per_param=nvme_peak / cfg.n_params, construct_seconds=r["construct_seconds"],
                    step_seconds=[st["seconds"] for st in r["steps"]], losses=[st["loss"] for st in r["steps"]],
-                   rss_per_step=[st["rss_bytes"] for st in r["steps"]])
+                   rss_per_step=[st["rss_bytes"] for st in r["steps"]],
+                   peak_rss_build_bytes=r["peak_rss_after_build_bytes"],
+                   peak_rss_forward_backward_bytes=[st["peak_rss_forward_backward_bytes"] for st in r["steps"]],
+                   peak_rss_per_step=[st["peak_rss_bytes"] for st in r["steps"]])
     return row
 
 
 def table(rows: list[dict]) -> str:
-    head = ("size", "layers x d", "params", "states", "states/RAM", "peak RSS", "RSS/RAM", "NVMe used",
-            "build s", "step s", "status")
+    head = ("size", "layers x d", "params", "states", "states/RAM", "peak RSS", "RSS/RAM", "peak in build",
+            "NVMe used", "build s", "step s", "status")
     ram = psutil.virtual_memory().total
     out = []
     for r in rows:
@@ -87,6 +92,7 @@ def table(rows: list[dict]) -> str:
                     format_bytes(r["states_nbytes"]), f"{r['states_over_ram']:.2f}",
                     format_bytes(r["peak_rss_bytes"]) if ok else "-",
                     f"{r['peak_rss_bytes'] / ram:.3f}" if ok else "-",
+                    format_bytes(r["peak_rss_build_bytes"]) if ok else "-",
                     format_bytes(r["nvme_peak_bytes"]) if ok else "-",
                     f"{r['construct_seconds']:.1f}" if ok else "-",
                     f"{r['step_seconds'][-1]:.1f}" if ok else "-",
@@ -119,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--vocab", type=int, default=50304, help="vocabulary of the ladder's shapes")
+    p.add_argument("--fixed-width", type=int, default=None,
+                   help="keep d_model fixed and grow only the depth (default: GPT-3-like, both grow)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--disk-bytes-per-param", type=float, default=24.0,
                    help="NVMe bytes per parameter assumed before the first size is measured")
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     stop = None
     if args.sizes:
-        plan = [(s.strip(), shape_of(s.strip(), args.vocab, args.seq))
+        plan = [(s.strip(), shape_of(s.strip(), args.vocab, args.seq, args.fixed_width))
                 for s in args.sizes.split(",") if s.strip()]
     else:
         plan = None
@@ -149,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             label, cfg = plan[len(rows)]
         else:
-            cfg = shape_for_params(target, vocab_size=args.vocab, seq_len=args.seq)
+            cfg = shape_for_params(target, vocab_size=args.vocab, seq_len=args.seq, d_model=args.fixed_width)
             label = _label(cfg.n_params)
             if limit is not None and cfg.n_params > limit:
                 stop = f"next size {label} is above --max-params"

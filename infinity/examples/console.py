@@ -105,7 +105,11 @@ def summary_table(report: dict) -> str:
     if s:
         rows.append(("loss", f"{s.get('first_loss', 0):.4f} -> {s.get('last_loss', 0):.4f}"))
     ckpt = report.get("checkpoint") or {}
-    rows.append(("checkpoint", ckpt.get("path") or ckpt.get("note") or "not requested"))
+    if ckpt.get("path"):
+        rows.append(("checkpoint", f"{ckpt['path']} ({format_bytes(ckpt.get('nbytes'))}, "
+                                   f"{ckpt.get('seconds', 0):.1f} s)"))
+    else:
+        rows.append(("checkpoint", ckpt.get("note") or "not requested"))
     if report.get("json_path"):
         rows.append(("JSON report", report["json_path"]))
     width = max(len(k) for k, _ in rows)

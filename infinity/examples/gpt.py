@@ -139,12 +139,13 @@ def preset(name: str, **overrides) -> GPTConfig:
 
 
 def shape_for_params(n_params: float, vocab_size: int = 50304, seq_len: int = 1024,
-                     width_per_layer: int = 80) -> GPTConfig:
+                     width_per_layer: int = 80, d_model: int | None = None) -> GPTConfig:
     """A GPT shape with about ``n_params`` parameters, GPT-3-like proportions.
 
     Depth and width grow together (``d_model ~ width_per_layer * n_layer``, GPT-3's
     ratio is 64-128), ``d_model`` a multiple of 128 with 64-wide heads, so a ladder
-    of sizes scales every layer, not just the count of layers.
+    of sizes scales every layer, not just the count of layers. With ``d_model`` given,
+    only the depth is chosen (a ladder whose largest layer stays the same size).
 
     Examples
     --------
@@ -154,8 +155,9 @@ def shape_for_params(n_params: float, vocab_size: int = 50304, seq_len: int = 10
     """
     if n_params < 1e5:
         raise ValueError(f"shape_for_params: {n_params:.0f} parameters is below the smallest shape (1e5)")
-    d = (width_per_layer * n_params / 12) ** (1 / 3)
-    d_model = max(128, int(round(d / 128)) * 128)
+    if d_model is None:
+        d = (width_per_layer * n_params / 12) ** (1 / 3)
+        d_model = max(128, int(round(d / 128)) * 128)
     per_layer = 12 * d_model * d_model + 13 * d_model
     n_layer = max(1, int(round((n_params - (vocab_size + seq_len) * d_model) / per_layer)))
     return GPTConfig(n_layer=n_layer, d_model=d_model, n_head=d_model // 64, vocab_size=vocab_size,

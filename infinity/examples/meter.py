@@ -78,6 +78,7 @@ class StepRecord:
     optimizer_seconds: float
     rss_bytes: int
     peak_rss_bytes: int
+    peak_rss_forward_backward_bytes: int = 0
     tier_bytes: dict = field(default_factory=dict)
     tier_peak_bytes: dict = field(default_factory=dict)
     io_read_bytes: int = 0
@@ -162,6 +163,7 @@ class StepMeter:
         self.sync = sync or (lambda: None)
         self.records: list[StepRecord] = []
         self._t0 = self._t1 = 0.0
+        self._peak_fb = 0
         self._before: dict | None = None
 
     def _now(self) -> float:
@@ -176,6 +178,7 @@ class StepMeter:
     def forward_backward_done(self) -> None:
         """Forward and backward are finished; the optimizer step starts now."""
         self._t1 = self._now()
+        self._peak_fb = peak_rss_bytes()
 
     def end(self, loss: float, tokens: int) -> StepRecord:
         """The step (including ``zero_grad``) is finished: record it."""
@@ -192,7 +195,7 @@ class StepMeter:
         record = StepRecord(
             step=len(self.records) + 1, loss=float(loss), tokens=int(tokens), seconds=t2 - self._t0,
             compute_seconds=fb - stall, stall_seconds=stall, optimizer_seconds=t2 - self._t1,
-            rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes(),
+            rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes(), peak_rss_forward_backward_bytes=self._peak_fb,
             tier_bytes={k: v[2] for k, v in c1.items()},
             tier_peak_bytes={k: v[3] for k, v in c1.items()},
             io_read_bytes=_delta(c0, c1, "nvme", 0),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -97,10 +98,16 @@ def run_training(args: list[str], *, timeout: float | None = None, log_path: str
         return RunResult(tuple(argv), report, error, wall, peak)
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+
+
 def _tail(path: str, lines: int = 6) -> str:
+    """The child's error: from the last line naming an exception to the end, else its last lines."""
     try:
         with open(path) as f:
             text = f.read().strip().splitlines()
     except OSError:
         return ""
-    return " | ".join(text[-lines:])
+    starts = [i for i, line in enumerate(text) if _EXCEPTION_LINE.match(line)]
+    picked = text[starts[-1]:] if starts else text[-lines:]
+    return " | ".join(line.strip() for line in picked[:lines])

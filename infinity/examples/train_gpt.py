@@ -48,6 +48,7 @@ class TrainOptions:
     nvme_dir: str | None = None
     json: str | None = None
     checkpoint: str | None = None
+    resume: str | None = None
     data: str = "random"
     lr: float = 3e-4
     weight_decay: float = 0.0
@@ -166,8 +167,24 @@ def _build(options: TrainOptions, model_cfg, config) -> _Run:
     return _Run(model, opt, device)
 
 
+def _resume(run: _Run, options: TrainOptions) -> None:
+    """Load ``--resume`` (a checkpoint directory) into the model and optimizer before training."""
+    if options.engine == "torch":
+        state = torch.load(os.path.join(options.resume, "checkpoint.pt"), map_location=run.device)
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        return
+    import infinity
+
+    infinity.load_checkpoint(options.resume, run.model, run.optimizer)
+
+
 def _save_checkpoint(run: _Run, options: TrainOptions, step: int) -> dict:
-    """Write a checkpoint with infinity.save_checkpoint (torch.save for the baseline)."""
+    """Write a checkpoint with infinity.save_checkpoint (torch.save for the baseline).
+
+    Returns where it went (``path``: the committed version's directory), or, in a build
+    without ``infinity.checkpoint``, ``path`` None and a ``note`` saying so.
+    """
     path = options.checkpoint
     t0 = time.perf_counter()
     if options.engine == "torch":
@@ -184,8 +201,12 @@ def _save_checkpoint(run: _Run, options: TrainOptions, step: int) -> dict:
                                           "(infinity.save_checkpoint unavailable)"}
         import infinity
 
-        infinity.save_checkpoint(path, run.model, run.optimizer)
-    return {"path": os.path.abspath(path), "seconds": time.perf_counter() - t0}
+        path = infinity.save_checkpoint(path, run.model, run.optimizer, extra={"step": step})
+    return {"path": os.path.abspath(path), "seconds": time.perf_counter() - t0, "nbytes": _tree_nbytes(path)}
+
+
+def _tree_nbytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def train(options: TrainOptions, progress: Progress | None = None) -> dict:
@@ -211,6 +232,9 @@ def train(options: TrainOptions, progress: Progress | None = None) -> dict:
     t0 = time.perf_counter()
     run = _build(options, model_cfg, config)
     construct_s = time.perf_counter() - t0
+    rss_built = peak_rss_bytes()
+    if options.resume:
+        _resume(run, options)
     sync = torch.cuda.synchronize if run.device.type == "cuda" else None
     meter = StepMeter(run.model, sync=sync)
     source = data.batches(options.data, options.batch, seq, model_cfg.vocab_size, seed=options.seed,
@@ -247,6 +271,7 @@ def train(options: TrainOptions, progress: Progress | None = None) -> dict:
         "rank": rank, "world_size": world,
         "construct_seconds": construct_s,
         "peak_rss_before_build_bytes": rss_before,
+        "peak_rss_after_build_bytes": rss_built,
         "steps": [r.as_dict() for r in meter.records],
         "summary": summary,
         "achieved_flops": flops * tps,
@@ -290,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-dir", default=None, help="directory for the NVMe swap files (tiers.nvme_path)")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--checkpoint", default=None, help="save a checkpoint into this directory at the end")
+    p.add_argument("--resume", default=None, help="load this checkpoint (a --checkpoint directory) first")
     p.add_argument("--data", default="random", choices=data.SOURCES)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.0)

@@ -108,3 +108,16 @@ def test_train_gpt_command_line_with_torchrun_two_ranks(tmp_path):
     assert sorted(os.listdir(tmp_path / "swap")) == ["rank0", "rank1"]
     assert report["summary"]["last_loss"] < report["summary"]["first_loss"]
     assert "step time" in proc.stdout
+
+
+def test_checkpoint_then_resume_continues_where_training_stopped(tmp_path):
+    """2 steps + checkpoint, then --resume and 1 step: the same loss as step 3 of an unbroken run."""
+    common = dict(config="nvme", model_size="tiny", batch=2, seq=16, data="repeat", lr=1e-2,
+                  overrides=('precision.dtype="float32"',))
+    whole = train(TrainOptions(steps=3, nvme_dir=str(tmp_path / "a"), **common))
+    first = train(TrainOptions(steps=2, nvme_dir=str(tmp_path / "b"), checkpoint=str(tmp_path / "ckpt"), **common))
+    if first["checkpoint"]["path"] is None:
+        pytest.skip(first["checkpoint"]["note"])
+    resumed = train(TrainOptions(steps=1, nvme_dir=str(tmp_path / "c"), resume=str(tmp_path / "ckpt"), **common))
+    assert [s["loss"] for s in first["steps"]] == [s["loss"] for s in whole["steps"][:2]]
+    assert resumed["steps"][0]["loss"] == pytest.approx(whole["steps"][2]["loss"], rel=1e-6)
