@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import time
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -177,6 +178,16 @@ class Engine:
             self.hooks.append(install_hooks(root, self, params if root is roots[0] else []))
         self.roots = list(roots)
         self.finalized = True
+        # [Note: closing the tiers] Swap files, their directory locks and the I/O
+        # handle belong to the engine; they are closed when the model they serve is
+        # collected (or by Engine.close), so a later model can reuse the directory.
+        weakref.finalize(roots[0], self.tiers.close)
+
+    def close(self) -> None:
+        """Wait for background work, then close the tiers (files, locks, I/O threads)."""
+        if self.optimizer is not None:
+            self.optimizer.synchronize()
+        self.tiers.close()
         # Issue 6: the prefetcher also meters every step (infinity.stats "steps"), so it
         # exists even with prefetch.enabled = false; then it only meters, never fetches.
         from infinity.prefetch import Prefetcher

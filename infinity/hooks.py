@@ -6,8 +6,31 @@ removes all of them, restoring the model's hooks exactly.
 """
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+
+class _GradHook:
+    """The post-accumulate-grad hook of one parameter, holding the engine weakly.
+
+    [Note: hooks held from C++]
+    A parameter's grad hooks are kept alive by the C++ tensor, out of sight of
+    Python's cycle collector; a hook holding the engine strongly would make the
+    engine, the model and its swap files immortal. The module hooks live in the
+    modules' own dicts and may hold the engine strongly.
+    """
+
+    __slots__ = ("engine",)
+
+    def __init__(self, lifecycle) -> None:
+        self.engine = weakref.ref(lifecycle)
+
+    def __call__(self, param) -> None:
+        engine = self.engine()
+        if engine is not None:
+            engine.on_grad(param)
 
 
 class HookHandles:
@@ -46,5 +69,5 @@ def install_hooks(root: nn.Module, lifecycle, params) -> HookHandles:
             lambda m, args, out: lifecycle.post_forward(m, out)))
     for p in params:
         if p.requires_grad:
-            handles.append(p.register_post_accumulate_grad_hook(lifecycle.on_grad))
+            handles.append(p.register_post_accumulate_grad_hook(_GradHook(lifecycle)))
     return HookHandles(handles)

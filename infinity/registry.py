@@ -3,7 +3,9 @@
 [Note: engine registry]
 The engine never writes attributes onto the user's modules or parameters
 (STYLE.md 2). Like FSDP2's composable-state mapping, a weak-keyed dictionary maps
-each managed module to its engine; entries vanish with the module.
+each managed module to its engine; entries vanish with the module. The values
+are weak too: the engine references the model, so a strong value would keep its
+own key alive forever. The engine lives as long as the model's hooks, which hold it.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import weakref
 
 from torch import nn
 
-_ENGINES: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 class NotManagedError(TypeError):
@@ -19,7 +21,7 @@ class NotManagedError(TypeError):
 
 
 def register(module: nn.Module, engine) -> None:
-    _ENGINES[module] = engine
+    _ENGINES[module] = weakref.ref(engine)
 
 
 def engine_of(model: nn.Module, what: str = "this call"):
@@ -27,7 +29,8 @@ def engine_of(model: nn.Module, what: str = "this call"):
     if not isinstance(model, nn.Module):
         raise NotManagedError(f"{what}: expected the nn.Module built inside infinity.Init, "
                               f"got {type(model).__name__}")
-    engine = _ENGINES.get(model)
+    ref = _ENGINES.get(model)
+    engine = ref() if ref is not None else None
     if engine is None:
         raise NotManagedError(
             f"{what}: {type(model).__name__} was not built inside infinity.Init, so its parameters "

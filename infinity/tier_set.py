@@ -75,7 +75,11 @@ class TierSet:
         return out
 
     def close(self) -> None:
-        if self.nvme_tier is not None and hasattr(self.nvme_tier, "close"):
+        """Close the swap files, release their directory locks and stop the I/O threads (idempotent)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self.nvme_tier is not None:
             self.nvme_tier.close()
         if self.handle is not None:
             self.handle.close()

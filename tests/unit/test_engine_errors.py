@@ -86,3 +86,17 @@ def test_released_parameters_are_empty_and_gathered_ones_whole():
             model[2].bias.fill_(7.0)
     with infinity.gathered(model):
         assert torch.equal(model[2].bias, torch.full((2,), 7.0))
+
+
+def test_swap_directory_is_released_with_the_model(tmp_path):
+    """Dropping the model closes its swap files and lock: the directory can be used again."""
+    import gc
+
+    for _ in range(2):
+        with infinity.Init(_nvme_cfg(tmp_path)):
+            model = nn.Linear(8, 8)
+        opt = infinity.AdamW(model)
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        del model, opt
+        gc.collect()
