@@ -68,11 +68,15 @@ are gathered (under ``infinity.gathered``, in plain PyTorch always; elsewhere an
 empty tensor, like a released untiled parameter), differentiable (gradients flow
 to the tiles, so a head computed as ``x @ wte.weight.T`` works, though it gathers
 every tile at once), and written through: an in-place edit of it (``nn.init``,
-``copy_``, ``zero_``, indexing) is copied back into the tiles. They cannot be
-assigned; edits through ``.data`` are not written back. Each access copies the
-whole layer. ``state_dict()`` has the untiled keys (``weight``, ``bias``) and
-``load_state_dict`` splits them, so state dicts move between tiled and untiled
-models both ways; ``parameters()`` lists the tiles.
+``copy_``, ``zero_``, indexing) is copied back into the tiles, where they are
+gathered (a tiled layer written in model code and built inside ``infinity.Init``
+has partitioned tiles during construction: such an edit raises ``TilingError``
+there). They cannot be assigned; edits through ``.data`` are not written back.
+Each access copies the whole layer. ``state_dict()`` has the untiled keys
+(``weight``, ``bias``) and ``load_state_dict`` splits them, so state dicts move
+between tiled and untiled models both ways; ``parameters()`` lists the tiles.
+``tile_sizes`` and ``_tiled_params()`` are what infinity/checkpoint reads to write
+consolidated checkpoints under the untiled keys.
 """
 from __future__ import annotations
 
@@ -166,9 +170,20 @@ class TiledWeight(torch.Tensor):
         return out
 
     def _write_back(self) -> None:
+        pieces = [(getattr(tile, self._name), self.narrow(self._dim, start, size))
+                  for tile, start, size in _tile_ranges(self._owner)]
+        if any(p.shape != piece.shape for p, piece in pieces):
+            # Only possible inside infinity.Init for a TiledLinear/TiledEmbedding written in model
+            # code: its tiles were partitioned as they were built, and the construction-time mode
+            # that gathers touched parameters cannot act from inside this handler.
+            raise TilingError(
+                f"{type(self._owner).__name__} ({self._owner.num_tiles} tiles): an in-place edit of the joined "
+                f"{self._name!r} cannot be written back while its tiles are partitioned; inside infinity.Init "
+                f"edit each tile (`for t in layer.tiles: nn.init.normal_(t.{self._name})`) or call "
+                "reset_parameters(), or edit it later under infinity.gathered")
         with torch.no_grad():
-            for tile, start, size in _tile_ranges(self._owner):
-                getattr(tile, self._name).copy_(self.narrow(self._dim, start, size))
+            for p, piece in pieces:
+                p.copy_(piece)
 
     def __reduce_ex__(self, protocol):
         with torch._C.DisableTorchFunctionSubclass():
@@ -275,7 +290,9 @@ class TiledLinear(_Tiled, nn.Linear):
     Equivalent to ``nn.Linear(in_features, out_features, bias)``: same attributes, same
     ``state_dict`` keys, same initial distribution; see [Note: tiling] for the split and
     [Note: the tiled weight] for ``weight``/``bias``. Inside ``infinity.Init`` it is built
-    tile by tile, so the whole weight never exists at once.
+    tile by tile, so the whole weight never exists at once; construction code there edits
+    its tiles (or calls ``reset_parameters``), not the joined weight. (Layers the tiling
+    policy converts need none of this: construction code sees plain ``nn.Linear``.)
 
     Parameters
     ----------

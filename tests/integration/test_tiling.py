@@ -231,6 +231,18 @@ def test_explicit_tiled_layers_in_model_code_are_built_tile_by_tile(tmp_path):
             next(n for n, p in model.named_parameters() if p is tile.weight)].grad) <= TOL
 
 
+def test_editing_an_explicit_tiled_weight_during_construction_is_refused_clearly(tmp_path):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = TiledLinear(12, 30, tiles=8)
+            nn.init.zeros_(self.fc.weight)     # the 8 tiles are partitioned: cannot write back
+
+    with pytest.raises(TilingError, match=r"TiledLinear \(8 tiles\): an in-place edit of the joined 'weight'"):
+        with infinity.Init(_cfg(tmp_path, "host", {"enabled": False})):
+            Net()
+
+
 def test_patterns_tile_exactly_the_named_layers(tmp_path):
     with infinity.Init(_cfg(tmp_path, "host", {"modules": ["blocks.*.fc", "blocks.1.proj"], "tiles": 2})):
         model = GPT()
