@@ -15,7 +15,8 @@ Measured per mode, over ``--iters`` iterations after ``--warmup``:
 - peak RSS growth: the process's resident high-water mark (``VmHWM``, reset through
   ``/proc/self/clear_refs`` before the timed iterations) minus its resident size then;
   this includes the gradient buffers, activations and allocator slack;
-- time per forward+backward (median).
+- time per forward+backward: the median, and its ratio to untiled, paired round by round
+  (each round's median against the untiled run of the same round; the median of those).
 
 With ``--prefetch-tiles N`` the prefetcher's gather budget (``prefetch.device_bytes``) is
 N tiles of the mode's own tile size (0 turns prefetching off), so a tiled layer holds the
@@ -171,15 +172,15 @@ def _spawn(argv: list[str], path: str | None, tiles: int, need_nbytes: int, atte
 
 
 def summarize(runs: dict[int, list[dict]]) -> list[dict]:
+    """Peaks (largest over rounds), median times, and time ratios paired by round (side by side)."""
     base = runs[0]
     base_gathered = max(r["peak_gathered_bytes"] for r in base)
     base_rss = [r["peak_rss_growth_bytes"] for r in base if r["peak_rss_growth_bytes"] is not None]
-    base_time = statistics.median(t for r in base for t in r["seconds"])
     rows = []
     for tiles, samples in runs.items():
         gathered = max(r["peak_gathered_bytes"] for r in samples)
         rss = [r["peak_rss_growth_bytes"] for r in samples if r["peak_rss_growth_bytes"] is not None]
-        seconds = statistics.median(t for r in samples for t in r["seconds"])
+        ratios = [statistics.median(r["seconds"]) / statistics.median(b["seconds"]) for r, b in zip(samples, base)]
         rows.append({
             "mode": "untiled" if tiles == 0 else f"tiles={tiles}",
             "tiles": tiles,
@@ -189,8 +190,9 @@ def summarize(runs: dict[int, list[dict]]) -> list[dict]:
             "goal_reduction": tiles / 2 if tiles else None,
             "peak_rss_growth_MiB": max(rss) / MiB if rss else None,
             "rss_reduction": max(base_rss) / max(rss) if rss and base_rss else None,
-            "seconds_per_fwd_bwd": seconds,
-            "time_ratio": seconds / base_time,
+            "seconds_per_fwd_bwd": statistics.median(t for r in samples for t in r["seconds"]),
+            "time_ratio": statistics.median(ratios),
+            "time_ratio_per_round": ratios,
         })
     return rows
 
@@ -201,14 +203,15 @@ def _fmt(v, spec: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     head = (f"{'mode':<10} {'tile MiB':>9} {'gathered MiB':>13} {'x less':>7} {'goal':>5} "
-            f"{'RSS+ MiB':>9} {'x less':>7} {'s/fwd+bwd':>10} {'x time':>7}")
+            f"{'RSS+ MiB':>9} {'x less':>7} {'s/fwd+bwd':>10} {'x time':>7}  x time per round")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['mode']:<10} {_fmt(r['tile_MiB'], '9.1f')} {r['peak_gathered_MiB']:13.1f} "
               f"{_fmt(r['gathered_reduction'], '7.2f')} {_fmt(r['goal_reduction'], '5.1f')} "
               f"{_fmt(r['peak_rss_growth_MiB'], '9.1f')} {_fmt(r['rss_reduction'], '7.2f')} "
-              f"{r['seconds_per_fwd_bwd']:10.3f} {r['time_ratio']:7.2f}")
+              f"{r['seconds_per_fwd_bwd']:10.3f} {r['time_ratio']:7.2f}  "
+              + " ".join(f"{x:.2f}" for x in r["time_ratio_per_round"]))
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -248,7 +251,7 @@ def main(argv=None) -> int:
             runs[tiles].append(_spawn(argv, args.path, tiles, (10 if tiles == 0 else 4) * layer_nbytes))
     rows = summarize(runs)
     weight_mib = args.out_features * args.in_features * 4 / MiB
-    print(f"one Linear({args.in_features}, {args.out_features}): {weight_mib:.0f} MiB of fp32 weights, params on "
+    print(f"one Linear({args.in_features}, {args.out_features}): {weight_mib:.1f} MiB of fp32 weights, params on "
           f"{args.params}, batch {args.batch}, prefetch {args.prefetch_tiles} tile(s) ahead, "
           f"{args.rounds} rounds x {args.iters} iterations")
     print_table(rows)
