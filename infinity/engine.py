@@ -178,6 +178,12 @@ class Engine:
             self.hooks.append(install_hooks(root, self, params if root is roots[0] else []))
         self.roots = list(roots)
         self.finalized = True
+        # Issue 6: the prefetcher also meters every step (infinity.stats "steps"), so it
+        # exists even with prefetch.enabled = false; then it only meters, never fetches.
+        from infinity.prefetch import Prefetcher
+
+        self.prefetcher = Prefetcher(self)
+        self.coordinator.prefetcher = self.prefetcher
         # [Note: closing the tiers] Swap files, their directory locks and the I/O
         # handle belong to the engine; they are closed when the model they serve is
         # collected (or by Engine.close), so a later model can reuse the directory.
@@ -188,12 +194,6 @@ class Engine:
         if self.optimizer is not None:
             self.optimizer.synchronize()
         self.tiers.close()
-        # Issue 6: the prefetcher also meters every step (infinity.stats "steps"), so it
-        # exists even with prefetch.enabled = false; then it only meters, never fetches.
-        from infinity.prefetch import Prefetcher
-
-        self.prefetcher = Prefetcher(self)
-        self.coordinator.prefetcher = self.prefetcher
 
     def _drop_orphans(self, roots: list[nn.Module]) -> None:
         """Re-shard groups some of whose parameters no module references any more (weight tying)."""
