@@ -30,11 +30,13 @@ def test_prefetch_benchmark_tiny(bench, tmp_path, capsys):
     assert rc == 0
     table = capsys.readouterr().out
     assert "step(prefetch) / max(compute-only, I/O)" in table and "speed-up of prefetch" in table
+    assert "(paired per round)" in table
     result = json.loads(out.read_text())
     summary = result["summary"]
     for key in ("read_GBps", "write_GBps", "io_seconds", "compute_only_seconds", "ratio[prefetch]",
                 "speedup_over_no_prefetch", "stall_fraction[prefetch]", "hit_rate[prefetch]"):
         assert summary[key] is not None and summary[key] == summary[key], key
+    assert set(summary["paired"]) == {"ratio[prefetch]", "speedup_over_no_prefetch"}
     assert result["params"] == sum(p.numel() for p in bench.GPT(256, 32, 2, 2, 16).parameters())
     prefetch = result["modes"]["prefetch"]
     assert len(prefetch["samples"]) == 4 and [s["trace"] for s in prefetch["samples"]] == \
