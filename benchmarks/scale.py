@@ -83,7 +83,7 @@ def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = ("size", "layers x d", "params", "states", "states/RAM", "peak RSS", "RSS/RAM", "peak in build",
-            "NVMe used", "build s", "step s", "status")
+            "NVMe used", "build s", "step s", "loss", "status")
     ram = psutil.virtual_memory().total
     out = []
     for r in rows:
@@ -96,6 +96,7 @@ def table(rows: list[dict]) -> str:
                     format_bytes(r["nvme_peak_bytes"]) if ok else "-",
                     f"{r['construct_seconds']:.1f}" if ok else "-",
                     f"{r['step_seconds'][-1]:.1f}" if ok else "-",
+                    " > ".join(f"{x:.3f}" for x in r["losses"]) if ok else "-",
                     "ok" if ok else r["error"][:70]))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *out)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in (head, ["-" * w for w in widths], *out)]

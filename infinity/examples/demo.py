@@ -42,7 +42,7 @@ def _report_path(requested: str | None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infinity.examples.demo", description=__doc__.split("\n")[0])
     p.add_argument("--model-size", default="20M", choices=list(PRESETS))
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--config", default="nvme", help="preset or config file (default: nvme)")

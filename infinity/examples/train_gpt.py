@@ -23,7 +23,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import psutil
 import torch
@@ -38,7 +38,32 @@ ENGINES = ("infinity", "torch")
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """One training run (the command-line flags, typed)."""
+    """One training run: the command-line flags, typed (``--help`` describes each).
+
+    Attributes
+    ----------
+    config:
+        Preset name or config file for ``infinity.Init`` (ignored by ``engine="torch"``).
+    model_size:
+        A key of ``gpt.PRESETS``; ``layers``, ``d_model``, ``heads``, ``vocab``, ``seq_len``
+        override single fields of it.
+    steps, batch, seq:
+        Training steps, sequences per rank per step, tokens per sequence (None: min(256, seq_len)).
+    nvme_dir:
+        Swap directory (sets ``tiers.nvme_path``).
+    json, checkpoint, resume:
+        Where the report goes, where to save a checkpoint at the end, which to load first.
+    data:
+        ``random``, ``repeat`` or ``text`` (see ``data.py``).
+    lr, weight_decay, seed:
+        AdamW settings and the seed of the weights and the data.
+    engine:
+        ``infinity``, or ``torch`` for the plain-PyTorch baseline.
+    overrides:
+        ``section.key=value`` config changes (values parsed as JSON when they parse).
+    progress, every, quiet:
+        How the command line shows progress and whether it prints the summary table.
+    """
 
     config: str = "nvme"
     model_size: str = "tiny"
@@ -138,13 +163,14 @@ def machine() -> dict:
     return info
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Run:
+    """What the loop trains: the model, its optimizer, where its inputs go, and the baseline's autocast."""
+
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     device: torch.device
     autocast_dtype: torch.dtype | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def _build(options: TrainOptions, model_cfg, config) -> _Run:
@@ -344,7 +370,8 @@ def options_from_args(argv: list[str] | None = None) -> TrainOptions:
 def main(argv: list[str] | None = None) -> int:
     options = options_from_args(argv)
     progress = None
-    if options.progress != "none":
+    # Under torchrun only rank 0 draws progress (the others' bars would interleave).
+    if options.progress != "none" and int(os.environ.get("RANK", "0")) == 0:
         progress = Progress(options.steps, use_tqdm={"auto": None, "tqdm": True, "plain": False}[options.progress],
                             every=options.every)
     report = train(options, progress)
