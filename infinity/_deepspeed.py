@@ -24,7 +24,7 @@ from infinity._config_text import read
 from infinity.config import ALIGNMENT, Config, ConfigError, load_config
 
 _OFFLOAD_DEVICE = {"param": {"cpu": "host", "nvme": "nvme", "none": "device"},
-                   "optimizer": {"cpu": "host", "nvme": "nvme"}}
+                   "optimizer": {"cpu": "host", "nvme": "nvme", "none": "device"}}
 
 # Keys that ask for what infinity always does, with the value that means it.
 _BUILT_IN = {

@@ -51,10 +51,11 @@ class TiersConfig(Section):
     between uses: "device" on the compute device, "host" in pinned host RAM, "nvme" in files under
     `nvme_path`. A whole parameter exists only while a module uses it."""
 
-    optimizer: Literal["host", "nvme"] = "host"
-    """Tier holding the fp32 master weights, Adam's m and v, and the accumulated fp32 gradients.
-    The optimizer always steps on the host; with "nvme" these states stream through host buffers
-    one sub-group at a time."""
+    optimizer: Literal["device", "host", "nvme"] = "host"
+    """Tier holding the fp32 master weights, Adam's m and v, and the accumulated fp32 gradients:
+    "device" keeps them on the compute device and steps there (models that fit: the baseline),
+    "host" in host RAM with the step on the host, "nvme" streams them through host buffers one
+    sub-group at a time."""
 
     nvme_path: Paths = ()
     """Directory for swap files, or a list of directories to stripe them over; required when

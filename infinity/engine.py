@@ -410,14 +410,18 @@ def _tensor_args(args, kwargs):
                     yield b
 
 
+DEMAND_STAGING_BUFFERS = 3
+
+
 class _LazyStaging:
     """Aligned staging buffers for NVMe shard reads, sized once the largest shard is known.
 
     [Note: staging buffers]
     Direct (O_DIRECT) reads need page-aligned destinations. The pool is created at the
-    first fetch after construction, with buffers as large as the largest shard and as
-    many as the NVMe prefetch budget allows (at least two), and reused for the rest of
-    training: no allocation on the hot path.
+    first fetch after construction, with DEMAND_STAGING_BUFFERS buffers as large as the
+    largest shard (one being read, one being gathered, one spare), and reused for the
+    rest of training: no allocation on the hot path. Reads issued ahead by the
+    prefetcher land in their own arena of ``prefetch.nvme_bytes`` (staging_arena.py).
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -430,9 +434,8 @@ class _LazyStaging:
 
             groups = self.engine.coordinator.groups
             size = max((g.shard_nbytes for g in groups), default=4096)
-            budget = self.engine.config.prefetch.nvme_bytes
-            count = max(3, min(64, budget // max(size, 1)))
-            self._pool = BufferPool(size, int(count), self.engine.tiers.allocator, name="param-staging")
+            self._pool = BufferPool(size, DEMAND_STAGING_BUFFERS, self.engine.tiers.allocator,
+                                    name="param-staging")
         return self._pool
 
     @property

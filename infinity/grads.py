@@ -74,7 +74,7 @@ class GradReducer:
         del full
         if not bool(torch.isfinite(shard).all()):
             self.nonfinite = True
-        self.store.accumulate_grad(group.index, shard.cpu())
+        self.store.accumulate_grad(group.index, shard.to(self.store.device))
         self.coordinator.backward_done(group)
 
     def finish_backward(self) -> None:

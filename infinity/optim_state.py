@@ -96,6 +96,8 @@ class OptimizerStateStore:
         self.tier = tier
         self.layout = layout
         self.in_place = hasattr(tier, "view")
+        # Where gradient shards must arrive: the tier's device for in-place tiers, else the host.
+        self.device = getattr(tier, "device", torch.device("cpu"))
         self.keys = {s: [tier.allocate(n * _F32, tag=f"{s}:sub{i}")
                          for i, (_, n) in enumerate(layout.sub_ranges)] for s in STATES}
         self.moments_initialized = False

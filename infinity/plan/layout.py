@@ -14,9 +14,9 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   (master, m, v, gradient) of one sub-group, double buffered (one sub-group stepped while the
   next is read). A sub-group is ``partition.sub_group_size`` elements rounded up to the shard
   alignment, but never more than the rank's whole shard (``infinity/optim_state.py``).
-* when params are on NVMe: aligned host staging buffers the shard reads land in, the NVMe
-  prefetch window: as many buffers of the largest shard as ``prefetch.nvme_bytes`` holds, at
-  least 3 and at most 64 (``infinity/engine.py``, [Note: staging buffers]).
+* when params are on NVMe: aligned host staging buffers demand reads land in (3 buffers of the
+  largest shard, ``infinity/engine.py``, [Note: staging buffers]) and, when prefetching, the
+  arena reads issued ahead land in (``prefetch.nvme_bytes``, ``infinity/staging_arena.py``).
 * on the compute device: the largest group gathered whole (its padded flat buffer, compute
   dtype); in backward the largest trainable group's flat fp32 gradient buffer before its
   reduce-scatter (``infinity/grads.py``); ``prefetch.device_bytes`` when prefetching; and groups
@@ -51,9 +51,8 @@ if TYPE_CHECKING:
 SHARD_ALIGN_NUMEL = 2048
 NVME_ALIGN_BYTES = 4096
 FP32_BYTES = 4
-# Bounds on the number of NVMe staging buffers (infinity/engine.py, [Note: staging buffers]).
-STAGING_MIN_BUFFERS = 3
-STAGING_MAX_BUFFERS = 64
+# Demand-read staging buffers (infinity/engine.py, [Note: staging buffers]).
+STAGING_BUFFERS = 3
 
 
 def shard_numel(numel: int, world_size: int) -> int:
@@ -146,15 +145,13 @@ class Layout:
                       max(t, SHARD_ALIGN_NUMEL))
             yield PlanRow("optimizer_subgroup_buffers", f"optimizer sub-group buffers (2 sets x "
                           f"4 fp32 x {sub:,} elements)", "host", 2 * 4 * FP32_BYTES * sub)
-        if self.params_tier == "nvme" and not self.structured:
-            yield PlanRow("nvme_staging", "NVMe read staging / prefetch window (largest shard "
-                          "unknown: prefetch.nvme_bytes)", "host", int(cfg.prefetch.nvme_bytes))
-        elif self.params_tier == "nvme":
+        if self.params_tier == "nvme" and self.structured:
             size = round_up(self.largest_shard * pb, NVME_ALIGN_BYTES)
-            count = max(STAGING_MIN_BUFFERS,
-                        min(STAGING_MAX_BUFFERS, int(cfg.prefetch.nvme_bytes) // size))
-            yield PlanRow("nvme_staging", f"NVMe read staging / prefetch window ({count} x "
-                          f"{size / 2**20:.3g} MiB)", "host", count * size)
+            yield PlanRow("nvme_staging", f"NVMe demand-read staging ({STAGING_BUFFERS} x "
+                          f"{size / 2**20:.3g} MiB)", "host", STAGING_BUFFERS * size)
+        if self.params_tier == "nvme" and (cfg.prefetch.enabled or not self.structured):
+            yield PlanRow("prefetch_arena", "NVMe read-ahead arena (prefetch.nvme_bytes)", "host",
+                          int(cfg.prefetch.nvme_bytes))
         if self.largest_numel is not None:
             yield PlanRow("working_set", f"largest working set: {self.largest_name} gathered "
                           f"({self.largest_numel:,} elements, {dtype})", "device",

@@ -41,6 +41,7 @@ NEED_LABELS = {
     "pool_buffers": "NVMe I/O pool",
     "optimizer_subgroup_buffers": "optimizer sub-group buffers",
     "nvme_staging": "NVMe staging",
+    "prefetch_arena": "NVMe read-ahead arena",
     "working_set": "largest gathered group",
     "working_set_grad": "its gradient buffer",
     "device_prefetch": "device prefetch",
@@ -57,7 +58,7 @@ class PlanRow:
     ----------
     key : str
         Stable identifier (``compute_copy``, ``master``, ``adam_moments``, ``grad_accumulator``,
-        ``pool_buffers``, ``optimizer_subgroup_buffers``, ``nvme_staging``, ``working_set``,
+        ``pool_buffers``, ``optimizer_subgroup_buffers``, ``nvme_staging``, ``prefetch_arena``, ``working_set``,
         ``working_set_grad``, ``device_prefetch``, ``persistent_params``).
     what : str
         Human description, including dtype and sizes.

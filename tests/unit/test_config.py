@@ -179,7 +179,7 @@ def test_unknown_keys_in_overrides_and_in_mapping_sections():
 @pytest.mark.parametrize("data, message", [
     ({"tiers": {"params": "gpu"}}, 'tiers.params: "gpu" is not allowed; expected one of "device", "host", "nvme"'),
     ({"tiers": {"params": "Host"}}, '"Host" is not allowed; expected one of "device", "host", "nvme"; did you mean "host"?'),
-    ({"tiers": {"optimizer": "device"}}, 'tiers.optimizer: "device" is not allowed; expected one of "host", "nvme"'),
+    ({"tiers": {"optimizer": "gpu"}}, 'tiers.optimizer: "gpu" is not allowed; expected one of "device", "host", "nvme"'),
     ({"aio": {"direct": "yes"}}, 'aio.direct: expected true or false, got "yes" (string)'),
     ({"aio": {"queue_depth": "32"}}, 'aio.queue_depth: expected an integer, got "32" (string)'),
     ({"aio": {"queue_depth": 8.0}}, "aio.queue_depth: expected an integer, got 8.0 (float)"),
@@ -275,7 +275,7 @@ def test_value_error_in_a_file_names_the_file(tmp_path):
 def test_the_four_presets_ship():
     assert set(config.presets()) == {"device", "offload-optimizer", "offload-host", "nvme"}
     tiers = {name: (load_config(name).tiers.params, load_config(name).tiers.optimizer) for name in config.presets()}
-    assert tiers == {"device": ("device", "host"), "offload-optimizer": ("device", "host"),
+    assert tiers == {"device": ("device", "device"), "offload-optimizer": ("device", "host"),
                      "offload-host": ("host", "host"), "nvme": ("nvme", "nvme")}
 
 

@@ -73,8 +73,10 @@ def test_everything_on_nvme_fp32_shares_compute_copy_with_master(tmp_path):
     rows = _rows(p)
     assert rows["compute_copy"] == ("nvme", 0)
     assert rows["master"] == ("nvme", 4 * 20_480)
-    # Staging: largest shard fc1 16,384 x 4 B = 64 KiB; 256 MiB holds 4,096, capped at 64.
-    assert rows["nvme_staging"] == ("host", 64 * 65_536)
+    # Demand staging: 3 buffers of the largest shard (fc1 16,384 x 4 B = 64 KiB), and the
+    # read-ahead arena of prefetch.nvme_bytes (256 MiB by default).
+    assert rows["nvme_staging"] == ("host", 3 * 65_536)
+    assert rows["prefetch_arena"] == ("host", 256 * MiB)
     assert rows["working_set"] == ("device", 4 * 32_768)
     # Forward and backward read the fp32 copy (= master): 2 x 81,920; then the optimizer pass.
     assert p.nvme_read_bytes == 2 * 81_920 + 16 * 20_480
@@ -98,8 +100,9 @@ def test_nvme_params_host_optimizer_with_frozen_group(tmp_path):
     assert rows["compute_copy"] == ("nvme", 2 * 20_480)
     assert rows["master"] == ("host", 4 * trainable)
     assert "device_prefetch" not in rows and "optimizer_subgroup_buffers" not in rows
-    # Staging is there whether or not prefetching is on: 32 KiB shards, 3 to 64 of them.
-    assert rows["nvme_staging"] == ("host", 64 * 32_768)
+    # Demand staging is there whether or not prefetching is on (3 x 32 KiB shards); no arena.
+    assert rows["nvme_staging"] == ("host", 3 * 32_768)
+    assert "prefetch_arena" not in rows
     assert p.nvme_read_bytes == 2 * 2 * 20_480
     # Only trainable groups' compute copies are rewritten by the update.
     assert p.nvme_write_bytes == 2 * trainable
