@@ -44,11 +44,12 @@ from infinity.dpu import DelayedUpdate, DpuStats, StepJob
 from infinity.engine import EngineError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-# 2Mi elements: a chunk's master weights (8 MiB) are still in cache when their compute copy is
-# written. A multiple of ALIGN_NUMEL, so every compute-copy write starts on a 4096-byte block:
-# the NVMe tier writes a partial block by read-modify-write, and two such writes in flight to
-# one block would race.
-_CHUNK_NUMEL = 2 << 20
+# 4Mi elements: a chunk's master weights (16 MiB) and their bf16 copy (8 MiB) are still in the
+# L3 cache (32 MiB here) when the compute copy is written, and a 100M-parameter step runs only
+# ~50 parallel regions (each costs a thread barrier, expensive when cores are oversubscribed).
+# A multiple of ALIGN_NUMEL, so every compute-copy write starts on a 4096-byte block: the NVMe
+# tier writes a partial block by read-modify-write, and two such writes in flight would race.
+_CHUNK_NUMEL = 4 << 20
 _STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
 
 
@@ -340,11 +341,20 @@ class _OffloadAdam(torch.optim.Optimizer):
         store.moments_initialized = True
 
     def _buffers(self) -> list[dict[str, torch.Tensor]]:
+        """Two sets of sub-group buffers for the streamed pass.
+
+        The store already holds two such sets for its own ``iterate``, which nothing else runs
+        while an update is in flight, so they are borrowed rather than pinning a second set.
+        """
         if self._stream_buffers is None:
-            n = self.store.layout.sub_group_size
-            alloc = self.engine.tiers.allocator
-            self._stream_buffers = [{s: alloc.empty(n * 4).view(torch.float32) for s in _STATES}
-                                    for _ in range(2)]
+            borrowed = getattr(self.store, "_buffers", None)
+            if borrowed is not None and all(set(b) >= set(_STATES) for b in borrowed):
+                self._stream_buffers = borrowed
+            else:
+                n = self.store.layout.sub_group_size
+                alloc = self.engine.tiers.allocator
+                self._stream_buffers = [{s: alloc.empty(n * 4).view(torch.float32) for s in _STATES}
+                                        for _ in range(2)]
         return self._stream_buffers
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -116,8 +116,8 @@ def capture_forward_params(model: nn.Module) -> dict:
 
 
 def make(tmp_path, params="host", optimizer="host", warmup=2, enabled=True, threads=0, freeze_norm=False,
-         dtype="float32"):
-    cfg = {"tiers": {"params": params, "optimizer": optimizer, "nvme_path": str(tmp_path)},
+         dtype="float32", device="cpu"):
+    cfg = {"tiers": {"params": params, "optimizer": optimizer, "nvme_path": str(tmp_path), "device": device},
            "precision": {"dtype": dtype},
            "partition": {"sub_group_size": 4096},
            "dpu": {"enabled": enabled, "warmup_steps": warmup, "threads": threads}}
@@ -125,7 +125,7 @@ def make(tmp_path, params="host", optimizer="host", warmup=2, enabled=True, thre
     with infinity.Init(cfg):
         model = Tiny(freeze_norm)
     torch.manual_seed(0)
-    ref = Tiny(freeze_norm)
+    ref = Tiny(freeze_norm).to(device)
     return model, ref
 
 
@@ -135,7 +135,7 @@ def max_diff(captured: dict, ref: nn.Module) -> float:
 
 
 def run_schedule(model, ref, steps, warmup, *, clip=None, accumulate=1, skip_at=(), sync_at=(),
-                 lr_at=lambda k: 1e-2):
+                 lr_at=lambda k: 1e-2, device="cpu"):
     """Train both; return per-iteration (max diff of forward params, |loss diff|, covered names)."""
     opt = infinity.AdamW(model, lr=lr_at(0), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_at(k) / lr_at(0))
@@ -148,7 +148,7 @@ def run_schedule(model, ref, steps, warmup, *, clip=None, accumulate=1, skip_at=
         lr = opt.param_groups[0]["lr"]
         losses = []
         for micro in range(accumulate):
-            idx, tgt = data[it * accumulate + micro]
+            idx, tgt = (t.to(device) for t in data[it * accumulate + micro])
             loss = model(idx, tgt)
             ref_loss = ref(idx, tgt)
             if it in skip_at:
@@ -323,3 +323,17 @@ def test_bf16_compute_copies_are_the_rounded_master_weights(tmp_path, monkeypatc
             assert torch.equal(shard, master.to(torch.bfloat16)), g.name
             checked += 1
     assert checked == len(masters) > 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params,optimizer", [("device", "host"), ("host", "nvme")])
+def test_delayed_schedule_on_cuda(tmp_path, params, optimizer):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: the worker's copies to a device parameter tier run on its own stream")
+    model, ref = make(tmp_path, params, optimizer, warmup=2, device="cuda")
+    opt, reference, out, _ = run_schedule(model, ref, 6, warmup=2, clip=0.5, device="cuda")
+    # The GPU's kernels differ from the CPU's by rounding only; both sides compute on the GPU.
+    assert all(d <= 1e-5 for d, _ in out), out
+    assert opt.stats()["pending"] == 1
+    reference.synchronize()
+    assert gathered_diff(model, ref) <= 1e-5
