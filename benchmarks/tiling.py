@@ -248,7 +248,9 @@ def main(argv=None) -> int:
         for tiles in (modes if r % 2 == 0 else modes[::-1]):
             # Untiled, the gathered weight, its gradient, the reducer's buffer and shard and
             # autograd's copy live at once: about 8 layers' bytes, measured (building: ~4.5).
-            runs[tiles].append(_spawn(argv, args.path, tiles, (10 if tiles == 0 else 4) * layer_nbytes))
+            # With the optimizer tier on the host, its four fp32 states take four layers more.
+            need = (10 if tiles == 0 else 4) + (4 if args.optimizer == "host" else 0)
+            runs[tiles].append(_spawn(argv, args.path, tiles, need * layer_nbytes))
     rows = summarize(runs)
     weight_mib = args.out_features * args.in_features * 4 / MiB
     print(f"one Linear({args.in_features}, {args.out_features}): {weight_mib:.1f} MiB of fp32 weights, params on "

@@ -46,13 +46,18 @@ class TiledLayer:
 
 
 @dataclass(frozen=True)
-class _Choice:
+class TilingChoice:
+    """Layers the policy chose to tile together (one, or all sharing one weight), and how."""
+
     modules: tuple[nn.Module, ...]
+    """The ``nn.Linear``/``nn.Embedding`` instances, converted in place by ``tile_``."""
+
     layer: TiledLayer
+    """Their names, shape, tile count and split."""
 
 
 def plan_tiling(roots: Sequence[nn.Module], config: TilingConfig, dtype: torch.dtype,
-                shape_of: Callable[[nn.Parameter], tuple] = lambda p: tuple(p.shape)) -> list[_Choice]:
+                shape_of: Callable[[nn.Parameter], tuple] = lambda p: tuple(p.shape)) -> list[TilingChoice]:
     """Which layers to tile, grouped by shared weight (see [Note: when layers are tiled]).
 
     ``shape_of`` gives a parameter's true shape (a partitioned parameter holds an empty tensor).
@@ -87,7 +92,7 @@ def plan_tiling(roots: Sequence[nn.Module], config: TilingConfig, dtype: torch.d
         layer = TiledLayer(tuple(n for x in members for n in names[x]),
                            tuple(type(x).__name__ for x in members for _ in names[x]),
                            shape, tiles, ROWS if rows_split else COLUMNS)
-        chosen.append(_Choice(tuple(members), layer))
+        chosen.append(TilingChoice(tuple(members), layer))
     return chosen
 
 
@@ -137,6 +142,7 @@ def apply_tiling(engine, roots: Sequence[nn.Module]) -> list[TiledLayer]:
     """
     done = []
     coordinator = engine.coordinator
+
     def shape_of(p: nn.Parameter) -> tuple:
         group = coordinator.group_of.get(p)
         return tuple(p.shape) if group is None else next(tuple(s.shape) for s in group.slots if s.param is p)

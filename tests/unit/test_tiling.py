@@ -253,6 +253,7 @@ def test_policy_refuses_a_weight_shared_with_something_it_cannot_tile():
             self.extra = nn.Module()
             self.extra.table = self.proj.weight
 
-    with pytest.raises(TilingError, match=r"cannot tile 'proj' \(Linear\): its weight is also 'extra'.table \(Module\)"):
+    with pytest.raises(TilingError,
+                       match=r"cannot tile 'proj' \(Linear\): its weight is also 'extra'.table \(Module\)"):
         _plan(Odd(), threshold=10, tiles=2)
     assert _plan(Odd(), modules=["nothing"], tiles=2) == []
