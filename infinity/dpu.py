@@ -277,7 +277,12 @@ class DelayedUpdate:
         self.stats.delayed_steps += 1
         self._running = job
         self._unpublished = job
-        self._queue.put(job)
+        ready = None
+        if self.device is not None and self.device.is_cuda:
+            # Gradients of an in-place device tier were accumulated on the compute stream.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device.device))
+        self._queue.put((job, ready))
 
     def run_inline(self, job: StepJob) -> None:
         """Run ``job`` on the calling thread (warm-up steps) and publish it."""
@@ -320,13 +325,22 @@ class DelayedUpdate:
         with torch.no_grad():
             run(job)
 
-    def _work(self, job: StepJob) -> None:
-        """One job on the worker thread (timed, failures kept for the main thread)."""
+    def _work(self, job: StepJob, ready) -> None:
+        """One job on the worker thread (timed, failures kept for the main thread).
+
+        On CUDA the job runs on the worker's own stream, after the compute stream's work
+        that produced its gradients (``ready``), and the stream is drained before the job
+        counts as done, so publishing never exposes device work still in flight.
+        """
         t0 = time.perf_counter()
         try:
             if self.device is not None and self.device.is_cuda:
-                with torch.cuda.device(self.device.device), torch.cuda.stream(self._cuda_stream()):
+                stream = self._cuda_stream()
+                with torch.cuda.device(self.device.device), torch.cuda.stream(stream):
+                    if ready is not None:
+                        stream.wait_event(ready)
                     self._call(job)
+                stream.synchronize()
             else:
                 self._call(job)
         except BaseException as exc:  # handed to the main thread by wait()
@@ -365,11 +379,11 @@ def _worker_loop(jobs: queue.Queue, owner_ref) -> None:
     owner.worker_threads = bound_this_thread(owner.threads)
     del owner
     while True:
-        job = jobs.get()
-        if job is _STOP:
+        item = jobs.get()
+        if item is _STOP:
             return
         owner = owner_ref()
         if owner is None:
             return
-        owner._work(job)
+        owner._work(*item)
         del owner

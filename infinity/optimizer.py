@@ -243,8 +243,10 @@ class _OffloadAdam(torch.optim.Optimizer):
         about half as much as over a whole sub-group).
         """
         kernel = torch._fused_adamw_ if job.decoupled else torch._fused_adam_
-        step_t = torch.tensor(float(job.step))
-        grad_scale = None if job.clip_coef is None else torch.tensor(1.0 / job.clip_coef)
+        # The kernel reads the step and the scale where the states are (a device optimizer tier).
+        device = self.store.tier.device if self.store.in_place and hasattr(self.store.tier, "device") else "cpu"
+        step_t = torch.tensor(float(job.step), device=device)
+        grad_scale = None if job.clip_coef is None else torch.tensor(1.0 / job.clip_coef, device=device)
         hyper = dict(amsgrad=False, lr=job.lr, beta1=job.beta1, beta2=job.beta2, weight_decay=job.weight_decay,
                      eps=job.eps, maximize=False, grad_scale=grad_scale, found_inf=None)
         layout = self.store.layout

@@ -326,7 +326,7 @@ def test_bf16_compute_copies_are_the_rounded_master_weights(tmp_path, monkeypatc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("params,optimizer", [("device", "host"), ("host", "nvme")])
+@pytest.mark.parametrize("params,optimizer", [("device", "host"), ("host", "nvme"), ("device", "device")])
 def test_delayed_schedule_on_cuda(tmp_path, params, optimizer):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA: the worker's copies to a device parameter tier run on its own stream")
