@@ -77,7 +77,8 @@ def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
                    rss_per_step=[st["rss_bytes"] for st in r["steps"]],
                    peak_rss_build_bytes=r["peak_rss_after_build_bytes"],
                    peak_rss_forward_backward_bytes=[st["peak_rss_forward_backward_bytes"] for st in r["steps"]],
-                   peak_rss_per_step=[st["peak_rss_bytes"] for st in r["steps"]])
+                   peak_rss_per_step=[st["peak_rss_bytes"] for st in r["steps"]],
+                   source=r["machine"]["source"], load_average=r["machine"]["load_average"])
     return row
 
 

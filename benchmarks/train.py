@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -37,6 +36,7 @@ import psutil
 from infinity.examples.gpt import PRESETS, preset
 from infinity.examples.meter import format_bytes
 from infinity.examples.runs import run_training
+from infinity.examples.train_gpt import machine
 
 CONFIGS: dict[str, list[str]] = {
     "torch": ["--engine", "torch"],
@@ -55,12 +55,6 @@ NVME_BYTES_PER_PARAM = 24
 TORCH_BYTES_PER_PARAM = 16
 
 
-def machine() -> dict:
-    import torch
-
-    return {"host": platform.node(), "cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
-            "torch": torch.__version__, "python": platform.python_version(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def skip_reason(size: str, config: str, nvme_dir: str) -> str | None:
@@ -89,6 +83,8 @@ def run_one(size: str, config: str, args, nvme_dir: str) -> dict:
     if result.ok:
         r = result.report
         s = r["summary"]
+        row["source"] = r["machine"]["source"]
+        row["load_average"] = r["machine"]["load_average"]
         row.update(step_seconds=s["step_seconds_median"], tokens_per_second=s["tokens_per_second"],
                    stall_fraction=s["stall_fraction"], compute_seconds=s["compute_seconds"],
                    stall_seconds=s["stall_seconds"], optimizer_seconds=s["optimizer_seconds"],

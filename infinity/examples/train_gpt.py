@@ -156,11 +156,24 @@ def _distributed() -> tuple[int, int]:
 
 
 def machine() -> dict:
-    """The machine a report was measured on."""
-    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+    """The machine a report was measured on, and the source revision it ran."""
+    return {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
             "cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
+            "load_average": os.getloadavg(), "source": source_revision(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    return info
+
+
+def source_revision() -> str | None:
+    """``git describe --always --dirty`` of the checkout infinity runs from (None outside git)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 @dataclass(frozen=True)
