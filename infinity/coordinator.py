@@ -162,9 +162,13 @@ class Coordinator:
     def _staging_buffer(self, group: ParamGroup):
         nbytes = group.shard_nbytes
         if self.staging is not None and nbytes <= self.staging.buffer_nbytes:
-            buf = self.staging.acquire(owner=f"param:{group.name}")
-            view = buf.tensor[:nbytes].view(self.dtype)
-            return view, buf.release
+            # Never wait for a staging buffer: their holders are reads issued ahead of the
+            # one being waited for (gather() issues all, then waits in order), so waiting
+            # could deadlock. Without a free one, read into ordinary memory: the tier
+            # streams it through its own pool, at the cost of one copy.
+            buf = self.staging.try_acquire(owner=f"param:{group.name}")
+            if buf is not None:
+                return buf.tensor[:nbytes].view(self.dtype), buf.release
         return torch.empty(group.shard_numel, dtype=self.dtype), None
 
     def wait_available(self, group: ParamGroup) -> None:

@@ -444,8 +444,8 @@ class _LazyStaging:
             return 0
         return self._ensure().buffer_nbytes
 
-    def acquire(self, owner: str):
-        return self._ensure().acquire(owner=owner)
+    def try_acquire(self, owner: str):
+        return self._ensure().try_acquire(owner=owner)
 
     def stats(self) -> dict | None:
         return None if self._pool is None else self._pool.stats()
