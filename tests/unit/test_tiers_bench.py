@@ -1,9 +1,9 @@
-"""Smoke run of benchmarks/tiers.py at a tiny size: it runs, prints its table, writes JSON."""
+"""Smoke run of benchmarks/tier_io.py at a tiny size: it runs, prints its table, writes JSON."""
 from __future__ import annotations
 
 import json
 
-from benchmarks import tiers as bench
+from benchmarks import tier_io as bench
 
 
 def test_tiers_benchmark_smoke(tmp_path, capsys):

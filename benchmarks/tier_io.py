@@ -12,7 +12,7 @@ Two figures from issue 4, measured side by side in one run:
 
 Example::
 
-    python -m benchmarks.tiers --path /mnt/nvme --json tiers.json
+    python -m benchmarks.tier_io --path /mnt/nvme --json tiers.json
 """
 from __future__ import annotations
 
