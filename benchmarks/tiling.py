@@ -15,6 +15,8 @@ Measured per mode, over ``--iters`` iterations after ``--warmup``:
 - peak RSS growth: the process's resident high-water mark (``VmHWM``, reset through
   ``/proc/self/clear_refs`` before the timed iterations) minus its resident size then;
   this includes the gradient buffers, activations and allocator slack;
+- with ``--torch``: the same layer in plain PyTorch, ``nn.Linear`` against ``TiledLinear``
+  copies of it, timed alternately in one process (the cost of tiling to the computation);
 - time per forward+backward: the median, and its ratio to untiled, paired round by round
   (each round's median against the untiled run of the same round; the median of those).
 
@@ -138,8 +140,39 @@ def run_mode(args, tiles: int) -> dict:
             "layer": type(model[0]).__name__, "fetch": stats["fetch"]}
 
 
+def run_torch(args) -> dict:
+    """Plain PyTorch, no engine: nn.Linear and TiledLinear copies of it, fwd+bwd timed alternately.
+
+    Isolates what tiling costs the computation itself (k smaller matmuls and the
+    concatenation) from the engine's data movement.
+    """
+    from infinity.tiling import TiledLinear
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    plain = nn.Linear(args.in_features, args.out_features)
+    x = torch.randn(args.batch, args.in_features)
+
+    def step(layer) -> float:
+        t = time.perf_counter()
+        layer(x).pow(2).mean().backward()
+        elapsed = time.perf_counter() - t
+        layer.zero_grad(set_to_none=True)
+        return elapsed
+
+    out = {}
+    for tiles in args.tiles:
+        tiled = TiledLinear.from_linear(plain, tiles)
+        for _ in range(args.warmup):
+            step(plain), step(tiled)
+        pairs = [(step(plain), step(tiled)) for _ in range(args.iters)]
+        out[str(tiles)] = {"untiled_seconds": [a for a, _ in pairs], "tiled_seconds": [b for _, b in pairs]}
+        del tiled
+    return out
+
+
 def _child(args) -> int:
-    print(json.dumps(run_mode(args, args.child)))
+    print(json.dumps(run_torch(args) if args.child < 0 else run_mode(args, args.child)))
     return 0
 
 
@@ -230,6 +263,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2, help="each mode runs once per round, in turn")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--torch", action="store_true",
+                   help="also time nn.Linear against TiledLinear in plain PyTorch (no engine), alternately")
     p.add_argument("--json", default=None, help="write settings, machine, samples and summary here")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--swap-dir", default=None, help=argparse.SUPPRESS)
@@ -252,17 +287,24 @@ def main(argv=None) -> int:
             need = (10 if tiles == 0 else 4) + (4 if args.optimizer == "host" else 0)
             runs[tiles].append(_spawn(argv, args.path, tiles, need * layer_nbytes))
     rows = summarize(runs)
+    plain = _spawn(argv, args.path, -1, 4 * layer_nbytes) if args.torch else None
     weight_mib = args.out_features * args.in_features * 4 / MiB
     print(f"one Linear({args.in_features}, {args.out_features}): {weight_mib:.1f} MiB of fp32 weights, params on "
           f"{args.params}, batch {args.batch}, prefetch {args.prefetch_tiles} tile(s) ahead, "
           f"{args.rounds} rounds x {args.iters} iterations")
     print_table(rows)
+    if plain is not None:
+        for tiles, t in plain.items():
+            ratio = statistics.median(b / a for a, b in zip(t["untiled_seconds"], t["tiled_seconds"]))
+            print(f"plain PyTorch, no engine: TiledLinear({tiles} tiles) fwd+bwd "
+                  f"{statistics.median(t['tiled_seconds']):.3f} s vs nn.Linear "
+                  f"{statistics.median(t['untiled_seconds']):.3f} s: x{ratio:.2f} (median of paired ratios)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": {k: v for k, v in vars(args).items() if k != "child"},
                        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                    "torch": torch.__version__, "loadavg": os.getloadavg()},
-                       "runs": {str(k): v for k, v in runs.items()}, "summary": rows}, f, indent=1)
+                       "runs": {str(k): v for k, v in runs.items()}, "summary": rows, "torch": plain}, f, indent=1)
     return 0
 
 
