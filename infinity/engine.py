@@ -49,6 +49,11 @@ def _return_freed_memory_to_the_os() -> None:
 _M_MMAP_THRESHOLD = -3
 
 
+# Plan rows (infinity/plan/layout.py) that Engine.finalize has yet to allocate.
+_NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_subgroup_buffers",
+                                "nvme_staging", "prefetch_arena"})
+
+
 class EngineError(RuntimeError):
     """The model was used in a way the engine does not support; the message says how to fix it."""
 
@@ -241,14 +246,33 @@ class Engine:
             g.name = qualname
 
     def _check_budget(self) -> None:
+        """Check, with infinity-plan's arithmetic, that what finalize is about to allocate fits.
+
+        The shards already exist; what is left is the optimizer states (Adam m and v,
+        the gradient accumulator, the sub-group streaming buffers) and the NVMe staging.
+        Those rows of the plan of this very model (its groups as partitioned) go through
+        ``tiers.budget.check_budget``, so a model that cannot fit fails here, before the
+        bulk of its memory or disk is taken, with the numbers.
+        """
+        from infinity.plan import CensusGroup, ModelCensus, plan
         from tiers.budget import Need, check_budget
 
-        t = self.config.tiers
-        total = sum(g.shard_numel for g in self.coordinator.groups)
-        states = 3 * 4 * total + 4 * total
-        paths = t.nvme_path if t.optimizer == "nvme" else (None,)
-        needs = [Need("optimizer states", t.optimizer, states // len(paths), p) for p in paths]
-        check_budget(needs, host_budget=t.host_budget, device=self.device.device).raise_if_short()
+        census = ModelCensus("model", tuple(
+            CensusGroup(g.name, tuple(s.numel for s in g.slots), bool(g.trainable))
+            for g in self.coordinator.groups))
+        the_plan = plan(census, self.config, world_size=self.ranks.world_size, local_ranks=1,
+                        check_fit=False)
+        paths = self.config.tiers.nvme_path or (None,)
+        needs = []
+        for row in the_plan.rows:
+            if row.key not in _NOT_YET_ALLOCATED or row.nbytes == 0:
+                continue
+            if row.tier == "nvme":
+                needs += [Need(row.what, "nvme", row.nbytes // len(paths), p) for p in paths]
+            else:
+                needs.append(Need(row.what, row.tier, row.nbytes))
+        check_budget(needs, host_budget=self.config.tiers.host_budget,
+                     device=self.device.device).raise_if_short()
 
     # -- the forward / backward lifecycle (called by the hooks) ------------------------------
     def pre_forward(self, module: nn.Module) -> None:
