@@ -207,6 +207,7 @@ class DelayedUpdate:
         self._running: StepJob | None = None
         self._unpublished: StepJob | None = None
         self._failure: tuple[StepJob, BaseException] | None = None
+        self._stream = None  # the worker's CUDA stream, made on first use
         self.worker_threads: int | None = None
         tier = store.tier
         self._spare_grad_keys = []
@@ -353,10 +354,9 @@ class DelayedUpdate:
         self._idle.set()
 
     def _cuda_stream(self):
-        stream = getattr(self, "_stream", None)
-        if stream is None:
-            stream = self._stream = torch.cuda.Stream(self.device.device)
-        return stream
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device.device)
+        return self._stream
 
     def close(self) -> None:
         """Wait for the running job and stop the worker thread."""
