@@ -14,6 +14,8 @@ so the collectives are issued in the same order on every rank.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -72,9 +74,13 @@ class GradReducer:
         shard = torch.empty(group.shard_numel, dtype=torch.float32, device=full.device)
         self.ranks.reduce_scatter_mean(shard, full)
         del full
-        if not bool(torch.isfinite(shard).all()):
+        # One fp32 dot product gives both the shard's squared norm (for clipping) and the
+        # non-finite check: it is inf or nan exactly when some element is (barring an
+        # overflow past 3e38, which is no gradient to apply either).
+        norm_sq = float(torch.dot(shard, shard))
+        if not math.isfinite(norm_sq):
             self.nonfinite = True
-        self.store.accumulate_grad(group.index, shard.to(self.store.device))
+        self.store.accumulate_grad(group.index, shard.to(self.store.device), norm_sq=norm_sq)
         self.coordinator.backward_done(group)
 
     def finish_backward(self) -> None:

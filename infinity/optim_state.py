@@ -170,8 +170,12 @@ class OptimizerStateStore:
             fut.wait()
 
     # -- gradients ------------------------------------------------------------------------------
-    def accumulate_grad(self, group_index: int, shard_grad: torch.Tensor) -> None:
-        """Add one group's reduce-scattered fp32 gradient shard to the accumulator."""
+    def accumulate_grad(self, group_index: int, shard_grad: torch.Tensor,
+                        norm_sq: float | None = None) -> None:
+        """Add one group's reduce-scattered fp32 gradient shard to the accumulator.
+
+        ``norm_sq``, when the caller has it, is the shard's squared L2 norm (for clipping).
+        """
         first = group_index not in self.grad_written
         for piece in self.layout.pieces_of_group[group_index]:
             src = shard_grad[piece.group_offset:piece.group_offset + piece.numel]
@@ -188,7 +192,9 @@ class OptimizerStateStore:
                 self._write(("grad", piece), old.add_(src))
         if self.grad_norm_sq_cache is not None:
             if first:
-                self.grad_norm_sq_cache += float(shard_grad.double().pow(2).sum())
+                if norm_sq is None:
+                    norm_sq = float(torch.dot(shard_grad.float(), shard_grad.float()))
+                self.grad_norm_sq_cache += norm_sq
             else:
                 self.grad_norm_sq_cache = None
         self.grad_written.add(group_index)
