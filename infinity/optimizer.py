@@ -3,14 +3,17 @@
 [Note: host Adam kernel]
 The update runs torch's fused CPU Adam/AdamW kernel (``torch._fused_adamw_``) on
 the flat fp32 sub-groups, one tensor per run of trainable groups (usually one per
-sub-group). It streams the ~28 bytes a parameter needs (read master, grad, m, v;
-write master, m, v) at about the machine's memory bandwidth, and many small tensors
-or the foreach / for-loop paths are slower (benchmarks/adam.py measures all of them
-against a triad bandwidth bound). The kernel's math is ``torch.optim.AdamW``'s, so
-results match plain PyTorch to rounding. Gradient clipping is folded into the
-kernel's ``grad_scale`` (it divides by ``1 / clip_coef``), which saves a pass over
-the gradients and differs from a separate multiplication by at most one rounding.
-The kernel releases the GIL, so a background step (DPU) runs beside compute.
+sub-group). On these machines it streams the 28 bytes a parameter needs (read
+master, grad, m, v; write master, m, v) at memory speed: 100M parameters, 2 threads,
+1.74 G params/s, as fast as DeepSpeed's CPUAdam (1.57) and above a STREAM-triad bound
+(1.22); the foreach path is 12x slower (benchmarks/adam.py). The engine's step also
+writes each compute copy (4 bytes, plus the line's write-allocate read), which costs
+it about half that rate when synchronous; with DPU it is off the critical path. The
+kernel's math is ``torch.optim.AdamW``'s, so results match plain PyTorch to rounding.
+Gradient clipping is folded into the kernel's ``grad_scale`` (it divides by
+``1 / clip_coef``), which saves a pass over the gradients and differs from a separate
+multiplication by at most one rounding. The kernel releases the GIL, so a background
+step (DPU) runs beside compute.
 
 [Note: the update pass]
 Every update, synchronous or delayed, is one :class:`infinity.dpu.StepJob` run by
@@ -44,12 +47,11 @@ from infinity.dpu import DelayedUpdate, DpuStats, StepJob
 from infinity.engine import EngineError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-# 4Mi elements: a chunk's master weights (16 MiB) and their bf16 copy (8 MiB) are still in the
-# L3 cache (32 MiB here) when the compute copy is written, and a 100M-parameter step runs only
-# ~50 parallel regions (each costs a thread barrier, expensive when cores are oversubscribed).
-# A multiple of ALIGN_NUMEL, so every compute-copy write starts on a 4096-byte block: the NVMe
-# tier writes a partial block by read-modify-write, and two such writes in flight would race.
+# See [Note: chunks and parallel regions]. A multiple of ALIGN_NUMEL, so every compute-copy
+# write starts on a 4096-byte block: the NVMe tier writes a partial block by read-modify-write,
+# and two such writes in flight to one block would race.
 _CHUNK_NUMEL = 4 << 20
+_WHOLE = 1 << 62
 _STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
 
 
@@ -238,9 +240,8 @@ class _OffloadAdam(torch.optim.Optimizer):
     def _apply(self, job: StepJob) -> None:
         """Run one update: Adam over the changed ranges, and the changed groups' new compute copies.
 
-        The work goes in chunks of ``_CHUNK_NUMEL`` elements: the kernel on a chunk, then the
-        compute copies of that chunk while it is still in cache (a bf16/fp16 conversion costs
-        about half as much as over a whole sub-group).
+        On a single-threaded run the work goes in chunks (see [Note: chunks and parallel
+        regions]): the kernel on a chunk, then that chunk's compute copies while it is in cache.
         """
         kernel = torch._fused_adamw_ if job.decoupled else torch._fused_adam_
         # The kernel reads the step and the scale where the states are (a device optimizer tier).
@@ -256,11 +257,12 @@ class _OffloadAdam(torch.optim.Optimizer):
             passes = self._in_place_pass(job, [sub for sub, r in enumerate(spans) if r])
         else:
             passes = self._streamed_pass(job, spans)
+        chunk = _chunk_numel()
         for sub, st, writes in passes:
             states = (st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"])
             for start, numel in spans[sub]:
-                for c0 in range(start, start + numel, _CHUNK_NUMEL):
-                    c1 = min(c0 + _CHUNK_NUMEL, start + numel)
+                for c0 in range(start, start + numel, chunk):
+                    c1 = min(c0 + chunk, start + numel)
                     parts = [(max(o, c0), min(o + n, c1)) for o, n in runs[sub] if o < c1 and o + n > c0]
                     if parts:
                         kernel(*[[t[a:b] for a, b in parts] for t in states], [], [step_t] * len(parts), **hyper)
@@ -480,6 +482,23 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     if engine.optimizer is None:
         raise EngineError("infinity.clip_grad_norm_: create the infinity optimizer for this model first")
     return engine.optimizer.clip_grad_norm_(max_norm)
+
+
+def _chunk_numel() -> int:
+    """Elements per chunk of the update pass on the calling thread.
+
+    [Note: chunks and parallel regions]
+    Writing a chunk's compute copy right after the kernel stepped it, while the chunk
+    (4Mi elements: 16 MiB of fp32, 8 MiB as bf16) is still in the 32 MiB L3, halves the
+    cost of the bf16/fp16 conversion on one thread (64Mi parameters: 51 vs 109 ms; fp32
+    copies gain nothing, 46 vs 46 ms). But every torch kernel call on several threads is
+    an OpenMP parallel region ending in a barrier, and when the cores are oversubscribed
+    (compute beside the DPU worker, or other processes) each barrier waits for a
+    descheduled thread: on 2 threads at load 5-7, 4Mi chunks took 254 ms where whole
+    sub-groups took 54 ms (fp32; bf16 384 vs 124 ms). So chunks are used only when the
+    calling thread's team is one thread, as the DPU worker's is with ``dpu.threads = 1``.
+    """
+    return _CHUNK_NUMEL if torch.get_num_threads() == 1 else _WHOLE
 
 
 def _merge(ranges) -> list[tuple[int, int]]:
