@@ -27,14 +27,9 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 
-# Run as a script, this folder comes first on sys.path, and benchmarks/tiers.py would shadow
-# the ``tiers`` package the engine imports.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 import psutil
 import torch

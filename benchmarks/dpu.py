@@ -31,20 +31,14 @@ import math
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 
-# Run as a script, this folder comes first on sys.path, and benchmarks/tiers.py would shadow
-# the ``tiers`` package the engine imports.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+import torch
 
-import torch  # noqa: E402
-
-import infinity  # noqa: E402
-from infinity.examples.data import batches  # noqa: E402
-from infinity.examples.gpt import GPT, GPTConfig  # noqa: E402
+import infinity
+from infinity.examples.data import batches
+from infinity.examples.gpt import GPT, GPTConfig
 
 
 def build(shape: GPTConfig, optimizer: str, dpu_threads: int | None, nvme_dir: str, seed: int = 0,
