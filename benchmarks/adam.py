@@ -2,7 +2,10 @@
 
     python benchmarks/adam.py --sizes 100M,500M --json /tmp/adam.json
 
-For each size (fp32 parameters) it measures, one after another and ``--rounds`` times over:
+For each size (fp32 parameters) it measures, in alternation (one step of each variant in
+turn, ``--repeats`` times; ``--rounds`` rebuilds everything), the torch-side variants sharing one
+set of arrays (16 B/param); when that and ours (20 B/param) do not fit in half the free memory
+together, ours runs in a second phase against its own triad:
 
 - ``triad``: the STREAM triad ``a = b + s * c`` with torch, the bandwidth bound's basis;
 - ``torch fused, 1 tensor``: ``torch.optim.AdamW(fused=True)`` on one flat parameter;
@@ -17,7 +20,7 @@ For each size (fp32 parameters) it measures, one after another and ``--rounds`` 
 An Adam step moves 28 bytes per parameter (read parameter, gradient, m, v; write parameter,
 m, v); ours also writes the compute copy (32). The bound is triad bandwidth / 28 bytes. The
 triad is counted the STREAM way (12 bytes per element); its store also reads the line first
-(write-allocate), which Adam's in-place stores do not, so the "hardware" column counts 16.
+(write-allocate), which Adam's in-place stores do not: the header also shows that 16-byte figure.
 """
 from __future__ import annotations
 
@@ -29,7 +32,6 @@ import platform
 import statistics
 import tempfile
 import time
-
 
 import psutil
 import torch
