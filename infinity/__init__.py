@@ -31,6 +31,8 @@ _LAZY = {
     "stats": "infinity.telemetry",
     "save_checkpoint": "infinity.checkpoint",
     "load_checkpoint": "infinity.checkpoint",
+    "TiledLinear": "infinity.tiling",
+    "TiledEmbedding": "infinity.tiling",
 }
 
 

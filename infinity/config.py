@@ -209,7 +209,8 @@ class TilingConfig(Section):
     """Replace large linear layers by tiled equivalents inside `infinity.Init`."""
 
     threshold: Numel = 2**30
-    """Linear layers whose weight has more elements than this are tiled."""
+    """`nn.Linear` and `nn.Embedding` layers whose weight has more elements than this are tiled
+    (applies only when `modules` is empty)."""
 
     tiles: int = 0
     """Tiles per tiled layer; 0 picks the fewest tiles that keep each at most `max_tile_bytes`."""
@@ -218,8 +219,9 @@ class TilingConfig(Section):
     """Largest tile, in bytes, when `tiles` is 0."""
 
     modules: Patterns = ()
-    """Tile only modules whose qualified name matches one of these fnmatch patterns (for example
-    "blocks.*.mlp.*"); empty means every linear layer above `threshold`."""
+    """Tile exactly the `nn.Linear` / `nn.Embedding` layers whose qualified name matches one of
+    these fnmatch patterns (for example "blocks.*.mlp.*"), whatever their size; layers tied to a
+    chosen one come along. Empty means every such layer above `threshold`."""
 
     def _check(self) -> None:
         self._at_least("threshold", 1)
