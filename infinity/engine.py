@@ -169,13 +169,15 @@ class Engine:
                                  self.config.partition.sub_group_size)
         for g, start in zip(self.coordinator.groups, self.layout.group_starts):
             g.flat_offset = start
-        self.store = OptimizerStateStore(self.tiers.optimizer, self.layout, self.tiers.allocator)
+        self.store = OptimizerStateStore(self.tiers.optimizer, self.layout, self.tiers.allocator,
+                                         defer_states=True)
         for g in self.coordinator.groups:
             key = self._master_keys.pop(g)
             shard = torch.empty(g.shard_numel, dtype=torch.float32)
             self.tiers.optimizer.read(key, shard).wait()
             self.tiers.optimizer.free(key)
             self.store.write_master_shard(g.index, shard)
+        self.store.allocate_states()
         self.reducer.store = self.store
         self.reducer.index()
         params = [s.param for g in self.coordinator.groups for s in g.slots]
@@ -443,8 +445,10 @@ class _LazyStaging:
     [Note: staging buffers]
     Direct (O_DIRECT) reads need page-aligned destinations. The pool is created at the
     first fetch after construction, with DEMAND_STAGING_BUFFERS buffers as large as the
-    largest shard (one being read, one being gathered, one spare), and reused for the
-    rest of training: no allocation on the hot path. Reads issued ahead by the
+    largest shard but no larger than ``tiers.pool_buffer_size`` (one being read, one being
+    gathered, one spare), and reused for the rest of training: no allocation on the hot
+    path. Shards larger than a buffer (a big embedding) are read through the tier's own
+    pool into ordinary memory, so these buffers do not grow with the model's width. Reads issued ahead by the
     prefetcher land in their own arena of ``prefetch.nvme_bytes`` (staging_arena.py).
     """
 
@@ -457,7 +461,8 @@ class _LazyStaging:
             from tiers.pool import BufferPool
 
             groups = self.engine.coordinator.groups
-            size = max((g.shard_nbytes for g in groups), default=4096)
+            largest = max((g.shard_nbytes for g in groups), default=4096)
+            size = min(largest, self.engine.config.tiers.pool_buffer_size)
             self._pool = BufferPool(size, DEMAND_STAGING_BUFFERS, self.engine.tiers.allocator,
                                     name="param-staging")
         return self._pool

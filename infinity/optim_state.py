@@ -92,29 +92,45 @@ class OptimizerStateStore:
         ``tiers.HostAllocator`` for the NVMe streaming buffers.
     """
 
-    def __init__(self, tier, layout: FlatLayout, allocator=None) -> None:
+    def __init__(self, tier, layout: FlatLayout, allocator=None, *, defer_states: bool = False) -> None:
         self.tier = tier
         self.layout = layout
         self.in_place = hasattr(tier, "view")
         # Where gradient shards must arrive: the tier's device for in-place tiers, else the host.
         self.device = getattr(tier, "device", torch.device("cpu"))
-        self.keys = {s: [tier.allocate(n * _F32, tag=f"{s}:sub{i}")
-                         for i, (_, n) in enumerate(layout.sub_ranges)] for s in STATES}
+        self.keys = {"master": self._allocate("master")}
         self.moments_initialized = False
         self.grad_written: set[int] = set()
         self.grad_norm_sq_cache: float | None = 0.0
         self.backward_count = 0
         self._pending_writes: list = []
-        if self.in_place:
-            for s in ("exp_avg", "exp_avg_sq", "grad"):
-                for i in range(layout.num_subs):
-                    self.view(s, i).zero_()
-            self.moments_initialized = True
-            self._buffers = None
-        else:
+        self._buffers = None
+        if not self.in_place:
             n = layout.sub_group_size
             self._buffers = [{s: allocator.empty(n * _F32).view(torch.float32) for s in STATES}
                              for _ in range(2)]
+        if not defer_states:
+            self.allocate_states()
+
+    def _allocate(self, state: str) -> list[int]:
+        return [self.tier.allocate(n * _F32, tag=f"{state}:sub{i}")
+                for i, (_, n) in enumerate(self.layout.sub_ranges)]
+
+    def allocate_states(self) -> None:
+        """Allocate Adam's moments and the gradient accumulator (zero on in-place tiers).
+
+        [Note: allocation order] The engine allocates the master weights first, moves the
+        initial masters in and frees their temporary keys, and only then calls this: the
+        freed space is reused for the moments instead of leaving holes the size of the
+        masters in the swap files.
+        """
+        for s in ("exp_avg", "exp_avg_sq", "grad"):
+            self.keys[s] = self._allocate(s)
+        if self.in_place:
+            for s in ("exp_avg", "exp_avg_sq", "grad"):
+                for i in range(self.layout.num_subs):
+                    self.view(s, i).zero_()
+            self.moments_initialized = True
 
     # -- access ---------------------------------------------------------------------------------
     def view(self, state: str, sub: int) -> torch.Tensor:

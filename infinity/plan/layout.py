@@ -15,7 +15,7 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   next is read). A sub-group is ``partition.sub_group_size`` elements rounded up to the shard
   alignment, but never more than the rank's whole shard (``infinity/optim_state.py``).
 * when params are on NVMe: aligned host staging buffers demand reads land in (3 buffers of the
-  largest shard, ``infinity/engine.py``, [Note: staging buffers]) and, when prefetching, the
+  largest shard, at most ``tiers.pool_buffer_size`` each, ``infinity/engine.py``, [Note: staging buffers]) and, when prefetching, the
   arena reads issued ahead land in (``prefetch.nvme_bytes``, ``infinity/staging_arena.py``).
 * on the compute device: the largest group gathered whole (its padded flat buffer, compute
   dtype); in backward the largest trainable group's flat fp32 gradient buffer before its
@@ -146,7 +146,8 @@ class Layout:
             yield PlanRow("optimizer_subgroup_buffers", f"optimizer sub-group buffers (2 sets x "
                           f"4 fp32 x {sub:,} elements)", "host", 2 * 4 * FP32_BYTES * sub)
         if self.params_tier == "nvme" and self.structured:
-            size = round_up(self.largest_shard * pb, NVME_ALIGN_BYTES)
+            size = min(round_up(self.largest_shard * pb, NVME_ALIGN_BYTES),
+                       int(cfg.tiers.pool_buffer_size))
             yield PlanRow("nvme_staging", f"NVMe demand-read staging ({STAGING_BUFFERS} x "
                           f"{size / 2**20:.3g} MiB)", "host", STAGING_BUFFERS * size)
         if self.params_tier == "nvme" and (cfg.prefetch.enabled or not self.structured):
