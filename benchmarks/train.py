@@ -159,8 +159,13 @@ def plot(rows: list[dict], path: str) -> None:
         xs = [p[0] for p in pts]
         ax1.plot(xs, [p[1] for p in pts], marker="o", label=config)
         ax2.plot(xs, [p[2] / 2**30 for p in pts], marker="o", label=config)
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     for ax, label in ((ax1, "step time (s)"), (ax2, "peak host RSS (GiB)")):
         ax.set_xscale("log")
+        ax.set_xticks(sorted({r["n_params"] for r in rows if not r.get("error")}))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _params(int(v))))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("parameters")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
