@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed-width", type=int, default=None,
                    help="keep d_model fixed and grow only the depth (default: GPT-3-like, both grow)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--disk-bytes-per-param", type=float, default=24.0,
+    p.add_argument("--disk-bytes-per-param", type=float, default=21.0,
                    help="NVMe bytes per parameter assumed before the first size is measured")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per size before it is killed")
     p.add_argument("--log", default=None, help="append each run's output (progress lines) to this file")
