@@ -234,12 +234,14 @@ class Engine:
         for root in roots:
             for qualname, module in root.named_modules(remove_duplicate=False):
                 groups = []
-                for _, p in module.named_parameters(recurse=False):
+                for pname, p in module.named_parameters(recurse=False):
                     g = self.coordinator.group_of.get(p)
                     if g is None:
+                        # partition_module shards every other parameter, so only meta ones get here.
                         raise EngineError(
-                            f"module {qualname or type(root).__name__!r} has a parameter infinity does not "
-                            "manage (added after infinity.Init exited?); build the whole model inside Init")
+                            f"module {qualname or type(root).__name__!r} has parameter {pname!r} on the "
+                            f"{p.device.type} device, which infinity cannot shard; build the model on a real "
+                            "device inside infinity.Init, or give the parameter values before the context exits")
                     if g not in groups:
                         groups.append(g)
                     named.setdefault(g, qualname or type(root).__name__)

@@ -65,8 +65,10 @@ def install_hooks(root: nn.Module, lifecycle, params) -> HookHandles:
     for module in root.modules():
         handles.append(module.register_forward_pre_hook(
             lambda m, args: lifecycle.pre_forward(m), prepend=True))
+        # always_call: a forward that raises still releases what its pre-hook acquired; a
+        # group left in use would stay gathered and never be refreshed by an optimizer step.
         handles.append(module.register_forward_hook(
-            lambda m, args, out: lifecycle.post_forward(m, out)))
+            lambda m, args, out: lifecycle.post_forward(m, out), always_call=True))
     for p in params:
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(_GradHook(lifecycle)))

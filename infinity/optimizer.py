@@ -72,6 +72,12 @@ class _OffloadAdam(torch.optim.Optimizer):
             raise ValueError(f"{self._name}: betas must be in [0, 1), got {betas}")
         if not eps > 0.0:
             raise ValueError(f"{self._name}: eps must be > 0, got {eps}")
+        for name, p in model.named_parameters():
+            if p not in engine.coordinator.group_of:
+                raise EngineError(
+                    f"{self._name}: parameter {name!r} of {type(model).__name__} is not managed by infinity "
+                    "(added after infinity.Init exited?), so it would never be updated; build the whole "
+                    "model inside infinity.Init")
         params = [s.param for g in engine.coordinator.groups for s in g.slots if s.param.requires_grad]
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.engine = engine
@@ -412,10 +418,16 @@ class _OffloadAdam(torch.optim.Optimizer):
         got = state_dict.get("shard_numels")
         want = [g.shard_numel for g in groups]
         if got != want or state_dict.get("world_size") != self.engine.ranks.world_size:
+            differ = ""
+            if got is not None and len(got) == len(want) and got != want:
+                i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+                differ = (f"; group {i} ({groups[i].name!r}) has {want[i]} elements per shard here, "
+                          f"{got[i]} in the state")
             raise EngineError(
                 f"{self._name}.load_state_dict: the state was saved with world size "
                 f"{state_dict.get('world_size')} and {len(got or [])} groups; this model has world size "
-                f"{self.engine.ranks.world_size} and {len(want)} groups (use infinity.load_checkpoint to reshard)")
+                f"{self.engine.ranks.world_size} and {len(want)} groups{differ} "
+                "(use infinity.load_checkpoint to reshard)")
         self.synchronize()
         for hp_key, value in state_dict["param_groups"][0].items():
             self.param_groups[0][hp_key] = value

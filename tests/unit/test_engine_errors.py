@@ -100,3 +100,129 @@ def test_swap_directory_is_released_with_the_model(tmp_path):
         opt.step()
         del model, opt
         gc.collect()
+
+
+# -- unsupported use of Init and of the optimizer: one test per error ---------------------------
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, x, hook=None):
+        h = self.a(x)
+        if hook is not None:
+            h.register_hook(hook)
+        return self.b(h).sum()
+
+
+def test_nested_init_is_refused():
+    with pytest.raises(RuntimeError, match="infinity.Init is already active; nested Init contexts are not supported"):
+        with infinity.Init({}):
+            nn.Linear(4, 4)
+            with infinity.Init({}):
+                nn.Linear(4, 4)
+    assert not getattr(nn.Linear.__init__, "_infinity_init", False)
+    assert nn.Linear(3, 2).weight.shape == (2, 3)
+
+
+def test_init_that_builds_no_parameters():
+    with pytest.raises(RuntimeError, match="infinity.Init: no module with parameters was built inside the context"):
+        with infinity.Init({}):
+            nn.ReLU()
+
+
+def test_meta_parameter_left_at_init_exit():
+    with pytest.raises(EngineError, match="module 'Linear' has parameter 'weight' on the meta device"):
+        with infinity.Init({}):
+            nn.Linear(4, 4, device="meta")
+
+
+@pytest.mark.parametrize("second", ["AdamW", "Adam"])
+def test_second_optimizer_over_one_model(second):
+    with infinity.Init({}):
+        model = nn.Linear(4, 4)
+    infinity.AdamW(model)
+    with pytest.raises(EngineError, match=rf"infinity\.{second}: this model already has an infinity optimizer"):
+        getattr(infinity, second)(model)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr=-1.0), r"infinity\.AdamW: lr must be >= 0, got -1\.0"),
+    (dict(betas=(0.9, 1.0)), r"infinity\.AdamW: betas must be in \[0, 1\), got \(0\.9, 1\.0\)"),
+    (dict(eps=0.0), r"infinity\.AdamW: eps must be > 0, got 0\.0"),
+])
+def test_bad_optimizer_hyperparameters(kwargs, message):
+    with infinity.Init({}):
+        model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=message):
+        infinity.AdamW(model, **kwargs)
+    infinity.AdamW(model)   # the refused optimizer did not claim the model
+
+
+def test_optimizer_given_parameters_instead_of_the_model():
+    with infinity.Init({}):
+        model = nn.Linear(4, 4)
+    with pytest.raises(NotManagedError, match="infinity.AdamW: expected the nn.Module built inside infinity.Init, "
+                                              "got generator"):
+        infinity.AdamW(model.parameters())
+
+
+@pytest.mark.parametrize("add, name", [
+    (lambda m: m.register_parameter("extra", nn.Parameter(torch.ones(4))), "extra"),
+    (lambda m: m.add_module("adapter", nn.Linear(4, 4)), "adapter.weight"),
+], ids=["parameter", "module"])
+def test_parameter_added_after_init(add, name):
+    with infinity.Init({}):
+        model = nn.Linear(4, 4)
+    add(model)
+    with pytest.raises(EngineError, match=rf"infinity\.AdamW: parameter '{name}' of Linear is not managed by "
+                                          r"infinity \(added after infinity\.Init exited\?\)"):
+        infinity.AdamW(model)
+
+
+def test_step_with_closure():
+    with infinity.Init({}):
+        model = _TwoLayers()
+    opt = infinity.AdamW(model)
+    model(torch.randn(2, 4)).backward()
+    with pytest.raises(EngineError, match="infinity.AdamW.step: closures are not supported with offloaded states"):
+        opt.step(lambda: 0.0)
+
+
+def test_step_during_backward():
+    with infinity.Init({}):
+        model = _TwoLayers()
+    opt = infinity.AdamW(model)
+    loss = model(torch.randn(2, 4), hook=lambda grad: opt.step())   # runs when h's gradient is computed
+    with pytest.raises(EngineError, match=r"infinity\.AdamW\.step\(\) called while a backward pass is still running"):
+        loss.backward()
+
+
+def test_clip_grad_norm_before_the_optimizer_exists():
+    with infinity.Init({}):
+        model = _TwoLayers()
+    model(torch.randn(2, 4)).backward()
+    with pytest.raises(EngineError, match="infinity.clip_grad_norm_: create the infinity optimizer for this "
+                                          "model first"):
+        infinity.clip_grad_norm_(model, 1.0)
+
+
+@pytest.mark.parametrize("other, message", [
+    # One group more: the counts differ.
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+     r"the state was saved with world size 1 and 1 groups; this model has world size 1 and 2 groups"),
+    # As many groups, a wider one: 3001 elements pad to two 2048-element blocks, 20 to one.
+    (lambda: nn.Linear(3000, 1),
+     r"the state was saved with world size 1 and 1 groups; this model has world size 1 and 1 groups; "
+     r"group 0 \('Linear'\) has 4096 elements per shard here, 2048 in the state"),
+], ids=["more-groups", "wider-group"])
+def test_optimizer_state_of_another_model(other, message):
+    with infinity.Init({}):
+        model = nn.Linear(4, 4)
+    state = infinity.AdamW(model).state_dict()
+    with infinity.Init({}):
+        different = other()
+    with pytest.raises(EngineError, match=r"infinity\.AdamW\.load_state_dict: " + message):
+        infinity.AdamW(different).load_state_dict(state)
