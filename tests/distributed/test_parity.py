@@ -85,7 +85,5 @@ def test_parity_one_rank_without_distributed(tmp_path):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_parity_spawned_ranks(tmp_path, world):
-    combos = COMBOS if world == 2 else [c for c in COMBOS if c[0] != "device"]
-    steps = STEPS if world == 2 else 8
-    results = run_ranks(_all_combos, world, tmp_path, combos, steps)
-    _check(results, combos)
+    results = run_ranks(_all_combos, world, tmp_path, COMBOS, STEPS)
+    _check(results, COMBOS)
