@@ -16,9 +16,21 @@ only to say whose it was; then it is removed (``stale="remove"``, with a warning
 refused (``stale="refuse"``, :class:`StaleSwapFileError`). A corrupted header is
 reported as such and treated the same way. While running, :meth:`SwapFile.diagnose`
 explains I/O errors: the file removed, replaced, truncated, or its header overwritten.
+
+[Note: disk blocks follow the live slots]
+A freed slot inside the file (not at its end) has its blocks handed back to the
+filesystem with ``fallocate(PUNCH_HOLE)``, and a slot that reuses a hole reserves its
+blocks again with ``posix_fallocate`` before any data moves. So the disk holds the
+bytes of the live keys (plus the header), not the file's high-water mark: a model
+whose construction frees temporary keys in the middle of the file (the initial
+masters) does not keep their blocks, which at the scale of a disk-sized model is
+the difference between fitting and ENOSPC. Filesystems that cannot punch holes keep
+the old behaviour (holes are reused, blocks stay allocated).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import json
@@ -37,6 +49,23 @@ from tiers.freelist import FreeList
 _MAGIC = b"INFINITY-SWAP-1\n"
 _HEADER_NBYTES = ALIGNMENT
 _STALE_CHOICES = ("remove", "refuse")
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def _libc_fallocate():
+    """libc's ``fallocate(fd, mode, offset, len)`` (Linux), or None where there is none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_fallocate = _libc_fallocate()
 
 
 class SwapDirectoryError(OSError):
@@ -102,6 +131,7 @@ class SwapFile:
         self.tier_name = tier_name
         self.run_id = run_id
         self._lock = threading.Lock()
+        self._can_punch = _fallocate is not None
         self._lock_fd = self._take_lock()
         try:
             self._clear_stale(stale)
@@ -190,9 +220,10 @@ class SwapFile:
         with self._lock:
             old_end = self._slots.end
             offset = self._slots.allocate(nbytes)
-            if self._slots.end > old_end:
+            size = self._slots.round_up(nbytes)
+            if offset < old_end or self._slots.end > old_end:
                 try:
-                    self._grow(old_end, self._slots.end)
+                    self._reserve(offset, size, old_end)
                 except OSError as exc:
                     self._slots.release(offset, nbytes)
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -205,24 +236,41 @@ class SwapFile:
                                   self.path) from exc
             return offset
 
-    def _grow(self, old_end: int, new_end: int) -> None:
+    def _reserve(self, offset: int, size: int, old_end: int) -> None:
         # posix_fallocate reserves the blocks now, so a full disk fails here, before any
         # data moves, rather than in the middle of a write; reads of reserved but unwritten
-        # blocks return zeros. Filesystems without fallocate get a sparse file instead.
+        # blocks return zeros. A slot reusing a hole reserves it again: its blocks may have
+        # been punched (see [Note: disk blocks follow the live slots]). Filesystems without
+        # fallocate get a sparse file instead.
         try:
-            os.posix_fallocate(self.file.fd, old_end, new_end - old_end)
+            os.posix_fallocate(self.file.fd, offset, size)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise
-            os.ftruncate(self.file.fd, new_end)
+            if offset + size > old_end:
+                os.ftruncate(self.file.fd, offset + size)
 
     def release(self, offset: int, nbytes: int) -> None:
-        """Return a slot; when the end of the file frees up, the file shrinks."""
+        """Return a slot: at the end of the file the file shrinks, inside it the blocks are punched out."""
         with self._lock:
             old_end = self._slots.end
             self._slots.release(offset, nbytes)
             if self._slots.end < old_end:
                 os.ftruncate(self.file.fd, self._slots.end)
+            else:
+                self._punch(offset, self._slots.round_up(nbytes))
+
+    def _punch(self, offset: int, size: int) -> None:
+        if not self._can_punch:
+            return
+        mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+        if _fallocate(self.file.fd, mode, offset, size) != 0:
+            err = ctypes.get_errno()
+            if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                self._can_punch = False   # this filesystem keeps freed blocks; holes are still reused
+                return
+            raise OSError(err, f"cannot free the blocks of a released slot at offset {offset}: "
+                               f"{os.strerror(err)}", self.path)
 
     def disk_free(self) -> int:
         """Free bytes on this directory's filesystem."""
