@@ -3,9 +3,14 @@
 [Note: where each byte lives]
 Following shared/DESIGN.md ("Where each byte lives") and the engine's allocations, per rank:
 
-* compute copy of each group's shard, ``precision.dtype``, in ``tiers.params``. In fp32 with
-  params and optimizer in the same tier it *is* the master weight: the design keeps one copy,
-  counted once, under the master.
+* compute copy of each group's shard, ``precision.dtype``, in ``tiers.params``. The engine
+  stores it apart from the fp32 master even in fp32 with params and optimizer in the same tier
+  (shared/DESIGN.md would keep one copy there; until the engine does, the plan counts what is
+  stored, so its fit check never promises room the run will not find).
+* with delayed parameter update (``dpu.enabled``): a second fp32 gradient accumulator in
+  ``tiers.optimizer`` and a second compute copy of every trainable group in ``tiers.params``
+  (the background step writes them while the next iteration uses the published set,
+  ``infinity/dpu.py``).
 * fp32 master, Adam m and v, fp32 gradient accumulator of the trainable shards:
   ``tiers.optimizer``.
 * when anything is on NVMe: the I/O buffer pool (``tiers.pool_buffers`` x
@@ -34,7 +39,7 @@ shared/DESIGN.md, one micro-batch per step, steady state: compute copies are rea
 again in backward (persistent groups once: they are re-gathered after the update only); gradients
 are written as they are reduce-scattered; one pass over the optimizer's sub-groups reads master,
 m, v and gradient and writes master, m, v and the new compute copy (frozen groups are not
-rewritten; with a shared fp32 copy the master write is the compute copy).
+rewritten).
 """
 from __future__ import annotations
 
@@ -81,9 +86,8 @@ class Layout:
         self.structured = census.structured
         self.params_tier = cfg.tiers.params
         self.opt_tier = cfg.tiers.optimizer
-        self.shared = param_bytes == FP32_BYTES and self.params_tier == self.opt_tier
         threshold = int(cfg.partition.persistence_threshold)
-        copy_bytes = FP32_BYTES if self.shared else param_bytes
+        copy_bytes = param_bytes
         self.shard_numel = 0
         self.trainable_numel = 0
         self.persistent_padded_numel = 0
@@ -123,19 +127,21 @@ class Layout:
         from infinity.plan.planner import PlanRow
 
         cfg, pb, dtype = self.cfg, self.pb, self.cfg.precision.dtype
-        if self.shared:
-            yield PlanRow("compute_copy", "compute copy of params (float32): shared with the "
-                          "fp32 master", self.params_tier, 0)
-        else:
-            nbytes = self.compute_nvme if self.params_tier == "nvme" else self.shard_numel * pb
-            yield PlanRow("compute_copy", f"compute copy of params ({dtype}, "
-                          f"{self.shard_numel:,} elements)", self.params_tier, nbytes)
+        nbytes = self.compute_nvme if self.params_tier == "nvme" else self.shard_numel * pb
+        yield PlanRow("compute_copy", f"compute copy of params ({dtype}, "
+                      f"{self.shard_numel:,} elements)", self.params_tier, nbytes)
         t = self.trainable_numel
         yield PlanRow("master", f"fp32 master params ({t:,} trainable elements)", self.opt_tier,
                       FP32_BYTES * t)
         yield PlanRow("adam_moments", "Adam m and v (fp32)", self.opt_tier, 2 * FP32_BYTES * t)
         yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier,
                       FP32_BYTES * t)
+        if cfg.dpu.enabled and t:
+            yield PlanRow("dpu_grad_accumulator", "second fp32 gradient accumulator (DPU)",
+                          self.opt_tier, FP32_BYTES * t)
+            spare = self.rewrite_nvme if self.params_tier == "nvme" else t * pb
+            yield PlanRow("dpu_compute_copy", f"second compute copy of trainable params ({dtype}, "
+                          "DPU)", self.params_tier, spare)
         if self.uses_nvme:
             count, size = int(cfg.tiers.pool_buffers), int(cfg.tiers.pool_buffer_size)
             yield PlanRow("pool_buffers", f"NVMe I/O buffer pool ({count} x "
@@ -182,6 +188,6 @@ class Layout:
         if self.opt_tier == "nvme":
             total += FP32_BYTES * self.trainable_numel  # gradients, as reduce-scattered
             total += 3 * FP32_BYTES * self.trainable_numel  # master, m, v
-        if self.params_tier == "nvme" and not self.shared:
+        if self.params_tier == "nvme":
             total += self.rewrite_nvme
         return total

@@ -67,21 +67,22 @@ def test_host_params_nvme_optimizer_bf16(tmp_path):
     assert p.step_time_lower_bound_s == pytest.approx(2 * (327_680 / 1e9 + 327_680 / 2e9))
 
 
-def test_everything_on_nvme_fp32_shares_compute_copy_with_master(tmp_path):
+def test_everything_on_nvme_fp32_stores_the_compute_copy_apart_from_the_master(tmp_path):
     cfg = {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}}
     p = plan(Tiny(), cfg, world_size=2, check_fit=False)
     rows = _rows(p)
-    assert rows["compute_copy"] == ("nvme", 0)
+    # Shards of fc1 (16,384), norm (2,048) and fc2 (2,048) elements, fp32, as the engine stores them.
+    assert rows["compute_copy"] == ("nvme", 81_920)
     assert rows["master"] == ("nvme", 4 * 20_480)
     # Demand staging: 3 buffers of the largest shard (fc1 16,384 x 4 B = 64 KiB), and the
     # read-ahead arena of prefetch.nvme_bytes (256 MiB by default).
     assert rows["nvme_staging"] == ("host", 3 * 65_536)
     assert rows["prefetch_arena"] == ("host", 256 * MiB)
     assert rows["working_set"] == ("device", 4 * 32_768)
-    # Forward and backward read the fp32 copy (= master): 2 x 81,920; then the optimizer pass.
+    # Forward and backward read the compute copy: 2 x 81,920; then the optimizer pass.
     assert p.nvme_read_bytes == 2 * 81_920 + 16 * 20_480
-    # The master write is the compute copy: no separate compute-copy write.
-    assert p.nvme_write_bytes == 16 * 20_480
+    # Gradients, master, m, v, and the new compute copy.
+    assert p.nvme_write_bytes == 16 * 20_480 + 81_920
     assert p.step_time_lower_bound_s is None
 
 
