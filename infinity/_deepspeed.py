@@ -161,9 +161,14 @@ def _zero(t: _Translation, data: Mapping[str, Any]) -> None:
     pins: dict[str, object] = {}
     handled = {"offload_param", "offload_optimizer"}
     _offload(t, zero, "param", nvme_paths, pins)
+    param_paths = list(nvme_paths)
     _offload(t, zero, "optimizer", nvme_paths, pins)
     if nvme_paths:
         t.put("tiers.nvme_path", t.origin["tiers.nvme_path"], nvme_paths)
+    if param_paths and param_paths != nvme_paths:
+        t.skip("zero_optimization.offload_param.nvme_path and zero_optimization.offload_optimizer.nvme_path",
+               "differ; infinity has one tiers.nvme_path for every state: both kept, and parameters and "
+               f"optimizer states are striped over all of {nvme_paths}")
     if pins:
         values = set(pins.values())
         if len(values) > 1:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import tomllib
 
 import pytest
 
+from infinity import _toml
 from infinity.cli import bench
 from infinity.cli import bench_nvme as nv
 from tiers import aio
@@ -33,7 +33,7 @@ def test_smoke_run_writes_json_config_and_plot(tmp_path, capsys) -> None:
     assert len(ours) == 2 * len(engines)  # one write and one read per engine
     assert all(s["nbytes"] == 8 << 20 and s["gb_per_s"] > 0 and s["cpu_s_per_gb"] >= 0 for s in ours)
     assert record["machine"]["engines"] == engines and record["machine"]["kernel"]
-    section = tomllib.loads(out_toml.read_text())["aio"]
+    section = _toml.loads(out_toml.read_text())["aio"]
     assert set(section) == {"block_size", "queue_depth", "threads", "engine", "direct"}
     assert section["engine"] in engines and section["direct"] is True
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -130,3 +130,15 @@ def test_errors_name_the_deepspeed_key(tmp_path):
         from_deepspeed({"zero_optimization": 3})
     with pytest.raises(ConfigError, match=r"ds.json: no such file$"):
         from_deepspeed(tmp_path / "ds.json")
+
+
+def test_different_param_and_optimizer_nvme_paths_are_kept_and_reported():
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme0"},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme1"}}
+    cfg, skipped = from_deepspeed({"zero_optimization": zero})
+    assert cfg.tiers.nvme_path == ("/nvme0", "/nvme1")
+    assert skipped == ["zero_optimization.offload_param.nvme_path and zero_optimization.offload_optimizer."
+                       "nvme_path: differ; infinity has one tiers.nvme_path for every state: both kept, and "
+                       "parameters and optimizer states are striped over all of ['/nvme0', '/nvme1']"]
+    zero["offload_optimizer"]["nvme_path"] = "/nvme0"
+    assert from_deepspeed({"zero_optimization": zero})[1] == []
