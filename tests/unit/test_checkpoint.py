@@ -436,7 +436,7 @@ def test_benchmark_smoke(tmp_path, capsys):
     from benchmarks.checkpoint import main
 
     out = tmp_path / "bench.json"
-    assert main(["--path", str(tmp_path), "--numel", "300000", "--layers", "2", "--repeats", "1",
+    assert main(["--path", str(tmp_path), "--numel", "3000000", "--layers", "2", "--repeats", "1",
                  "--buffer-size", "256KiB", "--pool-buffer-size", "256KiB", "--aio-engine", "threads",
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -444,5 +444,7 @@ def test_benchmark_smoke(tmp_path, capsys):
     record = json.loads(out.read_text())
     sample = record["samples"][0]
     assert record["settings"]["checkpoint_nbytes"] > 0 and sample["save_s"] > 0 and sample["load_s"] > 0
-    assert sample["save_rss_peak"] >= sample["save_rss_before"]
+    # Streaming holds the checkpoint's buffers (3 x 256 KiB here, 0.8 MiB measured), not the 48 MB
+    # of states: a save that gathered them would pass 16 MiB.
+    assert 0 <= sample["save_rss_peak"] - sample["save_rss_before"] <= 16 << 20
     assert os.listdir(tmp_path) == ["bench.json"]          # swap files and checkpoints removed

@@ -98,8 +98,11 @@ def test_swap_directory_is_released_with_the_model(tmp_path):
         opt = infinity.AdamW(model)
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
+        assert list(tmp_path.rglob("*.swap"))
         del model, opt
         gc.collect()
+        # A clean close deletes the swap files; the second turn takes the same directory's lock.
+        assert not list(tmp_path.rglob("*.swap"))
 
 
 # -- unsupported use of Init and of the optimizer: one test per error ---------------------------

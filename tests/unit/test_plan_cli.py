@@ -106,7 +106,9 @@ def test_model_command_text_and_json(capsys, tmp_path, model_module):
     code = main(["model", "--model", f"{model_module}:build", "--config", str(config),
                  "--ranks", "2", "--bench-json", str(bench)])
     text = capsys.readouterr().out
-    assert code in (0, 1)  # 1 only if this machine is short of memory or disk
+    # ~1 GiB of host buffers and a few MiB of disk: it fits any machine that runs this suite.
+    assert code == 0, text
+    assert "Fits this machine" in text and "NO:" not in text
     assert f"Plan for {model_module}:build: 30,900" in text
     assert "GiB = 2^30 bytes" in text and "Step time lower bound from NVMe:" in text
     assert "read 1.60 GB/s, write 3.20 GB/s" in text
