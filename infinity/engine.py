@@ -281,6 +281,7 @@ class Engine:
     # -- the forward / backward lifecycle (called by the hooks) ------------------------------
     def pre_forward(self, module: nn.Module) -> None:
         if not self._stack:
+            self.recover_aborted_backward()
             self._begin_forward(module)
         self._stack.append(module)
         self.coordinator.acquire(module)
@@ -344,6 +345,24 @@ class Engine:
         if self.optimizer is not None:
             self.optimizer._before_grad()
         self.reducer.on_grad(param)
+
+    def recover_aborted_backward(self) -> None:
+        """Close a backward that an exception cut short.
+
+        [Note: aborted backward]
+        The end of a backward runs from a callback queued on autograd's engine, and autograd
+        drops queued callbacks when a hook raises (an error in the model's backward, or a
+        refused ``opt.step()`` called from a hook). Without this the engine would believe that
+        backward still runs and refuse every later ``step()``. ``step()``, ``zero_grad()`` and
+        the start of a forward call this: when autograd runs no graph task at all (not merely
+        another one: a reentrant checkpoint runs a nested backward inside ours), the backward
+        is over, and the end-of-backward work runs now: the gradients that had arrived are
+        reduced and kept, as ``torch`` keeps the ``.grad`` a cut-short backward accumulated,
+        and the groups held for backward are released. ``zero_grad()`` then drops them, as it
+        would in plain PyTorch.
+        """
+        if self._backward_active and torch._C._current_graph_task_id() == -1:
+            self._end_backward()
 
     def _end_backward(self) -> None:
         self.reducer.finish_backward()

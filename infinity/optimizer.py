@@ -124,6 +124,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             raise EngineError(f"{self._name}.step: closures are not supported with offloaded states")
         engine = self.engine
+        engine.recover_aborted_backward()
         if engine.reducer.pending() or engine._backward_active:
             raise EngineError(f"{self._name}.step() called while a backward pass is still running")
         if not self.store.has_grad:
@@ -372,6 +373,7 @@ class _OffloadAdam(torch.optim.Optimizer):
 
         Does not wait for a background step: that step reads its own gradient buffer.
         """
+        self.engine.recover_aborted_backward()
         self.store.zero_grad()
         self.engine.reducer.nonfinite = False
         self._clip_coef = None

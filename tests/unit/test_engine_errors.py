@@ -201,6 +201,24 @@ def test_step_during_backward():
     loss = model(torch.randn(2, 4), hook=lambda grad: opt.step())   # runs when h's gradient is computed
     with pytest.raises(EngineError, match=r"infinity\.AdamW\.step\(\) called while a backward pass is still running"):
         loss.backward()
+    # The refused step cut the backward short; the model trains on afterwards, as plain PyTorch would.
+    opt.zero_grad()
+    torch.manual_seed(0)
+    ref = _TwoLayers()
+    with infinity.gathered(model):
+        ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters())
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with infinity.gathered(model):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
 def test_clip_grad_norm_before_the_optimizer_exists():
