@@ -220,20 +220,19 @@ class SwapFile:
         with self._lock:
             old_end = self._slots.end
             offset = self._slots.allocate(nbytes)
-            size = self._slots.round_up(nbytes)
-            if offset < old_end or self._slots.end > old_end:
-                try:
-                    self._reserve(offset, size, old_end)
-                except OSError as exc:
-                    self._slots.release(offset, nbytes)
-                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise NVMeSpaceError(
-                            f"no space left on nvme_path {self.directory} for {what} "
-                            f"({format_nbytes(nbytes)}): {format_nbytes(self.disk_free())} free. Nothing "
-                            "was written; existing keys are intact. Free space or add another nvme_path"
-                        ) from exc
-                    raise OSError(exc.errno, f"cannot grow swap file for {what}: {exc.strerror}",
-                                  self.path) from exc
+            # A reused hole (its blocks maybe punched out) or new blocks at the end: reserve either way.
+            try:
+                self._reserve(offset, self._slots.round_up(nbytes), old_end)
+            except OSError as exc:
+                self._slots.release(offset, nbytes)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise NVMeSpaceError(
+                        f"no space left on nvme_path {self.directory} for {what} "
+                        f"({format_nbytes(nbytes)}): {format_nbytes(self.disk_free())} free. Nothing "
+                        "was written; existing keys are intact. Free space or add another nvme_path"
+                    ) from exc
+                raise OSError(exc.errno, f"cannot reserve swap file space for {what}: {exc.strerror}",
+                              self.path) from exc
             return offset
 
     def _reserve(self, offset: int, size: int, old_end: int) -> None:
@@ -265,12 +264,14 @@ class SwapFile:
             return
         mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
         if _fallocate(self.file.fd, mode, offset, size) != 0:
+            # The slot is free either way and nothing is lost: only its blocks stay allocated
+            # (the hole is still reused). Stop trying on this file.
             err = ctypes.get_errno()
-            if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                self._can_punch = False   # this filesystem keeps freed blocks; holes are still reused
-                return
-            raise OSError(err, f"cannot free the blocks of a released slot at offset {offset}: "
-                               f"{os.strerror(err)}", self.path)
+            self._can_punch = False
+            if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                warnings.warn(f"swap file {self.path}: cannot give freed blocks back to the filesystem "
+                              f"({os.strerror(err)}); freed slots keep their disk space", RuntimeWarning,
+                              stacklevel=3)
 
     def disk_free(self) -> int:
         """Free bytes on this directory's filesystem."""
