@@ -87,7 +87,6 @@ class Layout:
         self.params_tier = cfg.tiers.params
         self.opt_tier = cfg.tiers.optimizer
         threshold = int(cfg.partition.persistence_threshold)
-        copy_bytes = param_bytes
         self.shard_numel = 0
         self.trainable_numel = 0
         self.persistent_padded_numel = 0
@@ -101,7 +100,7 @@ class Layout:
         for group in census.groups:
             shard = shard_numel(group.numel, world_size)
             padded = shard * world_size
-            on_disk = round_up(shard * copy_bytes, NVME_ALIGN_BYTES)
+            on_disk = round_up(shard * param_bytes, NVME_ALIGN_BYTES)
             persistent = threshold > 0 and group.numel < threshold
             self.shard_numel += shard
             self.compute_nvme += on_disk

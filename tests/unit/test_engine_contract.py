@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import infinity
+from tests.support.parity import train_side_by_side as _train_side_by_side
 
 LR = 1e-2
 WEIGHT_DECAY = 0.01
@@ -38,27 +39,6 @@ def _build(make, cfg):
     with infinity.Init(cfg):
         model = make()
     return model, ref
-
-
-def _train_side_by_side(model, opt, ref, ref_opt, data, after_step=None):
-    """Per-step |loss - reference loss|, and per-parameter max |p - reference p| at the end."""
-    loss_diffs = []
-    for x, y in data:
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss_diffs.append(abs(loss.item() - ref_loss.item()))
-        if after_step is not None:
-            after_step()
-    with infinity.gathered(model):
-        param_diffs = {name: float((p - q).detach().abs().max())
-                       for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
-    return loss_diffs, param_diffs
 
 
 def _assert_parity(loss_diffs, param_diffs):

@@ -1,0 +1,23 @@
+"""Training a model built in ``infinity.Init`` and its plain-PyTorch twin side by side."""
+import infinity
+
+
+def train_side_by_side(model, opt, ref, ref_opt, data, after_step=None):
+    """Per-step |loss - reference loss|, and per-parameter max |p - reference p| at the end."""
+    loss_diffs = []
+    for x, y in data:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_diffs.append(abs(loss.item() - ref_loss.item()))
+        if after_step is not None:
+            after_step()
+    with infinity.gathered(model):
+        param_diffs = {name: float((p - q).detach().abs().max())
+                       for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
+    return loss_diffs, param_diffs
