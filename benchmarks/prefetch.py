@@ -4,8 +4,13 @@ One run builds the same GPT (a few GB of model states) once per mode and trains 
 side by side, one step of each in turn, so the disk's minute-to-minute swings hit every
 mode alike:
 
-- ``prefetch``:     params and optimizer states on NVMe, prefetch on;
-- ``no-prefetch``:  the same, prefetch off (every module waits for its own reads);
+- ``prefetch``:     params and optimizer states on NVMe, prefetch on (and the default
+                    overlapped step: ``opt.step()`` returns at once, each group of the
+                    next forward waits for its own update; results as a synchronous step);
+- ``prefetch-sync``: the same with ``dpu.overlap = false``: the update pass runs inside
+                    ``opt.step()`` (what ``prefetch`` was before the overlapped step), with ``--sync``;
+- ``no-prefetch``:  params and optimizer states on NVMe, prefetch off (every module waits for
+                    its own reads; the overlapped step stays on);
 - ``prefetch+dpu``: the same as ``prefetch`` with delayed parameter update (the optimizer
                     pass of step t runs beside step t+1), when ``--dpu`` is given;
 - ``compute-only``: params and optimizer states in host memory, prefetch off (no I/O);
@@ -49,7 +54,7 @@ from torch import nn  # noqa: E402
 GB = 1e9
 # Run order within a round (reversed every other round): the modes compared with each other
 # run next to each other in time.
-MODES = ("torch", "compute-only", "prefetch", "no-prefetch", "prefetch+dpu")
+MODES = ("torch", "compute-only", "prefetch", "prefetch-sync", "no-prefetch", "prefetch+dpu")
 
 
 class Block(nn.Module):
@@ -121,9 +126,10 @@ class Runner:
             on_nvme = mode != "compute-only"
             cfg = {"tiers": {"params": "nvme" if on_nvme else "host", "optimizer": "nvme" if on_nvme else "host",
                              "nvme_path": path},
-                   "prefetch": {"enabled": mode in ("prefetch", "prefetch+dpu"),
+                   "prefetch": {"enabled": mode in ("prefetch", "prefetch-sync", "prefetch+dpu"),
                                 "nvme_bytes": args.nvme_bytes, "device_bytes": args.device_bytes},
-                   "dpu": {"enabled": mode == "prefetch+dpu", "warmup_steps": 1},
+                   "dpu": {"enabled": mode == "prefetch+dpu", "warmup_steps": 1, "threads": args.dpu_threads,
+                           "overlap": mode != "prefetch-sync"},
                    "partition": {"sub_group_size": args.sub_group_size}}
             with infinity.Init(cfg):
                 self.model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.seq)
@@ -144,13 +150,15 @@ class Runner:
         self.opt.zero_grad()
         t2 = time.perf_counter()
         sample = {"seconds": t2 - t0, "forward_backward": t1 - t0, "optimizer": t2 - t1, "loss": float(loss.detach()),
-                  "stall_seconds": 0.0, "read_wait_seconds": 0.0, "hit_rate": 0.0, "nvme_read": 0,
+                  "stall_seconds": 0.0, "read_wait_seconds": 0.0, "update_wait_seconds": 0.0, "hit_rate": 0.0,
+                  "nvme_read": 0,
                   "nvme_written": 0}
         if self.engine is not None:
             record = self.engine.prefetcher.current_step() or {}
             nvme = record.get("tiers", {}).get("nvme", {})
             sample.update(stall_seconds=record.get("stall_seconds", 0.0),
                           read_wait_seconds=record.get("read_wait_seconds", 0.0),
+                          update_wait_seconds=record.get("update_wait_seconds", 0.0),
                           hit_rate=record.get("hit_rate", 0.0), late=record.get("late", 0),
                           misses=record.get("misses", 0), trace=record.get("trace"),
                           nvme_read=nvme.get("bytes_read", 0), nvme_written=nvme.get("bytes_written", 0))
@@ -255,7 +263,8 @@ def run(args) -> dict:
             results["modes"][mode] = {"build_seconds": runner.build_seconds, "samples": runner.samples,
                                       "median": {k: median([s.get(k) for s in measured])
                                                  for k in ("seconds", "forward_backward", "optimizer",
-                                                           "stall_seconds", "read_wait_seconds", "hit_rate",
+                                                           "stall_seconds", "read_wait_seconds",
+                                                           "update_wait_seconds", "hit_rate",
                                                            "nvme_read", "nvme_written")}}
         summarize(results, args)
         return results
@@ -288,7 +297,7 @@ def summarize(results: dict, args) -> None:
     compute = modes.get("compute-only", {}).get("median", {}).get("seconds")
     out["compute_only_seconds"] = compute
     bounds = [v for v in (compute, out["io_seconds"]) if v is not None]
-    for mode in ("prefetch", "prefetch+dpu"):
+    for mode in ("prefetch", "prefetch-sync", "prefetch+dpu"):
         if mode in modes and bounds:
             out[f"ratio[{mode}]"] = modes[mode]["median"]["seconds"] / max(bounds)
     if "prefetch" in modes and "no-prefetch" in modes:
@@ -309,7 +318,7 @@ def summarize(results: dict, args) -> None:
     bw = {b["round"]: b for b in results["bandwidth"]}
     pre, off, comp = per_round("prefetch"), per_round("no-prefetch"), per_round("compute-only")
     paired = {}
-    for mode in ("prefetch", "prefetch+dpu"):
+    for mode in ("prefetch", "prefetch-sync", "prefetch+dpu"):
         steps = per_round(mode)
         ratios = []
         for r, step in steps.items():
@@ -334,6 +343,7 @@ def print_table(results: dict) -> None:
           f"{results['machine']['load_average'][0]:.1f}")
     print(f"raw aio bandwidth (median of rounds): read {s['read_GBps']:.2f} GB/s, write {s['write_GBps']:.2f} GB/s")
     head = f"{'mode':14s} {'step s':>8s} {'fwd+bwd s':>10s} {'optim s':>8s} {'stall s':>8s} {'stall %':>8s} " \
+           f"{'of it upd':>9s} " \
            f"{'hit %':>6s} {'NVMe rd GB':>10s} {'NVMe wr GB':>10s} {'GB/s':>6s}"
     print(head)
     print("-" * len(head))
@@ -341,8 +351,10 @@ def print_table(results: dict) -> None:
         m = r["median"]
         nbytes = (m["nvme_read"] or 0) + (m["nvme_written"] or 0)
         stall = m["stall_seconds"] if m["stall_seconds"] == m["stall_seconds"] else 0.0
+        update_wait = m.get("update_wait_seconds") or 0.0
+        update_wait = update_wait if update_wait == update_wait else 0.0
         print(f"{mode:14s} {m['seconds']:8.2f} {m['forward_backward']:10.2f} {m['optimizer']:8.2f} "
-              f"{stall:8.2f} {100 * stall / m['seconds']:8.1f} {100 * (m['hit_rate'] or 0):6.0f} "
+              f"{stall:8.2f} {100 * stall / m['seconds']:8.1f} {update_wait:9.2f} {100 * (m['hit_rate'] or 0):6.0f} "
               f"{(m['nvme_read'] or 0) / GB:10.2f} {(m['nvme_written'] or 0) / GB:10.2f} "
               f"{nbytes / GB / m['seconds']:6.2f}")
     if s.get("io_seconds") is not None:
@@ -385,13 +397,16 @@ def parse_args(argv=None):
     p.add_argument("--bw-bytes", type=int, default=1 << 30, help="bytes per raw bandwidth pass")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--dpu", action="store_true", help="also run prefetch with delayed parameter update")
+    p.add_argument("--sync", action="store_true", help="also run prefetch with the synchronous step "
+                   "(dpu.overlap = false)")
+    p.add_argument("--dpu-threads", type=int, default=0, help="dpu.threads: the background update's threads")
     p.add_argument("--torch", action="store_true", help="also run plain PyTorch (reference)")
     p.add_argument("--modes", nargs="*", default=None, choices=MODES, help="run only these modes")
     p.add_argument("--json", default=None, help="write settings, machine, raw samples and summary here")
     args = p.parse_args(argv)
     if args.modes is None:
-        args.modes = ["prefetch", "no-prefetch", "compute-only"] + (["prefetch+dpu"] if args.dpu else []) \
-            + (["torch"] if args.torch else [])
+        args.modes = ["prefetch", "no-prefetch", "compute-only"] + (["prefetch-sync"] if args.sync else []) \
+            + (["prefetch+dpu"] if args.dpu else []) + (["torch"] if args.torch else [])
     return args
 
 

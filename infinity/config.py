@@ -243,7 +243,13 @@ class DpuConfig(Section):
     """Steps run with ordinary, synchronous updates before the delay starts."""
 
     threads: int = 0
-    """CPU threads for the host optimizer step; 0 keeps torch's default."""
+    """CPU threads for the host optimizer step on its background thread (DPU, or the overlapped step);
+    0 keeps torch's default."""
+
+    overlap: bool = True
+    """Without DPU, when optimizer states or parameters are on NVMe: `opt.step()` starts the update on a
+    background thread and returns, and the next forward waits only for the parameters it is about to
+    use. Results are identical to a synchronous step; the update's NVMe traffic overlaps the forward."""
 
     def _check(self) -> None:
         self._at_least("warmup_steps", 0)

@@ -50,6 +50,8 @@ class FetchStats:
         # Part of stall_seconds spent blocked on the tier read itself (the rest is the
         # host->device copy and the all-gather); issue 6 reports it as I/O stall.
         self.read_wait_seconds = 0.0
+        # Part of stall_seconds spent waiting for an overlapped optimizer step to rewrite a shard.
+        self.update_wait_seconds = 0.0
         self.fetches = 0
         self.prefetch_hits = 0
         self.bytes_gathered = 0
@@ -59,6 +61,7 @@ class FetchStats:
         return {
             "stall_seconds": self.stall_seconds,
             "read_wait_seconds": self.read_wait_seconds,
+            "update_wait_seconds": self.update_wait_seconds,
             "fetches": self.fetches,
             "prefetch_hits": self.prefetch_hits,
             "hit_rate": self.prefetch_hits / self.fetches if self.fetches else 0.0,
@@ -99,6 +102,8 @@ class Coordinator:
         self.stats = FetchStats()
         self.prefetcher = None
         self.on_shard_written = None
+        # The overlapped optimizer step still rewriting shards (infinity.dpu.BackgroundUpdate), or None.
+        self.update_gate = None
 
     # -- partitioning --------------------------------------------------------------------------
     def partition(self, name: str, params: list[tuple[str, nn.Parameter]],
@@ -133,18 +138,26 @@ class Coordinator:
         return self.param_tier.write(group.param_key, src.contiguous(), offset=offset_numel * nbytes_per)
 
     # -- fetching ----------------------------------------------------------------------------
-    def start_fetch(self, group: ParamGroup, prefetch: bool = False, staging=None) -> None:
-        """Issue the read of this rank's shard (no wait). A no-op unless NOT_AVAILABLE.
+    def start_fetch(self, group: ParamGroup, prefetch: bool = False, staging=None) -> bool:
+        """Issue the read of this rank's shard (no wait); returns whether a read was issued.
+
+        A no-op unless NOT_AVAILABLE. While an overlapped optimizer step has not yet
+        rewritten the shard (``update_gate``), a read ahead into ``staging`` is not issued
+        (False: the prefetcher tries again at its next walk); any other fetch waits for it.
 
         ``staging``: an aligned host buffer with ``.tensor`` (uint8) and ``.release()`` to read
         into instead of one from the staging pool; the prefetcher passes slices of its own
         arena (see [Note: why prefetched reads have their own staging] in staging_arena.py).
-        It is released when the fetch completes (or at once when this call is a no-op).
+        It is released when the fetch completes (or at once when this call issues nothing).
         """
-        if group.state is not ParamState.NOT_AVAILABLE:
+        if group.state is not ParamState.NOT_AVAILABLE or (staging is not None and not self.update_ready(group)):
             if staging is not None:
                 staging.release()
-            return
+            return False
+        if self.update_gate is not None:
+            waited = self.update_gate.wait_ready(group)
+            self.stats.update_wait_seconds += waited
+            self.stats.stall_seconds += waited
         if staging is not None:
             staging, release = staging.tensor[:group.shard_nbytes].view(self.dtype), staging.release
         else:
@@ -158,6 +171,11 @@ class Coordinator:
         group.to_inflight(_PendingFetch(future, staging, release))
         group.prefetched = prefetch
         self.stats.bytes_read_from_tier += group.shard_nbytes
+        return True
+
+    def update_ready(self, group: ParamGroup) -> bool:
+        """Whether the group's stored shard is current (no overlapped optimizer step still rewrites it)."""
+        return self.update_gate is None or self.update_gate.ready(group)
 
     def _staging_buffer(self, group: ParamGroup):
         nbytes = group.shard_nbytes

@@ -101,7 +101,11 @@ class StepJob:
         Per group, the parameter-tier key that receives the new compute copy; None for the
         groups this update does not change.
     delayed:
-        True when the job runs on the background worker.
+        True when the job runs on the background worker one step behind (DPU).
+    overlapped:
+        True when the job runs on the background worker at exact semantics: it writes the
+        published compute copies in place and reports each finished sub-group
+        (``BackgroundUpdate.sub_done``) so the next forward can fetch those groups.
     """
 
     step: int
@@ -117,6 +121,7 @@ class StepJob:
     updated: frozenset[int]
     param_keys: tuple[int | None, ...]
     delayed: bool = False
+    overlapped: bool = False
 
 
 @dataclass
@@ -125,6 +130,7 @@ class DpuStats:
 
     sync_steps: int = 0
     delayed_steps: int = 0
+    overlapped_steps: int = 0
     skipped_steps: int = 0
     optimizer_seconds: float = 0.0
     exposed_seconds: float = 0.0
@@ -134,7 +140,8 @@ class DpuStats:
     def as_dict(self) -> dict:
         hidden = 1.0 - self.exposed_seconds / self.optimizer_seconds if self.optimizer_seconds else 0.0
         return {"sync_steps": self.sync_steps, "delayed_steps": self.delayed_steps,
-                "skipped_steps": self.skipped_steps, "optimizer_seconds": self.optimizer_seconds,
+                "overlapped_steps": self.overlapped_steps, "skipped_steps": self.skipped_steps,
+                "optimizer_seconds": self.optimizer_seconds,
                 "exposed_seconds": self.exposed_seconds, "hidden_fraction": hidden,
                 "last_job_seconds": self.last_job_seconds}
 
@@ -169,15 +176,20 @@ def bound_this_thread(threads: int) -> int:
     return torch.get_num_threads()
 
 
-class DelayedUpdate:
-    """The background worker of DPU and the second gradient and compute-copy buffers.
+class BackgroundUpdate:
+    """Runs optimizer updates on a worker thread and tracks how far the running one got.
+
+    The base of both background modes: :class:`DelayedUpdate` (DPU, one step behind)
+    and, with ``dpu.overlap``, the exact overlapped step (see [Note: overlapped step]
+    in optimizer.py), which writes the compute copies in place and lets each group be
+    fetched as soon as the update has rewritten it.
 
     Parameters
     ----------
     store:
-        The optimizer state store (its ``keys["grad"]`` list is swapped at hand-off).
+        The optimizer state store (its layout says which sub-groups hold each group).
     coordinator:
-        Owner of the parameter groups (their ``param_key`` is swapped at publish).
+        Owner of the parameter groups.
     run:
         Runs one :class:`StepJob` (the optimizer's streaming pass). Held weakly, so the
         worker thread does not keep the optimizer alive.
@@ -186,14 +198,12 @@ class DelayedUpdate:
     device:
         The compute device (``infinity.device.ComputeDevice``); on CUDA the worker issues
         its host-to-device copies on a stream of its own.
-    trainable:
-        Indices of the groups with parameters in the optimizer (they get a second key).
     stats:
         Where step counts and times are added up (shared with the optimizer).
     """
 
     def __init__(self, store, coordinator, run: Callable[[StepJob], None], threads: int, device,
-                 trainable: set[int], stats: DpuStats | None = None) -> None:
+                 stats: DpuStats | None = None) -> None:
         self.store = store
         self.coordinator = coordinator
         self.threads = threads
@@ -204,67 +214,51 @@ class DelayedUpdate:
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
+        self._progress = threading.Condition()
+        self._done_sub = -1          # the running job has finished every sub-group up to this one
         self._running: StepJob | None = None
         self._unpublished: StepJob | None = None
         self._failure: tuple[StepJob, BaseException] | None = None
         self._stream = None  # the worker's CUDA stream, made on first use
         self.worker_threads: int | None = None
-        tier = store.tier
-        self._spare_grad_keys = []
-        for i, (_, numel) in enumerate(store.layout.sub_ranges):
-            key = tier.allocate(numel * 4, tag=f"grad-next:sub{i}")
-            tier.write(key, torch.zeros(numel, dtype=torch.float32)).wait()
-            self._spare_grad_keys.append(key)
-        self._spare_param_keys: dict[int, int] = {}
-        for g in coordinator.groups:
-            if g.index in trainable:
-                shard = torch.empty(g.shard_numel, dtype=g.dtype)
-                coordinator.param_tier.read(g.param_key, shard).wait()
-                self._spare_param_keys[g.index] = coordinator.param_tier.put(shard, tag=f"param-next:{g.name}")
+        self._last_sub = [max((p.sub_index for p in pieces), default=-1)
+                          for pieces in store.layout.pieces_of_group]
         weakref.finalize(self, self._queue.put, _STOP)
 
-    # -- the buffers ---------------------------------------------------------------------------
-    def target_param_keys(self, updated: frozenset[int]) -> tuple[int | None, ...]:
-        """Where the next job writes the compute copies of ``updated`` groups: keys not published."""
-        return tuple(self._spare_param_keys[g.index] if g.index in updated else None
-                     for g in self.coordinator.groups)
+    # -- progress of the running job -------------------------------------------------------------
+    def sub_done(self, sub: int) -> None:
+        """Called by the running job (worker thread): every sub-group up to ``sub`` is finished."""
+        with self._progress:
+            self._done_sub = sub
+            self._progress.notify_all()
 
-    def hand_over_grads(self) -> tuple[int, ...]:
-        """The filled gradient keys, for a job; the store accumulates into the other set from now on.
-
-        The caller has waited for the previous job, which read the other set.
-        """
-        if self._running is not None:
-            raise DpuWorkerError(f"internal: gradient keys handed over while step {self._running.step} "
-                                 "still reads the spare set")
-        store = self.store
-        store.flush()
-        filled = tuple(store.keys["grad"])
-        store.keys["grad"] = list(self._spare_grad_keys)
-        self._spare_grad_keys = list(filled)
-        store.zero_grad()
-        return filled
-
-    def reading_grads(self, keys) -> bool:
-        """True when the running job reads the gradient ``keys`` (a backward must not write them)."""
+    def ready(self, group) -> bool:
+        """Whether ``group``'s stored shard is final: no running job will still rewrite it."""
         job = self._running
-        return job is not None and bool(keys) and keys[0] == job.grad_keys[0]
+        return (job is None or group.index not in job.updated
+                or self._last_sub[group.index] <= self._done_sub)
+
+    def wait_ready(self, group) -> float:
+        """Block until :meth:`ready`; returns the seconds waited. Raises if the job failed."""
+        if self.ready(group):
+            return 0.0
+        t0 = time.perf_counter()
+        with self._progress:
+            while not self.ready(group):
+                self._progress.wait()
+        waited = time.perf_counter() - t0
+        self.stats.exposed_seconds += waited
+        self.raise_if_failed()
+        return waited
 
     @property
     def pending(self) -> bool:
         """A job was handed over and is not published yet."""
         return self._unpublished is not None
 
-    def publish(self, job: StepJob) -> None:
-        """Make ``job``'s compute copies the parameters: swap each trainable group's key."""
-        for g in self.coordinator.groups:
-            new = job.param_keys[g.index]
-            if new is None or new == g.param_key:
-                continue
-            self._spare_param_keys[g.index] = g.param_key
-            g.param_key = new
-        if self._unpublished is job:
-            self._unpublished = None
+    @property
+    def running(self) -> bool:
+        return self._running is not None
 
     # -- the worker ----------------------------------------------------------------------------
     def submit(self, job: StepJob) -> None:
@@ -275,8 +269,13 @@ class DelayedUpdate:
                                             args=(self._queue, weakref.ref(self)))
             self._thread.start()
         self._idle.clear()
-        self.stats.delayed_steps += 1
-        self._running = job
+        if job.delayed:
+            self.stats.delayed_steps += 1
+        else:
+            self.stats.overlapped_steps += 1
+        with self._progress:
+            self._done_sub = -1
+            self._running = job
         self._unpublished = job
         ready = None
         if self.device is not None and self.device.is_cuda:
@@ -284,17 +283,6 @@ class DelayedUpdate:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device.device))
         self._queue.put((job, ready))
-
-    def run_inline(self, job: StepJob) -> None:
-        """Run ``job`` on the calling thread (warm-up steps) and publish it."""
-        t0 = time.perf_counter()
-        self._call(job)
-        seconds = time.perf_counter() - t0
-        self.stats.sync_steps += 1
-        self.stats.optimizer_seconds += seconds
-        self.stats.exposed_seconds += seconds
-        self.stats.last_job_seconds = seconds
-        self.publish(job)
 
     def wait(self) -> StepJob | None:
         """Wait for the running job; return the finished job not yet published (or None).
@@ -316,8 +304,10 @@ class DelayedUpdate:
         self._unpublished = None
         raise DpuWorkerError(
             f"the background optimizer step {job.step} (opt.step() call {job.call}) failed: {exc!r}. "
-            "The parameters are still those of the previous step, but master weights and Adam moments "
-            "may be partly updated: reload a checkpoint before training on") from exc
+            + ("The parameters are still those of the previous step, but master weights and Adam moments "
+               "may be partly updated: reload a checkpoint before training on" if job.delayed else
+               "Parameters, master weights and Adam moments may be partly updated: reload a checkpoint "
+               "before training on")) from exc
 
     def _call(self, job: StepJob) -> None:
         run = self._run()
@@ -350,7 +340,9 @@ class DelayedUpdate:
         self.stats.optimizer_seconds += seconds
         self.stats.last_job_seconds = seconds
         self.stats.worker_thread_ids.add(threading.get_ident())
-        self._running = None
+        with self._progress:
+            self._running = None
+            self._progress.notify_all()
         self._idle.set()
 
     def _cuda_stream(self):
@@ -365,6 +357,85 @@ class DelayedUpdate:
             self._queue.put(_STOP)
             self._thread.join()
             self._thread = None
+
+
+class DelayedUpdate(BackgroundUpdate):
+    """The background worker of DPU and the second gradient and compute-copy buffers.
+
+    Parameters are those of :class:`BackgroundUpdate`, and
+
+    trainable:
+        Indices of the groups with parameters in the optimizer (they get a second key).
+    """
+
+    def __init__(self, store, coordinator, run: Callable[[StepJob], None], threads: int, device,
+                 trainable: set[int], stats: DpuStats | None = None) -> None:
+        super().__init__(store, coordinator, run, threads, device, stats)
+        tier = store.tier
+        self._spare_grad_keys = []
+        for i, (_, numel) in enumerate(store.layout.sub_ranges):
+            key = tier.allocate(numel * 4, tag=f"grad-next:sub{i}")
+            tier.write(key, torch.zeros(numel, dtype=torch.float32)).wait()
+            self._spare_grad_keys.append(key)
+        self._spare_param_keys: dict[int, int] = {}
+        for g in coordinator.groups:
+            if g.index in trainable:
+                shard = torch.empty(g.shard_numel, dtype=g.dtype)
+                coordinator.param_tier.read(g.param_key, shard).wait()
+                self._spare_param_keys[g.index] = coordinator.param_tier.put(shard, tag=f"param-next:{g.name}")
+
+    # -- the buffers ---------------------------------------------------------------------------
+    def target_param_keys(self, updated: frozenset[int]) -> tuple[int | None, ...]:
+        """Where the next job writes the compute copies of ``updated`` groups: keys not published."""
+        return tuple(self._spare_param_keys[g.index] if g.index in updated else None
+                     for g in self.coordinator.groups)
+
+    def hand_over_grads(self) -> tuple[int, ...]:
+        """The filled gradient keys, for a job; the store accumulates into the other set from now on.
+
+        The caller has waited for the previous job, which read the other set.
+        """
+        if self._running is not None:
+            raise DpuWorkerError(f"internal: gradient keys handed over while step {self._running.step} "
+                                 "still reads the spare set")
+        store = self.store
+        store.flush()
+        filled = tuple(store.keys["grad"])
+        store.keys["grad"] = list(self._spare_grad_keys)
+        self._spare_grad_keys = list(filled)
+        store.zero_grad()
+        return filled
+
+    def reading_grads(self, keys) -> bool:
+        """True when the running job reads the gradient ``keys`` (a backward must not write them)."""
+        job = self._running
+        return job is not None and bool(keys) and keys[0] == job.grad_keys[0]
+
+    def ready(self, group) -> bool:
+        """A delayed job writes keys nothing reads until it is published: every group is ready."""
+        return True
+
+    def publish(self, job: StepJob) -> None:
+        """Make ``job``'s compute copies the parameters: swap each trainable group's key."""
+        for g in self.coordinator.groups:
+            new = job.param_keys[g.index]
+            if new is None or new == g.param_key:
+                continue
+            self._spare_param_keys[g.index] = g.param_key
+            g.param_key = new
+        if self._unpublished is job:
+            self._unpublished = None
+
+    def run_inline(self, job: StepJob) -> None:
+        """Run ``job`` on the calling thread (warm-up steps) and publish it."""
+        t0 = time.perf_counter()
+        self._call(job)
+        seconds = time.perf_counter() - t0
+        self.stats.sync_steps += 1
+        self.stats.optimizer_seconds += seconds
+        self.stats.exposed_seconds += seconds
+        self.stats.last_job_seconds = seconds
+        self.publish(job)
 
 
 def _worker_loop(jobs: queue.Queue, owner_ref) -> None:

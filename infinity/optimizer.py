@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from infinity import registry
-from infinity.dpu import DelayedUpdate, DpuStats, StepJob
+from infinity.dpu import BackgroundUpdate, DelayedUpdate, DpuStats, StepJob
 from infinity.engine import EngineError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -93,29 +93,42 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._warmup_steps = dpu.warmup_steps
         self._delay = (DelayedUpdate(self.store, engine.coordinator, self._apply, dpu.threads, engine.device,
                                      self._trainable, self._stats) if dpu.enabled else None)
+        streamed = not self.store.in_place or engine.config.tiers.params == "nvme"
+        self._overlap = (BackgroundUpdate(self.store, engine.coordinator, self._apply, dpu.threads, engine.device,
+                                          self._stats) if dpu.overlap and streamed and not dpu.enabled else None)
+        self._background = self._delay or self._overlap
+        engine.coordinator.update_gate = self._overlap
         engine.optimizer = self
 
     # -- hooks the engine calls --------------------------------------------------------------
     def _before_forward(self) -> None:
         """A forward is starting. Parameters are only published inside step()/synchronize(),
-        so there is nothing to swap here; a failed background step is reported at once."""
-        if self._delay is not None:
-            self._delay.raise_if_failed()
+        so there is nothing to swap here; a failed background step is reported at once.
+        (An overlapped step is waited for group by group, by the coordinator's fetches.)"""
+        if self._background is not None:
+            self._background.raise_if_failed()
 
     def _before_grad(self) -> None:
         """A gradient is about to be accumulated: it must not land in keys a background step reads."""
         if self._delay is not None and self._delay.reading_grads(self.store.keys["grad"]):
             raise EngineError(f"{self._name}: a backward is accumulating into the gradient buffer that the "
                               "background step still reads (internal error: the buffers were not swapped)")
+        if self._overlap is not None and self._overlap.running:
+            # The overlapped step reads the gradient keys this backward is about to write. By now
+            # the forward has waited for every group it used, so what is left is its last writes.
+            self._overlap.wait()
 
     def synchronize(self) -> None:
         """Wait until every parameter and state reflects all steps taken so far.
 
         With DPU this waits for the background step and publishes it, so the next
-        forward uses the newest parameters (the delay restarts from there).
+        forward uses the newest parameters (the delay restarts from there). With the
+        overlapped step (``dpu.overlap``) it waits for the update to finish.
         """
         if self._delay is not None:
             self._publish(self._delay.wait())
+        elif self._overlap is not None:
+            self._overlap.wait()
 
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -133,6 +146,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._calls += 1
         if self._delay is not None:
             self._delay.raise_if_failed()
+        if self._overlap is not None:
+            self._overlap.wait()   # the previous update (the forward has usually waited for it already)
         if self._grads_nonfinite():
             self._skip()
             return None
@@ -144,6 +159,9 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._clip_coef = None
         if delayed:
             self._delay.submit(job)
+        elif self._overlap is not None:
+            self._after_update()   # gathered copies are stale from here on; fetches wait per group
+            self._overlap.submit(job)
         elif self._delay is not None:
             self._delay.run_inline(job)
             self._after_update()
@@ -173,7 +191,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         return StepJob(step=self.step_count, call=self._calls, lr=float(hp["lr"]), beta1=float(hp["betas"][0]),
                        beta2=float(hp["betas"][1]), eps=float(hp["eps"]), weight_decay=float(hp["weight_decay"]),
                        decoupled=self._decoupled, clip_coef=self._clip_coef, grad_keys=grad_keys,
-                       updated=updated, param_keys=param_keys, delayed=delayed)
+                       updated=updated, param_keys=param_keys, delayed=delayed,
+                       overlapped=not delayed and self._overlap is not None)
 
     def _grads_nonfinite(self) -> bool:
         """Whether any rank's gradient of this step has an inf/NaN (the flag is consumed)."""
@@ -267,13 +286,23 @@ class _OffloadAdam(torch.optim.Optimizer):
         chunk = _chunk_numel()
         for sub, st, writes in passes:
             states = (st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"])
+            copies: list = []
             for start, numel in spans[sub]:
                 for c0 in range(start, start + numel, chunk):
                     c1 = min(c0 + chunk, start + numel)
                     parts = [(max(o, c0), min(o + n, c1)) for o, n in runs[sub] if o < c1 and o + n > c0]
                     if parts:
                         kernel(*[[t[a:b] for a, b in parts] for t in states], [], [step_t] * len(parts), **hyper)
-                    self._write_compute_copies(job, sub, st["master"], c0, c1, writes)
+                    self._write_compute_copies(job, sub, st["master"], c0, c1, copies)
+            if job.overlapped:
+                # The next forward may fetch this sub-group's groups once their copies have landed.
+                for fut, _ in copies:
+                    fut.wait()
+                if self.engine.device.is_cuda:   # a device tier's copies ran on this worker's stream
+                    torch.cuda.current_stream(self.engine.device.device).synchronize()
+                self._overlap.sub_done(sub)
+            else:
+                writes.extend(copies)
 
     def _write_compute_copies(self, job: StepJob, sub: int, master: torch.Tensor, c0: int, c1: int,
                               writes: list) -> None:
@@ -390,14 +419,16 @@ class _OffloadAdam(torch.optim.Optimizer):
 
     # -- telemetry and state -------------------------------------------------------------------
     def stats(self) -> dict:
-        """Step counts and optimizer time: total, exposed to compute, and the fraction hidden by DPU.
+        """Step counts and optimizer time: total, exposed to compute, and the fraction hidden by DPU
+        or by the overlapped step (whose exposed time is what fetches and ``step()`` waited for it).
 
-        ``pending`` is 1 while a background step has not been published.
+        ``pending`` is 1 while a delayed (DPU) step has not been published.
         """
         out = self._stats.as_dict()
         out.update(steps=self.step_count, calls=self._calls, dpu=self._delay is not None,
+                   overlap=self._overlap is not None,
                    pending=int(self._delay is not None and self._delay.pending),
-                   worker_threads=self._delay.worker_threads if self._delay is not None else None)
+                   worker_threads=self._background.worker_threads if self._background is not None else None)
         return out
 
     def state_dict(self) -> dict:

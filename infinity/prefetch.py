@@ -272,10 +272,9 @@ class Prefetcher:
                 if reads_open and g.state is ParamState.NOT_AVAILABLE:
                     staging = self.arena.take(g.shard_nbytes, f"prefetch {g.name}") \
                         if g.shard_nbytes <= nvme_room else None
-                    if staging is None:
-                        reads_open = False
+                    if staging is None or not c.start_fetch(g, prefetch=True, staging=staging):
+                        reads_open = False   # no room, or the overlapped optimizer step has not reached it
                     else:
-                        c.start_fetch(g, prefetch=True, staging=staging)
                         self._ahead[g] = None
                         nvme_room -= g.shard_nbytes
                 if not (gathers_open or reads_open):
@@ -286,7 +285,9 @@ class Prefetcher:
 
     def _may_gather(self, g: ParamGroup) -> bool:
         if self.ordered_gathers:
-            return True
+            return True   # a collective: decided by the request sequence only; it waits if need be
+        if not self.coordinator.update_ready(g):
+            return False  # the overlapped optimizer step has not rewritten it yet: never block ahead
         if g.state is ParamState.INFLIGHT:
             return g in self._ahead and g.pending.future.done()
         return not self.reads_ahead     # host/device tier: the "read" is a copy, nothing to wait for

@@ -9,7 +9,8 @@ tier are read and the differences become one record in ``engine.step_stats``
 
 - ``seconds``: wall time of the step;
 - ``stall_seconds``: time the compute thread spent making parameters available
-  (``read_wait_seconds`` of it blocked on tier reads, the rest host->device copies
+  (``read_wait_seconds`` of it blocked on tier reads, ``update_wait_seconds`` waiting
+  for the overlapped optimizer step to rewrite a shard, the rest host->device copies
   and all-gathers); ``stall_fraction`` = stall / seconds;
 - ``hits`` / ``misses`` / ``hit_rate``: of the parameter groups a module asked for
   that had to be fetched (not persistent, not already gathered for another user),
@@ -110,7 +111,8 @@ class StepTelemetry:
     # -- helpers -----------------------------------------------------------------------------
     def _fetch_counters(self) -> dict:
         s = self.engine.coordinator.stats
-        return {"stall_seconds": s.stall_seconds, "read_wait_seconds": getattr(s, "read_wait_seconds", 0.0)}
+        return {"stall_seconds": s.stall_seconds, "read_wait_seconds": getattr(s, "read_wait_seconds", 0.0),
+                "update_wait_seconds": getattr(s, "update_wait_seconds", 0.0)}
 
     def _tier_counters(self) -> dict:
         out = {}
@@ -126,6 +128,7 @@ class StepTelemetry:
         fetch = self._fetch_counters()
         stall = fetch["stall_seconds"] - self._fetch0["stall_seconds"]
         read_wait = fetch["read_wait_seconds"] - self._fetch0["read_wait_seconds"]
+        update_wait = fetch["update_wait_seconds"] - self._fetch0["update_wait_seconds"]
         tiers = {}
         total_read = total_written = 0
         for name, (read, written) in self._tier_counters().items():
@@ -141,6 +144,7 @@ class StepTelemetry:
             "seconds": seconds,
             "stall_seconds": stall,
             "read_wait_seconds": read_wait,
+            "update_wait_seconds": update_wait,
             "stall_fraction": stall / seconds,
             "hits": self.hits,
             "late": self.late,

@@ -24,7 +24,7 @@ CONTRACT_DEFAULTS = {
     "prefetch": {"enabled": True, "nvme_bytes": 256 * MiB, "device_bytes": 128 * MiB, "reuse_distance": 0,
                  "log_every": 0},
     "tiling": {"enabled": True, "threshold": 2**30, "tiles": 0, "max_tile_bytes": 256 * MiB, "modules": ()},
-    "dpu": {"enabled": False, "warmup_steps": 5, "threads": 0},
+    "dpu": {"enabled": False, "warmup_steps": 5, "threads": 0, "overlap": True},
     "checkpoint": {"buffer_size": 64 * MiB},
 }
 
@@ -153,7 +153,7 @@ def test_nested_table_inside_a_section_is_an_unknown_key(tmp_path):
 
 
 def test_unknown_key_without_a_close_match_lists_the_valid_ones():
-    assert error_of({"dpu": {"zzz": 1}}) == "dpu.zzz: unknown key; valid keys in [dpu] are enabled, warmup_steps, threads"
+    assert error_of({"dpu": {"zzz": 1}}) == "dpu.zzz: unknown key; valid keys in [dpu] are enabled, warmup_steps, threads, overlap"
 
 
 def test_every_unknown_key_is_reported_at_once():

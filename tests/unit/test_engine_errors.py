@@ -100,6 +100,8 @@ def test_swap_directory_is_released_with_the_model(tmp_path):
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
         assert list(tmp_path.rglob("*.swap"))
+        # The overlapped step (dpu.overlap) holds the optimizer, and so the model, until it ends.
+        opt.synchronize()
         del model, opt
         gc.collect()
         # A clean close deletes the swap files; the second turn takes the same directory's lock.

@@ -1,0 +1,137 @@
+"""The overlapped optimizer step (``dpu.overlap``): exact results while the update runs beside the forward.
+
+Without DPU, when states or parameters are on NVMe, ``opt.step()`` hands the update to a
+background thread and returns; each fetch of the next forward waits until the update has
+rewritten that group's shard. These tests slow the update down so that the forward really
+runs into groups not yet rewritten, and compare what the forward computes with (captured
+by forward pre-hooks) against plain ``torch.optim.AdamW``, step by step.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import infinity
+from infinity.dpu import BackgroundUpdate, DpuWorkerError
+from infinity.registry import engine_of
+from tests.unit.test_dpu import TOL, Tiny, batches, gathered_diff, run_schedule
+
+LAYOUTS = [("nvme", "nvme"), ("host", "nvme"), ("nvme", "host"), ("device", "nvme")]
+
+
+def make(tmp_path, params, optimizer, overlap=True, prefetch=True, sub_group_size=4096):
+    path = tmp_path / f"overlap-{overlap}"
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {"tiers": {"params": params, "optimizer": optimizer, "nvme_path": str(path)},
+           "partition": {"sub_group_size": sub_group_size},
+           "prefetch": {"enabled": prefetch, "nvme_bytes": "64KiB", "device_bytes": "64KiB"},
+           "dpu": {"overlap": overlap}}
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = Tiny()
+    torch.manual_seed(0)
+    return model, Tiny()
+
+
+@pytest.fixture
+def slow_update(monkeypatch):
+    """Each finished sub-group is announced 3 ms late, so the next forward catches the update midway."""
+    announce = BackgroundUpdate.sub_done
+
+    def late(self, sub):
+        time.sleep(0.003)
+        announce(self, sub)
+
+    monkeypatch.setattr(BackgroundUpdate, "sub_done", late)
+
+
+@pytest.mark.parametrize("params,optimizer", LAYOUTS)
+def test_overlapped_step_matches_torch_adamw_step_by_step(tmp_path, slow_update, params, optimizer):
+    model, ref = make(tmp_path, params, optimizer)
+    opt, reference, out, covered = run_schedule(model, ref, 6, warmup=10 ** 6, clip=0.5,
+                                                lr_at=lambda k: 1e-2 * 0.8 ** k)
+    assert all(d <= TOL and l <= 1e-5 for d, l in out), out
+    assert covered == set(n for n, _ in ref.named_parameters(remove_duplicate=False))
+    stats = opt.stats()
+    assert stats["overlap"] and stats["overlapped_steps"] == 6 and stats["sync_steps"] == 0, stats
+    # The forwards did run into groups the update had not rewritten yet, and waited for them.
+    fetch = engine_of(model).coordinator.stats
+    assert fetch.update_wait_seconds > 0
+    assert fetch.stall_seconds >= fetch.update_wait_seconds
+    assert gathered_diff(model, ref) <= TOL
+
+
+def test_overlap_on_and_off_train_bit_identically(tmp_path, slow_update):
+    results = []
+    for overlap in (True, False):
+        model, _ = make(tmp_path, "nvme", "nvme", overlap=overlap)
+        opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+        losses = []
+        for idx, tgt in batches(5):
+            loss = model(idx, tgt)
+            loss.backward()
+            infinity.clip_grad_norm_(model, 0.5)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert opt.stats()["overlapped_steps"] == (5 if overlap else 0)
+        with infinity.gathered(model):
+            results.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (losses_on, params_on), (losses_off, params_off) = results
+    assert losses_on == losses_off
+    assert all(torch.equal(a, b) for a, b in zip(params_on, params_off))
+
+
+def test_overlap_applies_only_where_the_update_moves_bytes_to_nvme(tmp_path):
+    for params, optimizer, expected in [("host", "host", False), ("device", "host", False),
+                                        ("nvme", "host", True), ("host", "nvme", True)]:
+        model, _ = make(tmp_path / f"{params}-{optimizer}", params, optimizer)
+        assert infinity.AdamW(model).stats()["overlap"] is expected, (params, optimizer)
+    model, _ = make(tmp_path / "off", "nvme", "nvme", overlap=False)
+    assert infinity.AdamW(model).stats()["overlap"] is False
+
+
+def test_eval_forward_and_accumulation_without_zero_grad_see_the_update(tmp_path, slow_update):
+    """A no-grad forward right after step() waits too; a backward without zero_grad accumulates
+    onto gradients the update is no longer reading."""
+    model, ref = make(tmp_path, "nvme", "nvme")
+    opt = infinity.AdamW(model, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    (idx, tgt), (idx2, tgt2) = batches(2)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(idx, tgt).backward()
+        o.step()   # no zero_grad: the next backward accumulates, as torch does
+    with torch.no_grad():
+        assert abs(model(idx2, tgt2).item() - ref(idx2, tgt2).item()) <= 1e-5
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(idx2, tgt2).backward()
+        o.step()
+    assert gathered_diff(model, ref) <= TOL
+
+
+def test_state_dict_and_checkpoint_paths_wait_for_the_update(tmp_path, slow_update):
+    model, ref = make(tmp_path, "nvme", "nvme")
+    opt, _, _, _ = run_schedule(model, ref, 3, warmup=10 ** 6)
+    sd = opt.state_dict()    # waits: the master shards are those after step 3
+    assert not opt._overlap.running
+    with infinity.gathered(model):
+        for g, shard in zip(engine_of(model).coordinator.groups, sd["shards"]["master"]):
+            assert torch.equal(g.shard_of(g.flatten().float()), shard[: g.shard_numel])
+
+
+def test_failed_update_is_raised_by_the_next_forward(tmp_path, monkeypatch):
+    model, _ = make(tmp_path, "nvme", "nvme")
+    opt = infinity.AdamW(model)
+    idx, tgt = batches(1)[0]
+    model(idx, tgt).backward()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(torch, "_fused_adamw_", broken)
+    opt.step()   # handed over: returns at once
+    opt.zero_grad()
+    with pytest.raises(DpuWorkerError, match=r"background optimizer step 1 .*kernel exploded.*partly updated"):
+        model(idx, tgt)
