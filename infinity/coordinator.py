@@ -18,6 +18,7 @@ prefetcher asked to keep it for an imminent reuse.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 
@@ -39,6 +40,104 @@ class _PendingFetch:
         self.issued_at = time.perf_counter()
 
 
+class _Ready:
+    """The future of a shard that is already in host memory (a fresh shard)."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def wait(self) -> int:
+        return self.nbytes
+
+    def done(self) -> bool:
+        return True
+
+
+class FreshShards:
+    """Shards the overlapped optimizer step has just rewritten, kept in host memory for the next forward.
+
+    [Note: fresh shards]
+    The overlapped step (``dpu.overlap``) writes each updated group's new compute copy to
+    the NVMe parameter tier just before the next forward reads it back. So the step also
+    copies it into a slice of the prefetcher's staging arena (the ``prefetch.nvme_bytes``
+    budget reads ahead already use, so no memory is added), and the group's next fetch
+    takes that slice instead of reading the shard: one NVMe read less per group and
+    step, and the forward need not wait for the write to land. When the arena is full
+    the group is simply read from NVMe as before. A shard is served once (the backward
+    reads the written copy); those not taken by the end of the next backward, or by the
+    next update, give their slices back. Writing a group's shard any other way
+    (``Coordinator.write_shard``: loading a state or a checkpoint) discards its fresh copy.
+
+    ``offer`` runs on the update's thread, everything else on the main thread; a
+    ``clear`` while a shard is still being filled makes that shard's filler drop it.
+    """
+
+    def __init__(self, arena) -> None:
+        self.arena = arena
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._filling: dict[int, list] = {}     # group index -> [slice, elements missing, generation]
+        self._complete: dict[int, object] = {}  # group index -> arena slice holding the whole shard
+        self._refused: set[int] = set()
+        self.served = 0
+        self.bytes_served = 0
+
+    def offer(self, group: ParamGroup, offset_numel: int, values: torch.Tensor) -> None:
+        """Copy ``values`` (compute dtype) into the group's fresh shard at ``offset_numel``."""
+        gi = group.index
+        with self._lock:
+            entry = self._filling.get(gi)
+            if entry is None:
+                if gi in self._complete or gi in self._refused:
+                    return
+                piece = self.arena.take(group.shard_nbytes, f"fresh {group.name}")
+                if piece is None:
+                    self._refused.add(gi)
+                    return
+                entry = self._filling[gi] = [piece, group.shard_numel, self._generation]
+        n = values.numel()
+        entry[0].tensor[:group.shard_nbytes].view(values.dtype)[offset_numel:offset_numel + n].copy_(values)
+        with self._lock:
+            entry[1] -= n
+            if entry[1] > 0:
+                return
+            del self._filling[gi]
+            if entry[2] == self._generation:
+                self._complete[gi] = entry[0]
+                return
+        entry[0].release()
+
+    def has(self, group: ParamGroup) -> bool:
+        return group.index in self._complete
+
+    def take(self, group: ParamGroup):
+        """The group's complete fresh shard (an arena slice the caller releases), or None."""
+        with self._lock:
+            piece = self._complete.pop(group.index, None)
+        if piece is not None:
+            self.served += 1
+            self.bytes_served += group.shard_nbytes
+        return piece
+
+    def discard(self, group: ParamGroup) -> None:
+        piece = self.take(group)
+        if piece is not None:
+            self.served -= 1
+            self.bytes_served -= group.shard_nbytes
+            piece.release()
+
+    def clear(self) -> None:
+        """Give back every fresh shard not taken (they are stale from the next update on)."""
+        with self._lock:
+            self._generation += 1
+            done, self._complete = self._complete, {}
+            self._refused = set()
+        for piece in done.values():
+            piece.release()
+
+
 class FetchStats:
     """Counters the engine reports per step (see infinity.stats)."""
 
@@ -52,6 +151,7 @@ class FetchStats:
         self.read_wait_seconds = 0.0
         # Part of stall_seconds spent waiting for an overlapped optimizer step to rewrite a shard.
         self.update_wait_seconds = 0.0
+        self.fresh_shards = 0   # fetches served from a fresh shard, no tier read (see [Note: fresh shards])
         self.fetches = 0
         self.prefetch_hits = 0
         self.bytes_gathered = 0
@@ -62,6 +162,7 @@ class FetchStats:
             "stall_seconds": self.stall_seconds,
             "read_wait_seconds": self.read_wait_seconds,
             "update_wait_seconds": self.update_wait_seconds,
+            "fresh_shards": self.fresh_shards,
             "fetches": self.fetches,
             "prefetch_hits": self.prefetch_hits,
             "hit_rate": self.prefetch_hits / self.fetches if self.fetches else 0.0,
@@ -102,8 +203,10 @@ class Coordinator:
         self.stats = FetchStats()
         self.prefetcher = None
         self.on_shard_written = None
-        # The overlapped optimizer step still rewriting shards (infinity.dpu.BackgroundUpdate), or None.
+        # The overlapped optimizer step still rewriting shards (infinity.dpu.BackgroundUpdate), or None,
+        # and the shards it has just rewritten, in host memory (see [Note: fresh shards]).
         self.update_gate = None
+        self.fresh: FreshShards | None = None
 
     # -- partitioning --------------------------------------------------------------------------
     def partition(self, name: str, params: list[tuple[str, nn.Parameter]],
@@ -133,6 +236,8 @@ class Coordinator:
 
     def write_shard(self, group: ParamGroup, values: torch.Tensor, offset_numel: int = 0):
         """Start writing ``values`` (compute dtype, or converted) into the group's shard at an element offset."""
+        if self.fresh is not None:
+            self.fresh.discard(group)
         src = values if values.dtype == self.dtype else values.to(self.dtype)
         nbytes_per = src.element_size()
         return self.param_tier.write(group.param_key, src.contiguous(), offset=offset_numel * nbytes_per)
@@ -150,14 +255,27 @@ class Coordinator:
         arena (see [Note: why prefetched reads have their own staging] in staging_arena.py).
         It is released when the fetch completes (or at once when this call issues nothing).
         """
-        if group.state is not ParamState.NOT_AVAILABLE or (staging is not None and not self.update_ready(group)):
+        if group.state is not ParamState.NOT_AVAILABLE:
             if staging is not None:
                 staging.release()
             return False
-        if self.update_gate is not None:
+        fresh = self.fresh.take(group) if self.fresh is not None else None
+        if fresh is None and not self.update_ready(group):
+            if staging is not None:
+                staging.release()
+                return False
             waited = self.update_gate.wait_ready(group)
             self.stats.update_wait_seconds += waited
             self.stats.stall_seconds += waited
+            fresh = self.fresh.take(group) if self.fresh is not None else None
+        if fresh is not None:
+            if staging is not None:
+                staging.release()
+            shard = fresh.tensor[:group.shard_nbytes].view(self.dtype)
+            group.to_inflight(_PendingFetch(_Ready(group.shard_nbytes), shard, fresh.release))
+            group.prefetched = prefetch
+            self.stats.fresh_shards += 1
+            return True
         if staging is not None:
             staging, release = staging.tensor[:group.shard_nbytes].view(self.dtype), staging.release
         else:
@@ -281,6 +399,8 @@ class Coordinator:
     def end_backward(self) -> None:
         self.backward_held.clear()
         self.release_all()
+        if self.fresh is not None:
+            self.fresh.clear()
 
     def release_all(self, include_persistent: bool = False) -> None:
         """Drop every gathered group not in use (end of backward, before/after an update)."""

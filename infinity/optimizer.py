@@ -44,6 +44,7 @@ from torch import nn
 
 from infinity import registry
 from infinity.dpu import BackgroundUpdate, DelayedUpdate, DpuStats, StepJob
+from infinity.coordinator import FreshShards
 from infinity.engine import EngineError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -98,6 +99,9 @@ class _OffloadAdam(torch.optim.Optimizer):
                                           self._stats) if dpu.overlap and streamed and not dpu.enabled else None)
         self._background = self._delay or self._overlap
         engine.coordinator.update_gate = self._overlap
+        arena = getattr(engine.prefetcher, "arena", None)
+        if self._overlap is not None and arena is not None:
+            engine.coordinator.fresh = FreshShards(arena)
         engine.optimizer = self
 
     # -- hooks the engine calls --------------------------------------------------------------
@@ -161,6 +165,8 @@ class _OffloadAdam(torch.optim.Optimizer):
             self._delay.submit(job)
         elif self._overlap is not None:
             self._after_update()   # gathered copies are stale from here on; fetches wait per group
+            if self.engine.coordinator.fresh is not None:
+                self.engine.coordinator.fresh.clear()
             self._overlap.submit(job)
         elif self._delay is not None:
             self._delay.run_inline(job)
@@ -316,6 +322,9 @@ class _OffloadAdam(torch.optim.Optimizer):
             values = master[a:b].to(coordinator.dtype)
             offset = (piece.group_offset + a - piece.sub_offset) * values.element_size()
             fut = coordinator.param_tier.write(key, values, offset=offset)
+            if job.overlapped and coordinator.fresh is not None:
+                coordinator.fresh.offer(coordinator.groups[piece.group_index], piece.group_offset + a - piece.sub_offset,
+                                        values)
             if not fut.done():
                 writes.append((fut, values))
 

@@ -39,7 +39,12 @@ shared/DESIGN.md, one micro-batch per step, steady state: compute copies are rea
 again in backward (persistent groups once: they are re-gathered after the update only); gradients
 are written as they are reduce-scattered; one pass over the optimizer's sub-groups reads master,
 m, v and gradient and writes master, m, v and the new compute copy (frozen groups are not
-rewritten).
+rewritten). With the overlapped step (``dpu.overlap`` without DPU, params on NVMe, prefetching
+on), the next forward takes up to ``prefetch.nvme_bytes`` of the rewritten compute copies from
+host memory instead of reading them back ([Note: fresh shards] in infinity/coordinator.py): the
+plan subtracts min(``prefetch.nvme_bytes``, rewritten bytes) from the reads. That is the floor
+of the saving; when the forward consumes fresh shards while the update still runs, the arena
+is reused and more is saved.
 """
 from __future__ import annotations
 
@@ -177,6 +182,10 @@ class Layout:
     def nvme_read_bytes(self) -> int:
         """Bytes one rank reads from NVMe per step (see [Note: NVMe traffic per step])."""
         total = self.read_nvme if self.params_tier == "nvme" else 0
+        cfg = self.cfg
+        if (self.params_tier == "nvme" and cfg.dpu.overlap and not cfg.dpu.enabled and cfg.prefetch.enabled
+                and self.structured):
+            total -= min(int(cfg.prefetch.nvme_bytes), self.rewrite_nvme)   # fresh shards
         if self.opt_tier == "nvme":
             total += 4 * FP32_BYTES * self.trainable_numel  # master, m, v, gradient
         return total

@@ -60,6 +60,8 @@ def test_overlapped_step_matches_torch_adamw_step_by_step(tmp_path, slow_update,
     fetch = engine_of(model).coordinator.stats
     assert fetch.update_wait_seconds > 0
     assert fetch.stall_seconds >= fetch.update_wait_seconds
+    # With NVMe params, forwards took the shards the update had just written from host memory.
+    assert (fetch.fresh_shards > 0) == (params == "nvme")
     assert gathered_diff(model, ref) <= TOL
 
 
@@ -135,3 +137,32 @@ def test_failed_update_is_raised_by_the_next_forward(tmp_path, monkeypatch):
     opt.zero_grad()
     with pytest.raises(DpuWorkerError, match=r"background optimizer step 1 .*kernel exploded.*partly updated"):
         model(idx, tgt)
+
+
+def test_fresh_shards_are_served_once_and_discarded_by_a_state_load(tmp_path):
+    model, ref = make(tmp_path, "nvme", "nvme")
+    opt = infinity.AdamW(model, lr=1e-2)
+    coordinator = engine_of(model).coordinator
+    initial = opt.state_dict()
+    (idx, tgt), = batches(1)
+    model(idx, tgt).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.synchronize()
+    fresh = coordinator.fresh
+    assert fresh.has(coordinator.groups[0]) and fresh.arena.bytes_in_use > 0
+    opt.load_state_dict(initial)   # rewrites every shard: the fresh copies of step 1 are stale
+    assert not any(fresh.has(g) for g in coordinator.groups)
+    with torch.no_grad():
+        assert model(idx, tgt).item() == pytest.approx(ref(idx, tgt).item(), abs=1e-6)
+    model(idx, tgt).backward()
+    opt.step()
+    opt.zero_grad()
+    served = fresh.served
+    with torch.no_grad():
+        model(idx, tgt)          # takes the fresh shards of step 2
+    after_first = fresh.served
+    assert after_first > served
+    with torch.no_grad():
+        model(idx, tgt)          # and cannot take them twice
+    assert fresh.served == after_first
