@@ -244,7 +244,8 @@ class DpuConfig(Section):
 
     threads: int = 0
     """CPU threads for the host optimizer step on its background thread (DPU, or the overlapped step);
-    0 keeps torch's default."""
+    0 keeps torch's default, except for the overlapped step with the CPU as compute device, which then
+    uses 1 (it mostly waits for NVMe, and a second team of threads beside compute slows both)."""
 
     overlap: bool = True
     """Without DPU, when optimizer states or parameters are on NVMe: `opt.step()` starts the update on a

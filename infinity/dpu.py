@@ -105,7 +105,8 @@ class StepJob:
     overlapped:
         True when the job runs on the background worker at exact semantics: it writes the
         published compute copies in place and reports each finished sub-group
-        (``BackgroundUpdate.sub_done``) so the next forward can fetch those groups.
+        (``BackgroundUpdate.sub_done``, with the futures of its compute-copy writes) so the
+        next forward can fetch those groups once the writes have landed.
     """
 
     step: int
@@ -215,7 +216,8 @@ class BackgroundUpdate:
         self._idle = threading.Event()
         self._idle.set()
         self._progress = threading.Condition()
-        self._done_sub = -1          # the running job has finished every sub-group up to this one
+        self._done_sub = -1          # the running job has stepped every sub-group up to this one
+        self._copy_writes: dict[int, list] = {}   # sub-group -> its compute-copy write futures
         self._running: StepJob | None = None
         self._unpublished: StepJob | None = None
         self._failure: tuple[StepJob, BaseException] | None = None
@@ -226,17 +228,25 @@ class BackgroundUpdate:
         weakref.finalize(self, self._queue.put, _STOP)
 
     # -- progress of the running job -------------------------------------------------------------
-    def sub_done(self, sub: int) -> None:
-        """Called by the running job (worker thread): every sub-group up to ``sub`` is finished."""
+    def sub_done(self, sub: int, copy_writes=()) -> None:
+        """Called by the running job (worker thread): every sub-group up to ``sub`` is stepped, and
+        ``copy_writes`` are the futures of ``sub``'s compute-copy writes (the job need not wait for
+        them: a fetch waits for those of its own group's sub-groups)."""
         with self._progress:
+            self._copy_writes[sub] = list(copy_writes)
             self._done_sub = sub
             self._progress.notify_all()
+
+    def _writes_of(self, group) -> list:
+        return [f for p in self.store.layout.pieces_of_group[group.index]
+                for f in self._copy_writes.get(p.sub_index, ())]
 
     def ready(self, group) -> bool:
         """Whether ``group``'s stored shard is final: no running job will still rewrite it."""
         job = self._running
-        return (job is None or group.index not in job.updated
-                or self._last_sub[group.index] <= self._done_sub)
+        if job is None or group.index not in job.updated:
+            return True
+        return self._last_sub[group.index] <= self._done_sub and all(f.done() for f in self._writes_of(group))
 
     def wait_ready(self, group) -> float:
         """Block until :meth:`ready`; returns the seconds waited. Raises if the job failed."""
@@ -244,8 +254,12 @@ class BackgroundUpdate:
             return 0.0
         t0 = time.perf_counter()
         with self._progress:
-            while not self.ready(group):
+            while self._running is not None and group.index in self._running.updated \
+                    and self._last_sub[group.index] > self._done_sub:
                 self._progress.wait()
+            writes = self._writes_of(group) if self._running is not None else []
+        for fut in writes:
+            fut.wait()
         waited = time.perf_counter() - t0
         self.stats.exposed_seconds += waited
         self.raise_if_failed()
@@ -275,6 +289,7 @@ class BackgroundUpdate:
             self.stats.overlapped_steps += 1
         with self._progress:
             self._done_sub = -1
+            self._copy_writes = {}
             self._running = job
         self._unpublished = job
         ready = None

@@ -95,8 +95,12 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._delay = (DelayedUpdate(self.store, engine.coordinator, self._apply, dpu.threads, engine.device,
                                      self._trainable, self._stats) if dpu.enabled else None)
         streamed = not self.store.in_place or engine.config.tiers.params == "nvme"
-        self._overlap = (BackgroundUpdate(self.store, engine.coordinator, self._apply, dpu.threads, engine.device,
-                                          self._stats) if dpu.overlap and streamed and not dpu.enabled else None)
+        # With the CPU as compute device, a second full team of threads beside compute slows both
+        # (see [Note: chunks and parallel regions]); the overlapped update mostly waits for NVMe.
+        overlap_threads = dpu.threads or (0 if engine.device.is_cuda else 1)
+        self._overlap = (BackgroundUpdate(self.store, engine.coordinator, self._apply, overlap_threads,
+                                          engine.device, self._stats)
+                         if dpu.overlap and streamed and not dpu.enabled else None)
         self._background = self._delay or self._overlap
         engine.coordinator.update_gate = self._overlap
         arena = getattr(engine.prefetcher, "arena", None)
@@ -302,13 +306,10 @@ class _OffloadAdam(torch.optim.Optimizer):
                     self._write_compute_copies(job, sub, st["master"], c0, c1, copies)
             if job.overlapped:
                 # The next forward may fetch this sub-group's groups once their copies have landed.
-                for fut, _ in copies:
-                    fut.wait()
                 if self.engine.device.is_cuda:   # a device tier's copies ran on this worker's stream
                     torch.cuda.current_stream(self.engine.device.device).synchronize()
-                self._overlap.sub_done(sub)
-            else:
-                writes.extend(copies)
+                self._overlap.sub_done(sub, [fut for fut, _ in copies])
+            writes.extend(copies)
 
     def _write_compute_copies(self, job: StepJob, sub: int, master: torch.Tensor, c0: int, c1: int,
                               writes: list) -> None:

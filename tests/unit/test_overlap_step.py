@@ -40,9 +40,9 @@ def slow_update(monkeypatch):
     """Each finished sub-group is announced 3 ms late, so the next forward catches the update midway."""
     announce = BackgroundUpdate.sub_done
 
-    def late(self, sub):
+    def late(self, sub, copy_writes=()):
         time.sleep(0.003)
-        announce(self, sub)
+        announce(self, sub, copy_writes)
 
     monkeypatch.setattr(BackgroundUpdate, "sub_done", late)
 
