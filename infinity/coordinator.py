@@ -112,6 +112,13 @@ class FreshShards:
     def has(self, group: ParamGroup) -> bool:
         return group.index in self._complete
 
+    @property
+    def held_bytes(self) -> int:
+        """Arena bytes held by fresh shards not yet taken (complete or being filled)."""
+        with self._lock:
+            return (sum(piece.nbytes for piece in self._complete.values())
+                    + sum(entry[0].nbytes for entry in self._filling.values()))
+
     def take(self, group: ParamGroup):
         """The group's complete fresh shard (an arena slice the caller releases), or None."""
         with self._lock:

@@ -60,6 +60,7 @@ torch's default. ``dpu.threads = 0`` keeps torch's default.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import queue
 import threading
@@ -72,6 +73,16 @@ from typing import Callable
 import torch
 
 _STOP = object()
+# Every worker still alive: at exit each finishes its running job before the interpreter
+# tears down (a daemon thread stopped in the middle of a write would leave a half-written
+# state and can abort the interpreter's shutdown).
+_WORKERS: "weakref.WeakSet[BackgroundUpdate]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    for worker in list(_WORKERS):
+        worker._idle.wait()
 
 
 @dataclass(frozen=True)
@@ -226,6 +237,7 @@ class BackgroundUpdate:
         self._last_sub = [max((p.sub_index for p in pieces), default=-1)
                           for pieces in store.layout.pieces_of_group]
         weakref.finalize(self, self._queue.put, _STOP)
+        _WORKERS.add(self)
 
     # -- progress of the running job -------------------------------------------------------------
     def sub_done(self, sub: int, copy_writes=()) -> None:

@@ -26,6 +26,26 @@ gradient keys and the compute-copy keys may be the second buffers of DPU), so th
 pass never reads state the main thread may be changing. See [Note: delayed
 parameter update] in dpu.py for when jobs run and are published.
 
+[Note: overlapped step]
+Without DPU, a synchronous update makes the next forward wait for the whole pass: with
+states on NVMe that is the step's largest block of I/O (master, m, v and gradient read,
+master, m, v and compute copies written), while the disk idles through most of the
+backward. With ``dpu.overlap`` (the default; used when the pass moves bytes to or from
+NVMe and DPU is off), ``step()`` checks the gradients (non-finite flag, clipping), hands
+the job to the background worker and returns. The job writes the compute copies in
+place, in sub-group order (the order of group creation, close to the forward's), and
+reports each stepped sub-group with the futures of its compute-copy writes
+(``BackgroundUpdate.sub_done``). The coordinator's fetch of a group waits until every
+sub-group holding it was stepped and those writes landed (``update_gate``); reads ahead
+skip a group not ready yet and try again at the next walk, so the compute thread only
+ever waits for the group it needs now. Each fetch sees the new values, so results equal
+the synchronous step's bit for bit (tests/unit/test_overlap_step.py). The first gradient
+of the next backward waits for the job to end (it reads the gradient keys that backward
+accumulates into); so do ``synchronize()`` and everything that calls it (``state_dict``,
+``gathered``, checkpoints), and the next ``step()``. With NVMe parameters the forward
+takes most groups from host memory, not from the disk: see [Note: fresh shards] in
+coordinator.py.
+
 [Note: skipped steps]
 When any rank saw a non-finite gradient (``GradReducer.nonfinite``, e.g. an fp16
 overflow), ``step()`` skips the update as ``torch.cuda.amp.GradScaler`` does: the

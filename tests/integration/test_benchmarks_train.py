@@ -71,7 +71,7 @@ def test_scale_benchmark_ladder_reports_rss_against_states(tmp_path):
                 "--seq", "16", "--nvme-dir", str(tmp_path / "nvme"), "--json", str(out))
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert len(rows) == 2 and all(r["error"] is None for r in rows)
+    assert len(rows) == 2 and all(r["error"] is None for r in rows), [r["error"] for r in rows]
     assert rows[1]["n_params"] > 3 * rows[0]["n_params"]
     for r in rows:
         assert r["peak_rss_bytes"] > 0 and r["nvme_peak_bytes"] >= r["states_nbytes"]

@@ -56,6 +56,7 @@ def test_overlapped_step_matches_torch_adamw_step_by_step(tmp_path, slow_update,
     assert covered == set(n for n, _ in ref.named_parameters(remove_duplicate=False))
     stats = opt.stats()
     assert stats["overlap"] and stats["overlapped_steps"] == 6 and stats["sync_steps"] == 0, stats
+    assert stats["worker_threads"] == 1   # dpu.threads = 0 with the CPU as compute device
     # The forwards did run into groups the update had not rewritten yet, and waited for them.
     fetch = engine_of(model).coordinator.stats
     assert fetch.update_wait_seconds > 0
