@@ -43,11 +43,13 @@ from infinity.examples.gpt import GPT, GPTConfig
 
 def build(shape: GPTConfig, optimizer: str, dpu_threads: int | None, nvme_dir: str, seed: int = 0,
           warmup: int = 1):
-    """A GPT under infinity; ``dpu_threads`` None means synchronous steps."""
+    """A GPT under infinity; ``dpu_threads`` None means synchronous steps (``dpu.overlap`` off too:
+    the baseline DPU is measured against is the update inside ``opt.step()``)."""
     path = os.path.join(nvme_dir, f"{optimizer}-{dpu_threads}-{time.monotonic_ns()}")
     os.makedirs(path)
     cfg = {"tiers": {"params": "host", "optimizer": optimizer, "nvme_path": path, "device": "cpu"},
-           "dpu": {"enabled": dpu_threads is not None, "warmup_steps": warmup, "threads": dpu_threads or 0}}
+           "dpu": {"enabled": dpu_threads is not None, "warmup_steps": warmup, "threads": dpu_threads or 0,
+                   "overlap": False}}
     torch.manual_seed(seed)
     with infinity.Init(cfg):
         model = GPT(shape)

@@ -66,19 +66,20 @@ class FreshShards:
     takes that slice instead of reading the shard: one NVMe read less per group and
     step, and the forward need not wait for the write to land. When the arena is full
     the group is simply read from NVMe as before. A shard is served once (the backward
-    reads the written copy); those not taken by the end of the next backward, or by the
-    next update, give their slices back. Writing a group's shard any other way
-    (``Coordinator.write_shard``: loading a state or a checkpoint) discards its fresh copy.
+    reads the written copy); complete ones not taken by the end of the next backward give
+    their slices back (``clear``), and the next update starts from an empty set (``reset``,
+    which also drops shards a failed update left half filled). Writing a group's shard any
+    other way (``Coordinator.write_shard``: loading a state or a checkpoint) discards its
+    fresh copy.
 
-    ``offer`` runs on the update's thread, everything else on the main thread; a
-    ``clear`` while a shard is still being filled makes that shard's filler drop it.
+    ``offer`` runs on the update's thread, everything else on the main thread; ``reset``
+    only while no update runs.
     """
 
     def __init__(self, arena) -> None:
         self.arena = arena
         self._lock = threading.Lock()
-        self._generation = 0
-        self._filling: dict[int, list] = {}     # group index -> [slice, elements missing, generation]
+        self._filling: dict[int, list] = {}     # group index -> [slice, elements missing]
         self._complete: dict[int, object] = {}  # group index -> arena slice holding the whole shard
         self._refused: set[int] = set()
         self.served = 0
@@ -96,18 +97,14 @@ class FreshShards:
                 if piece is None:
                     self._refused.add(gi)
                     return
-                entry = self._filling[gi] = [piece, group.shard_numel, self._generation]
+                entry = self._filling[gi] = [piece, group.shard_numel]
         n = values.numel()
         entry[0].tensor[:group.shard_nbytes].view(values.dtype)[offset_numel:offset_numel + n].copy_(values)
         with self._lock:
             entry[1] -= n
-            if entry[1] > 0:
-                return
-            del self._filling[gi]
-            if entry[2] == self._generation:
+            if entry[1] == 0:
+                del self._filling[gi]
                 self._complete[gi] = entry[0]
-                return
-        entry[0].release()
 
     def has(self, group: ParamGroup) -> bool:
         return group.index in self._complete
@@ -136,12 +133,18 @@ class FreshShards:
             piece.release()
 
     def clear(self) -> None:
-        """Give back every fresh shard not taken (they are stale from the next update on)."""
+        """Give back every complete fresh shard not taken (end of a backward)."""
         with self._lock:
-            self._generation += 1
             done, self._complete = self._complete, {}
-            self._refused = set()
         for piece in done.values():
+            piece.release()
+
+    def reset(self) -> None:
+        """Give back every shard, complete or not, and forget refusals (before an update starts)."""
+        with self._lock:
+            pieces = list(self._complete.values()) + [entry[0] for entry in self._filling.values()]
+            self._complete, self._filling, self._refused = {}, {}, set()
+        for piece in pieces:
             piece.release()
 
 

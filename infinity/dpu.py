@@ -76,10 +76,13 @@ _STOP = object()
 # Every worker still alive: at exit each finishes its running job before the interpreter
 # tears down (a daemon thread stopped in the middle of a write would leave a half-written
 # state and can abort the interpreter's shutdown).
+# The drain is registered when the first worker is made, after the engine's weakref.finalize
+# (which closes the tiers at exit): exit handlers run last-registered first, so the drain runs
+# before the tiers close.
 _WORKERS: "weakref.WeakSet[BackgroundUpdate]" = weakref.WeakSet()
+_drain_registered = False
 
 
-@atexit.register
 def _drain_at_exit() -> None:
     for worker in list(_WORKERS):
         worker._idle.wait()
@@ -237,6 +240,10 @@ class BackgroundUpdate:
         self._last_sub = [max((p.sub_index for p in pieces), default=-1)
                           for pieces in store.layout.pieces_of_group]
         weakref.finalize(self, self._queue.put, _STOP)
+        global _drain_registered
+        if not _drain_registered:
+            atexit.register(_drain_at_exit)
+            _drain_registered = True
         _WORKERS.add(self)
 
     # -- progress of the running job -------------------------------------------------------------
@@ -254,7 +261,13 @@ class BackgroundUpdate:
                 for f in self._copy_writes.get(p.sub_index, ())]
 
     def ready(self, group) -> bool:
-        """Whether ``group``'s stored shard is final: no running job will still rewrite it."""
+        """Whether ``group``'s stored shard is final: no running job will still rewrite it.
+
+        False while a failed job is not reported yet, so the next fetch raises it
+        (``wait_ready``) instead of computing with partly updated parameters.
+        """
+        if self._failure is not None:
+            return False
         job = self._running
         if job is None or group.index not in job.updated:
             return True
@@ -264,6 +277,7 @@ class BackgroundUpdate:
         """Block until :meth:`ready`; returns the seconds waited. Raises if the job failed."""
         if self.ready(group):
             return 0.0
+        self.raise_if_failed()
         t0 = time.perf_counter()
         with self._progress:
             while self._running is not None and group.index in self._running.updated \
@@ -354,11 +368,13 @@ class BackgroundUpdate:
         try:
             if self.device is not None and self.device.is_cuda:
                 stream = self._cuda_stream()
-                with torch.cuda.device(self.device.device), torch.cuda.stream(stream):
-                    if ready is not None:
-                        stream.wait_event(ready)
-                    self._call(job)
-                stream.synchronize()
+                try:
+                    with torch.cuda.device(self.device.device), torch.cuda.stream(stream):
+                        if ready is not None:
+                            stream.wait_event(ready)
+                        self._call(job)
+                finally:   # a failed job's device work must not outlive it either
+                    stream.synchronize()
             else:
                 self._call(job)
         except BaseException as exc:  # handed to the main thread by wait()

@@ -141,9 +141,10 @@ class _OffloadAdam(torch.optim.Optimizer):
         if self._delay is not None and self._delay.reading_grads(self.store.keys["grad"]):
             raise EngineError(f"{self._name}: a backward is accumulating into the gradient buffer that the "
                               "background step still reads (internal error: the buffers were not swapped)")
-        if self._overlap is not None and self._overlap.running:
+        if self._overlap is not None:
             # The overlapped step reads the gradient keys this backward is about to write. By now
             # the forward has waited for every group it used, so what is left is its last writes.
+            # A failed one is reported here at the latest.
             self._overlap.wait()
 
     def synchronize(self) -> None:
@@ -190,7 +191,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         elif self._overlap is not None:
             self._after_update()   # gathered copies are stale from here on; fetches wait per group
             if self.engine.coordinator.fresh is not None:
-                self.engine.coordinator.fresh.clear()
+                self.engine.coordinator.fresh.reset()
             self._overlap.submit(job)
         elif self._delay is not None:
             self._delay.run_inline(job)
@@ -314,22 +315,31 @@ class _OffloadAdam(torch.optim.Optimizer):
         else:
             passes = self._streamed_pass(job, spans)
         chunk = _chunk_numel()
-        for sub, st, writes in passes:
-            states = (st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"])
-            copies: list = []
-            for start, numel in spans[sub]:
-                for c0 in range(start, start + numel, chunk):
-                    c1 = min(c0 + chunk, start + numel)
-                    parts = [(max(o, c0), min(o + n, c1)) for o, n in runs[sub] if o < c1 and o + n > c0]
-                    if parts:
-                        kernel(*[[t[a:b] for a, b in parts] for t in states], [], [step_t] * len(parts), **hyper)
-                    self._write_compute_copies(job, sub, st["master"], c0, c1, copies)
-            if job.overlapped:
-                # The next forward may fetch this sub-group's groups once their copies have landed.
-                if self.engine.device.is_cuda:   # a device tier's copies ran on this worker's stream
-                    torch.cuda.current_stream(self.engine.device.device).synchronize()
-                self._overlap.sub_done(sub, [fut for fut, _ in copies])
-            writes.extend(copies)
+        copies: list = []
+        try:
+            for sub, st, writes in passes:
+                states = (st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"])
+                for start, numel in spans[sub]:
+                    for c0 in range(start, start + numel, chunk):
+                        c1 = min(c0 + chunk, start + numel)
+                        parts = [(max(o, c0), min(o + n, c1)) for o, n in runs[sub] if o < c1 and o + n > c0]
+                        if parts:
+                            kernel(*[[t[a:b] for a, b in parts] for t in states], [], [step_t] * len(parts),
+                                   **hyper)
+                        self._write_compute_copies(job, sub, st["master"], c0, c1, copies)
+                if job.overlapped:
+                    # The next forward may fetch this sub-group's groups once their copies have landed.
+                    if self.engine.device.is_cuda:   # a device tier's copies ran on this worker's stream
+                        torch.cuda.current_stream(self.engine.device.device).synchronize()
+                    self._overlap.sub_done(sub, [fut for fut, _ in copies])
+                writes.extend(copies)
+                copies = []
+        except BaseException:
+            # Wait for what this sub-group issued, then let the pass wait for the rest (its
+            # except clause), before the error travels on: no transfer outlives a failed update.
+            _drain([fut for fut, _ in copies])
+            passes.close()
+            raise
 
     def _write_compute_copies(self, job: StepJob, sub: int, master: torch.Tensor, c0: int, c1: int,
                               writes: list) -> None:
@@ -352,10 +362,14 @@ class _OffloadAdam(torch.optim.Optimizer):
     def _in_place_pass(self, job: StepJob, subs: list[int]):
         """Host tier: yield the stored states themselves; compute-copy writes are waited at the end."""
         store, writes = self.store, []
-        for sub in subs:
-            st = {s: store.view(s, sub) for s in ("master", *_MOMENTS)}
-            st["grad"] = store.tier.view(job.grad_keys[sub]).view(torch.float32)
-            yield sub, st, writes
+        try:
+            for sub in subs:
+                st = {s: store.view(s, sub) for s in ("master", *_MOMENTS)}
+                st["grad"] = store.tier.view(job.grad_keys[sub]).view(torch.float32)
+                yield sub, st, writes
+        except BaseException:
+            _drain([f for f, _ in writes])   # as in _streamed_pass
+            raise
         for fut, _ in writes:
             fut.wait()
 
@@ -392,19 +406,25 @@ class _OffloadAdam(torch.optim.Optimizer):
                 else:
                     reads[slot].append(tier.read(key(s, sub), buf))
 
-        if subs:
-            issue_reads(0)
-        for i, sub in enumerate(subs):
-            slot = i % 2
-            for fut in reads[slot]:
-                fut.wait()
-            if i + 1 < len(subs):
-                issue_reads(i + 1)
-            numel = layout.sub_ranges[sub][1]
-            st = {s: bufs[slot][s][:numel] for s in _STATES}
-            yield sub, st, writes[slot]
-            for s in ("master", *_MOMENTS):
-                writes[slot].append((tier.write(store.keys[s][sub], st[s]), st[s]))
+        try:
+            if subs:
+                issue_reads(0)
+            for i, sub in enumerate(subs):
+                slot = i % 2
+                for fut in reads[slot]:
+                    fut.wait()
+                if i + 1 < len(subs):
+                    issue_reads(i + 1)
+                numel = layout.sub_ranges[sub][1]
+                st = {s: bufs[slot][s][:numel] for s in _STATES}
+                yield sub, st, writes[slot]
+                for s in ("master", *_MOMENTS):
+                    writes[slot].append((tier.write(store.keys[s][sub], st[s]), st[s]))
+        except BaseException:
+            # A failed pass still waits for every transfer it issued, so none outlives it (into
+            # buffers or keys the next pass, a fetch or a checkpoint load uses); its error wins.
+            _drain([f for slot in reads for f in slot] + [f for slot in writes for f, _ in slot])
+            raise
         for slot in range(2):
             for fut, _ in writes[slot]:
                 fut.wait()
@@ -574,6 +594,15 @@ def _chunk_numel() -> int:
     calling thread's team is one thread, as the DPU worker's is with ``dpu.threads = 1``.
     """
     return _CHUNK_NUMEL if torch.get_num_threads() == 1 else _WHOLE
+
+
+def _drain(futures) -> None:
+    """Wait for every future, ignoring their errors (a failure is being raised already)."""
+    for fut in futures:
+        try:
+            fut.wait()
+        except BaseException:   # noqa: BLE001 - the error being raised matters more
+            pass
 
 
 def _merge(ranges) -> list[tuple[int, int]]:

@@ -167,3 +167,53 @@ def test_fresh_shards_are_served_once_and_discarded_by_a_state_load(tmp_path):
     with torch.no_grad():
         model(idx, tgt)          # and cannot take them twice
     assert fresh.served == after_first
+
+
+def test_a_fetch_after_a_failed_update_raises_instead_of_using_mixed_parameters(tmp_path, monkeypatch):
+    """The update fails in its third sub-group: groups of the first two are rewritten, the rest
+    are not. The first fetch afterwards must raise, not gather a mix."""
+    model, _ = make(tmp_path, "nvme", "nvme")
+    opt = infinity.AdamW(model)
+    coordinator = engine_of(model).coordinator
+    idx, tgt = batches(1)[0]
+    model(idx, tgt).backward()
+    announce = BackgroundUpdate.sub_done
+
+    def fail_third(self, sub, copy_writes=()):
+        if sub >= 2:
+            raise OSError(28, "No space left on device (injected)")
+        announce(self, sub, copy_writes)
+
+    monkeypatch.setattr(BackgroundUpdate, "sub_done", fail_third)
+    opt.step()
+    opt.zero_grad()
+    opt._overlap._idle.wait()     # the job has failed; nothing has reported it yet
+    last = coordinator.groups[-1]
+    with pytest.raises(DpuWorkerError, match=r"background optimizer step 1 .*injected.*partly updated"):
+        coordinator.gather([last])
+    assert opt._overlap.ready(last)   # reported once, as DPU reports a failed step
+
+
+def test_reset_gives_back_shards_left_half_filled():
+    from types import SimpleNamespace
+
+    from infinity.coordinator import FreshShards
+    from infinity.staging_arena import StagingArena
+    from tiers.host_alloc import HostAllocator
+
+    arena = StagingArena(HostAllocator(pin="never"), 4 * 4096)
+    fresh = FreshShards(arena)
+    group = SimpleNamespace(index=0, name="g", shard_numel=2048, shard_nbytes=8192)
+    fresh.offer(group, 0, torch.ones(1024))            # half of the shard: still filling
+    assert arena.bytes_in_use == 8192 and not fresh.has(group) and fresh.held_bytes == 8192
+    fresh.clear()                                        # end of a backward: complete ones only
+    assert arena.bytes_in_use == 8192
+    fresh.reset()                                        # before the next update: everything
+    assert arena.bytes_in_use == 0 and fresh.held_bytes == 0
+    fresh.offer(group, 0, torch.ones(1024))
+    fresh.offer(group, 1024, torch.full((1024,), 2.0))
+    piece = fresh.take(group)
+    assert torch.equal(piece.tensor[:8192].view(torch.float32), torch.cat([torch.ones(1024), torch.full((1024,), 2.0)]))
+    assert fresh.take(group) is None
+    piece.release()
+    assert arena.bytes_in_use == 0
