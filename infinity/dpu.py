@@ -116,6 +116,11 @@ class StepJob:
         groups this update does not change.
     delayed:
         True when the job runs on the background worker one step behind (DPU).
+    runs:
+        Per sub-group, the ``(offset, numel, step)`` ranges Adam updates and the step count of
+        each, when some trainable parameter had no gradient or lags in steps (see [Note:
+        parameters without a gradient] in optimizer.py); None when every trainable parameter
+        of ``updated`` has a gradient and ``step`` (the common case: whole groups, one step).
     overlapped:
         True when the job runs on the background worker at exact semantics: it writes the
         published compute copies in place and reports each finished sub-group
@@ -137,6 +142,7 @@ class StepJob:
     param_keys: tuple[int | None, ...]
     delayed: bool = False
     overlapped: bool = False
+    runs: tuple | None = None
 
 
 @dataclass

@@ -64,6 +64,7 @@ class GradReducer:
             self._buffers[group] = buf
         buf[slot.offset:slot.offset + slot.numel].copy_(param.grad.reshape(-1))
         param.grad = None
+        self.store.param_grads.add(id(param))
         self._arrived[group] = self._arrived.get(group, 0) + 1
         if self._arrived[group] >= self._expected[group]:
             self._reduce(group)

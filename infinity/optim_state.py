@@ -101,6 +101,10 @@ class OptimizerStateStore:
         self.keys = {"master": self._allocate("master")}
         self.moments_initialized = False
         self.grad_written: set[int] = set()
+        # ids of the parameters whose gradient arrived on this rank since zero_grad (torch's
+        # ".grad is not None"): the optimizer updates only those (see [Note: parameters without
+        # a gradient] in optimizer.py).
+        self.param_grads: set[int] = set()
         self.grad_norm_sq_cache: float | None = 0.0
         self.backward_count = 0
         self._pending_writes: list = []
@@ -218,6 +222,7 @@ class OptimizerStateStore:
     def zero_grad(self) -> None:
         self.flush()
         self.grad_written.clear()
+        self.param_grads.clear()
         self.grad_norm_sq_cache = 0.0
         self.backward_count = 0
 

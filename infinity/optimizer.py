@@ -46,6 +46,17 @@ accumulates into); so do ``synchronize()`` and everything that calls it (``state
 takes most groups from host memory, not from the disk: see [Note: fresh shards] in
 coordinator.py.
 
+[Note: parameters without a gradient]
+As in ``torch.optim``, a parameter whose gradient did not arrive since the last
+``zero_grad`` (on any rank: the flags travel with the non-finite check's all-reduce) is
+left alone: no weight decay, its moments and step count unchanged. Each parameter keeps
+its own step count for Adam's bias correction as torch's ``state["step"]`` does; they
+are stored as a lag behind the optimizer's ``step_count`` (``_lag``, parameters with lag
+0 not listed), saved in ``state_dict`` and checkpoints as ``param_steps`` by name. When
+every trainable parameter of the changed groups has a gradient and no lag, the job is
+the usual one (whole groups, padding included, one step); otherwise it carries its
+ranges (``StepJob.runs``), one per parameter shard, merged where their steps agree.
+
 [Note: skipped steps]
 When any rank saw a non-finite gradient (``GradReducer.nonfinite``, e.g. an fp16
 overflow), ``step()`` skips the update as ``torch.cuda.amp.GradScaler`` does: the
@@ -108,6 +119,13 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._calls = 0
         self._clip_coef: float | None = None
         self._trainable, self._ranges = self._trainable_ranges(params)
+        # See [Note: parameters without a gradient].
+        chosen = {id(p) for p in params}
+        self._param_slots = [(g, s) for g in engine.coordinator.groups for s in g.slots if id(s.param) in chosen]
+        self._lag: dict[int, int] = {}
+        self._param_names = {}
+        for name, p in model.named_parameters():
+            self._param_names.setdefault(id(p), name)
         self._stream_buffers: list[dict[str, torch.Tensor]] | None = None
         self._stats = DpuStats()
         dpu = engine.config.dpu
@@ -177,14 +195,15 @@ class _OffloadAdam(torch.optim.Optimizer):
             self._delay.raise_if_failed()
         if self._overlap is not None:
             self._overlap.wait()   # the previous update (the forward has usually waited for it already)
-        if self._grads_nonfinite():
+        nonfinite, with_grad = self._exchange_flags()
+        if nonfinite:
             self._skip()
             return None
         delayed = self._delay is not None and self.step_count >= self._warmup_steps
         if delayed:
             self._publish(self._delay.wait())
         self.step_count += 1
-        job = self._job(delayed)
+        job = self._job(delayed, with_grad)
         self._clip_coef = None
         if delayed:
             self._delay.submit(job)
@@ -207,10 +226,14 @@ class _OffloadAdam(torch.optim.Optimizer):
             self._after_update()
         return None
 
-    def _job(self, delayed: bool) -> StepJob:
+    def _job(self, delayed: bool, with_grad: set[int]) -> StepJob:
         hp = self.param_groups[0]
         self.store.flush()  # gradient writes the backward issued to the tier must land before the pass reads
         updated = frozenset(self._trainable & self.store.grad_written)
+        for _, slot in self._param_slots:
+            if id(slot.param) not in with_grad:
+                self._lag[id(slot.param)] = self._lag.get(id(slot.param), 0) + 1
+        runs = self._param_runs(updated, with_grad) if self._lag else None
         if delayed:
             grad_keys = self._delay.hand_over_grads()
         else:
@@ -223,15 +246,60 @@ class _OffloadAdam(torch.optim.Optimizer):
                        beta2=float(hp["betas"][1]), eps=float(hp["eps"]), weight_decay=float(hp["weight_decay"]),
                        decoupled=self._decoupled, clip_coef=self._clip_coef, grad_keys=grad_keys,
                        updated=updated, param_keys=param_keys, delayed=delayed,
-                       overlapped=not delayed and self._overlap is not None)
+                       overlapped=not delayed and self._overlap is not None, runs=runs)
 
-    def _grads_nonfinite(self) -> bool:
-        """Whether any rank's gradient of this step has an inf/NaN (the flag is consumed)."""
+    def _exchange_flags(self) -> tuple[bool, set[int]]:
+        """Whether any rank's gradient of this step has an inf/NaN (the flag is consumed), and the
+        ids of the trainable parameters whose gradient arrived on any rank: one all-reduce."""
         reducer = self.engine.reducer
-        flag = torch.tensor([1.0 if reducer.nonfinite else 0.0])
-        self.engine.ranks.all_reduce_max(flag)
+        local = self.store.param_grads
+        flags = torch.tensor([1.0 if reducer.nonfinite else 0.0]
+                             + [1.0 if id(s.param) in local else 0.0 for _, s in self._param_slots])
+        self.engine.ranks.all_reduce_max(flags)
         reducer.nonfinite = False
-        return bool(flag.item())
+        had = flags[1:].tolist()
+        return bool(flags[0].item()), {id(s.param) for (_, s), f in zip(self._param_slots, had) if f}
+
+    def _param_runs(self, updated: frozenset[int], with_grad: set[int]) -> tuple:
+        """Per sub-group, ``(offset, numel, step)`` of each updated parameter's shard on this rank
+        (see [Note: parameters without a gradient])."""
+        layout = self.store.layout
+        runs: list[list[tuple[int, int, int]]] = [[] for _ in range(layout.num_subs)]
+        for g, slot in self._param_slots:
+            pid = id(slot.param)
+            if g.index not in updated or pid not in with_grad:
+                continue
+            step = self.step_count - self._lag.get(pid, 0)
+            start = g.rank * g.shard_numel
+            a, b = max(slot.offset, start) - start, min(slot.offset + slot.numel, start + g.shard_numel) - start
+            for piece in layout.pieces_of_group[g.index]:
+                lo, hi = max(a, piece.group_offset), min(b, piece.group_offset + piece.numel)
+                if lo < hi:
+                    runs[piece.sub_index].append((piece.sub_offset + lo - piece.group_offset, hi - lo, step))
+        merged = []
+        for sub_runs in runs:
+            out: list[tuple[int, int, int]] = []
+            for offset, numel, step in sorted(sub_runs):
+                if out and out[-1][0] + out[-1][1] == offset and out[-1][2] == step:
+                    out[-1] = (out[-1][0], out[-1][1] + numel, step)
+                else:
+                    out.append((offset, numel, step))
+            merged.append(out)
+        return tuple(merged)
+
+    def param_steps(self) -> dict[str, int]:
+        """Adam step counts of the parameters that lag behind ``step_count`` (missed updates), by name."""
+        return {self._param_names.get(pid, str(pid)): self.step_count - lag for pid, lag in self._lag.items()}
+
+    def load_param_steps(self, steps: dict[str, int], where: str = "state") -> None:
+        """Restore :meth:`param_steps` (after ``step_count``); unknown names are an error."""
+        by_name = {name: pid for pid, name in self._param_names.items()}
+        unknown = sorted(set(steps) - set(by_name))
+        if unknown:
+            raise EngineError(f"{self._name}: the {where} has step counts for parameters this model does not "
+                              f"have: {unknown[:5]}")
+        self._lag = {by_name[name]: self.step_count - int(step) for name, step in steps.items()
+                     if self.step_count != int(step)}
 
     def _skip(self) -> None:
         """See [Note: skipped steps]."""
@@ -303,12 +371,19 @@ class _OffloadAdam(torch.optim.Optimizer):
         kernel = torch._fused_adamw_ if job.decoupled else torch._fused_adam_
         # The kernel reads the step and the scale where the states are (a device optimizer tier).
         device = self.store.tier.device if self.store.in_place and hasattr(self.store.tier, "device") else "cpu"
-        step_t = torch.tensor(float(job.step), device=device)
+        step_ts: dict[int, torch.Tensor] = {}
+
+        def step_t(step: int) -> torch.Tensor:
+            if step not in step_ts:
+                step_ts[step] = torch.tensor(float(step), device=device)
+            return step_ts[step]
+
         grad_scale = None if job.clip_coef is None else torch.tensor(1.0 / job.clip_coef, device=device)
         hyper = dict(amsgrad=False, lr=job.lr, beta1=job.beta1, beta2=job.beta2, weight_decay=job.weight_decay,
                      eps=job.eps, maximize=False, grad_scale=grad_scale, found_inf=None)
         layout = self.store.layout
-        runs = [self._runs(sub, job.updated) for sub in range(layout.num_subs)]
+        runs = job.runs or [[(o, n, job.step) for o, n in self._runs(sub, job.updated)]
+                            for sub in range(layout.num_subs)]
         spans = [self._spans(sub, job.updated) for sub in range(layout.num_subs)]
         if self.store.in_place:
             passes = self._in_place_pass(job, [sub for sub, r in enumerate(spans) if r])
@@ -322,10 +397,11 @@ class _OffloadAdam(torch.optim.Optimizer):
                 for start, numel in spans[sub]:
                     for c0 in range(start, start + numel, chunk):
                         c1 = min(c0 + chunk, start + numel)
-                        parts = [(max(o, c0), min(o + n, c1)) for o, n in runs[sub] if o < c1 and o + n > c0]
+                        parts = [(max(o, c0), min(o + n, c1), k) for o, n, k in runs[sub]
+                                 if o < c1 and o + n > c0]
                         if parts:
-                            kernel(*[[t[a:b] for a, b in parts] for t in states], [], [step_t] * len(parts),
-                                   **hyper)
+                            kernel(*[[t[a:b] for a, b, _ in parts] for t in states], [],
+                                   [step_t(k) for _, _, k in parts], **hyper)
                         self._write_compute_copies(job, sub, st["master"], c0, c1, copies)
                 if job.overlapped:
                     # The next forward may fetch this sub-group's groups once their copies have landed.
@@ -493,6 +569,7 @@ class _OffloadAdam(torch.optim.Optimizer):
                   for s in ("master", "exp_avg", "exp_avg_sq")}
         hp = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         return {"param_groups": [hp], "step": self.step_count, "skipped_steps": self.skipped_steps,
+                "param_steps": self.param_steps(),
                 "rank": self.engine.ranks.rank, "world_size": self.engine.ranks.world_size,
                 "shard_numels": [g.shard_numel for g in groups], "shards": shards}
 
@@ -516,6 +593,7 @@ class _OffloadAdam(torch.optim.Optimizer):
             self.param_groups[0][hp_key] = value
         self.step_count = int(state_dict["step"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.load_param_steps(state_dict.get("param_steps", {}), "state dict")
         for s, shards in state_dict["shards"].items():
             for g, shard in zip(groups, shards):
                 self.store.write_state_shard(s, g.index, shard)

@@ -200,6 +200,8 @@ def _restore_optimizer(opt, manifest: dict) -> None:
     opt.step_count = int(saved["step"])
     if hasattr(opt, "skipped_steps"):
         opt.skipped_steps = int(saved.get("skipped_steps", 0))
+    if hasattr(opt, "load_param_steps"):
+        opt.load_param_steps(saved.get("param_steps", {}), "checkpoint")
 
 
 def _check_buffers(manifest: dict, buffers: dict[str, torch.Tensor]) -> None:

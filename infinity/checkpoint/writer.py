@@ -241,7 +241,8 @@ def _global_manifest(engine, opt, description: dict, save_id: str, step: int, ch
     optimizer = None
     if opt is not None:
         optimizer = {"class": type(opt).__name__, "hyper": _jsonable_hyper(opt), "step": opt.step_count,
-                     "skipped_steps": int(getattr(opt, "skipped_steps", 0))}
+                     "skipped_steps": int(getattr(opt, "skipped_steps", 0)),
+                     "param_steps": opt.param_steps() if hasattr(opt, "param_steps") else {}}
     return {
         "format": FORMAT, "version": VERSION, "id": save_id, "step": step, "created": time.time(),
         "world_size": engine.ranks.world_size, "chunk_nbytes": chunk,

@@ -130,12 +130,6 @@ class PartlyUsed(nn.Module):
         return F.cross_entropy(F.linear(x, self.lin.weight), y)   # lin.bias gets no gradient
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a parameter that gets no gradient while others of its group (its module's parameters) do is "
-    "stepped with a zero gradient, so weight decay moves it; torch.optim skips parameters whose .grad "
-    "is None. GradReducer.finish_backward (infinity/grads.py) flushes the group's buffer with zeros "
-    "for the missing parameter and _OffloadAdam._runs (infinity/optimizer.py) updates every trainable "
-    "range of a group in store.grad_written; nothing records which parameters had a gradient"))
 def test_parameter_without_gradient_is_not_updated():
     model, ref = _build(PartlyUsed, {"tiers": {"params": "host", "optimizer": "host"}})
     opt = infinity.AdamW(model, lr=0.1, weight_decay=0.1)
@@ -149,6 +143,48 @@ def test_parameter_without_gradient_is_not_updated():
     assert torch.equal(ref.lin.bias, before)    # torch leaves it alone
     with infinity.gathered(model):
         assert torch.equal(model.lin.bias, before)
+
+
+class Branchy(nn.Module):
+    """Two experts: ``a`` on every step, ``b`` only on the steps told, so ``b`` lags in Adam's steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.gate = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, y, use_b=False):
+        h = torch.tanh(self.a(x))
+        if use_b:
+            h = h + torch.tanh(self.b(h))
+        return F.cross_entropy(self.head(h + self.gate(h)), y)
+
+
+@pytest.mark.parametrize("opt_tier,dpu_overlap", [("host", False), ("nvme", True), ("nvme", False)])
+def test_parameters_updated_only_on_their_steps_match_torch_with_their_own_step_counts(
+        tmp_path, opt_tier, dpu_overlap):
+    """``b`` gets gradients on steps 3, 4 and 7 only: torch skips it otherwise and corrects its
+    bias with its own step count (1, 2, 3), which must survive a state_dict round trip."""
+    cfg = _cfg("host", opt_tier, tmp_path)
+    cfg["dpu"] = {"overlap": dpu_overlap}
+    model, ref = _build(Branchy, cfg)
+    opt = infinity.AdamW(model, lr=0.05, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    uses = [False, False, True, True, False, False, True, False]
+    for step, ((x, y), use_b) in enumerate(zip(_data(len(uses)), uses)):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x, y, use_b).backward()
+            o.step()
+            o.zero_grad()
+        if step == 4:   # a round trip through the state dict keeps b's own step count
+            opt.load_state_dict(opt.state_dict())
+    assert opt.param_steps() == {"b.weight": 3, "b.bias": 3}
+    assert ref_opt.state[ref.b.weight]["step"].item() == 3
+    with infinity.gathered(model):
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert float((p - q).detach().abs().max()) <= PARAM_TOL, name
 
 
 # -- buffers ---------------------------------------------------------------------------------
@@ -232,3 +268,25 @@ def test_forward_that_raises_inside_a_module_leaves_training_exact(tmp_path):
     opt = infinity.AdamW(model, lr=LR, weight_decay=WEIGHT_DECAY)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     _assert_parity(*_train_side_by_side(model, opt, ref, ref_opt, data))
+
+
+def test_own_step_counts_travel_with_a_checkpoint_and_are_checked_by_name(tmp_path):
+    cfg = _cfg("host", "nvme", tmp_path)
+    model, _ = _build(Branchy, cfg)
+    opt = infinity.AdamW(model, lr=0.05)
+    for (x, y), use_b in zip(_data(3), [True, False, False]):
+        model(x, y, use_b).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.param_steps() == {"b.weight": 1, "b.bias": 1}
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    cfg2 = _cfg("host", "nvme", tmp_path / "other")
+    (tmp_path / "other").mkdir()
+    other, _ = _build(Branchy, cfg2)
+    oopt = infinity.AdamW(other, lr=0.05)
+    infinity.load_checkpoint(tmp_path / "ckpt", other, oopt)
+    assert oopt.step_count == 3 and oopt.param_steps() == {"b.weight": 1, "b.bias": 1}
+    state = oopt.state_dict()
+    state["param_steps"] = {"c.weight": 2}
+    with pytest.raises(infinity.engine.EngineError, match=r"step counts for parameters .*'c.weight'"):
+        oopt.load_state_dict(state)
