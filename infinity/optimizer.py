@@ -44,7 +44,7 @@ of the next backward waits for the job to end (it reads the gradient keys that b
 accumulates into); so do ``synchronize()`` and everything that calls it (``state_dict``,
 ``gathered``, checkpoints), and the next ``step()``. With NVMe parameters the forward
 takes most groups from host memory, not from the disk: see [Note: fresh shards] in
-coordinator.py.
+fresh_shards.py.
 
 [Note: parameters without a gradient]
 As in ``torch.optim``, a parameter whose gradient did not arrive since the last
@@ -75,7 +75,7 @@ from torch import nn
 
 from infinity import registry
 from infinity.dpu import BackgroundUpdate, DelayedUpdate, DpuStats, StepJob
-from infinity.coordinator import FreshShards
+from infinity.fresh_shards import FreshShards
 from infinity.engine import EngineError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -80,7 +80,7 @@ class StepTelemetry:
             elif g in kept and g.state is ParamState.AVAILABLE and not in_use.get(g):
                 self.hits += 1
             elif fresh is not None and g.state is ParamState.NOT_AVAILABLE and fresh.has(g):
-                self.hits += 1   # in host memory already (see [Note: fresh shards] in coordinator.py)
+                self.hits += 1   # in host memory already (see [Note: fresh shards] in fresh_shards.py)
             elif g.state is not ParamState.AVAILABLE:
                 self.misses += 1
 

@@ -41,7 +41,7 @@ are written as they are reduce-scattered; one pass over the optimizer's sub-grou
 m, v and gradient and writes master, m, v and the new compute copy (frozen groups are not
 rewritten). With the overlapped step (``dpu.overlap`` without DPU, params on NVMe, prefetching
 on), the next forward takes up to ``prefetch.nvme_bytes`` of the rewritten compute copies from
-host memory instead of reading them back ([Note: fresh shards] in infinity/coordinator.py): the
+host memory instead of reading them back ([Note: fresh shards] in infinity/fresh_shards.py): the
 plan subtracts min(``prefetch.nvme_bytes``, rewritten bytes) from the reads. That is the floor
 of the saving; when the forward consumes fresh shards while the update still runs, the arena
 is reused and more is saved.

@@ -197,7 +197,7 @@ def test_a_fetch_after_a_failed_update_raises_instead_of_using_mixed_parameters(
 def test_reset_gives_back_shards_left_half_filled():
     from types import SimpleNamespace
 
-    from infinity.coordinator import FreshShards
+    from infinity.fresh_shards import FreshShards
     from infinity.staging_arena import StagingArena
     from tiers.host_alloc import HostAllocator
 
