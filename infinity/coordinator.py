@@ -24,8 +24,9 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from infinity.fresh_shards import FreshShards, Ready
+from infinity.fresh_shards import FreshShards
 from infinity.param_group import ParamGroup, ParamSlot, ParamState
+from tiers.base import CompletedFuture
 
 
 class _PendingFetch:
@@ -174,7 +175,7 @@ class Coordinator:
             if staging is not None:
                 staging.release()
             shard = fresh.tensor[:group.shard_nbytes].view(self.dtype)
-            group.to_inflight(_PendingFetch(Ready(group.shard_nbytes), shard, fresh.release))
+            group.to_inflight(_PendingFetch(CompletedFuture(group.shard_nbytes), shard, fresh.release))
             group.prefetched = prefetch
             self.stats.fresh_shards += 1
             return True

@@ -8,21 +8,6 @@ import torch
 from infinity.param_group import ParamGroup
 
 
-class Ready:
-    """The future of a shard that is already in host memory (a fresh shard)."""
-
-    __slots__ = ("nbytes",)
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-
-    def wait(self) -> int:
-        return self.nbytes
-
-    def done(self) -> bool:
-        return True
-
-
 class FreshShards:
     """Shards the overlapped optimizer step has just rewritten, kept in host memory for the next forward.
 
