@@ -231,7 +231,7 @@ class TilingConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class DpuConfig(Section):
-    """Delayed parameter update: the host optimizer step overlaps the next iteration."""
+    """The host optimizer step beside the next iteration: exactly (`overlap`) or one step behind (DPU)."""
 
     section: ClassVar[str] = "dpu"
 
