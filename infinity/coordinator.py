@@ -162,7 +162,7 @@ class Coordinator:
             if staging is not None:
                 staging.release()
             return False
-        fresh = self.fresh.take(group) if self.fresh is not None else None
+        fresh = self._take_fresh(group)
         if fresh is None and not self.update_ready(group):
             if staging is not None:
                 staging.release()
@@ -170,7 +170,7 @@ class Coordinator:
             waited = self.update_gate.wait_ready(group)
             self.stats.update_wait_seconds += waited
             self.stats.stall_seconds += waited
-            fresh = self.fresh.take(group) if self.fresh is not None else None
+            fresh = self._take_fresh(group)   # completed while we waited
         if fresh is not None:
             if staging is not None:
                 staging.release()
@@ -193,6 +193,9 @@ class Coordinator:
         group.prefetched = prefetch
         self.stats.bytes_read_from_tier += group.shard_nbytes
         return True
+
+    def _take_fresh(self, group: ParamGroup):
+        return self.fresh.take(group) if self.fresh is not None else None
 
     def update_ready(self, group: ParamGroup) -> bool:
         """Whether the group's stored shard is current (no overlapped optimizer step still rewrites it)."""

@@ -158,6 +158,13 @@ class DpuStats:
     last_job_seconds: float = 0.0
     worker_thread_ids: set = field(default_factory=set)
 
+    def add_sync(self, seconds: float) -> None:
+        """Book an update that ran on the calling thread: all of it exposed to compute."""
+        self.sync_steps += 1
+        self.optimizer_seconds += seconds
+        self.exposed_seconds += seconds
+        self.last_job_seconds = seconds
+
     def as_dict(self) -> dict:
         hidden = 1.0 - self.exposed_seconds / self.optimizer_seconds if self.optimizer_seconds else 0.0
         return {"sync_steps": self.sync_steps, "delayed_steps": self.delayed_steps,
@@ -479,11 +486,7 @@ class DelayedUpdate(BackgroundUpdate):
         """Run ``job`` on the calling thread (warm-up steps) and publish it."""
         t0 = time.perf_counter()
         self._call(job)
-        seconds = time.perf_counter() - t0
-        self.stats.sync_steps += 1
-        self.stats.optimizer_seconds += seconds
-        self.stats.exposed_seconds += seconds
-        self.stats.last_job_seconds = seconds
+        self.stats.add_sync(time.perf_counter() - t0)
         self.publish(job)
 
 

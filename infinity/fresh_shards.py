@@ -36,7 +36,6 @@ class FreshShards:
         self._complete: dict[int, object] = {}  # group index -> arena slice holding the whole shard
         self._refused: set[int] = set()
         self.served = 0
-        self.bytes_served = 0
 
     def offer(self, group: ParamGroup, offset_numel: int, values: torch.Tensor) -> None:
         """Copy ``values`` (compute dtype) into the group's fresh shard at ``offset_numel``."""
@@ -75,14 +74,13 @@ class FreshShards:
             piece = self._complete.pop(group.index, None)
         if piece is not None:
             self.served += 1
-            self.bytes_served += group.shard_nbytes
         return piece
 
     def discard(self, group: ParamGroup) -> None:
-        piece = self.take(group)
+        """Give back the group's fresh shard, if any (its stored shard is being rewritten)."""
+        with self._lock:
+            piece = self._complete.pop(group.index, None)
         if piece is not None:
-            self.served -= 1
-            self.bytes_served -= group.shard_nbytes
             piece.release()
 
     def clear(self) -> None:

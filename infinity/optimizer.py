@@ -218,11 +218,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         else:
             t0 = time.perf_counter()
             self._apply(job)
-            seconds = time.perf_counter() - t0
-            self._stats.sync_steps += 1
-            self._stats.optimizer_seconds += seconds
-            self._stats.exposed_seconds += seconds
-            self._stats.last_job_seconds = seconds
+            self._stats.add_sync(time.perf_counter() - t0)
             self._after_update()
         return None
 
