@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import infinity
-from infinity._sizes import parse_count, parse_size
+from infinity.config.sizes import parse_count, parse_size
 from infinity.checkpoint.stream import DEPTH
 
 

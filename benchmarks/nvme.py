@@ -20,7 +20,7 @@ import statistics
 import sys
 import tempfile
 
-from infinity._sizes import parse_size
+from infinity.config.sizes import parse_size
 from infinity.cli import bench_nvme as nv
 from infinity.cli.bench import machine_info
 

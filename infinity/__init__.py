@@ -23,11 +23,11 @@ __version__ = "0.1.0"
 # Public names resolve on first use, so `import infinity` stays cheap (no torch import).
 _LAZY = {
     "load_config": "infinity.config",
-    "Init": "infinity.init",
-    "AdamW": "infinity.optimizer",
-    "Adam": "infinity.optimizer",
-    "clip_grad_norm_": "infinity.optimizer",
-    "gathered": "infinity.full_params",
+    "Init": "infinity.runtime.init",
+    "AdamW": "infinity.optim.adam",
+    "Adam": "infinity.optim.adam",
+    "clip_grad_norm_": "infinity.optim.adam",
+    "gathered": "infinity.runtime.gathered",
     "stats": "infinity.telemetry",
     "save_checkpoint": "infinity.checkpoint",
     "load_checkpoint": "infinity.checkpoint",

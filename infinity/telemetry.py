@@ -1,9 +1,189 @@
-"""``infinity.stats``: what the engine did, without a profiler."""
+"""What the engine did, without a profiler: ``infinity.stats`` and the per-step records.
+
+What the room holds: the public ``stats(model)`` and ``StepTelemetry``, which turns the
+counters of the coordinator and of the tiers into one record per training step. What it
+may touch: it reads counters (the coordinator's ``FetchStats``, each tier's ``stats()``)
+and the engine's step records; it moves nothing and changes no state.
+
+Per-step telemetry: what a training step waited for and moved, without a profiler.
+
+[Note: step records]
+A step runs from the start of the root module's forward after an optimizer step
+to the next such start (so it includes the optimizer step and whatever the user
+does between steps). At each boundary the counters of the coordinator and of every
+tier are read and the differences become one record in ``engine.step_stats``
+(what ``infinity.stats(model)["steps"]`` returns):
+
+- ``seconds``: wall time of the step;
+- ``stall_seconds``: time the compute thread spent making parameters available
+  (``read_wait_seconds`` of it blocked on tier reads, ``update_wait_seconds`` waiting
+  for the overlapped optimizer step to rewrite a shard, the rest host->device copies
+  and all-gathers); ``stall_fraction`` = stall / seconds;
+- ``hits`` / ``misses`` / ``hit_rate``: of the parameter groups a module asked for
+  that had to be fetched (not persistent, not already gathered for another user),
+  how many the prefetcher had read or gathered ahead, or kept for reuse; ``late``
+  counts the hits whose read was still in flight when asked for;
+- ``tiers``: bytes read and written per tier in the step and the rates achieved
+  over the step (decimal GB/s), plus ``bytes_read`` / ``bytes_written`` / ``GBps``
+  summed over tiers.
+
+Only the last ``MAX_RECORDS`` records are kept, so a long run does not grow memory.
+With ``prefetch.log_every = N`` > 0 a one-line summary goes to the ``infinity``
+logger (INFO) every N steps.
+"""
 from __future__ import annotations
+
+import logging
+import time
 
 from torch import nn
 
 from infinity import registry
+from infinity.param_group import ParamState
+
+MAX_RECORDS = 1000
+GB = 1e9
+TIER_NAMES = ("device", "host", "nvme")
+
+
+class StepTelemetry:
+    """Counts one step at a time and appends its record to ``engine.step_stats``.
+
+    Parameters
+    ----------
+    engine:
+        The engine (reads ``coordinator.stats``, ``tiers``, appends to ``step_stats``).
+    log_every:
+        Log a summary line every this many steps (0: never).
+    logger:
+        Where the summary goes (default: the ``infinity`` logger).
+    """
+
+    def __init__(self, engine, log_every: int = 0, logger: logging.Logger | None = None) -> None:
+        self.engine = engine
+        self.log_every = log_every
+        self.logger = logger or logging.getLogger("infinity")
+        self.step: int | None = None
+        self.last: dict | None = None
+        self._t0 = 0.0
+        self._fetch0: dict = {}
+        self._tiers0: dict = {}
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        self.hits = 0
+        self.late = 0
+        self.misses = 0
+
+    # -- counting ----------------------------------------------------------------------------
+    def count_request(self, groups, ahead, kept) -> None:
+        """Classify the groups a module asked for, before anything moves (see [Note: step records])."""
+        in_use = self.engine.coordinator.in_use
+        fresh = self.engine.coordinator.fresh
+        for g in groups:
+            if g.persistent:
+                continue
+            if g in ahead and g.state is not ParamState.NOT_AVAILABLE:
+                self.hits += 1
+                if g.state is ParamState.INFLIGHT and not g.pending.future.done():
+                    self.late += 1
+            elif g in kept and g.state is ParamState.AVAILABLE and not in_use.get(g):
+                self.hits += 1
+            elif fresh is not None and g.state is ParamState.NOT_AVAILABLE and fresh.has(g):
+                self.hits += 1   # in host memory already (see [Note: fresh shards] in fresh_shards.py)
+            elif g.state is not ParamState.AVAILABLE:
+                self.misses += 1
+
+    # -- boundaries --------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._reset_counts()
+        self._fetch0 = self._fetch_counters()
+        self._tiers0 = self._tier_counters()
+        self._t0 = time.perf_counter()
+
+    def end_step(self, extra: dict | None = None) -> dict | None:
+        """Close the running step: build its record, keep it, log it when due; returns it."""
+        if self.step is None:
+            return None
+        record = self._record(extra or {})
+        self.step = None
+        self.last = record
+        records = self.engine.step_stats
+        records.append(record)
+        if len(records) > MAX_RECORDS:
+            del records[:-MAX_RECORDS]
+        if self.log_every and (record["step"] + 1) % self.log_every == 0:
+            self.logger.info(summary_line(record))
+        return record
+
+    def current(self) -> dict | None:
+        """The running step's figures so far (None between steps)."""
+        return None if self.step is None else self._record({})
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _fetch_counters(self) -> dict:
+        s = self.engine.coordinator.stats
+        return {"stall_seconds": s.stall_seconds, "read_wait_seconds": getattr(s, "read_wait_seconds", 0.0),
+                "update_wait_seconds": getattr(s, "update_wait_seconds", 0.0)}
+
+    def _tier_counters(self) -> dict:
+        out = {}
+        for name in TIER_NAMES:
+            tier = self.engine.tiers.by_name.get(name)
+            if tier is not None:
+                snap = tier.stats()
+                out[name] = (snap.get("bytes_read", 0), snap.get("bytes_written", 0))
+        return out
+
+    def _record(self, extra: dict) -> dict:
+        seconds = max(time.perf_counter() - self._t0, 1e-12)
+        fetch = self._fetch_counters()
+        stall = fetch["stall_seconds"] - self._fetch0["stall_seconds"]
+        read_wait = fetch["read_wait_seconds"] - self._fetch0["read_wait_seconds"]
+        update_wait = fetch["update_wait_seconds"] - self._fetch0["update_wait_seconds"]
+        tiers = {}
+        total_read = total_written = 0
+        for name, (read, written) in self._tier_counters().items():
+            read0, written0 = self._tiers0.get(name, (0, 0))
+            dr, dw = read - read0, written - written0
+            total_read += dr
+            total_written += dw
+            tiers[name] = {"bytes_read": dr, "bytes_written": dw,
+                           "read_GBps": dr / seconds / GB, "write_GBps": dw / seconds / GB}
+        asked = self.hits + self.misses
+        record = {
+            "step": self.step,
+            "seconds": seconds,
+            "stall_seconds": stall,
+            "read_wait_seconds": read_wait,
+            "update_wait_seconds": update_wait,
+            "stall_fraction": stall / seconds,
+            "hits": self.hits,
+            "late": self.late,
+            "misses": self.misses,
+            "hit_rate": self.hits / asked if asked else 0.0,
+            "bytes_read": total_read,
+            "bytes_written": total_written,
+            "GBps": (total_read + total_written) / seconds / GB,
+            "tiers": tiers,
+        }
+        record.update(extra)
+        return record
+
+
+def summary_line(record: dict) -> str:
+    """One line for the log: ``step 12: 1.234 s, stall 0.051 s (4.1%), hit 97% ...``."""
+    parts = [f"step {record['step']}: {record['seconds']:.3f} s",
+             f"stall {record['stall_seconds']:.3f} s ({100 * record['stall_fraction']:.1f}%)",
+             f"prefetch hit {100 * record['hit_rate']:.0f}% ({record['late']} late, {record['misses']} missed)"]
+    for name, t in record["tiers"].items():
+        if t["bytes_read"] or t["bytes_written"]:
+            parts.append(f"{name} read {t['bytes_read'] / GB:.2f} GB ({t['read_GBps']:.2f} GB/s) "
+                         f"written {t['bytes_written'] / GB:.2f} GB ({t['write_GBps']:.2f} GB/s)")
+    if "trace" in record:
+        parts.append(f"trace {record['trace']}")
+    return "infinity " + ", ".join(parts)
 
 
 def stats(model: nn.Module) -> dict:

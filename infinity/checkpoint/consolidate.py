@@ -10,7 +10,7 @@ is the ``k``-th distinct tensor in dict order, which is how ``torch.save`` numbe
 them) and stream the values there, window by window, straight from the checkpoint's
 fp32 master shards, converting to the requested dtype on the way. Tied parameters
 are one tensor under several keys, so they share one storage as in ``torch.save``
-of the plain model. A tiled layer (infinity/tiling.py) is written as the plain
+of the plain model. A tiled layer (infinity/tiling/layers.py) is written as the plain
 layer's tensor under its untiled key, each tile's values placed at their rows (or
 columns) of the joined tensor. Last, the CRC-32 fields of the zip records are filled in, so
 the archive passes ``zipfile.testzip()``; the result is read by ``torch.load``

@@ -128,7 +128,7 @@ def model_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def tiled_joins(model: nn.Module) -> list[dict]:
-    """State-dict keys that join tile parameters (see [Note: the tiled weight] in infinity/tiling.py).
+    """State-dict keys that join tile parameters (see [Note: the tiled weight] in infinity/tiling/layers.py).
 
     A tiled layer's ``state_dict()`` has the untiled key (``fc.weight``) while its parameters
     are the tiles (``fc.tiles.0.weight``, ...); consolidation writes the joined tensor under the

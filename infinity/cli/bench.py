@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from infinity._sizes import format_size, parse_size
+from infinity.config.sizes import format_size, parse_size
 
 from . import bench_nvme as nv
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from infinity._sizes import parse_size
+    from infinity.config.sizes import parse_size
     from infinity.checkpoint import CheckpointError
     from infinity.checkpoint.consolidate import consolidate
 

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from infinity._sizes import human_size
+from infinity.config.sizes import human_size
 
 PROBE_NBYTES = 4096
 ENGINES = ("io_uring", "threads")

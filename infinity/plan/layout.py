@@ -10,7 +10,7 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
 * with delayed parameter update (``dpu.enabled``): a second fp32 gradient accumulator in
   ``tiers.optimizer`` and a second compute copy of every trainable group in ``tiers.params``
   (the background step writes them while the next iteration uses the published set,
-  ``infinity/dpu.py``).
+  ``infinity/optim/background.py``).
 * fp32 master, Adam m and v, fp32 gradient accumulator of the trainable shards:
   ``tiers.optimizer``.
 * when anything is on NVMe: the I/O buffer pool (``tiers.pool_buffers`` x
@@ -18,13 +18,13 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
 * when the optimizer is on NVMe: its sub-group pipeline buffers in host memory: 4 fp32 buffers
   (master, m, v, gradient) of one sub-group, double buffered (one sub-group stepped while the
   next is read). A sub-group is ``partition.sub_group_size`` elements rounded up to the shard
-  alignment, but never more than the rank's whole shard (``infinity/optim_state.py``).
+  alignment, but never more than the rank's whole shard (``infinity/optim/flat_state.py``).
 * when params are on NVMe: aligned host staging buffers demand reads land in (3 buffers of the
-  largest shard, at most ``tiers.pool_buffer_size`` each, ``infinity/engine.py``, [Note: staging buffers]) and, when prefetching, the
-  arena reads issued ahead land in (``prefetch.nvme_bytes``, ``infinity/staging_arena.py``).
+  largest shard, at most ``tiers.pool_buffer_size`` each, ``infinity/runtime/engine.py``, [Note: staging buffers]) and, when prefetching, the
+  arena reads issued ahead land in (``prefetch.nvme_bytes``, ``infinity/prefetch/arena.py``).
 * on the compute device: the largest group gathered whole (its padded flat buffer, compute
   dtype); in backward the largest trainable group's flat fp32 gradient buffer before its
-  reduce-scatter (``infinity/grads.py``); ``prefetch.device_bytes`` when prefetching; and groups
+  reduce-scatter (``infinity/runtime/grads.py``); ``prefetch.device_bytes`` when prefetching; and groups
   below ``partition.persistence_threshold`` elements, which stay gathered on every rank.
 
 [Note: padding]
@@ -41,7 +41,7 @@ are written as they are reduce-scattered; one pass over the optimizer's sub-grou
 m, v and gradient and writes master, m, v and the new compute copy (frozen groups are not
 rewritten). With the overlapped step (``dpu.overlap`` without DPU, params on NVMe, prefetching
 on), the next forward takes up to ``prefetch.nvme_bytes`` of the rewritten compute copies from
-host memory instead of reading them back ([Note: fresh shards] in infinity/fresh_shards.py): the
+host memory instead of reading them back ([Note: fresh shards] in infinity/prefetch/fresh_shards.py): the
 plan subtracts min(``prefetch.nvme_bytes``, rewritten bytes) from the reads. That is the floor
 of the saving; when the forward consumes fresh shards while the update still runs, the arena
 is reused and more is saved.
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 SHARD_ALIGN_NUMEL = 2048
 NVME_ALIGN_BYTES = 4096
 FP32_BYTES = 4
-# Demand-read staging buffers (infinity/engine.py, [Note: staging buffers]).
+# Demand-read staging buffers (infinity/runtime/engine.py, [Note: staging buffers]).
 STAGING_BUFFERS = 3
 
 

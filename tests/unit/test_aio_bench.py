@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from infinity import _toml
+from infinity.config import toml_io as _toml
 from infinity.cli import bench
 from infinity.cli import bench_nvme as nv
 from tiers import aio

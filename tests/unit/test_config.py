@@ -8,7 +8,8 @@ import subprocess
 import sys
 import pytest
 
-from infinity import _config_text, _sizes, _toml, config
+from infinity import config
+from infinity.config import sizes as _sizes, text as _config_text, toml_io as _toml
 from infinity.config import Config, ConfigError, dump, load_config
 
 MiB = 1 << 20
@@ -52,7 +53,7 @@ def test_defaults_are_the_same_from_every_source(tmp_path):
 
 
 def test_every_field_has_a_docstring():
-    for section in config._SECTIONS:
+    for section in config.SECTIONS:
         docs = _config_text.field_docs(section)
         missing = [f.name for f in dataclasses.fields(section) if not docs.get(f.name)]
         assert not missing, f"{section.section}: fields without a docstring: {missing}"

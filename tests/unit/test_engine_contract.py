@@ -288,5 +288,5 @@ def test_own_step_counts_travel_with_a_checkpoint_and_are_checked_by_name(tmp_pa
     assert oopt.step_count == 3 and oopt.param_steps() == {"b.weight": 1, "b.bias": 1}
     state = oopt.state_dict()
     state["param_steps"] = {"c.weight": 2}
-    with pytest.raises(infinity.engine.EngineError, match=r"step counts for parameters .*'c.weight'"):
+    with pytest.raises(infinity.runtime.engine.EngineError, match=r"step counts for parameters .*'c.weight'"):
         oopt.load_state_dict(state)

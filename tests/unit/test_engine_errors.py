@@ -9,7 +9,7 @@ from torch import nn
 import infinity
 from tests.support.parity import train_side_by_side
 from infinity.config import ConfigError
-from infinity.engine import EngineError
+from infinity.errors import EngineError
 from infinity.registry import NotManagedError
 from tiers.base import TierFullError
 from tiers.budget import BudgetError

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.dpu import BackgroundUpdate, DpuWorkerError
+from infinity.optim.background import BackgroundUpdate, DpuWorkerError
 from infinity.registry import engine_of
 from tests.unit.test_dpu import TOL, Tiny, batches, gathered_diff, run_schedule
 
@@ -197,8 +197,8 @@ def test_a_fetch_after_a_failed_update_raises_instead_of_using_mixed_parameters(
 def test_reset_gives_back_shards_left_half_filled():
     from types import SimpleNamespace
 
-    from infinity.fresh_shards import FreshShards
-    from infinity.staging_arena import StagingArena
+    from infinity.prefetch.fresh_shards import FreshShards
+    from infinity.prefetch.arena import StagingArena
     from tiers.host_alloc import HostAllocator
 
     arena = StagingArena(HostAllocator(pin="never"), 4 * 4096)

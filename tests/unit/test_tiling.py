@@ -14,7 +14,7 @@ from torch import nn
 
 from infinity.config import load_config
 from infinity.tiling import TiledEmbedding, TiledLinear, TiledWeight, TilingError, split_sizes, tile_, tile_count
-from infinity.tiling_policy import plan_tiling
+from infinity.tiling.policy import plan_tiling
 
 TOL = 1e-6
 

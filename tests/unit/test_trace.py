@@ -1,9 +1,9 @@
 """The trace state machine, divergence detection and re-recording; the staging arena; the log line."""
 import pytest
 
-from infinity.staging_arena import StagingArena
-from infinity.steps import summary_line
-from infinity.trace import Divergence, Trace, TraceEntry, TraceMode, TraceStateError
+from infinity.prefetch.arena import StagingArena
+from infinity.telemetry import summary_line
+from infinity.prefetch.trace import Divergence, Trace, TraceEntry, TraceMode, TraceStateError
 from tiers.host_alloc import HostAllocator
 
 STEP = [("forward", "", (0,)), ("forward", "a", (1,)), ("forward", "b", (2, 3)),

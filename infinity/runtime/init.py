@@ -30,9 +30,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from infinity.config import Config, load_config
-from infinity.engine import Engine
+from infinity.runtime.engine import Engine
 from infinity import registry
-from infinity.tiling_policy import apply_tiling
+from infinity.tiling.policy import apply_tiling
 
 _MAX_OPEN_GROUPS = 4
 

@@ -16,7 +16,7 @@ multiplication by at most one rounding. The kernel releases the GIL, so a backgr
 step (DPU) runs beside compute.
 
 [Note: the update pass]
-Every update, synchronous or delayed, is one :class:`infinity.dpu.StepJob` run by
+Every update, synchronous or delayed, is one :class:`infinity.optim.background.StepJob` run by
 ``_apply``: one pass over the sub-groups that reads master, gradient and moments,
 runs the kernel, writes them back and writes each trainable group's new compute
 copy into the parameter tier. On the host tier the states are updated in place; on
@@ -74,9 +74,9 @@ import torch
 from torch import nn
 
 from infinity import registry
-from infinity.dpu import BackgroundUpdate, DelayedUpdate, DpuStats, StepJob
-from infinity.fresh_shards import FreshShards
-from infinity.engine import EngineError
+from infinity.optim.background import BackgroundUpdate, DelayedUpdate, DpuStats, StepJob
+from infinity.prefetch.fresh_shards import FreshShards
+from infinity.errors import EngineError
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 # See [Note: chunks and parallel regions]. A multiple of ALIGN_NUMEL, so every compute-copy
@@ -607,7 +607,7 @@ class AdamW(_OffloadAdam):
     """AdamW (decoupled weight decay) over a model built in ``infinity.Init``.
 
     With ``dpu.enabled`` in the config, updates after ``dpu.warmup_steps`` run in the
-    background, one step behind (see ``infinity.dpu``); ``synchronize()`` waits for them.
+    background, one step behind (see ``infinity.optim.background``); ``synchronize()`` waits for them.
 
     Parameters
     ----------

@@ -28,7 +28,7 @@ class GradReducer:
     Parameters
     ----------
     coordinator:
-        Owner of the groups (infinity.coordinator.Coordinator).
+        Owner of the groups (infinity.runtime.coordinator.Coordinator).
     ranks:
         The data-parallel ranks.
     store:

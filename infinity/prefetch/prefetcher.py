@@ -52,9 +52,9 @@ import torch
 from torch import nn
 
 from infinity.param_group import ParamGroup, ParamState
-from infinity.staging_arena import StagingArena
-from infinity.steps import StepTelemetry
-from infinity.trace import BACKWARD, FORWARD, Divergence, Trace, TraceEntry, TraceMode
+from infinity.prefetch.arena import StagingArena
+from infinity.telemetry import StepTelemetry
+from infinity.prefetch.trace import BACKWARD, FORWARD, Divergence, Trace, TraceEntry, TraceMode
 
 logger = logging.getLogger("infinity")
 

@@ -33,7 +33,7 @@ custom module, a different shape) is refused with a ``TilingError`` naming both.
 
 [Note: when layers are tiled]
 Inside ``infinity.Init`` tiling happens once, at the context's exit, before the
-engine finalizes (``apply_tiling`` in infinity/tiling_policy.py, called from
+engine finalizes (``apply_tiling`` in infinity/tiling/policy.py, called from
 ``Init.__exit__``). By then the
 qualified names are known, so ``tiling.modules`` patterns match the names of
 ``model.named_modules()`` (e.g. ``"blocks.*.mlp.0"``, ``"head"``), ties are known

@@ -1,4 +1,4 @@
-"""Translation of a DeepSpeed config into ours (``infinity.config.from_deepspeed``).
+"""Translation of a DeepSpeed config into ours: ``from_deepspeed``.
 
 [Note: DeepSpeed translation]
 DeepSpeed counts most ZeRO-3 sizes in elements of the parameter dtype; ours are in
@@ -19,9 +19,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from infinity import _sizes
-from infinity._config_text import read
-from infinity.config import ALIGNMENT, Config, ConfigError, load_config
+from infinity.config import sizes as _sizes
+from infinity.config.load import load_config
+from infinity.config.sections import Config
+from infinity.config.text import read
+from infinity.config.values import ALIGNMENT, ConfigError
 
 _OFFLOAD_DEVICE = {"param": {"cpu": "host", "nvme": "nvme", "none": "device"},
                    "optimizer": {"cpu": "host", "nvme": "nvme", "none": "device"}}
@@ -218,8 +220,25 @@ def _aio(t: _Translation, data: Mapping[str, Any]) -> None:
             t.built_in_or_skip(ds_key, value)
 
 
-def translate(ds_config: Mapping[str, Any] | str | os.PathLike) -> tuple[Config, list[str]]:
-    """See ``infinity.config.from_deepspeed``."""
+def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike) -> tuple[Config, list[str]]:
+    """Translate a DeepSpeed config (dict or JSON file) into a Config.
+
+    Reads ``zero_optimization`` (offload_param, offload_optimizer, stage3_* prefetch and
+    persistence keys, sub_group_size), the top-level ``aio`` section and ``bf16``/``fp16``.
+
+    Returns
+    -------
+    (Config, list[str])
+        The config, and one line per DeepSpeed key that could not be translated, each starting
+        with the key's full path (``"zero_optimization.reduce_bucket_size: ..."``).
+
+    Examples
+    --------
+    >>> cfg, skipped = from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    ...                                "aio": {"queue_depth": 16}, "bf16": {"enabled": True}})
+    >>> cfg.tiers.optimizer, cfg.aio.queue_depth, cfg.precision.dtype, skipped
+    ('host', 16, 'bfloat16', [])
+    """
     file = None
     if isinstance(ds_config, (str, os.PathLike)):
         file, ds_config = read(ds_config)

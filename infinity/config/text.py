@@ -1,6 +1,6 @@
 """A config as text: reading files and presets, writing them, and the Markdown reference.
 
-Nothing here knows the sections by name; ``infinity/config.py`` passes them in.
+Nothing here knows the sections by name; ``infinity/config/sections.py`` passes them in.
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
-from infinity import _sizes, _toml
-from infinity._config_values import ConfigError, Kind, type_name
+from infinity.config import sizes as _sizes, toml_io as _toml
+from infinity.config.values import ConfigError, Kind, type_name
 
 
 def presets() -> list[str]:
-    """Names of the config files shipped in ``infinity/presets`` (usable as ``load_config(name)``)."""
+    """Names of the config files shipped in ``infinity/config/presets`` (usable as ``load_config(name)``)."""
     return sorted(p.stem for p in (Path(__file__).parent / "presets").glob("*.toml"))
 
 

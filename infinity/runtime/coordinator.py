@@ -1,6 +1,6 @@
 """The one owner of parameter availability: fetch, gather, release.
 
-Module hooks (infinity/hooks.py) only ask the coordinator; every state change of
+Module hooks (infinity/runtime/hooks.py) only ask the coordinator; every state change of
 a parameter group happens here (see [Note: parameter states] in param_group.py).
 
 [Note: bandwidth-centric fetch]
@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from infinity.fresh_shards import FreshShards
+from infinity.prefetch.fresh_shards import FreshShards
 from infinity.param_group import ParamGroup, ParamSlot, ParamState
 from tiers.base import CompletedFuture
 
@@ -82,9 +82,9 @@ class Coordinator:
     param_tier:
         The tier holding each rank's compute-dtype shards.
     ranks:
-        The data-parallel ranks (infinity.dist.Ranks).
+        The data-parallel ranks (infinity.runtime.ranks.Ranks).
     device:
-        The compute device (infinity.device.ComputeDevice).
+        The compute device (infinity.runtime.device.ComputeDevice).
     dtype:
         The compute dtype.
     staging:
@@ -106,7 +106,7 @@ class Coordinator:
         self.stats = FetchStats()
         self.prefetcher = None
         self.on_shard_written = None
-        # The overlapped optimizer step still rewriting shards (infinity.dpu.BackgroundUpdate), or None,
+        # The overlapped optimizer step still rewriting shards (infinity.optim.background.BackgroundUpdate), or None,
         # and the shards it has just rewritten, in host memory (see [Note: fresh shards]).
         self.update_gate = None
         self.fresh: FreshShards | None = None

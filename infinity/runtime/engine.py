@@ -19,14 +19,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from infinity.config import Config
-from infinity.coordinator import Coordinator
-from infinity.device import ComputeDevice
-from infinity.dist import Ranks
-from infinity.grads import GradReducer
-from infinity.hooks import install_hooks
-from infinity.optim_state import FlatLayout, OptimizerStateStore
+from infinity.errors import EngineError
+from infinity.runtime.coordinator import Coordinator
+from infinity.runtime.device import ComputeDevice
+from infinity.runtime.ranks import Ranks
+from infinity.runtime.grads import GradReducer
+from infinity.runtime.hooks import install_hooks
+from infinity.optim.flat_state import FlatLayout, OptimizerStateStore
 from infinity.param_group import ParamGroup, ParamState
-from infinity.tier_set import TierSet
+from infinity.runtime.tier_set import TierSet
 
 
 def _return_freed_memory_to_the_os() -> None:
@@ -52,10 +53,6 @@ _M_MMAP_THRESHOLD = -3
 # Plan rows (infinity/plan/layout.py) that Engine.finalize has yet to allocate.
 _NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_subgroup_buffers",
                                 "nvme_staging", "prefetch_arena"})
-
-
-class EngineError(RuntimeError):
-    """The model was used in a way the engine does not support; the message says how to fix it."""
 
 
 class Engine:
@@ -187,7 +184,7 @@ class Engine:
         self.finalized = True
         # Issue 6: the prefetcher also meters every step (infinity.stats "steps"), so it
         # exists even with prefetch.enabled = false; then it only meters, never fetches.
-        from infinity.prefetch import Prefetcher
+        from infinity.prefetch.prefetcher import Prefetcher
 
         self.prefetcher = Prefetcher(self)
         self.coordinator.prefetcher = self.prefetcher

@@ -224,7 +224,7 @@ class BackgroundUpdate:
     threads:
         ``dpu.threads``: the worker's thread bound (0: torch's default).
     device:
-        The compute device (``infinity.device.ComputeDevice``); on CUDA the worker issues
+        The compute device (``infinity.runtime.device.ComputeDevice``); on CUDA the worker issues
         its host-to-device copies on a stream of its own.
     stats:
         Where step counts and times are added up (shared with the optimizer).

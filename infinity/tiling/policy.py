@@ -1,6 +1,6 @@
 """The tiling policy: which layers of a model built in ``infinity.Init`` become tiled, and doing it.
 
-See [Note: when layers are tiled] in infinity/tiling.py for the rules and why tiling
+See [Note: when layers are tiled] in infinity/tiling/layers.py for the rules and why tiling
 happens at the context's exit; ``Init.__exit__`` calls ``apply_tiling`` just before
 the engine finalizes.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from infinity.config import TilingConfig
-from infinity.tiling import COLUMNS, ROWS, TilingError, tile_, tile_count
+from infinity.tiling.layers import COLUMNS, ROWS, TilingError, tile_, tile_count
 
 logger = logging.getLogger("infinity")
 

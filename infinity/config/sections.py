@@ -1,4 +1,4 @@
-"""The config file: TOML or JSON, read into frozen typed dataclasses, one per section.
+"""The eight config sections as frozen dataclasses, and ``Config``, the whole of them.
 
 [Note: config]
 A config has eight sections (``tiers``, ``aio``, ``precision``, ``partition``,
@@ -11,33 +11,24 @@ block_size="4MiB")``) is checked and coerced exactly like one read from a file.
 Every problem is a ``ConfigError`` naming the file, the full key, the value found
 and what is allowed. Unknown keys are errors at every depth, with the closest valid
 key suggested. Sizes in bytes accept "64MiB"-style strings, element counts accept
-"32Mi" or 1e9 ([Note: size units] in ``infinity/_sizes.py``).
+"32Mi" or 1e9 ([Note: size units] in ``infinity/config/sizes.py``).
 
 Examples
 --------
->>> from infinity.config import load_config
->>> cfg = load_config({"tiers": {"optimizer": "nvme", "nvme_path": "/mnt/nvme"}, "aio": {"block_size": "4MiB"}})
+>>> cfg = Config(aio={"block_size": "4MiB"}, tiers={"optimizer": "nvme", "nvme_path": "/mnt/nvme"})
 >>> cfg.aio.block_size, cfg.tiers.nvme_path
 (4194304, ('/mnt/nvme',))
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from infinity import _config_text, _sizes
-from infinity._config_text import preset_path, presets
-from infinity._config_values import (ALIGNMENT, Bytes, ConfigError, Numel, NumaNode, Paths, Patterns, Section,
-                                     check_keys, show, type_name)
+from infinity.config import sizes as _sizes
+from infinity.config.values import (Bytes, ConfigError, Numel, NumaNode, Paths, Patterns, Section, check_keys,
+                                    show, type_name)
 
-__all__ = [
-    "ALIGNMENT", "AioConfig", "CheckpointConfig", "Config", "ConfigError", "DpuConfig", "PartitionConfig",
-    "PrecisionConfig", "PrefetchConfig", "TiersConfig", "TilingConfig",
-    "dump", "from_deepspeed", "load_config", "preset_path", "presets", "reference_markdown",
-]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +262,7 @@ class CheckpointConfig(Section):
         self._aligned("buffer_size")
 
 
-_SECTIONS: tuple[type[Section], ...] = (TiersConfig, AioConfig, PrecisionConfig, PartitionConfig,
+SECTIONS: tuple[type[Section], ...] = (TiersConfig, AioConfig, PrecisionConfig, PartitionConfig,
                                         PrefetchConfig, TilingConfig, DpuConfig, CheckpointConfig)
 
 
@@ -299,10 +290,10 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
-        for cls in _SECTIONS:
+        for cls in SECTIONS:
             value = getattr(self, cls.section)
             if isinstance(value, Mapping):
-                check_keys({cls.section: value}, _SECTIONS)
+                check_keys({cls.section: value}, SECTIONS)
                 object.__setattr__(self, cls.section, cls(**value))
             elif not isinstance(value, cls):
                 raise ConfigError(f"expected a table of settings, got {show(value)} ({type_name(value)})", cls.section)
@@ -312,7 +303,7 @@ class Config:
         """Build a config from plain data (as read from a file); every unknown key is an error."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"expected a table of sections, got {show(data)} ({type_name(data)})")
-        check_keys(data, _SECTIONS)
+        check_keys(data, SECTIONS)
         return cls(**{name: section for name, section in data.items()})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -320,99 +311,5 @@ class Config:
         return {
             cls.section: {f.name: (list(v) if isinstance(v := getattr(section, f.name), tuple) else v)
                           for f in dataclasses.fields(section)}
-            for cls in _SECTIONS for section in (getattr(self, cls.section),)
+            for cls in SECTIONS for section in (getattr(self, cls.section),)
         }
-
-
-def load_config(src: str | os.PathLike | Mapping[str, Any] | Config | None = None, *,
-                overrides: Mapping[str, Any] | None = None) -> Config:
-    """Read a config from a file, a preset name, a dict or a Config, and validate it.
-
-    Parameters
-    ----------
-    src
-        A ``.toml`` or ``.json`` path; the name of a shipped preset (``presets()``); a mapping of
-        sections; a ``Config``; or ``None`` for all defaults.
-    overrides
-        Sections and keys merged over ``src`` before validation, e.g.
-        ``{"tiers": {"nvme_path": "/mnt/nvme"}}``.
-
-    Raises
-    ------
-    ConfigError
-        On a missing file, a syntax error (with its line), an unknown key (with the closest valid
-        key) or a value that is not allowed (with the key, the value and what is allowed).
-
-    Examples
-    --------
-    >>> load_config("nvme", overrides={"tiers": {"nvme_path": "/tmp/swap"}}).tiers.params
-    'nvme'
-    """
-    file = None
-    if isinstance(src, Config):
-        if not overrides:
-            return src
-        data: Mapping[str, Any] = src.to_dict()
-    elif src is None:
-        data = {}
-    elif isinstance(src, Mapping):
-        data = src
-    elif isinstance(src, (str, os.PathLike)):
-        file, data = _config_text.read(src)
-    else:
-        raise ConfigError(f"expected a path, a preset name, a dict or a Config, got {type(src).__name__}")
-    try:
-        if overrides:
-            data = _config_text.merge(data, overrides)
-        return Config.from_dict(data)
-    except ConfigError as exc:
-        raise exc.in_file(file) from None
-
-
-def dump(config: Config | Mapping[str, Any], path: str | os.PathLike) -> Path:
-    """Write a config to ``path`` as TOML or JSON (by suffix); ``load_config(path)`` reads it back equal.
-
-    A mapping is validated first, so only loadable files are written. The file is written under a
-    temporary name and renamed, so a reader never sees half of it.
-
-    Examples
-    --------
-    >>> import tempfile, os
-    >>> out = dump(Config(aio={"queue_depth": 8}), os.path.join(tempfile.mkdtemp(), "io.toml"))
-    >>> load_config(out).aio.queue_depth
-    8
-    """
-    return _config_text.write(_config_text.file_dict(load_config(config), _SECTIONS), Path(path))
-
-
-def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike) -> tuple[Config, list[str]]:
-    """Translate a DeepSpeed config (dict or JSON file) into a Config.
-
-    Reads ``zero_optimization`` (offload_param, offload_optimizer, stage3_* prefetch and
-    persistence keys, sub_group_size), the top-level ``aio`` section and ``bf16``/``fp16``.
-
-    Returns
-    -------
-    (Config, list[str])
-        The config, and one line per DeepSpeed key that could not be translated, each starting
-        with the key's full path (``"zero_optimization.reduce_bucket_size: ..."``).
-
-    Examples
-    --------
-    >>> cfg, skipped = from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
-    ...                                "aio": {"queue_depth": 16}, "bf16": {"enabled": True}})
-    >>> cfg.tiers.optimizer, cfg.aio.queue_depth, cfg.precision.dtype, skipped
-    ('host', 16, 'bfloat16', [])
-    """
-    from infinity import _deepspeed
-
-    return _deepspeed.translate(ds_config)
-
-
-def reference_markdown() -> str:
-    """The config reference in Markdown, generated from the section dataclasses' docstrings.
-
-    README.md embeds it between ``<!-- config-reference:begin -->`` and
-    ``<!-- config-reference:end -->``; a test keeps the two equal.
-    """
-    return _config_text.reference_markdown(_SECTIONS)

@@ -1,10 +1,10 @@
 """How one setting is checked: the error type, the value kinds, coercion, and unknown keys.
 
-The section dataclasses in ``infinity/config.py`` inherit ``Section``, whose
+The section dataclasses in ``infinity/config/sections.py`` inherit ``Section``, whose
 ``__post_init__`` coerces each field by its annotation (``Bytes``, ``Numel``, ``Paths``,
 ``Literal[...]``, ``bool``, ``int``) and then runs the section's own ``_check``. Unknown
 keys are found before any section is built, all at once, each with the closest valid
-key ([Note: config] in ``infinity/config.py``).
+key ([Note: config] in ``infinity/config/sections.py``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal, Optional, get_args, get_origin, get_type_hints
 
-from infinity import _sizes
+from infinity.config import sizes as _sizes
 
 ALIGNMENT = 4096
 """Direct I/O needs buffers, offsets and lengths in multiples of this many bytes."""
@@ -114,7 +114,7 @@ def coerce(key: str, hint: Any, value: object) -> object:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"expected an integer, {got}", key)
         return value
-    raise TypeError(f"{key}: no coercion for annotation {hint!r}")  # a bug in infinity/config.py, not in the config
+    raise TypeError(f"{key}: no coercion for annotation {hint!r}")  # a bug in infinity/config/sections.py, not in the config
 
 
 class Section:

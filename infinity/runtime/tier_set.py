@@ -22,7 +22,7 @@ class TierSet:
     config:
         The loaded config.
     device:
-        The compute device (infinity.device.ComputeDevice).
+        The compute device (infinity.runtime.device.ComputeDevice).
     rank:
         This rank, for the per-rank swap directories.
     """

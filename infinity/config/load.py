@@ -1,0 +1,85 @@
+"""Reading, writing and documenting a config: files, presets and dicts in, ``Config`` out.
+
+Reads TOML or JSON through ``infinity.config.text`` and builds the sections of
+``infinity.config.sections``; touches nothing outside this package.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from infinity.config import text
+from infinity.config.sections import SECTIONS, Config
+from infinity.config.values import ConfigError
+
+
+def load_config(src: str | os.PathLike | Mapping[str, Any] | Config | None = None, *,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read a config from a file, a preset name, a dict or a Config, and validate it.
+
+    Parameters
+    ----------
+    src
+        A ``.toml`` or ``.json`` path; the name of a shipped preset (``presets()``); a mapping of
+        sections; a ``Config``; or ``None`` for all defaults.
+    overrides
+        Sections and keys merged over ``src`` before validation, e.g.
+        ``{"tiers": {"nvme_path": "/mnt/nvme"}}``.
+
+    Raises
+    ------
+    ConfigError
+        On a missing file, a syntax error (with its line), an unknown key (with the closest valid
+        key) or a value that is not allowed (with the key, the value and what is allowed).
+
+    Examples
+    --------
+    >>> load_config("nvme", overrides={"tiers": {"nvme_path": "/tmp/swap"}}).tiers.params
+    'nvme'
+    """
+    file = None
+    if isinstance(src, Config):
+        if not overrides:
+            return src
+        data: Mapping[str, Any] = src.to_dict()
+    elif src is None:
+        data = {}
+    elif isinstance(src, Mapping):
+        data = src
+    elif isinstance(src, (str, os.PathLike)):
+        file, data = text.read(src)
+    else:
+        raise ConfigError(f"expected a path, a preset name, a dict or a Config, got {type(src).__name__}")
+    try:
+        if overrides:
+            data = text.merge(data, overrides)
+        return Config.from_dict(data)
+    except ConfigError as exc:
+        raise exc.in_file(file) from None
+
+
+def dump(config: Config | Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """Write a config to ``path`` as TOML or JSON (by suffix); ``load_config(path)`` reads it back equal.
+
+    A mapping is validated first, so only loadable files are written. The file is written under a
+    temporary name and renamed, so a reader never sees half of it.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> out = dump(Config(aio={"queue_depth": 8}), os.path.join(tempfile.mkdtemp(), "io.toml"))
+    >>> load_config(out).aio.queue_depth
+    8
+    """
+    return text.write(text.file_dict(load_config(config), SECTIONS), Path(path))
+
+
+def reference_markdown() -> str:
+    """The config reference in Markdown, generated from the section dataclasses' docstrings.
+
+    README.md embeds it between ``<!-- config-reference:begin -->`` and
+    ``<!-- config-reference:end -->``; a test keeps the two equal.
+    """
+    return text.reference_markdown(SECTIONS)
