@@ -1,6 +1,6 @@
 """Tier benchmark: NVMe tier through the pool vs the raw aio handle, and peak host memory.
 
-Two figures from issue 4, measured side by side in one run:
+Two figures, measured side by side in one run:
 
 1. put/get bandwidth of one ``--size`` tensor (default 1 GiB): the raw ``AioHandle`` on
    an aligned buffer, the NVMe tier on an unaligned tensor (so every byte goes through
@@ -70,7 +70,7 @@ def bandwidth(args: argparse.Namespace, handle: AioHandle) -> dict:
         # The raw handle moves the same bytes at the same place of the same swap file as
         # the tier (peeking at its placement), so file layout and disk caching are equal.
         (raw_offset,) = tier._keys.get(key).place.offsets
-        raw_file = tier._files[0].file
+        raw_file = tier.swap.files[0].file
         variants = {
             "raw": (lambda: handle.pwrite(raw_file, aligned, raw_offset).wait(),
                     lambda: handle.pread(raw_file, aligned, raw_offset).wait()),

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 # ``tiers.budget`` works (and stays cheap) even where the C extension is not built.
 _EXPORTS = {
     "Tier": "base", "Future": "base", "CompletedFuture": "base", "TierFullError": "base",
-    "byte_view": "base", "format_nbytes": "base",
+    "byte_view": "base", "format_nbytes": "base", "wait_quietly": "base",
     "HostAllocator": "host_alloc", "HostAllocatorError": "host_alloc", "NumaPlacement": "host_alloc",
     "BufferPool": "pool", "PoolBuffer": "pool", "PoolTimeoutError": "pool",
-    "DeviceTier": "device", "CudaCopyFuture": "device",
+    "DeviceTier": "device", "CudaCopyFuture": "memory", "MemoryTier": "memory",
     "HostTier": "host",
-    "NVMeTier": "nvme", "NVMeIOError": "nvme", "UnwrittenKeyError": "nvme", "Placement": "nvme",
+    "NVMeTier": "nvme", "NVMeIOError": "nvme", "UnwrittenKeyError": "nvme", "Placement": "swapspace", "SwapSpace": "swapspace",
     "SwapDirectoryError": "swapfile", "SwapDirectoryLockedError": "swapfile",
     "StaleSwapFileError": "swapfile", "NVMeSpaceError": "swapfile",
     "Staging": "staging", "Run": "staging",
@@ -39,14 +39,16 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from tiers.base import CompletedFuture, Future, Tier, TierFullError, byte_view, format_nbytes
+    from tiers.base import CompletedFuture, Future, Tier, TierFullError, byte_view, format_nbytes, wait_quietly
     from tiers.budget import BudgetError, BudgetReport, Need, check_budget
-    from tiers.device import CudaCopyFuture, DeviceTier
+    from tiers.device import DeviceTier
     from tiers.future import TransferFuture
     from tiers.host import HostTier
     from tiers.host_alloc import HostAllocator, HostAllocatorError, NumaPlacement
-    from tiers.nvme import NVMeIOError, NVMeTier, Placement, UnwrittenKeyError
+    from tiers.memory import CudaCopyFuture, MemoryTier
+    from tiers.nvme import NVMeIOError, NVMeTier, UnwrittenKeyError
     from tiers.pool import BufferPool, PoolBuffer, PoolTimeoutError
     from tiers.staging import Run, Staging
     from tiers.swapfile import NVMeSpaceError, StaleSwapFileError, SwapDirectoryError, SwapDirectoryLockedError
+    from tiers.swapspace import Placement, SwapSpace
     from tiers.telemetry import TierStats

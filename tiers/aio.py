@@ -34,7 +34,7 @@ import os
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -126,6 +126,29 @@ class AioFile:
     @property
     def closed(self) -> bool:
         return self.fd < 0
+
+    @property
+    def pending_requests(self) -> int:
+        """Requests on this file not known to be reaped (finished ones are pruned from time to time)."""
+        return len(self._pending)
+
+    def track(self, rid: int, core: Any, awaited: Callable[[int], bool]) -> None:
+        """Remember request ``rid`` of ``core`` until it is reaped, so ``close`` can wait for it.
+
+        Requests whose futures were dropped unreaped stay listed; the finished ones nobody
+        ``awaited`` any more are forgotten. Pruning again only after the list doubles keeps the
+        cost amortised O(1) per request.
+        """
+        if len(self._pending) >= self._prune_at:
+            for old_id, old_core in list(self._pending.items()):
+                if old_core.done(old_id) and not awaited(old_id):
+                    del self._pending[old_id]
+            self._prune_at = max(_PENDING_PRUNE, 2 * len(self._pending))
+        self._pending[rid] = core
+
+    def untrack(self, rid: int) -> None:
+        """Request ``rid`` was reaped."""
+        self._pending.pop(rid, None)
 
     def fileno(self) -> int:
         if self.fd < 0:
@@ -269,11 +292,11 @@ class AioFuture:
     op : "read" | "write"
     """
 
-    __slots__ = ("_handle", "_id", "file", "file_offset", "nbytes", "op", "_result", "_error", "__weakref__")
+    __slots__ = ("_handle", "rid", "file", "file_offset", "nbytes", "op", "_result", "_error", "__weakref__")
 
     def __init__(self, handle: AioHandle, rid: int, file: AioFile, file_offset: int, nbytes: int, op: str) -> None:
         self._handle = handle
-        self._id = rid
+        self.rid = rid
         self.file = file
         self.file_offset = file_offset
         self.nbytes = nbytes
@@ -281,11 +304,14 @@ class AioFuture:
         self._result: int | None = None
         self._error: OSError | None = None
 
+    @property
+    def settled(self) -> bool:
+        """Whether the outcome was reaped (``wait`` returns or raises at once)."""
+        return self._result is not None or self._error is not None
+
     def done(self) -> bool:
         """True once the request has completed (successfully or not); never blocks."""
-        if self._result is not None or self._error is not None:
-            return True
-        return self._handle._core_done(self._id)
+        return self.settled or self._handle.request_done(self.rid)
 
     def wait(self, timeout: float | None = None) -> int:
         """Block (GIL released) until this request completes; return the byte count.
@@ -298,32 +324,33 @@ class AioFuture:
         TimeoutError
             when ``timeout`` seconds pass first (the request stays in flight).
         """
-        if self._result is None and self._error is None:
-            if not self._handle._core_wait(self._id, timeout):
+        if not self.settled:
+            if not self._handle.wait_request(self.rid, timeout):
                 raise TimeoutError(
                     f"{self.op} of {self.nbytes} bytes at offset {self.file_offset} of {self.file.path} "
                     f"still in flight after {timeout} s"
                 )
-            self._handle._reap(self)
+            self._handle.reap(self)
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]
 
-    def _settle(self, result: int, err_offset: int) -> None:
+    def settle(self, result: int, err_offset: int) -> None:
+        """Record the reaped outcome (called by the handle, once)."""
         if result >= 0:
             self._result = result
         else:
             self._error = _make_error(self, -result, err_offset)
 
     def __del__(self) -> None:
-        if self._result is None and self._error is None:
+        if not self.settled:
             try:
-                self._handle._forget(self._id)
+                self._handle.release_request(self.rid)
             except Exception:  # interpreter shutdown: the handle's close releases everything
                 pass
 
     def __repr__(self) -> str:
-        state = "done" if (self._result is not None or self._error is not None) else "pending"
+        state = "done" if self.settled else "pending"
         return f"AioFuture({self.op} {self.nbytes} B at {self.file_offset} of {self.file.path!r}, {state})"
 
 
@@ -447,27 +474,20 @@ class AioHandle:
             raise OSError(e.errno, f"cannot {opname} {file.path}: {e.strerror}", file.path) from e
         fut = AioFuture(self, rid, file, file_offset, nbytes, opname)
         self._futures[rid] = fut
-        if len(file._pending) >= file._prune_at:
-            # Requests whose futures were dropped unreaped stay listed; forget the finished ones.
-            # Pruning again only after the list doubles keeps the cost amortised O(1) per request.
-            for old_id, core in list(file._pending.items()):
-                if core.done(old_id) and old_id not in self._futures:
-                    del file._pending[old_id]
-            file._prune_at = max(_PENDING_PRUNE, 2 * len(file._pending))
-        file._pending[rid] = self._core
+        file.track(rid, self._core, self._futures.__contains__)
         return fut
 
     def wait_any(self, futures: Sequence[AioFuture], timeout: float | None = None) -> AioFuture | None:
         """Block until one of ``futures`` is done and return it (None when ``timeout`` passes)."""
         for f in futures:
-            if f._result is not None or f._error is not None:
+            if f.settled:
                 return f
         if not futures:
             raise ValueError("wait_any needs at least one future")
-        rid = self._core.wait_any([f._id for f in futures], -1.0 if timeout is None else timeout)
+        rid = self._core.wait_any([f.rid for f in futures], -1.0 if timeout is None else timeout)
         if rid is None:
             return None
-        return next(f for f in futures if f._id == rid)
+        return next(f for f in futures if f.rid == rid)
 
     def wait_all(self, futures: Iterable[AioFuture] | None = None) -> int:
         """Wait for every request in flight (or just ``futures``); return total bytes moved.
@@ -497,8 +517,8 @@ class AioHandle:
             return
         self._core.wait_all(-1.0)
         for fut in list(self._futures.values()):
-            if fut._result is None and fut._error is None:
-                self._reap(fut)
+            if not fut.settled:
+                self.reap(fut)
         self._core.close()
 
     def __enter__(self) -> AioHandle:
@@ -514,21 +534,25 @@ class AioHandle:
         )
 
     # -- used by AioFuture ------------------------------------------------------------------
-    def _core_done(self, rid: int) -> bool:
+    def request_done(self, rid: int) -> bool:
+        """Whether request ``rid`` has completed (never blocks)."""
         return self._core.done(rid)
 
-    def _core_wait(self, rid: int, timeout: float | None) -> bool:
+    def wait_request(self, rid: int, timeout: float | None) -> bool:
+        """Block until request ``rid`` completes; False when ``timeout`` seconds pass first."""
         return self._core.wait(rid, -1.0 if timeout is None else timeout)
 
-    def _reap(self, fut: AioFuture) -> None:
+    def reap(self, fut: AioFuture) -> None:
+        """Collect a completed request's outcome into ``fut`` (once)."""
         # Two threads may wait on one future; the lock makes exactly one of them reap it.
         with self._lock:
-            if fut._result is None and fut._error is None:
-                result, err_offset = self._core.reap(fut._id)
-                fut._settle(result, err_offset)
-                self._futures.pop(fut._id, None)
-                fut.file._pending.pop(fut._id, None)
+            if not fut.settled:
+                result, err_offset = self._core.reap(fut.rid)
+                fut.settle(result, err_offset)
+                self._futures.pop(fut.rid, None)
+                fut.file.untrack(fut.rid)
 
-    def _forget(self, rid: int) -> None:
+    def release_request(self, rid: int) -> None:
+        """A future was dropped unreaped: the core may forget the request once it completes."""
         if not self._core.closed:
             self._core.release(rid)

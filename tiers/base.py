@@ -9,7 +9,7 @@ future. Tiers never interpret the bytes: the engine keeps dtype and shape.
 from __future__ import annotations
 
 import abc
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 
@@ -35,6 +35,19 @@ class CompletedFuture:
 
     def done(self) -> bool:
         return True
+
+
+def wait_quietly(futures: Iterable[Future]) -> None:
+    """Wait for every transfer, ignoring their errors: one is already being raised.
+
+    Used on error paths, so that no transfer outlives the failure into buffers or keys
+    that are about to be reused; the error already on its way up is the one that counts.
+    """
+    for fut in futures:
+        try:
+            fut.wait()
+        except Exception:  # noqa: BLE001 - the error being raised matters more
+            pass
 
 
 class Tier(abc.ABC):

@@ -1,14 +1,7 @@
 """The NVMe tier: keys kept in swap files on one or several directories (drives).
 
-[Note: placement and striping]
-A key no larger than one stripe (``stripe_nbytes``, default: one pool buffer) lives in
-one slot of one directory; directories take turns (round robin), and one whose disk
-is full is skipped. A larger key is striped RAID-0 style over all directories: chunk
-``c`` of ``stripe_nbytes`` bytes goes to directory ``(c mod m)`` of the key's list, at
-``(c div m) * stripe_nbytes`` inside that directory's slot. Reading it pipelines
-through chunks in order, so consecutive pieces hit different drives and their
-bandwidth adds up. Stripes are multiples of 4096, so an aligned transfer stays
-aligned in every file.
+Where a key's bytes lie in the swap files is ``SwapSpace``'s business (tiers/swapspace.py,
+[Note: placement and striping]); this module moves the bytes and keeps the keys.
 
 [Note: when a freed slot is reused]
 ``free`` forgets the key at once (any later use raises ``KeyError``), but if reads or
@@ -21,18 +14,17 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import uuid
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from tiers.aio import AioFuture, AioHandle
-from tiers.base import CompletedFuture, Future, Tier, byte_view
+from tiers.base import CompletedFuture, Future, Tier, byte_view, wait_quietly
 from tiers.future import TransferFuture
 from tiers.keytable import Entry, KeyTable
 from tiers.pool import BufferPool
 from tiers.staging import Run, Staging, split_direct
-from tiers.swapfile import NVMeSpaceError, SwapFile
+from tiers.swapspace import Placement, SwapSpace
 from tiers.telemetry import TierStats
 
 
@@ -42,24 +34,6 @@ class NVMeIOError(OSError):
 
 class UnwrittenKeyError(KeyError):
     """A key was read before anything was written to it (its bytes are undefined)."""
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a key's bytes are: slot ``offsets[j]`` of ``sizes[j]`` bytes in swap file ``files[j]``."""
-
-    files: tuple[int, ...]
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    stripe_nbytes: int
-
-
-def _striped_sizes(nbytes: int, ways: int, stripe: int) -> list[int]:
-    """Bytes of a key of ``nbytes`` that land in each of ``ways`` directories."""
-    chunks = -(-nbytes // stripe)
-    sizes = [len(range(j, chunks, ways)) * stripe for j in range(ways)]
-    sizes[(chunks - 1) % ways] -= chunks * stripe - nbytes
-    return sizes
 
 
 class NVMeTier(Tier):
@@ -108,14 +82,7 @@ class NVMeTier(Tier):
         self.pool = pool
         self.run_id = uuid.uuid4().hex
         self.stripe_nbytes = stripe
-        self._files: list[SwapFile] = []
-        try:
-            for path in dict.fromkeys(str(p) for p in paths):
-                self._files.append(SwapFile(path, name, self.run_id, handle, stale))
-        except BaseException:
-            for swap in self._files:
-                swap.close()
-            raise
+        self.swap = SwapSpace(paths, name, self.run_id, handle, stale, stripe)
         self._staging = Staging(handle, pool, depth=staging_depth)
         self._workers = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers or max(1, pool.count // 2), thread_name_prefix=f"{name}-staging")
@@ -125,86 +92,28 @@ class NVMeTier(Tier):
         self._inflight: dict[int, int] = {}
         self._freed_busy: dict[int, Entry[Placement]] = {}
         self._written: set[int] = set()
-        self._next_file = 0
         self._closed = False
 
     # -- placement ---------------------------------------------------------------------------
     def allocate(self, nbytes: int, tag: str = "") -> int:
         nbytes = self._keys.validate_nbytes(nbytes, tag)
         self._check_open()
-        what = f"key tagged {tag!r}" if tag else "a new key"
-        with self._lock:
-            start = self._next_file
-            self._next_file = (self._next_file + 1) % len(self._files)
-        ways = min(len(self._files), max(1, -(-nbytes // self.stripe_nbytes)))
-        if ways == 1:
-            placement = self._place_whole(nbytes, start, what)
-        else:
-            placement = self._place_striped(nbytes, start, ways, what)
+        placement = self.swap.place(nbytes, f"key tagged {tag!r}" if tag else "a new key")
         self._stats.allocated(nbytes)
         return self._keys.add(placement, nbytes, tag)
 
-    def _place_whole(self, nbytes: int, start: int, what: str) -> Placement:
-        errors = []
-        for step in range(len(self._files)):
-            index = (start + step) % len(self._files)
-            try:
-                offset = self._files[index].allocate(nbytes, what)
-            except NVMeSpaceError as exc:
-                if len(self._files) == 1:
-                    raise
-                errors.append(str(exc))
-                continue
-            return Placement((index,), (offset,), (nbytes,), self.stripe_nbytes)
-        raise NVMeSpaceError(f"nvme tier {self.name!r}: no directory has room for {what}:\n  " + "\n  ".join(errors))
-
-    def _place_striped(self, nbytes: int, start: int, ways: int, what: str) -> Placement:
-        files = tuple((start + j) % len(self._files) for j in range(ways))
-        sizes = _striped_sizes(nbytes, ways, self.stripe_nbytes)
-        offsets: list[int] = []
-        try:
-            for index, size in zip(files, sizes):
-                offsets.append(self._files[index].allocate(size, f"{what} (stripe over {ways} directories)"))
-        except NVMeSpaceError:
-            for index, offset, size in zip(files, offsets, sizes):
-                self._files[index].release(offset, size)
-            raise
-        return Placement(files, tuple(offsets), tuple(sizes), self.stripe_nbytes)
-
-    def _runs(self, placement: Placement, key_offset: int, nbytes: int) -> list[Run]:
-        files = [self._files[i].file for i in placement.files]
-        if len(files) == 1:
-            return [Run(files[0], placement.offsets[0] + key_offset, 0, nbytes)] if nbytes else []
-        stripe, ways = placement.stripe_nbytes, len(files)
-        runs, position, end = [], key_offset, key_offset + nbytes
-        while position < end:
-            chunk, within = divmod(position, stripe)
-            length = min(stripe - within, end - position)
-            j = chunk % ways
-            runs.append(Run(files[j], placement.offsets[j] + (chunk // ways) * stripe + within,
-                            position - key_offset, length))
-            position += length
-        return runs
-
     # -- transfers ---------------------------------------------------------------------------
     def write(self, key: int, src: torch.Tensor, offset: int = 0) -> Future:
-        data = self._cpu_bytes(src, "write source")
+        data = _host_bytes(src, f"{self.name} tier write source")
         entry = self._begin(key, offset, data.numel(), "write")
         self._stats.wrote(data.numel())
         return self._transfer("write", key, entry, offset, data)
 
     def read(self, key: int, dst: torch.Tensor, offset: int = 0) -> Future:
-        data = self._cpu_bytes(dst, "read destination")
+        data = _host_bytes(dst, f"{self.name} tier read destination")
         entry = self._begin(key, offset, data.numel(), "read")
         self._stats.read(data.numel())
         return self._transfer("read", key, entry, offset, data)
-
-    def _cpu_bytes(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        data = byte_view(tensor, f"{self.name} tier {what}")
-        if data.device.type != "cpu":
-            raise ValueError(f"{self.name} tier {what} must be a CPU tensor (got one on {data.device}); "
-                             "stage device tensors through a host buffer")
-        return data
 
     def _begin(self, key: int, offset: int, nbytes: int, verb: str) -> Entry[Placement]:
         self._check_open()
@@ -226,12 +135,12 @@ class NVMeTier(Tier):
                 return
             entry = self._freed_busy.pop(key, None)
         if entry is not None:
-            self._release_slots(entry.place)
+            self.swap.release(entry.place)
 
     def _transfer(self, op: str, key: int, entry: Entry[Placement], offset: int, data: torch.Tensor) -> Future:
         nbytes = data.numel()
         try:
-            runs = self._runs(entry.place, offset, nbytes)
+            runs = self.swap.runs(entry.place, offset, nbytes)
             direct, staged = split_direct(runs, data)
             if not staged:
                 submit = self.handle.pread if op == "read" else self.handle.pwrite
@@ -259,11 +168,7 @@ class NVMeTier(Tier):
             move = self._staging.read if op == "read" else self._staging.write
             move(staged, data, owner)
         except OSError as exc:
-            for future in futures:
-                try:
-                    future.wait()
-                except OSError:
-                    pass
+            wait_quietly(futures)
             raise self._error(exc, op, key, entry, offset, data.numel()) from exc
         self._wait_direct(futures, op, key, entry, offset)
         return data.numel()
@@ -281,7 +186,7 @@ class NVMeTier(Tier):
 
     def _error(self, exc: OSError, op: str, key: int, entry: Entry[Placement], offset: int,
                nbytes: int) -> NVMeIOError:
-        causes = [cause for i in entry.place.files if (cause := self._files[i].diagnose())]
+        causes = self.swap.diagnose(entry.place)
         why = "; ".join(causes) if causes else "no damage to the swap files found"
         message = (f"{self.name} tier: {op} of {nbytes} bytes at offset {offset} of key {key} "
                    f"(tag {entry.tag!r}, {entry.nbytes} bytes) failed: {exc.strerror or exc}. {why}")
@@ -297,22 +202,14 @@ class NVMeTier(Tier):
                 self._freed_busy[key] = entry
         self._stats.released(entry.nbytes)
         if not busy:
-            self._release_slots(entry.place)
-
-    def _release_slots(self, placement: Placement) -> None:
-        for index, offset, size in zip(placement.files, placement.offsets, placement.sizes):
-            self._files[index].release(offset, size)
+            self.swap.release(entry.place)
 
     def nbytes(self, key: int) -> int:
         return self._keys.get(key).nbytes
 
     def capacity(self) -> int | None:
         """Free disk plus this tier's swap files, summed over distinct filesystems."""
-        by_filesystem: dict[int, int] = {}
-        for swap in self._files:
-            fs = swap.filesystem()
-            by_filesystem[fs] = by_filesystem.get(fs, swap.disk_free()) + swap.file_nbytes
-        return sum(by_filesystem.values())
+        return self.swap.capacity()
 
     def bytes_in_use(self) -> int:
         return self._stats.bytes_in_use
@@ -320,12 +217,12 @@ class NVMeTier(Tier):
     def stats(self) -> dict:
         snapshot = self._stats.snapshot()
         snapshot.update(tier="nvme", engine=self.handle.engine, run_id=self.run_id,
-                        files=[swap.stats() for swap in self._files], pool=self.pool.stats())
+                        files=[swap.stats() for swap in self.swap.files], pool=self.pool.stats())
         return snapshot
 
     def verify(self) -> list[str]:
         """Problems found with the swap files (removed, replaced, truncated, header overwritten)."""
-        return [cause for swap in self._files if (cause := swap.diagnose())]
+        return self.swap.diagnose()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -345,8 +242,7 @@ class NVMeTier(Tier):
                 self.handle.wait_all()
             except OSError:
                 pass
-        for swap in self._files:
-            swap.close()
+        self.swap.close()
 
     def __enter__(self) -> "NVMeTier":
         return self
@@ -355,6 +251,14 @@ class NVMeTier(Tier):
         self.close()
 
     def __repr__(self) -> str:
-        paths = [swap.directory for swap in self._files]
+        paths = [swap.directory for swap in self.swap.files]
         return f"NVMeTier(paths={paths}, name={self.name!r}, keys={len(self._keys)})"
 
+
+def _host_bytes(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """The bytes of a host tensor (``byte_view``); a device tensor is refused, naming ``what``."""
+    data = byte_view(tensor, what)
+    if data.device.type != "cpu":
+        raise ValueError(f"{what} must be a CPU tensor (got one on {data.device}); "
+                         "stage device tensors through a host buffer")
+    return data

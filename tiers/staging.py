@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from tiers.aio import ALIGNMENT, AioFile, AioFuture, AioHandle
+from tiers.base import wait_quietly
 from tiers.pool import BufferPool, PoolBuffer
 
 
@@ -234,10 +235,6 @@ class Staging:
     @staticmethod
     def _settle(inflight: collections.deque, ring: list[PoolBuffer]) -> None:
         """After an error: let in-flight I/O finish before the buffers can be reused."""
-        for _piece, _buffer, future in inflight:
-            try:
-                future.wait()
-            except OSError:
-                pass
+        wait_quietly(future for _piece, _buffer, future in inflight)
         for buf in ring:
             buf.release()

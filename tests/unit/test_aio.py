@@ -1,4 +1,4 @@
-"""tiers.aio: data round trips, splitting into pieces, futures, both engines (issue 3)."""
+"""tiers.aio: data round trips, splitting into pieces, futures, both engines."""
 from __future__ import annotations
 
 import threading
@@ -174,7 +174,7 @@ def test_dropped_futures_do_not_grow_the_file_list(tmp_path, engine: str, monkey
             for _ in range(10):
                 h.pread(f, aligned_empty(4096), 0)  # future dropped unreaped
             h.wait_all()
-        assert len(f._pending) <= 20  # 60 dropped requests, pruned as they finished
+        assert f.pending_requests <= 20  # 60 dropped requests, pruned as they finished
 
 
 def test_file_close_waits_for_in_flight(tmp_path, engine: str) -> None:

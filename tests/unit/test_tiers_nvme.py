@@ -327,7 +327,7 @@ def test_small_key_skips_a_full_directory(tmp_path, handle, pool, monkeypatch):
     (tmp_path / "full").mkdir()
     (tmp_path / "free").mkdir()
     with NVMeTier([str(tmp_path / "full"), str(tmp_path / "free")], handle, pool, name="k") as t:
-        full_fd = t._files[0].file.fd
+        full_fd = t.swap.files[0].file.fd
         real = os.posix_fallocate
 
         def first_is_full(fd, offset, length):
