@@ -10,6 +10,9 @@ Two levels:
   the step time (``infinity-plan model``). ``plan(...).needs()`` feeds
   ``tiers.budget.check_budget``; the engine's own up-front check uses the same code.
 
+What the room may touch: the config and ``tiers.budget`` (to check the fit); it builds
+models on the meta device only and never allocates a tier.
+
 [Note: glossary]
 shard: one rank's 1/N slice of a group's flat, padded buffer. group: one module's direct
 parameters (or one tile of a tiled layer), flattened: the unit the engine partitions and
@@ -20,15 +23,8 @@ every rank is of the one type.
 from infinity.plan.bandwidth import Bandwidth
 from infinity.plan.census import CensusGroup, ModelCensus, census_of_module, load_model
 from infinity.plan.errors import PlanError
-from infinity.plan.planner import (
-    FitCheck,
-    Plan,
-    PlanRow,
-    PlanSettings,
-    ShardSizes,
-    plan,
-    resolve_config,
-)
+from infinity.plan.planner import FitCheck, Plan, PlanSettings, ShardSizes, plan, resolve_config
+from infinity.plan.rows import PlanRow
 from infinity.plan.zero import STAGE_NAMES, model_states_per_rank, render_zero_table, zero_table
 
 __all__ = [

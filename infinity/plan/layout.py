@@ -52,11 +52,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from infinity.plan.census import ModelCensus
+from infinity.plan.rows import PlanRow
 from infinity.plan.units import round_up
 
 if TYPE_CHECKING:
     from infinity.config import Config
-    from infinity.plan.planner import PlanRow
 
 SHARD_ALIGN_NUMEL = 2048
 NVME_ALIGN_BYTES = 4096
@@ -126,10 +126,8 @@ class Layout:
     def uses_nvme(self) -> bool:
         return "nvme" in (self.params_tier, self.opt_tier)
 
-    def rows(self) -> Iterator["PlanRow"]:
+    def rows(self) -> Iterator[PlanRow]:
         """Every byte one rank holds, by purpose (see [Note: where each byte lives])."""
-        from infinity.plan.planner import PlanRow
-
         cfg, pb, dtype = self.cfg, self.pb, self.cfg.precision.dtype
         nbytes = self.compute_nvme if self.params_tier == "nvme" else self.shard_numel * pb
         yield PlanRow("compute_copy", f"compute copy of params ({dtype}, "

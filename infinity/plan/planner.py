@@ -25,6 +25,7 @@ from infinity.plan.bandwidth import Bandwidth
 from infinity.plan.census import ModelCensus, census_of_module, load_model
 from infinity.plan.errors import PlanError
 from infinity.plan.layout import Layout
+from infinity.plan.rows import PlanRow
 from infinity.plan.units import parse_count, parse_positive_int
 
 if TYPE_CHECKING:
@@ -48,30 +49,6 @@ NEED_LABELS = {
     "persistent_params": "persistent params",
 }
 TIERS = ("device", "host", "nvme")
-
-
-@dataclass(frozen=True)
-class PlanRow:
-    """Bytes one rank holds for one purpose in one tier.
-
-    Attributes
-    ----------
-    key : str
-        Stable identifier (``compute_copy``, ``master``, ``adam_moments``, ``grad_accumulator``,
-        ``pool_buffers``, ``optimizer_subgroup_buffers``, ``nvme_staging``, ``prefetch_arena``, ``working_set``,
-        ``working_set_grad``, ``device_prefetch``, ``persistent_params``).
-    what : str
-        Human description, including dtype and sizes.
-    tier : str
-        ``device``, ``host`` or ``nvme``.
-    nbytes : int
-        Bytes per rank.
-    """
-
-    key: str
-    what: str
-    tier: str
-    nbytes: int
 
 
 @dataclass(frozen=True)

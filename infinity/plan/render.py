@@ -1,18 +1,17 @@
-"""A Plan as text: what ``infinity-plan model`` prints and ``Plan.table()`` returns."""
-from __future__ import annotations
+"""A Plan as text: what ``infinity-plan model`` prints and ``Plan.table()`` returns.
 
-from typing import TYPE_CHECKING
+It reads a ``infinity.plan.planner.Plan`` (its rows, sizes, traffic, bound and fit) and
+imports nothing of the planner, which imports this module to render.
+"""
+from __future__ import annotations
 
 from infinity.plan.layout import SHARD_ALIGN_NUMEL
 from infinity.plan.units import format_count, format_gib
 
-if TYPE_CHECKING:
-    from infinity.plan.planner import Plan
-
 _TIER_ORDER = {"device": 0, "host": 1, "nvme": 2}
 
 
-def render_plan(plan: "Plan") -> str:
+def render_plan(plan) -> str:
     """The plan's header, its per-rank table (GiB), NVMe traffic, step-time bound and fit."""
     st, sh = plan.settings, plan.shards
     ranks = st.world_size
@@ -55,7 +54,7 @@ def render_plan(plan: "Plan") -> str:
     return "\n".join(lines)
 
 
-def _step_time_line(plan: "Plan") -> str:
+def _step_time_line(plan) -> str:
     bound = plan.step_time_lower_bound_s
     if bound == 0.0:
         return "Step time lower bound from NVMe: none (nothing lives on NVMe)"
@@ -73,7 +72,7 @@ def _step_time_line(plan: "Plan") -> str:
     )
 
 
-def _fit_line(plan: "Plan") -> str:
+def _fit_line(plan) -> str:
     fit = plan.fit
     if fit is None:
         return ""
