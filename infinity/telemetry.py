@@ -78,8 +78,8 @@ class StepTelemetry:
     # -- counting ----------------------------------------------------------------------------
     def count_request(self, groups, ahead, kept) -> None:
         """Classify the groups a module asked for, before anything moves (see [Note: step records])."""
-        in_use = self.engine.coordinator.in_use
-        fresh = self.engine.coordinator.fresh
+        coordinator = self.engine.coordinator
+        in_use = coordinator.in_use
         for g in groups:
             if g.persistent:
                 continue
@@ -89,8 +89,8 @@ class StepTelemetry:
                     self.late += 1
             elif g in kept and g.state is ParamState.AVAILABLE and not in_use.get(g):
                 self.hits += 1
-            elif fresh is not None and g.state is ParamState.NOT_AVAILABLE and fresh.has(g):
-                self.hits += 1   # in host memory already (see [Note: fresh shards] in fresh_shards.py)
+            elif g.state is ParamState.NOT_AVAILABLE and coordinator.shards.has_fresh(g):
+                self.hits += 1   # in host memory already (see [Note: fresh shards] in infinity/prefetch/fresh_shards.py)
             elif g.state is not ParamState.AVAILABLE:
                 self.misses += 1
 

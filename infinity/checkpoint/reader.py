@@ -2,7 +2,7 @@
 
 The target world size, grouping and tier layout may all differ from the saved ones
 (see [Note: resharding by parameter] in reshard.py): bytes go through the tier
-interface (``tier.write`` for optimizer states, ``coordinator.write_shard`` for
+interface (``tier.write`` for optimizer states, ``coordinator.shards.write`` for
 compute copies), so params and states land on host or NVMe as the loading config
 says. Every chunk read is verified against its CRC-32 before its bytes are used.
 """
@@ -91,7 +91,7 @@ class _ParamDest:
 
     def write(self, dest_offset: int, data: torch.Tensor):
         values = data.view(self.src_dtype)
-        return self.coordinator.write_shard(self.group, values, self.elem + dest_offset // self.src_itemsize)
+        return self.coordinator.shards.write(self.group, values, self.elem + dest_offset // self.src_itemsize)
 
 
 def _sub_pieces(layout, flat: int, numel: int):
@@ -174,7 +174,7 @@ def _fill_zeros(io, coordinator, store, layout, fills) -> None:
         group = coordinator.groups[fill.group]
         for start in range(0, fill.numel, zeros.numel() // _F32):
             n = min(zeros.numel() // _F32, fill.numel - start)
-            futures.append(coordinator.write_shard(group, zeros[:n * _F32].view(torch.float32),
+            futures.append(coordinator.shards.write(group, zeros[:n * _F32].view(torch.float32),
                                                    fill.dst_elem + start))
             flat = layout.group_starts[fill.group] + fill.dst_elem + start
             for state in STATE_FILES[1:]:

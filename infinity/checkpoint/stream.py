@@ -26,6 +26,7 @@ import torch
 
 from infinity.checkpoint.errors import CheckpointCorruptError
 from infinity.checkpoint.manifest import ChunkChecksum, FileRecord
+from tiers.base import wait_quietly
 
 DEPTH = 3
 """Buffers one stream cycles through: one being read, one being checksummed, one being written."""
@@ -238,13 +239,8 @@ def write_file(io: StreamIO, directory: str, relpath: str, spans: list, chunk_nb
         while writes:
             retire()
     finally:
-        for buf, fut, _ in list(writes):
-            _settle(fut)
-            if buf is not None:
-                io.give(buf)
-        for buf, _, fut in list(reads):
-            if fut is not None:
-                _settle(fut)
+        wait_quietly([fut for _, fut, _ in writes] + [fut for _, _, fut in reads if fut is not None])
+        for buf in [buf for buf, _, _ in writes] + [buf for buf, _, _ in reads]:
             if buf is not None:
                 io.give(buf)
         f.close()
@@ -256,14 +252,6 @@ def _pwrite_all(fd: int, data: torch.Tensor, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
-
-
-def _settle(fut) -> None:
-    """Wait for a transfer we are abandoning (an error is already on its way up)."""
-    try:
-        fut.wait()
-    except Exception:  # the first error is the one being raised
-        pass
 
 
 def check_sizes(files: dict[str, tuple[str, FileRecord]], names) -> None:
@@ -360,12 +348,8 @@ def _read_file(io: StreamIO, path: str, record: FileRecord, runs: list[Run]) -> 
         while pending:
             retire()
     finally:
-        for buf, _, fut in list(reads):
-            _settle(fut)
-            io.give(buf)
-        for buf, futures in list(pending):
-            for fut in futures:
-                _settle(fut)
+        wait_quietly([fut for _, _, fut in reads] + [fut for _, futures in pending for fut in futures])
+        for buf in [buf for buf, _, _ in reads] + [buf for buf, _ in pending]:
             io.give(buf)
         f.close()
 

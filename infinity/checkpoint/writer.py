@@ -102,7 +102,7 @@ def check_ready(engine, opt, what: str):
     elif getattr(opt, "engine", None) is not engine:
         raise CheckpointError(f"{what}: opt is not the infinity optimizer of this model "
                               f"(got {type(opt).__name__}); pass the optimizer created for this model, or None")
-    if engine.reducer.pending() or engine._backward_active:
+    if engine.backward_running:
         raise CheckpointError(f"{what}: called while a backward pass is still running; call it between steps")
     if opt is not None:
         opt.synchronize()
@@ -121,8 +121,10 @@ def model_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The persistent buffers of ``model`` under every state-dict key (shared modules: several)."""
     buffers = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, buf in module._buffers.items():
-            if buf is not None and name not in module._non_persistent_buffers_set:
+        # torch keeps the persistence of a buffer only in this set; it has no public accessor.
+        transient = getattr(module, "_non_persistent_buffers_set", ())
+        for name, buf in module.named_buffers(recurse=False, remove_duplicate=False):
+            if name not in transient:
                 buffers[f"{prefix}.{name}" if prefix else name] = buf
     return buffers
 
@@ -178,7 +180,7 @@ def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Te
     files = {}
     with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
         nbytes = itemsize(coordinator.dtype)
-        spans = [TierSpan(coordinator.param_tier, g.param_key, 0, g.shard_numel * nbytes) for g in coordinator.groups]
+        spans = [TierSpan(coordinator.shards.tier, g.param_key, 0, g.shard_numel * nbytes) for g in coordinator.groups]
         files["params"] = write_file(io, tmp, f"rank{rank}/params.bin", spans, chunk)
         for state in STATE_FILES[1:]:
             if state in _MOMENTS and not store.moments_initialized:

@@ -1,50 +1,30 @@
-"""Delayed parameter update (DPU): the host optimizer step of iteration t runs beside iteration t+1.
+"""The background worker that runs optimizer updates beside compute, and how far the running one got.
 
-[Note: delayed parameter update]
-With the optimizer on the host, a synchronous step makes compute wait for it every
-iteration. With DPU (``dpu.enabled``), after ``dpu.warmup_steps`` ordinary updates,
-``opt.step()`` of iteration t
+``BackgroundUpdate`` is the overlapped exact step by itself (``dpu.overlap``) and the
+base of DPU's ``DelayedUpdate`` (infinity/optim/delayed.py). It runs ``StepJob``s on
+one worker thread, reports each stepped sub-group, and answers for each parameter
+group whether its stored shard is final (``ready``) or blocks until it is
+(``wait_ready``). A failed job is kept and raised on the main thread.
 
-1. waits for the job of iteration t-1 (it ran beside the forward/backward of t, so
-   it has usually finished) and publishes its parameters;
-2. hands the gradients of iteration t to the background worker as job t;
-3. returns.
-
-So the forward/backward of iteration t+1 computes with the parameters produced by the
-update of iteration t-1, the newest complete ones, while job t runs: the gradient of
-iteration t+1 (computed on p[t-1]) is applied to p[t]. This is ZeRO-Offload's one-step
-delay. Publishing happens only inside ``step()`` and ``synchronize()``, i.e. between
-iterations, never during a forward or backward. ``synchronize()`` (called by
-``infinity.gathered`` and checkpoint saving) waits for the running job and publishes
-it: the pipeline drains, and the next forward uses the newest parameters.
-
-Two things would be shared between the worker and compute, and both are double-buffered:
-
-- the gradient accumulator: the job reads the gradient sub-groups of iteration t while
-  the next backward accumulates into a second set of keys in the optimizer tier. The
-  store's ``keys["grad"]`` list is swapped at hand-off (4 bytes per parameter more in
-  the optimizer tier);
-- the compute copies in the parameter tier: see [Note: publishing by swapping keys].
-
-Master weights and Adam moments are read and written only by the step, so the job
-updates them in place; everything that reads them from the main thread
-(``state_dict``, ``gathered``, checkpoints) calls ``synchronize()`` first.
-
-[Note: publishing by swapping keys]
-Each trainable group gets a second key of its shard's size in the parameter tier. A
-job writes its new compute copies into the keys that are not published; publishing
-swaps ``group.param_key`` with that key. We chose this over deferring the job's writes
-to the moment of publishing because publishing then moves no data: it is a pointer
-swap per group, atomic with respect to compute (it happens on the main thread between
-iterations), and the writes themselves (host copies, host-to-device copies, NVMe
-writes) are pipelined inside the job, beside compute. Deferred writes would put a
-whole-model copy (an NVMe write, with NVMe parameters) on the critical path at every
-publish and need a host buffer as large as all compute copies anyway. The cost is one
-more shard per trainable group in the parameter tier (2 bytes per parameter in
-bf16/fp16, 4 in fp32). Two key sets suffice because job t starts only after job t-1
-was published: job t writes the keys of job t-2, which nothing reads any more.
-Gathered copies of the old values (persistent groups, prefetched groups) are dropped
-when publishing, so the next forward gathers from the new keys.
+[Note: overlapped step]
+Without DPU, a synchronous update makes the next forward wait for the whole pass: with
+states on NVMe that is the step's largest block of I/O (master, m, v and gradient read,
+master, m, v and compute copies written), while the disk idles through most of the
+backward. With ``dpu.overlap`` (the default; used when the pass moves bytes to or from
+NVMe and DPU is off), ``step()`` checks the gradients (non-finite flag, clipping), hands
+the job to the background worker and returns. The job writes the compute copies in
+place, in sub-group order (the order of group creation, close to the forward's), and
+reports each stepped sub-group with the futures of its compute-copy writes
+(``BackgroundUpdate.sub_done``). The coordinator's fetch of a group waits until every
+sub-group holding it was stepped and those writes landed (``update_gate``); reads ahead
+skip a group not ready yet and try again at the next walk, so the compute thread only
+ever waits for the group it needs now. Each fetch sees the new values, so results equal
+the synchronous step's bit for bit (tests/unit/test_overlap_step.py). The first gradient
+of the next backward waits for the job to end (it reads the gradient keys that backward
+accumulates into); so do ``synchronize()`` and everything that calls it (``state_dict``,
+``gathered``, checkpoints), and the next ``step()``. With NVMe parameters the forward
+takes most groups from host memory, not from the disk: see [Note: fresh shards] in
+infinity/prefetch/fresh_shards.py.
 
 [Note: bounding the worker's threads]
 ``torch.set_num_threads`` is process-wide (it also resizes shared pools), so calling it
@@ -67,10 +47,11 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from infinity.optim.job import StepJob, UpdateStats
 
 _STOP = object()
 # Every worker still alive: at exit each finishes its running job before the interpreter
@@ -85,96 +66,10 @@ _drain_registered = False
 
 def _drain_at_exit() -> None:
     for worker in list(_WORKERS):
-        worker._idle.wait()
+        worker.wait_idle()
 
 
-@dataclass(frozen=True)
-class StepJob:
-    """Everything one optimizer update needs, fixed when ``opt.step()`` hands it over.
-
-    Attributes
-    ----------
-    step:
-        The Adam step number (bias correction) of this update.
-    call:
-        Which ``opt.step()`` call produced it (1-based; skipped steps count).
-    lr, beta1, beta2, eps, weight_decay:
-        Hyper-parameters read from ``param_groups[0]`` at hand-off, so a learning-rate
-        scheduler stepped after ``opt.step()`` affects the next update, as in PyTorch.
-    decoupled:
-        AdamW (True) or Adam with L2 weight decay (False).
-    clip_coef:
-        Factor by which the gradients of this step are scaled (``clip_grad_norm_``), or None.
-    grad_keys:
-        The optimizer-tier keys of this step's gradient sub-groups.
-    updated:
-        The groups this update changes: those with parameters in the optimizer that received
-        a gradient since the last ``zero_grad`` (like ``torch.optim``, which skips parameters
-        whose ``.grad`` is None). Other groups' ranges of ``grad_keys`` are stale, never read.
-    param_keys:
-        Per group, the parameter-tier key that receives the new compute copy; None for the
-        groups this update does not change.
-    delayed:
-        True when the job runs on the background worker one step behind (DPU).
-    runs:
-        Per sub-group, the ``(offset, numel, step)`` ranges Adam updates and the step count of
-        each, when some trainable parameter had no gradient or lags in steps (see [Note:
-        parameters without a gradient] in optimizer.py); None when every trainable parameter
-        of ``updated`` has a gradient and ``step`` (the common case: whole groups, one step).
-    overlapped:
-        True when the job runs on the background worker at exact semantics: it writes the
-        published compute copies in place and reports each finished sub-group
-        (``BackgroundUpdate.sub_done``, with the futures of its compute-copy writes) so the
-        next forward can fetch those groups once the writes have landed.
-    """
-
-    step: int
-    call: int
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    decoupled: bool
-    clip_coef: float | None
-    grad_keys: tuple[int, ...]
-    updated: frozenset[int]
-    param_keys: tuple[int | None, ...]
-    delayed: bool = False
-    overlapped: bool = False
-    runs: tuple | None = None
-
-
-@dataclass
-class DpuStats:
-    """Where the optimizer's time went (seconds, summed over steps)."""
-
-    sync_steps: int = 0
-    delayed_steps: int = 0
-    overlapped_steps: int = 0
-    skipped_steps: int = 0
-    optimizer_seconds: float = 0.0
-    exposed_seconds: float = 0.0
-    last_job_seconds: float = 0.0
-    worker_thread_ids: set = field(default_factory=set)
-
-    def add_sync(self, seconds: float) -> None:
-        """Book an update that ran on the calling thread: all of it exposed to compute."""
-        self.sync_steps += 1
-        self.optimizer_seconds += seconds
-        self.exposed_seconds += seconds
-        self.last_job_seconds = seconds
-
-    def as_dict(self) -> dict:
-        hidden = 1.0 - self.exposed_seconds / self.optimizer_seconds if self.optimizer_seconds else 0.0
-        return {"sync_steps": self.sync_steps, "delayed_steps": self.delayed_steps,
-                "overlapped_steps": self.overlapped_steps, "skipped_steps": self.skipped_steps,
-                "optimizer_seconds": self.optimizer_seconds,
-                "exposed_seconds": self.exposed_seconds, "hidden_fraction": hidden,
-                "last_job_seconds": self.last_job_seconds}
-
-
-class DpuWorkerError(RuntimeError):
+class UpdateWorkerError(RuntimeError):
     """A background optimizer step failed; the message names the step and what state is left."""
 
 
@@ -209,7 +104,7 @@ class BackgroundUpdate:
 
     The base of both background modes: :class:`DelayedUpdate` (DPU, one step behind)
     and, with ``dpu.overlap``, the exact overlapped step (see [Note: overlapped step]
-    in optimizer.py), which writes the compute copies in place and lets each group be
+    above), which writes the compute copies in place and lets each group be
     fetched as soon as the update has rewritten it.
 
     Parameters
@@ -231,12 +126,12 @@ class BackgroundUpdate:
     """
 
     def __init__(self, store, coordinator, run: Callable[[StepJob], None], threads: int, device,
-                 stats: DpuStats | None = None) -> None:
+                 stats: UpdateStats | None = None) -> None:
         self.store = store
         self.coordinator = coordinator
         self.threads = threads
         self.device = device
-        self.stats = stats if stats is not None else DpuStats()
+        self.stats = stats if stats is not None else UpdateStats()
         self._run = weakref.WeakMethod(run) if hasattr(run, "__self__") else (lambda: run)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -318,7 +213,7 @@ class BackgroundUpdate:
         """Start ``job`` on the background worker; returns at once."""
         self.raise_if_failed()
         if self._thread is None:
-            self._thread = threading.Thread(target=_worker_loop, name="infinity-dpu", daemon=True,
+            self._thread = threading.Thread(target=BackgroundUpdate._worker_loop, name="infinity-dpu", daemon=True,
                                             args=(self._queue, weakref.ref(self)))
             self._thread.start()
         self._idle.clear()
@@ -341,7 +236,7 @@ class BackgroundUpdate:
     def wait(self) -> StepJob | None:
         """Wait for the running job; return the finished job not yet published (or None).
 
-        Raises :class:`DpuWorkerError` if the job failed (once; the job stays unpublished).
+        Raises :class:`UpdateWorkerError` if the job failed (once; the job stays unpublished).
         """
         if not self._idle.is_set():
             t0 = time.perf_counter()
@@ -350,13 +245,17 @@ class BackgroundUpdate:
         self.raise_if_failed()
         return self._unpublished
 
+    def wait_idle(self) -> None:
+        """Wait until no job runs, without reporting a failure (at exit, and in tests)."""
+        self._idle.wait()
+
     def raise_if_failed(self) -> None:
         if self._failure is None:
             return
         job, exc = self._failure
         self._failure = None
         self._unpublished = None
-        raise DpuWorkerError(
+        raise UpdateWorkerError(
             f"the background optimizer step {job.step} (opt.step() call {job.call}) failed: {exc!r}. "
             + ("The parameters are still those of the previous step, but master weights and Adam moments "
                "may be partly updated: reload a checkpoint before training on" if job.delayed else
@@ -366,7 +265,7 @@ class BackgroundUpdate:
     def _call(self, job: StepJob) -> None:
         run = self._run()
         if run is None:
-            raise DpuWorkerError(f"step {job.step}: the optimizer that owns this worker is gone")
+            raise UpdateWorkerError(f"step {job.step}: the optimizer that owns this worker is gone")
         with torch.no_grad():
             run(job)
 
@@ -401,6 +300,28 @@ class BackgroundUpdate:
             self._progress.notify_all()
         self._idle.set()
 
+    @staticmethod
+    def _worker_loop(jobs: queue.Queue, owner_ref) -> None:
+        """The worker thread: bound its threads, then run jobs until told to stop.
+
+        It holds its owner weakly between jobs so a dropped optimizer can be collected
+        (``weakref.finalize`` then posts the stop marker).
+        """
+        owner = owner_ref()
+        if owner is None:
+            return
+        owner.worker_threads = bound_this_thread(owner.threads)
+        del owner
+        while True:
+            item = jobs.get()
+            if item is _STOP:
+                return
+            owner = owner_ref()
+            if owner is None:
+                return
+            owner._work(*item)
+            del owner
+
     def _cuda_stream(self):
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device.device)
@@ -413,100 +334,3 @@ class BackgroundUpdate:
             self._queue.put(_STOP)
             self._thread.join()
             self._thread = None
-
-
-class DelayedUpdate(BackgroundUpdate):
-    """The background worker of DPU and the second gradient and compute-copy buffers.
-
-    Parameters are those of :class:`BackgroundUpdate`, and
-
-    trainable:
-        Indices of the groups with parameters in the optimizer (they get a second key).
-    """
-
-    def __init__(self, store, coordinator, run: Callable[[StepJob], None], threads: int, device,
-                 trainable: set[int], stats: DpuStats | None = None) -> None:
-        super().__init__(store, coordinator, run, threads, device, stats)
-        tier = store.tier
-        self._spare_grad_keys = []
-        for i, (_, numel) in enumerate(store.layout.sub_ranges):
-            key = tier.allocate(numel * 4, tag=f"grad-next:sub{i}")
-            tier.write(key, torch.zeros(numel, dtype=torch.float32)).wait()
-            self._spare_grad_keys.append(key)
-        self._spare_param_keys: dict[int, int] = {}
-        for g in coordinator.groups:
-            if g.index in trainable:
-                shard = torch.empty(g.shard_numel, dtype=g.dtype)
-                coordinator.param_tier.read(g.param_key, shard).wait()
-                self._spare_param_keys[g.index] = coordinator.param_tier.put(shard, tag=f"param-next:{g.name}")
-
-    # -- the buffers ---------------------------------------------------------------------------
-    def target_param_keys(self, updated: frozenset[int]) -> tuple[int | None, ...]:
-        """Where the next job writes the compute copies of ``updated`` groups: keys not published."""
-        return tuple(self._spare_param_keys[g.index] if g.index in updated else None
-                     for g in self.coordinator.groups)
-
-    def hand_over_grads(self) -> tuple[int, ...]:
-        """The filled gradient keys, for a job; the store accumulates into the other set from now on.
-
-        The caller has waited for the previous job, which read the other set.
-        """
-        if self._running is not None:
-            raise DpuWorkerError(f"internal: gradient keys handed over while step {self._running.step} "
-                                 "still reads the spare set")
-        store = self.store
-        store.flush()
-        filled = tuple(store.keys["grad"])
-        store.keys["grad"] = list(self._spare_grad_keys)
-        self._spare_grad_keys = list(filled)
-        store.zero_grad()
-        return filled
-
-    def reading_grads(self, keys) -> bool:
-        """True when the running job reads the gradient ``keys`` (a backward must not write them)."""
-        job = self._running
-        return job is not None and bool(keys) and keys[0] == job.grad_keys[0]
-
-    def ready(self, group) -> bool:
-        """A delayed job writes keys nothing reads until it is published: every group is ready."""
-        return True
-
-    def publish(self, job: StepJob) -> None:
-        """Make ``job``'s compute copies the parameters: swap each trainable group's key."""
-        for g in self.coordinator.groups:
-            new = job.param_keys[g.index]
-            if new is None or new == g.param_key:
-                continue
-            self._spare_param_keys[g.index] = g.param_key
-            g.param_key = new
-        if self._unpublished is job:
-            self._unpublished = None
-
-    def run_inline(self, job: StepJob) -> None:
-        """Run ``job`` on the calling thread (warm-up steps) and publish it."""
-        t0 = time.perf_counter()
-        self._call(job)
-        self.stats.add_sync(time.perf_counter() - t0)
-        self.publish(job)
-
-
-def _worker_loop(jobs: queue.Queue, owner_ref) -> None:
-    """The worker thread: bound its threads, then run jobs until told to stop.
-
-    It holds its owner weakly between jobs so a dropped optimizer can be collected
-    (``weakref.finalize`` then posts the stop marker).
-    """
-    owner = owner_ref()
-    if owner is None:
-        return
-    owner.worker_threads = bound_this_thread(owner.threads)
-    del owner
-    while True:
-        item = jobs.get()
-        if item is _STOP:
-            return
-        owner = owner_ref()
-        if owner is None:
-            return
-        owner._work(*item)
-        del owner

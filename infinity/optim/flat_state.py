@@ -11,18 +11,29 @@ optimizer tier, so the host Adam kernel runs on a few large flat tensors (about
 sequential transfers.
 
 [Note: pipelined sub-groups]
-With the states on NVMe, ``iterate`` keeps two sets of sub-group buffers: while
-the caller steps sub-group i in one set, sub-group i+1 is being read into the
-other, and sub-group i-1's write-back is still in flight. The host holds at most
-two sub-groups of states, whatever the model size.
+``OptimizerStateStore.sub_groups`` is the one pass over the sub-groups that every
+update runs. On the host (or device) tier it yields the stored states themselves.
+With the states on NVMe it keeps two sets of sub-group buffers: while the caller
+steps sub-group i in one set, sub-group i+1 is being read into the other, and
+sub-group i-1's write-back is still in flight. The host holds at most two
+sub-groups of states, whatever the model size. Sub-groups an update does not
+change are neither read nor written, except in the first pass, which writes every
+sub-group's (zero) moments so that their keys hold data.
+
+What the room may touch: the optimizer tier (keys, reads, writes) and the host
+allocator for the streaming buffers; it knows nothing of modules or the coordinator.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import torch
 
+from tiers.base import wait_quietly
+
 STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
+MOMENTS = ("exp_avg", "exp_avg_sq")
 _F32 = 4
 _MAX_PENDING_BYTES = 64 * 2**20
 
@@ -103,10 +114,9 @@ class OptimizerStateStore:
         self.grad_written: set[int] = set()
         # ids of the parameters whose gradient arrived on this rank since zero_grad (torch's
         # ".grad is not None"): the optimizer updates only those (see [Note: parameters without
-        # a gradient] in optimizer.py).
+        # a gradient] in infinity/optim/ranges.py).
         self.param_grads: set[int] = set()
         self.grad_norm_sq_cache: float | None = 0.0
-        self.backward_count = 0
         self._pending_writes: list = []
         self._buffers = None
         if not self.in_place:
@@ -128,10 +138,10 @@ class OptimizerStateStore:
         freed space is reused for the moments instead of leaving holes the size of the
         masters in the swap files.
         """
-        for s in ("exp_avg", "exp_avg_sq", "grad"):
+        for s in (*MOMENTS, "grad"):
             self.keys[s] = self._allocate(s)
         if self.in_place:
-            for s in ("exp_avg", "exp_avg_sq", "grad"):
+            for s in (*MOMENTS, "grad"):
                 for i in range(self.layout.num_subs):
                     self.view(s, i).zero_()
             self.moments_initialized = True
@@ -154,7 +164,7 @@ class OptimizerStateStore:
         out = torch.empty(self.layout.shard_numels[group_index], dtype=torch.float32)
         for piece in self.layout.pieces_of_group[group_index]:
             dst = out[piece.group_offset:piece.group_offset + piece.numel]
-            if state in ("exp_avg", "exp_avg_sq") and not self.moments_initialized:
+            if state in MOMENTS and not self.moments_initialized:
                 dst.zero_()
             elif state == "grad" and group_index not in self.grad_written:
                 dst.zero_()
@@ -166,7 +176,7 @@ class OptimizerStateStore:
     def write_state_shard(self, state: str, group_index: int, values: torch.Tensor) -> None:
         for piece in self.layout.pieces_of_group[group_index]:
             self._write((state, piece), values[piece.group_offset:piece.group_offset + piece.numel])
-        if state in ("exp_avg", "exp_avg_sq"):
+        if state in MOMENTS:
             self.moments_initialized = True
         self.flush()
 
@@ -224,7 +234,6 @@ class OptimizerStateStore:
         self.grad_written.clear()
         self.param_grads.clear()
         self.grad_norm_sq_cache = 0.0
-        self.backward_count = 0
 
     @property
     def has_grad(self) -> bool:
@@ -240,70 +249,89 @@ class OptimizerStateStore:
         self.grad_norm_sq_cache = total
         return total
 
-    def _zero_unwritten_grads(self, sub: int, grad: torch.Tensor) -> None:
-        for piece in self.layout.pieces_of_sub[sub]:
-            if piece.group_index not in self.grad_written:
-                grad[piece.sub_offset:piece.sub_offset + piece.numel].zero_()
-
-    # -- the streaming pass ---------------------------------------------------------------------
-    def iterate(self, states=STATES, write_back=("master", "exp_avg", "exp_avg_sq")):
-        """Yield ``(sub_index, {state: fp32 tensor})`` for every sub-group, in order.
-
-        On the host tier the tensors are the stored states themselves. On NVMe they are
-        streaming buffers: the next sub-group is read while the caller works on this
-        one, and ``write_back`` states are written back after the caller returns.
-        """
+    def swap_grad_keys(self, keys: list[int]) -> tuple[int, ...]:
+        """Accumulate into ``keys`` from now on; returns the keys used so far, flushed (DPU's hand-off)."""
         self.flush()
+        filled = tuple(self.keys["grad"])
+        self.keys["grad"] = list(keys)
+        return filled
+
+    def mark_moments_written(self) -> None:
+        """Every sub-group's moments hold data (a checkpoint load wrote them)."""
+        self.moments_initialized = True
+
+    # -- the sub-group pipeline (see [Note: pipelined sub-groups]) ----------------------------------
+    def sub_groups(self, grad_keys: Sequence[int], changed: Sequence[bool]) -> Iterator[tuple]:
+        """Yield ``(sub, {state: fp32 tensor}, writes)`` for each sub-group an update must visit.
+
+        ``grad_keys`` are the gradient keys of the update (DPU's may be the second set);
+        ``changed[sub]`` says whether the update changes anything in ``sub``. The caller may
+        change the tensors in place and append ``(future, tensor)`` pairs of its own transfers
+        to ``writes``; each is waited before the buffers it reads are reused and at the end.
+        Master weights and moments are written back after the caller returns from a sub-group.
+        A failed pass waits for every transfer it issued before its error travels on, so
+        none outlives it (into buffers or keys the next pass, a fetch or a load uses).
+        """
         if self.in_place:
-            for sub in range(self.layout.num_subs):
-                views = {s: self.view(s, sub) for s in states}
-                if "grad" in views:
-                    self._zero_unwritten_grads(sub, views["grad"])
-                yield sub, views
-            return
-        n_subs = self.layout.num_subs
-        reads = [None, None]
+            yield from self._in_place(grad_keys, [sub for sub, c in enumerate(changed) if c])
+        else:
+            yield from self._streamed(grad_keys, changed)
+
+    def _in_place(self, grad_keys, subs: list[int]):
+        writes: list = []
+        try:
+            for sub in subs:
+                st = {s: self.view(s, sub) for s in ("master", *MOMENTS)}
+                st["grad"] = self.tier.view(grad_keys[sub]).view(torch.float32)
+                yield sub, st, writes
+        except BaseException:
+            wait_quietly(f for f, _ in writes)
+            raise
+        for fut, _ in writes:
+            fut.wait()
+
+    def _streamed(self, grad_keys, changed: Sequence[bool]):
+        tier, layout, bufs = self.tier, self.layout, self._buffers
+        moments_known = self.moments_initialized
+        subs = [sub for sub, c in enumerate(changed) if c or not moments_known]
+        reads: list[list] = [[], []]
         writes: list[list] = [[], []]
 
-        def issue_reads(sub: int) -> None:
-            slot = sub % 2
+        def issue_reads(i: int) -> None:
+            sub, slot = subs[i], i % 2
             for fut, _ in writes[slot]:
                 fut.wait()
             writes[slot] = []
-            numel = self.layout.sub_ranges[sub][1]
-            futs = []
-            for s in states:
-                buf = self._buffers[slot][s][:numel]
-                skip = (s in ("exp_avg", "exp_avg_sq") and not self.moments_initialized)
-                if skip:
+            numel = layout.sub_ranges[sub][1]
+            reads[slot] = []
+            for s in STATES:
+                buf = bufs[slot][s][:numel]
+                if s in MOMENTS and not moments_known:
                     buf.zero_()
+                elif s == "grad" and not changed[sub]:
+                    continue
                 else:
-                    futs.append(self.tier.read(self.keys[s][sub], buf))
-            reads[slot] = futs
+                    key = grad_keys[sub] if s == "grad" else self.keys[s][sub]
+                    reads[slot].append(tier.read(key, buf))
 
-        issue_reads(0)
-        for sub in range(n_subs):
-            slot = sub % 2
-            for fut in reads[slot]:
-                fut.wait()
-            if sub + 1 < n_subs:
-                issue_reads(sub + 1)
-            numel = self.layout.sub_ranges[sub][1]
-            views = {s: self._buffers[slot][s][:numel] for s in states}
-            if "grad" in views:
-                self._zero_unwritten_grads(sub, views["grad"])
-            yield sub, views
-            for s in write_back:
-                if s in views:
-                    writes[slot].append((self.tier.write(self.keys[s][sub], views[s]), views[s]))
+        try:
+            if subs:
+                issue_reads(0)
+            for i, sub in enumerate(subs):
+                slot = i % 2
+                for fut in reads[slot]:
+                    fut.wait()
+                if i + 1 < len(subs):
+                    issue_reads(i + 1)
+                numel = layout.sub_ranges[sub][1]
+                st = {s: bufs[slot][s][:numel] for s in STATES}
+                yield sub, st, writes[slot]
+                for s in ("master", *MOMENTS):
+                    writes[slot].append((tier.write(self.keys[s][sub], st[s]), st[s]))
+        except BaseException:
+            wait_quietly([f for slot in reads for f in slot] + [f for slot in writes for f, _ in slot])
+            raise
         for slot in range(2):
             for fut, _ in writes[slot]:
                 fut.wait()
-        if "exp_avg" in write_back:
-            self.moments_initialized = True
-
-    def free(self) -> None:
-        self.flush()
-        for s in STATES:
-            for k in self.keys[s]:
-                self.tier.free(k)
+        self.moments_initialized = True

@@ -22,7 +22,7 @@ class FreshShards:
     reads the written copy); complete ones not taken by the end of the next backward give
     their slices back (``clear``), and the next update starts from an empty set (``reset``,
     which also drops shards a failed update left half filled). Writing a group's shard any
-    other way (``Coordinator.write_shard``: loading a state or a checkpoint) discards its
+    other way (``ParamShards.write``: loading a state or a checkpoint) discards its
     fresh copy.
 
     ``offer`` runs on the update's thread, everything else on the main thread; ``reset``

@@ -32,8 +32,8 @@ yet, and the rest is left to the module's own request.
 
 [Note: reuse]
 A group asked for again within ``prefetch.reuse_distance`` bytes of fetches (per
-the trace) is put in ``coordinator.keep`` at its request, so the coordinator does
-not release it after use; it leaves ``keep`` at its last use within that distance.
+the trace) is kept at its request (``coordinator.keep_for_reuse``), so the coordinator does
+not release it after use; it is let go at its last use within that distance.
 Kept bytes are reported separately (``kept_bytes``); ``reuse_distance`` bounds them.
 
 [Note: leftovers]
@@ -203,18 +203,14 @@ class Prefetcher:
         """Drop what was fetched ahead and never asked for (see [Note: leftovers])."""
         c = self.coordinator
         for g in list(self._ahead):
-            if g.state is not ParamState.NOT_AVAILABLE and not self._busy(g):
+            if g.state is not ParamState.NOT_AVAILABLE and not c.busy(g):
                 c.drop(g)
         self._ahead.clear()
         for g in list(self._kept):
-            c.keep.discard(g)
-            if g.state is not ParamState.NOT_AVAILABLE and not self._busy(g):
+            c.keep_for_reuse(g, False)
+            if g.state is not ParamState.NOT_AVAILABLE and not c.busy(g):
                 c.drop(g)
         self._kept.clear()
-
-    def _busy(self, g: ParamGroup) -> bool:
-        c = self.coordinator
-        return bool(c.in_use.get(g)) or g in c.backward_held or g.persistent
 
     # -- reuse -----------------------------------------------------------------------------------
     def _reuse(self, groups, position: int) -> None:
@@ -224,10 +220,10 @@ class Prefetcher:
         for g in groups:
             d = distances.get(g.index)
             if d is not None and d <= self.reuse_distance and not g.persistent:
-                self.coordinator.keep.add(g)
+                self.coordinator.keep_for_reuse(g)
                 self._kept.add(g)
             elif g in self._kept:
-                self.coordinator.keep.discard(g)
+                self.coordinator.keep_for_reuse(g, False)
                 self._kept.discard(g)
 
     # -- the walk ahead --------------------------------------------------------------------------
@@ -286,7 +282,7 @@ class Prefetcher:
     def _may_gather(self, g: ParamGroup) -> bool:
         if self.ordered_gathers:
             return True   # a collective: decided by the request sequence only; it waits if need be
-        if not self.coordinator.update_ready(g):
+        if not self.coordinator.shards.update_ready(g):
             return False  # the overlapped optimizer step has not rewritten it yet: never block ahead
         if g.state is ParamState.INFLIGHT:
             return g in self._ahead and g.pending.future.done()

@@ -1,7 +1,9 @@
 """The one owner of parameter availability: fetch, gather, release.
 
 Module hooks (infinity/runtime/hooks.py) only ask the coordinator; every state change of
-a parameter group happens here (see [Note: parameter states] in param_group.py).
+a parameter group happens here (see [Note: parameter states] in infinity/param_group.py).
+What the room may touch: the groups' states, the shards (``ParamShards``, the only
+reader of the parameter tier), the ranks' all-gather and the prefetcher's request hook.
 
 [Note: bandwidth-centric fetch]
 Each rank reads only its own shard of a group from its own parameter tier (host
@@ -24,8 +26,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from infinity.prefetch.fresh_shards import FreshShards
 from infinity.param_group import ParamGroup, ParamSlot, ParamState
+from infinity.runtime.shards import ParamShards
 from tiers.base import CompletedFuture
 
 
@@ -50,7 +52,7 @@ class FetchStats:
     def reset(self) -> None:
         self.stall_seconds = 0.0
         # Part of stall_seconds spent blocked on the tier read itself (the rest is the
-        # host->device copy and the all-gather); issue 6 reports it as I/O stall.
+        # host->device copy and the all-gather): the I/O stall.
         self.read_wait_seconds = 0.0
         # Part of stall_seconds spent waiting for an overlapped optimizer step to rewrite a shard.
         self.update_wait_seconds = 0.0
@@ -79,24 +81,19 @@ class Coordinator:
 
     Parameters
     ----------
-    param_tier:
-        The tier holding each rank's compute-dtype shards.
+    shards:
+        Each rank's compute-dtype shards in the parameter tier.
     ranks:
         The data-parallel ranks (infinity.runtime.ranks.Ranks).
     device:
         The compute device (infinity.runtime.device.ComputeDevice).
-    dtype:
-        The compute dtype.
-    staging:
-        Optional ``tiers.BufferPool`` of aligned host buffers for direct NVMe reads.
     """
 
-    def __init__(self, param_tier, ranks, device, dtype: torch.dtype, staging=None) -> None:
-        self.param_tier = param_tier
+    def __init__(self, shards: ParamShards, ranks, device) -> None:
+        self.shards = shards
         self.ranks = ranks
         self.device = device
-        self.dtype = dtype
-        self.staging = staging
+        self.dtype = shards.dtype
         self.groups: list[ParamGroup] = []
         self.group_of: dict[nn.Parameter, ParamGroup] = {}
         self.module_groups: dict[nn.Module, list[ParamGroup]] = {}
@@ -105,11 +102,6 @@ class Coordinator:
         self.backward_held: set[ParamGroup] = set()
         self.stats = FetchStats()
         self.prefetcher = None
-        self.on_shard_written = None
-        # The overlapped optimizer step still rewriting shards (infinity.optim.background.BackgroundUpdate), or None,
-        # and the shards it has just rewritten, in host memory (see [Note: fresh shards]).
-        self.update_gate = None
-        self.fresh: FreshShards | None = None
 
     # -- partitioning --------------------------------------------------------------------------
     def partition(self, name: str, params: list[tuple[str, nn.Parameter]],
@@ -129,48 +121,40 @@ class Coordinator:
         flat32 = torch.zeros(group.padded_numel, dtype=torch.float32)
         for slot, t in zip(slots, full_fp32):
             flat32[slot.offset:slot.offset + slot.numel].copy_(t.reshape(-1))
-        shard = group.shard_of(flat32).to(self.dtype).contiguous()
-        group.param_key = self.param_tier.put(shard, tag=f"param:{name}")
+        self.shards.put(group, group.shard_of(flat32).to(self.dtype).contiguous())
         self.groups.append(group)
         for slot in slots:
             self.group_of[slot.param] = group
             slot.param.data = torch.empty(0, dtype=self.dtype, device=self.device.device)
         return group, group.shard_of(flat32).clone()
 
-    def write_shard(self, group: ParamGroup, values: torch.Tensor, offset_numel: int = 0):
-        """Start writing ``values`` (compute dtype, or converted) into the group's shard at an element offset."""
-        if self.fresh is not None:
-            self.fresh.discard(group)
-        src = values if values.dtype == self.dtype else values.to(self.dtype)
-        nbytes_per = src.element_size()
-        return self.param_tier.write(group.param_key, src.contiguous(), offset=offset_numel * nbytes_per)
-
     # -- fetching ----------------------------------------------------------------------------
     def start_fetch(self, group: ParamGroup, prefetch: bool = False, staging=None) -> bool:
         """Issue the read of this rank's shard (no wait); returns whether a read was issued.
 
         A no-op unless NOT_AVAILABLE. While an overlapped optimizer step has not yet
-        rewritten the shard (``update_gate``), a read ahead into ``staging`` is not issued
+        rewritten the shard (``ParamShards.update_ready``), a read ahead into ``staging`` is not issued
         (False: the prefetcher tries again at its next walk); any other fetch waits for it.
 
         ``staging``: an aligned host buffer with ``.tensor`` (uint8) and ``.release()`` to read
         into instead of one from the staging pool; the prefetcher passes slices of its own
-        arena (see [Note: why prefetched reads have their own staging] in staging_arena.py).
+        arena (see [Note: why prefetched reads have their own staging] in infinity/prefetch/arena.py).
         It is released when the fetch completes (or at once when this call issues nothing).
         """
         if group.state is not ParamState.NOT_AVAILABLE:
             if staging is not None:
                 staging.release()
             return False
-        fresh = self._take_fresh(group)
-        if fresh is None and not self.update_ready(group):
+        shards = self.shards
+        fresh = shards.take_fresh(group)
+        if fresh is None and not shards.update_ready(group):
             if staging is not None:
                 staging.release()
                 return False
-            waited = self.update_gate.wait_ready(group)
+            waited = shards.wait_update(group)
             self.stats.update_wait_seconds += waited
             self.stats.stall_seconds += waited
-            fresh = self._take_fresh(group)   # completed while we waited
+            fresh = shards.take_fresh(group)   # completed while we waited
         if fresh is not None:
             if staging is not None:
                 staging.release()
@@ -182,9 +166,9 @@ class Coordinator:
         if staging is not None:
             staging, release = staging.tensor[:group.shard_nbytes].view(self.dtype), staging.release
         else:
-            staging, release = self._staging_buffer(group)
+            staging, release = shards.staging_buffer(group)
         try:
-            future = self.param_tier.read(group.param_key, staging)
+            future = shards.read(group, staging)
         except BaseException:
             if release is not None:
                 release()
@@ -193,25 +177,6 @@ class Coordinator:
         group.prefetched = prefetch
         self.stats.bytes_read_from_tier += group.shard_nbytes
         return True
-
-    def _take_fresh(self, group: ParamGroup):
-        return self.fresh.take(group) if self.fresh is not None else None
-
-    def update_ready(self, group: ParamGroup) -> bool:
-        """Whether the group's stored shard is current (no overlapped optimizer step still rewrites it)."""
-        return self.update_gate is None or self.update_gate.ready(group)
-
-    def _staging_buffer(self, group: ParamGroup):
-        nbytes = group.shard_nbytes
-        if self.staging is not None and nbytes <= self.staging.buffer_nbytes:
-            # Never wait for a staging buffer: their holders are reads issued ahead of the
-            # one being waited for (gather() issues all, then waits in order), so waiting
-            # could deadlock. Without a free one, read into ordinary memory: the tier
-            # streams it through its own pool, at the cost of one copy.
-            buf = self.staging.try_acquire(owner=f"param:{group.name}")
-            if buf is not None:
-                return buf.tensor[:nbytes].view(self.dtype), buf.release
-        return torch.empty(group.shard_numel, dtype=self.dtype), None
 
     def wait_available(self, group: ParamGroup) -> None:
         """Finish the group's read and all-gather; afterwards it is AVAILABLE."""
@@ -305,8 +270,7 @@ class Coordinator:
     def end_backward(self) -> None:
         self.backward_held.clear()
         self.release_all()
-        if self.fresh is not None:
-            self.fresh.clear()
+        self.shards.clear_fresh()
 
     def release_all(self, include_persistent: bool = False) -> None:
         """Drop every gathered group not in use (end of backward, before/after an update)."""
@@ -318,6 +282,30 @@ class Coordinator:
             if g.state is not ParamState.NOT_AVAILABLE:
                 self.drop(g)
         self.keep.clear()
+
+    def keep_for_reuse(self, group: ParamGroup, keep: bool = True) -> None:
+        """Whether to keep ``group`` gathered after its current use (the prefetcher's reuse distance)."""
+        if keep:
+            self.keep.add(group)
+        else:
+            self.keep.discard(group)
+
+    def busy(self, group: ParamGroup) -> bool:
+        """Whether something other than a read ahead holds the group: a running module, backward, persistence."""
+        return bool(self.in_use.get(group)) or group in self.backward_held or group.persistent
+
+    def use(self, groups) -> None:
+        """Gather ``groups`` and count one more user of each (``infinity.gathered``)."""
+        self.gather(groups)
+        for g in groups:
+            self.in_use[g] += 1
+
+    def unuse(self, group: ParamGroup) -> None:
+        """One user less; the last one drops the group."""
+        self.in_use[group] -= 1
+        if self.in_use[group] <= 0:
+            self.in_use.pop(group, None)
+        self.drop(group)
 
     def available_nbytes(self) -> int:
         return sum(g.full_nbytes for g in self.groups if g.state is ParamState.AVAILABLE)

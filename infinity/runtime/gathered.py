@@ -36,11 +36,8 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
         engine.optimizer.synchronize()
     coordinator = engine.coordinator
     groups = engine.groups_of(model)
-    coordinator.gather(groups)
-    snapshots = {}
-    for g in groups:
-        coordinator.in_use[g] += 1
-        snapshots[g] = g.shard_of(g.full).clone()
+    coordinator.use(groups)
+    snapshots = {g: g.shard_of(g.full).clone() for g in groups}
     try:
         yield model
     finally:
@@ -51,7 +48,4 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
                     engine.ranks.broadcast(current, src=modifier_rank)
                 if not torch.equal(g.shard_of(current), snapshots[g]):
                     engine.write_param_shard(g, current)
-                coordinator.in_use[g] -= 1
-                if coordinator.in_use[g] <= 0:
-                    coordinator.in_use.pop(g, None)
-                coordinator.drop(g)
+                coordinator.unuse(g)

@@ -31,8 +31,8 @@ class GradReducer:
         Owner of the groups (infinity.runtime.coordinator.Coordinator).
     ranks:
         The data-parallel ranks.
-    store:
-        The optimizer state store (accumulates the shards), set once it exists.
+
+    The optimizer state store, which accumulates the shards, is attached once it exists.
     """
 
     def __init__(self, coordinator, ranks) -> None:
@@ -45,8 +45,9 @@ class GradReducer:
         self._expected: dict[ParamGroup, int] = {}
         self.nonfinite = False
 
-    def index(self) -> None:
-        """(Re)build the parameter -> slot map once the groups are final."""
+    def attach(self, store) -> None:
+        """The groups are final and ``store`` accumulates their gradients from now on."""
+        self.store = store
         self._slot_of.clear()
         self._expected.clear()
         for g in self.coordinator.groups:
@@ -88,7 +89,11 @@ class GradReducer:
         """End of a backward pass: flush groups with partial gradients, in group order."""
         for group in sorted(self._buffers, key=lambda g: g.index):
             self._reduce(group)
-        self.store.backward_count += 1
 
     def pending(self) -> bool:
         return bool(self._buffers)
+
+    def take_nonfinite(self) -> bool:
+        """Whether a gradient shard reduced since the last call had an inf or NaN; clears the flag."""
+        found, self.nonfinite = self.nonfinite, False
+        return found

@@ -24,14 +24,16 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from contextlib import contextmanager
+from typing import Callable
 
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from infinity.config import Config, load_config
-from infinity.runtime.engine import Engine
 from infinity import registry
+from infinity.config import Config, load_config
+from infinity.runtime.construction import Partitioner
+from infinity.runtime.engine import Engine
 from infinity.tiling.policy import apply_tiling
 
 _MAX_OPEN_GROUPS = 4
@@ -48,21 +50,17 @@ def _all_subclasses(cls: type) -> list[type]:
 
 
 class _TouchMode(TorchFunctionMode):
-    """Materializes partitioned parameters that construction code touches (see the note)."""
+    """Hands the parameters each torch call receives to ``touched`` (see [Note: edits after partitioning])."""
 
-    def __init__(self, init: "Init") -> None:
+    def __init__(self, touched: Callable[[list[nn.Parameter]], None]) -> None:
         super().__init__()
-        self.init = init
+        self.touched = touched
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.init._suspended:
-            group_of = self.init.engine.coordinator.group_of
-            for a in tree_flatten((args, kwargs))[0]:
-                if isinstance(a, nn.Parameter):
-                    group = group_of.get(a)
-                    if group is not None:
-                        self.init._open(group)
+        params = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, nn.Parameter)]
+        if params:
+            self.touched(params)
         return func(*args, **kwargs)
 
 
@@ -93,6 +91,7 @@ class Init:
         self.config = load_config(config)
         self.group = group
         self.engine: Engine | None = None
+        self.partitioner: Partitioner | None = None
         self._patched: list[tuple[type, object]] = []
         self._had_init_subclass = False
         self._old_init_subclass = None
@@ -109,6 +108,7 @@ class Init:
                 getattr(c.__dict__.get("__init__"), "_infinity_init", False) for c in (nn.Linear,)):
             raise RuntimeError("infinity.Init is already active; nested Init contexts are not supported")
         self.engine = Engine(self.config, self.group)
+        self.partitioner = Partitioner(self.engine)
         try:
             for cls in _all_subclasses(nn.Module):
                 self._wrap(cls)
@@ -125,7 +125,7 @@ class Init:
                 wrap(cls)
 
             nn.Module.__init_subclass__ = classmethod(__init_subclass__)
-            self._mode = _TouchMode(self)
+            self._mode = _TouchMode(self._touched)
             self._mode.__enter__()
         except BaseException:
             self._restore()
@@ -146,8 +146,8 @@ class Init:
             roots = self._roots()
             if not roots:
                 raise RuntimeError("infinity.Init: no module with parameters was built inside the context")
-            apply_tiling(self.engine, roots)   # issue 7: [Note: when layers are tiled] in tiling.py
-            self.engine.finalize(roots)
+            apply_tiling(self.partitioner, roots)   # [Note: when layers are tiled] in infinity/tiling/layers.py
+            self.engine.finalize(roots, self.partitioner.finish(roots))
             for root in roots:
                 for m in root.modules():
                     registry.register(m, self.engine)
@@ -193,7 +193,7 @@ class Init:
             for child in module.children():
                 self._children.add(id(child))
             self._built.append(module)
-            self.engine.partition_module(module)
+            self.partitioner.partition_module(module)
 
     def _roots(self) -> list[nn.Module]:
         roots, seen = [], set()
@@ -217,18 +217,28 @@ class Init:
         finally:
             self._suspended = prev
 
+    def _touched(self, params: list[nn.Parameter]) -> None:
+        """Construction code is about to use ``params``: gather the partitioned ones."""
+        if self._suspended:
+            return
+        group_of = self.engine.coordinator.group_of
+        for p in params:
+            group = group_of.get(p)
+            if group is not None:
+                self._open(group)
+
     def _open(self, group) -> None:
         if group in self._open_groups:
             self._open_groups.move_to_end(group)
             return
         with self.suspended():
-            self.engine.materialize(group)
+            self.partitioner.materialize(group)
             self._open_groups[group] = True
             while len(self._open_groups) > _MAX_OPEN_GROUPS:
                 old, _ = self._open_groups.popitem(last=False)
-                self.engine.dematerialize(old)
+                self.partitioner.dematerialize(old)
 
     def _close_all(self) -> None:
         while self._open_groups:
             group, _ = self._open_groups.popitem(last=False)
-            self.engine.dematerialize(group)
+            self.partitioner.dematerialize(group)

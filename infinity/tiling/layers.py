@@ -158,6 +158,13 @@ class TiledWeight(torch.Tensor):
     _dim: int
 
     @classmethod
+    def over(cls, joined: torch.Tensor, owner: nn.Module, name: str, dim: int) -> "TiledWeight":
+        """``joined`` (the tiles of ``owner``'s ``name`` concatenated along ``dim``) as a TiledWeight."""
+        out = joined.as_subclass(cls)
+        out._owner, out._name, out._dim = owner, name, dim
+        return out
+
+    @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
@@ -219,9 +226,7 @@ def _joined(module: nn.Module, name: str, dim: int, full_shape: tuple, wrap: boo
         out.narrow(dim, start, size).copy_(part)
     if not wrap:
         return out
-    joined = out.as_subclass(TiledWeight)
-    joined._owner, joined._name, joined._dim = module, name, dim
-    return joined
+    return TiledWeight.over(out, module, name, dim)
 
 
 class _Tiled:
@@ -510,7 +515,10 @@ def _cut(p: torch.Tensor, sizes: list[int], dim: int) -> list[nn.Parameter]:
 
 def _attach(m: nn.Module, tiles: list[nn.Module], sizes: list[int]) -> None:
     for name in ("weight", "bias"):
-        m._parameters.pop(name, None)
+        try:
+            nn.Module.__delattr__(m, name)   # the parameter, or the None slot of a missing bias
+        except AttributeError:
+            pass
     nn.Module.__setattr__(m, "tile_sizes", tuple(sizes))
     nn.Module.__setattr__(m, "tiles", nn.ModuleList(tiles))
 

@@ -70,9 +70,8 @@ def plan_tiling(roots: Sequence[nn.Module], config: TilingConfig, dtype: torch.d
             names.setdefault(m, []).append(qualname)
     users: dict[int, list[tuple[nn.Module, str]]] = {}
     for m in names:
-        for attr, p in m._parameters.items():
-            if p is not None:
-                users.setdefault(id(p), []).append((m, attr))
+        for attr, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            users.setdefault(id(p), []).append((m, attr))
     tileable = [m for m in names if type(m) in (nn.Linear, nn.Embedding) and m.weight.device.type != "meta"]
     _warn_unmatched(config.modules, names, tileable)
     esize = torch.empty((), dtype=dtype).element_size()
@@ -132,15 +131,18 @@ def _warn_unmatched(patterns: Sequence[str], names: dict, tileable: list[nn.Modu
                            "(their names look like %s)", pat, examples or "<none in this model>")
 
 
-def apply_tiling(engine, roots: Sequence[nn.Module]) -> list[TiledLayer]:
+def apply_tiling(partitioner, roots: Sequence[nn.Module]) -> list[TiledLayer]:
     """Tile the chosen layers of a model being built in ``infinity.Init`` (called at its exit).
 
     Each chosen layer's groups are gathered in fp32 from the master shards, the layer is
     converted in place with each tile partitioned as soon as it is cut, and the old groups
-    are released (``Engine.finalize`` then frees their shards as orphans). Every rank makes
+    are released (``Partitioner.finish`` then frees their shards as orphans). Every rank makes
     the same choices in the same order, so the collectives inside match.
+
+    ``partitioner`` is the ``infinity.runtime.construction.Partitioner`` of the model.
     """
     done = []
+    engine = partitioner.engine
     coordinator = engine.coordinator
 
     def shape_of(p: nn.Parameter) -> tuple:
@@ -148,12 +150,13 @@ def apply_tiling(engine, roots: Sequence[nn.Module]) -> list[TiledLayer]:
         return tuple(p.shape) if group is None else next(tuple(s.shape) for s in group.slots if s.param is p)
 
     for choice in plan_tiling(roots, engine.config.tiling, engine.dtype, shape_of):
-        params = [p for m in choice.modules for p in m._parameters.values() if p is not None]
+        params = [p for m in choice.modules for p in m.parameters(recurse=False)]
         groups = sorted({coordinator.group_of[p] for p in params if p in coordinator.group_of},
                         key=lambda g: g.index)
         for g in groups:
-            engine.materialize(g)
-        tile_(list(choice.modules), choice.layer.tiles, split=choice.layer.split, on_tile=engine.partition_module)
+            partitioner.materialize(g)
+        tile_(list(choice.modules), choice.layer.tiles, split=choice.layer.split,
+              on_tile=partitioner.partition_module)
         for g in groups:
             coordinator.drop(g)
         logger.info("infinity tiling: %s", choice.layer.describe())

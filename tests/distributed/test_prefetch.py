@@ -101,10 +101,11 @@ def _leaks(engine) -> list[str]:
     found = [f"{g.name} INFLIGHT" for g in engine.coordinator.groups if g.state is ParamState.INFLIGHT]
     pf = engine.prefetcher
     # Fresh shards of the overlapped step wait in the arena for the next forward, by design.
-    fresh = engine.coordinator.fresh.held_bytes if engine.coordinator.fresh is not None else 0
+    shards = engine.coordinator.shards
+    fresh = shards.fresh.held_bytes if shards.fresh is not None else 0
     if pf.arena is not None and pf.arena.bytes_in_use != fresh:
         found.append(f"arena holds {pf.arena.bytes_in_use} bytes, {fresh} of them fresh shards")
-    pool = engine.coordinator.staging.stats() if engine.coordinator.staging is not None else None
+    pool = shards.staging.stats() if shards.staging is not None else None
     if pool and pool["in_use"]:
         found.append(f"staging pool lends {pool['in_use']} buffers")
     if engine.coordinator.keep:

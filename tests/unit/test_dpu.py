@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import infinity
-import infinity.optim.adam
-from infinity.optim.background import DpuWorkerError
+import infinity.optim.update
+from infinity.optim.background import UpdateWorkerError
 
 VOCAB, D, SEQ = 48, 32, 8
 TOL = 1e-6
@@ -193,7 +193,7 @@ def test_dpu_off_matches_torch_adamw(tmp_path):
                                                    ("device", "nvme", 2048), ("nvme", "host", 6144)])
 def test_delayed_schedule_matches_reference(tmp_path, monkeypatch, params, optimizer, chunk):
     if chunk is not None:  # chunks smaller than groups and sub-groups: the pass's boundary cases
-        monkeypatch.setattr(infinity.optim.adam, "_chunk_numel", lambda: chunk)
+        monkeypatch.setattr(infinity.optim.update, "chunk_numel", lambda: chunk)
     model, ref = make(tmp_path, params, optimizer, warmup=2)
     opt, reference, out, covered = run_schedule(model, ref, 7, warmup=2, clip=0.5,
                                                 lr_at=lambda k: 1e-2 * 0.8 ** k)
@@ -287,7 +287,7 @@ def test_worker_runs_on_its_own_thread_with_bounded_threads(tmp_path):
     stats = opt.stats()
     assert stats["worker_threads"] == 1 and stats["delayed_steps"] == 2
     assert torch.get_num_threads() == before
-    assert threading.get_ident() not in opt._stats.worker_thread_ids
+    assert threading.get_ident() not in opt.updates.stats.worker_thread_ids
 
 
 def test_worker_failure_is_raised_on_the_main_thread(tmp_path, monkeypatch):
@@ -301,13 +301,13 @@ def test_worker_failure_is_raised_on_the_main_thread(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "_fused_adamw_", broken)
     opt.step()  # handed over: returns at once
-    with pytest.raises(DpuWorkerError, match=r"background optimizer step 1 .*kernel exploded"):
+    with pytest.raises(UpdateWorkerError, match=r"background optimizer step 1 .*kernel exploded"):
         opt.synchronize()
 
 
 @pytest.mark.parametrize("params", ["host", "nvme"])
 def test_bf16_compute_copies_are_the_rounded_master_weights(tmp_path, monkeypatch, params):
-    monkeypatch.setattr(infinity.optim.adam, "_chunk_numel", lambda: 6144)
+    monkeypatch.setattr(infinity.optim.update, "chunk_numel", lambda: 6144)
     model, _ = make(tmp_path, params=params, warmup=1, dtype="bfloat16")
     opt = infinity.AdamW(model, lr=1e-2)
     for idx, tgt in batches(3):
@@ -343,9 +343,9 @@ def test_update_pass_chunks_only_on_one_thread():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert infinity.optim.adam._chunk_numel() == infinity.optim.adam._CHUNK_NUMEL
+        assert infinity.optim.update.chunk_numel() == infinity.optim.update.CHUNK_NUMEL
         torch.set_num_threads(2)
-        assert infinity.optim.adam._chunk_numel() > 1 << 40
+        assert infinity.optim.update.chunk_numel() > 1 << 40
     finally:
         torch.set_num_threads(threads)
-    assert infinity.optim.adam._CHUNK_NUMEL % 2048 == 0  # compute-copy writes stay block-aligned
+    assert infinity.optim.update.CHUNK_NUMEL % 2048 == 0  # compute-copy writes stay block-aligned

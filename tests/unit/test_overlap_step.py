@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.optim.background import BackgroundUpdate, DpuWorkerError
+from infinity.optim.background import BackgroundUpdate, UpdateWorkerError
 from infinity.registry import engine_of
 from tests.unit.test_dpu import TOL, Tiny, batches, gathered_diff, run_schedule
 
@@ -118,7 +118,7 @@ def test_state_dict_and_checkpoint_paths_wait_for_the_update(tmp_path, slow_upda
     model, ref = make(tmp_path, "nvme", "nvme")
     opt, _, _, _ = run_schedule(model, ref, 3, warmup=10 ** 6)
     sd = opt.state_dict()    # waits: the master shards are those after step 3
-    assert not opt._overlap.running
+    assert not opt.updates.overlap.running
     with infinity.gathered(model):
         for g, shard in zip(engine_of(model).coordinator.groups, sd["shards"]["master"]):
             assert torch.equal(g.shard_of(g.flatten().float()), shard[: g.shard_numel])
@@ -136,7 +136,7 @@ def test_failed_update_is_raised_by_the_next_forward(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "_fused_adamw_", broken)
     opt.step()   # handed over: returns at once
     opt.zero_grad()
-    with pytest.raises(DpuWorkerError, match=r"background optimizer step 1 .*kernel exploded.*partly updated"):
+    with pytest.raises(UpdateWorkerError, match=r"background optimizer step 1 .*kernel exploded.*partly updated"):
         model(idx, tgt)
 
 
@@ -150,7 +150,7 @@ def test_fresh_shards_are_served_once_and_discarded_by_a_state_load(tmp_path):
     opt.step()
     opt.zero_grad()
     opt.synchronize()
-    fresh = coordinator.fresh
+    fresh = coordinator.shards.fresh
     assert fresh.has(coordinator.groups[0]) and fresh.arena.bytes_in_use > 0
     opt.load_state_dict(initial)   # rewrites every shard: the fresh copies of step 1 are stale
     assert not any(fresh.has(g) for g in coordinator.groups)
@@ -187,11 +187,11 @@ def test_a_fetch_after_a_failed_update_raises_instead_of_using_mixed_parameters(
     monkeypatch.setattr(BackgroundUpdate, "sub_done", fail_third)
     opt.step()
     opt.zero_grad()
-    opt._overlap._idle.wait()     # the job has failed; nothing has reported it yet
+    opt.updates.overlap.wait_idle()     # the job has failed; nothing has reported it yet
     last = coordinator.groups[-1]
-    with pytest.raises(DpuWorkerError, match=r"background optimizer step 1 .*injected.*partly updated"):
+    with pytest.raises(UpdateWorkerError, match=r"background optimizer step 1 .*injected.*partly updated"):
         coordinator.gather([last])
-    assert opt._overlap.ready(last)   # reported once, as DPU reports a failed step
+    assert opt.updates.overlap.ready(last)   # reported once, as DPU reports a failed step
 
 
 def test_reset_gives_back_shards_left_half_filled():

@@ -1,0 +1,96 @@
+"""One optimizer update as data: what ``opt.step()`` hands over, and where the update's time went.
+
+A ``StepJob`` is fixed when ``opt.step()`` returns (hyper-parameters, gradient and
+compute-copy keys, which groups and ranges change), so an update can run later on a
+worker thread without reading anything the main thread goes on changing. This module
+holds data only; it imports no other room.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepJob:
+    """Everything one optimizer update needs, fixed when ``opt.step()`` hands it over.
+
+    Attributes
+    ----------
+    step:
+        The Adam step number (bias correction) of this update.
+    call:
+        Which ``opt.step()`` call produced it (1-based; skipped steps count).
+    lr, beta1, beta2, eps, weight_decay:
+        Hyper-parameters read from ``param_groups[0]`` at hand-off, so a learning-rate
+        scheduler stepped after ``opt.step()`` affects the next update, as in PyTorch.
+    decoupled:
+        AdamW (True) or Adam with L2 weight decay (False).
+    clip_coef:
+        Factor by which the gradients of this step are scaled (``clip_grad_norm_``), or None.
+    grad_keys:
+        The optimizer-tier keys of this step's gradient sub-groups.
+    updated:
+        The groups this update changes: those with parameters in the optimizer that received
+        a gradient since the last ``zero_grad`` (like ``torch.optim``, which skips parameters
+        whose ``.grad`` is None). Other groups' ranges of ``grad_keys`` are stale, never read.
+    param_keys:
+        Per group, the parameter-tier key that receives the new compute copy; None for the
+        groups this update does not change.
+    delayed:
+        True when the job runs on the background worker one step behind (DPU).
+    runs:
+        Per sub-group, the ``(offset, numel, step)`` ranges Adam updates and the step count of
+        each, when some trainable parameter had no gradient or lags in steps (see [Note:
+        parameters without a gradient] in infinity/optim/ranges.py); None when every trainable parameter
+        of ``updated`` has a gradient and ``step`` (the common case: whole groups, one step).
+    overlapped:
+        True when the job runs on the background worker at exact semantics: it writes the
+        published compute copies in place and reports each finished sub-group
+        (``BackgroundUpdate.sub_done``, with the futures of its compute-copy writes) so the
+        next forward can fetch those groups once the writes have landed.
+    """
+
+    step: int
+    call: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    clip_coef: float | None
+    grad_keys: tuple[int, ...]
+    updated: frozenset[int]
+    param_keys: tuple[int | None, ...]
+    delayed: bool = False
+    overlapped: bool = False
+    runs: tuple | None = None
+
+
+@dataclass
+class UpdateStats:
+    """Where the optimizer's time went (seconds, summed over steps)."""
+
+    sync_steps: int = 0
+    delayed_steps: int = 0
+    overlapped_steps: int = 0
+    skipped_steps: int = 0
+    optimizer_seconds: float = 0.0
+    exposed_seconds: float = 0.0
+    last_job_seconds: float = 0.0
+    worker_thread_ids: set = field(default_factory=set)
+
+    def add_sync(self, seconds: float) -> None:
+        """Book an update that ran on the calling thread: all of it exposed to compute."""
+        self.sync_steps += 1
+        self.optimizer_seconds += seconds
+        self.exposed_seconds += seconds
+        self.last_job_seconds = seconds
+
+    def as_dict(self) -> dict:
+        hidden = 1.0 - self.exposed_seconds / self.optimizer_seconds if self.optimizer_seconds else 0.0
+        return {"sync_steps": self.sync_steps, "delayed_steps": self.delayed_steps,
+                "overlapped_steps": self.overlapped_steps, "skipped_steps": self.skipped_steps,
+                "optimizer_seconds": self.optimizer_seconds,
+                "exposed_seconds": self.exposed_seconds, "hidden_fraction": hidden,
+                "last_job_seconds": self.last_job_seconds}

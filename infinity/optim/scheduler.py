@@ -1,0 +1,166 @@
+"""Where and when each optimizer update runs: now, beside the next forward, or one step behind.
+
+[Note: update modes]
+Every update is one ``StepJob`` run by ``UpdatePass`` (see [Note: the update pass] in
+infinity/optim/update.py). The scheduler decides where it runs:
+
+- synchronously, inside ``opt.step()``, when the pass moves no NVMe bytes (states and
+  parameters in memory) or ``dpu.overlap`` is off;
+- overlapped (``dpu.overlap``, the default when the pass reads or writes NVMe and DPU is
+  off): on the background worker, at exact semantics, each fetch of the next forward
+  waiting only for its own group (see [Note: overlapped step] in
+  infinity/optim/background.py);
+- delayed (``dpu.enabled``): after ``dpu.warmup_steps`` synchronous updates, one step
+  behind (see [Note: delayed parameter update] in infinity/optim/delayed.py).
+
+After an update that rewrote stored shards, gathered copies (persistent groups too) are
+stale: the scheduler drops them, so the next forward gathers the new values.
+
+What the room may touch: the background workers, the state store's gradient keys, and
+the coordinator's availability (``release_all``, the fresh-shard hand-off).
+"""
+from __future__ import annotations
+
+import time
+
+from infinity.errors import EngineError
+from infinity.optim.background import BackgroundUpdate
+from infinity.optim.delayed import DelayedUpdate
+from infinity.optim.job import StepJob, UpdateStats
+from infinity.optim.update import UpdatePass
+
+
+class UpdateScheduler:
+    """Runs each ``StepJob`` in the mode the config asks for (see [Note: update modes]).
+
+    Parameters
+    ----------
+    engine:
+        The engine (its ``config``, ``store``, ``coordinator`` and ``device``).
+    update:
+        The update pass that runs every job.
+    trainable:
+        Indices of the groups with parameters in the optimizer (DPU gives them a second key).
+    what:
+        The optimizer's name, for messages.
+    """
+
+    def __init__(self, engine, update: UpdatePass, trainable: set[int], what: str) -> None:
+        dpu = engine.config.dpu
+        self.store = engine.store
+        self.coordinator = engine.coordinator
+        self.update = update
+        self.what = what
+        self.stats = UpdateStats()
+        self.warmup_steps = dpu.warmup_steps
+        # Held weakly by the workers (a bound method), so a worker never keeps the optimizer alive.
+        run = update.run
+        self.delay = (DelayedUpdate(self.store, self.coordinator, run, dpu.threads, engine.device, trainable,
+                                    self.stats) if dpu.enabled else None)
+        streamed = not self.store.in_place or engine.config.tiers.params == "nvme"
+        # With the CPU as compute device, a second full team of threads beside compute slows both
+        # (see [Note: chunks and parallel regions] in infinity/optim/update.py); the overlapped
+        # update mostly waits for NVMe.
+        overlap_threads = dpu.threads or (0 if engine.device.is_cuda else 1)
+        self.overlap = (BackgroundUpdate(self.store, self.coordinator, run, overlap_threads, engine.device,
+                                         self.stats)
+                        if dpu.overlap and streamed and not dpu.enabled else None)
+        self.background = self.delay or self.overlap
+        update.progress = self.overlap
+
+    # -- the engine's lifecycle --------------------------------------------------------------------
+    def before_forward(self) -> None:
+        """A forward is starting: a failed background update is reported at once.
+
+        Parameters are only published inside ``step()``/``synchronize()``, so there is nothing
+        to swap here; an overlapped update is waited for group by group, by the fetches.
+        """
+        if self.background is not None:
+            self.background.raise_if_failed()
+
+    def before_grad(self) -> None:
+        """A gradient is about to be accumulated: it must not land in keys a background update reads."""
+        if self.delay is not None and self.delay.reading_grads(self.store.keys["grad"]):
+            raise EngineError(f"{self.what}: a backward is accumulating into the gradient buffer that the "
+                              "background step still reads (internal error: the buffers were not swapped)")
+        if self.overlap is not None:
+            # The overlapped update reads the gradient keys this backward is about to write. By now
+            # the forward has waited for every group it used, so what is left is its last writes.
+            # A failed one is reported here at the latest.
+            self.overlap.wait()
+
+    def synchronize(self) -> None:
+        """Wait for the running update; with DPU publish it (the delay restarts from there)."""
+        if self.delay is not None:
+            self._publish(self.delay.wait())
+        elif self.overlap is not None:
+            self.overlap.wait()
+
+    # -- one step ------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """``opt.step()`` starts: report a failed delayed update; wait for an overlapped one."""
+        if self.delay is not None:
+            self.delay.raise_if_failed()
+        if self.overlap is not None:
+            self.overlap.wait()   # the previous update (the forward has usually waited for it already)
+
+    def delays(self, step_count: int) -> bool:
+        """Whether the update after ``step_count`` updates runs one step behind (DPU past warm-up)."""
+        return self.delay is not None and step_count >= self.warmup_steps
+
+    @property
+    def overlaps(self) -> bool:
+        return self.overlap is not None
+
+    def publish_finished(self) -> None:
+        """DPU: wait for the running update and make its parameters current."""
+        if self.delay is not None:
+            self._publish(self.delay.wait())
+
+    def grad_keys(self, delayed: bool) -> tuple[int, ...]:
+        """The gradient keys the next job reads (DPU hands over the filled set and swaps)."""
+        return self.delay.hand_over_grads() if delayed else tuple(self.store.keys["grad"])
+
+    def param_keys(self, updated: frozenset[int]) -> tuple[int | None, ...]:
+        """Per group, the key the next job writes its compute copy into (DPU: the unpublished one)."""
+        if self.delay is not None:
+            return self.delay.target_param_keys(updated)
+        return self.coordinator.shards.keys(self.coordinator.groups, updated)
+
+    def run(self, job: StepJob) -> None:
+        """Run ``job`` in its mode (see [Note: update modes])."""
+        if job.delayed:
+            self.delay.submit(job)
+        elif self.overlap is not None:
+            self._after_update()   # gathered copies are stale from here on; fetches wait per group
+            self.coordinator.shards.reset_fresh()
+            self.overlap.submit(job)
+        elif self.delay is not None:
+            self.delay.run_inline(job)
+            self._after_update()
+        else:
+            t0 = time.perf_counter()
+            self.update.run(job)
+            self.stats.add_sync(time.perf_counter() - t0)
+            self._after_update()
+
+    def after_load(self) -> None:
+        """States were loaded: gathered copies are stale."""
+        self._after_update()
+
+    def _publish(self, job: StepJob | None) -> None:
+        if job is not None:
+            self.delay.publish(job)
+            self._after_update()
+
+    def _after_update(self) -> None:
+        """Gathered copies (persistent groups too) are stale after an update: drop them."""
+        self.coordinator.release_all(include_persistent=True)
+
+    def as_dict(self) -> dict:
+        """Update counts and times, the mode, and whether a delayed update is unpublished."""
+        out = self.stats.as_dict()
+        out.update(dpu=self.delay is not None, overlap=self.overlap is not None,
+                   pending=int(self.delay is not None and self.delay.pending),
+                   worker_threads=self.background.worker_threads if self.background is not None else None)
+        return out

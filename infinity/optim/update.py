@@ -1,0 +1,155 @@
+"""The update pass: the host Adam kernel over the changed ranges, then the changed groups' new compute copies.
+
+[Note: host Adam kernel]
+The update runs torch's fused CPU Adam/AdamW kernel (``torch._fused_adamw_``) on
+the flat fp32 sub-groups, one tensor per run of trainable groups (usually one per
+sub-group). On these machines it streams the 28 bytes a parameter needs (read
+master, grad, m, v; write master, m, v) at memory speed: 100M parameters, 2 threads,
+1.74 G params/s, as fast as DeepSpeed's CPUAdam (1.57) and above a STREAM-triad bound
+(1.22); the foreach path is 12x slower (benchmarks/adam.py). The engine's step also
+writes each compute copy (4 bytes, plus the line's write-allocate read), which costs
+it about half that rate when synchronous; with DPU it is off the critical path. The
+kernel's math is ``torch.optim.AdamW``'s, so results match plain PyTorch to rounding.
+Gradient clipping is folded into the kernel's ``grad_scale`` (it divides by
+``1 / clip_coef``), which saves a pass over the gradients and differs from a separate
+multiplication by at most one rounding. The kernel releases the GIL, so a background
+step (DPU) runs beside compute.
+
+[Note: the update pass]
+Every update, synchronous, overlapped or delayed, is one :class:`StepJob` run by
+:class:`UpdatePass`: one pass over the sub-groups (the state store's pipeline, see
+[Note: pipelined sub-groups] in infinity/optim/flat_state.py) that reads master,
+gradient and moments, runs the kernel, writes them back and writes each changed
+group's new compute copy into the parameter tier. The job carries every key it
+touches (the gradient keys and the compute-copy keys may be the second buffers of
+DPU), so the pass never reads state the main thread may be changing. See
+[Note: update modes] in infinity/optim/scheduler.py for when jobs run.
+
+What the room may touch: the optimizer state store, and the parameter tier only
+through ``ParamShards.write_updated``.
+"""
+from __future__ import annotations
+
+import torch
+
+from infinity.optim.job import StepJob
+from infinity.optim.ranges import UpdateRanges
+from tiers.base import wait_quietly
+
+# See [Note: chunks and parallel regions]. A multiple of ALIGN_NUMEL, so every compute-copy
+# write starts on a 4096-byte block: the NVMe tier writes a partial block by read-modify-write,
+# and two such writes in flight to one block would race.
+CHUNK_NUMEL = 4 << 20
+_WHOLE = 1 << 62
+
+
+def chunk_numel() -> int:
+    """Elements per chunk of the update pass on the calling thread.
+
+    [Note: chunks and parallel regions]
+    Writing a chunk's compute copy right after the kernel stepped it, while the chunk
+    (4Mi elements: 16 MiB of fp32, 8 MiB as bf16) is still in the 32 MiB L3, halves the
+    cost of the bf16/fp16 conversion on one thread (64Mi parameters: 51 vs 109 ms; fp32
+    copies gain nothing, 46 vs 46 ms). But every torch kernel call on several threads is
+    an OpenMP parallel region ending in a barrier, and when the cores are oversubscribed
+    (compute beside the DPU worker, or other processes) each barrier waits for a
+    descheduled thread: on 2 threads at load 5-7, 4Mi chunks took 254 ms where whole
+    sub-groups took 54 ms (fp32; bf16 384 vs 124 ms). So chunks are used only when the
+    calling thread's team is one thread, as the DPU worker's is with ``dpu.threads = 1``.
+    """
+    return CHUNK_NUMEL if torch.get_num_threads() == 1 else _WHOLE
+
+
+class UpdatePass:
+    """Runs one :class:`StepJob` (see [Note: the update pass]).
+
+    Parameters
+    ----------
+    store:
+        The optimizer state store (``infinity.optim.flat_state.OptimizerStateStore``).
+    groups:
+        The parameter groups, in index order.
+    shards:
+        The parameter tier's shards (``infinity.runtime.shards.ParamShards``): receives the new
+        compute copies.
+    ranges:
+        Which elements of each sub-group the optimizer's parameters occupy.
+    device:
+        The compute device (``infinity.runtime.device.ComputeDevice``).
+    """
+
+    def __init__(self, store, groups, shards, ranges: UpdateRanges, device) -> None:
+        self.store = store
+        self.groups = groups
+        self.shards = shards
+        self.ranges = ranges
+        self.device = device
+        # Told ``sub_done(sub, futures)`` after each sub-group of an overlapped job (the
+        # ``BackgroundUpdate`` running it), so the next forward may fetch its groups.
+        self.progress = None
+
+    def run(self, job: StepJob) -> None:
+        """Adam over the changed ranges, and the changed groups' new compute copies.
+
+        On a single-threaded run the work goes in chunks (see [Note: chunks and parallel
+        regions]): the kernel on a chunk, then that chunk's compute copies while it is in cache.
+        """
+        kernel = torch._fused_adamw_ if job.decoupled else torch._fused_adam_
+        # The kernel reads the step and the scale where the states are (a device optimizer tier).
+        device = self.store.device
+        step_ts: dict[int, torch.Tensor] = {}
+
+        def step_t(step: int) -> torch.Tensor:
+            if step not in step_ts:
+                step_ts[step] = torch.tensor(float(step), device=device)
+            return step_ts[step]
+
+        grad_scale = None if job.clip_coef is None else torch.tensor(1.0 / job.clip_coef, device=device)
+        hyper = dict(amsgrad=False, lr=job.lr, beta1=job.beta1, beta2=job.beta2, weight_decay=job.weight_decay,
+                     eps=job.eps, maximize=False, grad_scale=grad_scale, found_inf=None)
+        num_subs = self.store.layout.num_subs
+        runs = job.runs or self.ranges.runs(job.updated, job.step)
+        spans = [self.ranges.spans(sub, job.updated) for sub in range(num_subs)]
+        passes = self.store.sub_groups(job.grad_keys, [bool(r) for r in spans])
+        chunk = chunk_numel()
+        copies: list = []
+        try:
+            for sub, st, writes in passes:
+                states = (st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"])
+                for start, numel in spans[sub]:
+                    for c0 in range(start, start + numel, chunk):
+                        c1 = min(c0 + chunk, start + numel)
+                        parts = [(max(o, c0), min(o + n, c1), k) for o, n, k in runs[sub]
+                                 if o < c1 and o + n > c0]
+                        if parts:
+                            kernel(*[[t[a:b] for a, b, _ in parts] for t in states], [],
+                                   [step_t(k) for _, _, k in parts], **hyper)
+                        self._write_compute_copies(job, sub, st["master"], c0, c1, copies)
+                if job.overlapped:
+                    # The next forward may fetch this sub-group's groups once their copies have landed.
+                    if self.device.is_cuda:   # a device tier's copies ran on this worker's stream
+                        torch.cuda.current_stream(self.device.device).synchronize()
+                    self.progress.sub_done(sub, [fut for fut, _ in copies])
+                writes.extend(copies)
+                copies = []
+        except BaseException:
+            # Wait for what this sub-group issued, then let the pass wait for the rest, before
+            # the error travels on: no transfer outlives a failed update.
+            wait_quietly(fut for fut, _ in copies)
+            passes.close()
+            raise
+
+    def _write_compute_copies(self, job: StepJob, sub: int, master: torch.Tensor, c0: int, c1: int,
+                              writes: list) -> None:
+        """Write elements [c0, c1) of ``sub``'s master weights into the job's compute-copy keys."""
+        dtype = self.shards.dtype
+        for piece in self.store.layout.pieces_of_sub[sub]:
+            key = job.param_keys[piece.group_index]
+            a, b = max(piece.sub_offset, c0), min(piece.sub_offset + piece.numel, c1)
+            if key is None or a >= b:
+                continue
+            values = master[a:b].to(dtype)
+            fut = self.shards.write_updated(self.groups[piece.group_index], key, values,
+                                            piece.group_offset + a - piece.sub_offset, offer_fresh=job.overlapped)
+            if not fut.done():
+                writes.append((fut, values))

@@ -1,0 +1,193 @@
+"""Building a model sharded: each module's parameters flattened, broadcast, sharded and stored.
+
+``Partitioner`` is what ``infinity.Init`` drives while the model is constructed: it
+partitions each module as soon as it is built (one group per owning module), gathers
+a group back exactly when construction code touches it (``materialize``) and re-shards
+it afterwards, and at the context's exit (``finish``) drops orphaned groups (weight
+tying), indexes the modules, checks the budget and moves the initial master weights
+into the optimizer's flat state store, which the engine takes over from there.
+
+Until ``finish`` the fp32 master shard of each group waits under a temporary key of
+the optimizer tier ([Note: allocation order] in infinity/optim/flat_state.py says why
+the moments are allocated only after those keys are freed).
+
+What the room may touch: the coordinator (partition, groups), the tiers, the ranks'
+broadcast and all-gather, and the plan's arithmetic for the budget check.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infinity.errors import EngineError
+from infinity.optim.flat_state import FlatLayout, OptimizerStateStore
+from infinity.param_group import ParamGroup, ParamState
+
+# Plan rows (infinity/plan/layout.py) that ``Partitioner.finish`` has yet to allocate.
+_NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_subgroup_buffers",
+                                "nvme_staging", "prefetch_arena"})
+
+
+class Partitioner:
+    """Partitions the modules built inside one ``infinity.Init`` into the engine's groups and tiers.
+
+    Parameters
+    ----------
+    engine:
+        The engine being built (its ``config``, ``coordinator``, ``ranks``, ``tiers``, ``device``).
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.coordinator = engine.coordinator
+        self.ranks = engine.ranks
+        self.tiers = engine.tiers
+        self._master_keys: dict[ParamGroup, int] = {}
+
+    # -- while modules are built -----------------------------------------------------------------
+    def partition_module(self, module: nn.Module) -> None:
+        """Shard every parameter under ``module`` not yet managed, one group per owning module."""
+        for owner in module.modules():
+            fresh = [(n, p) for n, p in owner.named_parameters(recurse=False)
+                     if p not in self.coordinator.group_of and p.device.type != "meta"]
+            if not fresh:
+                continue
+            for trainable in (True, False):
+                chosen = [(n, p) for n, p in fresh if p.requires_grad == trainable]
+                if chosen:
+                    self._partition(type(owner).__name__, chosen)
+            if self.engine.device.is_cuda:
+                for name, buf in owner.named_buffers(recurse=False):
+                    setattr(owner, name, buf.to(self.engine.device.device))
+
+    def _partition(self, name: str, params: list[tuple[str, nn.Parameter]]) -> ParamGroup:
+        values = []
+        for _, p in params:
+            v = p.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            self.ranks.broadcast(v, src=0)
+            values.append(v)
+        group, fp32_shard = self.coordinator.partition(name, params, values)
+        group.trainable = all(p.requires_grad for _, p in params)
+        self._master_keys[group] = self.tiers.optimizer.put(fp32_shard, tag=f"master-init:{name}")
+        return group
+
+    def materialize(self, group: ParamGroup) -> None:
+        """Gather a group's exact fp32 values into its parameters (construction-time edits)."""
+        if group.state is ParamState.AVAILABLE:
+            return
+        shard = torch.empty(group.shard_numel, dtype=torch.float32)
+        self.tiers.optimizer.read(self._master_keys[group], shard).wait()
+        full = torch.empty(group.padded_numel, dtype=torch.float32)
+        self.ranks.all_gather(full, shard)
+        group.to_inflight(None)
+        group.to_available(full)
+
+    def dematerialize(self, group: ParamGroup) -> None:
+        """Re-shard a materialized group from its (possibly edited) values, rank 0's winning."""
+        full = group.flatten([s.param.data.to(torch.float32) for s in group.slots]).to(
+            device="cpu", dtype=torch.float32)
+        self.ranks.broadcast(full, src=0)
+        shard = group.shard_of(full).contiguous()
+        self.coordinator.shards.write(group, shard).wait()
+        self.tiers.optimizer.write(self._master_keys[group], shard).wait()
+        group.to_not_available()
+
+    # -- at the context's exit ---------------------------------------------------------------------
+    def finish(self, roots: list[nn.Module]) -> OptimizerStateStore:
+        """Close construction: drop orphaned parameters, index modules, check the budget, build the store."""
+        for root in roots:
+            self.partition_module(root)
+        self._drop_orphans(roots)
+        self._index_modules(roots)
+        config = self.engine.config
+        threshold = config.partition.persistence_threshold
+        for g in self.coordinator.groups:
+            g.persistent = g.numel < threshold
+        self._check_budget()
+        layout = FlatLayout([g.shard_numel for g in self.coordinator.groups], config.partition.sub_group_size)
+        store = OptimizerStateStore(self.tiers.optimizer, layout, self.tiers.allocator, defer_states=True)
+        for g in self.coordinator.groups:
+            key = self._master_keys.pop(g)
+            shard = torch.empty(g.shard_numel, dtype=torch.float32)
+            self.tiers.optimizer.read(key, shard).wait()
+            self.tiers.optimizer.free(key)
+            store.write_master_shard(g.index, shard)
+        store.allocate_states()
+        return store
+
+    def _drop_orphans(self, roots: list[nn.Module]) -> None:
+        """Re-shard groups some of whose parameters no module references any more (weight tying)."""
+        coordinator = self.coordinator
+        live = {id(p) for r in roots for _, p in r.named_parameters(remove_duplicate=False)}
+        kept: list[ParamGroup] = []
+        for g in list(coordinator.groups):
+            alive = [s for s in g.slots if id(s.param) in live]
+            if len(alive) == len(g.slots):
+                kept.append(g)
+                continue
+            if alive:
+                self.materialize(g)
+                values = [s.param.data.clone() for s in alive]
+            for s in g.slots:
+                coordinator.group_of.pop(s.param, None)
+            coordinator.shards.free(g)
+            self.tiers.optimizer.free(self._master_keys.pop(g))
+            coordinator.groups.remove(g)
+            if alive:
+                for s, v in zip(alive, values):
+                    s.param.data = v
+                new = self._partition(g.name, [(s.name, s.param) for s in alive])
+                coordinator.groups.remove(new)
+                kept.append(new)
+        for i, g in enumerate(kept):
+            g.index = i
+        coordinator.groups[:] = kept
+
+    def _index_modules(self, roots: list[nn.Module]) -> None:
+        named = {}
+        for root in roots:
+            for qualname, module in root.named_modules(remove_duplicate=False):
+                groups = []
+                for pname, p in module.named_parameters(recurse=False):
+                    g = self.coordinator.group_of.get(p)
+                    if g is None:
+                        # partition_module shards every other parameter, so only meta ones get here.
+                        raise EngineError(
+                            f"module {qualname or type(root).__name__!r} has parameter {pname!r} on the "
+                            f"{p.device.type} device, which infinity cannot shard; build the model on a real "
+                            "device inside infinity.Init, or give the parameter values before the context exits")
+                    if g not in groups:
+                        groups.append(g)
+                    named.setdefault(g, qualname or type(root).__name__)
+                self.coordinator.module_groups[module] = groups
+        for g, qualname in named.items():
+            g.name = qualname
+
+    def _check_budget(self) -> None:
+        """Check, with infinity-plan's arithmetic, that what ``finish`` is about to allocate fits.
+
+        The shards already exist; what is left is the optimizer states (Adam m and v,
+        the gradient accumulator, the sub-group streaming buffers) and the NVMe staging.
+        Those rows of the plan of this very model (its groups as partitioned) go through
+        ``tiers.budget.check_budget``, so a model that cannot fit fails here, before the
+        bulk of its memory or disk is taken, with the numbers.
+        """
+        from infinity.plan import CensusGroup, ModelCensus, plan
+        from tiers.budget import Need, check_budget
+
+        config = self.engine.config
+        census = ModelCensus("model", tuple(
+            CensusGroup(g.name, tuple(s.numel for s in g.slots), bool(g.trainable))
+            for g in self.coordinator.groups))
+        the_plan = plan(census, config, world_size=self.ranks.world_size, local_ranks=1, check_fit=False)
+        paths = config.tiers.nvme_path or (None,)
+        needs = []
+        for row in the_plan.rows:
+            if row.key not in _NOT_YET_ALLOCATED or row.nbytes == 0:
+                continue
+            if row.tier == "nvme":
+                needs += [Need(row.what, "nvme", row.nbytes // len(paths), p) for p in paths]
+            else:
+                needs.append(Need(row.what, row.tier, row.nbytes))
+        check_budget(needs, host_budget=config.tiers.host_budget,
+                     device=self.engine.device.device).raise_if_short()

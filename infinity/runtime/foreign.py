@@ -1,0 +1,66 @@
+"""Parameters a running module uses without owning them, caught during forward.
+
+[Note: foreign parameters]
+Some modules compute with a sub-module's parameters without calling that
+sub-module (``nn.MultiheadAttention`` uses ``self.out_proj.weight`` directly), or
+with a parameter of an unrelated module. While a forward runs, ``ForeignParamWatch``
+looks at the arguments of every torch call; a managed parameter that is not gathered
+is fetched on the spot and adopted by the running module, so from then on it is
+gathered with that module's own parameters (and prefetched along the trace) and is
+available during that module's backward.
+
+What the room may touch: nothing but the engine's ``on_foreign_use`` and the
+coordinator's parameter -> group map (read only).
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from infinity.param_group import ParamState
+
+
+class ForeignParamWatch(TorchFunctionMode):
+    """A torch-function mode, active during forward only (see [Note: foreign parameters]).
+
+    Parameters
+    ----------
+    group_of:
+        The coordinator's map from each managed parameter to its group.
+    on_foreign_use:
+        Called with the group of a released parameter a torch call received.
+    """
+
+    def __init__(self, group_of: dict, on_foreign_use) -> None:
+        super().__init__()
+        self.group_of = group_of
+        self.on_foreign_use = on_foreign_use
+        self.active = False
+
+    def start(self) -> None:
+        if not self.active:
+            self.__enter__()
+            self.active = True
+
+    def stop(self) -> None:
+        if self.active:
+            self.active = False
+            self.__exit__(None, None, None)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in _param_args(args, kwargs):
+            group = self.group_of.get(a)
+            if group is not None and group.state is ParamState.NOT_AVAILABLE:
+                self.on_foreign_use(group)
+        return func(*args, **kwargs)
+
+
+def _param_args(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, nn.Parameter):
+            yield a
+        elif type(a) in (list, tuple):
+            for b in a:
+                if isinstance(b, nn.Parameter):
+                    yield b

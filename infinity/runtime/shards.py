@@ -1,0 +1,186 @@
+"""Each rank's shard of every parameter group, in the compute dtype, in the parameter tier.
+
+The coordinator reads shards from here to gather groups; the optimizer's update writes
+new compute copies here; checkpoints and ``infinity.gathered`` write edited values
+here. Every byte that enters or leaves the parameter tier goes through ``ParamShards``,
+so it alone knows the two ways a fetch is served without a tier read (a fresh shard
+the overlapped update left in host memory) or must wait (the update has not rewritten
+the shard yet).
+
+[Note: staging buffers]
+Direct (O_DIRECT) reads need page-aligned destinations. The demand pool is created at
+the first fetch after construction, with DEMAND_STAGING_BUFFERS buffers as large as
+the largest shard but no larger than ``tiers.pool_buffer_size`` (one being read, one
+being gathered, one spare), and reused for the rest of training: no allocation on the
+hot path. Shards larger than a buffer (a big embedding) are read through the tier's
+own pool into ordinary memory, so these buffers do not grow with the model's width.
+Reads issued ahead by the prefetcher land in their own arena of
+``prefetch.nvme_bytes`` (infinity/prefetch/arena.py).
+
+What the room may touch: the parameter tier and the host allocator; the groups' keys.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from infinity.param_group import ParamGroup
+from infinity.prefetch.fresh_shards import FreshShards
+
+DEMAND_STAGING_BUFFERS = 3
+
+
+class DemandStaging:
+    """Aligned staging buffers for NVMe shard reads, made at first use (see [Note: staging buffers]).
+
+    Parameters
+    ----------
+    allocator:
+        ``tiers.HostAllocator`` (pinned and NUMA-bound as configured).
+    max_buffer_nbytes:
+        ``tiers.pool_buffer_size``: no buffer is larger.
+    largest_shard_nbytes:
+        Returns the largest shard's size, read at first use, once construction is over.
+    """
+
+    def __init__(self, allocator, max_buffer_nbytes: int, largest_shard_nbytes: Callable[[], int]) -> None:
+        self.allocator = allocator
+        self.max_buffer_nbytes = max_buffer_nbytes
+        self.largest_shard_nbytes = largest_shard_nbytes
+        self._pool = None
+
+    def try_acquire(self, nbytes: int, owner: str):
+        """A buffer of at least ``nbytes`` bytes, or None when shards this size bypass the pool or none is free.
+
+        Never waits: the holders are reads issued ahead of the one being waited for (a
+        gather issues all, then waits in order), so waiting could deadlock.
+        """
+        if self._pool is None:
+            from tiers.pool import BufferPool
+
+            size = min(self.largest_shard_nbytes(), self.max_buffer_nbytes)
+            self._pool = BufferPool(size, DEMAND_STAGING_BUFFERS, self.allocator, name="param-staging")
+        if nbytes > self._pool.buffer_nbytes:
+            return None
+        return self._pool.try_acquire(owner=owner)
+
+    def stats(self) -> dict | None:
+        return None if self._pool is None else self._pool.stats()
+
+
+class ParamShards:
+    """The parameter tier's view of the groups: one key per group holding this rank's shard.
+
+    Parameters
+    ----------
+    tier:
+        The parameter tier (``tiers.params``).
+    dtype:
+        The compute dtype, in which shards are stored.
+    staging:
+        A :class:`DemandStaging` for direct NVMe reads, or None (in-memory tiers).
+    """
+
+    def __init__(self, tier, dtype: torch.dtype, staging: DemandStaging | None = None) -> None:
+        self.tier = tier
+        self.dtype = dtype
+        self.staging = staging
+        # The overlapped optimizer step still rewriting shards (infinity.optim.background.BackgroundUpdate),
+        # or None, and the shards it has just rewritten, in host memory (see [Note: fresh shards]).
+        self.update_gate = None
+        self.fresh: FreshShards | None = None
+
+    # -- whole shards ------------------------------------------------------------------------------
+    def put(self, group: ParamGroup, shard: torch.Tensor) -> None:
+        """Store the group's first shard (partitioning)."""
+        group.param_key = self.tier.put(shard, tag=f"param:{group.name}")
+
+    def free(self, group: ParamGroup) -> None:
+        self.tier.free(group.param_key)
+
+    def write(self, group: ParamGroup, values: torch.Tensor, offset_numel: int = 0):
+        """Start writing ``values`` (compute dtype, or converted) into the group's shard at an element offset."""
+        if self.fresh is not None:
+            self.fresh.discard(group)
+        src = values if values.dtype == self.dtype else values.to(self.dtype)
+        return self.tier.write(group.param_key, src.contiguous(), offset=offset_numel * src.element_size())
+
+    def read(self, group: ParamGroup, into: torch.Tensor):
+        """Start reading the group's shard into ``into`` (compute dtype, ``shard_numel`` long)."""
+        return self.tier.read(group.param_key, into)
+
+    def staging_buffer(self, group: ParamGroup) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """Where a demand read of the group lands, and how to give it back (None: nothing to give)."""
+        if self.staging is not None:
+            buf = self.staging.try_acquire(group.shard_nbytes, owner=f"param:{group.name}")
+            if buf is not None:
+                return buf.tensor[:group.shard_nbytes].view(self.dtype), buf.release
+        # Without a free buffer, read into ordinary memory: the tier streams it through its own
+        # pool, at the cost of one copy.
+        return torch.empty(group.shard_numel, dtype=self.dtype), None
+
+    # -- what the optimizer's update writes ------------------------------------------------------
+    def gate_on_update(self, update_gate, arena=None) -> None:
+        """Fetches wait for ``update_gate`` (the overlapped optimizer step) to rewrite each group first.
+
+        With an ``arena`` (the prefetcher's), the update also hands each rewritten shard over
+        in host memory (see [Note: fresh shards] in infinity/prefetch/fresh_shards.py).
+        """
+        self.update_gate = update_gate
+        if update_gate is not None and arena is not None:
+            self.fresh = FreshShards(arena)
+
+    def update_ready(self, group: ParamGroup) -> bool:
+        """Whether the group's stored shard is current (no overlapped optimizer step still rewrites it)."""
+        return self.update_gate is None or self.update_gate.ready(group)
+
+    def wait_update(self, group: ParamGroup) -> float:
+        """Block until the overlapped update has rewritten the group's shard; returns the seconds waited."""
+        return self.update_gate.wait_ready(group)
+
+    def write_updated(self, group: ParamGroup, key: int, values: torch.Tensor, offset_numel: int,
+                      offer_fresh: bool = False):
+        """Start writing an update's new compute copy ``values`` into ``key`` at an element offset.
+
+        ``key`` is a group's shard key, or DPU's second key of it. Runs on the update's thread;
+        with ``offer_fresh`` the values are also kept in host memory for the group's next fetch.
+        """
+        fut = self.tier.write(key, values, offset=offset_numel * values.element_size())
+        if offer_fresh and self.fresh is not None:
+            self.fresh.offer(group, offset_numel, values)
+        return fut
+
+    def take_fresh(self, group: ParamGroup):
+        """The group's fresh shard (an arena slice the caller releases), or None."""
+        return self.fresh.take(group) if self.fresh is not None else None
+
+    def has_fresh(self, group: ParamGroup) -> bool:
+        """Whether the group's next fetch is served from host memory (a fresh shard)."""
+        return self.fresh is not None and self.fresh.has(group)
+
+    def reset_fresh(self) -> None:
+        """An update is about to start: give back every fresh shard of the last one."""
+        if self.fresh is not None:
+            self.fresh.reset()
+
+    def clear_fresh(self) -> None:
+        """The end of a backward: fresh shards not taken by now are not needed."""
+        if self.fresh is not None:
+            self.fresh.clear()
+
+    # -- DPU's second keys ---------------------------------------------------------------------------
+    def keys(self, groups, selected: frozenset[int]) -> tuple[int | None, ...]:
+        """Per group of ``groups``, its shard key when its index is in ``selected``, else None."""
+        return tuple(g.param_key if g.index in selected else None for g in groups)
+
+    def copy(self, group: ParamGroup, tag: str) -> int:
+        """A new key holding a copy of the group's shard (DPU's second key)."""
+        shard = torch.empty(group.shard_numel, dtype=group.dtype)
+        self.tier.read(group.param_key, shard).wait()
+        return self.tier.put(shard, tag=tag)
+
+    def publish(self, group: ParamGroup, key: int) -> int:
+        """From now on the group's shard is ``key``; returns the key it replaces (DPU's publishing)."""
+        old, group.param_key = group.param_key, key
+        return old
