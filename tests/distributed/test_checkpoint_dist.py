@@ -17,60 +17,17 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import infinity
 from tests.support.ranks import run_ranks
+from tests.support.tiny_gpt import BufferedGPT
 
 K, N = 1, 2
 
 
-class Block(nn.Module):
-    def __init__(self, d, h):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, h, batch_first=True)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        T = x.shape[1]
-        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """The engine smoke test's tiny GPT (tied embeddings) with one persistent buffer."""
-
-    def __init__(self, vocab=64, d=32, h=4, n=2, T=16):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Parameter(torch.zeros(T, d))
-        self.blocks = nn.ModuleList([Block(d, h) for _ in range(n)])
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight
-        self.register_buffer("pos_scale", torch.ones(T, 1))
-        self.apply(self._init)
-        nn.init.normal_(self.wpe, std=0.02)
-
-    def _init(self, m):
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=0.02)
-
-    def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe[: idx.shape[1]] * self.pos_scale[: idx.shape[1]]
-        for b in self.blocks:
-            x = b(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+def GPT(**kwargs) -> BufferedGPT:
+    """The tiny GPT of the engine tests with one persistent buffer."""
+    return BufferedGPT(scratch=False, **kwargs)
 
 
 def config(workdir, tag, params, optimizer):

@@ -1,16 +1,18 @@
-"""A tiny GPT-style model for engine tests: tied embeddings, layer norms, attention, MLP."""
+"""The small GPT-style models of the engine tests: tied embeddings, layer norms, attention, MLP.
+
+``TinyGPT`` is the model of the parity, feature and prefetch tests; ``BufferedGPT`` adds
+the persistent and non-persistent buffers that checkpoints must save (or leave out).
+"""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, attn_bias: bool = False) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        # No in-projection bias: the key bias has an exactly-zero true gradient, so Adam amplifies
-        # rounding noise there and parameter comparisons would test noise, not the engine.
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True, bias=False)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True, bias=attn_bias)
         self.ln2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
@@ -23,11 +25,18 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 2, seq: int = 16) -> None:
+    """Tied embeddings, ``layers`` blocks, a non-persistent ``scale`` buffer on the logits.
+
+    ``attn_bias`` is off by default: the key bias has an exactly-zero true gradient, so Adam
+    amplifies rounding noise there and parameter comparisons would test noise, not the engine.
+    """
+
+    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 2, seq: int = 16,
+                 attn_bias: bool = False) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Parameter(torch.zeros(seq, d))
-        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.blocks = nn.ModuleList([Block(d, heads, attn_bias) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight
@@ -50,6 +59,25 @@ class TinyGPT(nn.Module):
             x = block(x)
         logits = self.head(self.ln_f(x)) * self.scale
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+class BufferedGPT(TinyGPT):
+    """``TinyGPT`` with an attention bias, a persistent ``pos_scale`` buffer used in forward, and,
+    with ``scratch``, a second non-persistent buffer: what checkpoints save and leave out."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, h: int = 4, n: int = 2, T: int = 16,
+                 scratch: bool = True) -> None:
+        super().__init__(vocab, d, h, n, T, attn_bias=True)
+        self.register_buffer("pos_scale", torch.ones(T, 1))
+        if scratch:
+            self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe[: idx.shape[1]] * self.pos_scale[: idx.shape[1]].to(self.wpe.dtype)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
 def batches(steps: int, batch: int, seq: int = 16, vocab: int = 64, seed: int = 1):
