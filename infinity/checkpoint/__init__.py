@@ -12,6 +12,10 @@ The on-disk layout is described in [Note: checkpoint layout] (directory.py), the
 commit in [Note: commit protocol], the checksums in [Note: checksums] (manifest.py),
 memory bounds in [Note: bounded streaming] (stream.py) and resharding in
 [Note: resharding by parameter] (reshard.py).
+
+What the room may touch: the engine's groups, state store and tiers through their public
+methods (reads and writes of keys), the ranks' collectives to agree, and its own files; it
+changes no training state except on load.
 """
 from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
                                         CheckpointNotFoundError)

@@ -109,7 +109,8 @@ class GPTConfig:
 
 # Shapes follow GPT-2 / GPT-3 (Brown et al. 2020, table 2.1) with the vocabulary padded
 # to a multiple of 64; "20M" is a small model for these 2-core machines and "4B" is the
-# size whose 16 B/param states exceed 2.5x the 24 GiB of RAM here (see issue 10).
+# size whose 16 B/param states exceed 2.5x the 24 GiB of RAM here: a model that fits
+# only with its states on NVMe.
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=512, seq_len=64),
     "20M": GPTConfig(n_layer=6, d_model=384, n_head=6, vocab_size=16384, seq_len=256),

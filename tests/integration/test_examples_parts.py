@@ -25,7 +25,7 @@ def test_large_presets_have_the_advertised_sizes():
     assert PRESETS["125M"].n_params == pytest.approx(124e6, rel=0.02)
     assert PRESETS["350M"].n_params == pytest.approx(355e6, rel=0.02)
     assert PRESETS["1.3B"].n_params == pytest.approx(1.31e9, rel=0.02)
-    # The 4B preset's 16 B/param states are >= 2.5 x 24 GiB (issue 10).
+    # The 4B preset's 16 B/param states are >= 2.5 x 24 GiB: it fits only with its states on NVMe.
     assert PRESETS["4B"].states_nbytes() >= 2.5 * 24 * 2**30
 
 

@@ -1,4 +1,4 @@
-"""infinity-bench nvme: a smoke run at a tiny size, its outputs, and its refusals (issue 3)."""
+"""infinity-bench nvme: a smoke run at a tiny size, its outputs, and its refusals."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""tiers.aio bad input: each a clear Python exception, no crash, no hang, no partial success (issue 3)."""
+"""tiers.aio bad input: each a clear Python exception, no crash, no hang, no partial success."""
 from __future__ import annotations
 
 import errno
