@@ -13,7 +13,7 @@ _EXPORTS = {
     "Tier": "base", "Future": "base", "CompletedFuture": "base", "TierFullError": "base",
     "byte_view": "base", "format_nbytes": "base", "wait_quietly": "base",
     "HostAllocator": "host_alloc", "HostAllocatorError": "host_alloc", "NumaPlacement": "host_alloc",
-    "BufferPool": "pool", "PoolBuffer": "pool", "PoolTimeoutError": "pool",
+    "BufferPool": "pool", "PoolBuffer": "pool", "Loan": "pool", "PoolTimeoutError": "pool",
     "DeviceTier": "device", "CudaCopyFuture": "memory", "MemoryTier": "memory",
     "HostTier": "host",
     "NVMeTier": "nvme", "NVMeIOError": "nvme", "UnwrittenKeyError": "nvme", "Placement": "swapspace", "SwapSpace": "swapspace",
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from tiers.host_alloc import HostAllocator, HostAllocatorError, NumaPlacement
     from tiers.memory import CudaCopyFuture, MemoryTier
     from tiers.nvme import NVMeIOError, NVMeTier, UnwrittenKeyError
-    from tiers.pool import BufferPool, PoolBuffer, PoolTimeoutError
+    from tiers.pool import BufferPool, Loan, PoolBuffer, PoolTimeoutError
     from tiers.staging import Run, Staging
     from tiers.swapfile import NVMeSpaceError, StaleSwapFileError, SwapDirectoryError, SwapDirectoryLockedError
     from tiers.swapspace import Placement, SwapSpace

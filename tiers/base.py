@@ -96,6 +96,18 @@ class Tier(abc.ABC):
     def stats(self) -> dict:
         """Telemetry: bytes_read, bytes_written, wait_seconds, bytes_in_use, peak_bytes, ..."""
 
+    def close(self) -> None:
+        """Release what the tier holds besides its keys' memory (files, locks, threads); idempotent.
+
+        The in-memory tiers hold nothing else; every tier is a context manager that closes on exit.
+        """
+
+    def __enter__(self) -> "Tier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class TierFullError(MemoryError):
     """An allocation would take a tier past its capacity (or its disk is full)."""

@@ -112,12 +112,8 @@ class _Region:
 
     def __init__(self, address: int, length: int, nbytes: int, libc: ctypes.CDLL,
                  cudart: object | None, on_release: "_Accounting") -> None:
-        self.address = address
-        self.length = length
-        self.nbytes = nbytes
-        self._libc = libc
-        self._cudart = cudart
-        self._on_release = on_release
+        self.address, self.length, self.nbytes = address, length, nbytes
+        self._libc, self._cudart, self._on_release = libc, cudart, on_release
 
     def __del__(self) -> None:
         if self._cudart is not None:
@@ -247,7 +243,7 @@ class HostAllocator:
         self._accounting.take(nbytes, pinned=self._cudart is not None)
         array = (ctypes.c_uint8 * nbytes).from_address(address)
         # The ctypes array keeps the region alive; torch.frombuffer keeps the array alive.
-        array._region = region  # type: ignore[attr-defined]
+        array.region = region  # type: ignore[attr-defined]
         return torch.frombuffer(array, dtype=torch.uint8)
 
     def _map_aligned(self, length: int, align: int) -> int:

@@ -244,12 +244,6 @@ class NVMeTier(Tier):
                 pass
         self.swap.close()
 
-    def __enter__(self) -> "NVMeTier":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         paths = [swap.directory for swap in self.swap.files]
         return f"NVMeTier(paths={paths}, name={self.name!r}, keys={len(self._keys)})"

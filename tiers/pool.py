@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -27,41 +28,37 @@ class PoolTimeoutError(TimeoutError):
     """No buffer came back within the timeout; the message names the holders."""
 
 
-class PoolBuffer:
-    """One buffer on loan from a :class:`BufferPool`; give it back with :meth:`release`.
+class Loan:
+    """Host memory on loan; :meth:`release` gives it back to its lender.
 
-    Use as a context manager. ``tensor`` is the whole ``uint8`` buffer (aligned to 4096);
-    it must not be touched after release (the next owner may be writing it).
+    ``tensor`` is the ``uint8`` memory; it must not be touched after release (the next
+    owner may be writing it). Releasing twice is a no-op (safe in ``finally``). Use as a
+    context manager. ``give_back`` is called once, by the first release.
     """
 
-    __slots__ = ("_pool", "_index", "_tensor", "owner")
+    __slots__ = ("_tensor", "_give_back", "nbytes", "owner", "where")
 
-    def __init__(self, pool: "BufferPool", index: int, tensor: torch.Tensor, owner: str) -> None:
-        self._pool = pool
-        self._index = index
+    def __init__(self, tensor: torch.Tensor, give_back: Callable[[], None], owner: str, where: str) -> None:
         self._tensor: torch.Tensor | None = tensor
+        self._give_back = give_back
+        self.nbytes = tensor.numel()
         self.owner = owner
+        self.where = where
 
     @property
     def tensor(self) -> torch.Tensor:
         if self._tensor is None:
-            raise RuntimeError(
-                f"buffer {self._index} of pool {self._pool.name!r} was already released by {self.owner!r}"
-            )
+            raise RuntimeError(f"{self.where} was already released by {self.owner!r}")
         return self._tensor
 
-    @property
-    def nbytes(self) -> int:
-        return self._pool.buffer_nbytes
-
     def release(self) -> None:
-        """Return the buffer to its pool. Releasing twice is a no-op (safe in ``finally``)."""
+        """Give the memory back. Releasing twice is a no-op."""
         if self._tensor is None:
             return
         self._tensor = None
-        self._pool._give_back(self._index)
+        self._give_back()
 
-    def __enter__(self) -> "PoolBuffer":
+    def __enter__(self) -> "Loan":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -69,7 +66,10 @@ class PoolBuffer:
 
     def __repr__(self) -> str:
         state = "released" if self._tensor is None else "held"
-        return f"PoolBuffer(pool={self._pool.name!r}, index={self._index}, owner={self.owner!r}, {state})"
+        return f"Loan({self.where}, {self.nbytes} bytes, owner={self.owner!r}, {state})"
+
+
+PoolBuffer = Loan   # one buffer on loan from a BufferPool
 
 
 class BufferPool:
@@ -155,9 +155,10 @@ class BufferPool:
         self._owners[index] = owner
         self._acquires += 1
         self._peak_in_use = max(self._peak_in_use, len(self._owners))
-        return PoolBuffer(self, index, self._buffers[index], owner)
+        return Loan(self._buffers[index], lambda: self._return(index), owner,
+                    f"buffer {index} of pool {self.name!r}")
 
-    def _give_back(self, index: int) -> None:
+    def _return(self, index: int) -> None:
         with self._cond:
             del self._owners[index]
             self._free.append(index)

@@ -29,6 +29,7 @@ memory straight to the aio handle.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 from dataclasses import dataclass
 
@@ -170,16 +171,29 @@ class Staging:
             ring.append(extra)
         return ring
 
+    @contextlib.contextmanager
+    def _lent(self, owner: str, pieces: int):
+        """A ring of pool buffers for ``pieces`` pieces: yields its free slots and the in-flight queue.
+
+        On the way out, normal or not, in-flight I/O is waited for (ignoring its errors: one is
+        already on its way up) before the buffers go back to the pool.
+        """
+        ring = self._ring(owner, pieces)
+        inflight: collections.deque[tuple[_Piece, torch.Tensor, AioFuture]] = collections.deque()
+        try:
+            yield self._slots(ring), inflight
+        finally:
+            wait_quietly(future for _piece, _buffer, future in inflight)
+            for buf in ring:
+                buf.release()
+
     def read(self, runs: list[Run], memory: torch.Tensor, owner: str) -> int:
         """Fill ``memory`` (flat ``uint8``, CPU) from ``runs``; returns the bytes moved."""
         pieces = _pieces(runs, self.piece_nbytes)
         if not pieces:
             return 0
-        ring = self._ring(owner, len(pieces))
-        free = self._slots(ring)
-        inflight: collections.deque[tuple[_Piece, torch.Tensor, AioFuture]] = collections.deque()
         todo = iter(pieces)
-        try:
+        with self._lent(owner, len(pieces)) as (free, inflight):
             while True:
                 for piece in todo:
                     buffer = free.pop()
@@ -193,8 +207,6 @@ class Staging:
                 future.wait()
                 _copy(piece.memory(memory), piece.buffer(buffer))
                 free.append(buffer)
-        finally:
-            self._settle(inflight, ring)
         return sum(run.nbytes for run in runs)
 
     def write(self, runs: list[Run], memory: torch.Tensor, owner: str) -> int:
@@ -202,10 +214,7 @@ class Staging:
         pieces = _pieces(runs, self.piece_nbytes)
         if not pieces:
             return 0
-        ring = self._ring(owner, len(pieces))
-        free = self._slots(ring)
-        inflight: collections.deque[tuple[_Piece, torch.Tensor, AioFuture]] = collections.deque()
-        try:
+        with self._lent(owner, len(pieces)) as (free, inflight):
             for piece in pieces:
                 if not free:
                     _done, buffer, future = inflight.popleft()
@@ -218,8 +227,6 @@ class Staging:
                 inflight.append((piece, buffer, self.handle.pwrite(piece.run.file, window, piece.window_start)))
             while inflight:
                 inflight.popleft()[2].wait()
-        finally:
-            self._settle(inflight, ring)
         return sum(run.nbytes for run in runs)
 
     def _read_edges(self, piece: _Piece, window: torch.Tensor) -> None:
@@ -232,9 +239,3 @@ class Staging:
         if tail and not (head and size == ALIGNMENT):
             self.handle.pread(piece.run.file, window[size - ALIGNMENT:], piece.window_end - ALIGNMENT).wait()
 
-    @staticmethod
-    def _settle(inflight: collections.deque, ring: list[PoolBuffer]) -> None:
-        """After an error: let in-flight I/O finish before the buffers can be reused."""
-        wait_quietly(future for _piece, _buffer, future in inflight)
-        for buf in ring:
-            buf.release()

@@ -29,9 +29,16 @@ class Placement:
     """Where a key's bytes are: slot ``offsets[j]`` of ``sizes[j]`` bytes in swap file ``files[j]``."""
 
     files: tuple[int, ...]
+    """Indices of the swap files (directories) holding the key, in stripe order."""
+
     offsets: tuple[int, ...]
+    """Byte offset of the key's slot in each of those files (4096-aligned)."""
+
     sizes: tuple[int, ...]
+    """Bytes of the key in each file: the whole key, or its stripes there."""
+
     stripe_nbytes: int
+    """Stripe size when the key is spread over several files."""
 
 
 def _striped_sizes(nbytes: int, ways: int, stripe: int) -> list[int]:

@@ -26,64 +26,51 @@ class TierStats:
     def __init__(self, name: str) -> None:
         self.name = name
         self._lock = threading.Lock()
-        self._bytes_read = 0
-        self._bytes_written = 0
-        self._reads = 0
-        self._writes = 0
-        self._wait_seconds = 0.0
-        self._bytes_in_use = 0
-        self._peak_bytes = 0
-        self._keys = 0
+        # Every counter, in the order snapshot() lists them.
+        self._counts: dict[str, int | float] = {
+            "bytes_read": 0, "bytes_written": 0, "reads": 0, "writes": 0, "wait_seconds": 0.0,
+            "bytes_in_use": 0, "peak_bytes": 0, "keys": 0}
 
     def read(self, nbytes: int) -> None:
         """Count one read of ``nbytes`` payload bytes."""
         with self._lock:
-            self._bytes_read += nbytes
-            self._reads += 1
+            self._counts["bytes_read"] += nbytes
+            self._counts["reads"] += 1
 
     def wrote(self, nbytes: int) -> None:
         """Count one write of ``nbytes`` payload bytes."""
         with self._lock:
-            self._bytes_written += nbytes
-            self._writes += 1
+            self._counts["bytes_written"] += nbytes
+            self._counts["writes"] += 1
 
     def waited(self, seconds: float) -> None:
         """Add ``seconds`` a caller spent blocked on a transfer."""
         with self._lock:
-            self._wait_seconds += seconds
+            self._counts["wait_seconds"] += seconds
 
     def allocated(self, nbytes: int) -> None:
         """A key of ``nbytes`` now exists."""
         with self._lock:
-            self._bytes_in_use += nbytes
-            self._keys += 1
-            self._peak_bytes = max(self._peak_bytes, self._bytes_in_use)
+            c = self._counts
+            c["bytes_in_use"] += nbytes
+            c["keys"] += 1
+            c["peak_bytes"] = max(c["peak_bytes"], c["bytes_in_use"])
 
     def released(self, nbytes: int) -> None:
         """A key of ``nbytes`` was freed."""
         with self._lock:
-            self._bytes_in_use -= nbytes
-            self._keys -= 1
+            self._counts["bytes_in_use"] -= nbytes
+            self._counts["keys"] -= 1
 
     @property
     def bytes_in_use(self) -> int:
         with self._lock:
-            return self._bytes_in_use
+            return self._counts["bytes_in_use"]
 
     def snapshot(self) -> dict:
         """All counters as a JSON-able dict (a copy; later traffic does not change it)."""
         with self._lock:
-            return {
-                "name": self.name,
-                "bytes_read": self._bytes_read,
-                "bytes_written": self._bytes_written,
-                "reads": self._reads,
-                "writes": self._writes,
-                "wait_seconds": self._wait_seconds,
-                "bytes_in_use": self._bytes_in_use,
-                "peak_bytes": self._peak_bytes,
-                "keys": self._keys,
-            }
+            return {"name": self.name, **self._counts}
 
 
 class WaitTimer:

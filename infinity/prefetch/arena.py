@@ -20,36 +20,7 @@ import threading
 import torch
 
 from tiers.freelist import FreeList
-
-
-class ArenaSlice:
-    """A slice of the arena on loan, with the ``tensor`` / ``release()`` face of a pool buffer."""
-
-    __slots__ = ("_arena", "offset", "nbytes", "owner", "_tensor")
-
-    def __init__(self, arena: "StagingArena", offset: int, nbytes: int, tensor: torch.Tensor, owner: str) -> None:
-        self._arena = arena
-        self.offset = offset
-        self.nbytes = nbytes
-        self.owner = owner
-        self._tensor: torch.Tensor | None = tensor
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        if self._tensor is None:
-            raise RuntimeError(f"arena slice at offset {self.offset} ({self.owner!r}) was already released")
-        return self._tensor
-
-    def release(self) -> None:
-        """Give the slice back; a second call is a no-op."""
-        if self._tensor is None:
-            return
-        self._tensor = None
-        self._arena._give_back(self.offset, self.nbytes)
-
-    def __repr__(self) -> str:
-        state = "released" if self._tensor is None else "held"
-        return f"ArenaSlice(offset={self.offset}, nbytes={self.nbytes}, owner={self.owner!r}, {state})"
+from tiers.pool import Loan
 
 
 class StagingArena:
@@ -89,8 +60,9 @@ class StagingArena:
         self.slices_out = 0
         self.refused = 0
 
-    def take(self, nbytes: int, owner: str) -> ArenaSlice | None:
-        """A slice of at least ``nbytes`` bytes, or None when the arena has no room for it now."""
+    def take(self, nbytes: int, owner: str) -> Loan | None:
+        """A slice of at least ``nbytes`` bytes (a ``tiers.pool.Loan``), or None when the arena has no
+        room for it now."""
         if nbytes <= 0:
             raise ValueError(f"staging arena {self.name!r}: {owner!r} asked for {nbytes} bytes; need > 0")
         with self._lock:
@@ -109,9 +81,10 @@ class StagingArena:
             self.slices_out += 1
             self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
             tensor = self._memory[offset:offset + size]
-        return ArenaSlice(self, offset, size, tensor, owner)
+        return Loan(tensor, lambda: self._return(offset, size), owner,
+                    f"arena slice at offset {offset} of {self.name!r}")
 
-    def _give_back(self, offset: int, nbytes: int) -> None:
+    def _return(self, offset: int, nbytes: int) -> None:
         with self._lock:
             self._free.release(offset, nbytes)
             self.bytes_in_use -= nbytes
