@@ -58,9 +58,16 @@ class FileRecord:
     """One data file of a checkpoint: its path inside the version directory, size and chunk CRCs."""
 
     path: str
+    """Relative to the version directory (``rank0/params.bin``)."""
+
     nbytes: int
+    """Size of the file, checked before a load reads it (a truncated file shows here)."""
+
     chunk_nbytes: int
+    """The checksums cover chunks of this many bytes (the last may be shorter)."""
+
     crc32: tuple[int, ...]
+    """CRC-32 of each chunk, in order (see [Note: checksums])."""
 
     def to_json(self) -> dict:
         return {"path": self.path, "nbytes": self.nbytes, "chunk_nbytes": self.chunk_nbytes,

@@ -138,7 +138,7 @@ def tiled_joins(model: nn.Module) -> list[dict]:
     """
     joins = []
     for prefix, module in model.named_modules(remove_duplicate=False):
-        tiled_params = getattr(module, "_tiled_params", None)
+        tiled_params = getattr(module, "tiled_params", None)
         sizes = getattr(module, "tile_sizes", None)
         if tiled_params is None or sizes is None:
             continue

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
+from typing import Callable
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -40,6 +41,21 @@ _NUMBER_AND_UNIT = re.compile(r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]
 
 BYTE_UNITS_HELP = "an integer number of bytes or a number with B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000)"
 COUNT_UNITS_HELP = "an integer, or a number with K, M, G, T (powers of 1000) or Ki, Mi, Gi, Ti (powers of 1024)"
+
+
+def _parse(value: object, what: str, units: dict[str, int], units_help: str,
+           check_unit: Callable[[str, str], None] = lambda unit, written: None) -> int:
+    """The count of ``what`` (bytes, elements) that ``value`` denotes: an int, an integral float, or
+    a number and one of ``units``. ``check_unit`` may refuse a unit with a better message."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected {units_help}")
+    if not isinstance(value, str):
+        return _number(value, what, units_help)
+    amount, unit, written = _split(value, units_help)
+    check_unit(unit, written)
+    if unit not in units:
+        raise ValueError(f"unknown unit {written!r}; expected {units_help}")
+    return _whole(amount * units[unit], what)
 
 
 def _split(text: str, units_help: str) -> tuple[Fraction, str, str]:
@@ -75,19 +91,15 @@ def parse_size(value: object) -> int:
     >>> parse_size("64MiB"), parse_size("1.5 GB"), parse_size(4096)
     (67108864, 1500000000, 4096)
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"expected {BYTE_UNITS_HELP}")
-    if not isinstance(value, str):
-        return _number(value, "bytes", BYTE_UNITS_HELP)
-    amount, unit, written = _split(value, BYTE_UNITS_HELP)
+    return _parse(value, "bytes", _BYTE_UNITS, BYTE_UNITS_HELP, _refuse_count_units)
+
+
+def _refuse_count_units(unit: str, written: str) -> None:
     if unit in _AMBIGUOUS:
         letter = _AMBIGUOUS[unit]
         raise ValueError(f"unit {written!r} is ambiguous for bytes; write {letter}iB (powers of 1024) or {letter}B (powers of 1000)")
     if unit in ("ki", "mi", "gi", "ti"):
         raise ValueError(f"unit {written!r} counts elements; for bytes write {unit[0].upper()}iB")
-    if unit not in _BYTE_UNITS:
-        raise ValueError(f"unknown unit {written!r}; expected {BYTE_UNITS_HELP}")
-    return _whole(amount * _BYTE_UNITS[unit], "bytes")
 
 
 def parse_count(value: object) -> int:
@@ -98,14 +110,7 @@ def parse_count(value: object) -> int:
     >>> parse_count("32Mi"), parse_count(1e9), parse_count("1.5K")
     (33554432, 1000000000, 1500)
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"expected {COUNT_UNITS_HELP}")
-    if not isinstance(value, str):
-        return _number(value, "elements", COUNT_UNITS_HELP)
-    amount, unit, written = _split(value, COUNT_UNITS_HELP)
-    if unit not in _COUNT_UNITS:
-        raise ValueError(f"unknown unit {written!r}; expected {COUNT_UNITS_HELP}")
-    return _whole(amount * _COUNT_UNITS[unit], "elements")
+    return _parse(value, "elements", _COUNT_UNITS, COUNT_UNITS_HELP)
 
 
 def format_size(nbytes: int) -> str | int:

@@ -11,7 +11,9 @@ DPU), ``background`` and ``delayed`` (the worker thread and DPU's double buffers
 flat per-sub-group master weights, moments and gradient accumulator, and the one
 sub-group pipeline that streams them).
 
-What it may touch: the optimizer tier and the parameter tier (through the state store
-and the coordinator's ``write_shard`` / fresh-shard hand-off); the engine only through
-its public lifecycle (``backward_active``, ``recover_aborted_backward``).
+What it may touch: the optimizer tier (through the state store), the parameter tier only
+through ``infinity.runtime.shards.ParamShards`` (new compute copies, the fresh-shard
+hand-off), the coordinator's ``release_all`` after an update, and the engine only
+through its public lifecycle (``backward_running``, ``recover_aborted_backward``,
+``attach_optimizer``).
 """

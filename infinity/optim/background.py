@@ -213,7 +213,7 @@ class BackgroundUpdate:
         """Start ``job`` on the background worker; returns at once."""
         self.raise_if_failed()
         if self._thread is None:
-            self._thread = threading.Thread(target=BackgroundUpdate._worker_loop, name="infinity-dpu", daemon=True,
+            self._thread = threading.Thread(target=self._worker_loop, name="infinity-dpu", daemon=True,
                                             args=(self._queue, weakref.ref(self)))
             self._thread.start()
         self._idle.clear()
@@ -269,7 +269,7 @@ class BackgroundUpdate:
         with torch.no_grad():
             run(job)
 
-    def _work(self, job: StepJob, ready) -> None:
+    def work(self, job: StepJob, ready) -> None:
         """One job on the worker thread (timed, failures kept for the main thread).
 
         On CUDA the job runs on the worker's own stream, after the compute stream's work
@@ -319,7 +319,7 @@ class BackgroundUpdate:
             owner = owner_ref()
             if owner is None:
                 return
-            owner._work(*item)
+            owner.work(*item)
             del owner
 
     def _cuda_stream(self):

@@ -67,23 +67,18 @@ class UpdatePass:
     ----------
     store:
         The optimizer state store (``infinity.optim.flat_state.OptimizerStateStore``).
-    groups:
-        The parameter groups, in index order.
-    shards:
-        The parameter tier's shards (``infinity.runtime.shards.ParamShards``): receives the new
-        compute copies.
+    coordinator:
+        Owner of the parameter groups; its ``shards`` (``infinity.runtime.shards.ParamShards``)
+        receive the new compute copies.
     ranges:
         Which elements of each sub-group the optimizer's parameters occupy.
     device:
         The compute device (``infinity.runtime.device.ComputeDevice``).
     """
 
-    def __init__(self, store, groups, shards, ranges: UpdateRanges, device) -> None:
-        self.store = store
-        self.groups = groups
-        self.shards = shards
-        self.ranges = ranges
-        self.device = device
+    def __init__(self, store, coordinator, ranges: UpdateRanges, device) -> None:
+        self.store, self.ranges, self.device = store, ranges, device
+        self.groups, self.shards = coordinator.groups, coordinator.shards
         # Told ``sub_done(sub, futures)`` after each sub-group of an overlapped job (the
         # ``BackgroundUpdate`` running it), so the next forward may fetch its groups.
         self.progress = None

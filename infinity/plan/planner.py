@@ -56,9 +56,16 @@ class FitCheck:
     """The outcome of checking a plan's needs against this machine (``tiers.budget``)."""
 
     fits: bool
+    """Whether every tier has room for what the ranks of one machine need."""
+
     shortfalls: tuple[str, ...]
+    """One line per tier short of room, with the bytes needed and free."""
+
     rows: tuple[dict, ...]
+    """Needed and free bytes per tier and path (``tiers.budget.BudgetReport.rows``)."""
+
     local_ranks: int
+    """Ranks sharing this machine, whose needs were added up."""
 
 
 @dataclass(frozen=True)

@@ -104,8 +104,8 @@ class Init:
 
     # -- context -----------------------------------------------------------------------------
     def __enter__(self) -> "Init":
-        if getattr(nn.Module.__init__, "_infinity_init", False) or any(
-                getattr(c.__dict__.get("__init__"), "_infinity_init", False) for c in (nn.Linear,)):
+        if getattr(nn.Module.__init__, "infinity_init", False) or any(
+                getattr(c.__dict__.get("__init__"), "infinity_init", False) for c in (nn.Linear,)):
             raise RuntimeError("infinity.Init is already active; nested Init contexts are not supported")
         self.engine = Engine(self.config, self.group)
         self.partitioner = Partitioner(self.engine)
@@ -165,26 +165,25 @@ class Init:
     # -- interception ----------------------------------------------------------------------------
     def _wrap(self, cls: type) -> None:
         orig = cls.__dict__.get("__init__")
-        if orig is None or getattr(orig, "_infinity_init", False):
+        if orig is None or getattr(orig, "infinity_init", False):
             return
-        init = self
 
         @functools.wraps(orig)
         def __init__(module, *args, **kwargs):
             key = id(module)
-            depth = init._depth.get(key, 0)
-            init._depth[key] = depth + 1
+            depth = self._depth.get(key, 0)
+            self._depth[key] = depth + 1
             try:
                 orig(module, *args, **kwargs)
             finally:
                 if depth:
-                    init._depth[key] = depth
+                    self._depth[key] = depth
                 else:
-                    init._depth.pop(key, None)
+                    self._depth.pop(key, None)
             if depth == 0:
-                init._on_built(module)
+                self._on_built(module)
 
-        __init__._infinity_init = True
+        __init__.infinity_init = True   # marks the wrapper, so it is never wrapped twice
         cls.__init__ = __init__
         self._patched.append((cls, orig))
 

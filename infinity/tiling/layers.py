@@ -61,22 +61,6 @@ to one. ``tiling.tiles`` tiles, or with 0 the fewest that keep every tile at mos
 ``tiling.max_tile_bytes`` in the compute dtype. A layer that would get one tile is
 left as it is.
 
-[Note: the tiled weight]
-``weight`` and ``bias`` of a tiled layer are properties returning a new tensor,
-the concatenation of the tiles (a ``TiledWeight``): readable wherever the tiles
-are gathered (under ``infinity.gathered``, in plain PyTorch always; elsewhere an
-empty tensor, like a released untiled parameter), differentiable (gradients flow
-to the tiles, so a head computed as ``x @ wte.weight.T`` works, though it gathers
-every tile at once), and written through: an in-place edit of it (``nn.init``,
-``copy_``, ``zero_``, indexing) is copied back into the tiles, where they are
-gathered (a tiled layer written in model code and built inside ``infinity.Init``
-has partitioned tiles during construction: such an edit raises ``TilingError``
-there). They cannot be assigned; edits through ``.data`` are not written back.
-Each access copies the whole layer. ``state_dict()`` has the untiled keys
-(``weight``, ``bias``) and ``load_state_dict`` splits them, so state dicts move
-between tiled and untiled models both ways; ``parameters()`` lists the tiles.
-``tile_sizes`` and ``_tiled_params()`` are what infinity/checkpoint reads to write
-consolidated checkpoints under the untiled keys.
 """
 from __future__ import annotations
 
@@ -86,28 +70,11 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from infinity.config import TilingConfig
+from infinity.tiling.weight import TilingError, joined, split_sizes, tile_ranges
 
 ROWS, COLUMNS = "rows", "columns"
-
-
-class TilingError(RuntimeError):
-    """A layer cannot be tiled as asked; the message names the layer and what to change."""
-
-
-def split_sizes(n: int, tiles: int) -> list[int]:
-    """Sizes of ``tiles`` contiguous pieces of ``n`` that differ by at most one (the larger first).
-
-    Examples
-    --------
-    >>> split_sizes(10, 4)
-    [3, 3, 2, 2]
-    """
-    if not 1 <= tiles <= n:
-        raise TilingError(f"cannot split {n} rows into {tiles} tiles: need 1 <= tiles <= {n}")
-    return [n // tiles + (1 if i < n % tiles else 0) for i in range(tiles)]
 
 
 def tile_count(rows: int, row_nbytes: int, config: TilingConfig) -> int:
@@ -145,97 +112,13 @@ class _EmbeddingTile(nn.Module):
                            self.scale_grad_by_freq, self.sparse)
 
 
-# -- the tiled weight ---------------------------------------------------------------------------------
-class TiledWeight(torch.Tensor):
-    """The concatenation of a tiled layer's tile parameters; in-place edits are written back to the tiles.
-
-    Returned by ``TiledLinear.weight``/``.bias`` and ``TiledEmbedding.weight``
-    (see [Note: the tiled weight]). Results of operations on it are plain tensors.
-    """
-
-    _owner: nn.Module
-    _name: str
-    _dim: int
-
-    @classmethod
-    def over(cls, joined: torch.Tensor, owner: nn.Module, name: str, dim: int) -> "TiledWeight":
-        """``joined`` (the tiles of ``owner``'s ``name`` concatenated along ``dim``) as a TiledWeight."""
-        out = joined.as_subclass(cls)
-        out._owner, out._name, out._dim = owner, name, dim
-        return out
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
-            views = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, TiledWeight)]
-            versions = [v._version for v in views]
-            out = func(*args, **kwargs)
-            for view, before in zip(views, versions):
-                if view._version != before:
-                    view._write_back()
-        return out
-
-    def _write_back(self) -> None:
-        pieces = [(getattr(tile, self._name), self.narrow(self._dim, start, size))
-                  for tile, start, size in _tile_ranges(self._owner)]
-        if any(p.shape != piece.shape for p, piece in pieces):
-            # Only possible inside infinity.Init for a TiledLinear/TiledEmbedding written in model
-            # code: its tiles were partitioned as they were built, and the construction-time mode
-            # that gathers touched parameters cannot act from inside this handler.
-            raise TilingError(
-                f"{type(self._owner).__name__} ({self._owner.num_tiles} tiles): an in-place edit of the joined "
-                f"{self._name!r} cannot be written back while its tiles are partitioned; inside infinity.Init "
-                f"edit each tile (`for t in layer.tiles: nn.init.normal_(t.{self._name})`) or call "
-                "reset_parameters(), or edit it later under infinity.gathered")
-        with torch.no_grad():
-            for p, piece in pieces:
-                p.copy_(piece)
-
-    def __reduce_ex__(self, protocol):
-        with torch._C.DisableTorchFunctionSubclass():
-            return self.detach().clone().as_subclass(torch.Tensor).__reduce_ex__(protocol)
-
-    def __deepcopy__(self, memo):
-        with torch._C.DisableTorchFunctionSubclass():
-            return self.detach().clone().as_subclass(torch.Tensor)
-
-
-def _tile_ranges(module: nn.Module):
-    start = 0
-    for tile, size in zip(module.tiles, module.tile_sizes):
-        yield tile, start, size
-        start += size
-
-
-def _joined(module: nn.Module, name: str, dim: int, full_shape: tuple, wrap: bool):
-    """The tiles' ``name`` parameters joined along ``dim``; empty when any tile is not gathered."""
-    out = None
-    for tile, start, size in _tile_ranges(module):
-        part = getattr(tile, name)
-        if part is None:
-            return None
-        expected = list(full_shape)
-        expected[dim] = size
-        # Reading the shape first lets infinity.Init's construction-time mode gather this tile
-        # before it is copied (tile by tile, so never more than a few tiles at once).
-        if list(part.shape) != expected:
-            return torch.empty(0, dtype=part.dtype, device=part.device)
-        if out is None:
-            out = torch.empty(full_shape, dtype=part.dtype, device=part.device)
-        out.narrow(dim, start, size).copy_(part)
-    if not wrap:
-        return out
-    return TiledWeight.over(out, module, name, dim)
-
-
 class _Tiled:
     """What ``TiledLinear`` and ``TiledEmbedding`` share: tiles, joined weights, untiled state-dict keys."""
 
     tiles: nn.ModuleList
     tile_sizes: tuple[int, ...]
 
-    def _tiled_params(self) -> list[tuple[str, int, tuple]]:
+    def tiled_params(self) -> list[tuple[str, int, tuple]]:
         """(name, split dimension, full shape) of each tiled parameter."""
         raise NotImplementedError
 
@@ -256,14 +139,14 @@ class _Tiled:
         out = super().state_dict(*args, **kwargs)
         prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
         keep_vars = kwargs.get("keep_vars", args[2] if len(args) > 2 else False)
-        for name, dim, shape in self._tiled_params():
+        for name, dim, shape in self.tiled_params():
             keys = [f"{prefix}tiles.{i}.{name}" for i in range(self.num_tiles)]
             if keys[0] not in out:
                 continue
             for k in keys:
                 del out[k]
-            joined = _joined(self, name, dim, shape, wrap=False)
-            out[prefix + name] = joined if keep_vars else joined.detach()
+            full = joined(self, name, dim, shape, wrap=False)
+            out[prefix + name] = full if keep_vars else full.detach()
         metadata = getattr(out, "_metadata", None)
         if metadata is not None:
             for key in [f"{prefix}tiles", *(f"{prefix}tiles.{i}" for i in range(self.num_tiles))]:
@@ -273,7 +156,7 @@ class _Tiled:
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
         # Split untiled keys into the tiles' keys; the children then load them as usual.
-        for name, dim, shape in self._tiled_params():
+        for name, dim, shape in self.tiled_params():
             value = state_dict.pop(prefix + name, None)
             if value is None:
                 continue
@@ -283,7 +166,7 @@ class _Tiled:
                     f"checkpoint, the shape in current model is {tuple(shape)} ({type(self).__name__}, "
                     f"{self.num_tiles} tiles).")
                 continue
-            for i, (_, start, size) in enumerate(_tile_ranges(self)):
+            for i, (_, start, size) in enumerate(tile_ranges(self)):
                 state_dict[f"{prefix}tiles.{i}.{name}"] = value.narrow(dim, start, size)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
@@ -341,7 +224,7 @@ class TiledLinear(_Tiled, nn.Linear):
         _attach(out, [_LinearTile(w, b) for w, b in zip(weights, biases)], sizes)
         return out
 
-    def _tiled_params(self):
+    def tiled_params(self):
         out = [("weight", 0, (self.out_features, self.in_features))]
         if self.tiles[0].bias is not None:
             out.append(("bias", 0, (self.out_features,)))
@@ -349,11 +232,11 @@ class TiledLinear(_Tiled, nn.Linear):
 
     @property
     def weight(self) -> torch.Tensor:
-        return _joined(self, "weight", 0, (self.out_features, self.in_features), wrap=True)
+        return joined(self, "weight", 0, (self.out_features, self.in_features), wrap=True)
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return _joined(self, "bias", 0, (self.out_features,), wrap=True)
+        return joined(self, "bias", 0, (self.out_features,), wrap=True)
 
     def reset_parameters(self) -> None:
         for tile in self.tiles:
@@ -424,13 +307,13 @@ class TiledEmbedding(_Tiled, nn.Embedding):
         _attach(out, _embedding_tiles(out, _cut(e.weight, sizes, dim), sizes), sizes)
         return out
 
-    def _tiled_params(self):
+    def tiled_params(self):
         return [("weight", 0 if self.split == ROWS else 1, (self.num_embeddings, self.embedding_dim))]
 
     @property
     def weight(self) -> torch.Tensor:
-        name, dim, shape = self._tiled_params()[0]
-        return _joined(self, name, dim, shape, wrap=True)
+        name, dim, shape = self.tiled_params()[0]
+        return joined(self, name, dim, shape, wrap=True)
 
     def reset_parameters(self) -> None:
         for tile in self.tiles:
@@ -443,7 +326,7 @@ class TiledEmbedding(_Tiled, nn.Embedding):
         # padding and scale_grad_by_freq see exactly the indices they would untiled.
         flat = idx.reshape(-1)
         out = None
-        for tile, start, size in _tile_ranges(self):
+        for tile, start, size in tile_ranges(self):
             local = flat - start
             inside = (local >= 0) & (local < size)
             rows = tile(local[inside])

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from infinity.config import TilingConfig
-from infinity.tiling.layers import COLUMNS, ROWS, TilingError, tile_, tile_count
+from infinity.tiling.layers import COLUMNS, ROWS, tile_, tile_count
+from infinity.tiling.weight import TilingError
 
 logger = logging.getLogger("infinity")
 
