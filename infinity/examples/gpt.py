@@ -22,7 +22,7 @@ The head computes ``x @ wte.weight.T`` with the embedding's own parameter, passe
 to it at call time; ``LMHead`` has no parameter of its own. No second weight is
 created, initialised and then thrown away (at 4B parameters the head alone is
 ~150M parameters), and infinity sees the embedding weight used by the head, so
-it gathers it for the head's forward and backward (engine.py, [Note: foreign
+it gathers it for the head's forward and backward (infinity/runtime/foreign.py, [Note: foreign
 parameters]).
 
 Examples

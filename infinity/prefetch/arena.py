@@ -2,7 +2,7 @@
 
 [Note: why prefetched reads have their own staging]
 Demand fetches stage NVMe reads in the coordinator's fixed pool (a few buffers as
-large as the largest shard, see [Note: staging buffers] in engine.py). If reads
+large as the largest shard, see [Note: staging buffers] in infinity/runtime/shards.py). If reads
 issued ahead took buffers from that pool, a module needing a buffer could wait
 for one that only a later module would give back: a hang on one thread. And
 ``prefetch.nvme_bytes`` is a byte budget, which a count of largest-shard buffers

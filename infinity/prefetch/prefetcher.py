@@ -65,7 +65,7 @@ class Prefetcher:
     The engine creates one in ``Engine.finalize`` and calls its lifecycle methods
     (``begin_forward``, ``end_forward``, ``begin_backward``, ``end_backward``,
     ``on_request``). With ``prefetch.enabled = false`` it only meters steps (see
-    [Note: step records] in steps.py), so ``infinity.stats`` reports the same figures
+    [Note: step records] in infinity/telemetry.py), so ``infinity.stats`` reports the same figures
     with prefetching off.
 
     Parameters

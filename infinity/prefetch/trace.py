@@ -8,7 +8,7 @@ step records that order as a list of entries ``(phase, module name, group
 indices)``; later steps walk it with a cursor and the prefetcher reads ahead of
 the cursor. Entries are matched by ``(phase, module name)``: the groups of a
 module can grow after recording (a module that uses another module's parameters
-adopts their group, see [Note: foreign parameters] in engine.py), and such an
+adopts their group, see [Note: foreign parameters] in infinity/runtime/foreign.py), and such an
 entry is updated in place rather than treated as a divergence.
 
 [Note: trace states]
