@@ -91,6 +91,10 @@ class ParamGroup:
         self.device = device
         self.numel = sum(s.numel for s in slots)
         self.shard_numel = padded_shard_numel(self.numel, world_size)
+        # Sizes, fixed for the group's life (read on every fetch: plain attributes, not properties).
+        self.padded_numel = self.shard_numel * world_size
+        self.shard_nbytes = self.shard_numel * torch.empty((), dtype=dtype).element_size()
+        self.full_nbytes = self.shard_nbytes * world_size
         self.rank = rank
         self.world_size = world_size
         self.state = ParamState.NOT_AVAILABLE
@@ -102,19 +106,6 @@ class ParamGroup:
         self.full: torch.Tensor | None = None
         self.pending = None
         self._flat: torch.Tensor | None = None
-
-    # -- sizes -------------------------------------------------------------------------------
-    @property
-    def padded_numel(self) -> int:
-        return self.shard_numel * self.world_size
-
-    @property
-    def shard_nbytes(self) -> int:
-        return self.shard_numel * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def full_nbytes(self) -> int:
-        return self.shard_nbytes * self.world_size
 
     @property
     def params(self) -> list[nn.Parameter]:

@@ -277,7 +277,7 @@ class Prefetcher:
                     break
             if not (gathers_open or reads_open):
                 break
-        self._note_peaks()
+        self._note_peaks(self.nvme_bytes - nvme_room, self.device_bytes - device_room)
 
     def _may_gather(self, g: ParamGroup) -> bool:
         if self.ordered_gathers:
@@ -294,11 +294,13 @@ class Prefetcher:
         self.coordinator.wait_available(g)
         self._ahead[g] = None
 
-    def _note_peaks(self) -> None:
-        held = self.held()
-        self.peak_nvme_bytes = max(self.peak_nvme_bytes, held["nvme"])
-        self.peak_device_bytes = max(self.peak_device_bytes, held["device"])
-        self.peak_kept_bytes = max(self.peak_kept_bytes, held["kept"])
+    def _note_peaks(self, nvme: int, device: int) -> None:
+        """Bytes held ahead after a walk (its own accounting: no second pass over what is ahead)."""
+        self.peak_nvme_bytes = max(self.peak_nvme_bytes, nvme)
+        self.peak_device_bytes = max(self.peak_device_bytes, device)
+        if self._kept:
+            kept = sum(g.full_nbytes for g in self._kept if g.state is ParamState.AVAILABLE)
+            self.peak_kept_bytes = max(self.peak_kept_bytes, kept)
 
     # -- telemetry -------------------------------------------------------------------------------
     def current_step(self) -> dict | None:
