@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 # Public names -> the module defining them. Imported on first use, so that e.g.
 # ``tiers.budget`` works (and stays cheap) even where the C extension is not built.
 _EXPORTS = {
-    "Tier": "base", "Future": "base", "CompletedFuture": "base", "TierFullError": "base",
+    "Arena": "arena", "Tier": "base", "Future": "base", "CompletedFuture": "base", "TierFullError": "base",
     "byte_view": "base", "format_nbytes": "base", "wait_quietly": "base",
     "HostAllocator": "host_alloc", "HostAllocatorError": "host_alloc", "NumaPlacement": "host_alloc",
     "BufferPool": "pool", "PoolBuffer": "pool", "Loan": "pool", "PoolTimeoutError": "pool",
@@ -39,6 +39,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from tiers.arena import Arena
     from tiers.base import CompletedFuture, Future, Tier, TierFullError, byte_view, format_nbytes, wait_quietly
     from tiers.budget import BudgetError, BudgetReport, Need, check_budget
     from tiers.device import DeviceTier

@@ -53,6 +53,9 @@ def wait_quietly(futures: Iterable[Future]) -> None:
 class Tier(abc.ABC):
     """A place where tensors' bytes live: ``device``, ``host`` or ``nvme``."""
 
+    kind: str
+    """Which of the three places this tier is: "device", "host" or "nvme" (its ``name`` may differ)."""
+
     name: str
 
     @abc.abstractmethod

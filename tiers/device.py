@@ -31,6 +31,8 @@ class DeviceTier(MemoryTier):
     40
     """
 
+    kind = "device"
+
     def __init__(self, device: torch.device | str = "cpu", capacity: int | None = None,
                  name: str = "device") -> None:
         self.device = torch.device(device)

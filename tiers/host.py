@@ -34,6 +34,8 @@ class HostTier(MemoryTier):
     tensor([ 0, 60,  0, 60,  0, 60], dtype=torch.uint8)
     """
 
+    kind = "host"
+
     def __init__(self, allocator: HostAllocator | None = None, capacity: int | None = None,
                  name: str = "host") -> None:
         self.allocator = allocator if allocator is not None else HostAllocator(pin="never")

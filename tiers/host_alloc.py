@@ -23,6 +23,7 @@ buffers) and reuse them; never allocate pinned memory on the hot path.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import os
@@ -41,6 +42,48 @@ _MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MPOL_BIND = 2
 _PIN_CHOICES = ("auto", "always", "never")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None     # not glibc, or a glibc older than 2.33: nothing to give back this way
+
+
+_LIBC = _glibc()
+
+
+def trim_c_heap(min_free: int = 0) -> bool:
+    """Give the C heap's free pages back to the system when more than ``min_free`` bytes are free.
+
+    [Note: the C heap]
+    Memory torch allocates for ordinary tensors comes from the C library's heap, which keeps
+    a freed block for reuse; a block whose neighbours are still live cannot be handed back,
+    and when small allocations land in it, it cannot even be reused for a block of its
+    old size. Building a model frees one module-sized tensor per module (the engine keeps
+    its shards elsewhere), and with the CPU as the compute device every step frees its
+    gradients and activations: the resident set then grows by about a module per module,
+    up to the model's size, though none of it is in use. ``malloc_trim(0)`` returns the
+    free pages of those blocks (their address space stays reserved) without changing how
+    anything is allocated afterwards: no process-wide setting is touched. The engine calls
+    it after partitioning each module, and with the CPU as compute device at the end of a
+    backward when the heap holds more than a few hundred MiB free; its own buffers never
+    come from this heap (tiers/arena.py, tiers/pool.py). Returns whether it trimmed.
+    """
+    if _LIBC is None or (min_free and _LIBC.mallinfo2().fordblks <= min_free):
+        return False
+    _LIBC.malloc_trim(0)
+    return True
 
 
 class HostAllocatorError(RuntimeError):
@@ -119,11 +162,11 @@ class _Region:
         if self._cudart is not None:
             self._cudart.cudaHostUnregister(self.address)
         self._libc.munmap(self.address, self.length)
-        self._on_release.release(self.nbytes, pinned=self._cudart is not None)
+        self._on_release.release(self.address, self.nbytes, pinned=self._cudart is not None)
 
 
 class _Accounting:
-    """Live / peak bytes of one allocator; shared with its regions (no reference back)."""
+    """Live / peak bytes of one allocator, and where its live regions are; shared with its regions."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -131,19 +174,31 @@ class _Accounting:
         self.bytes_allocated = 0
         self.peak_bytes = 0
         self.pinned_bytes = 0
+        self._starts: list[int] = []          # sorted start addresses of the live regions
+        self._ends: dict[int, int] = {}
 
-    def take(self, nbytes: int, pinned: bool) -> None:
+    def take(self, address: int, nbytes: int, pinned: bool) -> None:
         with self._lock:
             self.allocations += 1
             self.bytes_allocated += nbytes
             self.pinned_bytes += nbytes if pinned else 0
             self.peak_bytes = max(self.peak_bytes, self.bytes_allocated)
+            bisect.insort(self._starts, address)
+            self._ends[address] = address + nbytes
 
-    def release(self, nbytes: int, pinned: bool) -> None:
+    def release(self, address: int, nbytes: int, pinned: bool) -> None:
         with self._lock:
             self.allocations -= 1
             self.bytes_allocated -= nbytes
             self.pinned_bytes -= nbytes if pinned else 0
+            del self._starts[bisect.bisect_left(self._starts, address)]
+            del self._ends[address]
+
+    def contains(self, address: int, nbytes: int) -> bool:
+        """Whether ``[address, address + nbytes)`` lies inside one live region."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, address) - 1
+            return i >= 0 and address + nbytes <= self._ends[self._starts[i]]
 
 
 class HostAllocator:
@@ -240,7 +295,7 @@ class HostAllocator:
             self._libc.munmap(address, length)
             raise
         region = _Region(address, length, nbytes, self._libc, self._cudart, self._accounting)
-        self._accounting.take(nbytes, pinned=self._cudart is not None)
+        self._accounting.take(address, nbytes, pinned=self._cudart is not None)
         array = (ctypes.c_uint8 * nbytes).from_address(address)
         # The ctypes array keeps the region alive; torch.frombuffer keeps the array alive.
         array.region = region  # type: ignore[attr-defined]
@@ -283,6 +338,15 @@ class HostAllocator:
                 f"cudaHostRegister of {length} bytes failed with CUDA error {int(status)}; "
                 "use pin_memory='never' if the system cannot lock this much memory"
             )
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s bytes are memory this allocator made (pinned when it pins), still live.
+
+        The data path counts a host<->device copy whose host side is not such memory as
+        ``unpooled`` (pageable on a GPU). An empty tensor is owned by nobody.
+        """
+        nbytes = tensor.numel() * tensor.element_size()
+        return nbytes > 0 and tensor.device.type == "cpu" and self._accounting.contains(tensor.data_ptr(), nbytes)
 
     def stats(self) -> dict:
         """``allocations``, ``bytes_allocated``, ``peak_bytes``, ``pinned_bytes``, ``pinned``, ``numa_node``."""

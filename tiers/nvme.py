@@ -67,6 +67,8 @@ class NVMeTier(Tier):
     40
     """
 
+    kind = "nvme"
+
     def __init__(self, paths: Sequence[str], handle: AioHandle, pool: BufferPool, name: str = "nvme", *,
                  stale: str = "remove", stripe_nbytes: int | None = None, workers: int | None = None,
                  staging_depth: int = 4) -> None:

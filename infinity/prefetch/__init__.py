@@ -2,8 +2,8 @@
 
 What the room holds: ``trace`` (the order modules asked for their parameters, and its
 RECORDING / FOLLOWING / DIVERGED states), ``prefetcher`` (walks ahead along the trace
-within two byte budgets, NVMe->host and host->device), ``arena`` (aligned host memory
-for reads issued ahead, bounded in bytes) and ``fresh_shards`` (shards the overlapped
+within two byte budgets, NVMe->host and host->device; reads ahead land in an arena of
+aligned host memory, ``tiers.arena``) and ``fresh_shards`` (shards the overlapped
 optimizer step has just rewritten, handed to the next forward from that arena).
 
 What it may touch: the coordinator, through its public methods (``start_fetch``,

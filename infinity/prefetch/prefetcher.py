@@ -42,6 +42,19 @@ forward with no backward) are dropped at the end of the step: at the end of a
 backward the coordinator drops every group not in use; at the end of a no-grad
 forward and at the start of every step the prefetcher drops what it still holds.
 Dropping an INFLIGHT group waits for its read, so every staging slice comes back.
+
+[Note: why prefetched reads have their own staging]
+Demand fetches stage NVMe reads in the coordinator's fixed pool (a few buffers as
+large as the largest shard, see [Note: staging buffers] in infinity/runtime/shards.py). If reads
+issued ahead took buffers from that pool, a module needing a buffer could wait
+for one that only a later module would give back: a hang on one thread. And
+``prefetch.nvme_bytes`` is a byte budget, which a count of largest-shard buffers
+expresses badly when shard sizes differ a lot (one big embedding, many small
+layers). So reads ahead get their own arena: one aligned allocation of
+``prefetch.nvme_bytes`` (made at the first read ahead, never on the hot path
+afterwards), carved into 4096-aligned slices (``tiers.arena.Arena``, [Note: arenas]). A slice
+that does not fit is simply not taken and the read is left to demand: the arena
+can never hold more than its budget, and it never blocks.
 """
 from __future__ import annotations
 
@@ -52,9 +65,9 @@ import torch
 from torch import nn
 
 from infinity.param_group import ParamGroup, ParamState
-from infinity.prefetch.arena import StagingArena
-from infinity.telemetry import StepTelemetry
 from infinity.prefetch.trace import BACKWARD, FORWARD, Divergence, Trace, TraceEntry, TraceMode
+from infinity.telemetry import StepTelemetry
+from tiers.arena import Arena
 
 logger = logging.getLogger("infinity")
 
@@ -84,7 +97,7 @@ class Prefetcher:
         self.reuse_distance = cfg.reuse_distance
         self.reads_ahead = engine.config.tiers.params == "nvme"
         self.ordered_gathers = engine.ranks.world_size > 1
-        self.arena = (StagingArena(engine.tiers.allocator, cfg.nvme_bytes)
+        self.arena = (Arena(engine.tiers.allocator.empty, cfg.nvme_bytes, name="prefetch-staging")
                       if self.enabled and self.reads_ahead and cfg.nvme_bytes > 0 else None)
         self.trace = Trace()
         self.telemetry = StepTelemetry(engine, cfg.log_every, logger)

@@ -198,10 +198,10 @@ def test_reset_gives_back_shards_left_half_filled():
     from types import SimpleNamespace
 
     from infinity.prefetch.fresh_shards import FreshShards
-    from infinity.prefetch.arena import StagingArena
+    from tiers.arena import Arena
     from tiers.host_alloc import HostAllocator
 
-    arena = StagingArena(HostAllocator(pin="never"), 4 * 4096)
+    arena = Arena(HostAllocator(pin="never").empty, 4 * 4096)
     fresh = FreshShards(arena)
     group = SimpleNamespace(index=0, name="g", shard_numel=2048, shard_nbytes=8192)
     fresh.offer(group, 0, torch.ones(1024))            # half of the shard: still filling

@@ -1,7 +1,7 @@
 """The trace state machine, divergence detection and re-recording; the staging arena; the log line."""
 import pytest
 
-from infinity.prefetch.arena import StagingArena
+from tiers.arena import Arena
 from infinity.telemetry import summary_line
 from infinity.prefetch.trace import Divergence, Trace, TraceEntry, TraceMode, TraceStateError
 from tiers.host_alloc import HostAllocator
@@ -155,7 +155,7 @@ def test_next_use_distances():
 
 # -- the staging arena ---------------------------------------------------------------------------
 def _arena(nbytes):
-    return StagingArena(HostAllocator(pin="never"), nbytes)
+    return Arena(HostAllocator(pin="never").empty, nbytes)
 
 
 def test_arena_slices_are_aligned_and_bounded():
