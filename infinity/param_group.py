@@ -21,11 +21,11 @@ check the state they start from and raise ``ParamStateError`` naming the group.
 Autograd keeps what forward saved for backward, and that is often a view of a
 parameter (``F.linear`` saves ``weight.t()``), which would keep the whole gathered
 tensor alive from forward to backward: the whole model, in memory. So each group
-owns one flat tensor for its lifetime, and releasing resizes that tensor's
-*storage* to zero bytes; gathering resizes it back and fills it in place, through
-``.data`` so that autograd's version counters (checked when saved tensors are
-unpacked) do not see the refill as an in-place edit. Saved views then read the
-refilled bytes in backward, after the module's pre-backward hook gathered it again.
+owns one flat tensor for its lifetime, and releasing takes the memory away from
+that tensor's *storage* (zero bytes left); gathering gives it memory again and
+fills it in place. Saved views then read the refilled bytes in backward, after the
+module's pre-backward hook gathered it again. Where the memory comes from is
+[Note: lending memory to a group] in infinity/runtime/gather_memory.py.
 """
 from __future__ import annotations
 
@@ -105,6 +105,9 @@ class ParamGroup:
         self.flat_offset = 0
         self.full: torch.Tensor | None = None
         self.pending = None
+        # Lends the gathered tensor its memory (infinity.runtime.gather_memory.GatherMemory);
+        # set by the coordinator that owns the group.
+        self.memory = None
         self._flat: torch.Tensor | None = None
 
     @property
@@ -127,14 +130,17 @@ class ParamGroup:
         start = self.rank * self.shard_numel
         return flat[start:start + self.shard_numel]
 
-    def flat_buffer(self) -> torch.Tensor:
-        """The group's gathered flat tensor, its storage (re)allocated; fill it through ``.data``."""
-        if self._flat is None:
-            self._flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-        else:
-            storage = self._flat.untyped_storage()
-            if storage.nbytes() < self.full_nbytes:
-                storage.resize_(self.full_nbytes)
+    def flat_buffer(self, source: torch.Tensor | None = None) -> torch.Tensor:
+        """The group's gathered flat tensor, with memory behind it; fill it through ``.data``.
+
+        ``source``: the group's whole shard in the compute device's memory, to be used as the
+        gathered tensor's memory itself (one rank, the device tier: no copy).
+        """
+        if self.memory is None:   # a group no coordinator owns (tests): plain memory of its own
+            if self._flat is None:
+                self._flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+            return self._flat
+        self._flat = self.memory.attach(self._flat, self.padded_numel, self.dtype, f"gathered {self.name}", source)
         return self._flat
 
     # -- transitions -------------------------------------------------------------------------
@@ -165,7 +171,7 @@ class ParamGroup:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for slot in self.slots:
             slot.param.data = empty
-        if self.full is self._flat and self._flat is not None:
-            self._flat.untyped_storage().resize_(0)
+        if self.full is self._flat and self._flat is not None and self.memory is not None:
+            self.memory.detach(self._flat)
         self.full = None
         self.state = ParamState.NOT_AVAILABLE

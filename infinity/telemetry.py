@@ -96,6 +96,8 @@ class StepTelemetry:
 
     # -- boundaries --------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
+        if step == 0:
+            self.engine.datapath.ledger.discard()   # construction's traffic is no step's
         self.step = step
         self._reset_counts()
         self._fetch0 = self._fetch_counters()
@@ -107,6 +109,7 @@ class StepTelemetry:
         if self.step is None:
             return None
         record = self._record(extra or {})
+        self.engine.datapath.ledger.close_step()
         self.step = None
         self.last = record
         records = self.engine.step_stats

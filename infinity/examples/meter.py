@@ -192,10 +192,14 @@ class StepMeter:
         fb = self._t1 - self._t0
         stall = min(max(stall, 0.0), fb)
         steps = (after or {}).get("steps") or []
+        # The kernel books the peak lazily (per-thread page counters are folded in batches), so
+        # read just after the current size it can trail it by a few pages: the peak is at least that.
+        rss = rss_bytes()
+        peak = max(peak_rss_bytes(), rss)
         record = StepRecord(
             step=len(self.records) + 1, loss=float(loss), tokens=int(tokens), seconds=t2 - self._t0,
             compute_seconds=fb - stall, stall_seconds=stall, optimizer_seconds=t2 - self._t1,
-            rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes(), peak_rss_forward_backward_bytes=self._peak_fb,
+            rss_bytes=rss, peak_rss_bytes=peak, peak_rss_forward_backward_bytes=self._peak_fb,
             tier_bytes={k: v[2] for k, v in c1.items()},
             tier_peak_bytes={k: v[3] for k, v in c1.items()},
             io_read_bytes=_delta(c0, c1, "nvme", 0),

@@ -62,7 +62,7 @@ class _OffloadAdam(torch.optim.Optimizer):
             names.setdefault(id(p), name)
         self._ranges = UpdateRanges(groups, self.store.layout, params)
         self._param_steps = ParamSteps(slots, self.store.layout, names, self._name)
-        self._checks = GradientChecks(self.store, engine.reducer, engine.ranks, slots)
+        self._checks = GradientChecks(self.store, engine.reducer, engine.ranks, slots, engine.datapath)
         update = UpdatePass(self.store, engine.coordinator, self._ranges, engine.device)
         self._updates = UpdateScheduler(engine, update, self._ranges.trainable, self._name)
         engine.attach_optimizer(self, self._updates)
@@ -91,20 +91,25 @@ class _OffloadAdam(torch.optim.Optimizer):
         engine.recover_aborted_backward()
         if engine.backward_running:
             raise EngineError(f"{self._name}.step() called while a backward pass is still running")
-        if not self.store.has_grad:
-            raise EngineError(f"{self._name}.step() called before backward(): there are no gradients "
-                              "to apply (call loss.backward() first)")
-        self._calls += 1
-        self._updates.begin_step()
-        nonfinite, with_grad = self._checks.exchange()
-        if nonfinite:
-            self._skip()
-            return None
-        delayed = self._updates.delays(self.step_count)
-        if delayed:
-            self._updates.publish_finished()
-        self.step_count += 1
-        self._updates.run(self._job(delayed, with_grad))
+        engine.datapath.set_phase("step")
+        try:
+            engine.reducer.settle()     # shards still on their way to the host are added now
+            if not self.store.has_grad:
+                raise EngineError(f"{self._name}.step() called before backward(): there are no gradients "
+                                  "to apply (call loss.backward() first)")
+            self._calls += 1
+            self._updates.begin_step()
+            nonfinite, with_grad = self._checks.exchange()
+            if nonfinite:
+                self._skip()
+                return None
+            delayed = self._updates.delays(self.step_count)
+            if delayed:
+                self._updates.publish_finished()
+            self.step_count += 1
+            self._updates.run(self._job(delayed, with_grad))
+        finally:
+            engine.datapath.set_phase("idle")
         return None
 
     def _job(self, delayed: bool, with_grad: set[int]) -> StepJob:
@@ -137,6 +142,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         Does not wait for a background step: that step reads its own gradient buffer.
         """
         self.engine.recover_aborted_backward()
+        self.engine.reducer.settle()
         self.store.zero_grad()
         self._checks.reset()
 

@@ -1,14 +1,14 @@
 """What ``opt.step()`` checks of the gradients before an update: inf/NaN, which arrived, the global norm.
 
 [Note: skipped steps]
-When any rank saw a non-finite gradient (``GradReducer.take_nonfinite``, e.g. an fp16
-overflow), ``step()`` skips the update as ``torch.cuda.amp.GradScaler`` does: the
+When any rank saw a non-finite gradient (the running norm of ``GradientBook`` is inf or
+NaN, e.g. after an fp16 overflow), ``step()`` skips the update as ``torch.cuda.amp.GradScaler`` does: the
 step count does not advance, the gradient is dropped, ``skipped_steps`` counts it and
 a ``RuntimeWarning`` names the step. With DPU the update still pending from the
 previous step is published as usual.
 
-What the room may touch: the state store's gradient bookkeeping (read only), the
-reducer's non-finite flag, and the ranks' all-reduces.
+What the room may touch: the gradient book (read only), the state store's accumulated
+gradients (to recompute a norm), the ranks' all-reduces and the data path's host reads.
 """
 from __future__ import annotations
 
@@ -25,35 +25,39 @@ class GradientChecks:
     store:
         The optimizer state store (which parameters' gradients arrived, the squared norm).
     reducer:
-        The gradient reducer (``infinity.runtime.grads.GradReducer``): its non-finite flag.
+        The gradient reducer (``infinity.runtime.grads.GradReducer``): its book of arrivals and norm.
     ranks:
         The data-parallel ranks, for the all-reduces.
     slots:
         ``(group, slot)`` of every parameter in the optimizer, in group order.
+    datapath:
+        Reads the results on the host (each a counted host wait, in the step).
     """
 
-    def __init__(self, store, reducer, ranks, slots) -> None:
+    def __init__(self, store, reducer, ranks, slots, datapath) -> None:
+        self.datapath = datapath
         self.store = store
         self.reducer = reducer
         self.ranks = ranks
         self.slots = slots
+        self.positions = reducer.positions([s.param for _, s in slots])
         self.clip_coef: float | None = None
 
     def exchange(self) -> tuple[bool, set[int]]:
         """Whether any rank's gradient of this step has an inf/NaN (the flag is consumed), and the
         ids of the parameters whose gradient arrived on any rank: one all-reduce."""
-        local = self.store.param_grads
-        flags = torch.tensor([1.0 if self.reducer.take_nonfinite() else 0.0]
-                             + [1.0 if id(s.param) in local else 0.0 for _, s in self.slots])
+        flags = self.reducer.book.flags(self.positions)
         self.ranks.all_reduce_max(flags)
-        had = flags[1:].tolist()
-        return bool(flags[0].item()), {id(s.param) for (_, s), f in zip(self.slots, had) if f}
+        values = self.datapath.values(flags)
+        return bool(values[0]), {id(s.param) for (_, s), f in zip(self.slots, values[1:]) if f}
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The global L2 norm of this step's gradients; the update scales them to ``max_norm``."""
-        norm_sq = torch.tensor([self.store.grad_norm_sq()], dtype=torch.float64)
+        book = self.reducer.book
+        norm_sq = book.norm_sq if book.exact else self.store.grad_norm_sq()
+        norm_sq = norm_sq.reshape(1).to(self.datapath.device, copy=True)
         self.ranks.all_reduce_sum(norm_sq)
-        total = math.sqrt(float(norm_sq))
+        total = math.sqrt(self.datapath.scalar(norm_sq))
         coef = max_norm / (total + 1e-6)
         self.clip_coef = coef if coef < 1.0 else None
         return torch.tensor(total)
@@ -64,6 +68,8 @@ class GradientChecks:
         return coef
 
     def reset(self) -> None:
-        """Gradients were dropped (``zero_grad`` or a skipped step): forget the flag and the coefficient."""
-        self.reducer.take_nonfinite()
+        """Gradients were dropped (``zero_grad`` or a skipped step): forget the coefficient.
+
+        (The arrivals and the norm are reset with the accumulator, by ``store.zero_grad``.)
+        """
         self.clip_coef = None

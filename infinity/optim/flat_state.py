@@ -38,6 +38,18 @@ _F32 = 4
 _MAX_PENDING_BYTES = 64 * 2**20
 
 
+class _Unbooked:
+    """The tier's own reads and writes, for a store used without an engine's data path."""
+
+    @staticmethod
+    def read(tier, key: int, dst: torch.Tensor, offset: int = 0, into: str = "host"):
+        return tier.read(key, dst, offset)
+
+    @staticmethod
+    def write(tier, key: int, src: torch.Tensor, offset: int = 0, source: str = "host"):
+        return tier.write(key, src, offset)
+
+
 @dataclass(frozen=True)
 class Piece:
     """A run of elements shared by one group's shard and one sub-group."""
@@ -101,10 +113,15 @@ class OptimizerStateStore:
         The flat layout.
     allocator:
         ``tiers.HostAllocator`` for the NVMe streaming buffers.
+    datapath:
+        Moves and books the tier transfers (``infinity.runtime.datapath.DataPath``); None:
+        the tier's own reads and writes, unbooked (tests of the store alone).
     """
 
-    def __init__(self, tier, layout: FlatLayout, allocator=None, *, defer_states: bool = False) -> None:
+    def __init__(self, tier, layout: FlatLayout, allocator=None, *, defer_states: bool = False,
+                 datapath=None) -> None:
         self.tier = tier
+        self.io = datapath if datapath is not None else _Unbooked()
         self.layout = layout
         self.in_place = hasattr(tier, "view")
         # Where gradient shards must arrive: the tier's device for in-place tiers, else the host.
@@ -112,11 +129,9 @@ class OptimizerStateStore:
         self.keys = {"master": self._allocate("master")}
         self.moments_initialized = False
         self.grad_written: set[int] = set()
-        # ids of the parameters whose gradient arrived on this rank since zero_grad (torch's
-        # ".grad is not None"): the optimizer updates only those (see [Note: parameters without
-        # a gradient] in infinity/optim/ranges.py).
-        self.param_grads: set[int] = set()
-        self.grad_norm_sq_cache: float | None = 0.0
+        # What arrived since zero_grad, and the running norm (``GradientBook``, kept on the compute
+        # device by the gradient reducer); zero_grad resets it with the accumulator.
+        self.book = None
         self._pending_writes: list = []
         self._buffers = None
         if not self.in_place:
@@ -169,7 +184,7 @@ class OptimizerStateStore:
             elif state == "grad" and group_index not in self.grad_written:
                 dst.zero_()
             else:
-                self.tier.read(self.keys[state][piece.sub_index], dst,
+                self.io.read(self.tier, self.keys[state][piece.sub_index], dst,
                                offset=piece.sub_offset * _F32).wait()
         return out
 
@@ -180,10 +195,10 @@ class OptimizerStateStore:
             self.moments_initialized = True
         self.flush()
 
-    def _write(self, where, src: torch.Tensor) -> None:
+    def _write(self, where, src: torch.Tensor):
         state, piece = where
         src = src.contiguous()
-        fut = self.tier.write(self.keys[state][piece.sub_index], src, offset=piece.sub_offset * _F32)
+        fut = self.io.write(self.tier, self.keys[state][piece.sub_index], src, offset=piece.sub_offset * _F32)
         self._pending_writes.append((fut, src))
         # Gradient shards arrive throughout backward: keep only unfinished writes (and
         # their source tensors) referenced, and at most _MAX_PENDING_BYTES of them.
@@ -192,6 +207,7 @@ class OptimizerStateStore:
             f, _ = pending.pop(0)
             f.wait()
         self._pending_writes = pending
+        return fut
 
     def flush(self) -> None:
         """Wait for every write this store issued."""
@@ -200,53 +216,58 @@ class OptimizerStateStore:
             fut.wait()
 
     # -- gradients ------------------------------------------------------------------------------
-    def accumulate_grad(self, group_index: int, shard_grad: torch.Tensor,
-                        norm_sq: float | None = None) -> None:
-        """Add one group's reduce-scattered fp32 gradient shard to the accumulator.
+    def accumulate_grad(self, group_index: int, shard_grad: torch.Tensor) -> list:
+        """Add one group's reduce-scattered gradient shard (any float dtype) to the fp32 accumulator.
 
-        ``norm_sq``, when the caller has it, is the shard's squared L2 norm (for clipping).
+        Returns the futures of the writes still reading ``shard_grad`` (NVMe): the caller keeps
+        it unchanged until they are done.
         """
         first = group_index not in self.grad_written
+        futures = []
         for piece in self.layout.pieces_of_group[group_index]:
             src = shard_grad[piece.group_offset:piece.group_offset + piece.numel]
             if self.in_place:
                 dst = self.view("grad", piece.sub_index)[piece.sub_offset:piece.sub_offset + piece.numel]
                 dst.copy_(src) if first else dst.add_(src)
             elif first:
-                self._write(("grad", piece), src)
+                futures.append(self._write(("grad", piece), src.float()))
             else:
                 self.flush()  # this group's earlier writes must land before read-add-write
                 old = torch.empty(piece.numel, dtype=torch.float32)
-                self.tier.read(self.keys["grad"][piece.sub_index], old,
-                               offset=piece.sub_offset * _F32).wait()
+                self.io.read(self.tier, self.keys["grad"][piece.sub_index], old,
+                             offset=piece.sub_offset * _F32).wait()
                 self._write(("grad", piece), old.add_(src))
-        if self.grad_norm_sq_cache is not None:
-            if first:
-                if norm_sq is None:
-                    norm_sq = float(torch.dot(shard_grad.float(), shard_grad.float()))
-                self.grad_norm_sq_cache += norm_sq
-            else:
-                self.grad_norm_sq_cache = None
         self.grad_written.add(group_index)
+        return futures
+
+    def direct_grad(self, group_index: int, dtype: torch.dtype) -> list | None:
+        """Where a group's first fp32 gradient shard can be written straight into the accumulator:
+        ``[(shard offset, numel, accumulator view)]`` per piece, or None (it must go through
+        ``accumulate_grad``: not in host or device memory, another dtype, or a second micro-batch).
+        The caller fills the views; the group counts as written from here on."""
+        if not self.in_place or dtype != torch.float32 or group_index in self.grad_written:
+            return None
+        self.grad_written.add(group_index)
+        return [(piece.group_offset, piece.numel,
+                 self.view("grad", piece.sub_index)[piece.sub_offset:piece.sub_offset + piece.numel])
+                for piece in self.layout.pieces_of_group[group_index]]
 
     def zero_grad(self) -> None:
         self.flush()
         self.grad_written.clear()
-        self.param_grads.clear()
-        self.grad_norm_sq_cache = 0.0
+        if self.book is not None:
+            self.book.reset()
 
     @property
     def has_grad(self) -> bool:
         return bool(self.grad_written)
 
-    def grad_norm_sq(self) -> float:
-        """Sum of squares of this rank's gradient shard (a read pass only when accumulation hid it)."""
-        if self.grad_norm_sq_cache is not None:
-            return self.grad_norm_sq_cache
-        total = 0.0
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Sum of squares of this rank's accumulated gradient shard, in float64 (a pass over the
+        stored sum: for when accumulating micro-batches hid it from the running norm)."""
+        total = torch.zeros((), dtype=torch.float64)
         for gi in sorted(self.grad_written):
-            total += float(self.read_state_shard("grad", gi).double().pow(2).sum())
-        self.grad_norm_sq_cache = total
+            total += self.read_state_shard("grad", gi).double().pow(2).sum()
         return total
 
     def swap_grad_keys(self, keys: list[int]) -> tuple[int, ...]:
@@ -291,7 +312,7 @@ class OptimizerStateStore:
             fut.wait()
 
     def _streamed(self, grad_keys, changed: Sequence[bool]):
-        tier, layout, bufs = self.tier, self.layout, self._buffers
+        tier, io, layout, bufs = self.tier, self.io, self.layout, self._buffers
         moments_known = self.moments_initialized
         subs = [sub for sub, c in enumerate(changed) if c or not moments_known]
         reads: list[list] = [[], []]
@@ -312,7 +333,7 @@ class OptimizerStateStore:
                     continue
                 else:
                     key = grad_keys[sub] if s == "grad" else self.keys[s][sub]
-                    reads[slot].append(tier.read(key, buf))
+                    reads[slot].append(io.read(tier, key, buf))
 
         try:
             if subs:
@@ -327,7 +348,7 @@ class OptimizerStateStore:
                 st = {s: bufs[slot][s][:numel] for s in STATES}
                 yield sub, st, writes[slot]
                 for s in ("master", *MOMENTS):
-                    writes[slot].append((tier.write(self.keys[s][sub], st[s]), st[s]))
+                    writes[slot].append((io.write(tier, self.keys[s][sub], st[s]), st[s]))
         except BaseException:
             wait_quietly([f for slot in reads for f in slot] + [f for slot in writes for f, _ in slot])
             raise

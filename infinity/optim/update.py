@@ -79,6 +79,8 @@ class UpdatePass:
     def __init__(self, store, coordinator, ranges: UpdateRanges, device) -> None:
         self.store, self.ranges, self.device = store, ranges, device
         self.groups, self.shards = coordinator.groups, coordinator.shards
+        # Where the states (and so the new compute copies) are: the optimizer tier's memory.
+        self.states_on = "device" if store.tier.kind == "device" else "host"
         # Told ``sub_done(sub, futures)`` after each sub-group of an overlapped job (the
         # ``BackgroundUpdate`` running it), so the next forward may fetch its groups.
         self.progress = None
@@ -145,6 +147,7 @@ class UpdatePass:
                 continue
             values = master[a:b].to(dtype)
             fut = self.shards.write_updated(self.groups[piece.group_index], key, values,
-                                            piece.group_offset + a - piece.sub_offset, offer_fresh=job.overlapped)
+                                            piece.group_offset + a - piece.sub_offset, source=self.states_on,
+                                            offer_fresh=job.overlapped)
             if not fut.done():
                 writes.append((fut, values))

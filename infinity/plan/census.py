@@ -46,11 +46,15 @@ class CensusGroup:
     trainable : bool
         Whether the group's parameters require grad (only trainable groups carry gradients,
         and in the plan, fp32 master and Adam states).
+    uses : int
+        How many modules hold the group's parameters (2 for a weight tied between an
+        embedding and an output head): each gathers it in forward.
     """
 
     name: str
     param_numels: tuple[int, ...]
     trainable: bool = True
+    uses: int = 1
 
     def __post_init__(self) -> None:
         if not self.param_numels or any(n <= 0 for n in self.param_numels):
@@ -197,6 +201,10 @@ def census_of_module(
     """
     seen: set[int] = set()
     groups: list[CensusGroup] = []
+    holders: dict[int, int] = {}
+    for module in model.modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            holders[id(param)] = holders.get(id(param), 0) + 1
     for name, module in model.named_modules():
         qualified = name or ROOT_NAME
         direct = []
@@ -219,7 +227,7 @@ def census_of_module(
         if tile_count > 1:
             groups.extend(_tile_groups(qualified, module, direct, tile_count))
         else:
-            groups.extend(_split_by_trainable(qualified, direct))
+            groups.extend(_split_by_trainable(qualified, direct, holders))
     return ModelCensus(source=source or type(model).__name__, groups=tuple(groups))
 
 
@@ -264,15 +272,17 @@ def _tile_groups(
         )
         for i in range(tile_count)
     ]
-    groups.extend(_split_by_trainable(name, [p for p in direct if p is not weight]))
+    groups.extend(_split_by_trainable(name, [p for p in direct if p is not weight], {}))
     return groups
 
 
-def _split_by_trainable(name: str, params: list[nn.Parameter]) -> list[CensusGroup]:
+def _split_by_trainable(name: str, params: list[nn.Parameter], holders: dict[int, int]) -> list[CensusGroup]:
     """One group of the trainable parameters and one of the frozen ones (either may be absent)."""
     groups = []
     for trainable in (True, False):
-        chosen = [p.numel() for p in params if p.requires_grad == trainable]
+        chosen = [p for p in params if p.requires_grad == trainable]
         if chosen:
-            groups.append(CensusGroup(name=name, param_numels=tuple(chosen), trainable=trainable))
+            uses = max(holders.get(id(p), 1) for p in chosen)
+            groups.append(CensusGroup(name=name, param_numels=tuple(p.numel() for p in chosen),
+                                      trainable=trainable, uses=uses))
     return groups

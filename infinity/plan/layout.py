@@ -20,12 +20,27 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   next is read). A sub-group is ``partition.sub_group_size`` elements rounded up to the shard
   alignment, but never more than the rank's whole shard (``infinity/optim/flat_state.py``).
 * when params are on NVMe: aligned host staging buffers demand reads land in (3 buffers of the
-  largest shard, at most ``tiers.pool_buffer_size`` each, ``infinity/runtime/engine.py``, [Note: staging buffers]) and, when prefetching, the
-  arena reads issued ahead land in (``prefetch.nvme_bytes``, ``infinity/prefetch/arena.py``).
+  largest shard, ``infinity/runtime/shards.py``, [Note: staging buffers]) and, when prefetching, the
+  arena reads issued ahead land in (``prefetch.nvme_bytes``, ``tiers/arena.py``).
+* gradient shards on their way from the compute device to the fp32 accumulator, in host
+  memory: two buffers of the largest trainable shard in the compute dtype, unless the states
+  are on the compute device or fp32 shards go straight into a host accumulator
+  (``infinity/runtime/grads.py``, [Note: gradient flow]).
 * on the compute device: the largest group gathered whole (its padded flat buffer, compute
-  dtype); in backward the largest trainable group's flat fp32 gradient buffer before its
-  reduce-scatter (``infinity/runtime/grads.py``); ``prefetch.device_bytes`` when prefetching; and groups
+  dtype); in backward the largest trainable group's flat gradient bucket (compute dtype)
+  before its reduce-scatter; ``prefetch.device_bytes`` when prefetching; and groups
   below ``partition.persistence_threshold`` elements, which stay gathered on every rank.
+
+[Note: PCIe traffic per step]
+Between the compute device and host memory, per rank and step (one micro-batch, steady state,
+``prefetch.reuse_distance`` 0): every group's shard is copied to the device in forward (once per
+module holding it: twice for a tied weight) and again in backward, in the compute dtype, when the
+parameters are not on the device (persistent groups once: they are re-gathered after the update
+only); each trainable group's gradient shard leaves
+the device once, in the compute dtype, when the optimizer's states are not on it; and the
+update's new compute copies cross once more when the parameters and the states are on different
+sides. The all-gather and the reduce-scatter run between devices and are not counted here. The
+engine's ledger (``infinity.stats(model)["transfers"]``) counts the same bytes.
 
 [Note: padding]
 Each group's flat buffer is padded so that every rank's shard is a whole multiple of
@@ -36,7 +51,8 @@ rank type) and nothing has to divide the world size. NVMe slots are whole 4096-b
 
 [Note: NVMe traffic per step]
 shared/DESIGN.md, one micro-batch per step, steady state: compute copies are read in forward and
-again in backward (persistent groups once: they are re-gathered after the update only); gradients
+again in backward (persistent groups once: they are re-gathered after the update only; a group
+held by several modules, a tied weight, is read once per holder in forward); gradients
 are written as they are reduce-scattered; one pass over the optimizer's sub-groups reads master,
 m, v and gradient and writes master, m, v and the new compute copy (frozen groups are not
 rewritten). With the overlapped step (``dpu.overlap`` without DPU, params on NVMe, prefetching
@@ -97,11 +113,13 @@ class Layout:
         self.persistent_padded_numel = 0
         self.compute_nvme = 0  # compute-copy bytes as stored on NVMe (block aligned)
         self.read_nvme = 0  # compute-copy bytes read per step (forward + backward)
+        self.gathered_numel = 0  # shard elements gathered per step (forward + backward; persistent once)
         self.rewrite_nvme = 0  # compute-copy bytes of trainable groups, rewritten by the update
         self.largest_shard = 0
         self.largest_name: str | None = None
         self.largest_numel: int | None = None
         self.largest_trainable_numel = 0
+        self.largest_trainable_shard = 0
         for group in census.groups:
             shard = shard_numel(group.numel, world_size)
             padded = shard * world_size
@@ -109,7 +127,9 @@ class Layout:
             persistent = threshold > 0 and group.numel < threshold
             self.shard_numel += shard
             self.compute_nvme += on_disk
-            self.read_nvme += on_disk if persistent else 2 * on_disk
+            fetches = 1 if persistent else group.uses + 1    # each use in forward, once in backward
+            self.read_nvme += fetches * on_disk
+            self.gathered_numel += fetches * shard
             self.largest_shard = max(self.largest_shard, shard)
             if persistent:
                 self.persistent_padded_numel += padded
@@ -117,10 +137,21 @@ class Layout:
                 self.trainable_numel += shard
                 self.rewrite_nvme += on_disk
                 self.largest_trainable_numel = max(self.largest_trainable_numel, padded)
+                self.largest_trainable_shard = max(self.largest_trainable_shard, shard)
             if census.structured and (self.largest_numel is None or padded > self.largest_numel):
                 self.largest_name, self.largest_numel = group.name, padded
         if not census.structured:
             self.largest_trainable_numel = 0
+
+    @property
+    def grad_staging_nbytes(self) -> int:
+        """Host buffers that gradient shards are downloaded into before the fp32 accumulator takes them:
+        none when the states are on the compute device, or fp32 shards go straight into a host accumulator."""
+        if self.opt_tier == "device" or not self.trainable_numel or not self.structured:
+            return 0
+        if self.opt_tier == "host" and self.cfg.precision.dtype == "float32":
+            return 0
+        return 2 * round_up(self.largest_trainable_shard * self.pb, NVME_ALIGN_BYTES)
 
     @property
     def uses_nvme(self) -> bool:
@@ -154,8 +185,7 @@ class Layout:
             yield PlanRow("optimizer_subgroup_buffers", f"optimizer sub-group buffers (2 sets x "
                           f"4 fp32 x {sub:,} elements)", "host", 2 * 4 * FP32_BYTES * sub)
         if self.params_tier == "nvme" and self.structured:
-            size = min(round_up(self.largest_shard * pb, NVME_ALIGN_BYTES),
-                       int(cfg.tiers.pool_buffer_size))
+            size = round_up(self.largest_shard * pb, NVME_ALIGN_BYTES)
             yield PlanRow("nvme_staging", f"NVMe demand-read staging ({STAGING_BUFFERS} x "
                           f"{size / 2**20:.3g} MiB)", "host", STAGING_BUFFERS * size)
         if self.params_tier == "nvme" and (cfg.prefetch.enabled or not self.structured):
@@ -167,8 +197,11 @@ class Layout:
                           self.largest_numel * pb)
         if self.largest_trainable_numel:
             yield PlanRow("working_set_grad", f"largest gradient buffer before reduce-scatter "
-                          f"({self.largest_trainable_numel:,} elements, fp32)", "device",
-                          self.largest_trainable_numel * FP32_BYTES)
+                          f"({self.largest_trainable_numel:,} elements, {dtype})", "device",
+                          self.largest_trainable_numel * pb)
+        if self.grad_staging_nbytes:
+            yield PlanRow("grad_staging", f"gradient shards downloaded to the host (2 x the largest, "
+                          f"{dtype})", "host", self.grad_staging_nbytes)
         if cfg.prefetch.enabled:
             yield PlanRow("device_prefetch", "host->device prefetch budget", "device",
                           int(cfg.prefetch.device_bytes))
@@ -176,6 +209,21 @@ class Layout:
             yield PlanRow("persistent_params", f"groups below persistence_threshold, kept "
                           f"gathered ({self.persistent_padded_numel:,} elements)", "device",
                           self.persistent_padded_numel * pb)
+
+    def host_to_device_bytes(self) -> int:
+        """Bytes one rank copies from host memory to the compute device per step (see [Note: PCIe
+        traffic per step])."""
+        total = 0 if self.params_tier == "device" else self.pb * self.gathered_numel
+        if self.params_tier == "device" and self.opt_tier != "device":
+            total += self.pb * self.trainable_numel     # the update's new compute copies
+        return total
+
+    def device_to_host_bytes(self) -> int:
+        """Bytes one rank copies from the compute device to host memory per step."""
+        total = 0 if self.opt_tier == "device" else self.pb * self.trainable_numel   # gradient shards
+        if self.opt_tier == "device" and self.params_tier != "device":
+            total += self.pb * self.trainable_numel     # the update's new compute copies
+        return total
 
     def nvme_read_bytes(self) -> int:
         """Bytes one rank reads from NVMe per step (see [Note: NVMe traffic per step])."""

@@ -45,6 +45,7 @@ NEED_LABELS = {
     "prefetch_arena": "NVMe read-ahead arena",
     "working_set": "largest gathered group",
     "working_set_grad": "its gradient buffer",
+    "grad_staging": "gradient downloads",
     "device_prefetch": "device prefetch",
     "persistent_params": "persistent params",
 }
@@ -147,6 +148,9 @@ class Plan:
         Every purpose bytes are held for, per rank.
     nvme_read_bytes, nvme_write_bytes : int
         NVMe traffic of one step, per rank.
+    host_to_device_bytes, device_to_host_bytes : int
+        Traffic between host memory and the compute device in one step, per rank
+        (see [Note: PCIe traffic per step] in infinity/plan/layout.py).
     bandwidth : Bandwidth or None
         For the step-time bound.
     fit : FitCheck or None
@@ -160,6 +164,8 @@ class Plan:
     rows: tuple[PlanRow, ...]
     nvme_read_bytes: int
     nvme_write_bytes: int
+    host_to_device_bytes: int = 0
+    device_to_host_bytes: int = 0
     bandwidth: Bandwidth | None = None
     fit: FitCheck | None = field(default=None, compare=False)
 
@@ -273,6 +279,8 @@ class Plan:
             "tier_bytes": {tier: self.tier_bytes(tier) for tier in TIERS},
             "nvme_read_bytes_per_step": self.nvme_read_bytes,
             "nvme_write_bytes_per_step": self.nvme_write_bytes,
+            "host_to_device_bytes_per_step": self.host_to_device_bytes,
+            "device_to_host_bytes_per_step": self.device_to_host_bytes,
             "bandwidth": None if self.bandwidth is None else self.bandwidth.to_dict(),
             "step_time_lower_bound_s": self.step_time_lower_bound_s,
             "fit": None
@@ -376,6 +384,8 @@ def plan(
         rows=tuple(layout.rows()),
         nvme_read_bytes=layout.nvme_read_bytes(),
         nvme_write_bytes=layout.nvme_write_bytes(),
+        host_to_device_bytes=layout.host_to_device_bytes(),
+        device_to_host_bytes=layout.device_to_host_bytes(),
         bandwidth=bandwidth,
     )
     if not check_fit:

@@ -48,6 +48,10 @@ def render_plan(plan) -> str:
         f"NVMe traffic per step, per rank: read {format_gib(plan.nvme_read_bytes)} GiB, "
         f"write {format_gib(plan.nvme_write_bytes)} GiB"
     )
+    lines.append(
+        f"Host<->device traffic per step, per rank: to the device {format_gib(plan.host_to_device_bytes)} GiB, "
+        f"to the host {format_gib(plan.device_to_host_bytes)} GiB"
+    )
     lines.append(_step_time_line(plan))
     if plan.fit is not None:
         lines.append(_fit_line(plan))

@@ -6,7 +6,9 @@ construction intercepted, each module partitioned as it is built), ``constructio
 ``tier_set`` (the tiers one rank uses), ``shards`` (each rank's shards in the parameter
 tier, the only door to it), ``engine`` (the lifecycle the hooks delegate to), ``hooks``
 (every hook, installed in one place), ``coordinator`` (the one owner of a group's
-availability: fetch, gather, release), ``foreign`` (parameters used by a module
+availability: fetch, gather, release), ``gather_memory`` (the reused device memory
+gathered groups borrow), ``datapath`` (every host<->device copy, tier transfer and host
+wait, and the ledger of each step), ``foreign`` (parameters used by a module
 that does not own them), ``grads`` (gradients reduce-scattered into the optimizer's
 flat space), ``gathered`` (``infinity.gathered``), ``device`` and ``ranks`` (the compute
 device and the data-parallel ranks).

@@ -22,10 +22,12 @@ from torch import nn
 from infinity.errors import EngineError
 from infinity.optim.flat_state import FlatLayout, OptimizerStateStore
 from infinity.param_group import ParamGroup, ParamState
+from tiers.arena import Arena
+from tiers.host_alloc import trim_c_heap
 
 # Plan rows (infinity/plan/layout.py) that ``Partitioner.finish`` has yet to allocate.
 _NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_subgroup_buffers",
-                                "nvme_staging", "prefetch_arena"})
+                                "nvme_staging", "prefetch_arena", "grad_staging"})
 
 
 class Partitioner:
@@ -43,15 +45,21 @@ class Partitioner:
         self.ranks = engine.ranks
         self.tiers = engine.tiers
         self._master_keys: dict[ParamGroup, int] = {}
+        # Host memory for the flat values of the module being partitioned, reused module after
+        # module: construction allocates nothing per module beyond what the model's own code does
+        # (else the C allocator's heap grows with every module built). Freed with the partitioner.
+        self._scratch = Arena(engine.tiers.allocator.empty, None, 1 << 20, name="partition-scratch")
 
     # -- while modules are built -----------------------------------------------------------------
     def partition_module(self, module: nn.Module) -> None:
         """Shard every parameter under ``module`` not yet managed, one group per owning module."""
+        partitioned = False
         for owner in module.modules():
             fresh = [(n, p) for n, p in owner.named_parameters(recurse=False)
                      if p not in self.coordinator.group_of and p.device.type != "meta"]
             if not fresh:
                 continue
+            partitioned = True
             for trainable in (True, False):
                 chosen = [(n, p) for n, p in fresh if p.requires_grad == trainable]
                 if chosen:
@@ -59,17 +67,38 @@ class Partitioner:
             if self.engine.device.is_cuda:
                 for name, buf in owner.named_buffers(recurse=False):
                     setattr(owner, name, buf.to(self.engine.device.device))
+        if partitioned:
+            trim_c_heap()   # the module's own tensors just freed (see [Note: the C heap] in tiers/host_alloc.py)
 
     def _partition(self, name: str, params: list[tuple[str, nn.Parameter]]) -> ParamGroup:
-        values = []
-        for _, p in params:
-            v = p.detach().to(device="cpu", dtype=torch.float32).contiguous()
-            self.ranks.broadcast(v, src=0)
-            values.append(v)
-        group, fp32_shard = self.coordinator.partition(name, params, values)
+        group = self.coordinator.new_group(name, params)
+        with self._scratch.take(4 * group.padded_numel, f"partition {name}") as loan:
+            flat = loan.tensor.view(torch.float32)[:group.padded_numel]
+            end = 0
+            for slot in group.slots:
+                end = slot.offset + slot.numel
+                flat[slot.offset:end].copy_(slot.param.detach().reshape(-1))
+            flat[end:].zero_()
+            self._broadcast(flat)                  # every rank keeps rank 0's values
+            self.coordinator.partition(group, flat)
+            shard = group.shard_of(flat)
+            key = self.tiers.optimizer.allocate(4 * group.shard_numel, tag=f"master-init:{name}")
+            self.engine.datapath.write(self.tiers.optimizer, key, shard).wait()
         group.trainable = all(p.requires_grad for _, p in params)
-        self._master_keys[group] = self.tiers.optimizer.put(fp32_shard, tag=f"master-init:{name}")
+        self._master_keys[group] = key
         return group
+
+    def _broadcast(self, flat: torch.Tensor) -> None:
+        """Rank 0's ``flat`` (host memory) to every rank; through the compute device on CUDA (NCCL
+        takes device tensors only)."""
+        if self.ranks.world_size == 1:
+            return
+        if self.engine.device.is_cuda:
+            on_device = flat.to(self.engine.device.device)
+            self.ranks.broadcast(on_device, src=0)
+            flat.copy_(on_device)
+        else:
+            self.ranks.broadcast(flat, src=0)
 
     def materialize(self, group: ParamGroup) -> None:
         """Gather a group's exact fp32 values into its parameters (construction-time edits)."""
@@ -105,14 +134,17 @@ class Partitioner:
             g.persistent = g.numel < threshold
         self._check_budget()
         layout = FlatLayout([g.shard_numel for g in self.coordinator.groups], config.partition.sub_group_size)
-        store = OptimizerStateStore(self.tiers.optimizer, layout, self.tiers.allocator, defer_states=True)
+        store = OptimizerStateStore(self.tiers.optimizer, layout, self.tiers.allocator, defer_states=True,
+                                    datapath=self.engine.datapath)
         for g in self.coordinator.groups:
             key = self._master_keys.pop(g)
-            shard = torch.empty(g.shard_numel, dtype=torch.float32)
-            self.tiers.optimizer.read(key, shard).wait()
-            self.tiers.optimizer.free(key)
-            store.write_master_shard(g.index, shard)
+            with self._scratch.take(4 * g.shard_numel, f"master {g.name}") as loan:
+                shard = loan.tensor.view(torch.float32)[:g.shard_numel]
+                self.engine.datapath.read(self.tiers.optimizer, key, shard).wait()
+                self.tiers.optimizer.free(key)
+                store.write_master_shard(g.index, shard)
         store.allocate_states()
+        self._scratch = None    # its slabs go back to the system
         return store
 
     def _drop_orphans(self, roots: list[nn.Module]) -> None:

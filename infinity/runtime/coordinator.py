@@ -27,18 +27,21 @@ import torch
 from torch import nn
 
 from infinity.param_group import ParamGroup, ParamSlot, ParamState
+from infinity.runtime.gather_memory import GatherMemory
 from infinity.runtime.shards import ParamShards
 from tiers.base import CompletedFuture
 
 
 class _PendingFetch:
-    """A shard read issued to the parameter tier, waiting to be gathered."""
+    """A shard on its way to the compute device: where it is (``source``, in host or device memory),
+    the read that fills it (NVMe), and how to give its host buffer back once copied."""
 
-    __slots__ = ("future", "staging", "release_staging", "issued_at")
+    __slots__ = ("future", "source", "source_on", "release_staging", "issued_at")
 
-    def __init__(self, future, staging, release_staging) -> None:
+    def __init__(self, future, source: torch.Tensor, source_on: str, release_staging) -> None:
         self.future = future
-        self.staging = staging
+        self.source = source
+        self.source_on = source_on
         self.release_staging = release_staging
         self.issued_at = time.perf_counter()
 
@@ -91,9 +94,14 @@ class Coordinator:
 
     def __init__(self, shards: ParamShards, ranks, device) -> None:
         self.shards = shards
+        self.datapath = shards.datapath
         self.ranks = ranks
         self.device = device
         self.dtype = shards.dtype
+        self.memory = GatherMemory(device.device)
+        # World size 1 and shards in the compute device's own memory: a gathered group is its
+        # stored shard itself, lent to the group's tensor (no copy; see [Note: lending memory to a group]).
+        self.in_place = ranks.world_size == 1 and shards.kind == "device" and self.memory.lending
         self.groups: list[ParamGroup] = []
         self.group_of: dict[nn.Parameter, ParamGroup] = {}
         self.module_groups: dict[nn.Module, list[ParamGroup]] = {}
@@ -104,29 +112,25 @@ class Coordinator:
         self.prefetcher = None
 
     # -- partitioning --------------------------------------------------------------------------
-    def partition(self, name: str, params: list[tuple[str, nn.Parameter]],
-                  full_fp32: list[torch.Tensor]) -> tuple[ParamGroup, torch.Tensor]:
-        """Create the group for ``params`` whose full values are ``full_fp32``; keep this rank's shard.
-
-        The caller has made the values identical on every rank (broadcast from rank 0).
-        Returns the group, NOT_AVAILABLE, with parameters pointing at empty placeholders,
-        and this rank's fp32 shard (the initial master weights, for the optimizer's tier).
-        """
+    def new_group(self, name: str, params: list[tuple[str, nn.Parameter]]) -> ParamGroup:
+        """The group ``params`` will form (its layout); nothing is stored yet (``partition`` does)."""
         slots, offset = [], 0
         for pname, p in params:
             slots.append(ParamSlot(p, pname, p.shape, p.numel(), offset))
             offset += p.numel()
         group = ParamGroup(len(self.groups), name, slots, self.dtype, self.device.device,
                            self.ranks.world_size, self.ranks.rank)
-        flat32 = torch.zeros(group.padded_numel, dtype=torch.float32)
-        for slot, t in zip(slots, full_fp32):
-            flat32[slot.offset:slot.offset + slot.numel].copy_(t.reshape(-1))
-        self.shards.put(group, group.shard_of(flat32).to(self.dtype).contiguous())
+        group.memory = self.memory
+        return group
+
+    def partition(self, group: ParamGroup, flat: torch.Tensor) -> None:
+        """Keep this rank's shard of ``flat`` (the group's padded values, the same on every rank) in the
+        parameter tier; the group joins the others, NOT_AVAILABLE, its parameters empty placeholders."""
+        self.shards.put(group, group.shard_of(flat))
         self.groups.append(group)
-        for slot in slots:
+        for slot in group.slots:
             self.group_of[slot.param] = group
             slot.param.data = torch.empty(0, dtype=self.dtype, device=self.device.device)
-        return group, group.shard_of(flat32).clone()
 
     # -- fetching ----------------------------------------------------------------------------
     def start_fetch(self, group: ParamGroup, prefetch: bool = False, staging=None) -> bool:
@@ -138,7 +142,7 @@ class Coordinator:
 
         ``staging``: an aligned host buffer with ``.tensor`` (uint8) and ``.release()`` to read
         into instead of one from the staging pool; the prefetcher passes slices of its own
-        arena (see [Note: why prefetched reads have their own staging] in infinity/prefetch/arena.py).
+        arena (see [Note: why prefetched reads have their own staging] in infinity/prefetch/prefetcher.py).
         It is released when the fetch completes (or at once when this call issues nothing).
         """
         if group.state is not ParamState.NOT_AVAILABLE:
@@ -159,9 +163,18 @@ class Coordinator:
             if staging is not None:
                 staging.release()
             shard = fresh.tensor[:group.shard_nbytes].view(self.dtype)
-            group.to_inflight(_PendingFetch(CompletedFuture(group.shard_nbytes), shard, fresh.release))
+            group.to_inflight(_PendingFetch(CompletedFuture(group.shard_nbytes), shard, "host", fresh.release))
             group.prefetched = prefetch
             self.stats.fresh_shards += 1
+            return True
+        if shards.kind != "nvme":
+            # In memory already: the host->device copy (or the device-local one) happens at the gather.
+            if staging is not None:
+                staging.release()
+            source_on = "device" if shards.kind == "device" else "host"
+            group.to_inflight(_PendingFetch(CompletedFuture(group.shard_nbytes), shards.stored(group), source_on,
+                                            None))
+            group.prefetched = prefetch
             return True
         if staging is not None:
             staging, release = staging.tensor[:group.shard_nbytes].view(self.dtype), staging.release
@@ -173,7 +186,7 @@ class Coordinator:
             if release is not None:
                 release()
             raise
-        group.to_inflight(_PendingFetch(future, staging, release))
+        group.to_inflight(_PendingFetch(future, staging, "host", release))
         group.prefetched = prefetch
         self.stats.bytes_read_from_tier += group.shard_nbytes
         return True
@@ -188,24 +201,29 @@ class Coordinator:
             self.stats.prefetch_hits += 1
         pending = group.pending
         t0 = time.perf_counter()
-        pending.future.wait()
+        pending.future.wait()      # the NVMe read, if any (I/O, not a wait for the device)
         self.stats.read_wait_seconds += time.perf_counter() - t0
-        full = group.flat_buffer()
-        if self.device.is_cuda:
-            with self.device.copy_stream():
-                shard = pending.staging.to(self.device.device, non_blocking=True)
-            self.device.wait_for(self.device.record_copy_done())
+        if self.in_place:
+            full = group.flat_buffer(pending.source)
         else:
-            shard = pending.staging
-        self.ranks.all_gather(full.data, shard)
-        if pending.release_staging is not None:
-            if self.device.is_cuda:
-                self.device.synchronize()
-            pending.release_staging()
+            full = group.flat_buffer()
+            self._fill(group, full.data, pending)
         self.stats.stall_seconds += time.perf_counter() - t0
         self.stats.fetches += 1
         self.stats.bytes_gathered += group.full_nbytes
         group.to_available(full)
+
+    def _fill(self, group: ParamGroup, full: torch.Tensor, pending: _PendingFetch) -> None:
+        """This rank's shard into its slice of ``full`` (host->device, or device-local), then the all-gather."""
+        mine = group.shard_of(full)
+        if pending.source_on == "host":
+            done = self.datapath.upload(mine, pending.source, after=self.memory.reuse_event)
+            self.datapath.use(done)
+            if pending.release_staging is not None:
+                self.datapath.when_done(done, pending.release_staging)
+        else:
+            mine.copy_(pending.source)
+        self.ranks.all_gather(full, mine)
 
     def gather(self, groups) -> None:
         """Make ``groups`` AVAILABLE: issue every read first, then wait in order."""

@@ -8,8 +8,6 @@ found from the model through the registry.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import time
 import weakref
 
@@ -23,6 +21,7 @@ from infinity.optim.flat_state import OptimizerStateStore
 from infinity.param_group import ParamGroup
 from infinity.prefetch import Prefetcher
 from infinity.runtime.coordinator import Coordinator
+from infinity.runtime.datapath import DataPath
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
 from infinity.runtime.grads import GradReducer
@@ -30,26 +29,11 @@ from infinity.runtime.hooks import install_hooks
 from infinity.runtime.ranks import Ranks
 from infinity.runtime.shards import DemandStaging, ParamShards
 from infinity.runtime.tier_set import TierSet
+from tiers.host_alloc import trim_c_heap
 
-
-def _return_freed_memory_to_the_os() -> None:
-    """[Note: glibc mmap threshold]
-    glibc serves large allocations with mmap, but after such a block is freed it
-    raises its mmap threshold to that block's size, so later blocks of the same size
-    come from the heap, whose free space is rarely given back to the OS. The engine
-    allocates and frees module-sized blocks all the time (gathered groups, gradient
-    buffers), so without this the resident set creeps up towards the model size.
-    Fixing the threshold at 1 MiB turns that dynamic adjustment off: every block of a
-    MiB or more is mapped on allocation and unmapped on free.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to tune
-
-
-_M_MMAP_THRESHOLD = -3
+# With the CPU as compute device, the C heap's free bytes above which a backward's end gives them
+# back (see [Note: the C heap] in tiers/host_alloc.py).
+_HEAP_SLACK = 256 << 20
 
 
 class Engine:
@@ -64,17 +48,18 @@ class Engine:
     """
 
     def __init__(self, config: Config, group=None) -> None:
-        _return_freed_memory_to_the_os()
         self.config = config
         self.ranks = Ranks(group)
         self.device = ComputeDevice(config.tiers.device)
         self.dtype = config.precision.torch_dtype
         self.tiers = TierSet(config, self.device, self.ranks.rank)
+        self.datapath = DataPath(self.device, self.tiers.allocator)
         staging = None
         if config.tiers.params == "nvme":
-            staging = DemandStaging(self.tiers.allocator, config.tiers.pool_buffer_size, self._largest_shard_nbytes)
-        self.coordinator = Coordinator(ParamShards(self.tiers.params, self.dtype, staging), self.ranks, self.device)
-        self.reducer = GradReducer(self.coordinator, self.ranks)
+            staging = DemandStaging(self.tiers.allocator, self._largest_shard_nbytes)
+        shards = ParamShards(self.tiers.params, self.dtype, self.datapath, staging)
+        self.coordinator = Coordinator(shards, self.ranks, self.device)
+        self.reducer = GradReducer(self.coordinator, self.ranks, self.datapath, self.tiers.allocator)
         self.store: OptimizerStateStore | None = None
         self.roots: list[nn.Module] = []
         self.hooks = []
@@ -138,6 +123,8 @@ class Engine:
         if not self._stack:
             self.recover_aborted_backward()
             self._begin_forward(module)
+            if not self._backward_active:      # a forward inside backward recomputes for it
+                self.datapath.set_phase("forward")
         self._stack.append(module)
         self.coordinator.acquire(module)
 
@@ -149,6 +136,8 @@ class Engine:
             self._watch_backward(module, output)
         if not self._stack:
             self._foreign.stop()
+            if not self._backward_active:
+                self.datapath.set_phase("idle")
             if self.prefetcher is not None:
                 self.prefetcher.end_forward()
 
@@ -188,6 +177,7 @@ class Engine:
     def _enter_backward(self) -> None:
         if not self._backward_active:
             self._backward_active = True
+            self.datapath.set_phase("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self.prefetcher is not None:
                 self.prefetcher.begin_backward()
@@ -224,6 +214,9 @@ class Engine:
         self.reducer.finish_backward()
         self.coordinator.end_backward()
         self._backward_active = False
+        self.datapath.set_phase("idle")
+        if not self.device.is_cuda:
+            trim_c_heap(_HEAP_SLACK)
         if self.prefetcher is not None:
             self.prefetcher.end_backward()
 
@@ -253,4 +246,6 @@ class Engine:
             "steps": list(self.step_stats),
             "prefetch": self.prefetcher.stats() if self.prefetcher is not None else None,
             "gathered_bytes_now": self.coordinator.available_nbytes(),
+            "transfers": self.datapath.ledger.last,
+            "gather_memory": self.coordinator.memory.stats(),
         }

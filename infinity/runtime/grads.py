@@ -1,25 +1,96 @@
-"""Gradients: collected per group as autograd produces them, reduce-scattered, accumulated.
+"""Gradients: collected per group as autograd produces them, reduce-scattered, sent to the optimizer's space.
 
 [Note: gradient flow]
-Each managed parameter has a post-accumulate-grad hook. When autograd has the
-whole gradient of a parameter (all its uses summed), the hook copies it into its
-group's flat fp32 buffer on the compute device and drops ``param.grad``. When the
-last gradient-requiring parameter of a group has arrived, the flat buffer is
-reduce-scattered (averaged over ranks) into this rank's shard, which goes to the
-optimizer's tier and is added to the fp32 accumulator there; the gathered
-parameters of the group are released at the same moment, since autograd will not
-touch them again in this backward. Groups whose parameters received no gradient in
-a pass (unused branches) are flushed by a callback queued at the end of backward,
-so the collectives are issued in the same order on every rank.
+When autograd has the whole gradient of a parameter (all its uses summed), it is
+copied into its group's flat bucket on the compute device, in the compute dtype, and
+``param.grad`` is dropped. When the last gradient-requiring parameter of a group has
+arrived, the bucket is reduce-scattered (averaged over ranks, in place) and this
+rank's shard leaves the device: downloaded, still in the compute dtype, into host
+memory of the tiers' allocator (pinned on a GPU) on the data path's device->host
+stream, where the host adds it into the fp32 accumulator of the optimizer's flat
+space. When the states live on the compute device (the device tier) the shard is
+added there and nothing moves. Each shard's squared L2 norm (for clipping and the
+non-finite check) is added up on the device, so backward never waits for the device;
+the host reads it once, in ``opt.step()``. The gathered parameters of the group are
+released at once, since autograd will not touch them again in this backward.
+
+On a GPU the host-side addition waits for its download: shards downloaded during
+backward are added once their copies are done, checked without blocking at each
+later group and all of them, waiting if need be, when the step (or anything else that
+reads the gradients) asks (``settle``). On the CPU a download is done at once.
+
+Groups whose parameters received no gradient in a pass (unused branches) are flushed
+by a callback queued at the end of backward, so the collectives are issued in the
+same order on every rank.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from infinity.param_group import ParamGroup
+from tiers.arena import Arena
+
+
+class GradientBook:
+    """What arrived since ``zero_grad``, kept on the compute device: no host wait to update it.
+
+    ``arrived[1 + k]`` is 1.0 once the gradient of the k-th parameter (in group and slot
+    order) arrived on this rank (torch's ``.grad is not None``; see [Note: parameters without
+    a gradient] in infinity/optim/ranges.py); ``arrived[0]`` is left for the non-finite flag
+    of the step's single all-reduce. ``norm_sq`` is the running sum of the shards' squared
+    norms, in float64 (exact per shard, as the fp32 dot products are); ``exact`` turns False
+    when a group received gradients twice (accumulation), where only the stored sum knows
+    the norm.
+    """
+
+    def __init__(self, nparams: int, device: torch.device) -> None:
+        self.arrived = torch.zeros(1 + nparams, dtype=torch.float32, device=device)
+        self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
+        self.exact = True
+
+    def reset(self) -> None:
+        self.arrived.zero_()
+        self.norm_sq.zero_()
+        self.exact = True
+
+    def flags(self, positions: torch.Tensor) -> torch.Tensor:
+        """The non-finite flag, then whether each parameter at ``positions`` had a gradient (device)."""
+        out = self.arrived[positions]
+        out[0] = (~torch.isfinite(self.norm_sq)).float()
+        return out
+
+
+class _Landed:
+    """Tier writes as an event: done when all are (the host buffer they read may then be reused).
+
+    Waiting for it waits for I/O, not for the device: the data path does not count it.
+    """
+
+    __slots__ = ("futures",)
+    on_device = False
+
+    def __init__(self, futures) -> None:
+        self.futures = futures
+
+    def query(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def synchronize(self) -> None:
+        for f in self.futures:
+            f.wait()
+
+
+class _Bucket:
+    """One group's gradients on their way: the device bucket, what arrived, the host copy once sent."""
+
+    __slots__ = ("memory", "flat", "arrived", "slots_in")
+
+    def __init__(self, memory, flat: torch.Tensor) -> None:
+        self.memory = memory
+        self.flat = flat
+        self.arrived = 0
+        self.slots_in: set[int] = set()
 
 
 class GradReducer:
@@ -31,19 +102,29 @@ class GradReducer:
         Owner of the groups (infinity.runtime.coordinator.Coordinator).
     ranks:
         The data-parallel ranks.
+    datapath:
+        Moves the shards to the host and books them (``infinity.runtime.datapath.DataPath``).
+    allocator:
+        Host memory for the downloaded shards (``tiers.HostAllocator``).
 
     The optimizer state store, which accumulates the shards, is attached once it exists.
     """
 
-    def __init__(self, coordinator, ranks) -> None:
+    def __init__(self, coordinator, ranks, datapath, allocator) -> None:
         self.coordinator = coordinator
         self.ranks = ranks
+        self.datapath = datapath
         self.store = None
-        self._buffers: dict[ParamGroup, torch.Tensor] = {}
-        self._arrived: dict[ParamGroup, int] = {}
-        self._slot_of: dict[nn.Parameter, object] = {}
+        self.device = coordinator.device.device
+        self.device_buckets = coordinator.memory.arena
+        self.allocator = allocator
+        self.host_buckets: Arena | None = None
+        self._buckets: dict[ParamGroup, _Bucket] = {}
+        self._slot_of: dict[nn.Parameter, tuple[int, object]] = {}
+        self._position: dict[nn.Parameter, int] = {}
         self._expected: dict[ParamGroup, int] = {}
-        self.nonfinite = False
+        self._sent: list[tuple] = []      # (group index, host loan, event, numel, dtype) waiting to be added
+        self.book: GradientBook | None = None
 
     def attach(self, store) -> None:
         """The groups are final and ``store`` accumulates their gradients from now on."""
@@ -51,49 +132,103 @@ class GradReducer:
         self._slot_of.clear()
         self._expected.clear()
         for g in self.coordinator.groups:
-            for slot in g.slots:
-                self._slot_of[slot.param] = slot
+            for i, slot in enumerate(g.slots):
+                self._slot_of[slot.param] = (i, slot)
+                self._position[slot.param] = 1 + len(self._position)
             self._expected[g] = sum(1 for s in g.slots if s.param.requires_grad)
+        self.book = store.book = GradientBook(len(self._position), self.device)
+        # Two buffers of the largest trainable shard (infinity-plan's "grad_staging" row); made at first use.
+        largest = max((-(-g.shard_nbytes // 4096) * 4096 for g in self.coordinator.groups if self._expected[g]),
+                      default=4096)
+        self.host_buckets = Arena(self.allocator.empty, 2 * largest, name="gradient-host")
 
+    def positions(self, params) -> torch.Tensor:
+        """Where ``params``' arrival flags are in ``book.arrived``, after the flag slot 0 (a device index)."""
+        return torch.tensor([0] + [self._position[p] for p in params], dtype=torch.long, device=self.device)
+
+    # -- arriving gradients ------------------------------------------------------------------------
     def on_grad(self, param: nn.Parameter) -> None:
-        """The whole gradient of ``param`` is in ``param.grad``: move it into its group."""
+        """The whole gradient of ``param`` is in ``param.grad``: move it into its group's bucket."""
+        self.datapath.per_parameter_call()
         group = self.coordinator.group_of[param]
-        slot = self._slot_of[param]
-        buf = self._buffers.get(group)
-        if buf is None:
-            buf = torch.zeros(group.padded_numel, dtype=torch.float32, device=group.device)
-            self._buffers[group] = buf
-        buf[slot.offset:slot.offset + slot.numel].copy_(param.grad.reshape(-1))
+        index, slot = self._slot_of[param]
+        bucket = self._buckets.get(group)
+        if bucket is None:
+            loan = self.device_buckets.take(group.full_nbytes, f"gradients {group.name}")
+            bucket = self._buckets[group] = _Bucket(loan, loan.tensor.view(group.dtype)[:group.padded_numel])
+        bucket.flat[slot.offset:slot.offset + slot.numel].copy_(param.grad.reshape(-1))
         param.grad = None
-        self.store.param_grads.add(id(param))
-        self._arrived[group] = self._arrived.get(group, 0) + 1
-        if self._arrived[group] >= self._expected[group]:
+        self.book.arrived[self._position[param]] = 1.0
+        bucket.arrived += 1
+        bucket.slots_in.add(index)
+        if bucket.arrived >= self._expected[group]:
             self._reduce(group)
 
     def _reduce(self, group: ParamGroup) -> None:
-        full = self._buffers.pop(group)
-        self._arrived.pop(group, None)
-        shard = torch.empty(group.shard_numel, dtype=torch.float32, device=full.device)
-        self.ranks.reduce_scatter_mean(shard, full)
-        del full
+        bucket = self._buckets.pop(group)
+        flat = bucket.flat
+        # The bucket is reused memory: what no gradient wrote (padding, parameters without one) is zero.
+        end = 0
+        for i, slot in enumerate(group.slots):
+            if i not in bucket.slots_in:
+                flat[slot.offset:slot.offset + slot.numel].zero_()
+            end = slot.offset + slot.numel
+        flat[end:].zero_()
+        shard = group.shard_of(flat)
+        self.ranks.reduce_scatter_mean(shard, flat)
         # One fp32 dot product gives both the shard's squared norm (for clipping) and the
         # non-finite check: it is inf or nan exactly when some element is (barring an
-        # overflow past 3e38, which is no gradient to apply either).
-        norm_sq = float(torch.dot(shard, shard))
-        if not math.isfinite(norm_sq):
-            self.nonfinite = True
-        self.store.accumulate_grad(group.index, shard.to(self.store.device), norm_sq=norm_sq)
+        # overflow past 3e38, which is no gradient to apply either). It stays on the device.
+        self.book.norm_sq += torch.dot(shard.float(), shard.float())
+        if group.index in self.store.grad_written or any(s[0] == group.index for s in self._sent):
+            self.book.exact = False     # a second micro-batch: the norm of the sum is not the sum of norms
+        self._send(group, shard, bucket.memory)
         self.coordinator.backward_done(group)
+
+    def _send(self, group: ParamGroup, shard: torch.Tensor, device_memory) -> None:
+        """The shard to the optimizer's accumulator: in place on the device, or downloaded to the host."""
+        store = self.store
+        if store.tier.kind == "device":
+            store.accumulate_grad(group.index, shard)
+            self.coordinator.memory.give_back(device_memory)   # the addition may still be queued
+            return
+        direct = store.direct_grad(group.index, shard.dtype)
+        if direct is not None:     # fp32 into a host accumulator: no staging on the host
+            for offset, numel, target in direct:
+                done = self.datapath.download(target, shard[offset:offset + numel])
+            self.datapath.when_done(done, device_memory.release)
+            self._sent.append((group.index, None, done, 0, None))
+            return
+        host = self.host_buckets.take(group.shard_nbytes, f"gradients {group.name}")
+        if host is None:            # both buffers still in use: let their copies and writes finish
+            self.settle()
+            host = self.host_buckets.take(group.shard_nbytes, f"gradients {group.name}")
+        done = self.datapath.download(host.tensor.view(group.dtype)[:group.shard_numel], shard)
+        self.datapath.when_done(done, device_memory.release)
+        self._sent.append((group.index, host, done, group.shard_numel, group.dtype))
+        self.settle(wait=False)
+
+    def settle(self, wait: bool = True) -> None:
+        """Add the downloaded shards whose copies are done into the store (all of them, with ``wait``)."""
+        left = []
+        for index, host, done, numel, dtype in self._sent:
+            if not done.query():
+                if not wait:
+                    left.append((index, host, done, numel, dtype))
+                    continue
+                self.datapath.host_wait(done)
+            if host is None:
+                continue    # written in place already
+            writes = self.store.accumulate_grad(index, host.tensor.view(dtype)[:numel])
+            self.datapath.when_done(_Landed(writes), host.release)   # NVMe writes still read it
+        self._sent = left
+        if wait:
+            self.datapath.settle(wait=True)
 
     def finish_backward(self) -> None:
         """End of a backward pass: flush groups with partial gradients, in group order."""
-        for group in sorted(self._buffers, key=lambda g: g.index):
+        for group in sorted(self._buckets, key=lambda g: g.index):
             self._reduce(group)
 
     def pending(self) -> bool:
-        return bool(self._buffers)
-
-    def take_nonfinite(self) -> bool:
-        """Whether a gradient shard reduced since the last call had an inf or NaN; clears the flag."""
-        found, self.nonfinite = self.nonfinite, False
-        return found
+        return bool(self._buckets)

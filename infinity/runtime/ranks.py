@@ -34,16 +34,24 @@ class Ranks:
         return f"Ranks(rank={self.rank}, world_size={self.world_size}, backend={self.backend})"
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """Fill ``full`` (world_size x shard numel) with every rank's ``shard``, in rank order."""
+        """Fill ``full`` (world_size x shard numel) with every rank's ``shard``, in rank order.
+
+        ``shard`` may be this rank's slice of ``full`` itself (an in-place all-gather).
+        """
         if self.world_size == 1:
-            full.copy_(shard)
+            if shard.data_ptr() != full.data_ptr():
+                full.copy_(shard)
             return
         dist.all_gather_into_tensor(full, shard, group=self.group)
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        """``shard`` = this rank's slice of the mean of ``full`` over ranks."""
+        """``shard`` = this rank's slice of the mean of ``full`` over ranks.
+
+        ``shard`` may be this rank's slice of ``full`` itself (an in-place reduce-scatter).
+        """
         if self.world_size == 1:
-            shard.copy_(full)
+            if shard.data_ptr() != full.data_ptr():
+                shard.copy_(full)
             return
         dist.reduce_scatter_tensor(shard, full, group=self.group)
         shard.div_(self.world_size)

@@ -10,12 +10,14 @@ the shard yet).
 [Note: staging buffers]
 Direct (O_DIRECT) reads need page-aligned destinations. The demand pool is created at
 the first fetch after construction, with DEMAND_STAGING_BUFFERS buffers as large as
-the largest shard but no larger than ``tiers.pool_buffer_size`` (one being read, one
-being gathered, one spare), and reused for the rest of training: no allocation on the
-hot path. Shards larger than a buffer (a big embedding) are read through the tier's
-own pool into ordinary memory, so these buffers do not grow with the model's width.
-Reads issued ahead by the prefetcher land in their own arena of
-``prefetch.nvme_bytes`` (infinity/prefetch/arena.py).
+the largest shard (one being read, one being gathered, one spare), and reused for the
+rest of training: no allocation on the hot path, whatever the shard. (A pool capped
+below the largest shard sent the larger shards through memory allocated per fetch: a
+C-heap block per fetch that the allocator keeps, so the resident set grew with the
+number of such groups.) A very wide layer makes these buffers large: tile it
+(``[tiling]``), which also bounds the device working set. Reads issued ahead by the
+prefetcher land in their own arena of ``prefetch.nvme_bytes``
+(infinity/prefetch/prefetcher.py).
 
 What the room may touch: the parameter tier and the host allocator; the groups' keys.
 """
@@ -38,15 +40,12 @@ class DemandStaging:
     ----------
     allocator:
         ``tiers.HostAllocator`` (pinned and NUMA-bound as configured).
-    max_buffer_nbytes:
-        ``tiers.pool_buffer_size``: no buffer is larger.
     largest_shard_nbytes:
         Returns the largest shard's size, read at first use, once construction is over.
     """
 
-    def __init__(self, allocator, max_buffer_nbytes: int, largest_shard_nbytes: Callable[[], int]) -> None:
+    def __init__(self, allocator, largest_shard_nbytes: Callable[[], int]) -> None:
         self.allocator = allocator
-        self.max_buffer_nbytes = max_buffer_nbytes
         self.largest_shard_nbytes = largest_shard_nbytes
         self._pool = None
 
@@ -59,8 +58,8 @@ class DemandStaging:
         if self._pool is None:
             from tiers.pool import BufferPool
 
-            size = min(self.largest_shard_nbytes(), self.max_buffer_nbytes)
-            self._pool = BufferPool(size, DEMAND_STAGING_BUFFERS, self.allocator, name="param-staging")
+            self._pool = BufferPool(self.largest_shard_nbytes(), DEMAND_STAGING_BUFFERS, self.allocator,
+                                    name="param-staging")
         if nbytes > self._pool.buffer_nbytes:
             return None
         return self._pool.try_acquire(owner=owner)
@@ -78,13 +77,16 @@ class ParamShards:
         The parameter tier (``tiers.params``).
     dtype:
         The compute dtype, in which shards are stored.
+    datapath:
+        Moves and books every byte (``infinity.runtime.datapath.DataPath``).
     staging:
         A :class:`DemandStaging` for direct NVMe reads, or None (in-memory tiers).
     """
 
-    def __init__(self, tier, dtype: torch.dtype, staging: DemandStaging | None = None) -> None:
+    def __init__(self, tier, dtype: torch.dtype, datapath, staging: DemandStaging | None = None) -> None:
         self.tier = tier
         self.dtype = dtype
+        self.datapath = datapath
         self.staging = staging
         # The overlapped optimizer step still rewriting shards (infinity.optim.background.BackgroundUpdate),
         # or None, and the shards it has just rewritten, in host memory (see [Note: fresh shards]).
@@ -92,9 +94,16 @@ class ParamShards:
         self.fresh: FreshShards | None = None
 
     # -- whole shards ------------------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        """Where the shards live: "device", "host" or "nvme"."""
+        return self.tier.kind
+
     def put(self, group: ParamGroup, shard: torch.Tensor) -> None:
-        """Store the group's first shard (partitioning)."""
-        group.param_key = self.tier.put(shard, tag=f"param:{group.name}")
+        """Store the group's first shard (partitioning; ``shard`` is in host memory, any float dtype)."""
+        group.param_key = self.tier.allocate(group.shard_nbytes, tag=f"param:{group.name}")
+        src = shard if shard.dtype == self.dtype else shard.to(self.dtype)
+        self.datapath.write(self.tier, group.param_key, src).wait()
 
     def free(self, group: ParamGroup) -> None:
         self.tier.free(group.param_key)
@@ -104,11 +113,15 @@ class ParamShards:
         if self.fresh is not None:
             self.fresh.discard(group)
         src = values if values.dtype == self.dtype else values.to(self.dtype)
-        return self.tier.write(group.param_key, src.contiguous(), offset=offset_numel * src.element_size())
+        return self.datapath.write(self.tier, group.param_key, src.contiguous(), offset_numel * src.element_size())
 
     def read(self, group: ParamGroup, into: torch.Tensor):
-        """Start reading the group's shard into ``into`` (compute dtype, ``shard_numel`` long)."""
-        return self.tier.read(group.param_key, into)
+        """Start reading the group's shard into host memory ``into`` (compute dtype, ``shard_numel`` long)."""
+        return self.datapath.read(self.tier, group.param_key, into)
+
+    def stored(self, group: ParamGroup) -> torch.Tensor:
+        """The group's stored shard itself (in-memory tiers: host or device memory; aliases it, no copy)."""
+        return self.tier.view(group.param_key)[:group.shard_nbytes].view(self.dtype)
 
     def staging_buffer(self, group: ParamGroup) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """Where a demand read of the group lands, and how to give it back (None: nothing to give)."""
@@ -116,8 +129,8 @@ class ParamShards:
             buf = self.staging.try_acquire(group.shard_nbytes, owner=f"param:{group.name}")
             if buf is not None:
                 return buf.tensor[:group.shard_nbytes].view(self.dtype), buf.release
-        # Without a free buffer, read into ordinary memory: the tier streams it through its own
-        # pool, at the cost of one copy.
+        # All three lent (reads issued ahead of the one waited for): ordinary memory, this once.
+        # The data path counts the copy from it as unpooled.
         return torch.empty(group.shard_numel, dtype=self.dtype), None
 
     # -- what the optimizer's update writes ------------------------------------------------------
@@ -140,13 +153,15 @@ class ParamShards:
         return self.update_gate.wait_ready(group)
 
     def write_updated(self, group: ParamGroup, key: int, values: torch.Tensor, offset_numel: int,
-                      offer_fresh: bool = False):
+                      source: str = "host", offer_fresh: bool = False):
         """Start writing an update's new compute copy ``values`` into ``key`` at an element offset.
 
-        ``key`` is a group's shard key, or DPU's second key of it. Runs on the update's thread;
-        with ``offer_fresh`` the values are also kept in host memory for the group's next fetch.
+        ``key`` is a group's shard key, or DPU's second key of it; ``values`` live on ``source``
+        (where the optimizer's states are: "host", or "device" for a device optimizer tier).
+        Runs on the update's thread; with ``offer_fresh`` the values are also kept in host
+        memory for the group's next fetch.
         """
-        fut = self.tier.write(key, values, offset=offset_numel * values.element_size())
+        fut = self.datapath.write(self.tier, key, values, offset_numel * values.element_size(), source=source)
         if offer_fresh and self.fresh is not None:
             self.fresh.offer(group, offset_numel, values)
         return fut
@@ -177,8 +192,10 @@ class ParamShards:
     def copy(self, group: ParamGroup, tag: str) -> int:
         """A new key holding a copy of the group's shard (DPU's second key)."""
         shard = torch.empty(group.shard_numel, dtype=group.dtype)
-        self.tier.read(group.param_key, shard).wait()
-        return self.tier.put(shard, tag=tag)
+        self.datapath.read(self.tier, group.param_key, shard).wait()
+        key = self.tier.allocate(group.shard_nbytes, tag=tag)
+        self.datapath.write(self.tier, key, shard).wait()
+        return key
 
     def publish(self, group: ParamGroup, key: int) -> int:
         """From now on the group's shard is ``key``; returns the key it replaces (DPU's publishing)."""

@@ -53,12 +53,16 @@ def test_host_params_nvme_optimizer_bf16(tmp_path):
         # The whole shard is smaller than a sub-group: 2 sets x 4 states x fp32 x 20,480.
         "optimizer_subgroup_buffers": ("host", 2 * 4 * 4 * 20_480),
         "working_set": ("device", 2 * 32_768),
-        "working_set_grad": ("device", 4 * 32_768),
+        # fc1's gradient bucket, in bf16 as the gradients are, before its reduce-scatter.
+        "working_set_grad": ("device", 2 * 32_768),
+        # Two host buffers for gradient shards on their way to the fp32 accumulator on NVMe: fc1's
+        # shard is 16,384 bf16 elements, 32 KiB.
+        "grad_staging": ("host", 2 * 2 * 16_384),
         "device_prefetch": ("device", 128 * MiB),
         # norm (600 elements < 1000) stays gathered: 4,096 padded elements in bf16.
         "persistent_params": ("device", 2 * 4_096),
     }
-    assert p.tier_bytes("host") == 40_960 + 8 * 64 * MiB + 655_360
+    assert p.tier_bytes("host") == 40_960 + 8 * 64 * MiB + 655_360 + 65_536
     assert p.tier_bytes("nvme") == 16 * 20_480
     # Optimizer pass: read master, m, v, grad; write grad (backward) + master, m, v.
     assert p.nvme_read_bytes == 16 * 20_480

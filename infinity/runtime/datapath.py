@@ -1,0 +1,242 @@
+"""The data path: every movement of bytes between the compute device, host memory and NVMe, and every
+point where the host waits for the device, with a ledger of each step.
+
+[Note: the data path]
+A step's time should approach the largest of compute, PCIe bytes over the pinned copy
+bandwidth, host Adam, and NVMe bytes over the disk's bandwidth, not their sum. The
+rules that make the overlap possible all live here:
+
+- host <-> device copies run ``non_blocking`` on a copy stream of their direction
+  (``upload`` on the host->device stream, ``download`` on the device->host stream), and
+  the compute stream waits for them through events (``use``), never the host;
+- the host side of such a copy is memory of the tiers' allocator (pinned on a GPU),
+  never pageable: a copy whose host side is not is counted ``unpooled``;
+- a host buffer is given back only once the copy reading or filling it is done
+  (``when_done``), without blocking the host;
+- the host waits for the device only through ``host_wait`` / ``scalar`` / ``values``,
+  each counted for the phase it happens in (forward, backward, step).
+
+On the CPU the same code runs: copies complete at once and events are already done, but
+every copy, its direction and its host side, and every host wait are booked exactly as
+on a GPU. So the ledger reads the same on both, and the tests of these rules run on
+the CPU in every CI run (see [Note: the transfer ledger]).
+
+[Note: the transfer ledger]
+``infinity.stats(model)["transfers"]`` is the ledger of the last complete step:
+``host_to_device``, ``device_to_host``, ``nvme_to_host``, ``host_to_nvme`` (each
+``{"copies": n, "bytes": n}``), ``unpooled`` (host<->device copies whose host side is
+not allocator memory), ``host_waits`` by phase, and ``per_parameter_calls`` (engine
+calls made once per parameter rather than once per group or bucket). Which side of a
+copy is "host" is the role of the memory, not its torch device: on the CPU the
+compute device's buffers (gathered groups, gradient buckets) count as device memory
+and the tiers' host memory as host memory, as they would on a GPU.
+
+What the room may touch: tensors it is handed, tiers' reads and writes, CUDA streams
+and events; it decides nothing about when to move what.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+DIRECTIONS = {("host", "device"): "host_to_device", ("device", "host"): "device_to_host",
+              ("nvme", "host"): "nvme_to_host", ("host", "nvme"): "host_to_nvme"}
+PHASES = ("forward", "backward", "step")
+
+
+class _Done:
+    """The event of work that is complete already (CPU copies)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+DONE = _Done()
+
+
+class TransferLedger:
+    """Counts of one step's movements and host waits (see [Note: the transfer ledger])."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.last: dict | None = None
+        self._current = self._empty()
+
+    @staticmethod
+    def _empty() -> dict:
+        out: dict = {name: {"copies": 0, "bytes": 0} for name in DIRECTIONS.values()}
+        out.update(unpooled=0, host_waits=dict.fromkeys(PHASES, 0), per_parameter_calls=0)
+        return out
+
+    def copy(self, direction: str, nbytes: int, pooled: bool = True) -> None:
+        with self._lock:
+            entry = self._current[direction]
+            entry["copies"] += 1
+            entry["bytes"] += nbytes
+            if not pooled:
+                self._current["unpooled"] += 1
+
+    def host_wait(self, phase: str) -> None:
+        with self._lock:
+            if phase in PHASES:
+                self._current["host_waits"][phase] += 1
+
+    def per_parameter_call(self) -> None:
+        with self._lock:
+            self._current["per_parameter_calls"] += 1
+
+    def close_step(self) -> None:
+        """A step ended: what was counted becomes ``last``, and counting starts again."""
+        with self._lock:
+            self.last, self._current = self._current, self._empty()
+
+    def discard(self) -> None:
+        """Forget what was counted so far (traffic before the first step)."""
+        with self._lock:
+            self._current = self._empty()
+
+    def current(self) -> dict:
+        with self._lock:
+            return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._current.items()}
+
+
+class DataPath:
+    """The one owner of host<->device copies, tier transfers and host waits (see [Note: the data path]).
+
+    Parameters
+    ----------
+    device:
+        The compute device (``infinity.runtime.device.ComputeDevice``).
+    allocator:
+        The tiers' host allocator: host memory it made counts as pooled.
+    """
+
+    def __init__(self, device, allocator) -> None:
+        self.device = device.device
+        self.is_cuda = device.is_cuda
+        self.allocator = allocator
+        self.ledger = TransferLedger()
+        self._local = threading.local()
+        self._deferred: list[tuple[object, Callable[[], None]]] = []
+        self._deferred_lock = threading.Lock()
+        if self.is_cuda:
+            self.h2d = torch.cuda.Stream(self.device)
+            self.d2h = torch.cuda.Stream(self.device)
+
+    # -- phases -------------------------------------------------------------------------------------
+    @property
+    def phase(self) -> str:
+        """What this thread is doing: "forward", "backward", "step" or "idle"."""
+        return getattr(self._local, "phase", "idle")
+
+    def set_phase(self, phase: str) -> None:
+        self._local.phase = phase
+
+    # -- host <-> device -----------------------------------------------------------------------------
+    def upload(self, dst: torch.Tensor, src: torch.Tensor, after=None):
+        """Copy host ``src`` into device ``dst``; returns the event that marks its end.
+
+        ``after``: an event the copy must wait for first (the compute stream's last use of
+        ``dst``'s memory). The compute stream does not wait for the copy until ``use(event)``.
+        """
+        self.ledger.copy("host_to_device", src.numel() * src.element_size(), self.allocator.owns(src))
+        return self._copy(self.h2d if self.is_cuda else None, dst, src, after)
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor):
+        """Copy device ``src`` into host ``dst``, after the compute stream's work so far; returns its event."""
+        self.ledger.copy("device_to_host", src.numel() * src.element_size(), self.allocator.owns(dst))
+        after = None
+        if self.is_cuda:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+        return self._copy(self.d2h if self.is_cuda else None, dst, src, after)
+
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, after):
+        if stream is None:
+            dst.copy_(src)
+            return DONE
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        for tensor in (dst, src):
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
+        return event
+
+    def use(self, event) -> None:
+        """The compute stream waits for ``event`` (a copy's end) before its next work; the host does not."""
+        if self.is_cuda and event is not DONE:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def when_done(self, event, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (give a host buffer back) once ``event`` is done, without blocking the host."""
+        if event is DONE or event.query():
+            callback()
+            return
+        with self._deferred_lock:
+            self._deferred.append((event, callback))
+        self.settle()
+
+    def settle(self, wait: bool = False) -> None:
+        """Run the callbacks whose events are done (all of them, waiting, with ``wait``)."""
+        with self._deferred_lock:
+            pending, self._deferred = self._deferred, []
+        left = []
+        for event, callback in pending:
+            if wait and not event.query():
+                if getattr(event, "on_device", True):
+                    self.host_wait(event)
+                else:
+                    event.synchronize()     # I/O (tier writes), not the device
+            if event.query():
+                callback()
+            else:
+                left.append((event, callback))
+        if left:
+            with self._deferred_lock:
+                self._deferred[:0] = left
+
+    # -- host waits -----------------------------------------------------------------------------------
+    def host_wait(self, event) -> None:
+        """Block the host until ``event`` is done (counted for this thread's phase)."""
+        self.ledger.host_wait(self.phase)
+        event.synchronize()
+
+    def scalar(self, tensor: torch.Tensor) -> float:
+        """``float(tensor)`` of a device scalar: a host wait (counted)."""
+        self.ledger.host_wait(self.phase)
+        return float(tensor)
+
+    def values(self, tensor: torch.Tensor) -> list:
+        """``tensor.tolist()`` of a device tensor: a host wait (counted)."""
+        self.ledger.host_wait(self.phase)
+        return tensor.tolist()
+
+    # -- tiers ------------------------------------------------------------------------------------------
+    def read(self, tier, key: int, dst: torch.Tensor, offset: int = 0, into: str = "host"):
+        """Start ``tier.read`` into ``dst``, which lives on ``into`` ("host" or "device"); booked by direction."""
+        self._book(tier.kind, into, dst)
+        return tier.read(key, dst, offset)
+
+    def write(self, tier, key: int, src: torch.Tensor, offset: int = 0, source: str = "host"):
+        """Start ``tier.write`` of ``src``, which lives on ``source`` ("host" or "device")."""
+        self._book(source, tier.kind, src)
+        return tier.write(key, src, offset)
+
+    def _book(self, src: str, dst: str, tensor: torch.Tensor) -> None:
+        direction = DIRECTIONS.get((src, dst))
+        if direction is not None:
+            host_side = direction in ("host_to_device", "device_to_host")
+            pooled = self.allocator.owns(tensor) if host_side else True
+            self.ledger.copy(direction, tensor.numel() * tensor.element_size(), pooled)
+
+    def per_parameter_call(self) -> None:
+        self.ledger.per_parameter_call()
