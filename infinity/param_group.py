@@ -165,13 +165,23 @@ class ParamGroup:
             slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.state = ParamState.AVAILABLE
 
-    def to_not_available(self) -> None:
-        """Drop the gathered tensor; parameters go back to empty placeholders."""
+    def to_not_available(self, keep_views: bool = False) -> None:
+        """Drop the gathered tensor; parameters go back to empty placeholders.
+
+        With ``keep_views`` the parameters keep their shapes over the now memoryless tensor until
+        ``drop_views``: autograd may still store a gradient for them, and it shapes the gradient
+        after the parameter (see [Note: one gradient hook per group] in infinity/runtime/hooks.py).
+        """
         self._expect(ParamState.AVAILABLE, to="NOT_AVAILABLE")
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        for slot in self.slots:
-            slot.param.data = empty
+        if not keep_views:
+            self.drop_views()
         if self.full is self._flat and self._flat is not None and self.memory is not None:
             self.memory.detach(self._flat)
         self.full = None
         self.state = ParamState.NOT_AVAILABLE
+
+    def drop_views(self) -> None:
+        """Parameters become empty placeholders (a released group, or one released with ``keep_views``)."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for slot in self.slots:
+            slot.param.data = empty

@@ -63,7 +63,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._ranges = UpdateRanges(groups, self.store.layout, params)
         self._param_steps = ParamSteps(slots, self.store.layout, names, self._name)
         self._checks = GradientChecks(self.store, engine.reducer, engine.ranks, slots, engine.datapath)
-        update = UpdatePass(self.store, engine.coordinator, self._ranges, engine.device)
+        update = UpdatePass(self.store, engine.coordinator, self._ranges, engine.device, engine.tiers.allocator)
         self._updates = UpdateScheduler(engine, update, self._ranges.trainable, self._name)
         engine.attach_optimizer(self, self._updates)
 

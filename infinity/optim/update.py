@@ -30,10 +30,13 @@ through ``ParamShards.write_updated``.
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from infinity.optim.job import StepJob
 from infinity.optim.ranges import UpdateRanges
+from tiers.arena import Arena
 from tiers.base import wait_quietly
 
 # See [Note: chunks and parallel regions]. A multiple of ALIGN_NUMEL, so every compute-copy
@@ -74,13 +77,24 @@ class UpdatePass:
         Which elements of each sub-group the optimizer's parameters occupy.
     device:
         The compute device (``infinity.runtime.device.ComputeDevice``).
+    allocator:
+        Host memory for compute copies converted from host master weights (``tiers.HostAllocator``).
     """
 
-    def __init__(self, store, coordinator, ranges: UpdateRanges, device) -> None:
+    def __init__(self, store, coordinator, ranges: UpdateRanges, device, allocator) -> None:
         self.store, self.ranges, self.device = store, ranges, device
         self.groups, self.shards = coordinator.groups, coordinator.shards
         # Where the states (and so the new compute copies) are: the optimizer tier's memory.
         self.states_on = "device" if store.tier.kind == "device" else "host"
+        # A compute copy in another dtype than the fp32 master is converted into this staging
+        # (two sub-groups' worth, reused; infinity-plan's "compute_copy_staging" row), never into
+        # memory allocated per write: on a GPU that would be a pageable host->device copy.
+        self.staging = None
+        if self.states_on == "host" and self.shards.dtype != torch.float32:
+            nbytes = 2 * store.layout.sub_group_size * torch.empty((), dtype=self.shards.dtype).element_size()
+            self.staging = Arena(allocator.empty, nbytes, name="compute-copy-staging")
+        self._staged: collections.deque = collections.deque()    # (write future, loan) not yet given back
+        self._itemsize = torch.empty((), dtype=self.shards.dtype).element_size()
         # Told ``sub_done(sub, futures)`` after each sub-group of an overlapped job (the
         # ``BackgroundUpdate`` running it), so the next forward may fetch its groups.
         self.progress = None
@@ -125,16 +139,19 @@ class UpdatePass:
                 if job.overlapped:
                     # The next forward may fetch this sub-group's groups once their copies have landed.
                     if self.device.is_cuda:   # a device tier's copies ran on this worker's stream
-                        torch.cuda.current_stream(self.device.device).synchronize()
+                        self.shards.datapath.host_wait(torch.cuda.current_stream(self.device.device))
                     self.progress.sub_done(sub, [fut for fut, _ in copies])
                 writes.extend(copies)
                 copies = []
+                self._give_back_staging()
         except BaseException:
             # Wait for what this sub-group issued, then let the pass wait for the rest, before
             # the error travels on: no transfer outlives a failed update.
             wait_quietly(fut for fut, _ in copies)
             passes.close()
+            self._give_back_staging()
             raise
+        self._give_back_staging()
 
     def _write_compute_copies(self, job: StepJob, sub: int, master: torch.Tensor, c0: int, c1: int,
                               writes: list) -> None:
@@ -145,9 +162,40 @@ class UpdatePass:
             a, b = max(piece.sub_offset, c0), min(piece.sub_offset + piece.numel, c1)
             if key is None or a >= b:
                 continue
-            values = master[a:b].to(dtype)
+            loan = None
+            if master.dtype == dtype or self.staging is None:
+                values = master[a:b].to(dtype)     # the master itself (fp32), or on the device
+            else:
+                loan = self._stage((b - a) * self._itemsize)
+                values = loan.tensor.view(dtype)[:b - a]
+                values.copy_(master[a:b])
             fut = self.shards.write_updated(self.groups[piece.group_index], key, values,
                                             piece.group_offset + a - piece.sub_offset, source=self.states_on,
                                             offer_fresh=job.overlapped)
+            if loan is not None:
+                self._staged.append((fut, loan))
             if not fut.done():
                 writes.append((fut, values))
+
+    def _stage(self, nbytes: int):
+        """A slice of the staging, giving back the oldest staged copies once written if it is full."""
+        while True:
+            loan = self.staging.take(nbytes, "compute copy")
+            if loan is not None:
+                return loan
+            if not self._staged:
+                raise RuntimeError(f"compute-copy staging of {self.staging.capacity} bytes cannot hold "
+                                   f"{nbytes} bytes (internal error: it holds two sub-groups)")
+            fut, old = self._staged.popleft()
+            fut.wait()
+            old.release()
+
+    def _give_back_staging(self) -> None:
+        """Every staged compute copy is written (the pass waited for them): give their slices back."""
+        while self._staged:
+            fut, loan = self._staged.popleft()
+            if fut.done():
+                loan.release()
+            else:
+                self._staged.appendleft((fut, loan))
+                return

@@ -22,6 +22,9 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
 * when params are on NVMe: aligned host staging buffers demand reads land in (3 buffers of the
   largest shard, ``infinity/runtime/shards.py``, [Note: staging buffers]) and, when prefetching, the
   arena reads issued ahead land in (``prefetch.nvme_bytes``, ``tiers/arena.py``).
+* with a compute dtype other than fp32 and the states off the device: the update's new compute
+  copies, converted from the fp32 masters into two sub-groups' worth of host staging
+  (``infinity/optim/update.py``).
 * gradient shards on their way from the compute device to the fp32 accumulator, in host
   memory: two buffers of the largest trainable shard in the compute dtype, unless the states
   are on the compute device or fp32 shards go straight into a host accumulator
@@ -199,6 +202,11 @@ class Layout:
             yield PlanRow("working_set_grad", f"largest gradient buffer before reduce-scatter "
                           f"({self.largest_trainable_numel:,} elements, {dtype})", "device",
                           self.largest_trainable_numel * pb)
+        if self.opt_tier != "device" and t and dtype != "float32":
+            sub = min(max(SHARD_ALIGN_NUMEL, round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL)),
+                      max(self.shard_numel, SHARD_ALIGN_NUMEL))
+            yield PlanRow("compute_copy_staging", f"new compute copies converted from the fp32 master "
+                          f"(2 sub-groups x {sub:,} elements, {dtype})", "host", 2 * sub * pb)
         if self.grad_staging_nbytes:
             yield PlanRow("grad_staging", f"gradient shards downloaded to the host (2 x the largest, "
                           f"{dtype})", "host", self.grad_staging_nbytes)

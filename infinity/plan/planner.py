@@ -46,6 +46,7 @@ NEED_LABELS = {
     "working_set": "largest gathered group",
     "working_set_grad": "its gradient buffer",
     "grad_staging": "gradient downloads",
+    "compute_copy_staging": "compute-copy staging",
     "device_prefetch": "device prefetch",
     "persistent_params": "persistent params",
 }

@@ -277,13 +277,17 @@ class Coordinator:
         self.gather(groups)
         self.backward_held.update(groups)
 
-    def backward_done(self, group: ParamGroup) -> None:
-        """Autograd will not touch ``group`` again in this backward: release it."""
+    def backward_done(self, group: ParamGroup, keep_views: bool = False) -> None:
+        """Autograd will not touch ``group``'s values again in this backward: release it.
+
+        ``keep_views``: autograd has yet to store the group's last gradients, shaped after the
+        parameters: they keep their shapes (no memory behind them) until ``ParamGroup.drop_views``.
+        """
         self.backward_held.discard(group)
         if self.in_use.get(group) or group.persistent or group in self.keep:
             return
         if group.state is ParamState.AVAILABLE:
-            group.to_not_available()
+            group.to_not_available(keep_views)
 
     def end_backward(self) -> None:
         self.backward_held.clear()

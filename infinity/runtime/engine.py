@@ -13,7 +13,6 @@ import weakref
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from infinity.config import Config
 from infinity.errors import EngineError
@@ -25,7 +24,7 @@ from infinity.runtime.datapath import DataPath
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
 from infinity.runtime.grads import GradReducer
-from infinity.runtime.hooks import install_hooks
+from infinity.runtime.hooks import install_hooks, watch_backward, watch_group_grads
 from infinity.runtime.ranks import Ranks
 from infinity.runtime.shards import DemandStaging, ParamShards
 from infinity.runtime.tier_set import TierSet
@@ -56,7 +55,8 @@ class Engine:
         self.datapath = DataPath(self.device, self.tiers.allocator)
         staging = None
         if config.tiers.params == "nvme":
-            staging = DemandStaging(self.tiers.allocator, self._largest_shard_nbytes)
+            staging = DemandStaging(self.tiers.allocator,
+                                    lambda: max((g.shard_nbytes for g in self.coordinator.groups), default=4096))
         shards = ParamShards(self.tiers.params, self.dtype, self.datapath, staging)
         self.coordinator = Coordinator(shards, self.ranks, self.device)
         self.reducer = GradReducer(self.coordinator, self.ranks, self.datapath, self.tiers.allocator)
@@ -70,10 +70,8 @@ class Engine:
         self._backward_active = False
         self._step_started = None
         self._foreign = ForeignParamWatch(self.coordinator.group_of, self.on_foreign_use)
+        self._grad_hooks: dict[ParamGroup, object] = {}     # armed for the coming backward
         self.step_stats: list[dict] = []
-
-    def _largest_shard_nbytes(self) -> int:
-        return max((g.shard_nbytes for g in self.coordinator.groups), default=4096)
 
     @property
     def layout(self):
@@ -84,9 +82,8 @@ class Engine:
         """Construction is over: take the state store, install the hooks, start the prefetcher."""
         self.store = store
         self.reducer.attach(store)
-        params = [s.param for g in self.coordinator.groups for s in g.slots]
         for root in roots:
-            self.hooks.append(install_hooks(root, self, params if root is roots[0] else []))
+            self.hooks.append(install_hooks(root, self))
         self.roots = list(roots)
         # The prefetcher also meters every step (infinity.stats "steps"), so it exists even with
         # prefetch.enabled = false; then it only meters, never fetches.
@@ -127,13 +124,14 @@ class Engine:
                 self.datapath.set_phase("forward")
         self._stack.append(module)
         self.coordinator.acquire(module)
+        self._arm(self.coordinator.module_groups.get(module, ()))
 
     def post_forward(self, module: nn.Module, output) -> None:
         self.coordinator.release(module)
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
         if torch.is_grad_enabled():
-            self._watch_backward(module, output)
+            watch_backward(module, output, self.pre_backward)
         if not self._stack:
             self._foreign.stop()
             if not self._backward_active:
@@ -149,6 +147,7 @@ class Engine:
             raise EngineError(f"parameter group {group.name!r} was used outside any module's forward while "
                               "released; wrap the access in `with infinity.gathered(model):`")
         self.coordinator.adopt(module, group)
+        self._arm([group])
 
     def _begin_forward(self, module: nn.Module) -> None:
         self._foreign.start()
@@ -158,21 +157,6 @@ class Engine:
             self._step_started = time.perf_counter()
         if self.prefetcher is not None:
             self.prefetcher.begin_forward(module)
-
-    def _watch_backward(self, module: nn.Module, output) -> None:
-        tensors = [t for t in tree_flatten(output)[0]
-                   if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
-        if not tensors:
-            return
-        fired = [False]
-
-        def on_output_grad(grad):
-            if not fired[0]:
-                fired[0] = True
-                self.pre_backward(module)
-
-        for t in tensors:
-            t.register_hook(on_output_grad)
 
     def _enter_backward(self) -> None:
         if not self._backward_active:
@@ -186,11 +170,21 @@ class Engine:
         self._enter_backward()
         self.coordinator.hold_for_backward(module)
 
-    def on_grad(self, param: nn.Parameter) -> None:
+    def _arm(self, groups) -> None:
+        """Watch the gradients of gathered ``groups`` in the coming backward (see [Note: one gradient
+        hook per group] in infinity/runtime/hooks.py)."""
+        if not torch.is_grad_enabled():
+            return
+        for g in groups:
+            if g not in self._grad_hooks and any(s.param.requires_grad for s in g.slots):
+                self._grad_hooks[g] = watch_group_grads(self, g)
+
+    def on_group_grads(self, group: ParamGroup, params: list, grads) -> None:
+        """Every parameter of ``group`` taking part in this backward has its gradient (``grads``)."""
         self._enter_backward()
         if self._updates is not None:
             self._updates.before_grad()
-        self.reducer.on_grad(param)
+        self.reducer.take(group, params, grads)
 
     def recover_aborted_backward(self) -> None:
         """Close a backward that an exception cut short.
@@ -212,6 +206,9 @@ class Engine:
 
     def _end_backward(self) -> None:
         self.reducer.finish_backward()
+        hooks, self._grad_hooks = self._grad_hooks, {}
+        for handle in hooks.values():
+            handle.remove()
         self.coordinator.end_backward()
         self._backward_active = False
         self.datapath.set_phase("idle")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infinity.param_group import ParamGroup
+from infinity.param_group import ParamGroup, ParamState
 from tiers.arena import Arena
 
 
@@ -81,18 +81,6 @@ class _Landed:
             f.wait()
 
 
-class _Bucket:
-    """One group's gradients on their way: the device bucket, what arrived, the host copy once sent."""
-
-    __slots__ = ("memory", "flat", "arrived", "slots_in")
-
-    def __init__(self, memory, flat: torch.Tensor) -> None:
-        self.memory = memory
-        self.flat = flat
-        self.arrived = 0
-        self.slots_in: set[int] = set()
-
-
 class GradReducer:
     """Turns per-parameter gradients into accumulated fp32 gradient shards.
 
@@ -119,8 +107,9 @@ class GradReducer:
         self.device_buckets = coordinator.memory.arena
         self.allocator = allocator
         self.host_buckets: Arena | None = None
-        self._buckets: dict[ParamGroup, _Bucket] = {}
+        self._stale: list[tuple[ParamGroup, list]] = []     # taken; .grad and the group let go next
         self._slot_of: dict[nn.Parameter, tuple[int, object]] = {}
+        self._group_positions: dict[ParamGroup, torch.Tensor] = {}
         self._position: dict[nn.Parameter, int] = {}
         self._expected: dict[ParamGroup, int] = {}
         self._sent: list[tuple] = []      # (group index, host loan, event, numel, dtype) waiting to be added
@@ -136,6 +125,8 @@ class GradReducer:
                 self._slot_of[slot.param] = (i, slot)
                 self._position[slot.param] = 1 + len(self._position)
             self._expected[g] = sum(1 for s in g.slots if s.param.requires_grad)
+            self._group_positions[g] = torch.tensor([self._position[s.param] for s in g.slots if s.param.requires_grad],
+                                                    dtype=torch.long, device=self.device)
         self.book = store.book = GradientBook(len(self._position), self.device)
         # Two buffers of the largest trainable shard (infinity-plan's "grad_staging" row); made at first use.
         largest = max((-(-g.shard_nbytes // 4096) * 4096 for g in self.coordinator.groups if self._expected[g]),
@@ -147,33 +138,49 @@ class GradReducer:
         return torch.tensor([0] + [self._position[p] for p in params], dtype=torch.long, device=self.device)
 
     # -- arriving gradients ------------------------------------------------------------------------
-    def on_grad(self, param: nn.Parameter) -> None:
-        """The whole gradient of ``param`` is in ``param.grad``: move it into its group's bucket."""
-        self.datapath.per_parameter_call()
-        group = self.coordinator.group_of[param]
-        index, slot = self._slot_of[param]
-        bucket = self._buckets.get(group)
-        if bucket is None:
-            loan = self.device_buckets.take(group.full_nbytes, f"gradients {group.name}")
-            bucket = self._buckets[group] = _Bucket(loan, loan.tensor.view(group.dtype)[:group.padded_numel])
-        bucket.flat[slot.offset:slot.offset + slot.numel].copy_(param.grad.reshape(-1))
-        param.grad = None
-        self.book.arrived[self._position[param]] = 1.0
-        bucket.arrived += 1
-        bucket.slots_in.add(index)
-        if bucket.arrived >= self._expected[group]:
-            self._reduce(group)
+    def take(self, group: ParamGroup, params: list[nn.Parameter], grads) -> None:
+        """Every parameter of ``group`` that takes part in this backward has its whole gradient in
+        ``grads`` (None for the others): bucket them, reduce-scatter, send the shard on its way.
 
-    def _reduce(self, group: ParamGroup) -> None:
-        bucket = self._buckets.pop(group)
-        flat = bucket.flat
-        # The bucket is reused memory: what no gradient wrote (padding, parameters without one) is zero.
-        end = 0
-        for i, slot in enumerate(group.slots):
-            if i not in bucket.slots_in:
-                flat[slot.offset:slot.offset + slot.numel].zero_()
-            end = slot.offset + slot.numel
-        flat[end:].zero_()
+        Called once per group (see [Note: one gradient hook per group] in infinity/runtime/hooks.py),
+        just before autograd stores the last of these gradients in ``.grad``: the group's memory
+        is released at once, but its parameters keep their shapes, and their ``.grad`` are dropped,
+        at the next group or at the end of the backward, once autograd is done with them.
+        """
+        self._let_go()
+        loan = self.device_buckets.take(group.full_nbytes, f"gradients {group.name}")
+        flat = loan.tensor.view(group.dtype)[:group.padded_numel]
+        arrived = 0
+        for param, grad in zip(params, grads):
+            slot = self._slot_of[param][1]
+            part = flat[slot.offset:slot.offset + slot.numel]
+            if grad is None:
+                part.zero_()
+            else:
+                part.copy_(grad.reshape(-1))
+                arrived += 1
+        end = max(slot.offset + slot.numel for slot in group.slots)
+        flat[end:].zero_()      # padding: reused memory, zero as at partitioning
+        if arrived == len(params):
+            self.book.arrived.index_fill_(0, self._group_positions[group], 1.0)
+        else:
+            for param, grad in zip(params, grads):
+                if grad is not None:
+                    self.book.arrived[self._position[param]] = 1.0
+        self._reduce(group, flat, loan)
+        self.coordinator.backward_done(group, keep_views=True)
+        self._stale.append((group, params))
+
+    def _let_go(self) -> None:
+        """Drop the ``.grad`` autograd stored for groups already taken, and their parameters' shapes."""
+        stale, self._stale = self._stale, []
+        for group, params in stale:
+            for param in params:
+                param.grad = None
+            if group.state is ParamState.NOT_AVAILABLE:
+                group.drop_views()
+
+    def _reduce(self, group: ParamGroup, flat: torch.Tensor, memory) -> None:
         shard = group.shard_of(flat)
         self.ranks.reduce_scatter_mean(shard, flat)
         # One fp32 dot product gives both the shard's squared norm (for clipping) and the
@@ -182,8 +189,7 @@ class GradReducer:
         self.book.norm_sq += torch.dot(shard.float(), shard.float())
         if group.index in self.store.grad_written or any(s[0] == group.index for s in self._sent):
             self.book.exact = False     # a second micro-batch: the norm of the sum is not the sum of norms
-        self._send(group, shard, bucket.memory)
-        self.coordinator.backward_done(group)
+        self._send(group, shard, memory)
 
     def _send(self, group: ParamGroup, shard: torch.Tensor, device_memory) -> None:
         """The shard to the optimizer's accumulator: in place on the device, or downloaded to the host."""
@@ -226,9 +232,9 @@ class GradReducer:
             self.datapath.settle(wait=True)
 
     def finish_backward(self) -> None:
-        """End of a backward pass: flush groups with partial gradients, in group order."""
-        for group in sorted(self._buckets, key=lambda g: g.index):
-            self._reduce(group)
+        """End of a backward pass: autograd is done with every group taken."""
+        self._let_go()
 
     def pending(self) -> bool:
-        return bool(self._buckets)
+        """Whether groups taken in this backward are still held for autograd."""
+        return bool(self._stale)

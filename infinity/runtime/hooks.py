@@ -1,19 +1,30 @@
 """Every hook the engine puts on a model, installed in one place.
 
 Hook bodies only delegate to the engine's lifecycle methods (``pre_forward``,
-``post_forward``, ``pre_backward``, ``on_grad``); the returned ``HookHandles``
-removes all of them, restoring the model's hooks exactly.
+``post_forward``, ``pre_backward``, ``on_group_grads``); the returned ``HookHandles``
+removes the module hooks, restoring the model's hooks exactly.
+
+[Note: one gradient hook per group]
+A group's gradients are handed over once per backward, when every parameter of the
+group that takes part in it has its whole gradient (all its uses summed): a multi-grad
+hook over the group's parameters (``torch.autograd.graph.register_multi_grad_hook``,
+mode "all"), armed when a forward gathers the group and removed at the end of the
+backward. So the engine runs once per group, never once per parameter. It is armed
+while the group is gathered because the hook takes the parameters' gradient
+accumulators, whose expected shapes are those of the parameters at that moment.
 """
 from __future__ import annotations
 
 import weakref
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 
-class _GradHook:
-    """The post-accumulate-grad hook of one parameter, holding the engine weakly.
+class GroupGradHook:
+    """Hands a group's gradients to the engine, holding the engine weakly.
 
     [Note: hooks held from C++]
     A parameter's grad hooks are kept alive by the C++ tensor, out of sight of
@@ -22,15 +33,41 @@ class _GradHook:
     modules' own dicts and may hold the engine strongly.
     """
 
-    __slots__ = ("engine",)
+    __slots__ = ("engine", "group", "params")
 
-    def __init__(self, lifecycle) -> None:
+    def __init__(self, lifecycle, group, params: list) -> None:
         self.engine = weakref.ref(lifecycle)
+        self.group = group
+        self.params = params
 
-    def __call__(self, param) -> None:
+    def __call__(self, grads) -> None:
         engine = self.engine()
         if engine is not None:
-            engine.on_grad(param)
+            engine.on_group_grads(self.group, self.params, grads)
+
+
+def watch_backward(module: nn.Module, output, pre_backward) -> None:
+    """Call ``pre_backward(module)`` once, when the first gradient reaches ``module``'s ``output``."""
+    tensors = [t for t in tree_flatten(output)[0]
+               if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+    if not tensors:
+        return
+    fired = [False]
+
+    def on_output_grad(grad):
+        if not fired[0]:
+            fired[0] = True
+            pre_backward(module)
+
+    for t in tensors:
+        t.register_hook(on_output_grad)
+
+
+def watch_group_grads(lifecycle, group) -> RemovableHandle:
+    """Arm ``group``'s gradient hook for the coming backward (see [Note: one gradient hook per group])."""
+    params = [s.param for s in group.slots if s.param.requires_grad]
+    return torch.autograd.graph.register_multi_grad_hook(params, GroupGradHook(lifecycle, group, params),
+                                                         mode="all")
 
 
 class HookHandles:
@@ -48,18 +85,15 @@ class HookHandles:
         return len(self._handles)
 
 
-def install_hooks(root: nn.Module, lifecycle, params) -> HookHandles:
-    """Install the forward hooks on every module under ``root`` and a gradient hook on ``params``.
+def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
+    """Install the forward hooks on every module under ``root``.
 
     Parameters
     ----------
     root:
         The model.
     lifecycle:
-        An object with ``pre_forward(module)``, ``post_forward(module, output)`` and
-        ``on_grad(param)`` (the engine).
-    params:
-        The managed parameters that receive a post-accumulate-grad hook.
+        An object with ``pre_forward(module)`` and ``post_forward(module, output)`` (the engine).
     """
     handles: list[RemovableHandle] = []
     for module in root.modules():
@@ -69,7 +103,4 @@ def install_hooks(root: nn.Module, lifecycle, params) -> HookHandles:
         # group left in use would stay gathered and never be refreshed by an optimizer step.
         handles.append(module.register_forward_hook(
             lambda m, args, out: lifecycle.post_forward(m, out), always_call=True))
-    for p in params:
-        if p.requires_grad:
-            handles.append(p.register_post_accumulate_grad_hook(_GradHook(lifecycle)))
     return HookHandles(handles)
