@@ -121,6 +121,12 @@ class Prefetcher:
         self.peak_device_bytes = 0
         self.peak_kept_bytes = 0
 
+    @property
+    def following(self) -> bool:
+        """Whether this step follows a recorded trace (every module's groups, adopted ones
+        included, are known: the engine need not watch every torch call for foreign ones)."""
+        return self.enabled and self.trace.mode is TraceMode.FOLLOWING
+
     # -- lifecycle (called by the engine) ----------------------------------------------------
     def begin_forward(self, module: nn.Module) -> None:
         """A forward starts with an empty module stack; a root's first forward after a step opens a step."""

@@ -122,6 +122,8 @@ class Engine:
             self._begin_forward(module)
             if not self._backward_active:      # a forward inside backward recomputes for it
                 self.datapath.set_phase("forward")
+        elif not self._foreign.active and not self.prefetcher.following:
+            self._foreign.start()              # the step left its trace: watch again
         self._stack.append(module)
         self.coordinator.acquire(module)
         self._arm(self.coordinator.module_groups.get(module, ()))
@@ -150,13 +152,16 @@ class Engine:
         self._arm([group])
 
     def _begin_forward(self, module: nn.Module) -> None:
-        self._foreign.start()
         if self._updates is not None:
             self._updates.before_forward()
         if self._step_started is None:
             self._step_started = time.perf_counter()
         if self.prefetcher is not None:
             self.prefetcher.begin_forward(module)
+        # See [Note: foreign parameters]: once a step follows the recorded trace, the groups each
+        # module uses (adopted ones included) are known, and no torch call needs to be watched.
+        if self.prefetcher is None or not self.prefetcher.following:
+            self._foreign.start()
 
     def _enter_backward(self) -> None:
         if not self._backward_active:

@@ -9,6 +9,13 @@ is fetched on the spot and adopted by the running module, so from then on it is
 gathered with that module's own parameters (and prefetched along the trace) and is
 available during that module's backward.
 
+The watch runs only in steps that do not follow a recorded trace (the first, the one after a
+divergence, every step with ``prefetch.enabled = false``): once a step follows the trace, each
+module's groups, adopted ones included, were seen and are gathered with the module, and torch
+calls cost nothing extra. A module that begins to use another's parameter only in a later step,
+along the same trace (a data-dependent branch inside one module), gets the released,
+zero-element placeholder: its op raises a shape error rather than computing with a wrong value.
+
 What the room may touch: nothing but the engine's ``on_foreign_use`` and the
 coordinator's parameter -> group map (read only).
 """

@@ -124,3 +124,42 @@ def test_only_the_data_path_waits_for_the_device(tmp_path, preset, monkeypatch):
         opt.zero_grad()
     monkeypatch.undo()
     assert callers == [], callers
+
+
+def test_a_steady_step_intercepts_no_torch_call(tmp_path, monkeypatch):
+    """Python runs per module, not per torch op: once the trace is followed, the foreign-parameter
+    watch (a torch-function mode) is off, and the attention's out_proj, used without being called,
+    is still gathered with the attention module."""
+    from infinity.runtime.foreign import ForeignParamWatch
+
+    cfg = _config(tmp_path, "offload-host")
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = TinyGPT()
+    opt = infinity.AdamW(model, lr=1e-3)
+    data = batches(4, 2)
+    for idx, tgt in data[:2]:
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+    coordinator = registry.engine_of(model).coordinator
+    attn = model.blocks[0].attn
+    out_proj = coordinator.group_of[attn.out_proj.weight]
+    assert out_proj in coordinator.module_groups[attn], "the first step's watch adopts out_proj into attn"
+    calls = []
+    original = ForeignParamWatch.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(ForeignParamWatch, "__torch_function__", counting)
+    losses = []
+    for idx, tgt in data[2:]:
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert calls == []
+    assert all(torch.isfinite(torch.tensor(losses)))
