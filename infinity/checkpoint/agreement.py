@@ -19,13 +19,13 @@ from infinity.checkpoint.errors import CheckpointError
 
 def agree(ranks, error: BaseException | None, what: str) -> None:
     """All ranks learn which ranks failed ``what``; raise on every rank if any did."""
-    flags = torch.zeros(ranks.world_size, dtype=torch.float32)
+    flags = torch.zeros(ranks.world_size, dtype=torch.float32, device=ranks.device)
     if error is not None:
         flags[ranks.rank] = 1.0
     ranks.all_reduce_sum(flags)
     if error is not None:
         raise error
-    failed = [r for r in range(ranks.world_size) if flags[r] > 0]
+    failed = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
     if failed:
         raise CheckpointError(f"rank {ranks.rank}: rank(s) {failed} failed while {what} "
                               "(see the error raised there)")
@@ -33,6 +33,6 @@ def agree(ranks, error: BaseException | None, what: str) -> None:
 
 def agree_id(ranks) -> str:
     """A random id, the same on every rank (chosen by rank 0)."""
-    value = torch.tensor([secrets.randbits(62) if ranks.rank == 0 else 0], dtype=torch.int64)
+    value = torch.tensor([secrets.randbits(62) if ranks.rank == 0 else 0], dtype=torch.int64, device=ranks.device)
     ranks.broadcast(value, src=0)
     return f"{int(value.item()):016x}"

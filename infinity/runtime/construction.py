@@ -89,16 +89,13 @@ class Partitioner:
         return group
 
     def _broadcast(self, flat: torch.Tensor) -> None:
-        """Rank 0's ``flat`` (host memory) to every rank; through the compute device on CUDA (NCCL
-        takes device tensors only)."""
+        """Rank 0's ``flat`` (host memory) to every rank, through the compute device (collectives take
+        device tensors: see [Note: what a collective may be given] in infinity/runtime/ranks.py)."""
         if self.ranks.world_size == 1:
             return
-        if self.engine.device.is_cuda:
-            on_device = flat.to(self.engine.device.device)
-            self.ranks.broadcast(on_device, src=0)
-            flat.copy_(on_device)
-        else:
-            self.ranks.broadcast(flat, src=0)
+        on_device = flat.to(self.engine.device.device, copy=True)
+        self.ranks.broadcast(on_device, src=0)
+        flat.copy_(on_device)
 
     def materialize(self, group: ParamGroup) -> None:
         """Gather a group's exact fp32 values into its parameters (construction-time edits)."""
@@ -106,17 +103,17 @@ class Partitioner:
             return
         shard = torch.empty(group.shard_numel, dtype=torch.float32)
         self.tiers.optimizer.read(self._master_keys[group], shard).wait()
-        full = torch.empty(group.padded_numel, dtype=torch.float32)
-        self.ranks.all_gather(full, shard)
+        device = self.engine.device.device
+        full = torch.empty(group.padded_numel, dtype=torch.float32, device=device)
+        self.ranks.all_gather(full, shard.to(device))
         group.to_inflight(None)
         group.to_available(full)
 
     def dematerialize(self, group: ParamGroup) -> None:
         """Re-shard a materialized group from its (possibly edited) values, rank 0's winning."""
-        full = group.flatten([s.param.data.to(torch.float32) for s in group.slots]).to(
-            device="cpu", dtype=torch.float32)
+        full = group.flatten([s.param.data.to(torch.float32) for s in group.slots]).to(torch.float32)
         self.ranks.broadcast(full, src=0)
-        shard = group.shard_of(full).contiguous()
+        shard = group.shard_of(full).to("cpu").contiguous()
         self.coordinator.shards.write(group, shard).wait()
         self.tiers.optimizer.write(self._master_keys[group], shard).wait()
         group.to_not_available()

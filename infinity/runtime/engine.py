@@ -48,10 +48,11 @@ class Engine:
 
     def __init__(self, config: Config, group=None) -> None:
         self.config = config
-        self.ranks = Ranks(group)
         self.device = ComputeDevice(config.tiers.device)
+        self.ranks = Ranks(group, self.device.device)
         self.dtype = config.precision.torch_dtype
         self.tiers = TierSet(config, self.device, self.ranks.rank)
+        self.ranks.allocator = self.tiers.allocator     # see [Note: what a collective may be given]
         self.datapath = DataPath(self.device, self.tiers.allocator)
         staging = None
         if config.tiers.params == "nvme":

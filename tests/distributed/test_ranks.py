@@ -1,0 +1,45 @@
+"""The collective wrapper: group ranks mean the group's ranks, and collectives refuse what NCCL would.
+
+See [Note: what a collective may be given] in infinity/runtime/ranks.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from infinity.runtime.ranks import CollectiveError, Ranks
+from tests.support.ranks import run_ranks
+from tiers.host_alloc import HostAllocator
+
+
+def _subgroup(rank, world, workdir):
+    group = dist.new_group([2, 3])       # every rank takes part in making the group
+    if rank < 2:
+        return None
+    ranks = Ranks(group, "cpu")
+    value = torch.tensor([float(100 + rank)])
+    ranks.broadcast(value, src=0)        # group rank 0 is global rank 2
+    full = torch.zeros(4)
+    ranks.all_gather(full, torch.full((2,), float(rank)))
+    return ranks.rank, float(value), full.tolist()
+
+
+def test_group_ranks_are_translated_for_a_subgroup(tmp_path):
+    results = run_ranks(_subgroup, 4, tmp_path)
+    assert results[:2] == [None, None]
+    assert results[2] == (0, 102.0, [2.0, 2.0, 3.0, 3.0])
+    assert results[3] == (1, 102.0, [2.0, 2.0, 3.0, 3.0])
+
+
+def test_collectives_refuse_host_memory_and_other_devices():
+    allocator = HostAllocator(pin="never")
+    ranks = Ranks(None, "cpu", allocator)
+    pooled = allocator.empty(4096).view(torch.float32)
+    with pytest.raises(CollectiveError, match=r"all_reduce was given host memory of the tiers' allocator"):
+        ranks.all_reduce_sum(pooled)
+    with pytest.raises(CollectiveError, match=r"broadcast was given a tensor on meta .*compute device cpu"):
+        ranks.broadcast(torch.empty(3, device="meta"))
+    with pytest.raises(CollectiveError, match=r"rank 0: all_gather"):
+        ranks.all_gather(torch.zeros(4), pooled[:4])
+    ranks.all_reduce_sum(torch.ones(3))      # a compute-device tensor passes
