@@ -239,9 +239,10 @@ class DpuConfig(Section):
     uses 1 (it mostly waits for NVMe, and a second team of threads beside compute slows both)."""
 
     overlap: bool = True
-    """Without DPU, when optimizer states or parameters are on NVMe: `opt.step()` starts the update on a
-    background thread and returns, and the next forward waits only for the parameters it is about to
-    use. Results are identical to a synchronous step; the update's NVMe traffic overlaps the forward."""
+    """Without DPU, when optimizer states or parameters are on NVMe, or the states are in host RAM and
+    the compute runs on a GPU: `opt.step()` starts the update on a background thread and returns, and the
+    next forward waits only for the parameters it is about to use. Results are identical to a synchronous
+    step; the update's NVMe traffic and host work overlap the forward."""
 
     def _check(self) -> None:
         self._at_least("warmup_steps", 0)

@@ -6,10 +6,10 @@ infinity/optim/update.py). The scheduler decides where it runs:
 
 - synchronously, inside ``opt.step()``, when the pass moves no NVMe bytes (states and
   parameters in memory) or ``dpu.overlap`` is off;
-- overlapped (``dpu.overlap``, the default when the pass reads or writes NVMe and DPU is
-  off): on the background worker, at exact semantics, each fetch of the next forward
-  waiting only for its own group (see [Note: overlapped step] in
-  infinity/optim/background.py);
+- overlapped (``dpu.overlap``, the default when the pass reads or writes NVMe, or when the
+  states are in host memory and the compute runs on a GPU; DPU off): on the background
+  worker, at exact semantics, each fetch of the next forward waiting only for its own group
+  (see [Note: overlapped step] in infinity/optim/background.py);
 - delayed (``dpu.enabled``): after ``dpu.warmup_steps`` synchronous updates, one step
   behind (see [Note: delayed parameter update] in infinity/optim/delayed.py).
 
@@ -57,16 +57,30 @@ class UpdateScheduler:
         run = update.run
         self.delay = (DelayedUpdate(self.store, self.coordinator, run, dpu.threads, engine.device, trainable,
                                     self.stats) if dpu.enabled else None)
-        streamed = not self.store.in_place or engine.config.tiers.params == "nvme"
         # With the CPU as compute device, a second full team of threads beside compute slows both
         # (see [Note: chunks and parallel regions] in infinity/optim/update.py); the overlapped
         # update mostly waits for NVMe.
         overlap_threads = dpu.threads or (0 if engine.device.is_cuda else 1)
         self.overlap = (BackgroundUpdate(self.store, self.coordinator, run, overlap_threads, engine.device,
                                          self.stats)
-                        if dpu.overlap and streamed and not dpu.enabled else None)
+                        if self.overlap_wanted(engine) else None)
         self.background = self.delay or self.overlap
         update.progress = self.overlap
+
+    @staticmethod
+    def overlap_wanted(engine) -> bool:
+        """Whether updates run overlapped with the next forward (see [Note: update modes]).
+
+        With ``dpu.overlap`` and without DPU: when the pass reads or writes NVMe, or when the
+        states are in host memory and the compute runs on a GPU (the host Adam then runs beside
+        the GPU's forward). With the CPU as compute device and everything in memory, the update
+        would only compete with the forward for the same cores.
+        """
+        dpu, tiers = engine.config.dpu, engine.config.tiers
+        if not dpu.overlap or dpu.enabled:
+            return False
+        streamed = not engine.store.in_place or tiers.params == "nvme"
+        return streamed or (engine.device.is_cuda and engine.store.tier.kind == "host")
 
     # -- the engine's lifecycle --------------------------------------------------------------------
     def before_forward(self) -> None:

@@ -96,6 +96,43 @@ def test_overlap_applies_only_where_the_update_moves_bytes_to_nvme(tmp_path):
     assert infinity.AdamW(model).stats()["overlap"] is False
 
 
+def test_states_in_host_memory_overlap_only_beside_a_gpu():
+    """On a GPU the host Adam runs beside the device's forward; on the CPU it would compete for cores."""
+    from types import SimpleNamespace
+
+    from infinity.optim.scheduler import UpdateScheduler
+
+    def engine(device, kind="host", in_place=True, params="host", overlap=True, dpu=False):
+        return SimpleNamespace(device=SimpleNamespace(is_cuda=device == "cuda"),
+                               store=SimpleNamespace(in_place=in_place, tier=SimpleNamespace(kind=kind)),
+                               config=SimpleNamespace(dpu=SimpleNamespace(overlap=overlap, enabled=dpu),
+                                                      tiers=SimpleNamespace(params=params)))
+
+    assert UpdateScheduler.overlap_wanted(engine("cuda")) is True
+    assert UpdateScheduler.overlap_wanted(engine("cpu")) is False
+    assert UpdateScheduler.overlap_wanted(engine("cuda", kind="device")) is False
+    assert UpdateScheduler.overlap_wanted(engine("cpu", params="nvme")) is True
+    assert UpdateScheduler.overlap_wanted(engine("cuda", overlap=False)) is False
+    assert UpdateScheduler.overlap_wanted(engine("cuda", dpu=True)) is False
+
+
+@pytest.mark.parametrize("params", ["host", "device"])
+def test_overlapped_step_with_states_in_host_memory_matches_torch(tmp_path, slow_update, monkeypatch, params):
+    """What a GPU run does with host optimizer states, forced on the CPU: the update overlaps the
+    next forward and every step still equals torch's AdamW."""
+    from infinity.optim.scheduler import UpdateScheduler
+
+    monkeypatch.setattr(UpdateScheduler, "overlap_wanted", staticmethod(lambda engine: True))
+    model, ref = make(tmp_path, params, "host")
+    opt, reference, out, covered = run_schedule(model, ref, 5, warmup=10 ** 6, clip=0.5,
+                                                lr_at=lambda k: 1e-2 * 0.9 ** k)
+    assert all(d <= TOL and l <= 1e-5 for d, l in out), out
+    stats = opt.stats()
+    assert stats["overlap"] and stats["overlapped_steps"] == 5 and stats["sync_steps"] == 0, stats
+    assert engine_of(model).coordinator.stats.update_wait_seconds > 0
+    assert gathered_diff(model, ref) <= TOL
+
+
 def test_eval_forward_and_accumulation_without_zero_grad_see_the_update(tmp_path, slow_update):
     """A no-grad forward right after step() waits too; a backward without zero_grad accumulates
     onto gradients the update is no longer reading."""
