@@ -245,7 +245,16 @@ class OptimizerStateStore:
         ``[(shard offset, numel, accumulator view)]`` per piece, or None (it must go through
         ``accumulate_grad``: not in host or device memory, another dtype, or a second micro-batch).
         The caller fills the views; the group counts as written from here on."""
-        if not self.in_place or dtype != torch.float32 or group_index in self.grad_written:
+        if dtype != torch.float32:
+            return None
+        return self.first_grad_views(group_index)
+
+    def first_grad_views(self, group_index: int) -> list | None:
+        """The fp32 accumulator views a group's first gradient shard is written into, by the caller
+        (any dtype, converted by ``copy_``): ``[(shard offset, numel, view)]``, or None when the
+        states are not in memory or the group was written since ``zero_grad``. The group counts
+        as written from here on."""
+        if not self.in_place or group_index in self.grad_written:
             return None
         self.grad_written.add(group_index)
         return [(piece.group_offset, piece.numel,
