@@ -22,6 +22,7 @@ Examples
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -29,6 +30,25 @@ from infinity.config import sizes as _sizes
 from infinity.config.values import (Bytes, ConfigError, Numel, NumaNode, Paths, Patterns, Section, check_keys,
                                     show, type_name)
 
+
+
+# Chooses the compute device where tiers.device is "auto" (a test suite or a job script pins it).
+DEVICE_ENV = "INFINITY_DEVICE"
+
+
+def resolve_device(setting: str) -> str:
+    """A ``tiers.device`` setting as "cpu" or "cuda": "auto" is $INFINITY_DEVICE, else cuda when available."""
+    if setting != "auto":
+        return setting
+    chosen = os.environ.get(DEVICE_ENV)
+    if chosen is not None:
+        if chosen not in ("cpu", "cuda"):
+            raise ConfigError(f"the environment variable {DEVICE_ENV}={chosen!r} is not 'cpu' or 'cuda' "
+                              "(it chooses the device where tiers.device is \"auto\")", "tiers.device")
+        return chosen
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +77,8 @@ class TiersConfig(Section):
     limit beyond the memory available."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Compute device: "cuda" (the rank's local GPU), "cpu", or "auto" (cuda when available)."""
+    """Compute device: "cuda" (the rank's local GPU), "cpu", or "auto": the environment variable
+    `INFINITY_DEVICE` ("cpu" or "cuda") when set, else cuda when available."""
 
     numa_node: NumaNode = None
     """NUMA node that host buffers are bound to: a node number, "auto" (stored as -1: the node
@@ -74,6 +95,10 @@ class TiersConfig(Section):
     pool_buffers: int = 8
     """Number of buffers in the NVMe I/O pool; staged NVMe I/O in flight is at most
     `pool_buffers` x `pool_buffer_size` bytes."""
+
+    def compute_device(self) -> str:
+        """``device`` with "auto" resolved on this machine: "cpu" or "cuda"."""
+        return resolve_device(self.device)
 
     def _check(self) -> None:
         on_nvme = [name for name in ("params", "optimizer") if getattr(self, name) == "nvme"]

@@ -141,15 +141,18 @@ def model_config(options: TrainOptions):
                   vocab_size=options.vocab, seq_len=seq_len)
 
 
-def _distributed() -> tuple[int, int]:
-    """Join the torchrun job when launched by one (WORLD_SIZE > 1); returns (rank, world size)."""
+def _distributed(device: str) -> tuple[int, int]:
+    """Join the torchrun job when launched by one (WORLD_SIZE > 1); returns (rank, world size).
+
+    ``device`` is the compute device ("cpu" or "cuda"): NCCL for a GPU, gloo for the CPU.
+    """
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        if torch.cuda.is_available():
+        if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -189,7 +192,7 @@ class _Run:
 def _build(options: TrainOptions, model_cfg, config) -> _Run:
     torch.manual_seed(options.seed)
     if options.engine == "torch":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(config.tiers.compute_device())   # where the engine would compute
         model = GPT(model_cfg).to(device)
         fused = {"fused": True} if device.type in ("cuda", "cpu") else {}
         opt = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay, **fused)
@@ -263,10 +266,10 @@ def train(options: TrainOptions, progress: Progress | None = None) -> dict:
     >>> report = train(TrainOptions(config="device", model_size="tiny", steps=3))   # doctest: +SKIP
     >>> report["summary"]["tokens_per_second"]                                      # doctest: +SKIP
     """
-    rank, world = _distributed()
+    config = load_engine_config(options)
+    rank, world = _distributed(config.tiers.compute_device())
     model_cfg = model_config(options)
     seq = options.seq or min(model_cfg.seq_len, 256)
-    config = load_engine_config(options)
     rss_before = peak_rss_bytes()
     t0 = time.perf_counter()
     run = _build(options, model_cfg, config)
@@ -311,6 +314,7 @@ def train(options: TrainOptions, progress: Progress | None = None) -> dict:
         "construct_seconds": construct_s,
         "peak_rss_before_build_bytes": rss_before,
         "peak_rss_after_build_bytes": rss_built,
+        "gpu_peak_bytes": torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None,
         "steps": [r.as_dict() for r in meter.records],
         "summary": summary,
         "achieved_flops": flops * tps,

@@ -366,7 +366,7 @@ def plan(
         param_bytes=param_bytes,
         params_tier=cfg.tiers.params,
         optimizer_tier=cfg.tiers.optimizer,
-        compute_device=_compute_device(cfg.tiers.device),
+        compute_device=cfg.tiers.compute_device(),
         nvme_paths=tuple(str(p) for p in cfg.tiers.nvme_path),
         host_budget=int(cfg.tiers.host_budget),
     )
@@ -457,7 +457,3 @@ def resolve_bandwidth(value: object) -> Bandwidth | None:
     )
 
 
-def _compute_device(setting: str) -> str:
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return str(setting)

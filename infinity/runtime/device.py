@@ -14,6 +14,8 @@ import contextlib
 import psutil
 import torch
 
+from infinity.config.sections import resolve_device
+
 
 class _NullEvent:
     def synchronize(self) -> None:
@@ -32,12 +34,11 @@ class ComputeDevice:
     Parameters
     ----------
     kind:
-        "auto" (CUDA when available, else CPU), "cpu" or "cuda".
+        "auto" (``$INFINITY_DEVICE`` when set, else CUDA when available), "cpu" or "cuda".
     """
 
     def __init__(self, kind: str = "auto") -> None:
-        if kind == "auto":
-            kind = "cuda" if torch.cuda.is_available() else "cpu"
+        kind = resolve_device(kind)
         if kind == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("tiers.device = 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")

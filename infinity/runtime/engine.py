@@ -48,7 +48,7 @@ class Engine:
 
     def __init__(self, config: Config, group=None) -> None:
         self.config = config
-        self.device = ComputeDevice(config.tiers.device)
+        self.device = ComputeDevice(config.tiers.compute_device())
         self.ranks = Ranks(group, self.device.device)
         self.dtype = config.precision.torch_dtype
         self.tiers = TierSet(config, self.device, self.ranks.rank)

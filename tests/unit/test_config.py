@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pickle
 import subprocess
 import sys
 import pytest
+import torch
 
 from infinity import config
 from infinity.config import sizes as _sizes, text as _config_text, toml_io as _toml
@@ -334,3 +336,22 @@ def test_toml_writer_escapes_and_quotes():
     text = _toml.dumps(data)
     assert _toml.loads(text) == {"top": 1, "a b": {"s": 'q"\\\n\tü', "f": 1.5, "t": True, "l": [1, "x"]},
                                    "n": {"m": {"k": 2}}}
+
+
+def test_auto_device_follows_infinity_device_and_names_a_bad_value(monkeypatch):
+    from infinity.config.sections import resolve_device
+    from infinity.runtime.device import ComputeDevice
+
+    assert os.environ["INFINITY_DEVICE"] == "cpu"      # tests/conftest.py: tests compute on the CPU
+    assert Config().tiers.compute_device() == "cpu" and ComputeDevice("auto").device.type == "cpu"
+    assert load_config(None, overrides={"tiers": {"device": "cpu"}}).tiers.compute_device() == "cpu"
+    monkeypatch.delenv("INFINITY_DEVICE")
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("INFINITY_DEVICE", "gpu")
+    with pytest.raises(ConfigError, match=r"tiers.device: the environment variable INFINITY_DEVICE='gpu' is not"):
+        Config().tiers.compute_device()
+    assert resolve_device("cpu") == "cpu"          # an explicit setting is not overridden
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("INFINITY_DEVICE", "cuda")
+        with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
+            ComputeDevice("auto")
