@@ -1,0 +1,119 @@
+"""The example GPT trained under DeepSpeed ZeRO with CPU offload: the peer rows of benchmarks/gpu.py.
+
+    python benchmarks/deepspeed_gpt.py --stage 2 --model-size 350M --batch 8 --seq 1024 \\
+        --dtype bfloat16 --steps 6 --json ds.json
+
+``--stage 2``: ZeRO-2 with ``offload_optimizer`` on the CPU (DeepSpeed's ZeRO-Offload: fp32
+master weights and Adam states in pinned host memory, stepped by ``DeepSpeedCPUAdam``);
+``--stage 3``: ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on the CPU, the model
+built inside ``deepspeed.zero.Init`` as DeepSpeed's users build large models. Same model
+(infinity/examples/gpt.py), data, learning rate and step meter as ``train_gpt``, so the
+report has the same ``summary`` fields; it runs in its own process (one world-1 job, its
+own rendezvous port). Without a GPU, DeepSpeed's CPU accelerator is used
+(``DS_ACCELERATOR=cpu``, backend gloo): that is how the peer runs on the CPU machines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+
+
+def ds_config(stage: int, batch: int, dtype: str, lr: float, weight_decay: float) -> dict:
+    """The DeepSpeed config of a ``stage`` run with everything offloadable on the CPU, pinned."""
+    offload = {"device": "cpu", "pin_memory": True}
+    zero = {"stage": stage, "offload_optimizer": offload, "overlap_comm": True, "contiguous_gradients": True}
+    if stage == 3:
+        zero["offload_param"] = offload
+    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}},
+           "zero_optimization": zero, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    if dtype == "bfloat16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "float16":
+        cfg["fp16"] = {"enabled": True}
+    return cfg
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(args) -> dict:
+    """Train ``args.steps`` steps and return a report with train_gpt's ``summary`` fields."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(_free_port()))):
+        os.environ.setdefault(key, value)
+    import deepspeed
+
+    from infinity.examples import data
+    from infinity.examples.gpt import GPT, preset
+    from infinity.examples.meter import StepMeter, peak_rss_bytes
+    from infinity.examples.train_gpt import machine
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    model_cfg = preset(args.model_size, seq_len=max(args.seq, preset(args.model_size).seq_len))
+    cfg = ds_config(args.stage, args.batch, args.dtype, args.lr, args.weight_decay)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    if args.stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = GPT(model_cfg)
+    else:
+        model = GPT(model_cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    construct_s = time.perf_counter() - t0
+    device = engine.device if torch.cuda.is_available() else torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    meter = StepMeter(engine, sync=sync)
+    source = data.batches("random", args.batch, args.seq, model_cfg.vocab_size, seed=args.seed, device=device)
+    for _ in range(args.steps):
+        x, y = next(source)
+        meter.begin()
+        loss = engine(x, y)
+        engine.backward(loss)
+        meter.forward_backward_done()
+        engine.step()
+        meter.end(loss=loss.item(), tokens=x.numel())
+    return {"engine": f"deepspeed-zero{args.stage}", "deepspeed_version": deepspeed.__version__,
+            "ds_config": cfg, "machine": machine(), "construct_seconds": construct_s,
+            "model": {"size": args.model_size, "n_params": model_cfg.n_params, "seq": args.seq,
+                      "flops_per_token": model_cfg.flops_per_token(args.seq)},
+            "steps": [r.as_dict() for r in meter.records], "summary": meter.summary(),
+            "peak_rss_bytes": peak_rss_bytes(),
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stage", type=int, choices=(2, 3), required=True)
+    p.add_argument("--model-size", default="tiny")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", required=True, help="write the report here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    report = train(args)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""benchmarks/gpu.py at a tiny size on the CPU: every row in its own process, the ledger in the table and JSON.
+
+DeepSpeed is not installed here: its rows must say how to install it, not vanish. (With a
+``--deepspeed-python`` that imports deepspeed they run; see benchmarks/deepspeed_gpt.py.)
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load(script: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}", os.path.join(ROOT, "benchmarks", script))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_benchmark_rows_ledger_and_missing_deepspeed(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--sizes", "tiny",
+                           "--configs", "torch,device,offload-host,ds-zero3", "--steps", "3", "--batch", "2",
+                           "--seq", "16", "--dtype", "float32", "--nvme-dir", str(tmp_path / "nvme"),
+                           "--deepspeed-python", "/bin/false", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    head = proc.stdout.splitlines()[0].split()
+    assert head[:4] == ["size", "config", "s/step", "TFLOPS"] and "H->D" in head
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["torch", "device", "offload-host", "ds-zero3"]
+    for name in ("torch", "device", "offload-host"):
+        row = rows[name]
+        assert row["error"] is None, row["error"]
+        assert row["step_seconds"] > 0 and row["tflops"] > 0 and row["peak_rss_bytes"] > 0, row
+        assert row["device"] == "cpu" and row["gpu_peak_bytes"] is None
+    assert rows["torch"]["transfers"] is None
+    device, host = rows["device"]["transfers"], rows["offload-host"]["transfers"]
+    assert device["host_to_device"]["bytes"] == 0 and device["device_to_host"]["bytes"] == 0, device
+    # offload-host gathers the compute copies in forward and again in backward; gradients leave once.
+    assert host["host_to_device"]["bytes"] >= 2 * 4 * rows["offload-host"]["n_params"], host
+    assert host["device_to_host"]["bytes"] >= 4 * rows["offload-host"]["n_params"], host
+    assert host["unpooled"] == 0 and host["host_waits"]["forward"] == host["host_waits"]["backward"] == 0, host
+    assert "pip install deepspeed" in rows["ds-zero3"]["error"] and "/bin/false" in rows["ds-zero3"]["error"]
+    assert "pip install deepspeed" in proc.stdout
+
+
+def test_gpu_benchmark_rejects_bad_arguments(capsys):
+    bench = _load("gpu.py")
+    assert bench.main(["--configs", "zero4"]) == 2
+    assert "unknown config 'zero4'; choose from torch, device" in capsys.readouterr().err
+    assert bench.main(["--steps", "1"]) == 2
+    assert "at least 2" in capsys.readouterr().err
+
+
+def test_deepspeed_rows_offload_what_their_infinity_peers_offload():
+    ds = _load("deepspeed_gpt.py")
+    z2, z3 = ds.ds_config(2, 8, "bfloat16", 1e-3, 0.1), ds.ds_config(3, 8, "float32", 1e-3, 0.1)
+    assert z2["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert "offload_param" not in z2["zero_optimization"] and z2["bf16"] == {"enabled": True}
+    assert z3["zero_optimization"]["offload_param"]["device"] == "cpu" and "bf16" not in z3
+    assert z2["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
+    bench = _load("gpu.py")
+    assert bench.PEER == {"offload-optimizer": "ds-zero2", "offload-host": "ds-zero3"}
