@@ -81,15 +81,8 @@ def test_offload_host_uploads_the_compute_dtype_twice_and_downloads_gradients_on
     assert ledger["device_to_host"]["bytes"] == sum(g.shard_nbytes for g in groups if g.trainable)
 
 
-_HOST_WAITS = [(torch.Tensor, "item"), (torch.Tensor, "tolist"), (torch.Tensor, "cpu"),
-               (torch.Tensor, "__float__"), (torch.Tensor, "__bool__")]
-
-
-@pytest.mark.parametrize("preset", ["offload-host", "nvme"])
-def test_only_the_data_path_waits_for_the_device(tmp_path, preset, monkeypatch):
-    """Every torch call that makes the host wait for a device tensor, made by engine code during a
-    step, comes from infinity/runtime/datapath.py (on a GPU, the others would stall the stream)."""
-    cfg = _config(tmp_path, preset)
+def _warmed_up(cfg):
+    """A model two steps in (the trace recorded), its optimizer, and four batches (two used)."""
     torch.manual_seed(0)
     with infinity.Init(cfg):
         model = TinyGPT()
@@ -99,6 +92,19 @@ def test_only_the_data_path_waits_for_the_device(tmp_path, preset, monkeypatch):
         model(idx, tgt).backward()
         opt.step()
         opt.zero_grad()
+    return model, opt, data
+
+
+_HOST_WAITS = [(torch.Tensor, "item"), (torch.Tensor, "tolist"), (torch.Tensor, "cpu"),
+               (torch.Tensor, "__float__"), (torch.Tensor, "__bool__")]
+
+
+@pytest.mark.parametrize("preset", ["offload-host", "nvme"])
+def test_only_the_data_path_waits_for_the_device(tmp_path, preset, monkeypatch):
+    """Every torch call that makes the host wait for a device tensor, made by engine code during a
+    step, comes from infinity/runtime/datapath.py (on a GPU, the others would stall the stream)."""
+    cfg = _config(tmp_path, preset)
+    model, opt, data = _warmed_up(cfg)
     root = os.path.dirname(os.path.dirname(infinity.__file__))
     allowed = os.path.join(root, "infinity", "runtime", "datapath.py")
     callers = []
@@ -133,15 +139,7 @@ def test_a_steady_step_intercepts_no_torch_call(tmp_path, monkeypatch):
     from infinity.runtime.foreign import ForeignParamWatch
 
     cfg = _config(tmp_path, "offload-host")
-    torch.manual_seed(0)
-    with infinity.Init(cfg):
-        model = TinyGPT()
-    opt = infinity.AdamW(model, lr=1e-3)
-    data = batches(4, 2)
-    for idx, tgt in data[:2]:
-        model(idx, tgt).backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt, data = _warmed_up(cfg)
     coordinator = registry.engine_of(model).coordinator
     attn = model.blocks[0].attn
     out_proj = coordinator.group_of[attn.out_proj.weight]
