@@ -149,60 +149,42 @@ class GradReducer:
         """
         self._let_go()
         arrived = sum(grad is not None for grad in grads)
-        targets = self._accumulator(group)
-        if targets is not None:
-            self._write_direct(group, params, grads, targets)
-        else:
+        flat = self._accumulator(group)
+        loan = None
+        if flat is None:
             loan = self.device_buckets.take(group.full_nbytes, f"gradients {group.name}")
             flat = loan.tensor.view(group.dtype)[:group.padded_numel]
-            for param, grad in zip(params, grads):
-                slot = self._slot_of[param][1]
-                part = flat[slot.offset:slot.offset + slot.numel]
-                part.zero_() if grad is None else part.copy_(grad.reshape(-1))
-            end = max(slot.offset + slot.numel for slot in group.slots)
-            flat[end:].zero_()      # padding: reused memory, zero as at partitioning
+        for param, grad in zip(params, grads):
+            slot = self._slot_of[param][1]
+            part = flat[slot.offset:slot.offset + slot.numel]
+            part.zero_() if grad is None else part.copy_(grad.reshape(-1))   # converts into an fp32 accumulator
+        end = max(slot.offset + slot.numel for slot in group.slots)
+        flat[end:].zero_()      # padding: reused memory, zero as at partitioning
         if arrived == len(params):
             self.book.arrived.index_fill_(0, self._group_positions[group], 1.0)
         else:
             for param, grad in zip(params, grads):
                 if grad is not None:
                     self.book.arrived[self._position[param]] = 1.0
-        if targets is None:
+        if loan is None:
+            self.book.norm_sq += torch.dot(flat, flat)      # written in place: nothing to reduce or send
+        else:
             self._reduce(group, flat, loan)
         self.coordinator.backward_done(group, keep_views=True)
         self._stale.append((group, params))
 
-    def _accumulator(self, group: ParamGroup) -> list | None:
-        """The optimizer's fp32 accumulator views for ``group``, when its gradients can be written
-        there straight from autograd: one rank (nothing to reduce), states on the compute device,
-        first gradient since ``zero_grad``. Else None: they go through a bucket."""
-        if self.ranks.world_size != 1 or self.store.tier.kind != "device":
+    def _accumulator(self, group: ParamGroup) -> torch.Tensor | None:
+        """The optimizer's fp32 accumulator for ``group``, when autograd's gradients can be copied
+        straight into it instead of a bucket: one rank (nothing to reduce), states on the compute
+        device, the group in one piece of one sub-group, first gradient since ``zero_grad``."""
+        store = self.store
+        if self.ranks.world_size != 1 or store.tier.kind != "device":
             return None
-        return self.store.first_grad_views(group.index)
-
-    def _write_direct(self, group: ParamGroup, params, grads, targets: list) -> None:
-        """Each gradient into the accumulator pieces its slot overlaps (converted to fp32 by the copy);
-        what no gradient covers (frozen parameters, padding) is zeroed, as in a bucket; the pieces'
-        squared norms are added up on the device."""
-        filled = []
-        for param, grad in zip(params, grads):
-            slot = self._slot_of[param][1]
-            filled.append((slot.offset, slot.offset + slot.numel, grad))
-        filled.sort(key=lambda f: f[0])
-        for start, numel, view in targets:
-            at = start
-            for first, last, grad in filled:
-                lo, hi = max(first, start), min(last, start + numel)
-                if lo >= hi:
-                    continue
-                if lo > at:
-                    view[at - start:lo - start].zero_()
-                dst = view[lo - start:hi - start]
-                dst.zero_() if grad is None else dst.copy_(grad.reshape(-1)[lo - first:hi - first])
-                at = hi
-            if at < start + numel:
-                view[at - start:].zero_()
-            self.book.norm_sq += torch.dot(view, view)
+        pieces = store.layout.pieces_of_group[group.index]
+        if len(pieces) != 1 or pieces[0].numel != group.padded_numel:
+            return None
+        views = store.first_grad_views(group.index)
+        return None if views is None else views[0][2]
 
     def _let_go(self) -> None:
         """Drop the ``.grad`` autograd stored for groups already taken, and their parameters' shapes."""
