@@ -37,6 +37,16 @@ job runs (the fused Adam kernel, the dtype conversions of compute copies) then u
 most ``dpu.threads`` threads, while the main thread keeps its own setting. With another
 backend (TBB, native) there is no per-thread setting; a warning says the worker uses
 torch's default. ``dpu.threads = 0`` keeps torch's default.
+
+[Note: device copies of an overlapped update]
+With parameters on the device and states on the host (``offload-optimizer`` on a GPU),
+a sub-group's new compute copies go host->device on the device tier's copy stream, each
+write a future carrying its CUDA event. The job reports the sub-group as soon as the
+kernel stepped it and the copies are enqueued; it does not wait for them. A fetch of one
+of its groups needs the host side only (the kernel has run: ``ready``), then makes the
+compute stream wait for the copies' events (``order_after``, through the data path's
+``use``), so neither the worker nor the compute thread blocks on the device. Host and
+NVMe writes have no event and are waited for as before.
 """
 from __future__ import annotations
 
@@ -71,6 +81,11 @@ def _drain_at_exit() -> None:
 
 class UpdateWorkerError(RuntimeError):
     """A background optimizer step failed; the message names the step and what state is left."""
+
+
+def _on_device(future) -> bool:
+    """Whether ``future`` is a device copy the compute stream can wait for (it has a CUDA event)."""
+    return getattr(future, "event", None) is not None
 
 
 def bound_this_thread(threads: int) -> int:
@@ -179,7 +194,8 @@ class BackgroundUpdate:
         job = self._running
         if job is None or group.index not in job.updated:
             return True
-        return self._last_sub[group.index] <= self._done_sub and all(f.done() for f in self._writes_of(group))
+        return self._last_sub[group.index] <= self._done_sub and all(
+            f.done() or _on_device(f) for f in self._writes_of(group))
 
     def wait_ready(self, group) -> float:
         """Block until :meth:`ready`; returns the seconds waited. Raises if the job failed."""
@@ -193,11 +209,23 @@ class BackgroundUpdate:
                 self._progress.wait()
             writes = self._writes_of(group) if self._running is not None else []
         for fut in writes:
-            fut.wait()
+            if not _on_device(fut):
+                fut.wait()      # a host or NVMe write of the new compute copy
+        self.order_after(group)
         waited = time.perf_counter() - t0
         self.stats.exposed_seconds += waited
         self.raise_if_failed()
         return waited
+
+    def order_after(self, group) -> None:
+        """The compute stream waits (the host does not) for the device copies of ``group``'s new
+        compute copy: a fetch calls this once :meth:`ready` holds. See [Note: device copies of an
+        overlapped update]."""
+        with self._progress:    # kept after the job ends: the copies may still be in flight
+            writes = self._writes_of(group)
+        for fut in writes:
+            if _on_device(fut) and not fut.done():
+                self.coordinator.datapath.use(fut.event)
 
     @property
     def pending(self) -> bool:

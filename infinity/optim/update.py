@@ -137,9 +137,9 @@ class UpdatePass:
                                    [step_t(k) for _, _, k in parts], **hyper)
                         self._write_compute_copies(job, sub, st["master"], c0, c1, copies)
                 if job.overlapped:
-                    # The next forward may fetch this sub-group's groups once their copies have landed.
-                    if self.device.is_cuda:   # a device tier's copies ran on this worker's stream
-                        self.shards.datapath.host_wait(torch.cuda.current_stream(self.device.device))
+                    # The next forward may fetch this sub-group's groups: it waits for the host or NVMe
+                    # writes, and orders its stream after the device copies (see [Note: device copies
+                    # of an overlapped update] in infinity/optim/background.py).
                     self.progress.sub_done(sub, [fut for fut, _ in copies])
                 writes.extend(copies)
                 copies = []

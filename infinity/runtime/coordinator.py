@@ -159,6 +159,8 @@ class Coordinator:
             self.stats.update_wait_seconds += waited
             self.stats.stall_seconds += waited
             fresh = shards.take_fresh(group)   # completed while we waited
+        elif fresh is None:
+            shards.order_after_update(group)
         if fresh is not None:
             if staging is not None:
                 staging.release()

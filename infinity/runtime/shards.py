@@ -148,6 +148,12 @@ class ParamShards:
         """Whether the group's stored shard is current (no overlapped optimizer step still rewrites it)."""
         return self.update_gate is None or self.update_gate.ready(group)
 
+    def order_after_update(self, group: ParamGroup) -> None:
+        """The compute stream waits for the overlapped update's device copies of the group's shard
+        (no host wait; a no-op without an overlapped update or off CUDA)."""
+        if self.update_gate is not None:
+            self.update_gate.order_after(group)
+
     def wait_update(self, group: ParamGroup) -> float:
         """Block until the overlapped update has rewritten the group's shard; returns the seconds waited."""
         return self.update_gate.wait_ready(group)

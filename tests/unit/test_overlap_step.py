@@ -254,3 +254,44 @@ def test_reset_gives_back_shards_left_half_filled():
     assert fresh.take(group) is None
     piece.release()
     assert arena.bytes_in_use == 0
+
+
+class _DeviceCopy:
+    """A compute-copy write as the device tier returns it on a GPU: pending on an event."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.event = inner, object()
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self) -> int:
+        return self.inner.wait()
+
+
+def test_device_copies_of_an_overlapped_update_order_the_stream_not_the_host(tmp_path, slow_update, monkeypatch):
+    """With parameters on the device and states on the host (offload-optimizer on a GPU), the new
+    compute copies are device copies: a fetch makes the compute stream wait for their events
+    (``DataPath.use``) and neither the worker nor the forward waits for them on the host."""
+    from infinity.optim.scheduler import UpdateScheduler
+    from infinity.runtime.datapath import DataPath
+    from infinity.runtime.shards import ParamShards
+
+    monkeypatch.setattr(UpdateScheduler, "overlap_wanted", staticmethod(lambda engine: True))
+    issued, used = set(), []
+    write_updated = ParamShards.write_updated
+
+    def as_device_copy(self, *args, **kwargs):
+        fut = _DeviceCopy(write_updated(self, *args, **kwargs))
+        issued.add(id(fut.event))
+        return fut
+
+    monkeypatch.setattr(ParamShards, "write_updated", as_device_copy)
+    monkeypatch.setattr(DataPath, "use", lambda self, event: used.append(id(event)))
+    model, ref = make(tmp_path, "device", "host")
+    opt, _, out, _ = run_schedule(model, ref, 4, warmup=10 ** 6, lr_at=lambda k: 1e-2)
+    assert all(d <= TOL and l <= 1e-5 for d, l in out), out
+    assert opt.stats()["overlapped_steps"] == 4
+    assert issued and set(used) == issued      # every copy ordered on the stream, each group's at its fetch
+    waits = infinity.stats(model)["transfers"]["host_waits"]
+    assert waits["forward"] == 0 and waits["backward"] == 0, waits
