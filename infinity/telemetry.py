@@ -98,6 +98,7 @@ class StepTelemetry:
     def begin_step(self, step: int) -> None:
         if step == 0:
             self.engine.datapath.ledger.discard()   # construction's traffic is no step's
+            self.engine.ranks.comm.discard()
         self.step = step
         self._reset_counts()
         self._fetch0 = self._fetch_counters()
@@ -110,6 +111,7 @@ class StepTelemetry:
             return None
         record = self._record(extra or {})
         self.engine.datapath.ledger.close_step()
+        self.engine.ranks.comm.close_step()
         self.step = None
         self.last = record
         records = self.engine.step_stats
@@ -195,6 +197,8 @@ def stats(model: nn.Module) -> dict:
     Returns a dict with ``fetch`` (stall seconds, fetches, prefetch hits and hit rate,
     bytes gathered and read from the parameter tier), ``tiers`` (bytes read/written,
     wait time, current and peak bytes per tier), ``steps`` (per-step records) and
-    ``prefetch`` (trace state), on this rank.
+    ``prefetch`` (trace state), ``transfers`` (the last step's data-path ledger, see
+    infinity/runtime/datapath.py) and ``comm`` (what this rank sent through collectives in the
+    last step, see [Note: communication volume] in infinity/runtime/ranks.py), on this rank.
     """
     return registry.engine_of(model, "infinity.stats").stats()

@@ -25,7 +25,7 @@ from infinity.plan.census import CensusGroup, ModelCensus, census_of_module, loa
 from infinity.plan.errors import PlanError
 from infinity.plan.planner import FitCheck, Plan, PlanSettings, ShardSizes, plan, resolve_config
 from infinity.plan.rows import PlanRow
-from infinity.plan.zero import STAGE_NAMES, model_states_per_rank, render_zero_table, zero_table
+from infinity.plan.zero import STAGE_NAMES, comm_per_rank, model_states_per_rank, render_zero_table, zero_table
 
 __all__ = [
     "STAGE_NAMES",
@@ -42,6 +42,7 @@ __all__ = [
     "load_model",
     "model_states_per_rank",
     "plan",
+    "comm_per_rank",
     "render_zero_table",
     "resolve_config",
     "zero_table",

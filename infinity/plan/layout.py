@@ -107,6 +107,7 @@ class Layout:
     def __init__(self, census: ModelCensus, cfg: "Config", world_size: int, param_bytes: int):
         self.cfg = cfg
         self.pb = param_bytes
+        self.world_size = world_size
         self.structured = census.structured
         self.params_tier = cfg.tiers.params
         self.opt_tier = cfg.tiers.optimizer
@@ -232,6 +233,16 @@ class Layout:
         if self.opt_tier == "device" and self.params_tier != "device":
             total += self.pb * self.trainable_numel     # the update's new compute copies
         return total
+
+    def all_gather_bytes(self) -> int:
+        """Bytes one rank sends in all-gathers per step: each gathered shard to the N-1 others (see
+        [Note: communication volume] in infinity/runtime/ranks.py); as many gathers as host->device copies."""
+        return self.pb * self.gathered_numel * (self.world_size - 1)
+
+    def reduce_scatter_bytes(self) -> int:
+        """Bytes one rank sends in reduce-scatters per step: (N-1)/N of each trainable group's padded
+        gradient bucket, i.e. its shard times N-1."""
+        return self.pb * self.trainable_numel * (self.world_size - 1)
 
     def nvme_read_bytes(self) -> int:
         """Bytes one rank reads from NVMe per step (see [Note: NVMe traffic per step])."""

@@ -152,6 +152,9 @@ class Plan:
     host_to_device_bytes, device_to_host_bytes : int
         Traffic between host memory and the compute device in one step, per rank
         (see [Note: PCIe traffic per step] in infinity/plan/layout.py).
+    all_gather_bytes, reduce_scatter_bytes : int
+        What one rank sends through the step's all-gathers and reduce-scatters (see [Note:
+        communication volume] in infinity/runtime/ranks.py; ``infinity.stats(model)["comm"]``).
     bandwidth : Bandwidth or None
         For the step-time bound.
     fit : FitCheck or None
@@ -167,6 +170,8 @@ class Plan:
     nvme_write_bytes: int
     host_to_device_bytes: int = 0
     device_to_host_bytes: int = 0
+    all_gather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
     bandwidth: Bandwidth | None = None
     fit: FitCheck | None = field(default=None, compare=False)
 
@@ -282,6 +287,8 @@ class Plan:
             "nvme_write_bytes_per_step": self.nvme_write_bytes,
             "host_to_device_bytes_per_step": self.host_to_device_bytes,
             "device_to_host_bytes_per_step": self.device_to_host_bytes,
+            "all_gather_bytes_per_step": self.all_gather_bytes,
+            "reduce_scatter_bytes_per_step": self.reduce_scatter_bytes,
             "bandwidth": None if self.bandwidth is None else self.bandwidth.to_dict(),
             "step_time_lower_bound_s": self.step_time_lower_bound_s,
             "fit": None
@@ -387,6 +394,8 @@ def plan(
         nvme_write_bytes=layout.nvme_write_bytes(),
         host_to_device_bytes=layout.host_to_device_bytes(),
         device_to_host_bytes=layout.device_to_host_bytes(),
+        all_gather_bytes=layout.all_gather_bytes(),
+        reduce_scatter_bytes=layout.reduce_scatter_bytes(),
         bandwidth=bandwidth,
     )
     if not check_fit:

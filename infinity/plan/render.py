@@ -52,6 +52,11 @@ def render_plan(plan) -> str:
         f"Host<->device traffic per step, per rank: to the device {format_gib(plan.host_to_device_bytes)} GiB, "
         f"to the host {format_gib(plan.device_to_host_bytes)} GiB"
     )
+    if ranks > 1:
+        lines.append(
+            f"Collectives per step, per rank (ZeRO stage 3; bytes sent): all-gather "
+            f"{format_gib(plan.all_gather_bytes)} GiB, reduce-scatter {format_gib(plan.reduce_scatter_bytes)} GiB"
+        )
     lines.append(_step_time_line(plan))
     if plan.fit is not None:
         lines.append(_fit_line(plan))

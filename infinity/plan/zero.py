@@ -11,6 +11,13 @@ master, momentum and variance), each rank holds
     stage 2 (P_os+g)           2 Psi + (2 + K) Psi / N_d
     stage 3 (P_os+g+p)         (2 + 2 + K) Psi / N_d
 
+Communication per rank and training step (Section 7, in the ring accounting of [Note:
+communication volume] in infinity/runtime/ranks.py), in elements:
+
+    stage 0                    2 Psi (N_d - 1) / N_d    (all-reduce of the gradients)
+    stage 1, stage 2           2 Psi (N_d - 1) / N_d    (reduce-scatter gradients, all-gather params)
+    stage 3                    3 Psi (N_d - 1) / N_d    (all-gather in forward and backward, reduce-scatter)
+
 A partitioned state is held as a shard of ceil(Psi / N_d) elements: real shards are whole
 elements, and nothing has to divide Psi (the engine pads; the paper's figures are unaffected at
 the precision it prints).
@@ -86,6 +93,25 @@ def model_states_per_rank(
     }
 
 
+def comm_per_rank(num_params: int | float | str, world_size: int, stage: int = 3, param_bytes: int = 2,
+                  grad_bytes: int = 2) -> int:
+    """Bytes each rank sends through collectives per training step at a ZeRO stage (see [Note: ZeRO stages]).
+
+    >>> comm_per_rank(1_000_000, 4, stage=3)   # 3 Psi (N-1)/N elements of 2 bytes
+    4500000
+    """
+    psi = parse_count(num_params, "num_params")
+    ranks = parse_positive_int(world_size, "world_size")
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise PlanError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+    share = lambda nbytes: nbytes * (ranks - 1) // ranks   # noqa: E731 - one ring share
+    grads = share(psi * grad_bytes)
+    params = share(psi * param_bytes)
+    if stage == 0:
+        return 2 * grads
+    return grads + params * (2 if stage == 3 else 1)
+
+
 def zero_table(
     params_list: Sequence[int | float | str],
     ranks_list: Sequence[int],
@@ -120,6 +146,7 @@ def zero_table(
                     psi, world_size, stage, k=k, param_bytes=param_bytes, grad_bytes=grad_bytes
                 )
                 row[STAGE_NAMES[stage]] = states["total"]
+                row[f"comm {STAGE_NAMES[stage]}"] = comm_per_rank(psi, world_size, stage, param_bytes, grad_bytes)
             rows.append(row)
     return rows
 
@@ -149,8 +176,12 @@ def render_zero_table(rows: Iterable[dict[str, object]], *, k: int = 12) -> str:
         for row in model_rows:
             cells = "".join(f"{format_gb(int(row[name])):>12}" for name in names)  # type: ignore[call-overload]
             lines.append(f"{row['world_size']:>7}{cells}")
+        lines.append("Sent per rank per training step through collectives (GB)")
+        for row in model_rows:
+            cells = "".join(f"{format_gb(int(row['comm ' + name])):>12}" for name in names)  # type: ignore[call-overload]
+            lines.append(f"{row['world_size']:>7}{cells}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
 
-__all__ = ["STAGES", "STAGE_NAMES", "model_states_per_rank", "render_zero_table", "zero_table"]
+__all__ = ["STAGES", "STAGE_NAMES", "comm_per_rank", "model_states_per_rank", "render_zero_table", "zero_table"]

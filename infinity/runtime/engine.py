@@ -250,5 +250,6 @@ class Engine:
             "prefetch": self.prefetcher.stats() if self.prefetcher is not None else None,
             "gathered_bytes_now": self.coordinator.available_nbytes(),
             "transfers": self.datapath.ledger.last,
+            "comm": self.ranks.comm.last,
             "gather_memory": self.coordinator.memory.stats(),
         }

@@ -14,8 +14,22 @@ GPU, whatever device torch reports on the CPU). A violation raises ``CollectiveE
 naming the collective, the rank and the tensor, on the CPU as on a GPU, at world size 1
 too. And ``src`` ranks are group ranks, translated to the global ranks
 ``torch.distributed`` expects when the group is not the default one.
+
+[Note: communication volume]
+``infinity.stats(model)["comm"]`` is what this rank sent through collectives in the last
+complete step: ``all_gather_bytes``, ``reduce_scatter_bytes``, ``all_reduce_bytes`` (and
+``broadcast_bytes``, ``calls``). A collective's bytes are those a rank sends in the
+bandwidth-optimal ring algorithm, the accounting of the ZeRO paper (Section 7) and of
+NCCL's bus bandwidth: an all-gather of shards of s bytes sends s (N-1); a reduce-scatter of
+f bytes, f (N-1)/N; an all-reduce of f bytes, 2 f (N-1)/N; a broadcast of f bytes,
+f (N-1)/N. One rank sends nothing. So stage 3, which gathers every parameter in forward and
+again in backward and reduce-scatters every gradient, moves 3 Psi (N-1)/N elements per rank
+and step (plus padding, a tied weight's extra gathers and the step's small all-reduces);
+``infinity-plan`` prints the same figures before a run.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.distributed as dist
@@ -23,6 +37,36 @@ import torch.distributed as dist
 
 class CollectiveError(RuntimeError):
     """A collective was given a tensor its backend would refuse (an engine bug: the message says which)."""
+
+
+class CommLedger:
+    """Bytes this rank sent through collectives, by kind, per step (see [Note: communication volume])."""
+
+    KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.last: dict | None = None
+        self._current = self._empty()
+
+    @classmethod
+    def _empty(cls) -> dict:
+        out: dict = {f"{kind}_bytes": 0 for kind in cls.KINDS}
+        out["calls"] = dict.fromkeys(cls.KINDS, 0)
+        return out
+
+    def sent(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self._current[f"{kind}_bytes"] += int(nbytes)
+            self._current["calls"][kind] += 1
+
+    def close_step(self) -> None:
+        with self._lock:
+            self.last, self._current = self._current, self._empty()
+
+    def discard(self) -> None:
+        with self._lock:
+            self._current = self._empty()
 
 
 class Ranks:
@@ -50,6 +94,7 @@ class Ranks:
             self.backend = dist.get_backend(group)
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
+        self.comm = CommLedger()
 
     def __repr__(self) -> str:
         return f"Ranks(rank={self.rank}, world_size={self.world_size}, backend={self.backend})"
@@ -81,6 +126,7 @@ class Ranks:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
             return
+        self.comm.sent("all_gather", _nbytes(shard) * (self.world_size - 1))
         dist.all_gather_into_tensor(full, shard, group=self.group)
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
@@ -93,25 +139,38 @@ class Ranks:
             if shard.data_ptr() != full.data_ptr():
                 shard.copy_(full)
             return
+        self.comm.sent("reduce_scatter", _ring_share(full, self.world_size))
         dist.reduce_scatter_tensor(shard, full, group=self.group)
         shard.div_(self.world_size)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self._check("all_reduce", tensor)
         if self.world_size > 1:
+            self.comm.sent("all_reduce", 2 * _ring_share(tensor, self.world_size))
             dist.all_reduce(tensor, group=self.group)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         self._check("all_reduce", tensor)
         if self.world_size > 1:
+            self.comm.sent("all_reduce", 2 * _ring_share(tensor, self.world_size))
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """``tensor`` = rank ``src``'s (a rank of this group)."""
         self._check("broadcast", tensor)
         if self.world_size > 1:
+            self.comm.sent("broadcast", _ring_share(tensor, self.world_size))
             dist.broadcast(tensor, src=self._global(src), group=self.group)
 
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _ring_share(tensor: torch.Tensor, world_size: int) -> int:
+    """(N-1)/N of ``tensor``'s bytes: what one rank sends of it in a ring (see [Note: communication volume])."""
+    return _nbytes(tensor) * (world_size - 1) // world_size

@@ -38,15 +38,17 @@ def _ranks(rank, world, workdir):
             opt.zero_grad()
             opt.synchronize()
         expected = plan(TinyGPT(), cfg, world_size=world, check_fit=False)
-        out[preset] = (infinity.stats(model)["transfers"],
+        stats = infinity.stats(model)
+        out[preset] = (stats["transfers"],
                        (expected.host_to_device_bytes, expected.device_to_host_bytes,
-                        expected.nvme_read_bytes, expected.nvme_write_bytes))
+                        expected.nvme_read_bytes, expected.nvme_write_bytes),
+                       (stats["comm"], expected.all_gather_bytes, expected.reduce_scatter_bytes))
     return out
 
 
 def test_two_ranks_keep_the_rules_and_move_their_shards(tmp_path):
     for rank, result in enumerate(run_ranks(_ranks, 2, tmp_path)):
-        for preset, (ledger, (h2d, d2h, nvme_read, nvme_write)) in result.items():
+        for preset, (ledger, (h2d, d2h, nvme_read, nvme_write), (comm, gather, scatter)) in result.items():
             where = f"rank {rank}, {preset}: {ledger}"
             assert ledger["unpooled"] == 0, where
             assert ledger["host_waits"]["forward"] == ledger["host_waits"]["backward"] == 0, where
@@ -55,3 +57,6 @@ def test_two_ranks_keep_the_rules_and_move_their_shards(tmp_path):
             assert ledger["device_to_host"]["bytes"] == d2h, where
             assert ledger["nvme_to_host"]["bytes"] == nvme_read, where
             assert ledger["host_to_nvme"]["bytes"] == nvme_write, where
+            # What the collectives sent is what infinity-plan says for the tied-weight model.
+            assert (comm["all_gather_bytes"], comm["reduce_scatter_bytes"]) == (gather, scatter), (where, comm)
+            assert comm["all_reduce_bytes"] > 0 and comm["calls"]["broadcast"] == 0, comm
