@@ -190,9 +190,11 @@ def _zero(t: _Translation, data: Mapping[str, Any]) -> None:
         if name in handled:
             continue
         if name == "stage":
-            if value != 3:
-                t.skip("zero_optimization.stage", f"{value!r}: infinity always partitions parameters, gradients "
-                       "and optimizer states (stage 3)")
+            if value in (1, 2, 3) and not isinstance(value, bool):
+                t.put("partition.stage", "zero_optimization.stage", value)
+            else:
+                t.skip("zero_optimization.stage", f"{value!r}: infinity partitions the optimizer states at least "
+                       "(stages 1, 2 and 3); stage 0 is plain data parallelism (torch DDP)")
         elif name == "cpu_offload" and value is True:
             t.put("tiers.optimizer", "zero_optimization.cpu_offload", "host")
         elif name == "cpu_offload_params" and value is True:

@@ -22,6 +22,7 @@ Examples
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
@@ -171,6 +172,13 @@ class PartitionConfig(Section):
 
     section: ClassVar[str] = "partition"
 
+    stage: int = 3
+    """ZeRO stage. 3 partitions parameters, gradients and optimizer states over the ranks. 2 keeps whole
+    parameters on every rank's compute device and partitions gradients (reduce-scattered as backward
+    produces them) and optimizer states; with `tiers.optimizer = "host"` it is ZeRO-Offload. 1
+    partitions only the optimizer states: whole gradients accumulate on every rank and are
+    reduce-scattered once per step. Stages 1 and 2 need `tiers.params = "device"`."""
+
     persistence_threshold: Numel = 0
     """Parameters with fewer elements than this stay gathered on the compute device after first use
     instead of being released (biases, norms: saves many tiny fetches); 0 releases all."""
@@ -185,6 +193,8 @@ class PartitionConfig(Section):
     0 means no limit."""
 
     def _check(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
+            raise ConfigError(f"expected 1, 2 or 3, got {self.stage!r}", "partition.stage")
         self._at_least("sub_group_size", 1)
 
 
@@ -323,6 +333,12 @@ class Config:
                 object.__setattr__(self, cls.section, cls(**value))
             elif not isinstance(value, cls):
                 raise ConfigError(f"expected a table of settings, got {show(value)} ({type_name(value)})", cls.section)
+        stage, params = self.partition.stage, self.tiers.params
+        if stage < 3 and params != "device":
+            raise ConfigError(
+                f"stage {stage} keeps whole parameters on every rank's compute device, so tiers.params must be "
+                f"\"device\" (it is {json.dumps(params)}); parameters in host memory or on NVMe are sharded over "
+                "the ranks, which is stage 3", "partition.stage")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:

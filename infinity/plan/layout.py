@@ -124,11 +124,13 @@ class Layout:
         self.largest_numel: int | None = None
         self.largest_trainable_numel = 0
         self.largest_trainable_shard = 0
+        self.trainable_padded_numel = 0   # stage 1: whole gradients held on every rank
+        self.stage = int(cfg.partition.stage)
         for group in census.groups:
             shard = shard_numel(group.numel, world_size)
             padded = shard * world_size
             on_disk = round_up(shard * param_bytes, NVME_ALIGN_BYTES)
-            persistent = threshold > 0 and group.numel < threshold
+            persistent = cfg.partition.stage < 3 or (threshold > 0 and group.numel < threshold)
             self.shard_numel += shard
             self.compute_nvme += on_disk
             fetches = 1 if persistent else group.uses + 1    # each use in forward, once in backward
@@ -139,6 +141,7 @@ class Layout:
                 self.persistent_padded_numel += padded
             if group.trainable:
                 self.trainable_numel += shard
+                self.trainable_padded_numel += padded
                 self.rewrite_nvme += on_disk
                 self.largest_trainable_numel = max(self.largest_trainable_numel, padded)
                 self.largest_trainable_shard = max(self.largest_trainable_shard, shard)
@@ -195,7 +198,7 @@ class Layout:
         if self.params_tier == "nvme" and (cfg.prefetch.enabled or not self.structured):
             yield PlanRow("prefetch_arena", "NVMe read-ahead arena (prefetch.nvme_bytes)", "host",
                           int(cfg.prefetch.nvme_bytes))
-        if self.largest_numel is not None:
+        if self.largest_numel is not None and self.stage == 3:
             yield PlanRow("working_set", f"largest working set: {self.largest_name} gathered "
                           f"({self.largest_numel:,} elements, {dtype})", "device",
                           self.largest_numel * pb)
@@ -215,9 +218,14 @@ class Layout:
             yield PlanRow("device_prefetch", "host->device prefetch budget", "device",
                           int(cfg.prefetch.device_bytes))
         if self.persistent_padded_numel:
-            yield PlanRow("persistent_params", f"groups below persistence_threshold, kept "
-                          f"gathered ({self.persistent_padded_numel:,} elements)", "device",
-                          self.persistent_padded_numel * pb)
+            why = (f"whole parameters on every rank (stage {self.stage})" if self.stage < 3 else
+                   "groups below persistence_threshold")
+            yield PlanRow("persistent_params", f"{why}, kept gathered ({self.persistent_padded_numel:,} elements)",
+                          "device", self.persistent_padded_numel * pb)
+        if self.stage == 1 and self.world_size > 1 and self.trainable_padded_numel:
+            yield PlanRow("whole_grads", f"whole gradients added up on every rank until the step's "
+                          f"reduce-scatter (stage 1, {self.trainable_padded_numel:,} elements, {dtype})", "device",
+                          self.trainable_padded_numel * pb)
 
     def host_to_device_bytes(self) -> int:
         """Bytes one rank copies from host memory to the compute device per step (see [Note: PCIe

@@ -92,6 +92,8 @@ class PlanSettings:
         ``tiers.nvme_path``.
     host_budget : int
         ``tiers.host_budget`` (0: RAM available).
+    stage : int
+        ``partition.stage`` (the ZeRO stage).
     """
 
     world_size: int
@@ -103,6 +105,7 @@ class PlanSettings:
     compute_device: str
     nvme_paths: tuple[str, ...]
     host_budget: int
+    stage: int = 3
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,7 @@ def plan(
         compute_device=cfg.tiers.compute_device(),
         nvme_paths=tuple(str(p) for p in cfg.tiers.nvme_path),
         host_budget=int(cfg.tiers.host_budget),
+        stage=int(cfg.partition.stage),
     )
     shards = ShardSizes(
         shard_numel=layout.shard_numel,

@@ -54,7 +54,7 @@ def render_plan(plan) -> str:
     )
     if ranks > 1:
         lines.append(
-            f"Collectives per step, per rank (ZeRO stage 3; bytes sent): all-gather "
+            f"Collectives per step, per rank (ZeRO stage {st.stage}; bytes sent): all-gather "
             f"{format_gib(plan.all_gather_bytes)} GiB, reduce-scatter {format_gib(plan.reduce_scatter_bytes)} GiB"
         )
     lines.append(_step_time_line(plan))

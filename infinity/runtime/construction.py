@@ -126,9 +126,12 @@ class Partitioner:
         self._drop_orphans(roots)
         self._index_modules(roots)
         config = self.engine.config
+        # Stages 1 and 2 keep whole parameters on every rank: each group is gathered once after an
+        # update and kept (see [Note: ZeRO stages 1 and 2] in infinity/runtime/grads.py).
         threshold = config.partition.persistence_threshold
+        whole = config.partition.stage < 3
         for g in self.coordinator.groups:
-            g.persistent = g.numel < threshold
+            g.persistent = whole or g.numel < threshold
         self._check_budget()
         layout = FlatLayout([g.shard_numel for g in self.coordinator.groups], config.partition.sub_group_size)
         store = OptimizerStateStore(self.tiers.optimizer, layout, self.tiers.allocator, defer_states=True,

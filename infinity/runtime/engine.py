@@ -60,7 +60,8 @@ class Engine:
                                     lambda: max((g.shard_nbytes for g in self.coordinator.groups), default=4096))
         shards = ParamShards(self.tiers.params, self.dtype, self.datapath, staging)
         self.coordinator = Coordinator(shards, self.ranks, self.device)
-        self.reducer = GradReducer(self.coordinator, self.ranks, self.datapath, self.tiers.allocator)
+        self.reducer = GradReducer(self.coordinator, self.ranks, self.datapath, self.tiers.allocator,
+                                   stage=config.partition.stage)
         self.store: OptimizerStateStore | None = None
         self.roots: list[nn.Module] = []
         self.hooks = []
@@ -252,4 +253,5 @@ class Engine:
             "transfers": self.datapath.ledger.last,
             "comm": self.ranks.comm.last,
             "gather_memory": self.coordinator.memory.stats(),
+            "whole_gradient_bytes": self.reducer.whole_nbytes,
         }

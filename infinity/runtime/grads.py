@@ -22,6 +22,17 @@ reads the gradients) asks (``settle``). On the CPU a download is done at once.
 Groups whose parameters received no gradient in a pass (unused branches) are flushed
 by a callback queued at the end of backward, so the collectives are issued in the
 same order on every rank.
+
+[Note: ZeRO stages 1 and 2]
+Stage 3 is the flow above. Stage 2 keeps whole parameters on every rank: each group is
+persistent, gathered once after an update and kept through forward and backward, so a
+step all-gathers every parameter once, and its gradients flow as above, reduce-scattered
+bucket by bucket as backward produces them: 2 Psi (N-1)/N sent per rank and step.
+Stage 1 partitions only the optimizer states: each rank adds its whole gradients up in a
+per-group buffer on the compute device (``whole``: the group's padded flat, compute dtype,
+made once) over however many micro-batches, and they are reduce-scattered to their owners
+once per step, when the step (or a clip, or ``zero_grad``) first asks for the gradients
+(``reduce_whole``); with one rank there is nothing to reduce and stage 1 flows as stage 2.
 """
 from __future__ import annotations
 
@@ -81,6 +92,13 @@ class _Landed:
             f.wait()
 
 
+class _Kept:
+    """Device memory that stays with its owner (stage 1's whole gradient): nothing to give back."""
+
+    def release(self) -> None:
+        pass
+
+
 class GradReducer:
     """Turns per-parameter gradients into accumulated fp32 gradient shards.
 
@@ -98,8 +116,13 @@ class GradReducer:
     The optimizer state store, which accumulates the shards, is attached once it exists.
     """
 
-    def __init__(self, coordinator, ranks, datapath, allocator) -> None:
+    def __init__(self, coordinator, ranks, datapath, allocator, stage: int = 3) -> None:
         self.coordinator = coordinator
+        # Stage 1 on several ranks: whole gradients wait on the device for one reduce-scatter per step.
+        self.defer = stage == 1 and ranks.world_size > 1
+        self._whole: dict[ParamGroup, torch.Tensor] = {}
+        self._waiting: list[ParamGroup] = []     # groups with a whole gradient not reduced yet
+        self._read_until: dict[ParamGroup, object] = {}     # whole gradient -> its download's event
         self.ranks = ranks
         self.datapath = datapath
         self.store = None
@@ -133,6 +156,11 @@ class GradReducer:
                       default=4096)
         self.host_buckets = Arena(self.allocator.empty, 2 * largest, name="gradient-host")
 
+    @property
+    def whole_nbytes(self) -> int:
+        """Device bytes of stage 1's whole-gradient buffers (0 at other stages)."""
+        return sum(t.numel() * t.element_size() for t in self._whole.values())
+
     def positions(self, params) -> torch.Tensor:
         """Where ``params``' arrival flags are in ``book.arrived``, after the flag slot 0 (a device index)."""
         return torch.tensor([0] + [self._position[p] for p in params], dtype=torch.long, device=self.device)
@@ -151,6 +179,14 @@ class GradReducer:
         arrived = sum(grad is not None for grad in grads)
         flat = self._accumulator(group)
         loan = None
+        first_whole = self.defer and group not in self._waiting
+        if first_whole:
+            flat = self._whole.get(group)
+            if flat is None:
+                flat = self._whole[group] = torch.empty(group.padded_numel, dtype=group.dtype, device=self.device)
+            done = self._read_until.pop(group, None)
+            if done is not None:
+                self.datapath.use(done)     # the last step's download of it came first (on the device)
         if flat is None:
             loan = self.device_buckets.take(group.full_nbytes, f"gradients {group.name}")
             flat = loan.tensor.view(group.dtype)[:group.padded_numel]
@@ -166,7 +202,12 @@ class GradReducer:
             for param, grad in zip(params, grads):
                 if grad is not None:
                     self.book.arrived[self._position[param]] = 1.0
-        if loan is None:
+        if first_whole:
+            self._waiting.append(group)         # reduced once per step (reduce_whole)
+        elif self.defer:
+            self._whole[group].add_(flat)       # a later micro-batch adds into the whole gradient
+            self.coordinator.memory.give_back(loan)
+        elif loan is None:
             self.book.norm_sq += torch.dot(flat, flat)      # written in place: nothing to reduce or send
         else:
             self._reduce(group, flat, loan)
@@ -206,20 +247,23 @@ class GradReducer:
             self.book.exact = False     # a second micro-batch: the norm of the sum is not the sum of norms
         self._send(group, shard, memory)
 
-    def _send(self, group: ParamGroup, shard: torch.Tensor, device_memory) -> None:
-        """The shard to the optimizer's accumulator: in place on the device, or downloaded to the host."""
+    def _send(self, group: ParamGroup, shard: torch.Tensor, device_memory):
+        """The shard to the optimizer's accumulator: in place on the device, or downloaded to the host.
+
+        Returns the download's event (None when nothing left the device): ``shard``'s memory is
+        read until then."""
         store = self.store
         if store.tier.kind == "device":
             store.accumulate_grad(group.index, shard)
             self.coordinator.memory.give_back(device_memory)   # the addition may still be queued
-            return
+            return None
         direct = store.direct_grad(group.index, shard.dtype)
         if direct is not None:     # fp32 into a host accumulator: no staging on the host
             for offset, numel, target in direct:
                 done = self.datapath.download(target, shard[offset:offset + numel])
             self.datapath.when_done(done, device_memory.release)
             self._sent.append((group.index, None, done, 0, None))
-            return
+            return done
         host = self.host_buckets.take(group.shard_nbytes, f"gradients {group.name}")
         if host is None:            # both buffers still in use: let their copies and writes finish
             self.settle()
@@ -228,9 +272,26 @@ class GradReducer:
         self.datapath.when_done(done, device_memory.release)
         self._sent.append((group.index, host, done, group.shard_numel, group.dtype))
         self.settle(wait=False)
+        return done
 
-    def settle(self, wait: bool = True) -> None:
-        """Add the downloaded shards whose copies are done into the store (all of them, with ``wait``)."""
+    def reduce_whole(self) -> None:
+        """Stage 1: reduce-scatter the whole gradients added up since the last step and send each
+        rank's shard to the optimizer, in group order (the same on every rank)."""
+        waiting, self._waiting = self._waiting, []
+        for group in sorted(waiting, key=lambda g: g.index):
+            whole = self._whole[group]
+            shard = group.shard_of(whole)
+            self.ranks.reduce_scatter_mean(shard, whole)
+            self.book.norm_sq += torch.dot(shard.float(), shard.float())
+            self._read_until[group] = self._send(group, shard, _Kept())
+        self.settle(wait=False, reduce=False)
+
+    def settle(self, wait: bool = True, reduce: bool = True) -> None:
+        """Add the downloaded shards whose copies are done into the store (all of them, with ``wait``).
+
+        With ``wait`` (and ``reduce``), stage 1's whole gradients are reduced first (``reduce_whole``)."""
+        if wait and reduce and self._waiting:
+            self.reduce_whole()
         left = []
         for index, host, done, numel, dtype in self._sent:
             if not done.query():

@@ -1,5 +1,8 @@
 """Communication volume (``infinity.stats(model)["comm"]``) against the ZeRO paper's analysis.
 
+Stages 1 and 2 all-gather the updated parameters once and reduce-scatter the gradients once:
+2 Psi (N-1)/N elements per rank and step.
+
 Stage 3 gathers every parameter in forward and again in backward and reduce-scatters every
 gradient: 3 Psi (N-1)/N elements sent per rank and step, in the compute dtype (see [Note:
 communication volume] in infinity/runtime/ranks.py). The model here has no tied weight and
@@ -26,10 +29,10 @@ def mlp() -> nn.Module:
     return nn.Sequential(*[nn.Linear(D, D) for _ in range(4)])
 
 
-def _train(rank, world, workdir, dtype):
-    cfg = load_config("offload-host", overrides={
+def _train(rank, world, workdir, dtype, stage=3):
+    cfg = load_config("offload-host" if stage == 3 else "offload-optimizer", overrides={
         "tiers": {"device": "cpu", "nvme_path": workdir}, "precision": {"dtype": dtype},
-        "partition": {"persistence_threshold": 0}})
+        "partition": {"persistence_threshold": 0, "stage": stage}})
     torch.manual_seed(0)
     with infinity.Init(cfg):
         model = mlp()
@@ -58,6 +61,20 @@ def test_stage_3_sends_three_psi_per_rank_as_the_zero_paper_says(tmp_path, world
         # The step's non-finite flags and gradient norm: a few bytes per parameter tensor, no more.
         assert 0 < comm["all_reduce_bytes"] < 0.01 * paper, where
         assert comm["calls"]["all_gather"] == 2 * 4 and comm["calls"]["reduce_scatter"] == 4, where
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_send_two_psi_per_rank(tmp_path, stage):
+    world, itemsize = 2, 2
+    psi = sum(p.numel() for p in mlp().parameters())
+    paper = comm_per_rank(psi, world, stage=stage, param_bytes=itemsize, grad_bytes=itemsize)
+    assert paper == 2 * psi * itemsize * (world - 1) // world
+    for rank, (comm, gather, scatter) in enumerate(run_ranks(_train, world, tmp_path, "bfloat16", stage)):
+        where = f"stage {stage}, rank {rank} of {world}: {comm}"
+        assert comm["all_gather_bytes"] == gather and comm["reduce_scatter_bytes"] == scatter, where
+        sent = comm["all_gather_bytes"] + comm["reduce_scatter_bytes"]
+        assert paper <= sent <= 1.15 * paper, (where, sent, paper)
+        assert comm["calls"]["all_gather"] == 4 and comm["calls"]["reduce_scatter"] == 4, where
 
 
 def test_one_rank_sends_nothing():

@@ -23,7 +23,7 @@ CONTRACT_DEFAULTS = {
               "numa_node": None, "pin_memory": "auto", "pool_buffer_size": 64 * MiB, "pool_buffers": 8},
     "aio": {"block_size": 8 * MiB, "queue_depth": 32, "threads": 4, "engine": "auto", "direct": True},
     "precision": {"dtype": "float32"},
-    "partition": {"persistence_threshold": 0, "sub_group_size": 32 * MiB, "max_live_parameters": 0},
+    "partition": {"stage": 3, "persistence_threshold": 0, "sub_group_size": 32 * MiB, "max_live_parameters": 0},
     "prefetch": {"enabled": True, "nvme_bytes": 256 * MiB, "device_bytes": 128 * MiB, "reuse_distance": 0,
                  "log_every": 0},
     "tiling": {"enabled": True, "threshold": 2**30, "tiles": 0, "max_tile_bytes": 256 * MiB, "modules": ()},

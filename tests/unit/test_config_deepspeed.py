@@ -103,7 +103,11 @@ def test_other_offload_devices_stages_and_precisions():
     cfg, skipped = from_deepspeed({"fp16": {"enabled": True}, "zero_optimization": {
         "stage": 2, "offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}}})
     assert (cfg.tiers.params, cfg.tiers.optimizer, cfg.precision.dtype) == ("device", "device", "float16")
-    assert [line.split(":")[0] for line in skipped] == ["zero_optimization.stage"]
+    assert cfg.partition.stage == 2 and skipped == []
+    cfg, skipped = from_deepspeed({"zero_optimization": {"stage": 0}})
+    assert cfg.partition.stage == 3 and [line.split(":")[0] for line in skipped] == ["zero_optimization.stage"]
+    with pytest.raises(ConfigError, match=r"stage 1 keeps whole parameters"):
+        from_deepspeed({"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}})
     cfg, _ = from_deepspeed({"zero_optimization": {"stage3_prefetch_bucket_size": 1000}})
     assert cfg.prefetch.device_bytes == 4000  # float32: 4 bytes per element
     cfg, _ = from_deepspeed({"zero_optimization": {"offload_param": {"device": "cpu", "pin_memory": False},
