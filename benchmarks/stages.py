@@ -49,11 +49,12 @@ def config(args, stage: int, nvme: str):
 
 
 def measured_bytes(stats: dict) -> dict:
-    """Device and host bytes this rank holds: the tiers' keys, the gather arena's peak, whole gradients."""
+    """Device and host bytes this rank holds: the tiers' keys, the gather arena's peak, whole gradients
+    (device), the host allocator's current bytes (host)."""
     tiers = stats["tiers"]
     device = tiers.get("device", {}).get("bytes_in_use", 0) + stats["gather_memory"]["peak_bytes"]
     device += stats["whole_gradient_bytes"]
-    host = tiers.get("host_allocator", {}).get("peak_bytes", 0)
+    host = tiers.get("host_allocator", {}).get("bytes_allocated", 0)   # held now, not construction's peak
     return {"device": device, "host": host}
 
 
