@@ -46,8 +46,8 @@ sides. The all-gather and the reduce-scatter run between devices and are not cou
 engine's ledger (``infinity.stats(model)["transfers"]``) counts the same bytes, with one exception
 the plan cannot see from the model's structure: a weight passed as an argument to a module that
 does not hold it (the example GPT's output head uses the token embedding's weight so) is gathered
-once more per such call, in forward and backward alike (at GPT 125M fp32: 8% more host->device
-bytes than the plan's figure).
+for that module too: one more gather of it per step than the plan counts (GPT 125M: 154 MB of
+1.15 GB host->device bytes in fp32).
 
 [Note: padding]
 Each group's flat buffer is padded so that every rank's shard is a whole multiple of
