@@ -8,6 +8,7 @@ by forward pre-hooks) against plain ``torch.optim.AdamW``, step by step.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -37,14 +38,34 @@ def make(tmp_path, params, optimizer, overlap=True, prefetch=True, sub_group_siz
 
 @pytest.fixture
 def slow_update(monkeypatch):
-    """Each finished sub-group is announced 3 ms late, so the next forward catches the update midway."""
-    announce = BackgroundUpdate.sub_done
+    """The next forward catches the update midway, whatever the machine's load: each job holds back
+    its first sub-group until a fetch has found a group the job has not rewritten yet, or the main
+    thread waits for the whole job (``synchronize``, the next step), and announces the others 3 ms late."""
+    announce, wait_ready, wait_job = BackgroundUpdate.sub_done, BackgroundUpdate.wait_ready, BackgroundUpdate.wait
+    asked = threading.Event()
 
     def late(self, sub, copy_writes=()):
-        time.sleep(0.003)
+        if sub == 0:
+            asked.wait(30.0)    # only a guard: one of the two waits below always comes
+            asked.clear()
+        else:
+            time.sleep(0.003)
         announce(self, sub, copy_writes)
 
+    def waiting(self, group):
+        if not self.ready(group):
+            asked.set()
+        return wait_ready(self, group)
+
+    def waiting_for_all(self):
+        asked.set()
+        return wait_job(self)
+
     monkeypatch.setattr(BackgroundUpdate, "sub_done", late)
+    monkeypatch.setattr(BackgroundUpdate, "wait_ready", waiting)
+    monkeypatch.setattr(BackgroundUpdate, "wait", waiting_for_all)
+    yield
+    asked.set()     # a job still held back at the test's end goes on
 
 
 @pytest.mark.parametrize("params,optimizer", LAYOUTS)
