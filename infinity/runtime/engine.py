@@ -17,6 +17,7 @@ from torch import nn
 from infinity.config import Config
 from infinity.errors import EngineError
 from infinity.optim.flat_state import OptimizerStateStore
+from infinity.optim.grad_face import GradFace
 from infinity.param_group import ParamGroup
 from infinity.prefetch import Prefetcher
 from infinity.runtime.coordinator import Coordinator
@@ -73,6 +74,7 @@ class Engine:
         self._foreign = ForeignParamWatch(self.coordinator.group_of, self.on_foreign_use)
         self._grad_hooks: dict[ParamGroup, object] = {}     # armed for the coming backward
         self.step_stats: list[dict] = []
+        self.grad_face: GradFace | None = None      # what torch sees as .grad (made in finalize)
 
     @property
     def layout(self):
@@ -83,6 +85,9 @@ class Engine:
         """Construction is over: take the state store, install the hooks, start the prefetcher."""
         self.store = store
         self.reducer.attach(store)
+        names = {p: n for root in roots for n, p in reversed(list(root.named_parameters(remove_duplicate=False)))}
+        self.grad_face = GradFace(self, names)
+        self.reducer.mark_grads = self.grad_face.mark
         for root in roots:
             self.hooks.append(install_hooks(root, self))
         self.roots = list(roots)
@@ -166,6 +171,7 @@ class Engine:
 
     def _enter_backward(self) -> None:
         if not self._backward_active:
+            self.grad_face.before_backward()    # zero_grad() through .grad, then autograd writes None .grad
             self._backward_active = True
             self.datapath.set_phase("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
