@@ -18,6 +18,7 @@ from infinity.config import Config
 from infinity.errors import EngineError
 from infinity.optim.flat_state import OptimizerStateStore
 from infinity.optim.grad_face import GradFace
+from infinity.optim.torch_guard import TorchOptimizerGuard
 from infinity.param_group import ParamGroup
 from infinity.prefetch import Prefetcher
 from infinity.runtime.coordinator import Coordinator
@@ -88,6 +89,8 @@ class Engine:
         names = {p: n for root in roots for n, p in reversed(list(root.named_parameters(remove_duplicate=False)))}
         self.grad_face = GradFace(self, names)
         self.reducer.mark_grads = self.grad_face.mark
+        guard = TorchOptimizerGuard(self, names)      # torch.optim over these parameters raises
+        weakref.finalize(roots[0], guard.remove)
         for root in roots:
             self.hooks.append(install_hooks(root, self))
         self.roots = list(roots)

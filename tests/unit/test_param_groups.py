@@ -121,3 +121,16 @@ def test_parameters_not_built_in_init_are_refused(tmp_path):
     with pytest.raises(EngineError, match="already has an infinity optimizer"):
         infinity.AdamW(model)
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_a_torch_optimizer_over_engine_parameters_raises_at_its_first_step(tmp_path, cls):
+    model, ref = _pair(_cfg("host", "host", tmp_path))
+    opt = cls(model.parameters(), lr=1e-2)
+    idx, tgt = batches(1, 2)[0]
+    model(idx, tgt).backward()
+    with pytest.raises(EngineError, match=r"holds 'wpe', a parameter of a model built in infinity.Init.*use infinity.AdamW"):
+        opt.step()
+    plain = cls(ref.parameters(), lr=1e-2)      # optimizers of other models step as usual
+    ref(idx, tgt).backward()
+    plain.step()
