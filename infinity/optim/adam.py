@@ -57,7 +57,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         from the next step on, with the group's hyper-parameters)."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        param_groups.check_hyper(group, f"{self._name} param group {len(self.param_groups) - 1}")
+        param_groups.check_hyper(group, self._name, len(self.param_groups) - 1)
         group["betas"] = tuple(group["betas"])
         for p in group["params"]:
             if p not in self.engine.coordinator.group_of:

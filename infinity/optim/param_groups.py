@@ -64,15 +64,16 @@ def resolve(params, what: str):
     return engine, groups
 
 
-def check_hyper(group: dict, what: str) -> None:
+def check_hyper(group: dict, what: str, index: int) -> None:
     """Torch's checks of one group's hyper-parameters, with the group's index in the message."""
     lr, betas, eps = group["lr"], group["betas"], group["eps"]
+    where = f" (param group {index})"
     if not 0.0 <= float(lr):
-        raise ValueError(f"{what}: lr must be >= 0, got {lr}")
+        raise ValueError(f"{what}: lr must be >= 0, got {lr}{where}")
     if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ValueError(f"{what}: betas must be in [0, 1), got {betas}")
+        raise ValueError(f"{what}: betas must be in [0, 1), got {betas}{where}")
     if not float(eps) > 0.0:
-        raise ValueError(f"{what}: eps must be > 0, got {eps}")
+        raise ValueError(f"{what}: eps must be > 0, got {eps}{where}")
 
 
 def hyper_sets(param_groups) -> list[tuple[float, float, float, float, float]]:

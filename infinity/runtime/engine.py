@@ -19,7 +19,7 @@ from infinity.errors import EngineError
 from infinity.optim.flat_state import OptimizerStateStore
 from infinity.optim.grad_face import GradFace
 from infinity.optim.torch_guard import TorchOptimizerGuard
-from infinity.param_group import ParamGroup
+from infinity.param_group import ParamGroup, ParamState
 from infinity.prefetch import Prefetcher
 from infinity.runtime.coordinator import Coordinator
 from infinity.runtime.datapath import DataPath
@@ -233,6 +233,22 @@ class Engine:
             self.prefetcher.end_backward()
 
     # -- whole-model access ----------------------------------------------------------------------
+    def before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``state_dict()`` of a released parameter's values is refused: they are only shards.
+
+        (``keep_vars=True`` asks for the parameters themselves, as checkpoints do for the keys.)
+        """
+        if keep_vars:
+            return
+        for name, p in module.named_parameters(recurse=False):
+            group = self.coordinator.group_of.get(p)
+            if group is not None and group.state is not ParamState.AVAILABLE:
+                raise EngineError(
+                    f"state_dict(): parameter {prefix + name!r} is released (its values are shards over "
+                    "ranks and tiers); take the state dict (or save_pretrained) inside "
+                    "`with infinity.gathered(model):`, or save with infinity.save_checkpoint and "
+                    "infinity-consolidate")
+
     def groups_of(self, model: nn.Module) -> list[ParamGroup]:
         seen = []
         for m in model.modules():

@@ -119,3 +119,14 @@ def test_clipping_only_some_parameters_is_refused(tmp_path):
     torch.nn.utils.clip_grad_norm_(list(model.blocks.parameters()), 1e-4)
     with pytest.raises(EngineError, match="clip all parameters together"):
         opt.step()
+
+
+def test_state_dict_outside_gathered_raises_naming_the_parameter(tmp_path):
+    model, ref = _pair(_cfg("host", "host", tmp_path))
+    with pytest.raises(EngineError, match=r"parameter 'wpe' is released.*infinity.gathered"):
+        model.state_dict()
+    with pytest.raises(EngineError, match=r"parameter 'blocks.0.ln1.weight' is released"):
+        model.blocks.state_dict(prefix="blocks.")
+    with infinity.gathered(model):
+        sd = model.state_dict()
+        assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
