@@ -35,11 +35,11 @@ class TorchOptimizerGuard:
         engine = self._engine()
         if engine is None or optimizer is engine.optimizer:
             return
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self._checked.get(optimizer) == len(params):
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        if self._checked.get(optimizer) == count:
             return
         managed = engine.coordinator.group_of
-        for p in params:
+        for p in (p for group in optimizer.param_groups for p in group["params"]):
             if p in managed:
                 name = self._names.get(p, f"a parameter of shape {tuple(p.shape)}")
                 raise EngineError(
@@ -47,7 +47,7 @@ class TorchOptimizerGuard:
                     "parameter of a model built in infinity.Init, whose values and gradients live in infinity's "
                     "shards, so it would update nothing; use infinity.AdamW (or infinity.Adam) with the same "
                     "arguments: infinity.AdamW(model.parameters(), lr=...) or torch-style param groups")
-        self._checked[optimizer] = len(params)
+        self._checked[optimizer] = count
 
     def remove(self) -> None:
         self.handle.remove()
