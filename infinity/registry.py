@@ -36,3 +36,16 @@ def engine_of(model: nn.Module, what: str = "this call"):
             f"{what}: {type(model).__name__} was not built inside infinity.Init, so its parameters "
             "are not sharded; construct it under `with infinity.Init(config): model = ...`")
     return engine
+
+
+def engine_of_param(param, what: str = "this call"):
+    """The engine managing ``param`` (a parameter of a model built inside ``infinity.Init``), or None."""
+    seen = set()
+    for ref in list(_ENGINES.values()):
+        engine = ref()
+        if engine is None or id(engine) in seen:
+            continue
+        seen.add(id(engine))
+        if param in engine.coordinator.group_of:
+            return engine
+    return None

@@ -192,11 +192,15 @@ def _restore_optimizer(opt, manifest: dict) -> None:
     saved = manifest.get("optimizer")
     if saved is None:
         return
-    group = opt.param_groups[0]
-    for key, value in saved["hyper"].items():
-        if isinstance(group.get(key), tuple) and isinstance(value, list):
-            value = tuple(value)
-        group[key] = value
+    per_group = saved.get("groups") or [saved["hyper"]] * len(opt.param_groups)
+    if len(per_group) != len(opt.param_groups):
+        raise CheckpointMismatchError(f"infinity.load_checkpoint: the checkpoint's optimizer has {len(per_group)} param "
+                              f"groups, this one {len(opt.param_groups)}")
+    for group, hyper in zip(opt.param_groups, per_group):
+        for key, value in hyper.items():
+            if isinstance(group.get(key), tuple) and isinstance(value, list):
+                value = tuple(value)
+            group[key] = value
     opt.step_count = int(saved["step"])
     if hasattr(opt, "skipped_steps"):
         opt.skipped_steps = int(saved.get("skipped_steps", 0))

@@ -222,9 +222,9 @@ def _buffer_entries(buffers: dict[str, torch.Tensor]) -> list[dict]:
     return entries
 
 
-def _jsonable_hyper(opt) -> dict:
+def _jsonable_hyper(group: dict) -> dict:
     out = {}
-    for key, value in opt.param_groups[0].items():
+    for key, value in group.items():
         if key == "params":
             continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -242,7 +242,8 @@ def _global_manifest(engine, opt, description: dict, save_id: str, step: int, ch
     layout = engine.layout
     optimizer = None
     if opt is not None:
-        optimizer = {"class": type(opt).__name__, "hyper": _jsonable_hyper(opt), "step": opt.step_count,
+        optimizer = {"class": type(opt).__name__, "hyper": _jsonable_hyper(opt.param_groups[0]),
+                     "groups": [_jsonable_hyper(g) for g in opt.param_groups], "step": opt.step_count,
                      "skipped_steps": int(getattr(opt, "skipped_steps", 0)),
                      "param_steps": opt.param_steps() if hasattr(opt, "param_steps") else {}}
     return {

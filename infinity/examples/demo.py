@@ -4,7 +4,8 @@ What it does, in order:
 1. makes a temporary swap directory (removed at the end, even on error);
 2. builds the ``20M`` example GPT inside ``infinity.Init`` with the ``nvme`` preset:
    each module's parameters go to swap files as soon as the module is built;
-3. trains a few dozen steps on the bundled text, showing loss, tokens/s, the
+3. trains a few dozen steps on the bundled text (the learning rate warmed up over the first third,
+   gradients clipped to norm 1 with ``torch.nn.utils.clip_grad_norm_``), showing loss, tokens/s, the
    fraction of time spent waiting for reads and the bytes held in each tier;
 4. saves a checkpoint (when ``infinity.checkpoint`` is part of this build) and
    writes the JSON report, and prints where both went and a summary table:
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = args.checkpoint or (made_ckpt := tempfile.mkdtemp(prefix="infinity-demo-checkpoint-"))
     options = TrainOptions(config=args.config, model_size=args.model_size, steps=args.steps, batch=args.batch,
                            seq=args.seq, nvme_dir=swap, json=_report_path(args.json), checkpoint=checkpoint,
-                           data="text", lr=1e-3, seed=0)
+                           data="text", lr=1e-3, seed=0, warmup_steps=max(1, args.steps // 3), max_grad_norm=1.0)
     print(f"infinity demo: GPT {args.model_size} ({cfg.n_params / 1e6:.1f} M parameters, model states "
           f"{format_bytes(cfg.states_nbytes())}), {args.steps} steps of {args.batch} x {args.seq} tokens "
           f"of the bundled text\nconfig {args.config!r}; swap files in {swap} (removed at the end)", flush=True)
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     if made_ckpt and not (report.get("checkpoint") or {}).get("path"):
         shutil.rmtree(made_ckpt, ignore_errors=True)
     print(summary_table(report), flush=True)
+    if made_ckpt and os.path.isdir(made_ckpt):
+        print(f"the checkpoint is in {made_ckpt}: load it with infinity.load_checkpoint, or delete it "
+              f"(rm -r {made_ckpt}); --no-checkpoint skips it", flush=True)
     s = report["summary"]
     if s and s["last_loss"] >= s["first_loss"]:
         print(f"warning: the loss did not fall ({s['first_loss']:.4f} -> {s['last_loss']:.4f})", file=sys.stderr)

@@ -57,6 +57,9 @@ class TrainOptions:
         ``random``, ``repeat`` or ``text`` (see ``data.py``).
     lr, weight_decay, seed:
         AdamW settings and the seed of the weights and the data.
+    warmup_steps, max_grad_norm:
+        Steps of linear learning-rate warm-up (a torch ``LambdaLR``; 0: none) and the gradient
+        norm ``torch.nn.utils.clip_grad_norm_`` clips to (0: no clipping), for both engines.
     engine:
         ``infinity``, or ``torch`` for the plain-PyTorch baseline.
     overrides:
@@ -78,6 +81,8 @@ class TrainOptions:
     lr: float = 3e-4
     weight_decay: float = 0.0
     seed: int = 0
+    warmup_steps: int = 0
+    max_grad_norm: float = 0.0
     engine: str = "infinity"
     overrides: tuple[str, ...] = ()
     layers: int | None = None
@@ -281,6 +286,8 @@ def train(options: TrainOptions, progress: Progress | None = None) -> dict:
     meter = StepMeter(run.model, sync=sync)
     source = data.batches(options.data, options.batch, seq, model_cfg.vocab_size, seed=options.seed,
                           rank=rank, device=run.device)
+    warmup = options.warmup_steps
+    schedule = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     for step in range(options.steps):
         x, y = next(source)
         meter.begin()
@@ -291,7 +298,10 @@ def train(options: TrainOptions, progress: Progress | None = None) -> dict:
             loss = run.model(x, y)
         loss.backward()
         meter.forward_backward_done()
+        if options.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(run.model.parameters(), options.max_grad_norm)
         run.optimizer.step()
+        schedule.step()
         run.optimizer.zero_grad()
         record = meter.end(loss=loss.item(), tokens=x.numel() * world)
         if progress is not None and rank == 0:
@@ -363,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-steps", type=int, default=0, help="steps of linear learning-rate warm-up")
+    p.add_argument("--max-grad-norm", type=float, default=0.0, help="clip gradients to this norm (0: off)")
     p.add_argument("--engine", default="infinity", choices=ENGINES,
                    help="infinity, or torch: the same model with torch.optim.AdamW and no offload")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",

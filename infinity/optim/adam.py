@@ -17,6 +17,7 @@ from torch import nn
 
 from infinity import registry
 from infinity.errors import EngineError
+from infinity.optim import param_groups
 from infinity.optim.checks import GradientChecks
 from infinity.optim.job import StepJob
 from infinity.optim.ranges import ParamSteps, UpdateRanges
@@ -30,42 +31,66 @@ class _OffloadAdam(torch.optim.Optimizer):
     _decoupled = True
     _name = "infinity.AdamW"
 
-    def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
-        engine = registry.engine_of(model, self._name)
+        engine, groups = param_groups.resolve(params, self._name)
         if engine.optimizer is not None:
             raise EngineError(f"{self._name}: this model already has an infinity optimizer; create one per model")
-        if not 0.0 <= lr:
-            raise ValueError(f"{self._name}: lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"{self._name}: betas must be in [0, 1), got {betas}")
-        if not eps > 0.0:
-            raise ValueError(f"{self._name}: eps must be > 0, got {eps}")
-        groups = engine.coordinator.groups
-        for name, p in model.named_parameters():
-            if engine.coordinator.group_of.get(p) is None:
-                raise EngineError(
-                    f"{self._name}: parameter {name!r} of {type(model).__name__} is not managed by infinity "
-                    "(added after infinity.Init exited?), so it would never be updated; build the whole "
-                    "model inside infinity.Init")
-        params = [s.param for g in groups for s in g.slots if s.param.requires_grad]
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.engine = engine
         self.store = engine.store
+        self._ranges = None
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.step_count = 0
         self.skipped_steps = 0
         self._calls = 0
-        chosen = {id(p) for p in params}
-        slots = [(g, s) for g in groups for s in g.slots if id(s.param) in chosen]
-        names: dict[int, str] = {}
-        for name, p in model.named_parameters():
-            names.setdefault(id(p), name)
-        self._ranges = UpdateRanges(groups, self.store.layout, params)
-        self._param_steps = ParamSteps(slots, self.store.layout, names, self._name)
-        self._checks = GradientChecks(self.store, engine.reducer, engine.ranks, slots, engine.datapath)
+        self._names: dict[int, str] = {}
+        for root in engine.roots:
+            for name, p in root.named_parameters():
+                self._names.setdefault(id(p), name)
+        self._select()
         update = UpdatePass(self.store, engine.coordinator, self._ranges, engine.device, engine.tiers.allocator)
         self._updates = UpdateScheduler(engine, update, self._ranges.trainable, self._name)
         engine.attach_optimizer(self, self._updates)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a param group, as ``torch.optim.Optimizer.add_param_group`` (its parameters are updated
+        from the next step on, with the group's hyper-parameters)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        param_groups.check_hyper(group, self._name, len(self.param_groups) - 1)
+        group["betas"] = tuple(group["betas"])
+        for p in group["params"]:
+            if p not in self.engine.coordinator.group_of:
+                raise EngineError(f"{self._name}.add_param_group: a parameter of shape {tuple(p.shape)} is not "
+                                  "managed by this model's infinity engine")
+        if self._ranges is not None:
+            self._select()
+
+    def _select(self) -> None:
+        """Which parameters the update changes, in which groups (the constructor, ``add_param_group``)."""
+        engine = self.engine
+        groups = engine.coordinator.groups
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        chosen = {id(p) for p in params}
+        slots = [(g, s) for g in groups for s in g.slots if id(s.param) in chosen]
+        self._hyper_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        ranges = UpdateRanges(groups, self.store.layout, params)
+        if self._ranges is not None:
+            if self._updates.delay is not None and ranges.trainable - self._ranges.trainable:
+                raise EngineError(f"{self._name}.add_param_group: with dpu.enabled the parameters an optimizer "
+                                  "steps are fixed at its construction; pass every group to the constructor")
+            self._updates.update.ranges = ranges
+        steps: dict[str, int] = {}
+        if self._ranges is not None:      # parameters joining now start at Adam step 0, as in torch
+            steps = self._param_steps.as_dict(self.step_count)
+            before = {id(s.param) for _, s in self._param_steps.slots}
+            steps.update({self._names[id(s.param)]: 0 for _, s in slots if id(s.param) not in before})
+        self._ranges = ranges
+        self._param_steps = ParamSteps(slots, self.store.layout, self._names, self._name)
+        self._param_steps.load(steps, self.step_count, "optimizer")
+        clip_coef = getattr(self, "_checks", None) and self._checks.clip_coef
+        self._checks = GradientChecks(self.store, engine.reducer, engine.ranks, slots, engine.datapath)
+        self._checks.clip_coef = clip_coef or None
 
     @property
     def updates(self) -> UpdateScheduler:
@@ -94,9 +119,11 @@ class _OffloadAdam(torch.optim.Optimizer):
         engine.datapath.set_phase("step")
         try:
             engine.reducer.settle()     # shards still on their way to the host are added now
+            engine.grad_face.before_step()
             if not self.store.has_grad:
                 raise EngineError(f"{self._name}.step() called before backward(): there are no gradients "
                                   "to apply (call loss.backward() first)")
+            clip_coef = self._clip_coef()
             self._calls += 1
             self._updates.begin_step()
             nonfinite, with_grad = self._checks.exchange()
@@ -107,23 +134,34 @@ class _OffloadAdam(torch.optim.Optimizer):
             if delayed:
                 self._updates.publish_finished()
             self.step_count += 1
-            self._updates.run(self._job(delayed, with_grad))
+            self._updates.run(self._job(delayed, with_grad, clip_coef))
         finally:
             engine.datapath.set_phase("idle")
         return None
 
-    def _job(self, delayed: bool, with_grad: set[int]) -> StepJob:
-        hp = self.param_groups[0]
+    def _job(self, delayed: bool, with_grad: set[int], clip_coef: float | None) -> StepJob:
+        hypers = param_groups.hyper_sets(self.param_groups)
+        uniform = len(set(hypers)) == 1
         self.store.flush()  # gradient writes the backward issued to the tier must land before the pass reads
         updated = frozenset(self._ranges.trainable & self.store.grad_written)
         self._param_steps.count_missing(with_grad)
-        runs = self._param_steps.runs(updated, with_grad, self.step_count) if self._param_steps.lagging else None
-        return StepJob(step=self.step_count, call=self._calls, lr=float(hp["lr"]), beta1=float(hp["betas"][0]),
-                       beta2=float(hp["betas"][1]), eps=float(hp["eps"]), weight_decay=float(hp["weight_decay"]),
-                       decoupled=self._decoupled, clip_coef=self._checks.take_clip_coef(),
+        runs = None
+        if self._param_steps.lagging or not uniform:
+            runs = self._param_steps.runs(updated, with_grad, self.step_count, None if uniform else self._hyper_of)
+        lr, beta1, beta2, eps, weight_decay = hypers[0]
+        return StepJob(step=self.step_count, call=self._calls, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=weight_decay, decoupled=self._decoupled, clip_coef=clip_coef,
                        grad_keys=self._updates.grad_keys(delayed), updated=updated,
                        param_keys=self._updates.param_keys(updated), delayed=delayed,
-                       overlapped=not delayed and self._updates.overlaps, runs=runs)
+                       overlapped=not delayed and self._updates.overlaps, runs=runs,
+                       hypers=() if uniform else tuple(hypers))
+
+    def _clip_coef(self) -> float | None:
+        """The factor of this step's gradients: ``infinity.clip_grad_norm_``'s times torch's (``.grad.mul_``)."""
+        coef, torch_factor = self._checks.take_clip_coef(), self.engine.grad_face.common_factor()
+        if torch_factor is None:
+            return coef
+        return torch_factor if coef is None else coef * torch_factor
 
     def _skip(self) -> None:
         """See [Note: skipped steps] in infinity/optim/checks.py."""
@@ -132,12 +170,13 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._updates.publish_finished()
         self.store.zero_grad()
         self._checks.reset()
+        self.engine.grad_face.forget()
         warnings.warn(f"{self._name}: opt.step() call {self._calls} found a non-finite gradient (inf/NaN, e.g. an "
                       f"fp16 overflow) and skipped its update ({self.skipped_steps} skipped so far)",
                       RuntimeWarning, stacklevel=3)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the accumulated gradient shards (the parameters' ``.grad`` are always None).
+        """Clear the accumulated gradient shards and the parameters' ``.grad`` (as ``model.zero_grad()`` does).
 
         Does not wait for a background step: that step reads its own gradient buffer.
         """
@@ -145,6 +184,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         self.engine.reducer.settle()
         self.store.zero_grad()
         self._checks.reset()
+        self.engine.grad_face.forget()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip this step's gradients by their global L2 norm (applied by the step, DPU included)."""
@@ -179,8 +219,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         groups = self.engine.coordinator.groups
         shards = {s: [self.store.read_state_shard(s, g.index) for g in groups]
                   for s in ("master", "exp_avg", "exp_avg_sq")}
-        hp = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        return {"param_groups": [hp], "step": self.step_count, "skipped_steps": self.skipped_steps,
+        return {"param_groups": self._indexed_groups(), "step": self.step_count, "skipped_steps": self.skipped_steps,
                 "param_steps": self.param_steps(),
                 "rank": self.engine.ranks.rank, "world_size": self.engine.ranks.world_size,
                 "shard_numels": [g.shard_numel for g in groups], "shards": shards}
@@ -200,9 +239,8 @@ class _OffloadAdam(torch.optim.Optimizer):
                 f"{state_dict.get('world_size')} and {len(got or [])} groups; this model has world size "
                 f"{self.engine.ranks.world_size} and {len(want)} groups{differ} "
                 "(use infinity.load_checkpoint to reshard)")
+        self._load_groups(state_dict["param_groups"])
         self.synchronize()
-        for hp_key, value in state_dict["param_groups"][0].items():
-            self.param_groups[0][hp_key] = value
         self.step_count = int(state_dict["step"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.load_param_steps(state_dict.get("param_steps", {}), "state dict")
@@ -215,6 +253,29 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._updates.after_load()
 
 
+    def _indexed_groups(self) -> list[dict]:
+        """``param_groups`` as ``torch.optim``'s state dict has them: parameters as indices, in order."""
+        out, start = [], 0
+        for group in self.param_groups:
+            entry = {k: v for k, v in group.items() if k != "params"}
+            entry["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            out.append(entry)
+        return out
+
+    def _load_groups(self, saved: list[dict]) -> None:
+        """The hyper-parameters of each saved group (checked against these groups, as torch does)."""
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"{self._name}.load_state_dict: the state has {len(saved)} parameter groups, this "
+                             f"optimizer {len(self.param_groups)}")
+        for i, (group, old) in enumerate(zip(self.param_groups, saved)):
+            if "params" in old and len(old["params"]) != len(group["params"]):
+                raise ValueError(f"{self._name}.load_state_dict: param group {i} has {len(group['params'])} "
+                                 f"parameters here, {len(old['params'])} in the state")
+        for group, old in zip(self.param_groups, saved):
+            group.update({k: v for k, v in old.items() if k != "params"})
+
+
 class AdamW(_OffloadAdam):
     """AdamW (decoupled weight decay) over a model built in ``infinity.Init``.
 
@@ -223,29 +284,36 @@ class AdamW(_OffloadAdam):
 
     Parameters
     ----------
-    model:
-        The model built inside ``infinity.Init``.
+    params:
+        The model built inside ``infinity.Init``, an iterable of its parameters, or torch-style
+        param groups (dicts with ``"params"`` and any of ``lr``, ``betas``, ``eps``,
+        ``weight_decay``), each honoured at every step (see [Note: parameter groups of the
+        optimizer] in infinity/optim/param_groups.py).
     lr, betas, eps, weight_decay:
-        As in ``torch.optim.AdamW``.
+        As in ``torch.optim.AdamW``: the defaults of the groups.
 
     Examples
     --------
     >>> opt = infinity.AdamW(model, lr=3e-4, weight_decay=0.1)   # doctest: +SKIP
+    >>> decay = [p for n, p in model.named_parameters() if p.dim() >= 2]          # doctest: +SKIP
+    >>> rest = [p for n, p in model.named_parameters() if p.dim() < 2]            # doctest: +SKIP
+    >>> opt = infinity.AdamW([{"params": decay, "weight_decay": 0.1},
+    ...                       {"params": rest, "weight_decay": 0.0}], lr=3e-4)    # doctest: +SKIP
     >>> loss.backward(); opt.step(); opt.zero_grad()              # doctest: +SKIP
     """
 
     _decoupled = True
     _name = "infinity.AdamW"
 
-    def __init__(self, model: nn.Module, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2) -> None:
-        super().__init__(model, lr, betas, eps, weight_decay)
+        super().__init__(params, lr, betas, eps, weight_decay)
 
 
 class Adam(_OffloadAdam):
     """Adam (L2 weight decay added to the gradient) over a model built in ``infinity.Init``.
 
-    Parameters are as in ``torch.optim.Adam``; see :class:`AdamW`.
+    Parameters are as in ``torch.optim.Adam`` (a model, parameters or param groups); see :class:`AdamW`.
     """
 
     _decoupled = False

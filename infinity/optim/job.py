@@ -21,7 +21,7 @@ class StepJob:
     call:
         Which ``opt.step()`` call produced it (1-based; skipped steps count).
     lr, beta1, beta2, eps, weight_decay:
-        Hyper-parameters read from ``param_groups[0]`` at hand-off, so a learning-rate
+        Hyper-parameters read from ``param_groups[0]`` (all groups, when they agree) at hand-off, so a learning-rate
         scheduler stepped after ``opt.step()`` affects the next update, as in PyTorch.
     decoupled:
         AdamW (True) or Adam with L2 weight decay (False).
@@ -39,10 +39,16 @@ class StepJob:
     delayed:
         True when the job runs on the background worker one step behind (DPU).
     runs:
-        Per sub-group, the ``(offset, numel, step)`` ranges Adam updates and the step count of
-        each, when some trainable parameter had no gradient or lags in steps (see [Note:
-        parameters without a gradient] in infinity/optim/ranges.py); None when every trainable parameter
-        of ``updated`` has a gradient and ``step`` (the common case: whole groups, one step).
+        Per sub-group, the ``(offset, numel, step, hyper)`` ranges Adam updates, the step count of
+        each and the index of its set in ``hypers``, when some trainable parameter had no gradient
+        or lags in steps (see [Note: parameters without a gradient] in infinity/optim/ranges.py) or
+        the param groups' hyper-parameters differ; None when every trainable parameter of
+        ``updated`` has a gradient and ``step`` and one set of hyper-parameters applies (the common
+        case: whole groups, one step, one kernel call per sub-group).
+    hypers:
+        Per torch param group, ``(lr, beta1, beta2, eps, weight_decay)``, when they differ
+        between groups (``runs`` then says which applies where); empty when all share the
+        scalars above.
     overlapped:
         True when the job runs on the background worker at exact semantics: it writes the
         published compute copies in place and reports each finished sub-group
@@ -65,6 +71,7 @@ class StepJob:
     delayed: bool = False
     overlapped: bool = False
     runs: tuple | None = None
+    hypers: tuple = ()
 
 
 @dataclass

@@ -30,7 +30,7 @@ def merge(ranges) -> list[tuple[int, int]]:
     return out
 
 
-def _shard_span(group, slot) -> tuple[int, int]:
+def shard_span(group, slot) -> tuple[int, int]:
     """The part of ``slot``'s parameter inside this rank's shard of ``group``, as shard offsets [a, b)."""
     start = group.rank * group.shard_numel
     return (max(slot.offset, start) - start,
@@ -67,7 +67,7 @@ class UpdateRanges:
             if len(mine) == len(g.slots):
                 spans = [(0, g.shard_numel)]
             else:
-                spans = [(a, b - a) for a, b in (_shard_span(g, s) for s in mine)]
+                spans = [(a, b - a) for a, b in (shard_span(g, s) for s in mine)]
             for piece in layout.pieces_of_group[g.index]:
                 for offset, numel in spans:
                     a = max(offset, piece.group_offset)
@@ -84,9 +84,10 @@ class UpdateRanges:
         """The ranges of ``sub`` holding ``updated`` groups' shards: their compute copies are rewritten whole."""
         return merge((p.sub_offset, p.numel) for p in self.layout.pieces_of_sub[sub] if p.group_index in updated)
 
-    def runs(self, updated: frozenset[int], step: int) -> list[list[tuple[int, int, int]]]:
-        """Per sub-group, ``(offset, numel, step)`` of every changed range, all at ``step``."""
-        return [[(o, n, step) for o, n in self.changed(sub, updated)] for sub in range(self.layout.num_subs)]
+    def runs(self, updated: frozenset[int], step: int) -> list[list[tuple[int, int, int, int]]]:
+        """Per sub-group, ``(offset, numel, step, 0)`` of every changed range, all at ``step`` under the
+        hyper-parameters of the first (here: the only) set."""
+        return [[(o, n, step, 0) for o, n in self.changed(sub, updated)] for sub in range(self.layout.num_subs)]
 
 
 class ParamSteps:
@@ -125,28 +126,34 @@ class ParamSteps:
             if pid not in with_grad:
                 self._lag[pid] = self._lag.get(pid, 0) + 1
 
-    def runs(self, updated: frozenset[int], with_grad: set[int], step_count: int) -> tuple:
-        """Per sub-group, ``(offset, numel, step)`` of each updated parameter's shard on this rank."""
+    def runs(self, updated: frozenset[int], with_grad: set[int], step_count: int,
+             hyper_of: dict[int, int] | None = None) -> tuple:
+        """Per sub-group, ``(offset, numel, step, hyper)`` of each updated parameter's shard on this rank.
+
+        ``hyper_of``: ``id(param) ->`` the index of its set of hyper-parameters (its torch param
+        group, see [Note: parameter groups of the optimizer] in infinity/optim/adam.py); None: all 0.
+        """
         layout = self.layout
-        runs: list[list[tuple[int, int, int]]] = [[] for _ in range(layout.num_subs)]
+        runs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(layout.num_subs)]
         for g, slot in self.slots:
             pid = id(slot.param)
             if g.index not in updated or pid not in with_grad:
                 continue
             step = step_count - self._lag.get(pid, 0)
-            a, b = _shard_span(g, slot)
+            hyper = hyper_of[pid] if hyper_of is not None else 0
+            a, b = shard_span(g, slot)
             for piece in layout.pieces_of_group[g.index]:
                 lo, hi = max(a, piece.group_offset), min(b, piece.group_offset + piece.numel)
                 if lo < hi:
-                    runs[piece.sub_index].append((piece.sub_offset + lo - piece.group_offset, hi - lo, step))
+                    runs[piece.sub_index].append((piece.sub_offset + lo - piece.group_offset, hi - lo, step, hyper))
         merged = []
         for sub_runs in runs:
-            out: list[tuple[int, int, int]] = []
-            for offset, numel, step in sorted(sub_runs):
-                if out and out[-1][0] + out[-1][1] == offset and out[-1][2] == step:
-                    out[-1] = (out[-1][0], out[-1][1] + numel, step)
+            out: list[tuple[int, int, int, int]] = []
+            for offset, numel, step, hyper in sorted(sub_runs):
+                if out and out[-1][0] + out[-1][1] == offset and out[-1][2:] == (step, hyper):
+                    out[-1] = (out[-1][0], out[-1][1] + numel, step, hyper)
                 else:
-                    out.append((offset, numel, step))
+                    out.append((offset, numel, step, hyper))
             merged.append(out)
         return tuple(merged)
 

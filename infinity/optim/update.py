@@ -63,6 +63,14 @@ def chunk_numel() -> int:
     return CHUNK_NUMEL if torch.get_num_threads() == 1 else _WHOLE
 
 
+def _hyper_set(hyper: dict, job: StepJob, index: int) -> dict:
+    """The kernel's keyword arguments for the job's ``index``-th set of hyper-parameters."""
+    if not job.hypers:
+        return hyper
+    lr, beta1, beta2, eps, weight_decay = job.hypers[index]
+    return dict(hyper, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+
 class UpdatePass:
     """Runs one :class:`StepJob` (see [Note: the update pass]).
 
@@ -130,11 +138,12 @@ class UpdatePass:
                 for start, numel in spans[sub]:
                     for c0 in range(start, start + numel, chunk):
                         c1 = min(c0 + chunk, start + numel)
-                        parts = [(max(o, c0), min(o + n, c1), k) for o, n, k in runs[sub]
+                        parts = [(max(o, c0), min(o + n, c1), k, h) for o, n, k, h in runs[sub]
                                  if o < c1 and o + n > c0]
-                        if parts:
-                            kernel(*[[t[a:b] for a, b, _ in parts] for t in states], [],
-                                   [step_t(k) for _, _, k in parts], **hyper)
+                        for h in sorted({h for *_, h in parts}):   # one kernel call per set of hyper-parameters
+                            mine = [part for part in parts if part[3] == h]
+                            kernel(*[[t[a:b] for a, b, _, _ in mine] for t in states], [],
+                                   [step_t(k) for _, _, k, _ in mine], **_hyper_set(hyper, job, h))
                         self._write_compute_copies(job, sub, st["master"], c0, c1, copies)
                 if job.overlapped:
                     # The next forward may fetch this sub-group's groups: it waits for the host or NVMe

@@ -17,7 +17,9 @@ from torch import nn
 from infinity.config import Config
 from infinity.errors import EngineError
 from infinity.optim.flat_state import OptimizerStateStore
-from infinity.param_group import ParamGroup
+from infinity.optim.grad_face import GradFace
+from infinity.optim.torch_guard import TorchOptimizerGuard
+from infinity.param_group import ParamGroup, ParamState
 from infinity.prefetch import Prefetcher
 from infinity.runtime.coordinator import Coordinator
 from infinity.runtime.datapath import DataPath
@@ -74,6 +76,7 @@ class Engine:
         self._foreign = ForeignParamWatch(self.coordinator.group_of, self.on_foreign_use)
         self._grad_hooks: dict[ParamGroup, object] = {}     # armed for the coming backward
         self.step_stats: list[dict] = []
+        self.grad_face: GradFace | None = None      # what torch sees as .grad (made in finalize)
 
     @property
     def layout(self):
@@ -84,6 +87,11 @@ class Engine:
         """Construction is over: take the state store, install the hooks, start the prefetcher."""
         self.store = store
         self.reducer.attach(store)
+        names = {p: n for root in roots for n, p in reversed(list(root.named_parameters(remove_duplicate=False)))}
+        self.grad_face = GradFace(self, names)
+        self.reducer.mark_grads = self.grad_face.mark
+        guard = TorchOptimizerGuard(self, names)      # torch.optim over these parameters raises
+        weakref.finalize(roots[0], guard.remove)
         for root in roots:
             self.hooks.append(install_hooks(root, self))
         self.roots = list(roots)
@@ -167,6 +175,7 @@ class Engine:
 
     def _enter_backward(self) -> None:
         if not self._backward_active:
+            self.grad_face.before_backward()    # zero_grad() through .grad, then autograd writes None .grad
             self._backward_active = True
             self.datapath.set_phase("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -225,6 +234,22 @@ class Engine:
             self.prefetcher.end_backward()
 
     # -- whole-model access ----------------------------------------------------------------------
+    def before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``state_dict()`` of a released parameter's values is refused: they are only shards.
+
+        (``keep_vars=True`` asks for the parameters themselves, as checkpoints do for the keys.)
+        """
+        if keep_vars:
+            return
+        for name, p in module.named_parameters(recurse=False):
+            group = self.coordinator.group_of.get(p)
+            if group is not None and group.state is not ParamState.AVAILABLE:
+                raise EngineError(
+                    f"state_dict(): parameter {prefix + name!r} is released (its values are shards over "
+                    "ranks and tiers); take the state dict (or save_pretrained) inside "
+                    "`with infinity.gathered(model):`, or save with infinity.save_checkpoint and "
+                    "infinity-consolidate")
+
     def groups_of(self, model: nn.Module) -> list[ParamGroup]:
         seen = []
         for m in model.modules():

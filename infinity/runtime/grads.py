@@ -137,6 +137,8 @@ class GradReducer:
         self._expected: dict[ParamGroup, int] = {}
         self._sent: list[tuple] = []      # (group index, host loan, event, numel, dtype) waiting to be added
         self.book: GradientBook | None = None
+        # Sets the ``.grad`` of parameters whose gradient is in the store (``GradFace.mark``), or None.
+        self.mark_grads = None
 
     def attach(self, store) -> None:
         """The groups are final and ``store`` accumulates their gradients from now on."""
@@ -212,7 +214,7 @@ class GradReducer:
         else:
             self._reduce(group, flat, loan)
         self.coordinator.backward_done(group, keep_views=True)
-        self._stale.append((group, params))
+        self._stale.append((group, params, [p for p, grad in zip(params, grads) if grad is not None]))
 
     def _accumulator(self, group: ParamGroup) -> torch.Tensor | None:
         """The optimizer's fp32 accumulator for ``group``, when autograd's gradients can be copied
@@ -228,11 +230,14 @@ class GradReducer:
         return None if views is None else views[0][2]
 
     def _let_go(self) -> None:
-        """Drop the ``.grad`` autograd stored for groups already taken, and their parameters' shapes."""
+        """Drop the ``.grad`` autograd stored for groups already taken (a token of the stored gradient
+        takes its place: see [Note: gradient tokens] in infinity/optim/grad_face.py), and their shapes."""
         stale, self._stale = self._stale, []
-        for group, params in stale:
+        for group, params, arrived in stale:
             for param in params:
                 param.grad = None
+            if self.mark_grads is not None:
+                self.mark_grads(arrived)
             if group.state is ParamState.NOT_AVAILABLE:
                 group.drop_views()
 

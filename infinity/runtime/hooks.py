@@ -86,14 +86,15 @@ class HookHandles:
 
 
 def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
-    """Install the forward hooks on every module under ``root``.
+    """Install the forward hooks and the state-dict pre-hooks on every module under ``root``.
 
     Parameters
     ----------
     root:
         The model.
     lifecycle:
-        An object with ``pre_forward(module)`` and ``post_forward(module, output)`` (the engine).
+        An object with ``pre_forward(module)``, ``post_forward(module, output)`` and
+        ``before_state_dict(module, prefix, keep_vars)`` (the engine).
     """
     handles: list[RemovableHandle] = []
     for module in root.modules():
@@ -103,4 +104,6 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
         # group left in use would stay gathered and never be refreshed by an optimizer step.
         handles.append(module.register_forward_hook(
             lambda m, args, out: lifecycle.post_forward(m, out), always_call=True))
+        handles.append(module.register_state_dict_pre_hook(
+            lambda m, prefix, keep_vars: lifecycle.before_state_dict(m, prefix, keep_vars)))
     return HookHandles(handles)

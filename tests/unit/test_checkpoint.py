@@ -311,7 +311,7 @@ def test_consolidating_tiled_layers_gives_the_plain_state_dict(tmp_path):
                 assert torch.equal(sd[k], expected[k]), k
             make().load_state_dict(sd, strict=True)
         if make is GPT:
-            sd = torch.load(tmp_path / "GPT.pt", weights_only=True)
+            sd = torch.load(tmp_path / f"{make.__name__}.pt", weights_only=True)
             assert sd["head.weight"].data_ptr() == sd["wte.weight"].data_ptr()
 
 

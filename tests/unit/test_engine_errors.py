@@ -167,12 +167,13 @@ def test_bad_optimizer_hyperparameters(kwargs, message):
     infinity.AdamW(model)   # the refused optimizer did not claim the model
 
 
-def test_optimizer_given_parameters_instead_of_the_model():
-    with infinity.Init({}):
-        model = nn.Linear(4, 4)
-    with pytest.raises(NotManagedError, match="infinity.AdamW: expected the nn.Module built inside infinity.Init, "
-                                              "got generator"):
-        infinity.AdamW(model.parameters())
+def test_optimizer_given_parameters_of_a_model_built_outside_init():
+    plain = nn.Linear(4, 4)
+    with pytest.raises(NotManagedError, match=r"infinity.AdamW: a parameter of shape \(4, 4\) in param group 0 is "
+                                              "not managed by infinity"):
+        infinity.AdamW(plain.parameters())
+    with pytest.raises(NotManagedError, match="infinity.Adam: Linear was not built inside infinity.Init"):
+        infinity.Adam(plain)
 
 
 @pytest.mark.parametrize("add, name", [

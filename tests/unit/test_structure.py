@@ -131,6 +131,9 @@ _FOREIGN_PRIVATE = {
     # Lending reused memory to a storage autograd holds (infinity/runtime/gather_memory.py); with a
     # torch that lacks them the engine resizes storages instead.
     "_swap_data_ptr_", "_construct_storage_from_data_pointer",
+    # A tensor with a parameter's shape and no memory: the .grad token of infinity/optim/grad_face.py
+    # (torch's documented way to write a wrapper tensor subclass).
+    "_make_wrapper_subclass",
 }
 
 

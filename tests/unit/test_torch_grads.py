@@ -1,0 +1,132 @@
+"""torch's gradient API on engine parameters: ``model.zero_grad()``, ``clip_grad_norm_``, ``clip_grad_value_``.
+
+Each test trains a model under infinity and its plain twin with the same torch calls and compares the
+returned norms, the losses and the final parameters (see [Note: gradient tokens] in
+infinity/optim/grad_face.py).
+"""
+import pytest
+import torch
+
+import infinity
+from infinity.errors import EngineError
+from tests.support.tiny_gpt import TinyGPT, batches
+
+
+def _cfg(params_tier, opt_tier, tmp_path):
+    return {"tiers": {"params": params_tier, "optimizer": opt_tier, "nvme_path": str(tmp_path)},
+            "partition": {"sub_group_size": 4096}}
+
+
+def _pair(cfg):
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = TinyGPT()
+    return model, ref
+
+
+def _max_param_diff(model, ref) -> float:
+    with infinity.gathered(model):
+        return max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def _train(model, opt, data, micro=2, max_norm=None, clip_value=None, zero=lambda m, o: m.zero_grad()):
+    """Per step: ``micro`` backwards (accumulation), torch's clipping, step, ``zero``; returns losses and norms."""
+    losses, norms = [], []
+    for idx, tgt in data:
+        for _ in range(micro):
+            loss = model(idx, tgt)
+            loss.backward()
+        losses.append(float(loss.detach()))
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
+        opt.step()
+        zero(model, opt)
+    return losses, norms
+
+
+@pytest.mark.parametrize("params_tier, opt_tier", [("host", "host"), ("device", "device"), ("nvme", "nvme")])
+def test_model_zero_grad_and_torch_clipping_match_plain_torch(tmp_path, params_tier, opt_tier):
+    model, ref = _pair(_cfg(params_tier, opt_tier, tmp_path))
+    data = batches(6, 2)
+    kw = dict(max_norm=0.5, clip_value=2e-3)
+    losses, norms = _train(model, infinity.AdamW(model, lr=1e-2), data, **kw)
+    ref_losses, ref_norms = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, **kw)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) <= 1e-5, (norms, ref_norms)
+    assert _max_param_diff(model, ref) <= 1e-5
+
+
+def test_zero_grad_without_set_to_none_and_opt_zero_grad_clear(tmp_path):
+    model, ref = _pair(_cfg("host", "host", tmp_path))
+    data = batches(4, 2)
+    opt = infinity.AdamW(model, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    zero_kept = lambda m, o: m.zero_grad(set_to_none=False)
+    losses, _ = _train(model, opt, data[:2], zero=zero_kept)
+    ref_losses, _ = _train(ref, ref_opt, data[:2], zero=zero_kept)
+    more, _ = _train(model, opt, data[2:], zero=lambda m, o: o.zero_grad())
+    ref_more, _ = _train(ref, ref_opt, data[2:], zero=lambda m, o: o.zero_grad())
+    assert max(abs(a - b) for a, b in zip(losses + more, ref_losses + ref_more)) <= 1e-5
+    assert _max_param_diff(model, ref) <= 1e-5
+
+
+def test_gradients_not_cleared_accumulate_over_steps_as_in_torch(tmp_path):
+    """Without any zero_grad torch keeps adding into .grad from step to step; so does the engine."""
+    model, ref = _pair(_cfg("host", "host", tmp_path))
+    data = batches(3, 2)
+    keep = lambda m, o: None
+    losses, _ = _train(model, infinity.AdamW(model, lr=1e-2), data, micro=1, zero=keep)
+    ref_losses, _ = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, micro=1, zero=keep)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    assert _max_param_diff(model, ref) <= 1e-5
+
+
+def test_grad_is_a_token_with_the_parameter_shape_whose_values_cannot_be_read(tmp_path):
+    model, _ = _pair(_cfg("host", "host", tmp_path))
+    infinity.AdamW(model, lr=1e-2)
+    assert all(p.grad is None for p in model.parameters())
+    idx, tgt = batches(1, 2)[0]
+    model(idx, tgt).backward()
+    grad = model.head.weight.grad
+    assert grad is not None and grad.shape == (64, 32) and grad.dtype == torch.float32
+    with pytest.raises(EngineError, match=r"\.grad of 'wte.weight'.*never whole"):
+        grad.sum()
+    with pytest.raises(EngineError, match="only norms"):
+        torch.add(torch.ones(1), grad)
+    model.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_clearing_only_some_gradients_is_refused(tmp_path):
+    model, _ = _pair(_cfg("host", "host", tmp_path))
+    opt = infinity.AdamW(model, lr=1e-2)
+    idx, tgt = batches(1, 2)[0]
+    model(idx, tgt).backward()
+    model.head.weight.grad = None
+    with pytest.raises(EngineError, match="was cleared but that of .* was not; .*model.zero_grad"):
+        opt.step()
+
+
+def test_clipping_only_some_parameters_is_refused(tmp_path):
+    model, _ = _pair(_cfg("host", "host", tmp_path))
+    opt = infinity.AdamW(model, lr=1e-2)
+    idx, tgt = batches(1, 2)[0]
+    model(idx, tgt).backward()
+    torch.nn.utils.clip_grad_norm_(list(model.blocks.parameters()), 1e-4)
+    with pytest.raises(EngineError, match="clip all parameters together"):
+        opt.step()
+
+
+def test_state_dict_outside_gathered_raises_naming_the_parameter(tmp_path):
+    model, ref = _pair(_cfg("host", "host", tmp_path))
+    with pytest.raises(EngineError, match=r"parameter 'wpe' is released.*infinity.gathered"):
+        model.state_dict()
+    with pytest.raises(EngineError, match=r"parameter 'blocks.0.ln1.weight' is released"):
+        model.blocks.state_dict(prefix="blocks.")
+    with infinity.gathered(model):
+        sd = model.state_dict()
+        assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
