@@ -55,7 +55,7 @@ def _train(rank, world, workdir, stage, opt_tier, micro):
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_opt.step()
         ref_opt.zero_grad()
-        worst = max(worst, abs(float(mean_loss) - float(ref_loss)))
+        worst = max(worst, abs(float(mean_loss) - ref_loss.item()))
     param_diff = 0.0
     with infinity.gathered(model):
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
