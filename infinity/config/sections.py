@@ -27,10 +27,22 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from infinity.config import sizes as _sizes
+from infinity.config.paths import not_a_directory
+from infinity.config.sizes import GiB, TiB
 from infinity.config.values import (Bytes, ConfigError, Numel, NumaNode, Paths, Patterns, Section, check_keys,
                                     show, type_name)
 
 
+
+# Upper bounds of the numeric keys. Each is far beyond any sensible setting, so it only catches
+# slips (a unit too large, an exponent too many) before they reach an allocator or the kernel;
+# the message of each says why its bound is where it is.
+_MAX_MEMORY = 64 * TiB       # bytes of memory or of a look-ahead: beyond any machine
+_MAX_ELEMENTS = 1 << 40      # parameter elements: 4 TiB in fp32, beyond any model's single parameter
+_MAX_STEPS = 2**31 - 1       # step counts
+_MAX_THREADS = 1024          # OS threads of one kind
+_MAX_NUMA_NODE = 1023        # Linux: MAX_NUMNODES is at most 1024
+_MAX_POOL = 256 * GiB        # pinned host memory taken up front by the NVMe pool
 
 # Chooses the compute device where tiers.device is "auto" (a test suite or a job script pins it).
 DEVICE_ENV = "INFINITY_DEVICE"
@@ -105,8 +117,26 @@ class TiersConfig(Section):
         if on_nvme and not self.nvme_path:
             raise ConfigError(f"required when tiers.{on_nvme[0]} is \"nvme\"; give a directory on a fast local disk",
                               "tiers.nvme_path")
+        self._within("host_budget", 0, _MAX_MEMORY, "a budget of host RAM; no machine has more than 64TiB",
+                     "bytes")
+        if self.numa_node is not None:
+            self._within("numa_node", -1, _MAX_NUMA_NODE, "Linux numbers NUMA nodes from 0 to 1023 "
+                         "(-1 is \"auto\": the node nearest the GPU)")
+        for path in self.nvme_path:       # the rest is checked where the path is used ([Note: checking nvme_path])
+            wrong = not_a_directory(path)
+            if wrong:
+                raise ConfigError(wrong, "tiers.nvme_path")
         self._aligned("pool_buffer_size")
-        self._at_least("pool_buffers", 1)
+        self._within("pool_buffer_size", 4096, 4 * GiB, "each pool buffer is host memory taken when the "
+                     "engine starts, and one transfer larger than 4GiB gains nothing", "bytes")
+        self._within("pool_buffers", 1, 1024, "a transfer needs at least one buffer; beyond 1024 the pool "
+                     "only takes host memory")
+        pool = self.pool_buffers * self.pool_buffer_size
+        if pool > _MAX_POOL:
+            raise ConfigError(f"{self.pool_buffers} x {_sizes.format_size(self.pool_buffer_size)} = "
+                              f"{_sizes.human_size(pool)} of pinned host memory is taken when the engine starts; "
+                              f"the pool may hold at most {_sizes.format_size(_MAX_POOL)}: lower pool_buffers "
+                              "or pool_buffer_size", "tiers.pool_buffers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +165,12 @@ class AioConfig(Section):
 
     def _check(self) -> None:
         self._aligned("block_size")
-        self._at_least("queue_depth", 1)
-        self._at_least("threads", 1)
+        self._within("block_size", 4096, 1 * GiB, "one read or write; Linux moves at most 2GiB - 4KiB per "
+                     "call, and a request larger than 1GiB only delays the first completion", "bytes")
+        self._within("queue_depth", 1, 32768, "at least one request must be in flight, and an io_uring ring "
+                     "holds at most 32768 entries")
+        self._within("threads", 1, _MAX_THREADS, "the thread-pool engine needs one thread; each is an OS "
+                     "thread doing pread/pwrite, and beyond 1024 they only contend for the disk")
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -185,7 +219,12 @@ class PartitionConfig(Section):
     0 means no limit."""
 
     def _check(self) -> None:
-        self._at_least("sub_group_size", 1)
+        self._within("persistence_threshold", 0, _MAX_ELEMENTS, "no single parameter has more than 1Ti "
+                     "elements", "elements")
+        self._within("sub_group_size", 1, 4 << 30, "a sub-group holds at least one element, and each one in "
+                     "flight takes 16 bytes per element of host memory (64GiB at 4Gi)", "elements")
+        self._within("max_live_parameters", 0, _MAX_ELEMENTS, "no device holds more than 1Ti elements "
+                     "(0: no limit)", "elements")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +251,10 @@ class PrefetchConfig(Section):
     """Print a prefetch summary (stall time, hit rate) every this many steps; 0 never."""
 
     def _check(self) -> None:
-        self._at_least("log_every", 0)
+        for name in ("nvme_bytes", "device_bytes", "reuse_distance"):
+            self._within(name, 0, _MAX_MEMORY, "a look-ahead in bytes; no machine holds more than 64TiB",
+                         "bytes")
+        self._within("log_every", 0, _MAX_STEPS, "a number of steps (0: never)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,9 +282,12 @@ class TilingConfig(Section):
     chosen one come along. Empty means every such layer above `threshold`."""
 
     def _check(self) -> None:
-        self._at_least("threshold", 1)
-        self._at_least("tiles", 0)
-        self._at_least("max_tile_bytes", 1)
+        self._within("threshold", 1, _MAX_ELEMENTS, "a weight of at least one element; no layer has more "
+                     "than 1Ti", "elements")
+        self._within("tiles", 0, 65536, "0 picks the count; each tile is a parameter fetched on its own, and "
+                     "beyond 65536 the fetches cost more than they save")
+        self._within("max_tile_bytes", 4096, _MAX_MEMORY, "a tile of at least one page (4KiB), and no "
+                     "machine holds more than 64TiB", "bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,8 +315,9 @@ class DpuConfig(Section):
     step; the update's NVMe traffic and host work overlap the forward."""
 
     def _check(self) -> None:
-        self._at_least("warmup_steps", 0)
-        self._at_least("threads", 0)
+        self._within("warmup_steps", 0, _MAX_STEPS, "a number of steps")
+        self._within("threads", 0, _MAX_THREADS, "0 keeps torch's default; each is an OS thread, and beyond "
+                     "1024 they only contend")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +332,8 @@ class CheckpointConfig(Section):
 
     def _check(self) -> None:
         self._aligned("buffer_size")
+        self._within("buffer_size", 4096, 4 * GiB, "a save or load holds three of these buffers in host "
+                     "memory at once", "bytes")
 
 
 SECTIONS: tuple[type[Section], ...] = (TiersConfig, AioConfig, PrecisionConfig, PartitionConfig,

@@ -12,6 +12,7 @@ import os
 import torch
 
 from infinity.config import Config, ConfigError
+from infinity.config.paths import check_nvme_paths
 
 
 class TierSet:
@@ -46,12 +47,7 @@ class TierSet:
             if not t.nvme_path:
                 raise ConfigError("tiers.nvme_path: required when tiers.params or tiers.optimizer "
                                   "is 'nvme'; give a directory (or a list of directories) on a fast drive")
-            for path in t.nvme_path:
-                if not os.path.isdir(path):
-                    raise ConfigError(f"tiers.nvme_path: directory {path!r} does not exist "
-                                      f"(rank {rank}); create it or point the config elsewhere")
-                if not os.access(path, os.W_OK):
-                    raise ConfigError(f"tiers.nvme_path: directory {path!r} is not writable (rank {rank})")
+            check_nvme_paths(t.nvme_path, config.aio.direct, rank)
             from tiers.nvme import NVMeTier
             from tiers.aio import AioHandle
 
