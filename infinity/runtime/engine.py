@@ -52,6 +52,14 @@ class Engine:
         self.ranks = Ranks(group, self.device.device)
         self.dtype = config.precision.torch_dtype
         self.tiers = TierSet(config, self.device, self.ranks.rank)
+        try:
+            self._build(config)
+        except BaseException:
+            self.tiers.close()
+            raise
+
+    def _build(self, config: Config) -> None:
+        """Everything above the tiers; the constructor closes the tiers when this raises."""
         self.ranks.allocator = self.tiers.allocator     # see [Note: what a collective may be given]
         self.datapath = DataPath(self.device, self.tiers.allocator)
         staging = None
@@ -107,9 +115,11 @@ class Engine:
 
     def close(self) -> None:
         """Wait for background work, then close the tiers (files, locks, I/O threads)."""
-        if self.optimizer is not None:
-            self.optimizer.synchronize()
-        self.tiers.close()
+        try:
+            if self.optimizer is not None:
+                self.optimizer.synchronize()
+        finally:
+            self.tiers.close()
 
     @property
     def backward_running(self) -> bool:

@@ -58,7 +58,11 @@ class TierSet:
             dirs = [os.path.join(p, f"rank{rank}") for p in t.nvme_path]
             for d in dirs:
                 os.makedirs(d, exist_ok=True)
-            self.nvme_tier = NVMeTier(dirs, self.handle, self.pool)
+            try:
+                self.nvme_tier = NVMeTier(dirs, self.handle, self.pool)
+            except BaseException:
+                self.handle.close()
+                raise
         self.by_name = {"device": self.device_tier, "host": self.host_tier, "nvme": self.nvme_tier}
         self.params = self.by_name[t.params]
         self.optimizer = self.by_name[t.optimizer]
