@@ -90,8 +90,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
     return os.path.join(root, name)
 
 
-def check_ready(engine, opt, what: str):
+def check_ready(engine, opt, what: str, damaged_ok: bool = False):
     """The model's optimizer (``opt``, or the one created for it), once no backward runs and updates are published.
+
+    States damaged by a load that failed half-way are refused unless ``damaged_ok`` (a load mends them).
 
     Why default to the engine's optimizer: the Adam moments live in the engine's store and
     are always saved and loaded, so the step count (Adam's bias correction) must travel
@@ -104,6 +106,8 @@ def check_ready(engine, opt, what: str):
                               f"(got {type(opt).__name__}); pass the optimizer created for this model, or None")
     if engine.backward_running:
         raise CheckpointError(f"{what}: called while a backward pass is still running; call it between steps")
+    if not damaged_ok:
+        engine.check_intact(what)
     if opt is not None:
         opt.synchronize()
     return opt

@@ -88,6 +88,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             raise EngineError(f"{self._name}.step: closures are not supported with offloaded states")
         engine = self.engine
+        engine.check_intact(f"{self._name}.step()")
         engine.recover_aborted_backward()
         if engine.backward_running:
             raise EngineError(f"{self._name}.step() called while a backward pass is still running")

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 
 import pytest
 import torch
 from torch import nn
 
 import infinity
+from infinity.checkpoint import CheckpointCorruptError
+from infinity.errors import EngineError
 from tests.support.tiny_gpt import BufferedGPT as GPT
 
 
@@ -77,3 +80,91 @@ def test_init_whose_module_constructor_raises_gives_back_everything(tmp_path):
     assert swap_files(tmp_path) == []
     with infinity.Init(cfg):
         nn.Linear(8, 8)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def build(cfg, seed=0):
+    torch.manual_seed(seed)
+    with infinity.Init(cfg):
+        model = GPT()
+    return model, infinity.AdamW(model, lr=1e-2, weight_decay=0.01)
+
+
+def train(model, opt, steps):
+    """Steps on batches drawn from the global RNG (a load that touched it would change them)."""
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def flip_byte(path, offset=-1):
+    with open(path, "r+b") as f:
+        f.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x7F]))
+
+
+def _run(tmp_path, attempt_corrupt_load: bool):
+    """Train 3 steps, save, train 2 more, (try to load the save, corrupted), train 3 more: the losses."""
+    random.seed(0)
+    model, opt = build(nvme_config(tmp_path))
+    losses = train(model, opt, 3)
+    version = infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    losses += train(model, opt, 2)
+    if attempt_corrupt_load:
+        # The last file a load writes: with the old load, params and master were in by then.
+        flip_byte(os.path.join(version, "rank0", "exp_avg_sq.bin"))
+        with pytest.raises(CheckpointCorruptError, match=r"exp_avg_sq.bin: bytes .* fail their CRC-32"):
+            infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    losses += train(model, opt, 3)
+    with infinity.gathered(model):
+        params = {k: v.clone() for k, v in model.state_dict().items()}
+    return losses, params, opt.step_count, random.random()
+
+
+def test_a_load_that_fails_its_checksums_changes_nothing_and_training_goes_on_identically(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    never = _run(tmp_path / "a", attempt_corrupt_load=False)
+    failed = _run(tmp_path / "b", attempt_corrupt_load=True)
+    assert failed[0] == never[0], "the losses after a failed load differ from a run that never tried it"
+    for key in never[1]:
+        assert torch.equal(failed[1][key], never[1][key]), key
+    assert failed[2:] == never[2:]                # step count, RNG draws
+
+
+def test_a_load_that_fails_while_writing_the_tiers_refuses_to_train_until_a_load_succeeds(tmp_path, monkeypatch):
+    from infinity.checkpoint import reader
+
+    model, opt = build(nvme_config(tmp_path))
+    train(model, opt, 2)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    expected = train(model, opt, 1)
+    writes = []
+    real_write = reader._StateDest.write
+
+    def failing_write(self, dest_offset, data):
+        writes.append(dest_offset)
+        if len(writes) == 3:
+            raise OSError(5, "Input/output error (injected)")
+        return real_write(self, dest_offset, data)
+
+    monkeypatch.setattr(reader._StateDest, "write", failing_write)
+    with pytest.raises(OSError, match="injected"):
+        infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    with pytest.raises(EngineError, match=r"forward: refused because loading checkpoint .* failed after its bytes "
+                                          r"began to reach the tiers .* load a checkpoint"):
+        model(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    with pytest.raises(EngineError, match="infinity.save_checkpoint: refused because"):
+        infinity.save_checkpoint(tmp_path / "other", model, opt)
+    monkeypatch.setattr(reader._StateDest, "write", real_write)
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)     # mends them: states and RNG as saved
+    assert train(model, opt, 1) == expected and opt.step_count == 3
