@@ -8,6 +8,7 @@ and locks are given back. Small models and few steps: the whole file runs in wel
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 
@@ -168,3 +169,158 @@ def test_a_load_that_fails_while_writing_the_tiers_refuses_to_train_until_a_load
     monkeypatch.setattr(reader._StateDest, "write", real_write)
     infinity.load_checkpoint(tmp_path / "ckpt", model, opt)     # mends them: states and RNG as saved
     assert train(model, opt, 1) == expected and opt.step_count == 3
+
+
+# ---------------------------------------------------------------------------------------------- saving
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def host_config(**sections):
+    cfg = {"tiers": {"params": "host", "optimizer": "host"}, "partition": {"sub_group_size": 8192},
+           "checkpoint": {"buffer_size": "64KiB"}}
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def entries(root):
+    """What a checkpoint directory holds, once retired versions are deleted (a background thread)."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "infinity-checkpoint-cleanup":
+            thread.join()
+    return sorted(os.listdir(root))
+
+
+def rlimit_child(root: str) -> None:
+    """In a child process: save, then save under a file size limit smaller than one data file (EFBIG),
+    then lift the limit and save again. Prints what the parent checks."""
+    import resource
+    import signal
+
+    model, opt = build(host_config(), seed=3)
+    train(model, opt, 1)
+    first = infinity.save_checkpoint(root, model, opt, extra="first")
+    train(model, opt, 1)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # else the kernel kills the writer
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, hard))
+    try:
+        infinity.save_checkpoint(root, model, opt, extra="second")
+    except infinity.checkpoint.CheckpointError as exc:
+        print("ERROR", type(exc).__name__, exc, flush=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    print("AFTER", " ".join(entries(root)), flush=True)
+    print("LOADS", infinity.load_checkpoint(root, model, opt), os.path.basename(first), flush=True)
+    infinity.save_checkpoint(root, model, opt, extra="third")
+    print("RETRY", infinity.load_checkpoint(root, model, opt), flush=True)
+
+
+def test_a_save_that_hits_the_file_size_limit_names_the_file_and_bytes_and_the_retry_works(tmp_path):
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "ckpt")
+    code = f"import tests.unit.test_faults as t; t.rlimit_child({root!r})"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in out.stdout.splitlines() if " " in line}
+    error = lines["ERROR"]
+    assert error.startswith("CheckpointWriteError checkpoint file "), error
+    assert f"{root}/.tmp-" in error and ".bin: " in error and "File too large (EFBIG) writing " in error, error
+    assert "bytes) in all, " in error and "free there; the file is larger than this process may write" in error
+    assert "The previous checkpoint is intact" in error
+    first = lines["LOADS"].split()[1]
+    assert lines["AFTER"].split() == ["latest", first], "the failed save left debris behind"
+    assert lines["LOADS"].split()[0] == "first"          # the previous checkpoint loads
+    assert lines["RETRY"] == "third"
+
+
+def test_disk_full_while_moving_latest_names_the_pointer_and_leaves_the_previous_version(tmp_path, monkeypatch):
+    import errno
+    from infinity.checkpoint import CheckpointWriteError, directory
+
+    model, opt = build(host_config())
+    train(model, opt, 1)
+    root = tmp_path / "ckpt"
+    first = infinity.save_checkpoint(root, model, opt, extra=1)
+    train(model, opt, 1)
+    real = directory.write_durably
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(directory, "write_durably", full)
+    with pytest.raises(CheckpointWriteError, match=r"pointer to the new version .*latest\.tmp-[0-9a-f]+: No space "
+                                                   r"left on device \(ENOSPC\) writing \d+ B \(\d+ bytes\); .* "
+                                                   r"free there; the disk is full") as info:
+        infinity.save_checkpoint(root, model, opt, extra=2)
+    assert info.value.errno == errno.ENOSPC
+    assert entries(root) == ["latest", os.path.basename(first)]   # no orphan version, no pointer debris
+    monkeypatch.setattr(directory, "write_durably", real)
+    assert infinity.load_checkpoint(root, model, opt) == 1
+    train(model, opt, 1)
+    assert infinity.load_checkpoint(os.path.dirname(infinity.save_checkpoint(root, model, opt, extra=3)), model,
+                                    opt) == 3
+
+
+def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
+    from infinity.checkpoint import CheckpointWriteError, disk
+
+    model, opt = build(host_config())
+    root = tmp_path / "ckpt"
+    monkeypatch.setattr(disk, "free_bytes", lambda path: 1000)
+    with pytest.raises(CheckpointWriteError, match=r"rank 0's save needs .* its filesystem has 1000 B \(1000 bytes\)"
+                                                   r" free; nothing was written"):
+        infinity.save_checkpoint(root, model, opt)
+    assert entries(root) == []
+
+
+def test_leftovers_of_failed_saves_are_cleared_before_the_next_save_writes(tmp_path):
+    model, opt = build(host_config())
+    root = tmp_path / "ckpt"
+    first = infinity.save_checkpoint(root, model, opt)
+    (root / ".tmp-0123456789abcdef" / "rank0").mkdir(parents=True)
+    (root / ".tmp-0123456789abcdef" / "rank0" / "master.bin").write_bytes(b"x" * 4096)
+    (root / "latest.tmp-0123456789abcdef").write_text("junk")
+    import shutil
+    orphan = root / "step99999999-00000000deadbeef"         # committed after `latest`'s version, never named
+    shutil.copytree(first, orphan)
+    commit = json.loads((orphan / "COMMIT").read_text())
+    commit["committed"] += 100
+    (orphan / "COMMIT").write_text(json.dumps(commit))
+    from infinity.checkpoint import directory
+    assert sorted(directory.clear_leftovers(str(root))) == [".tmp-0123456789abcdef", "latest.tmp-0123456789abcdef",
+                                                          orphan.name]
+    assert entries(root) == ["latest", os.path.basename(first)]
+
+
+def test_a_second_saver_to_the_same_directory_is_refused_naming_the_holder(tmp_path):
+    import subprocess
+    import sys
+    from infinity.checkpoint import CheckpointLockedError
+
+    model, opt = build(host_config())
+    root = tmp_path / "ckpt"
+    first = infinity.save_checkpoint(root, model, opt)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(root / '.save-lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'pid %d on elsewhere since now' % os.getpid())\n"
+         "print('held', flush=True); sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointLockedError, match=rf"checkpoint directory {root} is being saved to by pid "
+                                                        rf"{holder.pid} on elsewhere .* save elsewhere"):
+            infinity.save_checkpoint(root, model, opt)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert entries(root) == [".save-lock", "latest", os.path.basename(first)]   # the refused save touched nothing
+    second = infinity.save_checkpoint(root, model, opt)     # the holder is gone: the lock is free again
+    assert entries(root) == ["latest", os.path.basename(second)]
