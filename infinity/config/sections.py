@@ -108,6 +108,12 @@ class TiersConfig(Section):
     """Number of buffers in the NVMe I/O pool; staged NVMe I/O in flight is at most
     `pool_buffers` x `pool_buffer_size` bytes."""
 
+    verify: bool = False
+    """Checksum (CRC-32) every 64 KiB block of the NVMe swap files as it is written, and check it
+    on every read that covers the block whole: bytes changed on the disk under a running job raise
+    an error naming the file and the key instead of training on them. Costs one CRC pass over the
+    bytes each way (README, "What survives what")."""
+
     def compute_device(self) -> str:
         """``device`` with "auto" resolved on this machine: "cpu" or "cuda"."""
         return resolve_device(self.device)
@@ -185,6 +191,15 @@ class PrecisionConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the parameters' compute copy in forward and backward. Master weights, gradients and
     optimizer states are always float32."""
+
+    max_nonfinite_steps: int = 5
+    """In float32 and bfloat16, `opt.step()` raises once this many steps in a row had an inf/NaN
+    gradient, naming the groups whose gradients, parameters or states are not finite and their
+    tier (each such step is skipped until then). float16 only skips: its overflows are expected.
+    0 never raises."""
+
+    def _check(self) -> None:
+        self._within("max_nonfinite_steps", 0, _MAX_STEPS, "a count of steps (0: never raise)")
 
     @property
     def torch_dtype(self):

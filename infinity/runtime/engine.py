@@ -169,6 +169,7 @@ class Engine:
 
     def _begin_forward(self, module: nn.Module) -> None:
         self.check_intact("forward")
+        self.tiers.check()      # before the step's reads: [Note: checking a live swap file] in tiers/swapfile.py
         if self._updates is not None:
             self._updates.before_forward()
         if self._step_started is None:

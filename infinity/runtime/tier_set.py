@@ -59,13 +59,18 @@ class TierSet:
             for d in dirs:
                 os.makedirs(d, exist_ok=True)
             try:
-                self.nvme_tier = NVMeTier(dirs, self.handle, self.pool)
+                self.nvme_tier = NVMeTier(dirs, self.handle, self.pool, verify=t.verify)
             except BaseException:
                 self.handle.close()
                 raise
         self.by_name = {"device": self.device_tier, "host": self.host_tier, "nvme": self.nvme_tier}
         self.params = self.by_name[t.params]
         self.optimizer = self.by_name[t.optimizer]
+
+    def check(self) -> None:
+        """Raise when a swap file was cut or overwritten under this run (tiers' ``SwapFileDamagedError``)."""
+        if self.nvme_tier is not None:
+            self.nvme_tier.check()
 
     def stats(self) -> dict:
         out = {name: tier.stats() for name, tier in self.by_name.items() if tier is not None}

@@ -21,9 +21,10 @@ MiB = 1 << 20
 # show up here as a failing test, not slip through.
 CONTRACT_DEFAULTS = {
     "tiers": {"params": "device", "optimizer": "host", "nvme_path": (), "host_budget": 0, "device": "auto",
-              "numa_node": None, "pin_memory": "auto", "pool_buffer_size": 64 * MiB, "pool_buffers": 8},
+              "numa_node": None, "pin_memory": "auto", "pool_buffer_size": 64 * MiB, "pool_buffers": 8,
+              "verify": False},
     "aio": {"block_size": 8 * MiB, "queue_depth": 32, "threads": 4, "engine": "auto", "direct": True},
-    "precision": {"dtype": "float32"},
+    "precision": {"dtype": "float32", "max_nonfinite_steps": 5},
     "partition": {"persistence_threshold": 0, "sub_group_size": 32 * MiB, "max_live_parameters": 0},
     "prefetch": {"enabled": True, "nvme_bytes": 256 * MiB, "device_bytes": 128 * MiB, "reuse_distance": 0,
                  "log_every": 0},

@@ -324,3 +324,84 @@ def test_a_second_saver_to_the_same_directory_is_refused_naming_the_holder(tmp_p
     assert entries(root) == [".save-lock", "latest", os.path.basename(first)]   # the refused save touched nothing
     second = infinity.save_checkpoint(root, model, opt)     # the holder is gone: the lock is free again
     assert entries(root) == ["latest", os.path.basename(second)]
+
+
+# ---------------------------------------------------------------------------------------------- swap files
+
+
+def swap_path(tmp_path):
+    return str(tmp_path / "nvme" / "rank0" / "nvme.swap")
+
+
+def one_step(model, opt):
+    loss = model(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def test_a_swap_file_truncated_under_a_live_run_stops_the_next_step_naming_the_file(tmp_path):
+    from tiers.swapfile import SwapFileDamagedError
+
+    model, opt = build(nvme_config(tmp_path))
+    train(model, opt, 2)
+    opt.synchronize()
+    os.truncate(swap_path(tmp_path), 64 << 10)
+    with pytest.raises(SwapFileDamagedError, match=rf"truncated under this run to 65536 bytes.*"
+                                                   rf"'{swap_path(tmp_path)}'"):
+        one_step(model, opt)
+
+
+def _corrupt_swap_data(tmp_path):
+    """Every byte after the swap file's header becomes 0x7f, as a stray writer would leave it."""
+    path = swap_path(tmp_path)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\x7f" * (size - 4096))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def test_with_verify_bytes_changed_in_a_swap_file_are_an_error_naming_the_file(tmp_path):
+    from tiers.checksums import SwapChecksumError
+
+    model, opt = build(nvme_config(tmp_path, tiers={"verify": True}))
+    train(model, opt, 2)
+    opt.synchronize()
+    _corrupt_swap_data(tmp_path)
+    with pytest.raises(SwapChecksumError, match=rf"of key \d+ \(tag '.*'\).* fail their CRC-32 .*changed on disk "
+                                                rf"under this run.*'{swap_path(tmp_path)}'"):
+        one_step(model, opt)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_that_stay_non_finite_stop_the_run_naming_groups_and_tier_not_fp16(tmp_path, dtype):
+    from infinity.optim.nonfinite import NonFiniteStepsError
+
+    model, opt = build(nvme_config(tmp_path, precision={"dtype": dtype, "max_nonfinite_steps": 3}))
+    train(model, opt, 1)
+    opt.synchronize()
+    _corrupt_swap_data(tmp_path)
+    with pytest.warns(RuntimeWarning, match=rf"non-finite gradient \(inf/NaN in {dtype}, which does not overflow "
+                                            r"like float16; 1 in a row, the run stops at 3\)"):
+        one_step(model, opt)
+    one_step(model, opt)
+    with pytest.raises(NonFiniteStepsError) as info:
+        one_step(model, opt)
+    message = str(info.value)
+    assert f"3 steps in a row had an inf/NaN gradient in {dtype}" in message
+    assert "group 'wte' [weight]: parameters (tier nvme), gradient (tier nvme), master (tier nvme)" in message
+    assert "set [tiers] verify = true" in message and "fp16" not in message
+
+
+def test_in_float16_non_finite_steps_are_only_skipped(tmp_path):
+    model, opt = build(nvme_config(tmp_path, precision={"dtype": "float16", "max_nonfinite_steps": 2}))
+    train(model, opt, 1)
+    opt.synchronize()
+    _corrupt_swap_data(tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"inf/NaN, e\.g\. a float16 overflow"):
+        for _ in range(3):
+            one_step(model, opt)
+    assert opt.skipped_steps == 3
