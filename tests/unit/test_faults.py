@@ -387,7 +387,8 @@ def test_steps_that_stay_non_finite_stop_the_run_naming_groups_and_tier_not_fp16
     with pytest.warns(RuntimeWarning, match=rf"non-finite gradient \(inf/NaN in {dtype}, which does not overflow "
                                             r"like float16; 1 in a row, the run stops at 3\)"):
         one_step(model, opt)
-    one_step(model, opt)
+    with pytest.warns(RuntimeWarning, match="2 in a row"):
+        one_step(model, opt)
     with pytest.raises(NonFiniteStepsError) as info:
         one_step(model, opt)
     message = str(info.value)
@@ -405,3 +406,86 @@ def test_in_float16_non_finite_steps_are_only_skipped(tmp_path):
         for _ in range(3):
             one_step(model, opt)
     assert opt.skipped_steps == 3
+
+
+# ---------------------------------------------------------------------------------------------- exceptions in hooks
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
+            for _ in range(n)]
+
+
+def _losses(model, opt, batches):
+    out = []
+    for idx, tgt in batches:
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_exception_in_the_models_forward_or_backward_loses_nothing(tmp_path, where):
+    batches = _batches(4)
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "run").mkdir()
+    model, opt = build(nvme_config(tmp_path / "ref"))
+    reference = _losses(model, opt, batches)
+    del model, opt
+    gc.collect()
+
+    model, opt = build(nvme_config(tmp_path / "run"))
+    losses = _losses(model, opt, batches[:2])
+    block = model.blocks[1]
+    if where == "forward":
+        handle = block.register_forward_pre_hook(lambda module, args: (_ for _ in ()).throw(Boom("in forward")))
+    else:
+        handle = block.register_full_backward_hook(lambda module, gin, gout: (_ for _ in ()).throw(Boom("in backward")))
+    with pytest.raises(Boom):
+        model(*batches[2]).backward()              # raises inside the engine's hooked forward or backward
+    handle.remove()
+    opt.zero_grad()                               # as after any failed step in plain PyTorch
+    losses += _losses(model, opt, batches[2:])
+    assert losses == reference
+
+
+# ---------------------------------------------------------------------------------------------- kill -9
+
+_KILLED_CHILD = r"""
+import os, signal, sys
+import tests.unit.test_faults as t
+import infinity
+model, opt = t.build(t.nvme_config(__import__("pathlib").Path(sys.argv[1])))
+t.train(model, opt, 2)
+infinity.save_checkpoint(os.path.join(sys.argv[1], "ckpt"), model, opt, extra="saved")
+t.train(model, opt, 1)
+print("training", flush=True)
+while True:                                      # killed here, mid-training, swap files and locks held
+    t.train(model, opt, 1)
+"""
+
+
+def test_kill_9_mid_training_leaves_a_directory_the_next_run_takes_over(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(tmp_path)], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "training", child.stderr.read()[-3000:]
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+    assert "nvme.swap" in swap_files(tmp_path)                  # the killed run's swap file is still there
+    with pytest.warns(RuntimeWarning, match="removed stale swap file .* left by run"):
+        model, opt = build(nvme_config(tmp_path))              # same nvme_path: its lock is free, stale file gone
+    assert infinity.load_checkpoint(tmp_path / "ckpt", model, opt) == "saved" and opt.step_count == 2
+    train(model, opt, 2)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
