@@ -5,10 +5,10 @@ With ``verify`` on (config ``[tiers] verify``), the NVMe tier computes the CRC-3
 ``BLOCK_NBYTES`` block of a key (block ``i`` covers key bytes ``[i*B, (i+1)*B)``, the last one
 shorter) as a write hands it over, before the bytes leave for the disk, and checks every
 block a read covers whole once the bytes have arrived. A block that a write covers only in
-part (an odd offset or length) loses its checksum until a write covers it whole again: the
-engine writes its keys whole almost always (a sub-group's states, a group's shard), so
-nearly every byte is covered, and no read is ever refused for a checksum that was not
-computed from the bytes written. The sums live only in this process, as the keys do.
+part (an odd offset or length) loses its checksum until a write covers it whole again, so
+no read is ever refused for a checksum that was not computed from the bytes written. (The engine writes parameter shards and optimizer states
+whole; gradients arrive group by group, so the blocks where two groups meet inside a
+gradient key go unchecked.) The sums live only in this process, as the keys do.
 
 What it catches: bytes changed on the disk under the running job (another process writing
 into the swap file, a bad disk), which would otherwise reach training as garbage. What it
