@@ -55,9 +55,10 @@ before any rank writes until its commit is done, and a second saver fails at onc
 dies, so a killed save never leaves the directory locked. The lock file is removed when the
 save ends (a killed save leaves it, unlocked, for the next save to take and remove).
 Holding the lock, a save first removes the leftovers of failed or killed saves (``.tmp-*``,
-``latest.tmp-*``, ``.trash-*``, and versions newer than the one ``latest`` names, which a
-save that failed between its two renames left behind), so that their bytes do not fill the
-disk the retry needs.
+``latest.tmp-*``, and versions newer than the one ``latest`` names, which a save that failed
+between its two renames left behind; ``.trash-*`` too when the disk is short of room for the
+save, else they stay with the background deletion), so that their bytes do not fill the disk
+the retry needs.
 """
 from __future__ import annotations
 
@@ -194,12 +195,14 @@ class SaveLock:
         self._fd = -1
 
 
-def clear_leftovers(root: str) -> list[str]:
+def clear_leftovers(root: str, with_trash: bool = True) -> list[str]:
     """Remove what failed or killed saves left in ``root`` (call holding the :class:`SaveLock`); their names.
 
-    Leftovers are ``.tmp-*``, ``latest.tmp-*``, ``.trash-*`` and committed versions newer than the
-    one ``latest`` names (a save that failed between renaming its version and moving ``latest``).
-    They are deleted now, not in the background: the save about to run may need their space.
+    Leftovers are ``.tmp-*``, ``latest.tmp-*``, committed versions newer than the one ``latest``
+    names (a save that failed between renaming its version and moving ``latest``) and, when
+    ``with_trash``, ``.trash-*`` (retired versions whose deletion was cut short). They are deleted
+    now, not in the background: the save about to run may need their space. Without
+    ``with_trash``, retired versions are left to the background deletion of the commit.
     """
     current = current_name(root)
     newest = _committed_at(os.path.join(root, current)) if current else None
@@ -208,7 +211,7 @@ def clear_leftovers(root: str) -> list[str]:
         path = os.path.join(root, entry)
         orphan = (entry.startswith("step") and entry != current and newest is not None
                   and os.path.isfile(os.path.join(path, COMMIT)) and _committed_at(path) > newest)
-        if entry.startswith((_TMP, _TRASH)) or orphan:
+        if entry.startswith(_TMP) or (with_trash and entry.startswith(_TRASH)) or orphan:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(entry)
         elif entry.startswith(f"{LATEST}.tmp-"):

@@ -14,7 +14,7 @@ from torch import nn
 from infinity import registry
 from infinity.checkpoint import directory, rng
 from infinity.checkpoint.agreement import agree, agree_id
-from infinity.checkpoint.disk import SaveSize, check_room, writing
+from infinity.checkpoint.disk import SaveSize, check_room, free_bytes, writing
 from infinity.checkpoint.errors import CheckpointError
 from infinity.checkpoint.manifest import (CHUNK_NBYTES, FORMAT, MANIFEST, STATE_FILES, VERSION, dtype_name,
                                           dump_json, fsync_dir, itemsize, sync_files, write_bytes, write_small_file)
@@ -75,7 +75,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
         size = SaveSize(root, _rank_nbytes(engine, description["buffer_tensors"], extra), ranks.rank)
         if ranks.rank == 0:                         # [Note: one saver per directory]
             lock = directory.SaveLock(root, size)
-            directory.clear_leftovers(root)
+            # Retired versions are normally deleted in the background; only a save short of room waits.
+            directory.clear_leftovers(root, with_trash=(free_bytes(root) or 0) < size.nbytes)
     except BaseException as exc:
         error = exc
     try:
