@@ -100,11 +100,15 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
         extra = load.apply()
     except BaseException as exc:
         error = exc
-        engine.damaged = (f"loading checkpoint {where} failed after its bytes began to reach the tiers "
-                          f"({exc}); the states are partly loaded")
     finally:
         engine.coordinator.release_all(include_persistent=True)
-    agree(engine.ranks, error, f"loading checkpoint {where}")
+    try:
+        agree(engine.ranks, error, f"loading checkpoint {where}")
+    except BaseException as exc:
+        # On every rank, also those whose part went through: the model is one mixture.
+        engine.damaged = (f"loading checkpoint {where} failed after its bytes began to reach the tiers "
+                          f"({exc}); the states are partly loaded")
+        raise
     engine.damaged = None
     return extra
 

@@ -72,7 +72,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
     error, lock, description = None, None, None
     try:
         description = describe(engine, model)
-        size = SaveSize(root, _rank_nbytes(engine, description["buffer_tensors"], extra), ranks.rank)
+        size = SaveSize(root, _rank_nbytes(engine, description["buffer_tensors"]), ranks.rank)
         if ranks.rank == 0:                         # [Note: one saver per directory]
             lock = directory.SaveLock(root, size)
             # Retired versions are normally deleted in the background; only a save short of room waits.
@@ -199,7 +199,7 @@ def describe(engine, model: nn.Module) -> dict:
             "state_dict_keys": list(state_dict), "joins": tiled_joins(model)}
 
 
-def _rank_nbytes(engine, buffers: dict[str, torch.Tensor], extra) -> int:
+def _rank_nbytes(engine, buffers: dict[str, torch.Tensor]) -> int:
     """About the bytes this rank's save writes (data files and buffers; ``extra`` and manifests are small)."""
     params = sum(g.shard_numel for g in engine.coordinator.groups) * itemsize(engine.coordinator.dtype)
     states = 3 * 4 * sum(n for _, n in engine.layout.sub_ranges)

@@ -301,8 +301,8 @@ class TilingConfig(Section):
                      "than 1Ti", "elements")
         self._within("tiles", 0, 65536, "0 picks the count; each tile is a parameter fetched on its own, and "
                      "beyond 65536 the fetches cost more than they save")
-        self._within("max_tile_bytes", 4096, _MAX_MEMORY, "a tile of at least one page (4KiB), and no "
-                     "machine holds more than 64TiB", "bytes")
+        self._within("max_tile_bytes", 1, _MAX_MEMORY, "a tile of at least one byte, and no machine holds "
+                     "more than 64TiB", "bytes")
 
 
 @dataclasses.dataclass(frozen=True)
