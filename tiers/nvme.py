@@ -20,6 +20,7 @@ import torch
 
 from tiers.aio import AioFuture, AioHandle
 from tiers.base import CompletedFuture, Future, Tier, byte_view, wait_quietly
+from tiers.checksums import BlockChecksums
 from tiers.future import TransferFuture
 from tiers.keytable import Entry, KeyTable
 from tiers.pool import BufferPool
@@ -58,6 +59,9 @@ class NVMeTier(Tier):
     staging_depth : int
         Most pool buffers one staged transfer uses (>= 2 gives double buffering; more are
         taken only when free, see tiers/staging.py).
+    verify : bool
+        Keep the CRC-32 of every 64 KiB block written and check it on reads (see [Note: swap-file
+        checksums] in tiers/checksums.py).
 
     Examples
     --------
@@ -71,7 +75,7 @@ class NVMeTier(Tier):
 
     def __init__(self, paths: Sequence[str], handle: AioHandle, pool: BufferPool, name: str = "nvme", *,
                  stale: str = "remove", stripe_nbytes: int | None = None, workers: int | None = None,
-                 staging_depth: int = 4) -> None:
+                 staging_depth: int = 4, verify: bool = False) -> None:
         if isinstance(paths, str):
             paths = [paths]
         if not paths:
@@ -94,20 +98,27 @@ class NVMeTier(Tier):
         self._inflight: dict[int, int] = {}
         self._freed_busy: dict[int, Entry[Placement]] = {}
         self._written: set[int] = set()
+        self._sums = BlockChecksums() if verify else None
         self._closed = False
 
     # -- placement ---------------------------------------------------------------------------
     def allocate(self, nbytes: int, tag: str = "") -> int:
         nbytes = self._keys.validate_nbytes(nbytes, tag)
-        self._check_open()
+        if self._closed:
+            raise RuntimeError(f"nvme tier {self.name!r} is closed")
         placement = self.swap.place(nbytes, f"key tagged {tag!r}" if tag else "a new key")
         self._stats.allocated(nbytes)
-        return self._keys.add(placement, nbytes, tag)
+        key = self._keys.add(placement, nbytes, tag)
+        if self._sums is not None:
+            self._sums.add(key, nbytes)
+        return key
 
     # -- transfers ---------------------------------------------------------------------------
     def write(self, key: int, src: torch.Tensor, offset: int = 0) -> Future:
         data = _host_bytes(src, f"{self.name} tier write source")
         entry = self._begin(key, offset, data.numel(), "write")
+        if self._sums is not None:
+            self._sums.wrote(key, offset, data, entry.nbytes)
         self._stats.wrote(data.numel())
         return self._transfer("write", key, entry, offset, data)
 
@@ -118,7 +129,8 @@ class NVMeTier(Tier):
         return self._transfer("read", key, entry, offset, data)
 
     def _begin(self, key: int, offset: int, nbytes: int, verb: str) -> Entry[Placement]:
-        self._check_open()
+        if self._closed:
+            raise RuntimeError(f"nvme tier {self.name!r} is closed")
         with self._lock:
             entry = self._keys.span(key, offset, nbytes, verb)
             if verb == "read" and key not in self._written:
@@ -151,14 +163,21 @@ class NVMeTier(Tier):
                 if not futures:
                     self._end(key)
                     return CompletedFuture(0)
-                return TransferFuture(lambda: self._wait_direct(futures, op, key, entry, offset),
-                                      lambda: all(f.done() for f in futures), nbytes, self._stats,
-                                      lambda _error: self._end(key))
-            job = self._workers.submit(self._staged_job, op, key, entry, offset, data, direct, staged)
+                wait, done = (lambda: self._wait_direct(futures, op, key, entry, offset),
+                              lambda: all(f.done() for f in futures))
+            else:
+                job = self._workers.submit(self._staged_job, op, key, entry, offset, data, direct, staged)
+                wait, done = job.result, job.done
         except BaseException:
             self._end(key)
             raise
-        return TransferFuture(job.result, job.done, nbytes, self._stats, lambda _error: self._end(key))
+        if op == "read" and self._sums is not None:
+            def locate(key_byte: int) -> tuple[str, int]:
+                run = self.swap.runs(entry.place, key_byte, 1)[0]
+                return run.file.path, run.file_offset
+
+            wait = self._sums.checked(wait, key, entry.tag, offset, data, entry.nbytes, locate)
+        return TransferFuture(wait, done, nbytes, self._stats, lambda _error: self._end(key))
 
     def _staged_job(self, op: str, key: int, entry: Entry[Placement], offset: int, data: torch.Tensor,
                     direct: list[Run], staged: list[Run]) -> int:
@@ -199,6 +218,8 @@ class NVMeTier(Tier):
         with self._lock:
             entry = self._keys.pop(key)
             self._written.discard(key)
+            if self._sums is not None:
+                self._sums.drop(key)
             busy = key in self._inflight
             if busy:
                 self._freed_busy[key] = entry
@@ -219,16 +240,19 @@ class NVMeTier(Tier):
     def stats(self) -> dict:
         snapshot = self._stats.snapshot()
         snapshot.update(tier="nvme", engine=self.handle.engine, run_id=self.run_id,
-                        files=[swap.stats() for swap in self.swap.files], pool=self.pool.stats())
+                        files=[swap.stats() for swap in self.swap.files], pool=self.pool.stats(),
+                        checksum_nbytes=self._sums.nbytes() if self._sums is not None else 0)
         return snapshot
 
     def verify(self) -> list[str]:
         """Problems found with the swap files (removed, replaced, truncated, header overwritten)."""
         return self.swap.diagnose()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"nvme tier {self.name!r} is closed")
+    def check(self) -> None:
+        """Raise ``SwapFileDamagedError`` when a swap file was cut or overwritten under this run (see
+        [Note: checking a live swap file] in tiers/swapfile.py); cheap enough to call every step."""
+        if not self._closed:
+            self.swap.check()
 
     def close(self) -> None:
         """Finish staged transfers, delete the swap files and release the directory locks."""

@@ -17,6 +17,16 @@ refused (``stale="refuse"``, :class:`StaleSwapFileError`). A corrupted header is
 reported as such and treated the same way. While running, :meth:`SwapFile.diagnose`
 explains I/O errors: the file removed, replaced, truncated, or its header overwritten.
 
+[Note: checking a live swap file]
+Keys' bytes are lost when something outside the process cuts or overwrites the swap file:
+a truncated file reads back short, and worse, a later write past the cut grows it again
+with a hole where other keys were, which then reads as zeros. So the identity of the file
+(inode and device) is checked when it is opened (the descriptor and the path must name one
+file), and :meth:`SwapFile.check`, which the engine calls before each step's reads, raises
+:class:`SwapFileDamagedError` naming the file when it is shorter than this run's slots or
+its header was overwritten. A file removed or replaced at its path only warns (once): the
+open descriptor still reaches this run's bytes, which live only as long as the run anyway.
+
 [Note: disk blocks follow the live slots]
 A freed slot inside the file (not at its end) has its blocks handed back to the
 filesystem with ``fallocate(PUNCH_HOLE)``, and a slot that reuses a hole reserves its
@@ -80,6 +90,10 @@ class StaleSwapFileError(RuntimeError):
     """A swap file left by an earlier run was found and ``stale="refuse"``."""
 
 
+class SwapFileDamagedError(OSError):
+    """A swap file was cut or overwritten under the running job; the message names the file and what changed."""
+
+
 class NVMeSpaceError(TierFullError):
     """The filesystem of a swap directory has no room for a new slot (``errno`` is ENOSPC)."""
 
@@ -132,11 +146,12 @@ class SwapFile:
         self.run_id = run_id
         self._lock = threading.Lock()
         self._can_punch = _fallocate is not None
+        self._warned = False
         self._lock_fd = self._take_lock()
         try:
             self._clear_stale(stale)
             self.file = handle.open(self.path, "rw", create=True)
-            self._inode = os.fstat(self.file.fd).st_ino
+            self._identity = self._check_identity()
             self._header = self._make_header()
             handle.pwrite(self.file, self._header, 0).wait()
         except BaseException:
@@ -154,6 +169,20 @@ class SwapFile:
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise SwapDirectoryError(errno.EACCES, "nvme_path directory is not writable by this user",
                                      self.directory)
+
+    def _check_identity(self) -> tuple[int, int]:
+        """(inode, device) of the opened file, which must be the one at ``self.path`` ([Note: checking a live
+        swap file])."""
+        opened = os.fstat(self.file.fd)
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            named = None
+        if named is None or (named.st_ino, named.st_dev) != (opened.st_ino, opened.st_dev):
+            self.file.close()
+            raise SwapFileDamagedError(errno.ESTALE, "swap file was removed or replaced by another process while "
+                                       "this one opened it; is another job using this nvme_path?", self.path)
+        return opened.st_ino, opened.st_dev
 
     def _take_lock(self) -> int:
         # The inode check guards against a holder unlinking the lock file between our
@@ -299,7 +328,7 @@ class SwapFile:
         except FileNotFoundError:
             return (f"swap file {self.path} was removed (directory deleted?); its data stays readable "
                     "through the open descriptor until the tier closes")
-        if stat.st_ino != self._inode:
+        if (stat.st_ino, stat.st_dev) != self._identity:
             return f"swap file {self.path} was replaced by another file"
         size = os.fstat(self.file.fd).st_size
         if size < self.file_nbytes:
@@ -310,13 +339,39 @@ class SwapFile:
                 return f"the header of swap file {self.path} was overwritten (the file is corrupted)"
         return None
 
+    def check(self) -> None:
+        """Raise :class:`SwapFileDamagedError` when this run's bytes in the file were cut or overwritten; warn
+        once when its path no longer names it (see [Note: checking a live swap file])."""
+        with self._lock:
+            size = os.fstat(self.file.fd).st_size
+            end = self._slots.end
+        if size < end:
+            raise SwapFileDamagedError(
+                errno.EIO, f"swap file was truncated under this run to {size} bytes; its slots reach {end} "
+                f"bytes, so the keys past byte {size} are lost. Something outside this process cut the file: "
+                "give each job its own nvme_path", self.path)
+        try:   # the descriptor's own file, without O_DIRECT, even if the path now names another
+            with open(f"/proc/self/fd/{self.file.fd}", "rb") as handle:
+                header = handle.read(_HEADER_NBYTES)
+        except OSError:
+            header = None
+        if header is not None and header != bytes(self._header.numpy()):
+            raise SwapFileDamagedError(errno.EIO, "the header of this run's swap file was overwritten: something "
+                                       "outside this process writes into it, so its keys cannot be trusted", self.path)
+        moved = self.diagnose()     # by now only: removed or replaced at its path
+        if moved and not self._warned:
+            self._warned = True
+            warnings.warn(f"{moved}; this run keeps using its own file through the open descriptor",
+                          RuntimeWarning, stacklevel=2)
+
     def close(self) -> None:
         """Close and delete the swap file, then release the directory lock."""
         if self.file.closed:
             return
         self.file.close()
         try:
-            if os.stat(self.path).st_ino == self._inode:
+            named = os.stat(self.path)
+            if (named.st_ino, named.st_dev) == self._identity:
                 os.unlink(self.path)
         except FileNotFoundError:
             pass

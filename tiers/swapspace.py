@@ -145,6 +145,11 @@ class SwapSpace:
         indices = range(len(self.files)) if placement is None else placement.files
         return [cause for i in indices if (cause := self.files[i].diagnose())]
 
+    def check(self) -> None:
+        """Raise ``SwapFileDamagedError`` naming the first swap file cut or overwritten under this run."""
+        for swap in self.files:
+            swap.check()
+
     def capacity(self) -> int:
         """Free disk plus these swap files, summed over distinct filesystems."""
         by_filesystem: dict[int, int] = {}

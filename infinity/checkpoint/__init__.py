@@ -10,20 +10,23 @@
 
 The on-disk layout is described in [Note: checkpoint layout] (directory.py), the
 commit in [Note: commit protocol], the checksums in [Note: checksums] (manifest.py),
-memory bounds in [Note: bounded streaming] (stream.py) and resharding in
-[Note: resharding by parameter] (reshard.py).
+memory bounds in [Note: bounded streaming] (stream.py), resharding in
+[Note: resharding by parameter] (reshard.py), failed loads in [Note: a load is all or
+nothing] (reader.py), concurrent saves in [Note: one saver per directory] (directory.py)
+and the errors of a save in [Note: save errors name the bytes] (disk.py).
 
 What the room may touch: the engine's groups, state store and tiers through their public
 methods (reads and writes of keys), the ranks' collectives to agree, and its own files; it
 changes no training state except on load.
 """
-from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
-                                        CheckpointNotFoundError)
+from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointLockedError,
+                                        CheckpointMismatchError, CheckpointNotFoundError, CheckpointWriteError)
 from infinity.checkpoint.reader import load_checkpoint, verify_checkpoint
 from infinity.checkpoint.writer import save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "consolidate", "CheckpointError",
-           "CheckpointCorruptError", "CheckpointMismatchError", "CheckpointNotFoundError"]
+           "CheckpointCorruptError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointWriteError",
+           "CheckpointLockedError"]
 
 
 def __getattr__(name: str):

@@ -35,7 +35,7 @@ import torch
 
 from infinity.checkpoint.directory import SavedCheckpoint
 from infinity.checkpoint.errors import CheckpointError
-from infinity.checkpoint.manifest import dtype_of, fsync_dir, itemsize, read_small_file
+from infinity.checkpoint.manifest import LATEST, dtype_of, fsync_dir, itemsize, read_small_file
 from infinity.checkpoint.reshard import SavedLayout
 from infinity.checkpoint.stream import Run, StreamIO, _Done, _pwrite_all, read_runs
 
@@ -138,6 +138,17 @@ class _FileDest:
         return _Done()
 
 
+def _refuse_output_inside(out: str, directories: list[str]) -> None:
+    """An output inside the checkpoint it is made from could replace one of its files (``CK/latest``) or
+    be retired with an old version by the next save: refuse it, before anything is written."""
+    target = os.path.realpath(out)
+    for directory in directories:
+        root = os.path.realpath(directory)
+        if target == root or target.startswith(root + os.sep):
+            raise CheckpointError(f"consolidate: the output {out} is inside the checkpoint {directory} it reads; "
+                                  "write it outside the checkpoint directory")
+
+
 def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
                 safetensors: bool = False, buffer_size: int | None = None) -> dict:
     """Write the checkpoint's model as one ordinary state dict, streaming (see the module note).
@@ -171,10 +182,13 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"consolidate: dtype must be float32, bfloat16 or float16, got {dtype}")
     saved = SavedCheckpoint(ckpt)
+    out = os.fspath(out)
+    parent = os.path.dirname(os.path.abspath(saved.directory))    # the directory its save commits into
+    _refuse_output_inside(out, [os.fspath(ckpt), saved.directory]
+                          + ([parent] if os.path.isfile(os.path.join(parent, LATEST)) else []))
     manifest = saved.manifest
     layout = SavedLayout(manifest)
     entries = _entries(manifest, layout, dtype)
-    out = os.fspath(out)
     tmp = f"{out}.tmp-{os.getpid()}"
     config = load_config(None)
     try:

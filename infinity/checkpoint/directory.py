@@ -45,21 +45,40 @@ the reader to guess between two directories. With the pointer there is one atomi
 step, ``path`` always exists, and a version directory (named explicitly) can be
 loaded or consolidated on its own. Ranks must share the filesystem holding ``path``
 (rank 0 reads every rank's manifest to commit); one job writes to a ``path`` at a time.
+
+[Note: one saver per directory]
+A save writes under the checkpoint directory and then retires what it finds there (older
+versions, leftovers of killed saves): two jobs saving to one directory at once would retire
+each other's files. So rank 0 holds ``.save-lock`` (``flock``, exclusive, non-blocking) from
+before any rank writes until its commit is done, and a second saver fails at once with
+:class:`CheckpointLockedError` naming the holder; the kernel drops the lock when its holder
+dies, so a killed save never leaves the directory locked. The lock file is removed when the
+save ends (a killed save leaves it, unlocked, for the next save to take and remove).
+Holding the lock, a save first removes the leftovers of failed or killed saves (``.tmp-*``,
+``latest.tmp-*``, and versions newer than the one ``latest`` names, which a save that failed
+between its two renames left behind; ``.trash-*`` too when the disk is short of room for the
+save, else they stay with the background deletion), so that their bytes do not fill the disk
+the retry needs.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import socket
 import threading
 import time
 import zlib
 
-from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from infinity.checkpoint.disk import SaveSize, writing
+from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointLockedError,
+                                        CheckpointNotFoundError)
 from infinity.checkpoint.manifest import (COMMIT, FORMAT, LATEST, MANIFEST, VERSION, FileRecord, dump_json,
                                           fsync_dir, load_json, sync_files, write_bytes, write_durably)
 
 _TMP = ".tmp-"
 _TRASH = ".trash-"
+_LOCK = ".save-lock"
 
 
 def tmp_dir(root: str, save_id: str) -> str:
@@ -74,8 +93,11 @@ def rank_dir(version: str, rank: int) -> str:
     return os.path.join(version, f"rank{rank}")
 
 
-def commit(root: str, tmp: str, name: str, record: dict, keep: int) -> str:
-    """Rank 0: make the finished temporary directory the current version (see [Note: commit protocol])."""
+def commit(root: str, tmp: str, name: str, record: dict, keep: int, size: SaveSize) -> str:
+    """Rank 0: make the finished temporary directory the current version (see [Note: commit protocol]).
+
+    When it fails before ``latest`` names the new version, nothing of it is left behind.
+    """
     manifests = {}
     for rel in _manifest_paths(tmp, record["world_size"]):
         path = os.path.join(tmp, rel)
@@ -85,19 +107,124 @@ def commit(root: str, tmp: str, name: str, record: dict, keep: int) -> str:
         except FileNotFoundError as exc:
             raise CheckpointError(f"{path} is missing at commit: every rank must write to a filesystem "
                                   "shared with rank 0") from exc
-    body = dict(record, format=FORMAT, version=VERSION, committed=time.time(), manifests=manifests)
-    write_bytes(os.path.join(tmp, COMMIT), dump_json(body))
-    sync_files([os.path.join(tmp, MANIFEST), os.path.join(tmp, COMMIT)])
-    fsync_dir(tmp)
+    body = dump_json(dict(record, format=FORMAT, version=VERSION, committed=time.time(), manifests=manifests))
+    with writing(size, os.path.join(tmp, COMMIT), len(body), "commit record"):
+        write_bytes(os.path.join(tmp, COMMIT), body)
+        sync_files([os.path.join(tmp, MANIFEST), os.path.join(tmp, COMMIT)])
+        fsync_dir(tmp)
     final = os.path.join(root, name)
-    os.rename(tmp, final)
-    fsync_dir(root)
+    with writing(size, final, None, "renaming the new version to"):
+        os.rename(tmp, final)
     pointer = os.path.join(root, f"{LATEST}.tmp-{record['id']}")
-    write_durably(pointer, (name + "\n").encode())
-    os.replace(pointer, os.path.join(root, LATEST))
-    fsync_dir(root)
+    try:
+        with writing(size, pointer, len(name) + 1, "pointer to the new version"):
+            fsync_dir(root)
+            write_durably(pointer, (name + "\n").encode())
+            os.replace(pointer, os.path.join(root, LATEST))
+            fsync_dir(root)
+    except BaseException:
+        if current_name(root) != name:      # not committed: leave nothing of it
+            _unlink(pointer)
+            shutil.rmtree(final, ignore_errors=True)
+        raise
     _clean(root, name, keep)
     return final
+
+
+def current_name(root: str) -> str | None:
+    """The version ``root/latest`` names, or None."""
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+class SaveLock:
+    """Rank 0's exclusive hold on a checkpoint directory for one save (see [Note: one saver per directory]).
+
+    Parameters
+    ----------
+    root:
+        The checkpoint directory (created when missing).
+    size:
+        The save's size, for the message of an OS error.
+    """
+
+    def __init__(self, root: str, size: SaveSize) -> None:
+        self.path = os.path.join(root, _LOCK)
+        with writing(size, root, None, "creating the checkpoint directory"):
+            os.makedirs(root, exist_ok=True)
+        # As for swap files (tiers/swapfile.py): the inode check catches a holder that removed the
+        # lock file between our open and our flock.
+        for _attempt in range(100):
+            with writing(size, self.path, None, "lock file"):
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise CheckpointLockedError(
+                    f"checkpoint directory {root} is being saved to by {holder} (lock file {self.path}); "
+                    "two jobs must not save to one directory: wait for that save, or save elsewhere") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                when = time.strftime("%Y-%m-%d %H:%M:%S")
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {when}\n".encode(), 0)
+                self._fd = fd
+                return
+            os.close(fd)
+        raise CheckpointLockedError(f"checkpoint directory {root}: lock file {self.path} keeps being replaced; "
+                                    "another process is saving there")
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (idempotent)."""
+        if self._fd < 0:
+            return
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = -1
+
+
+def clear_leftovers(root: str, with_trash: bool = True) -> list[str]:
+    """Remove what failed or killed saves left in ``root`` (call holding the :class:`SaveLock`); their names.
+
+    Leftovers are ``.tmp-*``, ``latest.tmp-*``, committed versions newer than the one ``latest``
+    names (a save that failed between renaming its version and moving ``latest``) and, when
+    ``with_trash``, ``.trash-*`` (retired versions whose deletion was cut short). They are deleted
+    now, not in the background: the save about to run may need their space. Without
+    ``with_trash``, retired versions are left to the background deletion of the commit.
+    """
+    current = current_name(root)
+    newest = _committed_at(os.path.join(root, current)) if current else None
+    removed = []
+    for entry in sorted(os.listdir(root)):
+        path = os.path.join(root, entry)
+        orphan = (entry.startswith("step") and entry != current and newest is not None
+                  and os.path.isfile(os.path.join(path, COMMIT)) and _committed_at(path) > newest)
+        if entry.startswith(_TMP) or (with_trash and entry.startswith(_TRASH)) or orphan:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(entry)
+        elif entry.startswith(f"{LATEST}.tmp-"):
+            _unlink(path)
+            removed.append(entry)
+    return removed
+
+
+def _committed_at(version: str) -> float:
+    try:
+        return float(load_json(os.path.join(version, COMMIT), "commit record").get("committed", 0.0))
+    except (CheckpointCorruptError, TypeError, ValueError):
+        return 0.0
 
 
 def _manifest_paths(version: str, world_size: int) -> list[str]:
@@ -119,11 +246,7 @@ def _clean(root: str, current: str, keep: int) -> None:
         elif entry.startswith(f"{LATEST}.tmp-"):
             _unlink(path)
         elif entry.startswith("step") and entry != current and os.path.isfile(os.path.join(path, COMMIT)):
-            try:
-                committed = float(load_json(os.path.join(path, COMMIT), "commit record").get("committed", 0.0))
-            except (CheckpointCorruptError, TypeError, ValueError):
-                committed = 0.0
-            versions.append((committed, entry))
+            versions.append((_committed_at(path), entry))
     versions.sort(reverse=True)
     trash += [_retire(root, entry) for _, entry in versions[max(keep - 1, 0):]]
     if trash:
@@ -220,3 +343,4 @@ class SavedCheckpoint:
     @property
     def step(self) -> int:
         return int(self.commit.get("step", 0))
+

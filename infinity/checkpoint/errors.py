@@ -16,3 +16,19 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint does not fit the model it is loaded into (parameter names or shapes differ)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """The operating system refused a write of a save (disk full, quota, file size limit, I/O error).
+
+    The message names the file, the bytes the save wanted and the bytes free on its filesystem;
+    ``errno`` is the OS error's. The previous checkpoint at the path stays intact and loadable.
+    """
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another save (another job, or another thread of this one) is writing to the same checkpoint directory."""

@@ -5,9 +5,32 @@ The target world size, grouping and tier layout may all differ from the saved on
 interface (``tier.write`` for optimizer states, ``coordinator.shards.write`` for
 compute copies), so params and states land on host or NVMe as the loading config
 says. Every chunk read is verified against its CRC-32 before its bytes are used.
+
+[Note: a load is all or nothing]
+A load that failed half-way used to leave the model with some states from the
+checkpoint and the rest from before, and training went on with the mixture. Now a
+load runs in two phases, each closed by an agreement of all ranks:
+
+1. *verify*: the commit record and manifests, the model's and the checkpoint's
+   parameters, buffers and optimizer step counts agree, every byte this rank will
+   read is read once and checked against its CRC-32, the buffers and ``extra`` are
+   read and unpickled. Nothing reaches a tier. The optimizer's step count and
+   hyper-parameters and the RNG states are changed here only in memory, after
+   their old values are kept: on any failure (on any rank) they are put back,
+   and the model trains on exactly as if the call had not happened.
+2. *apply*: the verified bytes stream into the tiers. What can still fail here is
+   the disk itself (an I/O error, a file replaced between the phases); then the
+   states are a mixture that nothing can undo without a second copy of the model,
+   so the engine marks them damaged and refuses to train or save until a load
+   succeeds, instead of training on them.
+
+The price is that each rank reads its share of the checkpoint twice (once to
+verify, once to load); a load is much rarer than a step, and the second read
+often comes from the page cache.
 """
 from __future__ import annotations
 
+import dataclasses
 import io as _io
 import os
 
@@ -32,9 +55,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
 
     The checkpoint may have been saved with another world size (it is resharded) and
     with parameters or optimizer states in other tiers. Its commit record, manifests
-    and every chunk read are verified; a missing, truncated or corrupt file raises
-    ``CheckpointCorruptError`` naming the file (the model's states are then partly
-    loaded: load another checkpoint before training). Restores the step count,
+    and every chunk it will read are verified before the first byte reaches a tier; a
+    missing, truncated or corrupt file raises ``CheckpointCorruptError`` naming the file,
+    and the model, optimizer and RNG states are then exactly as before the call (see
+    [Note: a load is all or nothing]). Restores the step count,
     hyper-parameters and, on each rank, the RNG states saved by the same rank (by rank
     ``rank % saved_world_size`` after resharding). Accumulated gradients are cleared.
 
@@ -58,18 +82,63 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
     >>> extra = infinity.load_checkpoint("ckpt", model, opt)   # doctest: +SKIP
     """
     engine = registry.engine_of(model, "infinity.load_checkpoint")
-    opt = check_ready(engine, opt, "infinity.load_checkpoint")
-    error, extra = None, None
+    opt = check_ready(engine, opt, "infinity.load_checkpoint", damaged_ok=True)
+    where = os.fspath(path)
+    error, load = None, None
+    undo = _Undo(opt)
     engine.coordinator.release_all(include_persistent=True)
     try:
-        saved = SavedCheckpoint(path)
-        extra = _load(engine, model, opt, saved)
+        load = _Verified(engine, model, opt, SavedCheckpoint(path))
+    except BaseException as exc:
+        error = exc
+    try:
+        agree(engine.ranks, error, f"verifying checkpoint {where} (nothing was loaded)")
+    except BaseException:
+        undo.restore(opt)
+        raise
+    try:
+        extra = load.apply()
     except BaseException as exc:
         error = exc
     finally:
         engine.coordinator.release_all(include_persistent=True)
-    agree(engine.ranks, error, f"loading checkpoint {os.fspath(path)}")
+    try:
+        agree(engine.ranks, error, f"loading checkpoint {where}")
+    except BaseException as exc:
+        # On every rank, also those whose part went through: the model is one mixture.
+        engine.damaged = (f"loading checkpoint {where} failed after its bytes began to reach the tiers "
+                          f"({exc}); the states are partly loaded")
+        raise
+    engine.damaged = None
     return extra
+
+
+class _Undo:
+    """What a failed load puts back: the optimizer's scalars and the RNG states (see [Note: a load is all
+    or nothing])."""
+
+    def __init__(self, opt) -> None:
+        self.rng = rng.capture()
+        self.optimizer = None
+        if opt is not None:
+            hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+            self.optimizer = (hyper, opt.step_count, getattr(opt, "skipped_steps", 0),
+                              opt.param_steps() if hasattr(opt, "param_steps") else None)
+
+    def restore(self, opt) -> None:
+        rng.restore(self.rng)
+        if self.optimizer is None:
+            return
+        hyper, step_count, skipped, param_steps = self.optimizer
+        group = opt.param_groups[0]
+        for key in [k for k in group if k != "params" and k not in hyper]:
+            del group[key]
+        group.update(hyper)
+        opt.step_count = step_count
+        if hasattr(opt, "skipped_steps"):
+            opt.skipped_steps = skipped
+        if param_steps is not None:
+            opt.load_param_steps(param_steps, "state before the failed load")
 
 
 class _StateDest:
@@ -115,13 +184,64 @@ def target_groups(engine, model: nn.Module) -> list[TargetGroup]:
     return groups
 
 
-def _load(engine, model: nn.Module, opt, saved: SavedCheckpoint):
+class _Verified:
+    """A checkpoint checked against this model and verified byte by byte; ``apply`` loads it.
+
+    Construction reads (and CRC-checks) everything this rank will load and changes nothing
+    but the optimizer's scalars, which ``_Undo`` can put back (see [Note: a load is all or
+    nothing]).
+    """
+
+    def __init__(self, engine, model: nn.Module, opt, saved: SavedCheckpoint) -> None:
+        self.engine, self.opt, self.saved = engine, opt, saved
+        manifest = saved.manifest
+        self.fills, self.files, self.runs = _plan(engine, model, saved)
+        self.buffers = model_buffers(model)
+        _check_buffers(manifest, self.buffers)
+        with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
+            read_runs(io, self.files, [dataclasses.replace(run, dest=None) for run in self.runs])
+        self.buffer_values = _read_buffers(saved, manifest)
+        twin = engine.ranks.rank % saved.world_size
+        self.rng = saved.rank_manifest(twin).get("rng")
+        if not isinstance(self.rng, dict):
+            raise CheckpointCorruptError(f"{saved.directory}: the manifest of rank {twin} has no RNG states")
+        record = saved.file(twin, "extra")
+        self.extra = None
+        if record is not None:
+            raw = read_small_file(saved.directory, record)
+            try:
+                self.extra = torch.load(_io.BytesIO(raw), weights_only=False)
+            except Exception as exc:
+                raise CheckpointCorruptError(f"{saved.path_of(record)}: the saved `extra` cannot be "
+                                             f"unpickled ({type(exc).__name__}: {exc})") from exc
+        if opt is not None:
+            _restore_optimizer(opt, manifest)   # in memory only; _Undo puts it back on failure
+
+    def apply(self):
+        """Write the verified bytes into the tiers; then buffers, gradients and RNG states."""
+        engine = self.engine
+        coordinator, store, layout = engine.coordinator, engine.store, engine.layout
+        with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
+            read_runs(io, self.files, self.runs)
+            _fill_zeros(io, coordinator, store, layout, self.fills)
+        store.moments_initialized = True
+        if self.opt is not None:
+            self.opt.zero_grad()
+        else:
+            store.zero_grad()
+        with torch.no_grad():
+            for name, value in self.buffer_values.items():
+                self.buffers[name].copy_(value)
+        rng.restore(self.rng)
+        return self.extra
+
+
+def _plan(engine, model: nn.Module, saved: SavedCheckpoint):
+    """The fills, the source files and the runs (with their destinations) that load this rank's shards."""
     manifest = saved.manifest
     ranks = engine.ranks
     coordinator, store, layout = engine.coordinator, engine.store, engine.layout
     moves, fills = plan_shards(SavedLayout(manifest), target_groups(engine, model), ranks.rank, ranks.world_size)
-    buffers = model_buffers(model)
-    _check_buffers(manifest, buffers)
     files: dict[str, tuple[str, object]] = {}
 
     def source(rank: int, name: str) -> str:
@@ -148,22 +268,7 @@ def _load(engine, model: nn.Module, opt, saved: SavedCheckpoint):
             for sub, within, n, rel in _sub_pieces(layout, flat, m.numel):
                 runs.append(Run(src, (m.src_elem + rel) * _F32, n * _F32,
                                 _StateDest(store.tier, store.keys[state][sub], within * _F32)))
-    with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
-        read_runs(io, files, runs)
-        _fill_zeros(io, coordinator, store, layout, fills)
-    store.moments_initialized = True
-    if opt is not None:
-        opt.zero_grad()
-        _restore_optimizer(opt, manifest)
-    else:
-        store.zero_grad()
-    _restore_buffers(saved, manifest, buffers)
-    twin = ranks.rank % saved.world_size
-    rng.restore(saved.rank_manifest(twin)["rng"])
-    record = saved.file(twin, "extra")
-    if record is None:
-        return None
-    return torch.load(_io.BytesIO(read_small_file(saved.directory, record)), weights_only=False)
+    return fills, files, runs
 
 
 def _fill_zeros(io, coordinator, store, layout, fills) -> None:
@@ -221,16 +326,24 @@ def _check_buffers(manifest: dict, buffers: dict[str, torch.Tensor]) -> None:
                                           f"but {tuple(entry['shape'])} in the checkpoint")
 
 
-def _restore_buffers(saved: SavedCheckpoint, manifest: dict, buffers: dict[str, torch.Tensor]) -> None:
+def _read_buffers(saved: SavedCheckpoint, manifest: dict) -> dict[str, torch.Tensor]:
+    """The saved module buffers, read and verified, by state-dict key (copied into the model by ``apply``)."""
     if not manifest["buffers"]:
-        return
-    raw = read_small_file(saved.directory, saved.file(0, "buffers"))
-    with torch.no_grad():
-        for entry in manifest["buffers"]:
-            dtype = dtype_of(entry["dtype"])
-            chunk = bytearray(raw[entry["offset"]:entry["offset"] + entry["nbytes"]])
-            value = torch.frombuffer(chunk, dtype=dtype) if chunk else torch.empty(0, dtype=dtype)
-            buffers[entry["name"]].copy_(value.reshape(entry["shape"]))
+        return {}
+    record = saved.file(0, "buffers")
+    if record is None:
+        raise CheckpointCorruptError(f"{saved.directory}: the manifest lists buffers but rank 0 has no buffers file")
+    raw = read_small_file(saved.directory, record)
+    values = {}
+    for entry in manifest["buffers"]:
+        dtype = dtype_of(entry["dtype"])
+        chunk = bytearray(raw[entry["offset"]:entry["offset"] + entry["nbytes"]])
+        if len(chunk) != entry["nbytes"]:
+            raise CheckpointCorruptError(f"{saved.path_of(record)}: buffer {entry['name']!r} reaches past the "
+                                         f"end of the file ({len(raw)} bytes)")
+        value = torch.frombuffer(chunk, dtype=dtype) if chunk else torch.empty(0, dtype=dtype)
+        values[entry["name"]] = value.reshape(entry["shape"])
+    return values
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict:

@@ -14,6 +14,7 @@ from torch import nn
 from infinity import registry
 from infinity.checkpoint import directory, rng
 from infinity.checkpoint.agreement import agree, agree_id
+from infinity.checkpoint.disk import SaveSize, check_room, free_bytes, writing
 from infinity.checkpoint.errors import CheckpointError
 from infinity.checkpoint.manifest import (CHUNK_NBYTES, FORMAT, MANIFEST, STATE_FILES, VERSION, dtype_name,
                                           dump_json, fsync_dir, itemsize, sync_files, write_bytes, write_small_file)
@@ -68,30 +69,53 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
     tmp = directory.tmp_dir(root, save_id)
     step = opt.step_count if opt is not None else 0
     chunk = min(CHUNK_NBYTES, engine.config.checkpoint.buffer_size)
-    error = None
+    error, lock, description = None, None, None
     try:
         description = describe(engine, model)
-        os.makedirs(directory.rank_dir(tmp, ranks.rank), exist_ok=True)
-        _write_rank(engine, tmp, chunk, extra, description["buffer_tensors"])
+        size = SaveSize(root, _rank_nbytes(engine, description["buffer_tensors"]), ranks.rank)
+        if ranks.rank == 0:                         # [Note: one saver per directory]
+            lock = directory.SaveLock(root, size)
+            # Retired versions are normally deleted in the background; only a save short of room waits.
+            directory.clear_leftovers(root, with_trash=(free_bytes(root) or 0) < size.nbytes)
     except BaseException as exc:
         error = exc
-    agree(ranks, error, f"writing their shards of checkpoint {root}")
-    name = directory.version_name(step, save_id)
-    if ranks.rank == 0:
+    try:
+        agree(ranks, error, f"preparing to save checkpoint {root}")
         try:
-            manifest = _global_manifest(engine, opt, description, save_id, step, chunk)
-            write_bytes(os.path.join(tmp, MANIFEST), dump_json(manifest))
-            record = {"id": save_id, "step": step, "world_size": ranks.world_size}
-            directory.commit(root, tmp, name, record, keep)
+            check_room(size)
+            with writing(size, directory.rank_dir(tmp, ranks.rank), None, "creating"):
+                os.makedirs(directory.rank_dir(tmp, ranks.rank), exist_ok=True)
+            _write_rank(engine, tmp, chunk, extra, description["buffer_tensors"], size)
         except BaseException as exc:
             error = exc
-            shutil.rmtree(tmp, ignore_errors=True)
-    agree(ranks, error, f"committing checkpoint {root}")
+        try:
+            agree(ranks, error, f"writing their shards of checkpoint {root}")
+        except BaseException:
+            if ranks.rank == 0:                     # every rank has stopped writing: leave no debris
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        name = directory.version_name(step, save_id)
+        if ranks.rank == 0:
+            try:
+                manifest = dump_json(_global_manifest(engine, opt, description, save_id, step, chunk))
+                with writing(size, os.path.join(tmp, MANIFEST), len(manifest), "global manifest"):
+                    write_bytes(os.path.join(tmp, MANIFEST), manifest)
+                record = {"id": save_id, "step": step, "world_size": ranks.world_size}
+                directory.commit(root, tmp, name, record, keep, size)
+            except BaseException as exc:
+                error = exc
+                shutil.rmtree(tmp, ignore_errors=True)
+        agree(ranks, error, f"committing checkpoint {root}")
+    finally:
+        if lock is not None:
+            lock.release()
     return os.path.join(root, name)
 
 
-def check_ready(engine, opt, what: str):
+def check_ready(engine, opt, what: str, damaged_ok: bool = False):
     """The model's optimizer (``opt``, or the one created for it), once no backward runs and updates are published.
+
+    States damaged by a load that failed half-way are refused unless ``damaged_ok`` (a load mends them).
 
     Why default to the engine's optimizer: the Adam moments live in the engine's store and
     are always saved and loaded, so the step count (Adam's bias correction) must travel
@@ -104,6 +128,8 @@ def check_ready(engine, opt, what: str):
                               f"(got {type(opt).__name__}); pass the optimizer created for this model, or None")
     if engine.backward_running:
         raise CheckpointError(f"{what}: called while a backward pass is still running; call it between steps")
+    if not damaged_ok:
+        engine.check_intact(what)
     if opt is not None:
         opt.synchronize()
     return opt
@@ -173,34 +199,56 @@ def describe(engine, model: nn.Module) -> dict:
             "state_dict_keys": list(state_dict), "joins": tiled_joins(model)}
 
 
-def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Tensor]) -> None:
-    rank = engine.ranks.rank
+def _rank_nbytes(engine, buffers: dict[str, torch.Tensor]) -> int:
+    """About the bytes this rank's save writes (data files and buffers; ``extra`` and manifests are small)."""
+    params = sum(g.shard_numel for g in engine.coordinator.groups) * itemsize(engine.coordinator.dtype)
+    states = 3 * 4 * sum(n for _, n in engine.layout.sub_ranges)
+    own_buffers = sum(t.numel() * t.element_size() for t in buffers.values()) if engine.ranks.rank == 0 else 0
+    return params + states + own_buffers
+
+
+def _rank_spans(engine) -> dict[str, list]:
+    """The spans of each data file of this rank: tier ranges (or zeros), in file order."""
     coordinator, store, layout = engine.coordinator, engine.store, engine.layout
+    nbytes = itemsize(coordinator.dtype)
+    files = {"params": [TierSpan(coordinator.shards.tier, g.param_key, 0, g.shard_numel * nbytes)
+                        for g in coordinator.groups]}
+    for state in STATE_FILES[1:]:
+        if state in _MOMENTS and not store.moments_initialized:
+            files[state] = [ZeroSpan(n * 4) for _, n in layout.sub_ranges]
+        else:
+            files[state] = [TierSpan(store.tier, store.keys[state][sub], 0, n * 4)
+                            for sub, (_, n) in enumerate(layout.sub_ranges)]
+    return files
+
+
+def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Tensor], size: SaveSize) -> None:
+    rank = engine.ranks.rank
     rdir = directory.rank_dir(tmp, rank)
     files = {}
     with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
-        nbytes = itemsize(coordinator.dtype)
-        spans = [TierSpan(coordinator.shards.tier, g.param_key, 0, g.shard_numel * nbytes) for g in coordinator.groups]
-        files["params"] = write_file(io, tmp, f"rank{rank}/params.bin", spans, chunk)
-        for state in STATE_FILES[1:]:
-            if state in _MOMENTS and not store.moments_initialized:
-                spans = [ZeroSpan(n * 4) for _, n in layout.sub_ranges]
-            else:
-                spans = [TierSpan(store.tier, store.keys[state][sub], 0, n * 4)
-                         for sub, (_, n) in enumerate(layout.sub_ranges)]
-            files[state] = write_file(io, tmp, f"rank{rank}/{state}.bin", spans, chunk)
+        for name, spans in _rank_spans(engine).items():
+            relpath = f"rank{rank}/{name}.bin"
+            with writing(size, os.path.join(tmp, relpath), sum(s.nbytes for s in spans)):
+                files[name] = write_file(io, tmp, relpath, spans, chunk)
+    small = {}
     if rank == 0:
-        files["buffers"] = write_small_file(tmp, f"rank{rank}/buffers.bin", _buffer_bytes(buffers), chunk)
+        small["buffers"] = (f"rank{rank}/buffers.bin", _buffer_bytes(buffers))
     if extra is not None:
         raw = _io.BytesIO()
         torch.save(extra, raw)
-        files["extra"] = write_small_file(tmp, f"rank{rank}/extra.pt", raw.getvalue(), chunk)
-    manifest = {"rank": rank, "world_size": engine.ranks.world_size,
-                "files": {k: v.to_json() for k, v in files.items()}, "rng": rng.capture()}
-    write_bytes(os.path.join(rdir, MANIFEST), dump_json(manifest))
-    sync_files([os.path.join(tmp, r.path) for r in files.values()] + [os.path.join(rdir, MANIFEST)])
-    fsync_dir(rdir)
-    fsync_dir(tmp)
+        small["extra"] = (f"rank{rank}/extra.pt", raw.getvalue())
+    for name, (relpath, data) in small.items():
+        with writing(size, os.path.join(tmp, relpath), len(data)):
+            files[name] = write_small_file(tmp, relpath, data, chunk)
+    manifest = dump_json({"rank": rank, "world_size": engine.ranks.world_size,
+                          "files": {k: v.to_json() for k, v in files.items()}, "rng": rng.capture()})
+    with writing(size, os.path.join(rdir, MANIFEST), len(manifest), "manifest"):
+        write_bytes(os.path.join(rdir, MANIFEST), manifest)
+    with writing(size, rdir, None, "flushing (fsync) the files of"):
+        sync_files([os.path.join(tmp, r.path) for r in files.values()] + [os.path.join(rdir, MANIFEST)])
+        fsync_dir(rdir)
+        fsync_dir(tmp)
 
 
 def _buffer_bytes(buffers: dict[str, torch.Tensor]) -> bytes:

@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from infinity.cli.common import Parser, run
 from infinity.config.sizes import format_size, parse_size
 
 from . import bench_nvme as nv
@@ -67,8 +68,8 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="infinity-bench", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="infinity-bench", description=__doc__.split("\n\n")[0], debug=False)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     p = sub.add_parser("nvme", help="sweep the aio settings on a directory's disk",
                        description="Write then read a file in --path with O_DIRECT over a sweep of aio settings.")
     p.add_argument("--path", required=True, help="directory on the disk to measure (a temporary file is made there)")
@@ -436,16 +437,10 @@ def dataclasses_asdict(setting: nv.Setting) -> dict[str, object]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "nvme":
-            return nvme(args)
-    except BenchError as e:
-        print(f"infinity-bench {args.command}: {e}", file=sys.stderr)
-        return 2
-    parser.error(f"unknown command {args.command}")
-    return 2
+    """Entry point of ``infinity-bench``: exit 0, 1 (the measurement failed) or 2 (asked wrongly); see
+    [Note: command-line errors] in infinity/cli/common.py."""
+    args = build_parser().parse_args(argv)
+    return run(f"infinity-bench {args.command}", args.debug, lambda: nvme(args), usage=(BenchError,))
 
 
 if __name__ == "__main__":

@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from infinity.cli.common import Parser, UsageError, run
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="infinity-consolidate",
         description="Write one ordinary PyTorch state dict (torch.save or safetensors) from an infinity "
                     "checkpoint, streaming tensor by tensor.")
@@ -36,21 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``infinity-consolidate``; exit 0, 1 (the checkpoint could not be read or written) or 2
+    (wrong arguments); see [Note: command-line errors] in infinity/cli/common.py."""
     args = build_parser().parse_args(argv)
+    return run("infinity-consolidate", args.debug, lambda: _consolidate(args))
+
+
+def _consolidate(args: argparse.Namespace) -> int:
     import torch
 
     from infinity.config.sizes import parse_size
-    from infinity.checkpoint import CheckpointError
     from infinity.checkpoint.consolidate import consolidate
 
-    buffer_size = parse_size(args.buffer_size) if args.buffer_size else None
-    safetensors = args.safetensors or args.out.endswith(".safetensors")
     try:
-        summary = consolidate(args.ckpt, args.out, getattr(torch, args.dtype), safetensors=safetensors,
-                              buffer_size=buffer_size)
-    except (CheckpointError, OSError, ValueError) as exc:
-        print(f"infinity-consolidate: {exc}", file=sys.stderr)
-        return 1
+        buffer_size = parse_size(args.buffer_size) if args.buffer_size else None
+    except ValueError as exc:
+        raise UsageError(f"--buffer-size {args.buffer_size!r}: {exc}") from None
+    safetensors = args.safetensors or args.out.endswith(".safetensors")
+    summary = consolidate(args.ckpt, args.out, getattr(torch, args.dtype), safetensors=safetensors,
+                          buffer_size=buffer_size)
     seconds = summary["seconds"]
     rate = summary["nbytes"] / seconds / 1e9 if seconds > 0 else float("nan")
     rows = [("checkpoint", summary["directory"]), ("output", args.out), ("format", summary["format"]),

@@ -7,32 +7,26 @@ Usage::
         --bench-json nvme.json
     infinity-plan model --params 1.3e9 --config offload.toml --read-gbps 2.4 --write-gbps 3 --json
 
-Exit status: 0 on success; 1 when ``model`` finds the plan does not fit this machine; 2 on bad
-input (one line on stderr naming the problem, no traceback).
+Exit status: 0 on success; 1 when ``model`` finds the plan does not fit this machine (a missing
+or unusable ``nvme_path`` included) or the work fails; 2 on bad input (one line on stderr naming
+the problem, no traceback unless ``--debug``).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+
+from infinity.cli.common import Parser, run
 
 PROG = "infinity-plan"
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one line and exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0], debug=False)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     table = sub.add_parser(
         "table",
@@ -167,17 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     from infinity.plan import PlanError
 
-    try:
-        if args.command == "table":
-            return _run_table(args)
-        return _run_model(args)
-    except PlanError as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        # The reader went away (`infinity-plan ... | head`): not an error of ours.
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (keeps interpreter exit quiet)
-        return 0
+    body = _run_table if args.command == "table" else _run_model
+    return run(f"{PROG} {args.command}", args.debug, lambda: body(args), usage=(PlanError,))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from infinity.cli.common import Parser, UsageError, run
 from infinity.config.sizes import human_size
 
 PROBE_NBYTES = 4096
@@ -305,15 +306,21 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="infinity-report", description=__doc__.split("\n\n")[0].replace("``", ""))
+    """Entry point of ``infinity-report``: exit 0, 1 (gathering failed) or 2 (a --path that is not a directory);
+    see [Note: command-line errors] in infinity/cli/common.py."""
+    parser = Parser(prog="infinity-report", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--path", default=tempfile.gettempdir(),
                         help="directory to check for O_DIRECT, free space and I/O engines (default: %(default)s)")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="write the report as JSON to PATH; alone, print only JSON to stdout")
     args = parser.parse_args(argv)
+    return run("infinity-report", args.debug, lambda: _report(args))
+
+
+def _report(args: argparse.Namespace) -> int:
     if not Path(args.path).is_dir():
-        print(f"infinity-report: --path {args.path}: not a directory", file=sys.stderr)
-        return 2
+        what = "does not exist" if not os.path.lexists(args.path) else "is not a directory"
+        raise UsageError(f"--path {args.path} {what}")
     report = gather(args.path)
     if args.json == "-":
         print(json.dumps(report, indent=2))

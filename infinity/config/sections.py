@@ -28,10 +28,22 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from infinity.config import sizes as _sizes
+from infinity.config.paths import not_a_directory
+from infinity.config.sizes import GiB, TiB
 from infinity.config.values import (Bytes, ConfigError, Numel, NumaNode, Paths, Patterns, Section, check_keys,
                                     show, type_name)
 
 
+
+# Upper bounds of the numeric keys. Each is far beyond any sensible setting, so it only catches
+# slips (a unit too large, an exponent too many) before they reach an allocator or the kernel;
+# the message of each says why its bound is where it is.
+_MAX_MEMORY = 64 * TiB       # bytes of memory or of a look-ahead: beyond any machine
+_MAX_ELEMENTS = 1 << 40      # parameter elements: 4 TiB in fp32, beyond any model's single parameter
+_MAX_STEPS = 2**31 - 1       # step counts
+_MAX_THREADS = 1024          # OS threads of one kind
+_MAX_NUMA_NODE = 1023        # Linux: MAX_NUMNODES is at most 1024
+_MAX_POOL = 256 * GiB        # pinned host memory taken up front by the NVMe pool
 
 # Chooses the compute device where tiers.device is "auto" (a test suite or a job script pins it).
 DEVICE_ENV = "INFINITY_DEVICE"
@@ -97,6 +109,12 @@ class TiersConfig(Section):
     """Number of buffers in the NVMe I/O pool; staged NVMe I/O in flight is at most
     `pool_buffers` x `pool_buffer_size` bytes."""
 
+    verify: bool = False
+    """Checksum (CRC-32) every 64 KiB block of the NVMe swap files as it is written, and check it
+    on every read that covers the block whole: bytes changed on the disk under a running job raise
+    an error naming the file and the key instead of training on them. Costs one CRC pass over the
+    bytes each way (README, "What survives what")."""
+
     def compute_device(self) -> str:
         """``device`` with "auto" resolved on this machine: "cpu" or "cuda"."""
         return resolve_device(self.device)
@@ -106,8 +124,26 @@ class TiersConfig(Section):
         if on_nvme and not self.nvme_path:
             raise ConfigError(f"required when tiers.{on_nvme[0]} is \"nvme\"; give a directory on a fast local disk",
                               "tiers.nvme_path")
+        self._within("host_budget", 0, _MAX_MEMORY, "a budget of host RAM; no machine has more than 64TiB",
+                     "bytes")
+        if self.numa_node is not None:
+            self._within("numa_node", -1, _MAX_NUMA_NODE, "Linux numbers NUMA nodes from 0 to 1023 "
+                         "(-1 is \"auto\": the node nearest the GPU)")
+        for path in self.nvme_path:       # the rest is checked where the path is used ([Note: checking nvme_path])
+            wrong = not_a_directory(path)
+            if wrong:
+                raise ConfigError(wrong, "tiers.nvme_path")
         self._aligned("pool_buffer_size")
-        self._at_least("pool_buffers", 1)
+        self._within("pool_buffer_size", 4096, 4 * GiB, "each pool buffer is host memory taken when the "
+                     "engine starts, and one transfer larger than 4GiB gains nothing", "bytes")
+        self._within("pool_buffers", 1, 1024, "a transfer needs at least one buffer; beyond 1024 the pool "
+                     "only takes host memory")
+        pool = self.pool_buffers * self.pool_buffer_size
+        if pool > _MAX_POOL:
+            raise ConfigError(f"{self.pool_buffers} x {_sizes.format_size(self.pool_buffer_size)} = "
+                              f"{_sizes.human_size(pool)} of pinned host memory is taken when the engine starts; "
+                              f"the pool may hold at most {_sizes.format_size(_MAX_POOL)}: lower pool_buffers "
+                              "or pool_buffer_size", "tiers.pool_buffers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +172,12 @@ class AioConfig(Section):
 
     def _check(self) -> None:
         self._aligned("block_size")
-        self._at_least("queue_depth", 1)
-        self._at_least("threads", 1)
+        self._within("block_size", 4096, 1 * GiB, "one read or write; Linux moves at most 2GiB - 4KiB per "
+                     "call, and a request larger than 1GiB only delays the first completion", "bytes")
+        self._within("queue_depth", 1, 32768, "at least one request must be in flight, and an io_uring ring "
+                     "holds at most 32768 entries")
+        self._within("threads", 1, _MAX_THREADS, "the thread-pool engine needs one thread; each is an OS "
+                     "thread doing pread/pwrite, and beyond 1024 they only contend for the disk")
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -152,6 +192,15 @@ class PrecisionConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the parameters' compute copy in forward and backward. Master weights, gradients and
     optimizer states are always float32."""
+
+    max_nonfinite_steps: int = 5
+    """In float32 and bfloat16, `opt.step()` raises once this many steps in a row had an inf/NaN
+    gradient, naming the groups whose gradients, parameters or states are not finite and their
+    tier (each such step is skipped until then). float16 only skips: its overflows are expected.
+    0 never raises."""
+
+    def _check(self) -> None:
+        self._within("max_nonfinite_steps", 0, _MAX_STEPS, "a count of steps (0: never raise)")
 
     @property
     def torch_dtype(self):
@@ -193,9 +242,14 @@ class PartitionConfig(Section):
     0 means no limit."""
 
     def _check(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in (1, 2, 3):
-            raise ConfigError(f"expected 1, 2 or 3, got {self.stage!r}", "partition.stage")
-        self._at_least("sub_group_size", 1)
+        self._within("stage", 1, 3, "ZeRO stage 1 partitions the optimizer states, 2 the gradients too, 3 the "
+                     "parameters too")
+        self._within("persistence_threshold", 0, _MAX_ELEMENTS, "no single parameter has more than 1Ti "
+                     "elements", "elements")
+        self._within("sub_group_size", 1, 4 << 30, "a sub-group holds at least one element, and each one in "
+                     "flight takes 16 bytes per element of host memory (64GiB at 4Gi)", "elements")
+        self._within("max_live_parameters", 0, _MAX_ELEMENTS, "no device holds more than 1Ti elements "
+                     "(0: no limit)", "elements")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +276,10 @@ class PrefetchConfig(Section):
     """Print a prefetch summary (stall time, hit rate) every this many steps; 0 never."""
 
     def _check(self) -> None:
-        self._at_least("log_every", 0)
+        for name in ("nvme_bytes", "device_bytes", "reuse_distance"):
+            self._within(name, 0, _MAX_MEMORY, "a look-ahead in bytes; no machine holds more than 64TiB",
+                         "bytes")
+        self._within("log_every", 0, _MAX_STEPS, "a number of steps (0: never)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,9 +307,12 @@ class TilingConfig(Section):
     chosen one come along. Empty means every such layer above `threshold`."""
 
     def _check(self) -> None:
-        self._at_least("threshold", 1)
-        self._at_least("tiles", 0)
-        self._at_least("max_tile_bytes", 1)
+        self._within("threshold", 1, _MAX_ELEMENTS, "a weight of at least one element; no layer has more "
+                     "than 1Ti", "elements")
+        self._within("tiles", 0, 65536, "0 picks the count; each tile is a parameter fetched on its own, and "
+                     "beyond 65536 the fetches cost more than they save")
+        self._within("max_tile_bytes", 1, _MAX_MEMORY, "a tile of at least one byte, and no machine holds "
+                     "more than 64TiB", "bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,8 +340,9 @@ class DpuConfig(Section):
     step; the update's NVMe traffic and host work overlap the forward."""
 
     def _check(self) -> None:
-        self._at_least("warmup_steps", 0)
-        self._at_least("threads", 0)
+        self._within("warmup_steps", 0, _MAX_STEPS, "a number of steps")
+        self._within("threads", 0, _MAX_THREADS, "0 keeps torch's default; each is an OS thread, and beyond "
+                     "1024 they only contend")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +357,8 @@ class CheckpointConfig(Section):
 
     def _check(self) -> None:
         self._aligned("buffer_size")
+        self._within("buffer_size", 4096, 4 * GiB, "a save or load holds three of these buffers in host "
+                     "memory at once", "bytes")
 
 
 SECTIONS: tuple[type[Section], ...] = (TiersConfig, AioConfig, PrecisionConfig, PartitionConfig,

@@ -132,10 +132,19 @@ class Section:
     def _check(self) -> None:
         """Cross-field rules of the section (none by default)."""
 
-    def _at_least(self, name: str, minimum: int) -> None:
+    def _within(self, name: str, lowest: int, highest: int, why: str, unit: str = "") -> None:
+        """``lowest <= value <= highest``, else an error naming the key, the bound and ``why`` it is there.
+
+        ``unit`` ("bytes", "elements") spells the numbers as sizes ("1GiB") in the message.
+        """
         value = getattr(self, name)
-        if value < minimum:
-            raise ConfigError(f"expected an integer >= {minimum}, got {value}", f"{self.section}.{name}")
+        if lowest <= value <= highest:
+            return
+        spell = {"bytes": _sizes.format_size, "elements": _sizes.format_count}.get(unit, str)
+        what = {"bytes": "a size", "elements": "an element count"}.get(unit, "an integer")
+        bound = f">= {spell(lowest)}" if value < lowest else f"<= {spell(highest)}"
+        got = f"{value} {unit}" if unit else str(value)
+        raise ConfigError(f"expected {what} {bound}, got {got}: {why}", f"{self.section}.{name}")
 
     def _aligned(self, name: str) -> None:
         value = getattr(self, name)

@@ -20,6 +20,7 @@ from infinity.errors import EngineError
 from infinity.optim import param_groups
 from infinity.optim.checks import GradientChecks
 from infinity.optim.job import StepJob
+from infinity.optim.nonfinite import NonFiniteSteps
 from infinity.optim.ranges import ParamSteps, UpdateRanges
 from infinity.optim.scheduler import UpdateScheduler
 from infinity.optim.update import UpdatePass
@@ -48,6 +49,7 @@ class _OffloadAdam(torch.optim.Optimizer):
             for name, p in root.named_parameters():
                 self._names.setdefault(id(p), name)
         self._select()
+        self._nonfinite = NonFiniteSteps(engine, self._name)
         update = UpdatePass(self.store, engine.coordinator, self._ranges, engine.device, engine.tiers.allocator)
         self._updates = UpdateScheduler(engine, update, self._ranges.trainable, self._name)
         engine.attach_optimizer(self, self._updates)
@@ -113,6 +115,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             raise EngineError(f"{self._name}.step: closures are not supported with offloaded states")
         engine = self.engine
+        engine.check_intact(f"{self._name}.step()")
+        engine.tiers.check()    # the update reads every state: no swap file may have been cut under it
         engine.recover_aborted_backward()
         if engine.backward_running:
             raise EngineError(f"{self._name}.step() called while a backward pass is still running")
@@ -128,8 +132,10 @@ class _OffloadAdam(torch.optim.Optimizer):
             self._updates.begin_step()
             nonfinite, with_grad = self._checks.exchange()
             if nonfinite:
+                self._nonfinite.skipped()   # raises after too many in a row, naming the broken groups
                 self._skip()
                 return None
+            self._nonfinite.stepped()
             delayed = self._updates.delays(self.step_count)
             if delayed:
                 self._updates.publish_finished()
@@ -171,9 +177,14 @@ class _OffloadAdam(torch.optim.Optimizer):
         self.store.zero_grad()
         self._checks.reset()
         self.engine.grad_face.forget()
-        warnings.warn(f"{self._name}: opt.step() call {self._calls} found a non-finite gradient (inf/NaN, e.g. an "
-                      f"fp16 overflow) and skipped its update ({self.skipped_steps} skipped so far)",
-                      RuntimeWarning, stacklevel=3)
+        nonfinite = self._nonfinite
+        if nonfinite.expected:
+            why = "inf/NaN, e.g. a float16 overflow"
+        else:
+            why = (f"inf/NaN in {nonfinite.dtype}, which does not overflow like float16; {nonfinite.in_a_row} in "
+                   "a row" + (f", the run stops at {nonfinite.limit}" if nonfinite.limit else ""))
+        warnings.warn(f"{self._name}: opt.step() call {self._calls} found a non-finite gradient ({why}) and "
+                      f"skipped its update ({self.skipped_steps} skipped so far)", RuntimeWarning, stacklevel=3)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the accumulated gradient shards and the parameters' ``.grad`` (as ``model.zero_grad()`` does).

@@ -94,6 +94,8 @@ class PlanSettings:
         ``tiers.host_budget`` (0: RAM available).
     stage : int
         ``partition.stage`` (the ZeRO stage).
+    nvme_direct : bool
+        ``aio.direct``: the NVMe paths must accept O_DIRECT.
     """
 
     world_size: int
@@ -106,6 +108,7 @@ class PlanSettings:
     nvme_paths: tuple[str, ...]
     host_budget: int
     stage: int = 3
+    nvme_direct: bool = True
 
 
 @dataclass(frozen=True)
@@ -250,8 +253,16 @@ class Plan:
         """
         from tiers.budget import check_budget
 
+        from infinity.config.paths import problem
+
         st = self.settings
         ranks = st.local_ranks if local_ranks is None else local_ranks
+        if "nvme" in (st.params_tier, st.optimizer_tier):
+            # The budget measures free space from the nearest existing parent, which would call a
+            # missing or unusable nvme_path a fit ([Note: checking nvme_path] in infinity/config/paths.py).
+            wrong = [f"tiers.nvme_path: {why}" for path in st.nvme_paths if (why := problem(path, st.nvme_direct))]
+            if wrong:
+                return FitCheck(fits=False, shortfalls=tuple(wrong), rows=(), local_ranks=ranks)
         try:
             report = check_budget(
                 self.needs(ranks),
@@ -380,6 +391,7 @@ def plan(
         nvme_paths=tuple(str(p) for p in cfg.tiers.nvme_path),
         host_budget=int(cfg.tiers.host_budget),
         stage=int(cfg.partition.stage),
+        nvme_direct=bool(cfg.aio.direct),
     )
     shards = ShardSizes(
         shard_numel=layout.shard_numel,

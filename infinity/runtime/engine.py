@@ -54,29 +54,36 @@ class Engine:
         self.ranks = Ranks(group, self.device.device)
         self.dtype = config.precision.torch_dtype
         self.tiers = TierSet(config, self.device, self.ranks.rank)
-        self.ranks.allocator = self.tiers.allocator     # see [Note: what a collective may be given]
-        self.datapath = DataPath(self.device, self.tiers.allocator)
-        staging = None
-        if config.tiers.params == "nvme":
-            staging = DemandStaging(self.tiers.allocator,
-                                    lambda: max((g.shard_nbytes for g in self.coordinator.groups), default=4096))
-        shards = ParamShards(self.tiers.params, self.dtype, self.datapath, staging)
-        self.coordinator = Coordinator(shards, self.ranks, self.device)
-        self.reducer = GradReducer(self.coordinator, self.ranks, self.datapath, self.tiers.allocator,
-                                   stage=config.partition.stage)
-        self.store: OptimizerStateStore | None = None
-        self.roots: list[nn.Module] = []
-        self.hooks = []
-        self.optimizer = None
-        self.prefetcher: Prefetcher | None = None
-        self._updates = None
-        self._stack: list[nn.Module] = []
-        self._backward_active = False
-        self._step_started = None
-        self._foreign = ForeignParamWatch(self.coordinator.group_of, self.on_foreign_use)
-        self._grad_hooks: dict[ParamGroup, object] = {}     # armed for the coming backward
-        self.step_stats: list[dict] = []
-        self.grad_face: GradFace | None = None      # what torch sees as .grad (made in finalize)
+        try:   # everything above the tiers: when any of it fails, the tiers close again
+            self.ranks.allocator = self.tiers.allocator     # see [Note: what a collective may be given]
+            self.datapath = DataPath(self.device, self.tiers.allocator)
+            staging = None
+            if config.tiers.params == "nvme":
+                staging = DemandStaging(self.tiers.allocator,
+                                        lambda: max((g.shard_nbytes for g in self.coordinator.groups), default=4096))
+            shards = ParamShards(self.tiers.params, self.dtype, self.datapath, staging)
+            self.coordinator = Coordinator(shards, self.ranks, self.device)
+            self.reducer = GradReducer(self.coordinator, self.ranks, self.datapath, self.tiers.allocator,
+                                       stage=config.partition.stage)
+            self.store: OptimizerStateStore | None = None
+            self.roots: list[nn.Module] = []
+            self.hooks = []
+            self.optimizer = None
+            self.prefetcher: Prefetcher | None = None
+            self._updates = None
+            self._stack: list[nn.Module] = []
+            self._backward_active = False
+            self._step_started = None
+            # Why the states are a mixture no step may train on, or None ([Note: a load is all or
+            # nothing] in infinity/checkpoint/reader.py); check_intact refuses while it is set.
+            self.damaged: str | None = None
+            self._foreign = ForeignParamWatch(self.coordinator.group_of, self.on_foreign_use)
+            self._grad_hooks: dict[ParamGroup, object] = {}     # armed for the coming backward
+            self.step_stats: list[dict] = []
+            self.grad_face: GradFace | None = None      # what torch sees as .grad (made in finalize)
+        except BaseException:
+            self.tiers.close()
+            raise
 
     @property
     def layout(self):
@@ -116,9 +123,17 @@ class Engine:
 
     def close(self) -> None:
         """Wait for background work, then close the tiers (files, locks, I/O threads)."""
-        if self.optimizer is not None:
-            self.optimizer.synchronize()
-        self.tiers.close()
+        try:
+            if self.optimizer is not None:
+                self.optimizer.synchronize()
+        finally:
+            self.tiers.close()
+
+    def check_intact(self, what: str) -> None:
+        """Refuse ``what`` while the states are damaged (a load failed half-way), saying how to recover."""
+        if self.damaged:
+            raise EngineError(f"{what}: refused because {self.damaged}; load a checkpoint "
+                              "(infinity.load_checkpoint) before training or saving")
 
     @property
     def backward_running(self) -> bool:
@@ -162,6 +177,8 @@ class Engine:
         self._arm([group])
 
     def _begin_forward(self, module: nn.Module) -> None:
+        self.check_intact("forward")
+        self.tiers.check()      # before the step's reads: [Note: checking a live swap file] in tiers/swapfile.py
         if self._updates is not None:
             self._updates.before_forward()
         if self._step_started is None:

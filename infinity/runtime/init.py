@@ -108,8 +108,8 @@ class Init:
                 getattr(c.__dict__.get("__init__"), "infinity_init", False) for c in (nn.Linear,)):
             raise RuntimeError("infinity.Init is already active; nested Init contexts are not supported")
         self.engine = Engine(self.config, self.group)
-        self.partitioner = Partitioner(self.engine)
         try:
+            self.partitioner = Partitioner(self.engine)
             for cls in _all_subclasses(nn.Module):
                 self._wrap(cls)
             self._had_init_subclass = "__init_subclass__" in nn.Module.__dict__
@@ -129,6 +129,7 @@ class Init:
             self._mode.__enter__()
         except BaseException:
             self._restore()
+            self._abandon()
             raise
         return self
 
@@ -140,18 +141,42 @@ class Init:
         finally:
             self._restore()
         if exc_type is not None:
+            self._abandon()
             return False
-        with self.suspended():
-            self._close_all()
-            roots = self._roots()
-            if not roots:
-                raise RuntimeError("infinity.Init: no module with parameters was built inside the context")
-            apply_tiling(self.partitioner, roots)   # [Note: when layers are tiled] in infinity/tiling/layers.py
-            self.engine.finalize(roots, self.partitioner.finish(roots))
-            for root in roots:
-                for m in root.modules():
-                    registry.register(m, self.engine)
+        try:
+            with self.suspended():
+                self._close_all()
+                roots = self._roots()
+                if not roots:
+                    raise RuntimeError("infinity.Init: no module with parameters was built inside the context")
+                apply_tiling(self.partitioner, roots)   # [Note: when layers are tiled] in infinity/tiling/layers.py
+                self.engine.finalize(roots, self.partitioner.finish(roots))
+        except BaseException:
+            self._abandon()
+            raise
+        for root in roots:
+            for m in root.modules():
+                registry.register(m, self.engine)
         return False
+
+    def _abandon(self) -> None:
+        """The body (or building the engine) raised: give back all the context took.
+
+        [Note: an Init that fails]
+        Without this, swap files, the swap directory's lock, the I/O threads and the pinned
+        buffers stayed with an engine nobody could reach, and a retry in the same process was
+        refused ("locked by this process"). The engine's tiers are closed now (files deleted,
+        lock released, threads stopped) and every reference this context holds to the engine
+        and to the modules built is dropped, so the host memory goes back once the caller lets
+        go of the exception. Modules built in the failed body are not usable: build them again.
+        """
+        engine, self.engine, self.partitioner = self.engine, None, None
+        self._built.clear()
+        self._children.clear()
+        self._open_groups.clear()
+        self._depth.clear()
+        if engine is not None:
+            engine.close()
 
     def _restore(self) -> None:
         for cls, orig in reversed(self._patched):

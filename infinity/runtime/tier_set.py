@@ -12,6 +12,7 @@ import os
 import torch
 
 from infinity.config import Config, ConfigError
+from infinity.config.paths import check_nvme_paths
 
 
 class TierSet:
@@ -46,12 +47,7 @@ class TierSet:
             if not t.nvme_path:
                 raise ConfigError("tiers.nvme_path: required when tiers.params or tiers.optimizer "
                                   "is 'nvme'; give a directory (or a list of directories) on a fast drive")
-            for path in t.nvme_path:
-                if not os.path.isdir(path):
-                    raise ConfigError(f"tiers.nvme_path: directory {path!r} does not exist "
-                                      f"(rank {rank}); create it or point the config elsewhere")
-                if not os.access(path, os.W_OK):
-                    raise ConfigError(f"tiers.nvme_path: directory {path!r} is not writable (rank {rank})")
+            check_nvme_paths(t.nvme_path, config.aio.direct, rank)
             from tiers.nvme import NVMeTier
             from tiers.aio import AioHandle
 
@@ -62,10 +58,19 @@ class TierSet:
             dirs = [os.path.join(p, f"rank{rank}") for p in t.nvme_path]
             for d in dirs:
                 os.makedirs(d, exist_ok=True)
-            self.nvme_tier = NVMeTier(dirs, self.handle, self.pool)
+            try:
+                self.nvme_tier = NVMeTier(dirs, self.handle, self.pool, verify=t.verify)
+            except BaseException:
+                self.handle.close()
+                raise
         self.by_name = {"device": self.device_tier, "host": self.host_tier, "nvme": self.nvme_tier}
         self.params = self.by_name[t.params]
         self.optimizer = self.by_name[t.optimizer]
+
+    def check(self) -> None:
+        """Raise when a swap file was cut or overwritten under this run (tiers' ``SwapFileDamagedError``)."""
+        if self.nvme_tier is not None:
+            self.nvme_tier.check()
 
     def stats(self) -> dict:
         out = {name: tier.stats() for name, tier in self.by_name.items() if tier is not None}

@@ -100,5 +100,5 @@ def test_stages_1_and_2_refuse_sharded_parameter_tiers(tmp_path, stage, params):
 
 
 def test_stage_must_be_one_two_or_three():
-    with pytest.raises(ConfigError, match=r"partition.stage: expected 1, 2 or 3, got 0"):
+    with pytest.raises(ConfigError, match=r"partition.stage: expected an integer >= 1, got 0: ZeRO stage 1"):
         load_config({"partition": {"stage": 0}})

@@ -346,7 +346,7 @@ def test_a_truncated_or_missing_file_is_caught_naming_it(saved):
     with pytest.raises(CheckpointCorruptError, match=r"rank0/master\.bin: .* bytes, the manifest says \d+ \(truncated\)"):
         infinity.load_checkpoint(version, model, opt)
     with pytest.raises(CheckpointCorruptError, match=r"master\.bin"):
-        consolidate(version, os.path.join(os.path.dirname(version), "x.pt"))
+        consolidate(version, os.path.join(os.path.dirname(os.path.dirname(version)), "x.pt"))
     os.unlink(os.path.join(version, "rank0", "params.bin"))
     with pytest.raises(CheckpointCorruptError, match=r"rank0/params\.bin: missing"):
         verify_checkpoint(version)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated, get_args, get_origin, get_type_hints
 import json
 import os
 import pickle
@@ -20,9 +21,10 @@ MiB = 1 << 20
 # show up here as a failing test, not slip through.
 CONTRACT_DEFAULTS = {
     "tiers": {"params": "device", "optimizer": "host", "nvme_path": (), "host_budget": 0, "device": "auto",
-              "numa_node": None, "pin_memory": "auto", "pool_buffer_size": 64 * MiB, "pool_buffers": 8},
+              "numa_node": None, "pin_memory": "auto", "pool_buffer_size": 64 * MiB, "pool_buffers": 8,
+              "verify": False},
     "aio": {"block_size": 8 * MiB, "queue_depth": 32, "threads": 4, "engine": "auto", "direct": True},
-    "precision": {"dtype": "float32"},
+    "precision": {"dtype": "float32", "max_nonfinite_steps": 5},
     "partition": {"stage": 3, "persistence_threshold": 0, "sub_group_size": 32 * MiB, "max_live_parameters": 0},
     "prefetch": {"enabled": True, "nvme_bytes": 256 * MiB, "device_bytes": 128 * MiB, "reuse_distance": 0,
                  "log_every": 0},
@@ -201,7 +203,7 @@ def test_unknown_keys_in_overrides_and_in_mapping_sections():
     ({"tiers": {"numa_node": -2}}, "tiers.numa_node: expected a NUMA node number >= 0"),
     ({"tiers": {"pool_buffers": 0}}, "tiers.pool_buffers: expected an integer >= 1, got 0"),
     ({"tiling": {"modules": [1]}}, "tiling.modules: expected a string or a list of strings"),
-    ({"tiling": {"threshold": 0}}, "tiling.threshold: expected an integer >= 1, got 0"),
+    ({"tiling": {"threshold": 0}}, "tiling.threshold: expected an element count >= 1, got 0 elements"),
     ({"dpu": {"warmup_steps": -1}}, "dpu.warmup_steps: expected an integer >= 0, got -1"),
     ({"checkpoint": {"buffer_size": "6000B"}}, "checkpoint.buffer_size: 6000 bytes is not a positive multiple of 4096"),
     ([1, 2], "expected a path, a preset name, a dict or a Config, got list"),
@@ -355,3 +357,44 @@ def test_auto_device_follows_infinity_device_and_names_a_bad_value(monkeypatch):
         monkeypatch.setenv("INFINITY_DEVICE", "cuda")
         with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
             ComputeDevice("auto")
+
+
+# ---------------------------------------------------------------------------------------------- ranges
+
+
+def _numeric_keys():
+    for section in config.SECTIONS:
+        hints = get_type_hints(section, include_extras=True)
+        for f in dataclasses.fields(section):
+            hint = hints[f.name]
+            base = get_args(hint)[0] if get_origin(hint) is Annotated else hint
+            if base is int or "Optional[int]" in str(base) or base == (int | None):
+                yield section.section, f.name
+
+
+@pytest.mark.parametrize("section, key", list(_numeric_keys()))
+def test_every_numeric_key_has_a_range_whose_error_names_key_file_and_reason(tmp_path, section, key):
+    path = tmp_path / "big.toml"
+    path.write_text(f"[{section}]\n{key} = {2**62}\n")
+    message = error_of(path)
+    assert message.startswith(f"{path}: {section}.{key}: expected "), message
+    assert f"got {2**62}" in message and ": " in message.split(f"got {2**62}", 1)[1], message   # the reason
+    below = error_of({section: {key: -2}})      # sizes and counts refuse it as they parse it
+    assert below.startswith(f"{section}.{key}: ") and "-2" in below, below
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"aio": {"queue_depth": 10**20}}, "aio.queue_depth: expected an integer <= 32768, got 100000000000000000000: "
+                                       "at least one request"),
+    ({"aio": {"threads": 100000}}, "aio.threads: expected an integer <= 1024, got 100000: "),
+    ({"aio": {"block_size": "16TiB"}}, "aio.block_size: expected a size <= 1GiB, got 17592186044416 bytes: "
+                                       "one read or write; Linux moves at most 2GiB - 4KiB per call"),
+    ({"tiers": {"pool_buffer_size": "8GiB"}}, "tiers.pool_buffer_size: expected a size <= 4GiB"),
+    ({"tiers": {"pool_buffer_size": "1GiB", "pool_buffers": 1000}},
+     "tiers.pool_buffers: 1000 x 1GiB = 1000.0 GiB of pinned host memory is taken when the engine starts"),
+    ({"checkpoint": {"buffer_size": "1TiB"}}, "checkpoint.buffer_size: expected a size <= 4GiB"),
+    ({"partition": {"sub_group_size": "1T"}}, "partition.sub_group_size: expected an element count <= 4Gi, "
+                                              "got 1000000000000 elements: "),
+])
+def test_out_of_range_values_are_refused_with_the_bound_and_why(data, message):
+    assert message in error_of(data)

@@ -243,3 +243,40 @@ def test_optimizer_state_of_another_model(other, message):
         different = other()
     with pytest.raises(EngineError, match=r"infinity\.AdamW\.load_state_dict: " + message):
         infinity.AdamW(different).load_state_dict(state)
+
+
+def test_nvme_path_that_is_a_file_is_refused_when_the_config_is_loaded(tmp_path):
+    afile = tmp_path / "swap-here"
+    afile.write_text("")
+    conf = tmp_path / "offload.toml"
+    conf.write_text(f'[tiers]\nparams = "nvme"\nnvme_path = "{afile}"\n')
+    with pytest.raises(ConfigError, match=f"^{conf}: tiers.nvme_path: '{afile}' is a file, not a directory"):
+        infinity.load_config(conf)
+
+
+def test_nvme_path_on_a_filesystem_without_o_direct_says_so_at_init(tmp_path, monkeypatch):
+    import errno
+    import os as _os
+    from infinity.config import paths
+
+    real_open = _os.open
+
+    def no_direct(path, flags, *args):
+        if flags & _os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(paths.os, "open", no_direct)
+    with pytest.raises(ConfigError, match=r"tiers.nvme_path: .* refuses O_DIRECT.*aio.direct = false.*\(rank 0\)"):
+        with infinity.Init(_nvme_cfg(tmp_path)):
+            nn.Linear(4, 4)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".infinity-probe")]
+
+
+@pytest.mark.skipif(__import__("os").geteuid() == 0, reason="root writes to any directory")
+def test_nvme_path_not_writable_is_named(tmp_path):
+    locked = tmp_path / "ro"
+    locked.mkdir(mode=0o555)
+    with pytest.raises(ConfigError, match="ro' is a directory this user .* cannot write to"):
+        with infinity.Init(_nvme_cfg(locked)):
+            nn.Linear(4, 4)

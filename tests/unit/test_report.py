@@ -71,7 +71,10 @@ def test_main_json_on_stdout_and_in_a_file(tmp_path, capsys):
 
 def test_main_refuses_a_missing_path(tmp_path, capsys):
     assert report.main(["--path", str(tmp_path / "nope")]) == 2
-    assert "not a directory" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"infinity-report: error: --path {tmp_path / 'nope'} does not exist\n"
+    (tmp_path / "afile").write_text("")
+    assert report.main(["--path", str(tmp_path / "afile")]) == 2
+    assert "afile is not a directory" in capsys.readouterr().err
 
 
 def test_falls_back_to_the_extension_without_the_python_face(tmp_path, monkeypatch):

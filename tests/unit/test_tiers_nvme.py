@@ -24,6 +24,7 @@ from tiers import (
     UnwrittenKeyError,
 )
 from tiers.aio import AioHandle
+from tiers.swapfile import SwapFileDamagedError
 
 BUFFER = 64 << 10
 
@@ -343,3 +344,77 @@ def test_small_key_skips_a_full_directory(tmp_path, handle, pool, monkeypatch):
         with pytest.raises(NVMeSpaceError, match="no directory has room for a new key:") as info:
             t.allocate(10)
         assert f"nvme_path {tmp_path / 'full'} " in str(info.value) and f"nvme_path {tmp_path / 'free'} " in str(info.value)
+
+
+def _overwrite(path: str, file_offset: int, data: bytes) -> None:
+    """Write into a swap file behind the tier's back, through the page cache (another process would)."""
+    with open(path, "r+b") as f:
+        f.seek(file_offset)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def test_truncated_swap_file_fails_the_check_naming_the_file(tier):
+    tier.put(_bytes(3 * BUFFER, 1), tag="a")
+    tier.check()
+    path = tier.stats()["files"][0]["path"]
+    os.truncate(path, 8192)
+    with pytest.raises(SwapFileDamagedError, match=rf"truncated under this run to 8192 bytes.*: '{path}'"):
+        tier.check()
+
+
+def test_overwritten_header_fails_the_check(tier):
+    path = tier.stats()["files"][0]["path"]
+    _overwrite(path, 0, b"\xff" * 16)
+    with pytest.raises(SwapFileDamagedError, match="header of this run's swap file was overwritten"):
+        tier.check()
+
+
+def test_removed_swap_file_only_warns_once(tmp_path, handle, pool):
+    d = tmp_path / "swap"
+    d.mkdir()
+    with NVMeTier([str(d)], handle, pool, name="w") as t:
+        key = t.put(_bytes(5000, 3))
+        os.unlink(t.stats()["files"][0]["path"])
+        with pytest.warns(RuntimeWarning, match="was removed.*open descriptor"):
+            t.check()
+        t.check()                                  # once
+        assert torch.equal(_read(t, key), _bytes(5000, 3))
+
+
+@pytest.mark.parametrize("size", [1, 4095, 4097, 3 * BUFFER + 5])
+def test_verify_catches_bytes_changed_on_disk_naming_key_file_and_offset(tmp_path, handle, pool, size):
+    from tiers.checksums import BLOCK_NBYTES, SwapChecksumError
+
+    with NVMeTier([str(tmp_path)], handle, pool, name="v", verify=True) as t:
+        key = t.put(_bytes(size, 4), tag="victim")
+        assert torch.equal(_read(t, key), _bytes(size, 4))          # no false alarm
+        path = t.stats()["files"][0]["path"]
+        where = min(size - 1, BLOCK_NBYTES + 7)
+        _overwrite(path, 4096 + where, b"\x7f")                      # slots start after the 4 KiB header
+        with pytest.raises(SwapChecksumError, match=rf"of key {key} \(tag 'victim'\), at offset \d+ of the swap "
+                                                    rf"file, fail their CRC-32.*changed on disk.*: '{path}'"):
+            _read(t, key)
+
+
+def test_verify_skips_blocks_written_in_part_and_checks_them_once_rewritten_whole(tmp_path, handle, pool):
+    from tiers.checksums import BLOCK_NBYTES, SwapChecksumError
+
+    size = 2 * BLOCK_NBYTES + 100
+    with NVMeTier([str(tmp_path)], handle, pool, name="p", verify=True) as t:
+        key = t.put(_bytes(size, 5))
+        t.write(key, _bytes(10, 6), offset=BLOCK_NBYTES + 3).wait()   # block 1 now written in part
+        expected = _bytes(size, 5)
+        expected[BLOCK_NBYTES + 3:BLOCK_NBYTES + 13] = _bytes(10, 6)
+        assert torch.equal(_read(t, key), expected)
+        path = t.stats()["files"][0]["path"]
+        _overwrite(path, 4096 + BLOCK_NBYTES + 50, b"\x7f")           # block 1: unchecked, so unnoticed
+        _read(t, key)
+        half = torch.empty(BLOCK_NBYTES // 2, dtype=torch.uint8)
+        t.read(key, half, offset=0).wait()                            # a read covering no block whole
+        t.write(key, _bytes(size, 7)).wait()                          # whole again: checked again
+        _overwrite(path, 4096 + BLOCK_NBYTES + 50, b"\x7f")
+        with pytest.raises(SwapChecksumError, match=rf"bytes {BLOCK_NBYTES}\.\.{2 * BLOCK_NBYTES} of key"):
+            _read(t, key)
+        assert t.stats()["checksum_nbytes"] == 3 * 8

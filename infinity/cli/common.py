@@ -1,0 +1,71 @@
+"""What every infinity command line shares: one-line errors, the exit codes, ``--debug``.
+
+[Note: command-line errors]
+A command that fails prints one line on stderr, ``<prog>: error: <what went wrong>``, never a
+traceback, and exits with 2 when the input was wrong (a usage error, a bad config, a bad
+argument value) or 1 when the work itself failed (a missing or corrupt checkpoint, a disk
+error, a plan that does not fit). ``--debug`` lets the exception through with its traceback,
+for a bug report. Multi-line messages (a config with several unknown keys) are joined with
+"; " so that the error stays one line.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, NoReturn
+
+USAGE = 2
+FAILURE = 1
+
+
+class UsageError(Exception):
+    """The command was called wrongly; exits with 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and exit 2, with a ``--debug`` flag."""
+
+    def __init__(self, *args, debug: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if debug:
+            self.add_argument("--debug", action="store_true",
+                              help="show the traceback of an error instead of one line")
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE, f"{self.prog}: error: {one_line(message)}\n")
+
+
+def one_line(message: object) -> str:
+    return "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
+def run(prog: str, debug: bool, body: Callable[[], int], usage: tuple[type[BaseException], ...] = ()) -> int:
+    """Run a command's ``body``; its errors become one line and an exit code (see [Note: command-line errors])."""
+    from infinity.config import ConfigError
+
+    try:
+        return body()
+    except BrokenPipeError:
+        # The reader went away (`... | head`): not an error of ours.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (keeps interpreter exit quiet)
+        return 0
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every error becomes one line, unless --debug
+        if debug:
+            raise
+        wrong_input = isinstance(exc, (UsageError, ConfigError) + usage)
+        hint = "" if wrong_input or _expected(exc) else f" ({type(exc).__name__}; --debug shows the traceback)"
+        print(f"{prog}: error: {one_line(exc)}{hint}", file=sys.stderr)
+        return USAGE if wrong_input else FAILURE
+
+
+def _expected(exc: BaseException) -> bool:
+    """Errors whose message says all (ours, and the OS's about a file); others get their type named."""
+    from infinity.checkpoint.errors import CheckpointError
+
+    return isinstance(exc, (CheckpointError, OSError))

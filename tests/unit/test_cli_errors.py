@@ -1,0 +1,113 @@
+"""The four commands fail in one line, with exit 2 for wrong input and 1 for failed work, and show a
+traceback only under --debug ([Note: command-line errors] in infinity/cli/common.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import infinity
+from infinity.cli import bench, consolidate, plan, report
+from tests.support.tiny_gpt import BufferedGPT as GPT
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def one_line_error(capsys, prog: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli") / "ckpt"
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host"}}):
+        model = GPT()
+    infinity.save_checkpoint(root, model)
+    return root
+
+
+def test_consolidate_refuses_an_output_inside_the_checkpoint_and_leaves_it_intact(checkpoint, capsys):
+    latest = (checkpoint / "latest").read_text()
+    version = checkpoint / latest.strip()
+    for out in (checkpoint / "latest", checkpoint / "model.pt", version / "model.pt"):
+        for source in (checkpoint, version):
+            assert consolidate.main([str(source), str(out)]) == 1
+            assert "is inside the checkpoint" in one_line_error(capsys, "infinity-consolidate")
+    assert (checkpoint / "latest").read_text() == latest
+    assert sorted(os.listdir(checkpoint)) == ["latest", latest.strip()]
+    infinity.checkpoint.verify_checkpoint(checkpoint)
+
+
+def test_consolidate_missing_checkpoint_is_a_failure_and_bad_arguments_are_usage_errors(tmp_path, checkpoint,
+                                                                                      capsys):
+    assert consolidate.main([str(tmp_path / "nothing"), str(tmp_path / "m.pt")]) == 1
+    assert "does not exist" in one_line_error(capsys, "infinity-consolidate")
+    assert consolidate.main([str(checkpoint), str(tmp_path / "m.pt"), "--buffer-size", "4k"]) == 2
+    assert "--buffer-size '4k'" in one_line_error(capsys, "infinity-consolidate")
+    with pytest.raises(SystemExit) as info:
+        consolidate.main([str(checkpoint)])
+    assert info.value.code == 2
+    assert "the following arguments are required: OUT" in one_line_error(capsys, "infinity-consolidate")
+
+
+def test_an_unexpected_error_is_one_line_naming_its_type_and_debug_shows_the_traceback(tmp_path, checkpoint,
+                                                                                     capsys, monkeypatch):
+    from infinity.checkpoint import consolidate as library
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(library, "consolidate", broken)
+    assert consolidate.main([str(checkpoint), str(tmp_path / "m.pt")]) == 1
+    assert "(KeyError; --debug shows the traceback)" in one_line_error(capsys, "infinity-consolidate")
+    with pytest.raises(KeyError, match="a bug"):
+        consolidate.main([str(checkpoint), str(tmp_path / "m.pt"), "--debug"])
+
+
+def test_plan_does_not_say_fits_when_nvme_path_does_not_exist(tmp_path, capsys):
+    missing = tmp_path / "no-disk"
+    conf = tmp_path / "offload.toml"
+    conf.write_text(f'[tiers]\nparams = "nvme"\noptimizer = "nvme"\nnvme_path = "{missing}"\n')
+    assert plan.main(["model", "--params", "1e6", "--config", str(conf)]) == 1
+    out = capsys.readouterr().out
+    assert "Fits this machine (1 rank): NO" in out and f"tiers.nvme_path: '{missing}' does not exist" in out
+    missing.mkdir()
+    assert plan.main(["model", "--params", "1e6", "--config", str(conf)]) == 0
+    assert "Fits this machine (1 rank): yes" in capsys.readouterr().out
+
+
+def test_plan_bad_config_is_a_usage_error_in_one_line(tmp_path, capsys):
+    conf = tmp_path / "bad.toml"
+    conf.write_text("[aio]\nqueue_dept = 8\nthread = 2\n")              # two mistakes: two lines, joined
+    assert plan.main(["model", "--params", "1e6", "--config", str(conf)]) == 2
+    err = one_line_error(capsys, "infinity-plan model")
+    assert "aio.queue_dept: unknown key" in err and "; aio.thread: unknown key" in err
+    assert plan.main(["model", "--params", "1e6", "--config", str(tmp_path / "none.toml")]) == 2
+    one_line_error(capsys, "infinity-plan model")
+    with pytest.raises(SystemExit) as info:
+        plan.main(["model", "--params"])
+    assert info.value.code == 2
+    one_line_error(capsys, "infinity-plan model")
+
+
+def test_report_and_bench_bad_paths_are_usage_errors(tmp_path, capsys):
+    assert report.main(["--path", str(tmp_path / "nope")]) == 2
+    one_line_error(capsys, "infinity-report")
+    assert bench.main(["nvme", "--path", str(tmp_path / "nope"), "--no-progress"]) == 2
+    assert "not a directory" in one_line_error(capsys, "infinity-bench nvme")
+    with pytest.raises(SystemExit) as info:
+        bench.main(["nvme"])
+    assert info.value.code == 2
+    one_line_error(capsys, "infinity-bench nvme")
+
+
+def test_installed_command_prints_no_traceback(tmp_path):
+    code = "import sys; from infinity.cli.consolidate import main; sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "none"), str(tmp_path / "m.pt")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("infinity-consolidate: error: no checkpoint at ")
