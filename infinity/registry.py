@@ -13,6 +13,8 @@ import weakref
 
 from torch import nn
 
+from infinity.errors import EngineError, released_message
+
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
@@ -35,6 +37,8 @@ def engine_of(model: nn.Module, what: str = "this call"):
         raise NotManagedError(
             f"{what}: {type(model).__name__} was not built inside infinity.Init, so its parameters "
             "are not sharded; construct it under `with infinity.Init(config): model = ...`")
+    if engine.released:
+        raise EngineError(released_message(what))
     return engine
 
 
@@ -43,7 +47,7 @@ def engine_of_param(param, what: str = "this call"):
     seen = set()
     for ref in list(_ENGINES.values()):
         engine = ref()
-        if engine is None or id(engine) in seen:
+        if engine is None or engine.released or id(engine) in seen:
             continue
         seen.add(id(engine))
         if param in engine.coordinator.group_of:

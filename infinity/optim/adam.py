@@ -16,13 +16,23 @@ import torch
 from torch import nn
 
 from infinity import registry
-from infinity.errors import EngineError
+from infinity.errors import EngineError, released_message
 from infinity.optim import param_groups
 from infinity.optim.checks import GradientChecks
 from infinity.optim.job import StepJob
 from infinity.optim.ranges import ParamSteps, UpdateRanges
 from infinity.optim.scheduler import UpdateScheduler
 from infinity.optim.update import UpdatePass
+
+
+class _Released:
+    """Stands in for the parts of a released engine: any attribute read raises, naming infinity.release."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    def __getattr__(self, name: str):
+        raise EngineError(released_message(self._what))
 
 
 class _OffloadAdam(torch.optim.Optimizer):
@@ -105,6 +115,12 @@ class _OffloadAdam(torch.optim.Optimizer):
         overlapped step (``dpu.overlap``) it waits for the update to finish.
         """
         self._updates.synchronize()
+
+    def drop_engine_state(self) -> None:
+        """The engine was released (see [Note: releasing] in infinity/runtime/engine.py): let go of its
+        parts, so their buffers are freed; every later use of this optimizer raises, naming infinity.release."""
+        gone = _Released(self._name)
+        self.engine = self.store = self._updates = self._checks = self._ranges = self._param_steps = gone
 
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()

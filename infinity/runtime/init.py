@@ -140,14 +140,21 @@ class Init:
         finally:
             self._restore()
         if exc_type is not None:
+            # Nothing was built that a user could hold: its swap files and directory locks go now,
+            # not when the traceback (which keeps the half-built modules) is collected.
+            self.engine.release()
             return False
         with self.suspended():
-            self._close_all()
-            roots = self._roots()
-            if not roots:
-                raise RuntimeError("infinity.Init: no module with parameters was built inside the context")
-            apply_tiling(self.partitioner, roots)   # [Note: when layers are tiled] in infinity/tiling/layers.py
-            self.engine.finalize(roots, self.partitioner.finish(roots))
+            try:
+                self._close_all()
+                roots = self._roots()
+                if not roots:
+                    raise RuntimeError("infinity.Init: no module with parameters was built inside the context")
+                apply_tiling(self.partitioner, roots)   # [Note: when layers are tiled] in infinity/tiling/layers.py
+                self.engine.finalize(roots, self.partitioner.finish(roots))
+            except BaseException:
+                self.engine.release()
+                raise
             for root in roots:
                 for m in root.modules():
                     registry.register(m, self.engine)
