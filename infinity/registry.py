@@ -31,6 +31,10 @@ def engine_of(model: nn.Module, what: str = "this call"):
     if not isinstance(model, nn.Module):
         raise NotManagedError(f"{what}: expected the nn.Module built inside infinity.Init, "
                               f"got {type(model).__name__}")
+    # torch.compile(model) returns a wrapper whose one link to the model is ``_orig_mod`` (the
+    # attribute accelerate's unwrap_model reads too): infinity calls accept the compiled model.
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
     ref = _ENGINES.get(model)
     engine = ref() if ref is not None else None
     if engine is None:
