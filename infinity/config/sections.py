@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from infinity.config import sizes as _sizes
-from infinity.config.values import (Bytes, ConfigError, Numel, NumaNode, Paths, Patterns, Section, check_keys,
+from infinity.config.values import (Bytes, ConfigError, LossScale, Numel, NumaNode, Paths, Patterns, Section, check_keys,
                                     show, type_name)
 
 
@@ -151,6 +151,34 @@ class PrecisionConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the parameters' compute copy in forward and backward. Master weights, gradients and
     optimizer states are always float32."""
+
+    loss_scale: LossScale = "dynamic"
+    """float16 only (ignored otherwise): "dynamic" scales the loss's gradient by a factor that halves
+    after overflows (whose steps are skipped) and doubles after `growth_interval` clean steps; a
+    number is a fixed scale. The optimizer's step divides it out, before clipping."""
+
+    initial_scale: float = 2.0 ** 16
+    """The dynamic loss scale's first value."""
+
+    growth_interval: int = 2000
+    """Clean steps (no inf/NaN gradient) after which the dynamic loss scale doubles."""
+
+    hysteresis: int = 2
+    """Overflowing steps it takes for the dynamic loss scale to start halving (it halves at each
+    overflow from then on, until it next grows)."""
+
+    min_scale: float = 1.0
+    """The dynamic loss scale never halves below this."""
+
+    def _check(self) -> None:
+        # fp16 spans 2**-24 .. 65504; a scale outside 2**-24 .. 2**64 can only flush every gradient to
+        # zero or make every one overflow.
+        self._within("initial_scale", 2.0 ** -24, 2.0 ** 64, "a power of two such as 65536 is usual")
+        self._within("min_scale", 2.0 ** -24, self.initial_scale, "at most initial_scale")
+        if isinstance(self.loss_scale, float):
+            self._within("loss_scale", 2.0 ** -24, 2.0 ** 64, "a fixed scale; a power of two such as 1024 is usual")
+        self._at_least("growth_interval", 1)
+        self._at_least("hysteresis", 1)
 
     @property
     def torch_dtype(self):

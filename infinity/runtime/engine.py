@@ -18,6 +18,7 @@ from infinity.config import Config
 from infinity.errors import EngineError
 from infinity.optim.flat_state import OptimizerStateStore
 from infinity.optim.grad_face import GradFace
+from infinity.optim.loss_scale import LossScaler
 from infinity.optim.torch_guard import TorchOptimizerGuard
 from infinity.param_group import ParamGroup, ParamState
 from infinity.prefetch import Prefetcher
@@ -76,6 +77,7 @@ class Engine:
         self._grad_hooks: dict[ParamGroup, object] = {}     # armed for the coming backward
         self.step_stats: list[dict] = []
         self.grad_face: GradFace | None = None      # what torch sees as .grad (made in finalize)
+        self.loss_scaler = LossScaler.for_precision(config.precision)     # fp16 only
         self._at_collection: list[weakref.finalize] = []    # what the model's collection undoes
         self.released = False                       # infinity.release(model) ran (see [Note: releasing])
 
@@ -180,6 +182,8 @@ class Engine:
             self._stack.pop()
         if torch.is_grad_enabled():
             watch_backward(module, output, self.pre_backward)
+            if not self._stack and self.loss_scaler is not None and not self._backward_active:
+                self.loss_scaler.watch_output(output)      # [Note: loss scaling] in infinity/optim/loss_scale.py
         if not self._stack:
             self._foreign.stop()
             if not self._backward_active:
@@ -313,4 +317,5 @@ class Engine:
             "gathered_bytes_now": self.coordinator.available_nbytes(),
             "transfers": self.datapath.ledger.last,
             "gather_memory": self.coordinator.memory.stats(),
+            "loss_scale": self.loss_scaler.as_dict() if self.loss_scaler is not None else None,
         }
