@@ -138,3 +138,27 @@ def test_clipping_sees_unscaled_gradients(tmp_path):
     ref_opt.step()
     for p, q in zip(after, ref.parameters()):
         assert torch.allclose(p, q.detach().half().float(), atol=1e-3)
+
+
+def test_clip_grad_value_clamps_the_unscaled_gradient(tmp_path):
+    torch.manual_seed(3)
+    ref = _Net()
+    with infinity.Init(_fp16(tmp_path, {"params": "host"}, initial_scale=1024.0)):
+        model = _Net()
+    with infinity.gathered(model):
+        model.load_state_dict(ref.state_dict())
+    # eps of the gradients' order: Adam's first step then depends on their size, not only their sign.
+    opt = infinity.AdamW(model, lr=0.1, eps=1e-3, weight_decay=0.0)
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    model(x, y).backward()
+    torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+    opt.step()
+    half = copy.deepcopy(ref).half()
+    (half(x, y) * 1024.0).backward()
+    for p, q in zip(ref.parameters(), half.parameters()):
+        p.grad = (q.grad.float() / 1024.0).clamp(-1e-3, 1e-3)
+    torch.optim.AdamW(ref.parameters(), lr=0.1, eps=1e-3, weight_decay=0.0).step()
+    with infinity.gathered(model):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(p.float(), q.detach().half().float(), atol=1e-3)
+    infinity.release(model)
