@@ -162,3 +162,31 @@ def test_clip_grad_value_clamps_the_unscaled_gradient(tmp_path):
         for p, q in zip(model.parameters(), ref.parameters()):
             assert torch.allclose(p.float(), q.detach().half().float(), atol=1e-3)
     infinity.release(model)
+
+
+def test_the_scale_goes_on_after_a_checkpoint_and_a_state_dict(tmp_path):
+    cfg = _fp16(tmp_path, {"params": "host"}, initial_scale=2.0 ** 20, growth_interval=2, hysteresis=1)
+    torch.manual_seed(4)
+    with infinity.Init(cfg):
+        model = _Net()
+    opt = infinity.AdamW(model, lr=1e-2)
+    for _ in range(7):
+        model(torch.randn(5, 8), torch.randn(5, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = opt.stats()["loss_scale"]
+    assert saved["scale"] != 2.0 ** 20 and saved["skipped_steps"] > 0
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    state = opt.state_dict()
+    for load in ("checkpoint", "state_dict"):
+        with infinity.Init(cfg):
+            again = _Net()
+        opt2 = infinity.AdamW(again, lr=1e-2)
+        assert opt2.stats()["loss_scale"]["scale"] == 2.0 ** 20
+        if load == "checkpoint":
+            infinity.load_checkpoint(tmp_path / "ckpt", again, opt2)
+        else:
+            opt2.load_state_dict(state)
+        assert opt2.stats()["loss_scale"] == saved, load
+        infinity.release(again)
+    infinity.release(model)
