@@ -4,8 +4,6 @@ The engine's forward hooks are kept out of the compiled graphs (each is a graph 
 they move bytes between tiers and are no tensor program. What lies between them, the
 modules' own forward, is compiled.
 """
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -40,4 +38,19 @@ def test_compiled_engine_model_trains_as_the_plain_model(tmp_path, backend, tier
     losses, params = train_side_by_side(compiled, opt, ref, ref_opt, data)
     assert max(losses) < 1e-5, losses
     assert max(params.values()) < 1e-5, params
+    infinity.release(model)
+
+
+def test_module_compile_in_place(tmp_path):
+    torch.manual_seed(0)
+    ref = _Net()
+    with infinity.Init({"tiers": {"params": "host"}}):
+        model = _Net()
+    with infinity.gathered(model):
+        model.load_state_dict(ref.state_dict())
+    model.compile()
+    losses, params = train_side_by_side(model, infinity.AdamW(model, lr=1e-2), ref,
+                                        torch.optim.AdamW(ref.parameters(), lr=1e-2),
+                                        [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)])
+    assert max(losses) < 1e-5 and max(params.values()) < 1e-5, (losses, params)
     infinity.release(model)
