@@ -9,3 +9,9 @@ the user's training loop (runtime, optim). It imports nothing.
 
 class EngineError(RuntimeError):
     """The model was used in a way the engine does not support; the message says how to fix it."""
+
+
+def released_message(what: str) -> str:
+    """The message of any use of a model, or of its optimizer, after ``infinity.release(model)``."""
+    return (f"{what}: this model's engine was released by infinity.release(model) (its shards, swap files and "
+            "buffers are gone); build the model again under infinity.Init (and load a checkpoint) to use it")

@@ -13,6 +13,8 @@ import weakref
 
 from torch import nn
 
+from infinity.errors import EngineError, released_message
+
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
@@ -29,12 +31,18 @@ def engine_of(model: nn.Module, what: str = "this call"):
     if not isinstance(model, nn.Module):
         raise NotManagedError(f"{what}: expected the nn.Module built inside infinity.Init, "
                               f"got {type(model).__name__}")
+    # torch.compile(model) returns a wrapper whose one link to the model is ``_orig_mod`` (the
+    # attribute accelerate's unwrap_model reads too): infinity calls accept the compiled model.
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
     ref = _ENGINES.get(model)
     engine = ref() if ref is not None else None
     if engine is None:
         raise NotManagedError(
             f"{what}: {type(model).__name__} was not built inside infinity.Init, so its parameters "
             "are not sharded; construct it under `with infinity.Init(config): model = ...`")
+    if engine.released:
+        raise EngineError(released_message(what))
     return engine
 
 
@@ -43,7 +51,7 @@ def engine_of_param(param, what: str = "this call"):
     seen = set()
     for ref in list(_ENGINES.values()):
         engine = ref()
-        if engine is None or id(engine) in seen:
+        if engine is None or engine.released or id(engine) in seen:
             continue
         seen.add(id(engine))
         if param in engine.coordinator.group_of:

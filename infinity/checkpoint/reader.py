@@ -311,6 +311,9 @@ def _restore_optimizer(opt, manifest: dict) -> None:
         opt.skipped_steps = int(saved.get("skipped_steps", 0))
     if hasattr(opt, "load_param_steps"):
         opt.load_param_steps(saved.get("param_steps", {}), "checkpoint")
+    scaler = opt.engine.loss_scaler
+    if scaler is not None and saved.get("loss_scale") is not None:    # fp16's loss scale goes on where it was
+        scaler.load(saved["loss_scale"], "infinity.load_checkpoint")
 
 
 def _check_buffers(manifest: dict, buffers: dict[str, torch.Tensor]) -> None:

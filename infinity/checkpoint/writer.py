@@ -293,7 +293,8 @@ def _global_manifest(engine, opt, description: dict, save_id: str, step: int, ch
         optimizer = {"class": type(opt).__name__, "hyper": _jsonable_hyper(opt.param_groups[0]),
                      "groups": [_jsonable_hyper(g) for g in opt.param_groups], "step": opt.step_count,
                      "skipped_steps": int(getattr(opt, "skipped_steps", 0)),
-                     "param_steps": opt.param_steps() if hasattr(opt, "param_steps") else {}}
+                     "param_steps": opt.param_steps() if hasattr(opt, "param_steps") else {},
+                     "loss_scale": engine.loss_scaler.as_dict() if engine.loss_scaler is not None else None}
     return {
         "format": FORMAT, "version": VERSION, "id": save_id, "step": step, "created": time.time(),
         "world_size": engine.ranks.world_size, "chunk_nbytes": chunk,

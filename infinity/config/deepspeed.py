@@ -100,12 +100,40 @@ def _section(data: Mapping[str, Any], name: str, where: str = "") -> Mapping[str
     return body
 
 
+# DeepSpeed's fp16 loss-scaling keys and ours ([Note: loss scaling] in infinity/optim/loss_scale.py:
+# the same rule as DeepSpeed's with consecutive_hysteresis false, its default).
+_LOSS_SCALE_KEYS = {"loss_scale": "precision.loss_scale", "initial_scale_power": "precision.initial_scale",
+                    "loss_scale_window": "precision.growth_interval", "hysteresis": "precision.hysteresis",
+                    "min_loss_scale": "precision.min_scale", "consecutive_hysteresis": None}
+
+
+def _loss_scale(t: _Translation, key: str, value: object) -> None:
+    ds_key = f"fp16.{key}"
+    if value == "auto":
+        t.skip(ds_key, "\"auto\" is filled in by the Hugging Face Trainer; kept infinity's default")
+    elif key == "consecutive_hysteresis":
+        if value is not False:
+            t.skip(ds_key, f"{value!r} cannot be honoured: infinity forgets overflows only when the scale grows "
+                           "(DeepSpeed's consecutive_hysteresis false)")
+    elif key == "loss_scale":
+        # DeepSpeed: 0 is dynamic, a positive number a fixed scale.
+        t.put(_LOSS_SCALE_KEYS[key], ds_key, "dynamic" if value == 0 and not isinstance(value, bool) else value)
+    elif key == "initial_scale_power":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"expected an integer (the scale is 2**power), got {value!r}", ds_key)
+        t.put(_LOSS_SCALE_KEYS[key], ds_key, 2.0 ** value)
+    else:
+        t.put(_LOSS_SCALE_KEYS[key], ds_key, value)
+
+
 def _precision(t: _Translation, data: Mapping[str, Any]) -> None:
     enabled = {}
     for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
         body = _section(data, name)
         for key, value in body.items():
-            if key != "enabled":
+            if name == "fp16" and key in _LOSS_SCALE_KEYS:
+                _loss_scale(t, key, value)
+            elif key != "enabled":
                 t.skip(f"{name}.{key}", _NO_EQUIVALENT)
         value = body.get("enabled", False)
         if value == "auto":

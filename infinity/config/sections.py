@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 from infinity.config import sizes as _sizes
 from infinity.config.paths import not_a_directory
 from infinity.config.sizes import GiB, TiB
-from infinity.config.values import (Bytes, ConfigError, Numel, NumaNode, Paths, Patterns, Section, check_keys,
+from infinity.config.values import (Bytes, ConfigError, LossScale, Numel, NumaNode, Paths, Patterns, Section, check_keys,
                                     show, type_name)
 
 
@@ -199,8 +199,34 @@ class PrecisionConfig(Section):
     tier (each such step is skipped until then). float16 only skips: its overflows are expected.
     0 never raises."""
 
+    loss_scale: LossScale = "dynamic"
+    """float16 only (ignored otherwise): "dynamic" scales the loss's gradient by a factor that halves
+    after overflows (whose steps are skipped) and doubles after `growth_interval` clean steps; a
+    number is a fixed scale. The optimizer's step divides it out, before clipping."""
+
+    initial_scale: float = 2.0 ** 16
+    """The dynamic loss scale's first value."""
+
+    growth_interval: int = 2000
+    """Clean steps (no inf/NaN gradient) after which the dynamic loss scale doubles."""
+
+    hysteresis: int = 2
+    """Overflowing steps it takes for the dynamic loss scale to start halving (it halves at each
+    overflow from then on, until it next grows)."""
+
+    min_scale: float = 1.0
+    """The dynamic loss scale never halves below this."""
+
     def _check(self) -> None:
         self._within("max_nonfinite_steps", 0, _MAX_STEPS, "a count of steps (0: never raise)")
+        # fp16 spans 2**-24 .. 65504; a scale outside 2**-24 .. 2**64 can only flush every gradient to
+        # zero or make every one overflow.
+        self._within("initial_scale", 2.0 ** -24, 2.0 ** 64, "a power of two such as 65536 is usual")
+        self._within("min_scale", 2.0 ** -24, self.initial_scale, "at most initial_scale")
+        if isinstance(self.loss_scale, float):
+            self._within("loss_scale", 2.0 ** -24, 2.0 ** 64, "a fixed scale; a power of two such as 1024 is usual")
+        self._within("growth_interval", 1, _MAX_STEPS, "a count of clean steps")
+        self._within("hysteresis", 1, _MAX_STEPS, "a count of overflowing steps")
 
     @property
     def torch_dtype(self):

@@ -151,9 +151,11 @@ def _allowed(hint: Any) -> str:
         return "string or list of strings"
     if kind is Kind.NUMA:
         return 'integer >= 0 or "auto"'
+    if kind is Kind.SCALE:
+        return '"dynamic" or a number > 0'
     if get_origin(hint) is Literal:
         return " \\| ".join(f'"{choice}"' for choice in get_args(hint))
-    return {bool: "true \\| false", int: "integer"}[hint]
+    return {bool: "true \\| false", int: "integer", float: "number"}[hint]
 
 
 def reference_markdown(sections: Sequence[type]) -> str:

@@ -12,9 +12,10 @@ import dataclasses
 import difflib
 import enum
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, ClassVar, Literal, Optional, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 from infinity.config import sizes as _sizes
 
@@ -48,6 +49,7 @@ class Kind(enum.Enum):
     PATHS = "paths"
     PATTERNS = "patterns"
     NUMA = "numa node"
+    SCALE = "loss scale"
 
 
 Bytes = Annotated[int, Kind.BYTES]
@@ -55,6 +57,7 @@ Numel = Annotated[int, Kind.COUNT]
 Paths = Annotated[tuple[str, ...], Kind.PATHS]
 Patterns = Annotated[tuple[str, ...], Kind.PATTERNS]
 NumaNode = Annotated[Optional[int], Kind.NUMA]
+LossScale = Annotated[Union[str, float], Kind.SCALE]
 
 
 def show(value: object) -> str:
@@ -98,6 +101,12 @@ def coerce(key: str, hint: Any, value: object) -> object:
         if isinstance(value, bool) or not isinstance(value, int) or value < -1:
             raise ConfigError(f"expected a NUMA node number >= 0 or \"auto\", {got}", key)
         return value
+    if kind is Kind.SCALE:
+        if value == "dynamic":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ConfigError(f'expected "dynamic" or a positive number, {got}', key)
+        return float(value)
     if get_origin(hint) is Literal:
         choices = get_args(hint)
         if value not in choices or not isinstance(value, str):
@@ -114,6 +123,10 @@ def coerce(key: str, hint: Any, value: object) -> object:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"expected an integer, {got}", key)
         return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"expected a finite number, {got}", key)
+        return float(value)
     raise TypeError(f"{key}: no coercion for annotation {hint!r}")  # a bug in infinity/config/sections.py, not in the config
 
 
@@ -140,6 +153,9 @@ class Section:
         value = getattr(self, name)
         if lowest <= value <= highest:
             return
+        if isinstance(value, float):    # a scale, a ratio: numbers, spelled short
+            raise ConfigError(f"expected a number >= {lowest:g} and <= {highest:g}, got {value:g}: {why}",
+                              f"{self.section}.{name}")
         spell = {"bytes": _sizes.format_size, "elements": _sizes.format_count}.get(unit, str)
         what = {"bytes": "a size", "elements": "an element count"}.get(unit, "an integer")
         bound = f">= {spell(lowest)}" if value < lowest else f"<= {spell(highest)}"

@@ -10,13 +10,14 @@ pass], [Note: update modes], [Note: parameters without a gradient], [Note: skipp
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 from torch import nn
 
 from infinity import registry
-from infinity.errors import EngineError
+from infinity.errors import EngineError, released_message
 from infinity.optim import param_groups
 from infinity.optim.checks import GradientChecks
 from infinity.optim.job import StepJob
@@ -24,6 +25,16 @@ from infinity.optim.nonfinite import NonFiniteSteps
 from infinity.optim.ranges import ParamSteps, UpdateRanges
 from infinity.optim.scheduler import UpdateScheduler
 from infinity.optim.update import UpdatePass
+
+
+class _Released:
+    """Stands in for the parts of a released engine: any attribute read raises, naming infinity.release."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    def __getattr__(self, name: str):
+        raise EngineError(released_message(self._what))
 
 
 class _OffloadAdam(torch.optim.Optimizer):
@@ -91,7 +102,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._param_steps = ParamSteps(slots, self.store.layout, self._names, self._name)
         self._param_steps.load(steps, self.step_count, "optimizer")
         clip_coef = getattr(self, "_checks", None) and self._checks.clip_coef
-        self._checks = GradientChecks(self.store, engine.reducer, engine.ranks, slots, engine.datapath)
+        self._checks = GradientChecks(self.store, engine.reducer, engine.ranks, slots, engine.datapath,
+                                      engine.loss_scaler)
         self._checks.clip_coef = clip_coef or None
 
     @property
@@ -107,6 +119,12 @@ class _OffloadAdam(torch.optim.Optimizer):
         overlapped step (``dpu.overlap``) it waits for the update to finish.
         """
         self._updates.synchronize()
+
+    def drop_engine_state(self) -> None:
+        """The engine was released (see [Note: releasing] in infinity/runtime/engine.py): let go of its
+        parts, so their buffers are freed; every later use of this optimizer raises, naming infinity.release."""
+        gone = _Released(self._name)
+        self.engine = self.store = self._updates = self._checks = self._ranges = self._param_steps = gone
 
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -131,6 +149,8 @@ class _OffloadAdam(torch.optim.Optimizer):
             self._calls += 1
             self._updates.begin_step()
             nonfinite, with_grad = self._checks.exchange()
+            if engine.loss_scaler is not None:
+                engine.loss_scaler.update(nonfinite)    # [Note: loss scaling] in infinity/optim/loss_scale.py
             if nonfinite:
                 self._nonfinite.skipped()   # raises after too many in a row, naming the broken groups
                 self._skip()
@@ -163,11 +183,13 @@ class _OffloadAdam(torch.optim.Optimizer):
                        hypers=() if uniform else tuple(hypers))
 
     def _clip_coef(self) -> float | None:
-        """The factor of this step's gradients: ``infinity.clip_grad_norm_``'s times torch's (``.grad.mul_``)."""
-        coef, torch_factor = self._checks.take_clip_coef(), self.engine.grad_face.common_factor()
-        if torch_factor is None:
-            return coef
-        return torch_factor if coef is None else coef * torch_factor
+        """The factor of this step's gradients: ``infinity.clip_grad_norm_``'s times torch's (``.grad.mul_``),
+        times ``1 / loss scale`` in fp16."""
+        factors = [self._checks.take_clip_coef(), self.engine.grad_face.common_factor()]
+        if self.engine.loss_scaler is not None:
+            factors.append(1.0 / self.engine.loss_scaler.scale)
+        factors = [f for f in factors if f is not None]
+        return math.prod(factors) if factors else None
 
     def _skip(self) -> None:
         """See [Note: skipped steps] in infinity/optim/checks.py."""
@@ -177,6 +199,9 @@ class _OffloadAdam(torch.optim.Optimizer):
         self.store.zero_grad()
         self._checks.reset()
         self.engine.grad_face.forget()
+        scaler = self.engine.loss_scaler
+        if scaler is not None and scaler.dynamic:
+            return      # an overflow of the dynamic loss scale: expected, counted in stats()
         nonfinite = self._nonfinite
         if nonfinite.expected:
             why = "inf/NaN, e.g. a float16 overflow"
@@ -209,7 +234,9 @@ class _OffloadAdam(torch.optim.Optimizer):
         ``pending`` is 1 while a delayed (DPU) step has not been published.
         """
         out = self._updates.as_dict()
-        out.update(steps=self.step_count, calls=self._calls)
+        scaler = self.engine.loss_scaler
+        out.update(steps=self.step_count, calls=self._calls,
+                   loss_scale=scaler.as_dict() if scaler is not None else None)
         return out
 
     def param_steps(self) -> dict[str, int]:
@@ -233,7 +260,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         return {"param_groups": self._indexed_groups(), "step": self.step_count, "skipped_steps": self.skipped_steps,
                 "param_steps": self.param_steps(),
                 "rank": self.engine.ranks.rank, "world_size": self.engine.ranks.world_size,
-                "shard_numels": [g.shard_numel for g in groups], "shards": shards}
+                "shard_numels": [g.shard_numel for g in groups], "shards": shards,
+                "loss_scale": self.engine.loss_scaler.as_dict() if self.engine.loss_scaler is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
         groups = self.engine.coordinator.groups
@@ -255,6 +283,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         self.step_count = int(state_dict["step"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.load_param_steps(state_dict.get("param_steps", {}), "state dict")
+        if self.engine.loss_scaler is not None and state_dict.get("loss_scale") is not None:
+            self.engine.loss_scaler.load(state_dict["loss_scale"], f"{self._name}.load_state_dict")
         for s, shards in state_dict["shards"].items():
             for g, shard in zip(groups, shards):
                 self.store.write_state_shard(s, g.index, shard)

@@ -32,10 +32,13 @@ class GradientChecks:
         ``(group, slot)`` of every parameter in the optimizer, in group order.
     datapath:
         Reads the results on the host (each a counted host wait, in the step).
+    loss_scaler:
+        fp16's ``LossScaler`` (the stored gradients are scaled by it; norms are reported unscaled), or None.
     """
 
-    def __init__(self, store, reducer, ranks, slots, datapath) -> None:
+    def __init__(self, store, reducer, ranks, slots, datapath, loss_scaler=None) -> None:
         self.datapath = datapath
+        self.loss_scaler = loss_scaler      # fp16: the stored gradients are scaled by it
         self.store = store
         self.reducer = reducer
         self.ranks = ranks
@@ -59,6 +62,8 @@ class GradientChecks:
         norm_sq = norm_sq.reshape(1).to(self.datapath.device, copy=True)
         self.ranks.all_reduce_sum(norm_sq)
         total = math.sqrt(self.datapath.scalar(norm_sq))
+        if self.loss_scaler is not None:
+            total = self.loss_scaler.unscaled_norm(total)
         coef = max_norm / (total + 1e-6)
         self.clip_coef = coef if coef < 1.0 else None
         return torch.tensor(total)

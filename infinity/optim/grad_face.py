@@ -202,6 +202,9 @@ class GradFace:
         if norms is None:
             norms = self._norms[p] = self._compute_norms(p)
         value = norms[token.param_index] * abs(self.factors.get(token.param_index, 1.0))
+        scaler = self.engine.loss_scaler
+        if scaler is not None:      # the stored gradients are scaled ([Note: loss scaling])
+            value = value / scaler.scale
         return value.to(dtype or torch.float32)
 
     def _compute_norms(self, p: float) -> torch.Tensor:
@@ -245,6 +248,9 @@ class GradFace:
         """``grad.clamp_(lo, hi)`` (or ``clamp_min_``/``clamp_max_``): applied to the stored shards now
         (after any pending ``mul_`` factors, which are applied to the shards first)."""
         lo, hi = _clamp_bounds(func, args, kwargs)
+        scaler = self.engine.loss_scaler
+        if scaler is not None:      # bounds on the true gradient, applied to the scaled one
+            lo, hi = (None if lo is None else lo * scaler.scale), (None if hi is None else hi * scaler.scale)
         i = token.param_index
         g, slot = self.slots[i]
         factors, self.factors = self.factors, {}

@@ -18,6 +18,7 @@ from infinity.config import Config
 from infinity.errors import EngineError
 from infinity.optim.flat_state import OptimizerStateStore
 from infinity.optim.grad_face import GradFace
+from infinity.optim.loss_scale import LossScaler
 from infinity.optim.torch_guard import TorchOptimizerGuard
 from infinity.param_group import ParamGroup, ParamState
 from infinity.prefetch import Prefetcher
@@ -26,7 +27,7 @@ from infinity.runtime.datapath import DataPath
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
 from infinity.runtime.grads import GradReducer
-from infinity.runtime.hooks import install_hooks, watch_backward, watch_group_grads
+from infinity.runtime.hooks import install_hooks, install_released_guard, watch_backward, watch_group_grads
 from infinity.runtime.ranks import Ranks
 from infinity.runtime.shards import DemandStaging, ParamShards
 from infinity.runtime.tier_set import TierSet
@@ -81,6 +82,9 @@ class Engine:
             self._grad_hooks: dict[ParamGroup, object] = {}     # armed for the coming backward
             self.step_stats: list[dict] = []
             self.grad_face: GradFace | None = None      # what torch sees as .grad (made in finalize)
+            self.loss_scaler = LossScaler.for_precision(config.precision)     # fp16 only
+            self._at_collection: list[weakref.finalize] = []    # what the model's collection undoes
+            self.released = False                       # infinity.release(model) ran (see [Note: releasing])
         except BaseException:
             self.tiers.close()
             raise
@@ -98,7 +102,7 @@ class Engine:
         self.grad_face = GradFace(self, names)
         self.reducer.mark_grads = self.grad_face.mark
         guard = TorchOptimizerGuard(self, names)      # torch.optim over these parameters raises
-        weakref.finalize(roots[0], guard.remove)
+        self._at_collection = [weakref.finalize(roots[0], guard.remove)]
         for root in roots:
             self.hooks.append(install_hooks(root, self))
         self.roots = list(roots)
@@ -108,8 +112,8 @@ class Engine:
         self.coordinator.prefetcher = self.prefetcher
         # [Note: closing the tiers] Swap files, their directory locks and the I/O
         # handle belong to the engine; they are closed when the model they serve is
-        # collected (or by Engine.close), so a later model can reuse the directory.
-        weakref.finalize(roots[0], self.tiers.close)
+        # collected (or by Engine.release), so a later model can reuse the directory.
+        self._at_collection.append(weakref.finalize(roots[0], self.tiers.close))
 
     def attach_optimizer(self, optimizer, updates) -> None:
         """``optimizer`` steps this model; ``updates`` (its ``UpdateScheduler``) hears the lifecycle.
@@ -121,13 +125,46 @@ class Engine:
         self._updates = updates
         self.coordinator.shards.gate_on_update(updates.overlap, self.prefetcher.arena)
 
-    def close(self) -> None:
-        """Wait for background work, then close the tiers (files, locks, I/O threads)."""
-        try:
-            if self.optimizer is not None:
-                self.optimizer.synchronize()
-        finally:
-            self.tiers.close()
+    def release(self) -> None:
+        """Give back everything the engine holds now (``infinity.release``, and ``Init`` when construction
+        fails; idempotent).
+
+        [Note: releasing]
+        The engine's swap files, their directory locks, its pinned host buffers and its
+        device arenas are freed when the model and its optimizer are collected, which a user
+        cannot always arrange (a Trainer, a notebook or a traceback keeps a reference). Release
+        does at once what collection would: wait for a running update, remove every hook
+        (restoring the model's own), close the tiers (deleting the swap files and unlocking
+        their directories, as ``Init`` does when construction fails) and drop the engine's
+        parts and the optimizer's, so their buffers go with them. The model keeps its
+        ``(0,)`` placeholders and gets guard hooks in place of the engine's: a forward or a
+        ``state_dict()`` raises, as does any infinity call on it or on its optimizer, naming
+        ``infinity.release``.
+        """
+        if self.released:
+            return
+        self.recover_aborted_backward()
+        if self.backward_running:
+            raise EngineError("infinity.release: a backward pass is running on this model; release it after "
+                              "the backward (and opt.step()) returns")
+        if self.optimizer is not None:
+            self.optimizer.synchronize()
+        for handles in self.hooks:
+            handles.remove()
+        self.hooks = [install_released_guard(root) for root in self.roots]
+        if self.grad_face is not None:
+            self.grad_face.forget()
+        self._foreign.stop()
+        for undo in self._at_collection:    # now, instead of at the model's collection (and only once)
+            undo()
+        self.tiers.close()
+        if self.optimizer is not None:
+            self.optimizer.drop_engine_state()
+        self.released = True
+        self.store = self.prefetcher = self._updates = self.optimizer = self.grad_face = None
+        self.coordinator = self.reducer = self.datapath = self.tiers = None
+        self._grad_hooks = {}
+        self.step_stats = []
 
     def check_intact(self, what: str) -> None:
         """Refuse ``what`` while the states are damaged (a load failed half-way), saying how to recover."""
@@ -159,6 +196,8 @@ class Engine:
             self._stack.pop()
         if torch.is_grad_enabled():
             watch_backward(module, output, self.pre_backward)
+            if not self._stack and self.loss_scaler is not None and not self._backward_active:
+                self.loss_scaler.watch_output(output)      # [Note: loss scaling] in infinity/optim/loss_scale.py
         if not self._stack:
             self._foreign.stop()
             if not self._backward_active:
@@ -267,14 +306,6 @@ class Engine:
                     "`with infinity.gathered(model):`, or save with infinity.save_checkpoint and "
                     "infinity-consolidate")
 
-    def groups_of(self, model: nn.Module) -> list[ParamGroup]:
-        seen = []
-        for m in model.modules():
-            for g in self.coordinator.module_groups.get(m, ()):
-                if g not in seen:
-                    seen.append(g)
-        return seen
-
     def write_param_shard(self, group: ParamGroup, full: torch.Tensor) -> None:
         """Store new full values of a gathered group (``infinity.gathered`` write-back)."""
         full32 = full.detach().to(device="cpu", dtype=torch.float32)
@@ -296,4 +327,5 @@ class Engine:
             "comm": self.ranks.comm.last,
             "gather_memory": self.coordinator.memory.stats(),
             "whole_gradient_bytes": self.reducer.whole_nbytes,
+            "loss_scale": self.loss_scaler.as_dict() if self.loss_scaler is not None else None,
         }

@@ -35,7 +35,7 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
     if engine.optimizer is not None:
         engine.optimizer.synchronize()
     coordinator = engine.coordinator
-    groups = engine.groups_of(model)
+    groups = _groups_of(engine.coordinator, model)
     coordinator.use(groups)
     snapshots = {g: g.shard_of(g.full).clone() for g in groups}
     try:
@@ -49,3 +49,13 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
                 if not torch.equal(g.shard_of(current), snapshots[g]):
                     engine.write_param_shard(g, current)
                 coordinator.unuse(g)
+
+
+def _groups_of(coordinator, model) -> list:
+    """The groups of ``model``'s modules (each once, in module order)."""
+    seen = []
+    for m in model.modules():
+        for g in coordinator.module_groups.get(m, ()):
+            if g not in seen:
+                seen.append(g)
+    return seen

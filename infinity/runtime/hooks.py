@@ -22,6 +22,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from infinity.errors import EngineError, released_message
+
 
 class GroupGradHook:
     """Hands a group's gradients to the engine, holding the engine weakly.
@@ -97,13 +99,26 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
         ``before_state_dict(module, prefix, keep_vars)`` (the engine).
     """
     handles: list[RemovableHandle] = []
+    pre_forward = torch.compiler.disable(lambda m, args: lifecycle.pre_forward(m))
+    post_forward = torch.compiler.disable(lambda m, args, out: lifecycle.post_forward(m, out))
     for module in root.modules():
-        handles.append(module.register_forward_pre_hook(
-            lambda m, args: lifecycle.pre_forward(m), prepend=True))
+        handles.append(module.register_forward_pre_hook(pre_forward, prepend=True))
         # always_call: a forward that raises still releases what its pre-hook acquired; a
         # group left in use would stay gathered and never be refreshed by an optimizer step.
-        handles.append(module.register_forward_hook(
-            lambda m, args, out: lifecycle.post_forward(m, out), always_call=True))
+        handles.append(module.register_forward_hook(post_forward, always_call=True))
         handles.append(module.register_state_dict_pre_hook(
             lambda m, prefix, keep_vars: lifecycle.before_state_dict(m, prefix, keep_vars)))
+    return HookHandles(handles)
+
+
+def install_released_guard(root: nn.Module) -> HookHandles:
+    """Hooks that make a forward or ``state_dict()`` of a released model raise (see [Note: releasing]
+    in infinity/runtime/engine.py); they hold no engine, so its buffers can go."""
+    def refuse(what):
+        raise EngineError(released_message(f"{type(root).__name__}.{what}"))
+
+    handles: list[RemovableHandle] = []
+    for module in root.modules():
+        handles.append(module.register_forward_pre_hook(lambda m, args: refuse("forward()"), prepend=True))
+        handles.append(module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: refuse("state_dict()")))
     return HookHandles(handles)

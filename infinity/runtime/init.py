@@ -176,7 +176,7 @@ class Init:
         self._open_groups.clear()
         self._depth.clear()
         if engine is not None:
-            engine.close()
+            engine.release()
 
     def _restore(self) -> None:
         for cls, orig in reversed(self._patched):

@@ -75,8 +75,8 @@ def test_hugging_face_auto_values_keep_defaults_and_are_reported():
     cfg, skipped = from_deepspeed(ds)
     assert (cfg.tiers.params, cfg.tiers.optimizer, cfg.precision.dtype) == ("host", "host", "float32")
     assert cfg.prefetch.device_bytes == load_config().prefetch.device_bytes
+    assert cfg.precision.loss_scale == "dynamic"
     assert skipped == [
-        "fp16.loss_scale: no equivalent in infinity's config",
         "fp16.enabled: \"auto\" is filled in by the Hugging Face Trainer; kept float32",
         "zero_optimization.stage3_prefetch_bucket_size: \"auto\" is filled in by the Hugging Face Trainer; "
         "kept infinity's default",
@@ -146,3 +146,24 @@ def test_different_param_and_optimizer_nvme_paths_are_kept_and_reported():
                        "parameters and optimizer states are striped over all of ['/nvme0', '/nvme1']"]
     zero["offload_optimizer"]["nvme_path"] = "/nvme0"
     assert from_deepspeed({"zero_optimization": zero})[1] == []
+
+
+def test_fp16_loss_scaling_keys():
+    cfg, skipped = from_deepspeed({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
+                                            "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 0.5,
+                                            "consecutive_hysteresis": False}})
+    p = cfg.precision
+    assert (p.dtype, p.loss_scale, p.initial_scale, p.growth_interval, p.hysteresis, p.min_scale) == (
+        "float16", "dynamic", 4096.0, 500, 3, 0.5)
+    assert skipped == []
+    cfg, skipped = from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128, "consecutive_hysteresis": True,
+                                            "initial_scale_power": "auto"}})
+    assert cfg.precision.loss_scale == 128.0
+    assert skipped == [
+        "fp16.consecutive_hysteresis: True cannot be honoured: infinity forgets overflows only when the scale "
+        "grows (DeepSpeed's consecutive_hysteresis false)",
+        "fp16.initial_scale_power: \"auto\" is filled in by the Hugging Face Trainer; kept infinity's default"]
+    with pytest.raises(ConfigError, match=r"fp16.loss_scale_window \(as precision.growth_interval\): expected an integer >= 1, got 0"):
+        from_deepspeed({"fp16": {"enabled": True, "loss_scale_window": 0}})
+    with pytest.raises(ConfigError, match=r"fp16.initial_scale_power: expected an integer"):
+        from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 1.5}})

@@ -128,6 +128,7 @@ _FOREIGN_PRIVATE = {
     "_load_from_state_dict",        # nn.Module's hook for loading, overridden by the tiled layers
     "_non_persistent_buffers_set",  # the only record of a buffer's persistence in nn.Module
     "_aio",                         # the C extension module of tiers
+    "_orig_mod",                    # the model inside torch.compile's wrapper (infinity/registry.py)
     # Lending reused memory to a storage autograd holds (infinity/runtime/gather_memory.py); with a
     # torch that lacks them the engine resizes storages instead.
     "_swap_data_ptr_", "_construct_storage_from_data_pointer",

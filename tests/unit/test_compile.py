@@ -1,0 +1,56 @@
+"""``torch.compile`` of an engine model: the default backend trains as the plain model does.
+
+The engine's forward hooks are kept out of the compiled graphs (each is a graph break):
+they move bytes between tiers and are no tensor program. What lies between them, the
+modules' own forward, is compiled.
+"""
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from tests.support.parity import train_side_by_side
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.body(x), y)
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("tiers", [{"params": "host"},
+                                   {"params": "nvme", "optimizer": "nvme"}], ids=["host", "nvme"])
+def test_compiled_engine_model_trains_as_the_plain_model(tmp_path, backend, tiers):
+    torch.manual_seed(0)
+    ref = _Net()
+    with infinity.Init({"tiers": {**tiers, "nvme_path": str(tmp_path)}}):
+        model = _Net()
+    with infinity.gathered(model):
+        model.load_state_dict(ref.state_dict())
+    opt = infinity.AdamW(model, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    compiled = torch.compile(model) if backend == "inductor" else torch.compile(model, backend=backend)
+    data = [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(4)]
+    losses, params = train_side_by_side(compiled, opt, ref, ref_opt, data)
+    assert max(losses) < 1e-5, losses
+    assert max(params.values()) < 1e-5, params
+    infinity.release(model)
+
+
+def test_module_compile_in_place(tmp_path):
+    torch.manual_seed(0)
+    ref = _Net()
+    with infinity.Init({"tiers": {"params": "host"}}):
+        model = _Net()
+    with infinity.gathered(model):
+        model.load_state_dict(ref.state_dict())
+    model.compile()
+    losses, params = train_side_by_side(model, infinity.AdamW(model, lr=1e-2), ref,
+                                        torch.optim.AdamW(ref.parameters(), lr=1e-2),
+                                        [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)])
+    assert max(losses) < 1e-5 and max(params.values()) < 1e-5, (losses, params)
+    infinity.release(model)

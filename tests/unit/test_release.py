@@ -1,0 +1,114 @@
+"""``infinity.release(model)``: swap files, pinned buffers and directory locks go at once."""
+import gc
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from infinity.errors import EngineError
+from infinity.registry import engine_of
+
+
+def _cfg(path):
+    return {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(path)}}
+
+
+def _build(path):
+    with infinity.Init(_cfg(path)):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model
+
+
+def _train_step(model, opt):
+    loss = model(torch.randn(3, 8)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _swap_files(path):
+    return [os.path.join(d, f) for d, _, files in os.walk(path) for f in files]
+
+
+def test_release_frees_files_buffers_and_lock_at_once(tmp_path):
+    torch.manual_seed(0)
+    model = _build(tmp_path)
+    opt = infinity.AdamW(model, lr=1e-2)
+    _train_step(model, opt)
+    allocator = engine_of(model).tiers.allocator
+    assert _swap_files(tmp_path)
+    assert allocator.stats()["bytes_allocated"] > 0
+
+    infinity.release(model)
+    gc.collect()
+    # model and opt are still referenced here: release alone let go of every file and buffer.
+    assert _swap_files(tmp_path) == []
+    assert allocator.stats()["bytes_allocated"] == 0
+
+    # The same directory serves a new engine right away, in the same process.
+    again = _build(tmp_path)
+    opt2 = infinity.AdamW(again, lr=1e-2)
+    assert torch.isfinite(torch.tensor(_train_step(again, opt2)))
+    infinity.release(again)
+
+
+def test_every_later_use_names_release(tmp_path):
+    model = _build(tmp_path)
+    opt = infinity.AdamW(model, lr=1e-2)
+    _train_step(model, opt)
+    infinity.release(model)
+    released = "released by infinity.release"
+    with pytest.raises(EngineError, match=f"Sequential.forward.*{released}"):
+        model(torch.randn(2, 8))
+    with pytest.raises(EngineError, match=released):
+        model[0](torch.randn(2, 8))
+    with pytest.raises(EngineError, match=released):
+        model.state_dict()
+    with pytest.raises(EngineError, match=f"infinity.stats.*{released}"):
+        infinity.stats(model)
+    with pytest.raises(EngineError, match=released):
+        with infinity.gathered(model):
+            pass
+    with pytest.raises(EngineError, match=f"infinity.AdamW.*{released}"):
+        opt.step()
+    with pytest.raises(EngineError, match=released):
+        opt.zero_grad()
+    with pytest.raises(EngineError, match=released):
+        infinity.release(model)
+    # torch's own optimizers over the released parameters are no longer the engine's business.
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def test_release_waits_for_the_overlapped_update(tmp_path):
+    # On NVMe the update runs beside the next forward (dpu.overlap): release waits for it, so
+    # no write lands in a closed file, and a checkpoint taken before release is intact.
+    torch.manual_seed(1)
+    model = _build(tmp_path)
+    opt = infinity.AdamW(model, lr=1e-2)
+    for _ in range(3):
+        loss = model(torch.randn(3, 8)).square().mean()
+        loss.backward()
+        opt.step()
+        assert _swap_files(tmp_path)
+    infinity.release(model)
+    assert _swap_files(tmp_path) == []
+
+
+def test_init_that_raises_frees_its_files_at_once(tmp_path):
+    with pytest.raises(ValueError, match="model code failed"):
+        with infinity.Init(_cfg(tmp_path)):
+            nn.Linear(8, 16)
+            raise ValueError("model code failed")
+    assert _swap_files(tmp_path) == []
+    model = _build(tmp_path)
+    infinity.release(model)
+
+
+def test_init_without_parameters_frees_its_files_at_once(tmp_path):
+    with pytest.raises(RuntimeError, match="no module with parameters"):
+        with infinity.Init(_cfg(tmp_path)):
+            nn.ReLU()
+    assert _swap_files(tmp_path) == []
