@@ -19,6 +19,7 @@ from infinity.errors import EngineError
 from infinity.optim.flat_state import OptimizerStateStore
 from infinity.param_group import ParamGroup
 from infinity.prefetch import Prefetcher
+from infinity.runtime.activations import ActivationOffload
 from infinity.runtime.coordinator import Coordinator
 from infinity.runtime.datapath import DataPath
 from infinity.runtime.device import ComputeDevice
@@ -61,6 +62,9 @@ class Engine:
         shards = ParamShards(self.tiers.params, self.dtype, self.datapath, staging)
         self.coordinator = Coordinator(shards, self.ranks, self.device)
         self.reducer = GradReducer(self.coordinator, self.ranks, self.datapath, self.tiers.allocator)
+        self.activations: ActivationOffload | None = None
+        if config.activations.offload != "none":
+            self.activations = ActivationOffload(config.activations, self.datapath, self.tiers, self.device.device)
         self.store: OptimizerStateStore | None = None
         self.roots: list[nn.Module] = []
         self.hooks = []
@@ -93,7 +97,7 @@ class Engine:
         # [Note: closing the tiers] Swap files, their directory locks and the I/O
         # handle belong to the engine; they are closed when the model they serve is
         # collected (or by Engine.close), so a later model can reuse the directory.
-        weakref.finalize(roots[0], self.tiers.close)
+        weakref.finalize(roots[0], _close_parts, self.activations, self.tiers)
 
     def attach_optimizer(self, optimizer, updates) -> None:
         """``optimizer`` steps this model; ``updates`` (its ``UpdateScheduler``) hears the lifecycle.
@@ -109,7 +113,7 @@ class Engine:
         """Wait for background work, then close the tiers (files, locks, I/O threads)."""
         if self.optimizer is not None:
             self.optimizer.synchronize()
-        self.tiers.close()
+        _close_parts(self.activations, self.tiers)
 
     @property
     def backward_running(self) -> bool:
@@ -117,14 +121,18 @@ class Engine:
         return self.reducer.pending() or self._backward_active
 
     # -- the forward / backward lifecycle (called by the hooks) ------------------------------
-    def pre_forward(self, module: nn.Module) -> None:
+    def pre_forward(self, module: nn.Module, args=()) -> None:
         if not self._stack:
             self.recover_aborted_backward()
             self._begin_forward(module)
             if not self._backward_active:      # a forward inside backward recomputes for it
                 self.datapath.set_phase("forward")
+                if self.activations is not None and torch.is_grad_enabled():
+                    self.activations.begin_forward()
         elif not self._foreign.active and not self.prefetcher.following:
             self._foreign.start()              # the step left its trace: watch again
+        if self.activations is not None:
+            self.activations.module_called(module, args, len(self._stack))
         self._stack.append(module)
         self.coordinator.acquire(module)
         self._arm(self.coordinator.module_groups.get(module, ()))
@@ -137,6 +145,8 @@ class Engine:
             watch_backward(module, output, self.pre_backward)
         if not self._stack:
             self._foreign.stop()
+            if self.activations is not None:
+                self.activations.end_forward()
             if not self._backward_active:
                 self.datapath.set_phase("idle")
             if self.prefetcher is not None:
@@ -171,6 +181,8 @@ class Engine:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self.prefetcher is not None:
                 self.prefetcher.begin_backward()
+            if self.activations is not None:
+                self.activations.begin_backward()
 
     def pre_backward(self, module: nn.Module) -> None:
         self._enter_backward()
@@ -216,6 +228,8 @@ class Engine:
         for handle in hooks.values():
             handle.remove()
         self.coordinator.end_backward()
+        if self.activations is not None:
+            self.activations.end_backward()
         self._backward_active = False
         self.datapath.set_phase("idle")
         if not self.device.is_cuda:
@@ -252,4 +266,12 @@ class Engine:
             "transfers": self.datapath.ledger.last,
             "comm": self.ranks.comm.last,
             "gather_memory": self.coordinator.memory.stats(),
+            "activations": self.activations.stats() if self.activations is not None else {"offload": "none"},
         }
+
+
+def _close_parts(activations, tiers) -> None:
+    """Stop the activations' I/O before the tiers it writes to close."""
+    if activations is not None:
+        activations.close()
+    tiers.close()

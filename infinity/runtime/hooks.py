@@ -93,12 +93,12 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
     root:
         The model.
     lifecycle:
-        An object with ``pre_forward(module)`` and ``post_forward(module, output)`` (the engine).
+        An object with ``pre_forward(module, args)`` and ``post_forward(module, output)`` (the engine).
     """
     handles: list[RemovableHandle] = []
     for module in root.modules():
         handles.append(module.register_forward_pre_hook(
-            lambda m, args: lifecycle.pre_forward(m), prepend=True))
+            lambda m, args: lifecycle.pre_forward(m, args), prepend=True))
         # always_call: a forward that raises still releases what its pre-hook acquired; a
         # group left in use would stay gathered and never be refreshed by an optimizer step.
         handles.append(module.register_forward_hook(

@@ -41,11 +41,12 @@ class TierSet:
         self.nvme_tier = None
         self.handle = None
         self.pool = None
-        uses_nvme = "nvme" in (t.params, t.optimizer)
+        uses_nvme = "nvme" in (t.params, t.optimizer, config.activations.offload)
         if uses_nvme:
             if not t.nvme_path:
-                raise ConfigError("tiers.nvme_path: required when tiers.params or tiers.optimizer "
-                                  "is 'nvme'; give a directory (or a list of directories) on a fast drive")
+                raise ConfigError("tiers.nvme_path: required when tiers.params, tiers.optimizer or "
+                                  "activations.offload is 'nvme'; give a directory (or a list of directories) "
+                                  "on a fast drive")
             for path in t.nvme_path:
                 if not os.path.isdir(path):
                     raise ConfigError(f"tiers.nvme_path: directory {path!r} does not exist "
