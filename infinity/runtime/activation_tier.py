@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import threading
 import time
 
 import torch
@@ -77,6 +78,7 @@ class ActivationTier:
         self.device = torch.device(device)
         self._closed = False
         self._jobs: collections.deque = collections.deque()
+        self._jobs_lock = threading.Lock()     # discard may run from a finalizer, on any thread
         if self.kind == "host":
             self.arena = Arena(tiers.allocator.empty, None, 64 << 20, name="activations-host")
             return
@@ -112,11 +114,13 @@ class ActivationTier:
             loan = self.arena.take(nbytes, "activation write")
             if loan is not None:
                 return loan, waited
-            if not self._jobs:
+            with self._jobs_lock:
+                oldest = self._jobs.popleft() if self._jobs else None
+            if oldest is None:
                 raise EngineError(f"activations: no room for {nbytes} bytes in the {self.arena.capacity}-byte "
                                   "staging buffer and no transfer to wait for; raise activations.buffer_bytes")
             started = time.perf_counter()
-            self._jobs.popleft().result()
+            oldest.result()
             waited += time.perf_counter() - started
 
     def _write(self, key: int, loan, event, offset: int, nbytes: int) -> None:
@@ -171,10 +175,14 @@ class ActivationTier:
         self._submit(self.nvme.free, place.key)
 
     def _submit(self, fn, *args):
-        while self._jobs and self._jobs[0].done():
-            self._jobs.popleft().result()       # raises a transfer's error here, on the compute thread
-        job = self._io.submit(fn, *args)
-        self._jobs.append(job)
+        with self._jobs_lock:
+            finished = []
+            while self._jobs and self._jobs[0].done():
+                finished.append(self._jobs.popleft())
+            job = self._io.submit(fn, *args)
+            self._jobs.append(job)
+        for done in finished:
+            done.result()       # raises a transfer's error here
         return job
 
     def stats(self) -> dict:
