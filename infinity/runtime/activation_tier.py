@@ -185,6 +185,15 @@ class ActivationTier:
             done.result()       # raises a transfer's error here
         return job
 
+    def drain(self) -> None:
+        """Wait for every transfer and free asked for so far (raising the first error)."""
+        while True:
+            with self._jobs_lock:
+                job = self._jobs.popleft() if self._jobs else None
+            if job is None:
+                return
+            job.result()
+
     def stats(self) -> dict:
         return {"arena": self.arena.stats()}
 

@@ -232,6 +232,8 @@ class ActivationOffload:
                 saved.pending = None
                 self._ahead_bytes -= saved.nbytes
         self._moved = [ref for ref in self._moved if ref() is not None and not ref().consumed]
+        if self.tier.kind == "nvme":
+            self.tier.drain()   # the reads are done, so only the frees of used keys are left: quick
         self.stats_.current["checkpoint_nbytes"] = self._forward_bytes
         self.stats_.close_cycle()
 

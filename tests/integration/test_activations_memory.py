@@ -33,5 +33,5 @@ def test_buffers_are_flat_over_many_steps(tmp_path, offload):
         opt.zero_grad()
         opt.synchronize()
         seen.append(_buffers(infinity.stats(model)))
-    assert all(s == seen[2] for s in seen[2:]), [s for s in seen if s != seen[2]][:2]
+    assert all(s == seen[2] for s in seen[2:]), (seen[2], [(i, s) for i, s in enumerate(seen) if s != seen[2]][:3])
     assert infinity.stats(model)["activations"]["total"]["offloaded_tensors"] == 30 * 3
