@@ -1,6 +1,6 @@
 """Peak host memory with checkpointed activations offloaded ("none", "host", "nvme"), each in its own process.
 
-The example GPT (``infinity.examples.gpt``) with every block wrapped by ``infinity.checkpoint``
+The example GPT (``infinity.examples.gpt``) with every block wrapped by ``infinity.activation_checkpoint``
 is trained for ``--steps`` steps on the CPU with its parameters on the device tier and the
 optimizer on the host, once per offload setting, each in a fresh process (so one run's heap
 cannot hide another's): its peak resident set (``ru_maxrss``), the resident set after every
@@ -55,7 +55,7 @@ def child(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     with infinity.Init(cfg):
         model = GPT(shape)
-    model.blocks = torch.nn.ModuleList(infinity.checkpoint(b) for b in model.blocks)
+    model.blocks = torch.nn.ModuleList(infinity.activation_checkpoint(b) for b in model.blocks)
     opt = infinity.AdamW(model, lr=1e-4)
     g = torch.Generator().manual_seed(1)
     losses, rss = [], []

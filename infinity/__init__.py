@@ -33,7 +33,7 @@ _LAZY = {
     "load_checkpoint": "infinity.checkpoint",
     "TiledLinear": "infinity.tiling",
     "TiledEmbedding": "infinity.tiling",
-    "checkpoint": "infinity.runtime.checkpointing",
+    "activation_checkpoint": "infinity.runtime.checkpointing",
 }
 
 

@@ -295,7 +295,7 @@ class ActivationsConfig(Section):
     section: ClassVar[str] = "activations"
 
     offload: Literal["none", "host", "nvme"] = "none"
-    """Where the tensors a checkpointed region saves for backward (its inputs: `infinity.checkpoint`,
+    """Where the tensors a checkpointed region saves for backward (its inputs: `infinity.activation_checkpoint`,
     or `torch.utils.checkpoint` with `use_reentrant=False` or True) wait between forward and backward:
     "none" leaves them on the compute device, "host" moves them to host memory, "nvme" to files under
     `tiers.nvme_path`. Backward brings them back ahead of use, in reverse order. Results are identical."""

@@ -1,7 +1,7 @@
 """Checkpointed activations moved off the compute device between forward and backward (ZeRO-R).
 
 [Note: which saved tensors move]
-An activation checkpoint (``torch.utils.checkpoint``, ``infinity.checkpoint``) saves only
+An activation checkpoint (``torch.utils.checkpoint``, ``infinity.activation_checkpoint``) saves only
 its region's inputs for backward; everything inside is recomputed. Those inputs are what
 ``activations.offload`` moves. While a model's forward runs with grad enabled, the engine
 keeps ``saved_tensors_hooks`` pushed (innermost hooks win, and a non-reentrant checkpoint

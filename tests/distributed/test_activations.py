@@ -1,7 +1,7 @@
 """Checkpointed activations offloaded to host memory or NVMe (``[activations] offload``).
 
 Each run trains the same checkpointed model with offload "none", "host" and "nvme", the
-checkpoint made three ways (``infinity.checkpoint`` wrapping each block, and
+checkpoint made three ways (``infinity.activation_checkpoint`` wrapping each block, and
 ``torch.utils.checkpoint`` called by the model, non-reentrant and reentrant, as transformers'
 ``gradient_checkpointing_enable()`` does), at world sizes 1 and 2: the losses must be identical
 to offload "none", every checkpoint input must have moved, and the transfer ledger must book them.
@@ -28,7 +28,7 @@ class CheckpointedGPT(TinyGPT):
         super().__init__(vocab=64, d=D, layers=LAYERS, seq=T)
         self.mode = mode
         if mode == "wrapper":
-            self.blocks = torch.nn.ModuleList(infinity.checkpoint(b) for b in self.blocks)
+            self.blocks = torch.nn.ModuleList(infinity.activation_checkpoint(b) for b in self.blocks)
 
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe[: idx.shape[1]]

@@ -69,3 +69,17 @@ def test_the_engine_refuses_activations_that_do_not_fit_before_training():
     with infinity.Init(load_config(cfg, overrides={"activations": {"checkpoint_nbytes": "16MiB"}})):
         model = nn.Linear(4, 4)
     model(torch.ones(2, 4)).sum().backward()
+
+
+def test_activation_checkpoint_wraps_a_module_beside_the_checkpoint_room():
+    import infinity.checkpoint  # noqa: F401  (the sharded-checkpoint room: infinity.checkpoint is taken)
+    from infinity.runtime.checkpointing import Checkpointed
+
+    block = nn.Linear(4, 4)
+    wrapped = infinity.activation_checkpoint(block)
+    assert isinstance(wrapped, Checkpointed) and wrapped.module is block
+    x = torch.randn(2, 4, requires_grad=True)
+    torch.testing.assert_close(wrapped(x), block(x))
+    torch.testing.assert_close(infinity.activation_checkpoint(block, x), block(x))
+    with pytest.raises(TypeError, match="infinity.activation_checkpoint: expected an nn.Module or a function"):
+        infinity.activation_checkpoint(3, x)
