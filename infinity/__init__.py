@@ -34,6 +34,7 @@ _LAZY = {
     "load_checkpoint": "infinity.checkpoint",
     "TiledLinear": "infinity.tiling",
     "TiledEmbedding": "infinity.tiling",
+    "activation_checkpoint": "infinity.runtime.checkpointing",
 }
 
 

@@ -198,7 +198,10 @@ def stats(model: nn.Module) -> dict:
     bytes gathered and read from the parameter tier), ``tiers`` (bytes read/written,
     wait time, current and peak bytes per tier), ``steps`` (per-step records) and
     ``prefetch`` (trace state), ``transfers`` (the last step's data-path ledger, see
-    infinity/runtime/datapath.py) and ``comm`` (what this rank sent through collectives in the
-    last step, see [Note: communication volume] in infinity/runtime/ranks.py), on this rank.
+    infinity/runtime/datapath.py), ``comm`` (what this rank sent through collectives in the
+    last step, see [Note: communication volume] in infinity/runtime/ranks.py) and ``activations``
+    (with ``activations.offload`` set: the bytes checkpoints saved in the last forward and moved,
+    ``checkpoint_nbytes``; per cycle and in total, the bytes moved and fetched back and the stall
+    they caused, ``stall_seconds``; see infinity/runtime/activations.py), on this rank.
     """
     return registry.engine_of(model, "infinity.stats").stats()

@@ -62,6 +62,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--bench-json", metavar="FILE", help="an 'infinity-bench nvme --json' result")
     bw.add_argument("--read-gbps", type=float, help="NVMe read bandwidth, GB/s (1e9 bytes/s)")
     model.add_argument("--write-gbps", type=float, help="NVMe write bandwidth, GB/s")
+    model.add_argument("--activation-bytes", metavar="SIZE",
+                       help="bytes of checkpointed activations per rank, e.g. 32MiB (sets "
+                            "activations.checkpoint_nbytes; blocks x batch x sequence x hidden x dtype bytes "
+                            "for a transformer with every block checkpointed)")
     model.add_argument("--no-check", action="store_true",
                        help="do not check the plan against this machine's memory and disks")
     model.add_argument("--json", nargs="?", const="-", metavar="PATH",
@@ -135,9 +139,19 @@ def _run_model(args: argparse.Namespace) -> int:
         raise PlanError("--read-gbps and --write-gbps go together")
     elif args.read_gbps is not None:
         bandwidth = Bandwidth(args.read_gbps, args.write_gbps, source="command line")
+    config = args.config
+    if args.activation_bytes is not None:
+        from infinity.plan import resolve_config
+        from infinity.config import ConfigError, load_config
+
+        try:
+            config = load_config(resolve_config(config),
+                                 overrides={"activations": {"checkpoint_nbytes": args.activation_bytes}})
+        except ConfigError as exc:
+            raise PlanError(f"--activation-bytes: {exc}") from exc
     result = plan(
         args.model if args.model else args.params,
-        args.config,
+        config,
         world_size=args.ranks,
         nvme_bandwidth=bandwidth,
         local_ranks=args.local_ranks,

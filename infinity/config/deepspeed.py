@@ -250,11 +250,29 @@ def _aio(t: _Translation, data: Mapping[str, Any]) -> None:
             t.built_in_or_skip(ds_key, value)
 
 
+def _activations(t: _Translation, data: Mapping[str, Any]) -> None:
+    """``activation_checkpointing``: ``cpu_checkpointing`` moves checkpointed activations to host memory."""
+    section = _section(data, "activation_checkpointing")
+    for name, value in section.items():
+        ds_key = f"activation_checkpointing.{name}"
+        if name == "cpu_checkpointing":
+            if not isinstance(value, bool):
+                raise ConfigError(f"expected true or false, got {value!r}", ds_key)
+            if value:
+                t.put("activations.offload", ds_key, "host")
+        elif name == "partition_activations" and value:
+            t.skip(ds_key, "partitioning activations over ranks (P_a) needs tensor parallelism, which infinity "
+                   "does not have")
+        elif name != "partition_activations":
+            t.skip(ds_key, _NO_EQUIVALENT)
+
+
 def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike) -> tuple[Config, list[str]]:
     """Translate a DeepSpeed config (dict or JSON file) into a Config.
 
     Reads ``zero_optimization`` (offload_param, offload_optimizer, stage3_* prefetch and
-    persistence keys, sub_group_size), the top-level ``aio`` section and ``bf16``/``fp16``.
+    persistence keys, sub_group_size), the top-level ``aio`` section, ``bf16``/``fp16`` and
+    ``activation_checkpointing.cpu_checkpointing`` (as ``activations.offload = "host"``).
 
     Returns
     -------
@@ -279,8 +297,9 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike) -> tuple[Co
         _precision(t, ds_config)
         _zero(t, ds_config)
         _aio(t, ds_config)
+        _activations(t, ds_config)
         for name in ds_config:
-            if name not in ("bf16", "fp16", "zero_optimization", "aio"):
+            if name not in ("bf16", "fp16", "zero_optimization", "aio", "activation_checkpointing"):
                 t.skip(name, _PROGRAM_KEYS.get(name, _NO_EQUIVALENT))
         config = load_config(t.ours)
     except ConfigError as exc:

@@ -1,8 +1,8 @@
-"""The eight config sections as frozen dataclasses, and ``Config``, the whole of them.
+"""The nine config sections as frozen dataclasses, and ``Config``, the whole of them.
 
 [Note: config]
-A config has eight sections (``tiers``, ``aio``, ``precision``, ``partition``,
-``prefetch``, ``tiling``, ``dpu``, ``checkpoint``). Each is a frozen dataclass whose
+A config has nine sections (``tiers``, ``aio``, ``precision``, ``partition``,
+``prefetch``, ``tiling``, ``dpu``, ``checkpoint``, ``activations``). Each is a frozen dataclass whose
 fields carry their defaults, the only place a default is written, and a docstring
 that ``reference_markdown()`` turns into the README's reference. Validation lives in
 each section's ``__post_init__``, so a section built from Python (``AioConfig(
@@ -387,8 +387,49 @@ class CheckpointConfig(Section):
                      "memory at once", "bytes")
 
 
+@dataclasses.dataclass(frozen=True)
+class ActivationsConfig(Section):
+    """Activations saved at activation-checkpoint boundaries (ZeRO-R): where they wait for backward."""
+
+    section: ClassVar[str] = "activations"
+
+    offload: Literal["none", "host", "nvme"] = "none"
+    """Where the tensors a checkpointed region saves for backward (its inputs: `infinity.activation_checkpoint`,
+    or `torch.utils.checkpoint` with `use_reentrant=False` or True) wait between forward and backward:
+    "none" leaves them on the compute device, "host" moves them to host memory, "nvme" to files under
+    `tiers.nvme_path`. Backward brings them back ahead of use, in reverse order. Results are identical."""
+
+    min_nbytes: Bytes = 64 * _sizes.KiB
+    """Saved tensors smaller than this stay where they are (masks, scalars: not worth a transfer)."""
+
+    prefetch_bytes: Bytes = 32 * _sizes.MiB
+    """How far ahead, in bytes, backward brings offloaded activations back to the compute device
+    (at least one tensor, however large)."""
+
+    buffer_bytes: Bytes = 64 * _sizes.MiB
+    """With "nvme": the constant-size host buffer, a multiple of 4 KiB, through which activations move
+    to and from their files (writes in flight and reads under way share it); allocated once."""
+
+    checkpoint_nbytes: Bytes = 0
+    """Bytes of checkpointed activations one rank holds at the end of a forward (for a transformer with
+    every block checkpointed: blocks x batch x sequence x hidden x dtype bytes). Only sizes the budget
+    check and `infinity-plan` (which cannot know the batch); 0 leaves them out. After a step,
+    `infinity.stats(model)["activations"]["checkpoint_nbytes"]` is the measured value."""
+
+    def _check(self) -> None:
+        self._within("min_nbytes", 0, _MAX_MEMORY, "a tensor size; no machine holds more than 64TiB", "bytes")
+        self._within("prefetch_bytes", 0, _MAX_MEMORY, "a look-ahead in bytes; no machine holds more than 64TiB",
+                     "bytes")
+        self._within("buffer_bytes", 4096, 4 * GiB, "one staging buffer of host memory, allocated when the engine "
+                     "starts", "bytes")
+        self._aligned("buffer_bytes")
+        self._within("checkpoint_nbytes", 0, _MAX_MEMORY, "activation bytes a step holds; no machine holds more "
+                     "than 64TiB", "bytes")
+
+
 SECTIONS: tuple[type[Section], ...] = (TiersConfig, AioConfig, PrecisionConfig, PartitionConfig,
-                                        PrefetchConfig, TilingConfig, DpuConfig, CheckpointConfig)
+                                        PrefetchConfig, TilingConfig, DpuConfig, CheckpointConfig,
+                                        ActivationsConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,6 +454,7 @@ class Config:
     tiling: TilingConfig = dataclasses.field(default_factory=TilingConfig)
     dpu: DpuConfig = dataclasses.field(default_factory=DpuConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    activations: ActivationsConfig = dataclasses.field(default_factory=ActivationsConfig)
 
     def __post_init__(self) -> None:
         for cls in SECTIONS:
@@ -428,6 +470,9 @@ class Config:
                 f"stage {stage} keeps whole parameters on every rank's compute device, so tiers.params must be "
                 f"\"device\" (it is {json.dumps(params)}); parameters in host memory or on NVMe are sharded over "
                 "the ranks, which is stage 3", "partition.stage")
+        if self.activations.offload == "nvme" and not self.tiers.nvme_path:
+            raise ConfigError("\"nvme\" needs tiers.nvme_path, a directory on a fast local disk, for the "
+                              "activations' files", "activations.offload")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:

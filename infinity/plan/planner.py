@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from infinity.plan.activations import activation_rows
 from infinity.plan.bandwidth import Bandwidth
 from infinity.plan.census import ModelCensus, census_of_module, load_model
 from infinity.plan.errors import PlanError
@@ -49,6 +50,9 @@ NEED_LABELS = {
     "compute_copy_staging": "compute-copy staging",
     "device_prefetch": "device prefetch",
     "persistent_params": "persistent params",
+    "activations": "checkpointed activations",
+    "activation_staging": "activation staging",
+    "activation_prefetch": "activation prefetch",
 }
 TIERS = ("device", "host", "nvme")
 
@@ -405,7 +409,7 @@ def plan(
         num_params=census.num_params,
         settings=settings,
         shards=shards,
-        rows=tuple(layout.rows()),
+        rows=(*layout.rows(), *activation_rows(cfg)),
         nvme_read_bytes=layout.nvme_read_bytes(),
         nvme_write_bytes=layout.nvme_write_bytes(),
         host_to_device_bytes=layout.host_to_device_bytes(),

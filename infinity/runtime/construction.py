@@ -27,7 +27,8 @@ from tiers.host_alloc import trim_c_heap
 
 # Plan rows (infinity/plan/layout.py) that ``Partitioner.finish`` has yet to allocate.
 _NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_subgroup_buffers",
-                                "nvme_staging", "prefetch_arena", "grad_staging", "compute_copy_staging"})
+                                "nvme_staging", "prefetch_arena", "grad_staging", "compute_copy_staging",
+                                "activations", "activation_staging", "activation_prefetch"})
 
 
 class Partitioner:

@@ -22,6 +22,7 @@ from infinity.optim.loss_scale import LossScaler
 from infinity.optim.torch_guard import TorchOptimizerGuard
 from infinity.param_group import ParamGroup, ParamState
 from infinity.prefetch import Prefetcher
+from infinity.runtime.activations import ActivationOffload
 from infinity.runtime.coordinator import Coordinator
 from infinity.runtime.datapath import DataPath
 from infinity.runtime.device import ComputeDevice
@@ -66,6 +67,9 @@ class Engine:
             self.coordinator = Coordinator(shards, self.ranks, self.device)
             self.reducer = GradReducer(self.coordinator, self.ranks, self.datapath, self.tiers.allocator,
                                        stage=config.partition.stage)
+            self.activations: ActivationOffload | None = None
+            if config.activations.offload != "none":
+                self.activations = ActivationOffload(config.activations, self.datapath, self.tiers, self.device.device)
             self.store: OptimizerStateStore | None = None
             self.roots: list[nn.Module] = []
             self.hooks = []
@@ -113,7 +117,7 @@ class Engine:
         # [Note: closing the tiers] Swap files, their directory locks and the I/O
         # handle belong to the engine; they are closed when the model they serve is
         # collected (or by Engine.release), so a later model can reuse the directory.
-        self._at_collection.append(weakref.finalize(roots[0], self.tiers.close))
+        self._at_collection.append(weakref.finalize(roots[0], _close_parts, self.activations, self.tiers))
 
     def attach_optimizer(self, optimizer, updates) -> None:
         """``optimizer`` steps this model; ``updates`` (its ``UpdateScheduler``) hears the lifecycle.
@@ -157,12 +161,12 @@ class Engine:
         self._foreign.stop()
         for undo in self._at_collection:    # now, instead of at the model's collection (and only once)
             undo()
-        self.tiers.close()
+        _close_parts(self.activations, self.tiers)
         if self.optimizer is not None:
             self.optimizer.drop_engine_state()
         self.released = True
         self.store = self.prefetcher = self._updates = self.optimizer = self.grad_face = None
-        self.coordinator = self.reducer = self.datapath = self.tiers = None
+        self.coordinator = self.reducer = self.datapath = self.tiers = self.activations = None
         self._grad_hooks = {}
         self.step_stats = []
 
@@ -178,14 +182,18 @@ class Engine:
         return self.reducer.pending() or self._backward_active
 
     # -- the forward / backward lifecycle (called by the hooks) ------------------------------
-    def pre_forward(self, module: nn.Module) -> None:
+    def pre_forward(self, module: nn.Module, args=()) -> None:
         if not self._stack:
             self.recover_aborted_backward()
             self._begin_forward(module)
             if not self._backward_active:      # a forward inside backward recomputes for it
                 self.datapath.set_phase("forward")
+                if self.activations is not None and torch.is_grad_enabled():
+                    self.activations.begin_forward()
         elif not self._foreign.active and not self.prefetcher.following:
             self._foreign.start()              # the step left its trace: watch again
+        if self.activations is not None:
+            self.activations.module_called(module, args, len(self._stack))
         self._stack.append(module)
         self.coordinator.acquire(module)
         self._arm(self.coordinator.module_groups.get(module, ()))
@@ -200,6 +208,8 @@ class Engine:
                 self.loss_scaler.watch_output(output)      # [Note: loss scaling] in infinity/optim/loss_scale.py
         if not self._stack:
             self._foreign.stop()
+            if self.activations is not None:
+                self.activations.end_forward()
             if not self._backward_active:
                 self.datapath.set_phase("idle")
             if self.prefetcher is not None:
@@ -237,6 +247,8 @@ class Engine:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self.prefetcher is not None:
                 self.prefetcher.begin_backward()
+            if self.activations is not None:
+                self.activations.begin_backward()
 
     def pre_backward(self, module: nn.Module) -> None:
         self._enter_backward()
@@ -282,6 +294,8 @@ class Engine:
         for handle in hooks.values():
             handle.remove()
         self.coordinator.end_backward()
+        if self.activations is not None:
+            self.activations.end_backward()
         self._backward_active = False
         self.datapath.set_phase("idle")
         if not self.device.is_cuda:
@@ -328,4 +342,12 @@ class Engine:
             "gather_memory": self.coordinator.memory.stats(),
             "whole_gradient_bytes": self.reducer.whole_nbytes,
             "loss_scale": self.loss_scaler.as_dict() if self.loss_scaler is not None else None,
+            "activations": self.activations.stats() if self.activations is not None else {"offload": "none"},
         }
+
+
+def _close_parts(activations, tiers) -> None:
+    """Stop the activations' I/O before the tiers it writes to close."""
+    if activations is not None:
+        activations.close()
+    tiers.close()

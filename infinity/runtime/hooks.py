@@ -95,11 +95,11 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
     root:
         The model.
     lifecycle:
-        An object with ``pre_forward(module)``, ``post_forward(module, output)`` and
+        An object with ``pre_forward(module, args)``, ``post_forward(module, output)`` and
         ``before_state_dict(module, prefix, keep_vars)`` (the engine).
     """
     handles: list[RemovableHandle] = []
-    pre_forward = torch.compiler.disable(lambda m, args: lifecycle.pre_forward(m))
+    pre_forward = torch.compiler.disable(lambda m, args: lifecycle.pre_forward(m, args))
     post_forward = torch.compiler.disable(lambda m, args, out: lifecycle.post_forward(m, out))
     for module in root.modules():
         handles.append(module.register_forward_pre_hook(pre_forward, prepend=True))

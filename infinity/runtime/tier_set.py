@@ -42,11 +42,12 @@ class TierSet:
         self.nvme_tier = None
         self.handle = None
         self.pool = None
-        uses_nvme = "nvme" in (t.params, t.optimizer)
+        uses_nvme = "nvme" in (t.params, t.optimizer, config.activations.offload)
         if uses_nvme:
             if not t.nvme_path:
-                raise ConfigError("tiers.nvme_path: required when tiers.params or tiers.optimizer "
-                                  "is 'nvme'; give a directory (or a list of directories) on a fast drive")
+                raise ConfigError("tiers.nvme_path: required when tiers.params, tiers.optimizer or "
+                                  "activations.offload is 'nvme'; give a directory (or a list of directories) "
+                                  "on a fast drive")
             check_nvme_paths(t.nvme_path, config.aio.direct, rank)
             from tiers.nvme import NVMeTier
             from tiers.aio import AioHandle

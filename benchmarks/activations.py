@@ -1,0 +1,140 @@
+"""Peak host memory with checkpointed activations offloaded ("none", "host", "nvme"), each in its own process.
+
+The example GPT (``infinity.examples.gpt``) with every block wrapped by ``infinity.activation_checkpoint``
+is trained for ``--steps`` steps on the CPU with its parameters on the device tier and the
+optimizer on the host, once per offload setting, each in a fresh process (so one run's heap
+cannot hide another's): its peak resident set (``ru_maxrss``), the resident set after every
+step, the checkpointed bytes that moved and the stall they caused, and the losses (which must
+be identical across settings). The figure of merit: how much the peak drops against "none",
+as a fraction of the checkpointed activation bytes. With the CPU as compute device "host"
+only copies between two kinds of host memory and cannot lower the peak; "nvme" can.
+
+Example::
+
+    python benchmarks/activations.py --path /mnt/nvme --layers 4 --d-model 256 --batch 8 --seq 1024 \\
+        --vocab 512 --steps 5 --json activations.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
+
+MODES = ("none", "host", "nvme")
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One setting in this process: train, and report memory, movement and losses."""
+    import torch
+
+    import infinity
+    from infinity.examples.gpt import GPT, GPTConfig
+
+    torch.set_num_threads(args.threads)
+    shape = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=max(1, args.d_model // 64),
+                      vocab_size=args.vocab, seq_len=args.seq)
+    cfg = {"tiers": {"device": "cpu", "params": "device", "optimizer": "host", "nvme_path": args.path,
+                     "pool_buffers": args.pool_buffers, "pool_buffer_size": args.pool_buffer_size},
+           "aio": {"direct": not args.buffered},
+           "activations": {"offload": args.mode, "prefetch_bytes": args.prefetch_bytes,
+                           "buffer_bytes": args.buffer_bytes}}
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = GPT(shape)
+    model.blocks = torch.nn.ModuleList(infinity.activation_checkpoint(b) for b in model.blocks)
+    opt = infinity.AdamW(model, lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    losses, rss = [], []
+    for _ in range(args.steps):
+        idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+        loss = model(idx, idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        rss.append(_rss_now())
+    opt.synchronize()
+    act = infinity.stats(model)["activations"]
+    return {"mode": args.mode, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_per_step": rss, "losses": losses, "activations": act}
+
+
+def _run_child(args: argparse.Namespace, mode: str, path: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--path", path]
+    for name in ("layers", "d_model", "batch", "seq", "vocab", "steps", "threads", "prefetch_bytes",
+                 "buffer_bytes", "pool_buffers", "pool_buffer_size"):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.buffered:
+        cmd.append("--buffered")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                         cwd=os.path.dirname(_HERE)).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", default=None, help="directory for the NVMe files (default: a temporary one)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefetch-bytes", default="8MiB", help="activations.prefetch_bytes")
+    parser.add_argument("--buffer-bytes", default="16MiB", help="activations.buffer_bytes")
+    parser.add_argument("--pool-buffers", type=int, default=2, help="tiers.pool_buffers")
+    parser.add_argument("--pool-buffer-size", default="1MiB", help="tiers.pool_buffer_size")
+    parser.add_argument("--buffered", action="store_true", help="aio.direct = false (file systems without O_DIRECT)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        args.mode = args.child
+        print(json.dumps(child(args)))
+        return 0
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for mode in args.modes.split(","):
+            path = os.path.join(args.path or scratch, f"activations-{mode}")
+            os.makedirs(path, exist_ok=True)
+            results.append(_run_child(args, mode, path))
+    base = next((r for r in results if r["mode"] == "none"), None)
+    moved = max(r["activations"].get("checkpoint_nbytes", 0) for r in results)
+    mib = 1 << 20
+    print(f"GPT {args.layers} x {args.d_model}, vocab {args.vocab}, batch {args.batch} x {args.seq}, "
+          f"{args.steps} steps; checkpointed activations {moved / mib:.1f} MiB per step")
+    print(f"{'offload':<8}{'peak RSS MiB':>14}{'drop MiB':>10}{'drop/ckpt':>10}{'stall s':>9}"
+          f"{'RSS first..last step MiB':>28}  losses equal")
+    for r in results:
+        drop = (base["peak_rss"] - r["peak_rss"]) if base else 0
+        stall = r["activations"].get("total", {}).get("stall_seconds", 0.0)
+        steps = r["rss_per_step"]
+        same = base is None or r["losses"] == base["losses"]
+        print(f"{r['mode']:<8}{r['peak_rss'] / mib:>14.1f}{drop / mib:>10.1f}"
+              f"{(drop / moved if moved else 0):>10.2f}{stall:>9.3f}"
+              f"{steps[0] / mib:>14.1f} .. {steps[-1] / mib:<10.1f}  {same}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": vars(args), "machine": platform.platform(), "checkpoint_nbytes": moved,
+                       "runs": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
