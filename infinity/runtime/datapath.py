@@ -59,16 +59,37 @@ class _Done:
 DONE = _Done()
 
 
-class TransferLedger:
-    """Counts of one step's movements and host waits (see [Note: the transfer ledger])."""
+class StepLedger:
+    """Counters of the running step, kept as ``last`` when it closes; thread-safe.
+
+    Subclasses say what is counted (``_empty``) and how (methods that change ``_current`` under ``_lock``).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.last: dict | None = None
         self._current = self._empty()
 
-    @staticmethod
-    def _empty() -> dict:
+    @classmethod
+    def _empty(cls) -> dict:
+        raise NotImplementedError
+
+    def close_step(self) -> None:
+        """A step ended: what was counted becomes ``last``, and counting starts again."""
+        with self._lock:
+            self.last, self._current = self._current, self._empty()
+
+    def discard(self) -> None:
+        """Forget what was counted so far (traffic before the first step)."""
+        with self._lock:
+            self._current = self._empty()
+
+
+class TransferLedger(StepLedger):
+    """Counts of one step's movements and host waits (see [Note: the transfer ledger])."""
+
+    @classmethod
+    def _empty(cls) -> dict:
         out: dict = {name: {"copies": 0, "bytes": 0} for name in DIRECTIONS.values()}
         out.update(unpooled=0, host_waits=dict.fromkeys(PHASES, 0), per_parameter_calls=0)
         return out
@@ -89,16 +110,6 @@ class TransferLedger:
     def per_parameter_call(self) -> None:
         with self._lock:
             self._current["per_parameter_calls"] += 1
-
-    def close_step(self) -> None:
-        """A step ended: what was counted becomes ``last``, and counting starts again."""
-        with self._lock:
-            self.last, self._current = self._current, self._empty()
-
-    def discard(self) -> None:
-        """Forget what was counted so far (traffic before the first step)."""
-        with self._lock:
-            self._current = self._empty()
 
     def current(self) -> dict:
         with self._lock:

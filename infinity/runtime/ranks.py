@@ -29,25 +29,20 @@ and step (plus padding, a tied weight's extra gathers and the step's small all-r
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.distributed as dist
+
+from infinity.runtime.datapath import StepLedger
 
 
 class CollectiveError(RuntimeError):
     """A collective was given a tensor its backend would refuse (an engine bug: the message says which)."""
 
 
-class CommLedger:
+class CommLedger(StepLedger):
     """Bytes this rank sent through collectives, by kind, per step (see [Note: communication volume])."""
 
     KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.last: dict | None = None
-        self._current = self._empty()
 
     @classmethod
     def _empty(cls) -> dict:
@@ -59,14 +54,6 @@ class CommLedger:
         with self._lock:
             self._current[f"{kind}_bytes"] += int(nbytes)
             self._current["calls"][kind] += 1
-
-    def close_step(self) -> None:
-        with self._lock:
-            self.last, self._current = self._current, self._empty()
-
-    def discard(self) -> None:
-        with self._lock:
-            self._current = self._empty()
 
 
 class Ranks:
