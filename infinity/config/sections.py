@@ -196,7 +196,8 @@ class PrecisionConfig(Section):
     max_nonfinite_steps: int = 5
     """In float32 and bfloat16, `opt.step()` raises once this many steps in a row had an inf/NaN
     gradient, naming the groups whose gradients, parameters or states are not finite and their
-    tier (each such step is skipped until then). float16 only skips: its overflows are expected.
+    tier (each such step is skipped until then). In float16 overflows are expected while the dynamic
+    loss scale can still come down: it counts them once the scale is at `min_scale`, or fixed.
     0 never raises."""
 
     loss_scale: LossScale = "dynamic"

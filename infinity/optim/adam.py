@@ -199,12 +199,12 @@ class _OffloadAdam(torch.optim.Optimizer):
         self.store.zero_grad()
         self._checks.reset()
         self.engine.grad_face.forget()
-        scaler = self.engine.loss_scaler
-        if scaler is not None and scaler.dynamic:
-            return      # an overflow of the dynamic loss scale: expected, counted in stats()
         nonfinite = self._nonfinite
         if nonfinite.expected:
-            why = "inf/NaN, e.g. a float16 overflow"
+            return      # an overflow the dynamic loss scale answers: expected, counted in stats()
+        if nonfinite.dtype == "float16":
+            why = (f"inf/NaN in float16 with a loss scale that does not come down further; {nonfinite.in_a_row} in "
+                   "a row" + (f", the run stops at {nonfinite.limit}" if nonfinite.limit else ""))
         else:
             why = (f"inf/NaN in {nonfinite.dtype}, which does not overflow like float16; {nonfinite.in_a_row} in "
                    "a row" + (f", the run stops at {nonfinite.limit}" if nonfinite.limit else ""))

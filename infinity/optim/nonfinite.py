@@ -7,7 +7,7 @@ range is that of float32, so a gradient that stays non-finite step after step me
 values themselves are broken (a parameter overwritten on disk, a NaN written into a state,
 a model bug), and skipping forever only hides it: the run loops without learning and the
 warning blamed fp16. So after ``precision.max_nonfinite_steps`` skipped steps in a row
-(float16 excepted), ``step()`` raises :class:`NonFiniteStepsError` instead, naming every group
+(in float16: once the dynamic loss scale is at its minimum, or fixed), ``step()`` raises :class:`NonFiniteStepsError` instead, naming every group
 whose gradient, compute copy, master weights or Adam moments hold inf/NaN (or values beyond
 1e30, which bytes such as 0x7f7f7f7f decode to) and the tier each lives in, so the reader
 knows whether to look at a disk, at host memory or at the model.
@@ -47,8 +47,11 @@ class NonFiniteSteps:
 
     @property
     def expected(self) -> bool:
-        """Whether non-finite gradients are a normal event in this precision (float16 overflows)."""
-        return self.dtype == "float16"
+        """Whether a non-finite gradient is a normal event now: a float16 overflow while the dynamic loss
+        scale can still come down (at its minimum, or fixed, a smaller scale cures nothing more)."""
+        scaler = self.engine.loss_scaler
+        return (self.dtype == "float16" and scaler is not None and scaler.dynamic
+                and scaler.scale > scaler.min_scale)
 
     def stepped(self) -> None:
         self.in_a_row = 0
@@ -61,9 +64,14 @@ class NonFiniteSteps:
         self.in_a_row += 1
         if self.expected or not self.limit or self.in_a_row < self.limit:
             return
+        if self.dtype == "float16":
+            scale = self.engine.loss_scaler.scale if self.engine.loss_scaler is not None else 1.0
+            why = (f"in float16 with the loss scale at {scale:g}, which does not come down further: not an overflow "
+                   "a smaller scale would cure, but broken values. ")
+        else:
+            why = f"in {self.dtype}, whose range is float32's: this is not an overflow but broken values. "
         raise NonFiniteStepsError(
-            f"{self.what}.step(): {self.in_a_row} steps in a row had an inf/NaN gradient in {self.dtype}, whose "
-            "range is float32's: this is not an overflow but broken values. " + self.culprits()
+            f"{self.what}.step(): {self.in_a_row} steps in a row had an inf/NaN gradient " + why + self.culprits()
             + f" (precision.max_nonfinite_steps = {self.limit} stops the run here; 0 only skips)")
 
     def culprits(self) -> str:

@@ -19,6 +19,7 @@ from torch import nn
 import infinity
 from infinity.checkpoint import CheckpointCorruptError
 from infinity.errors import EngineError
+from infinity.optim.nonfinite import NonFiniteStepsError
 from tests.support.tiny_gpt import BufferedGPT as GPT
 
 
@@ -397,15 +398,29 @@ def test_steps_that_stay_non_finite_stop_the_run_naming_groups_and_tier_not_fp16
     assert "set [tiers] verify = true" in message and "fp16" not in message
 
 
-def test_in_float16_non_finite_steps_are_only_skipped(tmp_path):
-    model, opt = build(nvme_config(tmp_path, precision={"dtype": "float16", "max_nonfinite_steps": 2}))
+def test_in_float16_overflows_are_skipped_while_the_loss_scale_comes_down_then_the_run_stops(tmp_path):
+    model, opt = build(nvme_config(tmp_path, precision={"dtype": "float16", "max_nonfinite_steps": 3,
+                                                        "initial_scale": 8.0, "min_scale": 1.0, "hysteresis": 1}))
     train(model, opt, 1)
     opt.synchronize()
     _corrupt_swap_data(tmp_path)
-    with pytest.warns(RuntimeWarning, match=r"inf/NaN, e\.g\. a float16 overflow"):
-        for _ in range(3):
-            one_step(model, opt)
-    assert opt.skipped_steps == 3
+    one_step(model, opt)        # skipped without a word: the scale halves (8 -> 4 -> 2 -> 1)
+    one_step(model, opt)
+    assert opt.skipped_steps == 2
+    with pytest.raises(NonFiniteStepsError, match=r"float16 with the loss scale at 1, which does not come down"):
+        one_step(model, opt)
+
+
+def test_in_float16_with_a_fixed_loss_scale_non_finite_steps_warn_and_stop(tmp_path):
+    model, opt = build(nvme_config(tmp_path, precision={"dtype": "float16", "max_nonfinite_steps": 2,
+                                                        "loss_scale": 1.0}))
+    train(model, opt, 1)
+    opt.synchronize()
+    _corrupt_swap_data(tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"inf/NaN in float16"):
+        one_step(model, opt)
+    with pytest.raises(NonFiniteStepsError, match=r"2 steps in a row .* float16 with the loss scale at 1"):
+        one_step(model, opt)
 
 
 # ---------------------------------------------------------------------------------------------- exceptions in hooks
