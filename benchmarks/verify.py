@@ -27,26 +27,23 @@ from tiers import BufferPool, HostAllocator, NVMeTier
 from tiers.aio import AioHandle
 
 
+def _timed(start_one, blocks: list[torch.Tensor], block: int) -> float:
+    """Seconds to move every block with ``start_one(data, offset)``, 4 transfers in flight."""
+    start = time.perf_counter()
+    pending = []
+    for i, data in enumerate(blocks):
+        pending.append(start_one(data, i * block))
+        if len(pending) >= 4:
+            pending.pop(0).wait()
+    for fut in pending:
+        fut.wait()
+    return time.perf_counter() - start
+
+
 def _pass(tier: NVMeTier, key: int, blocks: list[torch.Tensor], block: int) -> tuple[float, float]:
     """Seconds to write every block, then to read every block back (each transfer waited in turn, 4 in flight)."""
-    start = time.perf_counter()
-    pending = []
-    for i, data in enumerate(blocks):
-        pending.append(tier.write(key, data, i * block))
-        if len(pending) >= 4:
-            pending.pop(0).wait()
-    for fut in pending:
-        fut.wait()
-    wrote = time.perf_counter() - start
-    start = time.perf_counter()
-    pending = []
-    for i, data in enumerate(blocks):
-        pending.append(tier.read(key, data, i * block))
-        if len(pending) >= 4:
-            pending.pop(0).wait()
-    for fut in pending:
-        fut.wait()
-    return wrote, time.perf_counter() - start
+    wrote = _timed(lambda data, offset: tier.write(key, data, offset), blocks, block)
+    return wrote, _timed(lambda data, offset: tier.read(key, data, offset), blocks, block)
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -80,6 +80,18 @@ class BufferedGPT(TinyGPT):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+def engine_and_plain(cfg):
+    """A TinyGPT built under ``infinity.Init(cfg)`` and a plain one with the same initial weights."""
+    import infinity
+
+    torch.manual_seed(0)
+    plain = TinyGPT()
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = TinyGPT()
+    return model, plain
+
+
 def batches(steps: int, batch: int, seq: int = 16, vocab: int = 64, seed: int = 1):
     """Deterministic (idx, targets) pairs."""
     g = torch.Generator().manual_seed(seed)

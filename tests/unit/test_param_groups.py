@@ -6,21 +6,12 @@ import torch
 import infinity
 from infinity.errors import EngineError
 from infinity.registry import NotManagedError
-from tests.support.tiny_gpt import TinyGPT, batches
+from tests.support.tiny_gpt import TinyGPT, batches, engine_and_plain
 
 
 def _cfg(params_tier, opt_tier, tmp_path, **dpu):
     return {"tiers": {"params": params_tier, "optimizer": opt_tier, "nvme_path": str(tmp_path)},
             "partition": {"sub_group_size": 4096}, "dpu": dpu}
-
-
-def _pair(cfg):
-    torch.manual_seed(0)
-    ref = TinyGPT()
-    torch.manual_seed(0)
-    with infinity.Init(cfg):
-        model = TinyGPT()
-    return model, ref
 
 
 def decay_groups(model, lr_rest=None):
@@ -63,7 +54,7 @@ def _warmup(opt):
                                                         ("device", "device", {})])
 def test_param_groups_with_their_own_hyperparameters_and_a_scheduler_match_torch(
         tmp_path, cls, ref_cls, params_tier, opt_tier, dpu):
-    model, ref = _pair(_cfg(params_tier, opt_tier, tmp_path, **dpu))
+    model, ref = engine_and_plain(_cfg(params_tier, opt_tier, tmp_path, **dpu))
     opt = cls(decay_groups(model, lr_rest=3e-3), lr=1e-2)
     ref_opt = ref_cls(decay_groups(ref, lr_rest=3e-3), lr=1e-2)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
@@ -76,7 +67,7 @@ def test_param_groups_with_their_own_hyperparameters_and_a_scheduler_match_torch
 
 
 def test_parameters_iterable_and_add_param_group_match_torch(tmp_path):
-    model, ref = _pair(_cfg("host", "host", tmp_path))
+    model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
     first = lambda m: [p for n, p in m.named_parameters() if n.startswith("blocks.0.")]
     others = lambda m: [p for n, p in m.named_parameters() if not n.startswith("blocks.0.")]
     opt = infinity.AdamW(first(model), lr=1e-2)
@@ -94,7 +85,7 @@ def test_parameters_iterable_and_add_param_group_match_torch(tmp_path):
 
 
 def test_state_dict_has_torchs_param_groups_and_loads_them(tmp_path):
-    model, _ = _pair(_cfg("host", "host", tmp_path))
+    model, _ = engine_and_plain(_cfg("host", "host", tmp_path))
     opt = infinity.AdamW(decay_groups(model, lr_rest=3e-3), lr=1e-2)
     idx, tgt = batches(1, 2)[0]
     model(idx, tgt).backward()
@@ -112,7 +103,7 @@ def test_state_dict_has_torchs_param_groups_and_loads_them(tmp_path):
 
 
 def test_parameters_not_built_in_init_are_refused(tmp_path):
-    model, ref = _pair(_cfg("host", "host", tmp_path))
+    model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
     with pytest.raises(NotManagedError, match="not managed by infinity"):
         infinity.AdamW(ref.parameters())
     with pytest.raises(ValueError, match="lr must be >= 0"):
@@ -125,7 +116,7 @@ def test_parameters_not_built_in_init_are_refused(tmp_path):
 
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD])
 def test_a_torch_optimizer_over_engine_parameters_raises_at_its_first_step(tmp_path, cls):
-    model, ref = _pair(_cfg("host", "host", tmp_path))
+    model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
     opt = cls(model.parameters(), lr=1e-2)
     idx, tgt = batches(1, 2)[0]
     model(idx, tgt).backward()

@@ -9,21 +9,12 @@ import torch
 
 import infinity
 from infinity.errors import EngineError
-from tests.support.tiny_gpt import TinyGPT, batches
+from tests.support.tiny_gpt import TinyGPT, batches, engine_and_plain
 
 
 def _cfg(params_tier, opt_tier, tmp_path):
     return {"tiers": {"params": params_tier, "optimizer": opt_tier, "nvme_path": str(tmp_path)},
             "partition": {"sub_group_size": 4096}}
-
-
-def _pair(cfg):
-    torch.manual_seed(0)
-    ref = TinyGPT()
-    torch.manual_seed(0)
-    with infinity.Init(cfg):
-        model = TinyGPT()
-    return model, ref
 
 
 def _max_param_diff(model, ref) -> float:
@@ -50,7 +41,7 @@ def _train(model, opt, data, micro=2, max_norm=None, clip_value=None, zero=lambd
 
 @pytest.mark.parametrize("params_tier, opt_tier", [("host", "host"), ("device", "device"), ("nvme", "nvme")])
 def test_model_zero_grad_and_torch_clipping_match_plain_torch(tmp_path, params_tier, opt_tier):
-    model, ref = _pair(_cfg(params_tier, opt_tier, tmp_path))
+    model, ref = engine_and_plain(_cfg(params_tier, opt_tier, tmp_path))
     data = batches(6, 2)
     kw = dict(max_norm=0.5, clip_value=2e-3)
     losses, norms = _train(model, infinity.AdamW(model, lr=1e-2), data, **kw)
@@ -61,7 +52,7 @@ def test_model_zero_grad_and_torch_clipping_match_plain_torch(tmp_path, params_t
 
 
 def test_zero_grad_without_set_to_none_and_opt_zero_grad_clear(tmp_path):
-    model, ref = _pair(_cfg("host", "host", tmp_path))
+    model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
     data = batches(4, 2)
     opt = infinity.AdamW(model, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -76,7 +67,7 @@ def test_zero_grad_without_set_to_none_and_opt_zero_grad_clear(tmp_path):
 
 def test_gradients_not_cleared_accumulate_over_steps_as_in_torch(tmp_path):
     """Without any zero_grad torch keeps adding into .grad from step to step; so does the engine."""
-    model, ref = _pair(_cfg("host", "host", tmp_path))
+    model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
     data = batches(3, 2)
     keep = lambda m, o: None
     losses, _ = _train(model, infinity.AdamW(model, lr=1e-2), data, micro=1, zero=keep)
@@ -86,7 +77,7 @@ def test_gradients_not_cleared_accumulate_over_steps_as_in_torch(tmp_path):
 
 
 def test_grad_is_a_token_with_the_parameter_shape_whose_values_cannot_be_read(tmp_path):
-    model, _ = _pair(_cfg("host", "host", tmp_path))
+    model, _ = engine_and_plain(_cfg("host", "host", tmp_path))
     infinity.AdamW(model, lr=1e-2)
     assert all(p.grad is None for p in model.parameters())
     idx, tgt = batches(1, 2)[0]
@@ -102,7 +93,7 @@ def test_grad_is_a_token_with_the_parameter_shape_whose_values_cannot_be_read(tm
 
 
 def test_clearing_only_some_gradients_is_refused(tmp_path):
-    model, _ = _pair(_cfg("host", "host", tmp_path))
+    model, _ = engine_and_plain(_cfg("host", "host", tmp_path))
     opt = infinity.AdamW(model, lr=1e-2)
     idx, tgt = batches(1, 2)[0]
     model(idx, tgt).backward()
@@ -112,7 +103,7 @@ def test_clearing_only_some_gradients_is_refused(tmp_path):
 
 
 def test_clipping_only_some_parameters_is_refused(tmp_path):
-    model, _ = _pair(_cfg("host", "host", tmp_path))
+    model, _ = engine_and_plain(_cfg("host", "host", tmp_path))
     opt = infinity.AdamW(model, lr=1e-2)
     idx, tgt = batches(1, 2)[0]
     model(idx, tgt).backward()
@@ -122,7 +113,7 @@ def test_clipping_only_some_parameters_is_refused(tmp_path):
 
 
 def test_state_dict_outside_gathered_raises_naming_the_parameter(tmp_path):
-    model, ref = _pair(_cfg("host", "host", tmp_path))
+    model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
     with pytest.raises(EngineError, match=r"parameter 'wpe' is released.*infinity.gathered"):
         model.state_dict()
     with pytest.raises(EngineError, match=r"parameter 'blocks.0.ln1.weight' is released"):
