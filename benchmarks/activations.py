@@ -9,6 +9,15 @@ be identical across settings). The figure of merit: how much the peak drops agai
 as a fraction of the checkpointed activation bytes. With the CPU as compute device "host"
 only copies between two kinds of host memory and cannot lower the peak; "nvme" can.
 
+[Note: measuring peak RSS under glibc]
+glibc's malloc raises its mmap threshold each time a mapped block is freed (up to 32 MiB), after
+which freed activation-sized blocks stay in its heap and are reused in whatever layout the last
+step left: the same step's peak RSS then varies by tens of MiB from one step to the next, more
+than the bytes offloading takes away. So each child runs with ``MALLOC_MMAP_THRESHOLD_`` fixed
+(``--mmap-threshold``, 128 KiB by default: every larger block is a mapping of its own, returned at
+free), which makes the peak RSS the peak of live bytes, the same at every step; 0 leaves glibc's
+dynamic threshold (the default of a plain process).
+
 Example::
 
     python benchmarks/activations.py --path /mnt/nvme --layers 4 --d-model 256 --batch 8 --seq 1024 \\
@@ -80,7 +89,10 @@ def _run_child(args: argparse.Namespace, mode: str, path: str) -> dict:
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.buffered:
         cmd.append("--buffered")
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+    env = dict(os.environ)
+    if args.mmap_threshold:     # see [Note: measuring peak RSS under glibc]
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env,
                          cwd=os.path.dirname(_HERE)).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -100,6 +112,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pool-buffers", type=int, default=2, help="tiers.pool_buffers")
     parser.add_argument("--pool-buffer-size", default="1MiB", help="tiers.pool_buffer_size")
     parser.add_argument("--buffered", action="store_true", help="aio.direct = false (file systems without O_DIRECT)")
+    parser.add_argument("--mmap-threshold", type=int, default=128 << 10,
+                        help="MALLOC_MMAP_THRESHOLD_ of each child, bytes; 0: glibc's dynamic default")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
@@ -118,7 +132,9 @@ def main(argv=None) -> int:
     moved = max(r["activations"].get("checkpoint_nbytes", 0) for r in results)
     mib = 1 << 20
     print(f"GPT {args.layers} x {args.d_model}, vocab {args.vocab}, batch {args.batch} x {args.seq}, "
-          f"{args.steps} steps; checkpointed activations {moved / mib:.1f} MiB per step")
+          f"{args.steps} steps; checkpointed activations {moved / mib:.1f} MiB per step; prefetch "
+          f"{args.prefetch_bytes}, staging {args.buffer_bytes}; malloc mmap threshold "
+          f"{args.mmap_threshold or 'dynamic (glibc default)'}")
     print(f"{'offload':<8}{'peak RSS MiB':>14}{'drop MiB':>10}{'drop/ckpt':>10}{'stall s':>9}"
           f"{'RSS first..last step MiB':>28}  losses equal")
     for r in results:

@@ -140,7 +140,8 @@ class ParamGroup:
             if self._flat is None:
                 self._flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
             return self._flat
-        self._flat = self.memory.attach(self._flat, self.padded_numel, self.dtype, f"gathered {self.name}", source)
+        self._flat = self.memory.attach(self._flat, self.padded_numel, self.dtype, f"gathered {self.name}", source,
+                                        kept=self.persistent)
         return self._flat
 
     # -- transitions -------------------------------------------------------------------------

@@ -46,6 +46,7 @@ _ZERO_SCALARS = (
     ("stage3_max_live_parameters", "max_live_parameters", "partition.max_live_parameters", False),
     ("stage3_max_reuse_distance", "max_reuse_distance", "prefetch.reuse_distance", True),
     ("sub_group_size", None, "partition.sub_group_size", False),
+    ("reduce_bucket_size", None, "partition.reduce_bucket_bytes", True),
 )
 
 _PROGRAM_KEYS = {

@@ -268,6 +268,23 @@ class PartitionConfig(Section):
     """Most parameter elements gathered on the compute device at once, prefetched ones included;
     0 means no limit."""
 
+    gather_buffer_bytes: Bytes = 0
+    """Compute-device memory that groups gathered for one use (stage 3; prefetched ones included)
+    borrow and give back: one buffer of this many bytes, allocated at the first gather and never
+    grown. A gather that finds it full (`infinity.gathered` of a whole model, say) gets memory of its
+    own for that use, counted in `infinity.stats(model)["gather_memory"]["overflows"]` and warned
+    about once. 0 grows it by 64 MiB slabs to the most gathered at once, reached in the first steps.
+    Groups kept gathered all step (stages 1 and 2, `persistence_threshold`) have a buffer of their own,
+    exactly their size. DeepSpeed has no equivalent (`allgather_bucket_size` cuts stage 1/2's
+    all-gathers into pieces; infinity gathers each group whole)."""
+
+    reduce_bucket_bytes: Bytes = 0
+    """Compute-device memory that each group's gradients are collected in before their reduce-scatter
+    (DeepSpeed's `reduce_bucket_size`, in bytes): one buffer of this many bytes, allocated at the first
+    backward and never grown, at least the largest trainable group's padded gradient (`infinity.Init`
+    refuses less, naming the group); a bucket that finds it full waits for an earlier one's download.
+    0 makes it twice the largest, so one bucket fills while the last one's shard leaves the device."""
+
     def _check(self) -> None:
         self._within("stage", 1, 3, "ZeRO stage 1 partitions the optimizer states, 2 the gradients too, 3 the "
                      "parameters too")
@@ -277,6 +294,9 @@ class PartitionConfig(Section):
                      "flight takes 16 bytes per element of host memory (64GiB at 4Gi)", "elements")
         self._within("max_live_parameters", 0, _MAX_ELEMENTS, "no device holds more than 1Ti elements "
                      "(0: no limit)", "elements")
+        for name in ("gather_buffer_bytes", "reduce_bucket_bytes"):
+            self._within(name, 0, _MAX_MEMORY, "device memory allocated once; no device holds more than 64TiB "
+                         "(0: sized by the engine)", "bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,7 +425,8 @@ class ActivationsConfig(Section):
 
     prefetch_bytes: Bytes = 32 * _sizes.MiB
     """How far ahead, in bytes, backward brings offloaded activations back to the compute device
-    (at least one tensor, however large)."""
+    (at least one tensor, however large); 0 brings each back only when backward uses it (the least
+    memory at the recompute's peak, a wait per tensor)."""
 
     buffer_bytes: Bytes = 64 * _sizes.MiB
     """With "nvme": the constant-size host buffer, a multiple of 4 KiB, through which activations move

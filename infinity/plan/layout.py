@@ -30,9 +30,11 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   are on the compute device or fp32 shards go straight into a host accumulator
   (``infinity/runtime/grads.py``, [Note: gradient flow]).
 * on the compute device: the largest group gathered whole (its padded flat buffer, compute
-  dtype); in backward the largest trainable group's flat gradient bucket (compute dtype)
-  before its reduce-scatter; ``prefetch.device_bytes`` when prefetching; and groups
-  below ``partition.persistence_threshold`` elements, which stay gathered on every rank.
+  dtype) and ``prefetch.device_bytes`` when prefetching, or in their place
+  ``partition.gather_buffer_bytes`` when set (the one buffer they are lent from); the gradient
+  buckets' buffer, ``partition.reduce_bucket_bytes`` or twice the largest trainable group's
+  padded gradient (compute dtype; [Note: gradient buckets] in infinity/runtime/reduce_buckets.py);
+  and groups below ``partition.persistence_threshold`` elements, which stay gathered on every rank.
 
 [Note: PCIe traffic per step]
 Between the compute device and host memory, per rank and step (one micro-batch, steady state,
@@ -202,14 +204,20 @@ class Layout:
         if self.params_tier == "nvme" and (cfg.prefetch.enabled or not self.structured):
             yield PlanRow("prefetch_arena", "NVMe read-ahead arena (prefetch.nvme_bytes)", "host",
                           int(cfg.prefetch.nvme_bytes))
-        if self.largest_numel is not None and self.stage == 3:
+        gather_buffer = int(cfg.partition.gather_buffer_bytes) if self.stage == 3 else 0
+        if gather_buffer:
+            yield PlanRow("gather_buffer", "buffer that groups gathered for one use borrow, prefetched ones "
+                          "included (partition.gather_buffer_bytes)", "device", gather_buffer)
+        elif self.largest_numel is not None and self.stage == 3:
             yield PlanRow("working_set", f"largest working set: {self.largest_name} gathered "
                           f"({self.largest_numel:,} elements, {dtype})", "device",
                           self.largest_numel * pb)
-        if self.largest_trainable_numel:
-            yield PlanRow("working_set_grad", f"largest gradient buffer before reduce-scatter "
-                          f"({self.largest_trainable_numel:,} elements, {dtype})", "device",
-                          self.largest_trainable_numel * pb)
+        buckets = int(cfg.partition.reduce_bucket_bytes)
+        if self.largest_trainable_numel or (buckets and t):
+            what = ("partition.reduce_bucket_bytes" if buckets else
+                    f"2 x the largest, {self.largest_trainable_numel:,} elements, {dtype}")
+            yield PlanRow("working_set_grad", f"gradient buckets before reduce-scatter ({what})", "device",
+                          buckets or 2 * round_up(self.largest_trainable_numel * pb, NVME_ALIGN_BYTES))
         if self.opt_tier != "device" and t and dtype != "float32":
             sub = min(max(SHARD_ALIGN_NUMEL, round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL)),
                       max(self.shard_numel, SHARD_ALIGN_NUMEL))
@@ -218,7 +226,7 @@ class Layout:
         if self.grad_staging_nbytes:
             yield PlanRow("grad_staging", f"gradient shards downloaded to the host (2 x the largest, "
                           f"{dtype})", "host", self.grad_staging_nbytes)
-        if cfg.prefetch.enabled:
+        if cfg.prefetch.enabled and not gather_buffer:
             yield PlanRow("device_prefetch", "host->device prefetch budget", "device",
                           int(cfg.prefetch.device_bytes))
         if self.persistent_padded_numel:

@@ -16,7 +16,7 @@ class PlanRow:
     ----------
     key : str
         Stable identifier (``compute_copy``, ``master``, ``adam_moments``, ``grad_accumulator``,
-        ``pool_buffers``, ``optimizer_subgroup_buffers``, ``nvme_staging``, ``prefetch_arena``, ``working_set``,
+        ``pool_buffers``, ``optimizer_subgroup_buffers``, ``nvme_staging``, ``prefetch_arena``, ``working_set``, ``gather_buffer``,
         ``working_set_grad``, ``device_prefetch``, ``persistent_params``).
     what : str
         Human description, including dtype and sizes.

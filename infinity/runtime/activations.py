@@ -25,7 +25,10 @@ Backward needs the inputs in the reverse order of the forward that saved them. W
 backward starts, the tensors moved in that forward are fetched in reverse order of
 packing, within ``activations.prefetch_bytes`` (at least one tensor); each one used makes
 room for the next. A tensor asked for before its fetch was issued is fetched on demand
-(``demand_fetches``); the time ``unpack`` waits is the stall it caused.
+(``demand_fetches``); the time ``unpack`` waits is the stall it caused. With
+``prefetch_bytes = 0`` nothing is fetched ahead: each tensor comes back when backward asks
+for it, so no fetched tensor waits beside the recompute of the region before it (the peak of
+a checkpointed backward: README, "Activations"), at the cost of a stall per tensor.
 
 What the room may touch: the tensors autograd hands it, the data path, the host
 allocator and the NVMe tier (through ``ActivationTier``).
@@ -183,6 +186,8 @@ class ActivationOffload:
         self._top_up()
 
     def _top_up(self) -> None:
+        if not self.config.prefetch_bytes:
+            return      # fetched on demand only
         while self._queue:
             saved = self._queue[0]
             if saved.consumed or saved.pending is not None:

@@ -90,15 +90,18 @@ class Coordinator:
         The data-parallel ranks (infinity.runtime.ranks.Ranks).
     device:
         The compute device (infinity.runtime.device.ComputeDevice).
+    gather_buffer_bytes:
+        ``partition.gather_buffer_bytes`` (see [Note: long-lived and short-lived gathers] in
+        infinity/runtime/gather_memory.py).
     """
 
-    def __init__(self, shards: ParamShards, ranks, device) -> None:
+    def __init__(self, shards: ParamShards, ranks, device, gather_buffer_bytes: int = 0) -> None:
         self.shards = shards
         self.datapath = shards.datapath
         self.ranks = ranks
         self.device = device
         self.dtype = shards.dtype
-        self.memory = GatherMemory(device.device)
+        self.memory = GatherMemory(device.device, gather_buffer_bytes)
         # World size 1 and shards in the compute device's own memory: a gathered group is its
         # stored shard itself, lent to the group's tensor (no copy; see [Note: lending memory to a group]).
         self.in_place = ranks.world_size == 1 and shards.kind == "device" and self.memory.lending

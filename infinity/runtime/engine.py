@@ -64,9 +64,9 @@ class Engine:
                 staging = DemandStaging(self.tiers.allocator,
                                         lambda: max((g.shard_nbytes for g in self.coordinator.groups), default=4096))
             shards = ParamShards(self.tiers.params, self.dtype, self.datapath, staging)
-            self.coordinator = Coordinator(shards, self.ranks, self.device)
+            self.coordinator = Coordinator(shards, self.ranks, self.device, config.partition.gather_buffer_bytes)
             self.reducer = GradReducer(self.coordinator, self.ranks, self.datapath, self.tiers.allocator,
-                                       stage=config.partition.stage)
+                                       stage=config.partition.stage, bucket_nbytes=config.partition.reduce_bucket_bytes)
             self.activations: ActivationOffload | None = None
             if config.activations.offload != "none":
                 self.activations = ActivationOffload(config.activations, self.datapath, self.tiers, self.device.device)
@@ -101,6 +101,7 @@ class Engine:
     def finalize(self, roots: list[nn.Module], store: OptimizerStateStore) -> None:
         """Construction is over: take the state store, install the hooks, start the prefetcher."""
         self.store = store
+        self.coordinator.memory.size_for(self.coordinator.groups)
         self.reducer.attach(store)
         names = {p: n for root in roots for n, p in reversed(list(root.named_parameters(remove_duplicate=False)))}
         self.grad_face = GradFace(self, names)
@@ -340,6 +341,7 @@ class Engine:
             "transfers": self.datapath.ledger.last,
             "comm": self.ranks.comm.last,
             "gather_memory": self.coordinator.memory.stats(),
+            "reduce_buckets": self.reducer.device_buckets.stats(),
             "whole_gradient_bytes": self.reducer.whole_nbytes,
             "loss_scale": self.loss_scaler.as_dict() if self.loss_scaler is not None else None,
             "activations": self.activations.stats() if self.activations is not None else {"offload": "none"},

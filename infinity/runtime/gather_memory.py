@@ -24,12 +24,28 @@ its copy stream wait for the latest one (``reuse_event``).
 With a torch that lacks the storage calls this needs (``UntypedStorage._swap_data_ptr_``
 and ``torch._C._construct_storage_from_data_pointer``), it resizes storages as before.
 
+[Note: long-lived and short-lived gathers]
+Most gathered groups live for one module's forward or backward; groups kept gathered for the
+whole step (stages 1 and 2, and groups below ``partition.persistence_threshold``) live from
+their gather after an update to the next update. Were both lent from one arena, every kept
+group would pin a hole among the recycled slices, and the short-lived ones would have to fit
+around the holes: the arena would grow with the pattern, not with what is gathered at once.
+So the kept groups borrow from an arena of their own, one slab of exactly their bytes
+(``keep_apart``, at the end of ``infinity.Init``), and the short-lived ones from the recycled
+arena: ``partition.gather_buffer_bytes`` when set (one buffer, allocated at the first gather,
+never grown), else slabs of 64 MiB up to the most lent at once. A gather that finds a bounded
+buffer full gets memory of its own for that use: counted (``overflows``), warned about once,
+never refused (``infinity.gathered`` of a whole model may need more than any step does).
+
 What the room may touch: the groups' flat tensors and its own arena.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from infinity.errors import EngineError
 from tiers.arena import Arena
 
 _CAN_LEND = (hasattr(torch.UntypedStorage, "_swap_data_ptr_")
@@ -43,24 +59,59 @@ class GatherMemory:
     ----------
     device:
         The compute device.
-    slab_nbytes:
-        Size of each slab of the arena; it grows by slabs to the most it lent at once.
+    capacity:
+        ``partition.gather_buffer_bytes``: the recycled arena's one buffer; 0 grows it by slabs
+        of ``slab_nbytes`` to the most it lent at once (see [Note: long-lived and short-lived gathers]).
     """
 
-    def __init__(self, device: torch.device, slab_nbytes: int = 64 << 20) -> None:
+    def __init__(self, device: torch.device, capacity: int = 0, slab_nbytes: int = 64 << 20) -> None:
         self.device = torch.device(device)
         self.lending = _CAN_LEND
-        self.arena = Arena(lambda n: torch.empty(n, dtype=torch.uint8, device=self.device), None, slab_nbytes,
-                           name=f"gather-{self.device.type}")
+        self.arena = Arena(self._allocate, capacity or None, slab_nbytes, name=f"gather-{self.device.type}")
+        self.kept = Arena(self._allocate, None, slab_nbytes, name=f"gather-kept-{self.device.type}")
         self._lent: dict[int, tuple] = {}      # id(flat) -> (loan, the storage holding the group's old pointer)
         self.reuse_event = None
+        self.overflows = 0
+        self.overflow_bytes = 0
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def size_for(self, groups) -> None:
+        """The groups are final: the kept ones' arena becomes one slab of exactly their bytes (made at the
+        first of their gathers), and a ``gather_buffer_bytes`` that cannot hold the largest of the
+        others is refused, naming it."""
+        def rounded(g) -> int:
+            return -(-g.full_nbytes // 4096) * 4096
+        self.kept.slab_nbytes = max(4096, sum(rounded(g) for g in groups if g.persistent))
+        short = [g for g in groups if not g.persistent]
+        largest = max(short, key=rounded, default=None)
+        if self.arena.capacity and largest is not None and rounded(largest) > self.arena.capacity:
+            raise EngineError(f"partition.gather_buffer_bytes = {self.arena.capacity} cannot hold group "
+                              f"{largest.name!r} gathered ({largest.full_nbytes} bytes); set it to at least "
+                              f"{rounded(largest)} (more lets prefetched groups wait in it too), or 0 to let it grow")
+
+    def _take(self, nbytes: int, owner: str, kept: bool):
+        """A slice for a gather: from the kept arena, or the recycled one, or (full) memory of its own."""
+        loan = (self.kept if kept else self.arena).take(nbytes, owner)
+        if loan is not None:
+            return loan
+        self.overflows += 1
+        self.overflow_bytes += nbytes
+        if self.overflows == 1:
+            warnings.warn(f"partition.gather_buffer_bytes = {self.arena.capacity} is full ({self.arena.bytes_in_use} "
+                          f"bytes lent) and {owner} needs {nbytes} more: it gets memory of its own for this use "
+                          "(counted in infinity.stats(model)['gather_memory']['overflows']); raise the key, or set "
+                          "0 to let the buffer grow", RuntimeWarning, stacklevel=4)
+        return _OwnMemory(self._allocate(nbytes), owner)
 
     def attach(self, flat: torch.Tensor | None, numel: int, dtype: torch.dtype, owner: str,
-               source: torch.Tensor | None = None) -> torch.Tensor:
+               source: torch.Tensor | None = None, kept: bool = False) -> torch.Tensor:
         """The group's flat tensor with ``numel`` elements of memory behind it (made on first use).
 
         With ``source`` (a group's whole shard in the compute device's memory: one rank, the
-        device tier) the memory is that shard's own, and nothing is copied.
+        device tier) the memory is that shard's own, and nothing is copied. ``kept``: the group
+        stays gathered for the whole step (see [Note: long-lived and short-lived gathers]).
         """
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if flat is None:
@@ -74,7 +125,7 @@ class GatherMemory:
             if storage.nbytes() < nbytes:
                 storage.resize_(nbytes)
         else:
-            loan = self.arena.take(nbytes, owner)
+            loan = self._take(nbytes, owner, kept)
             piece = torch._C._construct_storage_from_data_pointer(loan.tensor.data_ptr(), self.device, loan.nbytes)
             flat.untyped_storage()._swap_data_ptr_(piece)
             self._lent[id(flat)] = (loan, piece)
@@ -104,6 +155,22 @@ class GatherMemory:
         loan.release()
 
     def stats(self) -> dict:
+        """The recycled arena's counters, the kept arena's (``kept``), and the gathers that overflowed."""
         out = self.arena.stats()
-        out["lending"] = self.lending
+        out.update(lending=self.lending, kept=self.kept.stats(), overflows=self.overflows,
+                   overflow_bytes=self.overflow_bytes)
         return out
+
+
+class _OwnMemory:
+    """Memory of a gather's own, where a bounded buffer was full: freed with its last reference."""
+
+    __slots__ = ("tensor", "nbytes", "owner")
+
+    def __init__(self, tensor: torch.Tensor, owner: str) -> None:
+        self.tensor = tensor
+        self.nbytes = tensor.numel()
+        self.owner = owner
+
+    def release(self) -> None:
+        self.tensor = None

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from infinity.param_group import ParamGroup, ParamState
+from infinity.runtime.reduce_buckets import ReduceBuckets
 from tiers.arena import Arena
 
 
@@ -112,11 +113,15 @@ class GradReducer:
         Moves the shards to the host and books them (``infinity.runtime.datapath.DataPath``).
     allocator:
         Host memory for the downloaded shards (``tiers.HostAllocator``).
+    stage:
+        ``partition.stage``.
+    bucket_nbytes:
+        ``partition.reduce_bucket_bytes`` (see [Note: gradient buckets] in infinity/runtime/reduce_buckets.py).
 
     The optimizer state store, which accumulates the shards, is attached once it exists.
     """
 
-    def __init__(self, coordinator, ranks, datapath, allocator, stage: int = 3) -> None:
+    def __init__(self, coordinator, ranks, datapath, allocator, stage: int = 3, bucket_nbytes: int = 0) -> None:
         self.coordinator = coordinator
         # Stage 1 on several ranks: whole gradients wait on the device for one reduce-scatter per step.
         self.defer = stage == 1 and ranks.world_size > 1
@@ -127,7 +132,7 @@ class GradReducer:
         self.datapath = datapath
         self.store = None
         self.device = coordinator.device.device
-        self.device_buckets = coordinator.memory.arena
+        self.device_buckets = ReduceBuckets(self.device, datapath, bucket_nbytes)
         self.allocator = allocator
         self.host_buckets: Arena | None = None
         self._stale: list[tuple[ParamGroup, list]] = []     # taken; .grad and the group let go next
@@ -153,6 +158,9 @@ class GradReducer:
             self._group_positions[g] = torch.tensor([self._position[s.param] for s in g.slots if s.param.requires_grad],
                                                     dtype=torch.long, device=self.device)
         self.book = store.book = GradientBook(len(self._position), self.device)
+        trainable = [g for g in self.coordinator.groups if self._expected[g]]
+        biggest = max(trainable, key=lambda g: g.full_nbytes, default=None)
+        self.device_buckets.size_for(biggest.full_nbytes if biggest else 0, biggest.name if biggest else None)
         # Two buffers of the largest trainable shard (infinity-plan's "grad_staging" row); made at first use.
         largest = max((-(-g.shard_nbytes // 4096) * 4096 for g in self.coordinator.groups if self._expected[g]),
                       default=4096)
@@ -208,7 +216,7 @@ class GradReducer:
             self._waiting.append(group)         # reduced once per step (reduce_whole)
         elif self.defer:
             self._whole[group].add_(flat)       # a later micro-batch adds into the whole gradient
-            self.coordinator.memory.give_back(loan)
+            loan.release()      # its next user fills it on the compute stream, after this addition
         elif loan is None:
             self.book.norm_sq += torch.dot(flat, flat)      # written in place: nothing to reduce or send
         else:
@@ -260,7 +268,7 @@ class GradReducer:
         store = self.store
         if store.tier.kind == "device":
             store.accumulate_grad(group.index, shard)
-            self.coordinator.memory.give_back(device_memory)   # the addition may still be queued
+            device_memory.release()     # the addition may still be queued: the next bucket is filled after it
             return None
         direct = store.direct_grad(group.index, shard.dtype)
         if direct is not None:     # fp32 into a host accumulator: no staging on the host

@@ -55,11 +55,12 @@ def test_realistic_zero_infinity_config(tmp_path):
     assert cfg.partition.max_live_parameters == 10**9
     assert cfg.partition.sub_group_size == 10**9
     assert cfg.prefetch.device_bytes == 2 * 10**7  # 1e7 bf16 elements
+    assert cfg.partition.reduce_bucket_bytes == 2 * 10**7
     assert cfg.prefetch.reuse_distance == 2 * 10**9
     assert sorted(line.split(":")[0] for line in skipped) == sorted([
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
         "steps_per_print", "wall_clock_breakdown", "optimizer", "scheduler",
-        "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
+        "zero_optimization.overlap_comm",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
         "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_param.max_in_cpu",
     ])

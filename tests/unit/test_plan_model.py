@@ -54,7 +54,7 @@ def test_host_params_nvme_optimizer_bf16(tmp_path):
         "optimizer_subgroup_buffers": ("host", 2 * 4 * 4 * 20_480),
         "working_set": ("device", 2 * 32_768),
         # fc1's gradient bucket, in bf16 as the gradients are, before its reduce-scatter.
-        "working_set_grad": ("device", 2 * 32_768),
+        "working_set_grad": ("device", 2 * 2 * 32_768),   # two buckets of the largest
         # Two host buffers for gradient shards on their way to the fp32 accumulator on NVMe: fc1's
         # shard is 16,384 bf16 elements, 32 KiB.
         "grad_staging": ("host", 2 * 2 * 16_384),

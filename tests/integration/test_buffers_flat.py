@@ -1,0 +1,81 @@
+"""Constant-size buffers over 50 steps: the gathered groups' recycled arena, the kept groups' arena, the
+gradient buckets, the host gradient staging and the activation arena reach their size in the first
+steps and the allocator's and arenas' own counters (bytes allocated, peaks, slabs) stay the same after
+that; kept groups never borrow from the recycled arena, and no gather overflows its buffer."""
+import pytest
+import torch
+
+import infinity
+from infinity.errors import EngineError
+from infinity.examples.gpt import GPT, preset
+
+STEPS, WARMUP = 50, 3
+
+
+def _tracked(stats: dict) -> dict:
+    gather = stats["gather_memory"]
+    host = stats["tiers"]["host_allocator"]
+    arena = ("slabs", "nbytes", "peak_bytes")
+    return {"gather": tuple(gather[k] for k in arena), "kept": tuple(gather["kept"][k] for k in arena),
+            "overflows": gather["overflows"],
+            "buckets": tuple(stats["reduce_buckets"][k] for k in (*arena, "waits")),
+            "activations": tuple(stats["activations"]["arena"][k] for k in arena),
+            "host_allocator": (host["allocations"], host["bytes_allocated"], host["peak_bytes"])}
+
+
+@pytest.mark.parametrize("gather_buffer", ["1MiB", 0])
+def test_tracked_memory_is_flat_after_warmup(gather_buffer):
+    shape = preset("tiny")
+    cfg = {"tiers": {"device": "cpu", "params": "host", "optimizer": "host"},
+           "precision": {"dtype": "bfloat16"},
+           "partition": {"persistence_threshold": 1000, "gather_buffer_bytes": gather_buffer},
+           "activations": {"offload": "host", "min_nbytes": 1024}}
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = GPT(shape)
+    model.blocks = torch.nn.ModuleList(infinity.activation_checkpoint(b) for b in model.blocks)
+    opt = infinity.AdamW(model, lr=1e-3)
+    engine_groups = infinity.stats(model)
+    g = torch.Generator().manual_seed(0)
+    seen = []
+    for _ in range(STEPS):
+        idx = torch.randint(0, shape.vocab_size, (2, shape.seq_len), generator=g)
+        model(idx, idx).backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+        seen.append(_tracked(infinity.stats(model)))
+    changed = [(i, s) for i, s in enumerate(seen) if i >= WARMUP and s != seen[WARMUP]]
+    assert not changed, (seen[WARMUP], changed[:2])
+    last = seen[-1]
+    assert last["overflows"] == 0
+    assert last["gather"][0] == last["kept"][0] == last["buckets"][0] == 1      # one slab each, allocated once
+    if gather_buffer:
+        assert last["gather"][1] == 1 << 20
+    stats = infinity.stats(model)
+    # Persistent groups (LayerNorms: 128 elements < 1000) borrow exactly their own arena's bytes.
+    assert stats["gather_memory"]["kept"]["nbytes"] == stats["gather_memory"]["kept"]["peak_bytes"] > 0
+    assert stats["activations"]["total"]["offloaded_tensors"] == STEPS * shape.n_layer
+    assert engine_groups["reduce_buckets"]["capacity"] == stats["reduce_buckets"]["capacity"]
+
+
+def test_buffers_too_small_for_a_group_are_refused_at_init():
+    for key, value in (("gather_buffer_bytes", "4KiB"), ("reduce_bucket_bytes", "4KiB")):
+        # The largest group is the token embedding: 512 x 64 fp32 elements, 131072 bytes.
+        with pytest.raises(EngineError, match=f"partition.{key} = 4096 cannot hold .*'wte'.*131072 bytes.*at least 131072"):
+            with infinity.Init({"tiers": {"device": "cpu", "params": "host"}, "partition": {key: value}}):
+                GPT(preset("tiny"))
+
+
+def test_a_full_gather_buffer_lends_memory_of_its_own_and_counts_it():
+    cfg = {"tiers": {"device": "cpu", "params": "host"}, "partition": {"gather_buffer_bytes": "160KiB"},
+           "prefetch": {"enabled": False}}
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = GPT(preset("tiny"))
+    with pytest.warns(RuntimeWarning, match="partition.gather_buffer_bytes = 163840 is full"):
+        with infinity.gathered(model):
+            whole = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = infinity.stats(model)["gather_memory"]
+    assert stats["overflows"] > 0 and stats["overflow_bytes"] > 0 and stats["bytes_in_use"] == 0
+    assert whole["wte.weight"].shape == (512, 64)
