@@ -35,3 +35,30 @@ def test_buffers_are_flat_over_many_steps(tmp_path, offload):
         seen.append(_buffers(infinity.stats(model)))
     assert all(s == seen[2] for s in seen[2:]), (seen[2], [(i, s) for i, s in enumerate(seen) if s != seen[2]][:3])
     assert infinity.stats(model)["activations"]["total"]["offloaded_tensors"] == 30 * 3
+
+
+def test_prefetch_bytes_zero_fetches_each_activation_when_backward_uses_it(tmp_path):
+    """No look-ahead: nothing is fetched before backward asks (so no fetched input waits beside the
+    recompute before it), and the losses are those of no offload."""
+    losses = {}
+    for offload in ("none", "nvme"):
+        cfg = {"tiers": {"device": "cpu", "nvme_path": str(tmp_path / offload)}, "aio": {"direct": False},
+               "activations": {"offload": offload, "min_nbytes": 1024, "prefetch_bytes": 0, "buffer_bytes": 8192}}
+        (tmp_path / offload).mkdir()
+        torch.manual_seed(0)
+        with infinity.Init(cfg):
+            model = CheckpointedGPT("wrapper")
+        opt = infinity.AdamW(model, lr=1e-3)
+        g = torch.Generator().manual_seed(0)
+        losses[offload] = []
+        for _ in range(3):
+            idx = torch.randint(0, 64, (B, T), generator=g)
+            loss = model(idx, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[offload].append(loss.item())
+        stats = infinity.stats(model)["activations"]
+        infinity.release(model)
+    assert losses["nvme"] == losses["none"]
+    assert stats["last"]["prefetched"] == 0 and stats["last"]["demand_fetches"] == stats["last"]["offloaded_tensors"] == 3

@@ -79,3 +79,23 @@ def test_a_full_gather_buffer_lends_memory_of_its_own_and_counts_it():
     stats = infinity.stats(model)["gather_memory"]
     assert stats["overflows"] > 0 and stats["overflow_bytes"] > 0 and stats["bytes_in_use"] == 0
     assert whole["wte.weight"].shape == (512, 64)
+
+
+def test_buffers_benchmark_tiny(tmp_path, capsys):
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "buffers.py")
+    spec = importlib.util.spec_from_file_location("benchmark_buffers", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "buffers.json"
+    rc = bench.main(["--path", str(tmp_path), "--params", "nvme", "--buffered", "--layers", "2", "--d-model", "64",
+                     "--batch", "2", "--seq", "64", "--vocab", "256", "--steps", "6", "--threads", "1",
+                     "--gather-buffer-bytes", "1MiB", "--json", str(out)])
+    assert rc == 0
+    assert "after step 3: tracked bytes flat" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert len(result["steps"]) == 6 and result["summary"]["tracked_flat"]
+    assert result["steps"][-1]["gather_nbytes"] == 1 << 20 and result["steps"][-1]["gather_overflows"] == 0
