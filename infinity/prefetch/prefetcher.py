@@ -277,7 +277,9 @@ class Prefetcher:
                 if g.persistent or g.state is ParamState.AVAILABLE:
                     continue
                 if gathers_open:
-                    if g.full_nbytes <= device_room and self._may_gather(g):
+                    # A bounded gather buffer (partition.gather_buffer_bytes) with no room left ends the
+                    # gathers ahead: the group is gathered on demand instead of into memory of its own.
+                    if g.full_nbytes <= device_room and c.memory.has_room(g.full_nbytes) and self._may_gather(g):
                         if g.state is ParamState.INFLIGHT and g in self._ahead:
                             nvme_room += g.shard_nbytes
                         self._gather(g)

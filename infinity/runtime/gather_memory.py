@@ -73,6 +73,7 @@ class GatherMemory:
         self.reuse_event = None
         self.overflows = 0
         self.overflow_bytes = 0
+        self.reserve = 0        # room gathers ahead leave free for a gather on demand (size_for)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -86,10 +87,18 @@ class GatherMemory:
         self.kept.slab_nbytes = max(4096, sum(rounded(g) for g in groups if g.persistent))
         short = [g for g in groups if not g.persistent]
         largest = max(short, key=rounded, default=None)
+        self.reserve = rounded(largest) if largest is not None else 0
         if self.arena.capacity and largest is not None and rounded(largest) > self.arena.capacity:
             raise EngineError(f"partition.gather_buffer_bytes = {self.arena.capacity} cannot hold group "
                               f"{largest.name!r} gathered ({largest.full_nbytes} bytes); set it to at least "
                               f"{rounded(largest)} (more lets prefetched groups wait in it too), or 0 to let it grow")
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a gather ahead of ``nbytes`` would find room now and leave room for the largest group
+        gathered on demand: always, when the arena grows; else by the bytes left in its one buffer (a
+        fragmented buffer may still refuse it)."""
+        capacity = self.arena.capacity
+        return not capacity or capacity - self.arena.bytes_in_use - self.reserve >= -(-nbytes // 4096) * 4096
 
     def _take(self, nbytes: int, owner: str, kept: bool):
         """A slice for a gather: from the kept arena, or the recycled one, or (full) memory of its own."""

@@ -99,3 +99,25 @@ def test_buffers_benchmark_tiny(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert len(result["steps"]) == 6 and result["summary"]["tracked_flat"]
     assert result["steps"][-1]["gather_nbytes"] == 1 << 20 and result["steps"][-1]["gather_overflows"] == 0
+
+
+def test_gathers_ahead_stop_where_the_gather_buffer_is_full():
+    """prefetch.device_bytes larger than the buffer: the prefetcher gathers ahead only what fits beside
+    room for the largest group, and no gather of a training step gets memory of its own. The token
+    embedding (128 KiB) stays gathered through backward (the tied head and the embedding both use it),
+    so 256 KiB holds it and the largest other group (72 KiB) with room for small ones ahead."""
+    shape = preset("tiny")
+    cfg = {"tiers": {"device": "cpu", "params": "host"}, "partition": {"gather_buffer_bytes": "256KiB"},
+           "prefetch": {"device_bytes": "64MiB"}}
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = GPT(shape)
+    opt = infinity.AdamW(model, lr=1e-3)
+    for _ in range(4):
+        idx = torch.randint(0, shape.vocab_size, (2, shape.seq_len))
+        model(idx, idx).backward()
+        opt.step()
+        opt.zero_grad()
+    stats = infinity.stats(model)
+    assert stats["gather_memory"]["overflows"] == 0 and stats["gather_memory"]["nbytes"] == 256 << 10
+    assert stats["fetch"]["prefetch_hits"] > 0
