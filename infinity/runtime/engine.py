@@ -101,7 +101,7 @@ class Engine:
     def finalize(self, roots: list[nn.Module], store: OptimizerStateStore) -> None:
         """Construction is over: take the state store, install the hooks, start the prefetcher."""
         self.store = store
-        self.coordinator.memory.size_for(self.coordinator.groups)
+        self.coordinator.memory.size_for(self.coordinator.groups, self.coordinator.in_place)
         self.reducer.attach(store)
         names = {p: n for root in roots for n, p in reversed(list(root.named_parameters(remove_duplicate=False)))}
         self.grad_face = GradFace(self, names)

@@ -78,17 +78,17 @@ class GatherMemory:
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def size_for(self, groups) -> None:
+    def size_for(self, groups, in_place: bool = False) -> None:
         """The groups are final: the kept ones' arena becomes one slab of exactly their bytes (made at the
         first of their gathers), and a ``gather_buffer_bytes`` that cannot hold the largest of the
-        others is refused, naming it."""
+        others is refused, naming it (unless ``in_place``: gathered groups are their stored shards)."""
         def rounded(g) -> int:
             return -(-g.full_nbytes // 4096) * 4096
         self.kept.slab_nbytes = max(4096, sum(rounded(g) for g in groups if g.persistent))
         short = [g for g in groups if not g.persistent]
         largest = max(short, key=rounded, default=None)
         self.reserve = rounded(largest) if largest is not None else 0
-        if self.arena.capacity and largest is not None and rounded(largest) > self.arena.capacity:
+        if self.arena.capacity and largest is not None and rounded(largest) > self.arena.capacity and not in_place:
             raise EngineError(f"partition.gather_buffer_bytes = {self.arena.capacity} cannot hold group "
                               f"{largest.name!r} gathered ({largest.full_nbytes} bytes); set it to at least "
                               f"{rounded(largest)} (more lets prefetched groups wait in it too), or 0 to let it grow")
