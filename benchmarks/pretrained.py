@@ -136,8 +136,10 @@ def main(argv: list[str] | None = None) -> dict:
         for mode in ("plain", "infinity"):
             cmd = [sys.executable, "-m", "benchmarks.pretrained", "--dir", args.dir, "--path", args.path,
                    "--host-budget", args.host_budget, "--one", mode]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+            out = subprocess.run(cmd, capture_output=True, text=True,
                                  cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            if out.returncode != 0:
+                raise RuntimeError(f"the {mode} load failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
             samples.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"checkpoint: {sum(sizes) / GB:.2f} GB in {len(sizes)} files (largest {max(sizes) / GB:.2f} GB); "
           f"host budget {args.host_budget}; {args.repeats} runs each, medians")
