@@ -8,9 +8,12 @@ alternating, each in a fresh process (a process's peak RSS only grows):
 - ``infinity``: the same call inside ``infinity.Init`` with parameters and optimizer states
   on NVMe under ``--path`` and ``tiers.host_budget = --host-budget``.
 
-Each run reports the load's wall time, the process's peak RSS (``ru_maxrss``) and the peak
-RSS above the RSS just before the call (psutil, sampled every 2 ms). The table shows medians
-beside the checkpoint's size, its largest shard file and the host budget. Example::
+Each run reports the load's wall time, the peak RSS above the RSS just before the call
+(psutil, sampled every 2 ms) and the process's peak RSS (``ru_maxrss``, file pages mapped
+included), then the same peak after one forward of 16 tokens, with its time: transformers
+maps the files and reads a tensor only when it is first used, so its load alone reads almost
+nothing. The table shows medians beside the checkpoint's size, its largest shard file and the
+host budget. Example::
 
     python -m benchmarks.pretrained --dir /tmp/ckpt --write --path /mnt/nvme --json pretrained.json
 """
@@ -101,11 +104,17 @@ def load_once(mode: str, directory: str, path: str, host_budget: str) -> dict:
             model = model_class.from_pretrained(directory)
     seconds = time.perf_counter() - t0
     growth = peak.stop()
-    numel = sum(p.numel() for p in model.parameters()) if mode == "plain" else None
+    load_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # transformers maps the files and reads nothing until a parameter is used: one forward uses them all.
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids)
+    forward = time.perf_counter() - t0
     if mode != "plain":
         infinity.release(model)
-    return {"mode": mode, "seconds": seconds, "rss_growth": growth, "numel": numel,
-            "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"mode": mode, "seconds": seconds, "rss_growth": growth, "load_max_rss": load_rss,
+            "forward_seconds": forward, "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def _checkpoint_files(directory: str) -> list[int]:
@@ -143,13 +152,16 @@ def main(argv: list[str] | None = None) -> dict:
             samples.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"checkpoint: {sum(sizes) / GB:.2f} GB in {len(sizes)} files (largest {max(sizes) / GB:.2f} GB); "
           f"host budget {args.host_budget}; {args.repeats} runs each, medians")
-    print(f"{'load':<10} {'seconds':>9} {'peak RSS GB':>12} {'RSS growth GB':>14}")
+    print(f"{'load':<10} {'load s':>7} {'RSS growth GB':>14} {'peak RSS GB':>12} {'1st forward s':>14} "
+          f"{'peak RSS after it GB':>21}")
     table = {}
+    keys = ("seconds", "rss_growth", "load_max_rss", "forward_seconds", "max_rss")
     for mode in ("plain", "infinity"):
         rows = [s for s in samples if s["mode"] == mode]
-        table[mode] = {k: statistics.median(r[k] for r in rows) for k in ("seconds", "max_rss", "rss_growth")}
+        table[mode] = {k: statistics.median(r[k] for r in rows) for k in keys}
         t = table[mode]
-        print(f"{mode:<10} {t['seconds']:>9.1f} {t['max_rss'] / GB:>12.2f} {t['rss_growth'] / GB:>14.2f}")
+        print(f"{mode:<10} {t['seconds']:>7.1f} {t['rss_growth'] / GB:>14.2f} {t['load_max_rss'] / GB:>12.2f} "
+              f"{t['forward_seconds']:>14.1f} {t['max_rss'] / GB:>21.2f}")
     result = {"settings": vars(args), "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
               "checkpoint_bytes": sum(sizes), "largest_file_bytes": max(sizes), "medians": table,
               "samples": samples}
