@@ -35,6 +35,7 @@ _LAZY = {
     "TiledLinear": "infinity.tiling",
     "TiledEmbedding": "infinity.tiling",
     "activation_checkpoint": "infinity.runtime.checkpointing",
+    "from_pretrained": "infinity.runtime.init",
 }
 
 

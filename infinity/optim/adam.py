@@ -24,6 +24,7 @@ from infinity.optim.job import StepJob
 from infinity.optim.nonfinite import NonFiniteSteps
 from infinity.optim.ranges import ParamSteps, UpdateRanges
 from infinity.optim.scheduler import UpdateScheduler
+from infinity.optim.shard_states import ShardStates
 from infinity.optim.update import UpdatePass
 
 
@@ -250,13 +251,15 @@ class _OffloadAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """This rank's optimizer state: hyper-parameters, step, and fp32 shards per group.
 
+        ``"shards"`` maps each state to its shards, read from their tier when looked at
+        (:class:`~infinity.optim.shard_states.ShardStates`); ``torch.save`` writes them as tensors.
+
         For large models use ``infinity.save_checkpoint``, which streams the shards to
         files instead of holding them in memory.
         """
         self.synchronize()
         groups = self.engine.coordinator.groups
-        shards = {s: [self.store.read_state_shard(s, g.index) for g in groups]
-                  for s in ("master", "exp_avg", "exp_avg_sq")}
+        shards = ShardStates(self.store, [g.index for g in groups])   # [Note: a lazy optimizer state dict]
         return {"param_groups": self._indexed_groups(), "step": self.step_count, "skipped_steps": self.skipped_steps,
                 "param_steps": self.param_steps(),
                 "rank": self.engine.ranks.rank, "world_size": self.engine.ranks.world_size,
@@ -285,7 +288,10 @@ class _OffloadAdam(torch.optim.Optimizer):
         self.load_param_steps(state_dict.get("param_steps", {}), "state dict")
         if self.engine.loss_scaler is not None and state_dict.get("loss_scale") is not None:
             self.engine.loss_scaler.load(state_dict["loss_scale"], f"{self._name}.load_state_dict")
-        for s, shards in state_dict["shards"].items():
+        saved = state_dict["shards"]
+        if isinstance(saved, ShardStates) and saved.is_stored_in(self.store):
+            return      # this optimizer's own states: nothing to write ([Note: a lazy optimizer state dict])
+        for s, shards in saved.items():
             for g, shard in zip(groups, shards):
                 self.store.write_state_shard(s, g.index, shard)
         coordinator = self.engine.coordinator

@@ -16,6 +16,8 @@ broadcast and all-gather, and the plan's arithmetic for the budget check.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -109,6 +111,28 @@ class Partitioner:
         self.ranks.all_gather(full, shard.to(device))
         group.to_inflight(None)
         group.to_available(full)
+
+    @contextmanager
+    def shard_buffer(self, group: ParamGroup):
+        """A scratch fp32 tensor of one shard of ``group`` (a loader fills it), for the block's duration."""
+        with self._scratch.take(4 * group.shard_numel, f"shard {group.name}") as loan:
+            yield loan.tensor.view(torch.float32)[:group.shard_numel]
+
+    def read_master(self, group: ParamGroup, into: torch.Tensor) -> None:
+        """This rank's fp32 master shard of ``group`` as it stands, into ``into``."""
+        self.engine.datapath.read(self.tiers.optimizer, self._master_keys[group], into).wait()
+
+    def load_shard(self, group: ParamGroup, shard: torch.Tensor) -> None:
+        """Replace this rank's shard of ``group`` (compute copy and master) with fp32 ``shard``.
+
+        Each rank gives its own shard of the same values (every rank reads the same
+        checkpoint), so nothing is broadcast.
+        """
+        if group.state is not ParamState.NOT_AVAILABLE:
+            raise EngineError(f"loading group {group.name!r}: it is {group.state.name}, expected NOT_AVAILABLE "
+                              "(re-shard it first)")
+        self.coordinator.shards.write(group, shard).wait()
+        self.engine.datapath.write(self.tiers.optimizer, self._master_keys[group], shard).wait()
 
     def dematerialize(self, group: ParamGroup) -> None:
         """Re-shard a materialized group from its (possibly edited) values, rank 0's winning."""

@@ -18,6 +18,10 @@ gathers that parameter's group in fp32 (exactly, from the master shards) before 
 call, and keeps it materialized; the least recently touched groups are re-sharded
 (rank 0's values win) when more than a few are open, and all of them at exit. So
 such code works unchanged and yields the same weights as without ``Init``.
+
+While the context is open, transformers' ``PreTrainedModel.from_pretrained`` is routed to
+the streaming loader of infinity/runtime/pretrained.py ([Note: loading a pretrained model]),
+and put back on exit with the ``__init__`` wrappers.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from infinity import registry
 from infinity.config import Config, load_config
 from infinity.runtime.construction import Partitioner
 from infinity.runtime.engine import Engine
+from infinity.runtime.pretrained import FromPretrainedRoute, is_pretrained_base
 from infinity.tiling.policy import apply_tiling
 
 _MAX_OPEN_GROUPS = 4
@@ -93,6 +98,8 @@ class Init:
         self.engine: Engine | None = None
         self.partitioner: Partitioner | None = None
         self._patched: list[tuple[type, object]] = []
+        self._routes: list[FromPretrainedRoute] = []
+        self._outside = False
         self._had_init_subclass = False
         self._old_init_subclass = None
         self._depth: dict[int, int] = {}
@@ -179,6 +186,9 @@ class Init:
             engine.release()
 
     def _restore(self) -> None:
+        for route in reversed(self._routes):
+            route.remove()
+        self._routes.clear()
         for cls, orig in reversed(self._patched):
             cls.__init__ = orig
         self._patched.clear()
@@ -189,12 +199,16 @@ class Init:
 
     # -- interception ----------------------------------------------------------------------------
     def _wrap(self, cls: type) -> None:
+        if is_pretrained_base(cls) and not any(r.base is cls for r in self._routes):
+            self._routes.append(FromPretrainedRoute(self, cls))
         orig = cls.__dict__.get("__init__")
         if orig is None or getattr(orig, "infinity_init", False):
             return
 
         @functools.wraps(orig)
         def __init__(module, *args, **kwargs):
+            if self._outside:
+                return orig(module, *args, **kwargs)
             key = id(module)
             depth = self._depth.get(key, 0)
             self._depth[key] = depth + 1
@@ -233,6 +247,20 @@ class Init:
         return [r for r in roots if id(r) not in inner]
 
     @contextmanager
+    def building_outside(self):
+        """Modules built in this block are ordinary ones, not the engine's (a loader's meta-device twin)."""
+        prev, self._outside = self._outside, True
+        try:
+            yield
+        finally:
+            self._outside = prev
+
+    def settle(self) -> None:
+        """Re-shard the groups construction code has open, so their shards are final (before a load)."""
+        with self.suspended():
+            self._close_all()
+
+    @contextmanager
     def suspended(self):
         """Engine-internal torch calls run without the touch mode's interception."""
         prev, self._suspended = self._suspended, True
@@ -266,3 +294,36 @@ class Init:
         while self._open_groups:
             group, _ = self._open_groups.popitem(last=False)
             self.partitioner.dematerialize(group)
+
+
+def from_pretrained(model_class, path, infinity_config=None, *, group=None, **kwargs):
+    """Load a Hugging Face model from a safetensors checkpoint straight into the engine's tiers.
+
+    The same as ``with infinity.Init(infinity_config): model = model_class.from_pretrained(path, **kwargs)``:
+    the checkpoint is streamed group by group into the tiers (see [Note: loading a pretrained
+    model] in infinity/runtime/pretrained.py); the whole model never exists in host memory.
+
+    Parameters
+    ----------
+    model_class:
+        A transformers model class (``LlamaForCausalLM``) or auto class (``AutoModelForCausalLM``).
+    path:
+        A local checkpoint directory, or a Hub model id.
+    infinity_config:
+        What ``infinity.Init`` takes: a path to a TOML/JSON config, a dict, a ``Config`` or None.
+    group:
+        The ``torch.distributed`` process group, as for ``infinity.Init``.
+    **kwargs:
+        Passed to ``from_pretrained`` (``config=``, ``revision=``, config attribute overrides, ...).
+
+    Examples
+    --------
+    >>> import infinity, transformers
+    >>> model = infinity.from_pretrained(transformers.AutoModelForCausalLM, "ckpt/",   # doctest: +SKIP
+    ...                                  {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": "/nvme"}})
+    """
+    import transformers  # noqa: F401  (imported before Init opens, so Init routes its from_pretrained)
+
+    with Init(infinity_config, group=group):
+        model = model_class.from_pretrained(path, **kwargs)
+    return model

@@ -8,6 +8,7 @@ by forward pre-hooks) against plain ``torch.optim.AdamW``, step by step.
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -202,7 +203,7 @@ def test_fresh_shards_are_served_once_and_discarded_by_a_state_load(tmp_path):
     model, ref = make(tmp_path, "nvme", "nvme")
     opt = infinity.AdamW(model, lr=1e-2)
     coordinator = engine_of(model).coordinator
-    initial = opt.state_dict()
+    initial = copy.deepcopy(opt.state_dict())   # a snapshot: state_dict, like torch's, shows the live states
     (idx, tgt), = batches(1)
     model(idx, tgt).backward()
     opt.step()

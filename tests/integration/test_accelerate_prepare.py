@@ -1,0 +1,83 @@
+"""accelerate's ``prepare`` on an engine model and ``infinity.AdamW``: host memory stays bounded.
+
+``AcceleratedOptimizer.__init__`` runs ``opt.load_state_dict(move_to_device(opt.state_dict()))``.
+The optimizer states live on NVMe here, so the structural measure is the bytes read from the
+optimizer tier while ``prepare`` runs: none (see [Note: a lazy optimizer state dict]). The
+same counter moves by the states' size when a state is looked at, so it can tell.
+"""
+import io
+
+import pytest
+import torch
+
+import infinity
+from infinity.registry import engine_of
+from tests.support.tiny_gpt import TinyGPT
+
+accelerate = pytest.importorskip("accelerate")
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))
+            for _ in range(n)]
+
+
+def _build(tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "nvme", "nvme_path": str(tmp_path)},
+                        "partition": {"sub_group_size": 4096}}):
+        model = TinyGPT()
+    return model, infinity.AdamW(model, lr=1e-2)
+
+
+def _steps(model, opt, batches):
+    losses = []
+    for idx, tgt in batches:
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_prepare_reads_no_optimizer_state_and_training_goes_on_unchanged(tmp_path):
+    batches = _batches(4)
+    model, opt = _build(tmp_path / "a")
+    twin, twin_opt = _build(tmp_path / "b")
+    _steps(model, opt, batches[:2])
+    _steps(twin, twin_opt, batches[:2])
+
+    tier = engine_of(model).tiers.optimizer
+    before = tier.stats()["bytes_read"]
+    accelerator = accelerate.Accelerator(cpu=True)
+    prepared_model, prepared_opt = accelerator.prepare(model, opt)
+    read_in_prepare = tier.stats()["bytes_read"] - before
+
+    state_bytes = 4 * sum(g.shard_numel for g in engine_of(model).coordinator.groups)
+    before = tier.stats()["bytes_read"]
+    moments = torch.cat(opt.state_dict()["shards"]["exp_avg"])
+    read_on_access = tier.stats()["bytes_read"] - before
+    assert read_in_prepare == 0, f"prepare read {read_in_prepare} bytes of optimizer state"
+    assert read_on_access >= state_bytes and moments.abs().sum() > 0
+
+    # The prepared pair trains on exactly as the untouched twin does.
+    losses, twin_losses = _steps(prepared_model, prepared_opt, batches[2:]), _steps(twin, twin_opt, batches[2:])
+    assert losses == twin_losses
+
+
+def test_saved_state_dict_holds_tensors_and_loads_back(tmp_path):
+    model, opt = _build(tmp_path)
+    _steps(model, opt, _batches(2))
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    assert type(saved["shards"]) is dict and all(isinstance(t, torch.Tensor) for t in saved["shards"]["master"])
+    masters = torch.cat(saved["shards"]["master"])
+    _steps(model, opt, _batches(1))
+    assert not torch.equal(torch.cat(opt.state_dict()["shards"]["master"]), masters)
+    opt.load_state_dict(saved)      # a plain dict of tensors is written back
+    assert torch.equal(torch.cat(opt.state_dict()["shards"]["master"]), masters)

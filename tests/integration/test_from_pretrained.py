@@ -1,0 +1,149 @@
+"""``from_pretrained`` under ``infinity.Init`` (and ``infinity.from_pretrained``): the checkpoint's
+safetensors shards are streamed into the tiers, and the loaded model equals transformers' own
+``from_pretrained`` of the same checkpoint exactly, weights and loss, on one rank and two.
+"""
+import os
+import warnings
+
+import pytest
+import torch
+
+import infinity
+from infinity.errors import EngineError
+from tests.support.ranks import run_ranks
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def _llama():
+    return transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                    tie_word_embeddings=False)
+
+
+def _gpt2():
+    return transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                                   bos_token_id=0, eos_token_id=0)
+
+
+def _save(directory: str, config, model_class) -> str:
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(directory, max_shard_size="16KB")   # several shards
+    return directory
+
+
+def _cfg(workdir: str, params: str = "nvme"):
+    nvme = os.path.join(workdir, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    return {"tiers": {"params": params, "optimizer": "nvme", "nvme_path": nvme}, "partition": {"sub_group_size": 4096}}
+
+
+def _loss(model, seed: int = 1) -> torch.Tensor:
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(seed))
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _compare(model, ref) -> dict:
+    with infinity.gathered(model):
+        names = [n for n, _ in model.named_parameters()]
+        equal = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    with torch.no_grad():
+        loss, ref_loss = _loss(model), _loss(ref)
+    return {"names": names == [n for n, _ in ref.named_parameters()], "equal": equal,
+            "loss": float(loss), "ref_loss": float(ref_loss), "training": model.training}
+
+
+def _load_both(checkpoint: str, workdir: str, how: str) -> dict:
+    ref = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    if how == "init":
+        with infinity.Init(_cfg(workdir)):
+            model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    else:
+        model = infinity.from_pretrained(transformers.LlamaForCausalLM, checkpoint, _cfg(workdir, "host"))
+    try:
+        return _compare(model, ref)
+    finally:
+        infinity.release(model)
+
+
+def _check(result):
+    assert result["names"] and result["equal"], result
+    assert result["loss"] == result["ref_loss"] and not result["training"], result
+
+
+def test_loaded_llama_equals_transformers_own_load(tmp_path):
+    checkpoint = _save(str(tmp_path / "ckpt"), _llama(), transformers.LlamaForCausalLM)
+    assert len([f for f in os.listdir(checkpoint) if f.endswith(".safetensors")]) > 3
+    _check(_load_both(checkpoint, str(tmp_path), "function"))
+
+
+def test_tied_gpt2_loads_tied_and_the_route_is_removed_on_exit(tmp_path):
+    checkpoint = _save(str(tmp_path / "ckpt"), _gpt2(), transformers.GPT2LMHeadModel)
+    original = transformers.PreTrainedModel.__dict__["from_pretrained"]
+    ref = transformers.GPT2LMHeadModel.from_pretrained(checkpoint)
+    with infinity.Init(_cfg(str(tmp_path))):
+        assert transformers.PreTrainedModel.__dict__["from_pretrained"] is not original
+        model = transformers.GPT2LMHeadModel.from_pretrained(checkpoint)
+    assert transformers.PreTrainedModel.__dict__["from_pretrained"] is original
+    assert model.lm_head.weight is model.transformer.wte.weight
+    _check(_compare(model, ref))
+    infinity.release(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with infinity.Init(_cfg(str(tmp_path))):
+            raise RuntimeError("boom")
+    assert transformers.PreTrainedModel.__dict__["from_pretrained"] is original
+
+
+def test_missing_head_keeps_its_init_and_is_named(tmp_path):
+    checkpoint = _save(str(tmp_path / "ckpt"), _gpt2(), transformers.GPT2LMHeadModel)
+    ref = transformers.GPT2Model.from_pretrained(checkpoint)
+    with pytest.warns(UserWarning, match=r"no values for \['score.weight'\]"):
+        with infinity.Init(_cfg(str(tmp_path))):
+            model = transformers.GPT2ForSequenceClassification.from_pretrained(checkpoint, num_labels=3)
+    with infinity.gathered(model):
+        assert all(torch.equal(p, q) for p, q in zip(model.transformer.parameters(), ref.parameters()))
+        assert model.score.weight.shape == (3, 32) and model.score.weight.abs().sum() > 0
+    infinity.release(model)
+
+
+def test_refused_checkpoints_and_options_say_why(tmp_path):
+    checkpoint = _save(str(tmp_path / "ckpt"), _gpt2(), transformers.GPT2LMHeadModel)
+    cfg = _cfg(str(tmp_path))
+    with pytest.raises(EngineError, match=r"dtype=torch.bfloat16.*\[precision\] dtype"):
+        infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, cfg, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'n_emdb'"):
+        infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, cfg, n_emdb=8)
+    # A renamed key: the model misses one parameter and the checkpoint has one left over.
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    for name in ("config.json",):
+        (renamed / name).write_bytes((tmp_path / "ckpt" / name).read_bytes())
+    state = {}
+    for f in sorted(os.listdir(checkpoint)):
+        if f.endswith(".safetensors"):
+            state.update(safetensors_torch.load_file(os.path.join(checkpoint, f)))
+    state["transformer.ln_f.gamma"] = state.pop("transformer.ln_f.weight")
+    safetensors_torch.save_file(state, str(renamed / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(EngineError, match=r"transformer.ln_f.weight.*transformer.ln_f.gamma.*weight conversions"):
+        infinity.from_pretrained(transformers.GPT2LMHeadModel, str(renamed), cfg)
+    state["transformer.ln_f.weight"] = state.pop("transformer.ln_f.gamma")[:16]
+    safetensors_torch.save_file(state, str(renamed / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(EngineError, match=r"'transformer.ln_f.weight' in .* has shape \[16\].* has \[32\]"):
+        infinity.from_pretrained(transformers.GPT2LMHeadModel, str(renamed), cfg)
+    os.remove(renamed / "model.safetensors")
+    torch.save(state, renamed / "pytorch_model.bin")
+    with pytest.raises(EngineError, match=r"streams safetensors checkpoints.*pytorch_model.bin"):
+        infinity.from_pretrained(transformers.GPT2LMHeadModel, str(renamed), cfg)
+
+
+def _on_rank(rank, world, workdir, checkpoint):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _load_both(checkpoint, os.path.join(workdir, f"rank{rank}"), "init")
+
+
+def test_two_ranks_each_load_their_shard(tmp_path):
+    checkpoint = _save(str(tmp_path / "ckpt"), _llama(), transformers.LlamaForCausalLM)
+    for result in run_ranks(_on_rank, 2, tmp_path / "ranks", checkpoint):
+        _check(result)
