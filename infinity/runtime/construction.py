@@ -21,6 +21,7 @@ from torch import nn
 
 from infinity.errors import EngineError
 from infinity.optim.flat_state import FlatLayout, OptimizerStateStore
+from infinity.optim.split_master import CopyAccess, use_split_master
 from infinity.param_group import ParamGroup, ParamState
 from tiers.arena import Arena
 from tiers.host_alloc import trim_c_heap
@@ -135,8 +136,11 @@ class Partitioner:
             g.persistent = whole or g.numel < threshold
         self._check_budget()
         layout = FlatLayout([g.shard_numel for g in self.coordinator.groups], config.partition.sub_group_size)
+        copies = None
+        if use_split_master(self.coordinator.dtype, self.tiers.params.kind, self.tiers.optimizer.kind):
+            copies = CopyAccess(self.coordinator.shards, self.coordinator.groups)
         store = OptimizerStateStore(self.tiers.optimizer, layout, self.tiers.allocator, defer_states=True,
-                                    datapath=self.engine.datapath)
+                                    datapath=self.engine.datapath, copies=copies)
         for g in self.coordinator.groups:
             key = self._master_keys.pop(g)
             with self._scratch.take(4 * g.shard_numel, f"master {g.name}") as loan:
