@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from infinity.optim import split_master
+from infinity.optim import compact_grads, split_master
 from tiers.base import wait_quietly
 
 STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
@@ -121,14 +121,18 @@ class OptimizerStateStore:
         ``infinity.optim.split_master.CopyAccess`` to store each master as its bf16 compute copy
         plus a 16-bit remainder (see [Note: split master] in infinity/optim/split_master.py), or
         None: a separate fp32 master.
+    grad_dtype:
+        The dtype the gradient keys start in: fp32, or the compute dtype until micro-batches
+        accumulate (see [Note: compact gradients] in infinity/optim/compact_grads.py).
     """
 
     def __init__(self, tier, layout: FlatLayout, allocator=None, *, defer_states: bool = False,
-                 datapath=None, copies=None) -> None:
+                 datapath=None, copies=None, grad_dtype: torch.dtype = torch.float32) -> None:
         self.tier = tier
         self.io = datapath if datapath is not None else _Unbooked()
         self.layout = layout
         self.in_place = hasattr(tier, "view")
+        self.grad_dtype = grad_dtype
         # Where gradient shards must arrive: the tier's device for in-place tiers, else the host.
         self.device = getattr(tier, "device", torch.device("cpu"))
         # The masters split into compute copy and remainder (see [Note: split master]), or None.
@@ -156,6 +160,14 @@ class OptimizerStateStore:
             for bufs in self._buffers:
                 bufs["copy"] = empty(n * 2).view(torch.bfloat16)
                 bufs["remainder"] = empty(n * 2).view(torch.int16)
+        if grad_dtype != torch.float32:     # a compact gradient sub-group, widened into "grad"
+            if self._buffers is None:
+                self._buffers = [{}]
+            if self.in_place:
+                self._buffers[0]["grad"] = empty(n * _F32).view(torch.float32)
+            else:
+                for bufs in self._buffers:
+                    bufs["grad_compact"] = empty(n * compact_grads.itemsize(grad_dtype)).view(grad_dtype)
         if not defer_states:
             self.allocate_states()
 
@@ -171,8 +183,9 @@ class OptimizerStateStore:
         freed space is reused for the moments instead of leaving holes the size of the
         masters in the swap files.
         """
-        for s in (*MOMENTS, "grad"):
+        for s in MOMENTS:
             self.keys[s] = self._allocate(s)
+        self.keys["grad"] = self._allocate("grad", compact_grads.itemsize(self.grad_dtype))
         if self.in_place:
             for s in (*MOMENTS, "grad"):
                 for i in range(self.layout.num_subs):
@@ -181,8 +194,8 @@ class OptimizerStateStore:
 
     # -- access ---------------------------------------------------------------------------------
     def view(self, state: str, sub: int) -> torch.Tensor:
-        """The in-place fp32 view of one state of one sub-group (host tier only)."""
-        return self.tier.view(self.keys[state][sub]).view(torch.float32)
+        """The in-place view of one state of one sub-group (host tier only): fp32, gradients in ``grad_dtype``."""
+        return self.tier.view(self.keys[state][sub]).view(self.grad_dtype if state == "grad" else torch.float32)
 
     def write_master_shard(self, group_index: int, fp32_shard: torch.Tensor) -> None:
         """Set the master weights of one group (initial values, resharded loads); split masters
@@ -207,6 +220,11 @@ class OptimizerStateStore:
                 dst.zero_()
             elif state == "grad" and group_index not in self.grad_written:
                 dst.zero_()
+            elif state == "grad" and self.grad_dtype != torch.float32:
+                compact = torch.empty(piece.numel, dtype=self.grad_dtype)
+                self.io.read(self.tier, self.keys[state][piece.sub_index], compact,
+                             offset=piece.sub_offset * compact.element_size()).wait()
+                dst.copy_(compact)
             else:
                 self.io.read(self.tier, self.keys[state][piece.sub_index], dst,
                                offset=piece.sub_offset * _F32).wait()
@@ -251,6 +269,8 @@ class OptimizerStateStore:
         it unchanged until they are done.
         """
         first = group_index not in self.grad_written
+        if not first:
+            compact_grads.widen(self)   # micro-batches accumulate: in fp32 from now on
         futures = []
         for piece in self.layout.pieces_of_group[group_index]:
             src = shard_grad[piece.group_offset:piece.group_offset + piece.numel]
@@ -258,7 +278,7 @@ class OptimizerStateStore:
                 dst = self.view("grad", piece.sub_index)[piece.sub_offset:piece.sub_offset + piece.numel]
                 dst.copy_(src) if first else dst.add_(src)
             elif first:
-                futures.append(self._write(("grad", piece), src.float()))
+                futures.append(self._write(("grad", piece), src.to(self.grad_dtype)))
             else:
                 self.flush()  # this group's earlier writes must land before read-add-write
                 old = torch.empty(piece.numel, dtype=torch.float32)
@@ -273,7 +293,7 @@ class OptimizerStateStore:
         ``[(shard offset, numel, accumulator view)]`` per piece, or None (it must go through
         ``accumulate_grad``: not in host or device memory, another dtype, or a second micro-batch).
         The caller fills the views; the group counts as written from here on."""
-        if dtype != torch.float32:
+        if dtype != self.grad_dtype:
             return None
         return self.first_grad_views(group_index)
 
@@ -340,12 +360,15 @@ class OptimizerStateStore:
         try:
             for sub in subs:
                 st = {s: self.view(s, sub) for s in MOMENTS}
-                st["grad"] = self.tier.view(grad_keys[sub]).view(torch.float32)
+                numel = self.layout.sub_ranges[sub][1]
+                st["grad"] = self.tier.view(grad_keys[sub]).view(self.grad_dtype)[:numel]
+                if self.grad_dtype != torch.float32:
+                    st["grad"] = self._buffers[0]["grad"][:numel].copy_(st["grad"])
                 if self.split is None:
                     st["master"] = self.view("master", sub)
                     yield sub, st, writes
                     continue
-                bufs, numel = self._buffers[0], self.layout.sub_ranges[sub][1]
+                bufs = self._buffers[0]
                 remainder = self.tier.view(self.keys["remainder"][sub]).view(torch.int16)[:numel]
                 for fut in self.split.read_copies(sub, bufs["copy"]):
                     fut.wait()
@@ -381,6 +404,8 @@ class OptimizerStateStore:
                     buf.zero_()
                 elif s == "grad" and not changed[sub]:
                     continue
+                elif s == "grad" and self.grad_dtype != torch.float32:
+                    reads[slot].append(io.read(tier, grad_keys[sub], bufs[slot]["grad_compact"][:numel]))
                 elif s == "master" and self.split is not None:
                     reads[slot].extend(self.split.read_copies(sub, bufs[slot]["copy"]))
                     reads[slot].append(io.read(tier, self.keys["remainder"][sub], bufs[slot]["remainder"][:numel]))
@@ -399,6 +424,8 @@ class OptimizerStateStore:
                     issue_reads(i + 1)
                 numel = layout.sub_ranges[sub][1]
                 st = {s: bufs[slot][s][:numel] for s in STATES}
+                if self.grad_dtype != torch.float32 and changed[sub]:
+                    st["grad"].copy_(bufs[slot]["grad_compact"][:numel])
                 if self.split is not None:
                     copy, remainder = bufs[slot]["copy"][:numel], bufs[slot]["remainder"][:numel]
                     split_master.join(copy, remainder, self.split.exceptions.get(sub), st["master"])

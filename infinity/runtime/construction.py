@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from infinity.errors import EngineError
+from infinity.optim.compact_grads import grad_dtype_for
 from infinity.optim.flat_state import FlatLayout, OptimizerStateStore
 from infinity.optim.split_master import CopyAccess, use_split_master
 from infinity.param_group import ParamGroup, ParamState
@@ -140,7 +141,9 @@ class Partitioner:
         if use_split_master(self.coordinator.dtype, self.tiers.params.kind, self.tiers.optimizer.kind):
             copies = CopyAccess(self.coordinator.shards, self.coordinator.groups)
         store = OptimizerStateStore(self.tiers.optimizer, layout, self.tiers.allocator, defer_states=True,
-                                    datapath=self.engine.datapath, copies=copies)
+                                    datapath=self.engine.datapath, copies=copies,
+                                    grad_dtype=grad_dtype_for(self.coordinator.dtype, self.tiers.optimizer.kind,
+                                                              config.dpu.enabled))
         for g in self.coordinator.groups:
             key = self._master_keys.pop(g)
             with self._scratch.take(4 * g.shard_numel, f"master {g.name}") as loan:
