@@ -234,6 +234,8 @@ class OptimizerStateStore:
         if state == "master":
             self.write_master_shard(group_index, values)
             return
+        if state == "grad":
+            compact_grads.widen(self)   # edited gradients (clip_grad_value_) need not fit the compute dtype
         for piece in self.layout.pieces_of_group[group_index]:
             self._write((state, piece), values[piece.group_offset:piece.group_offset + piece.numel])
         if state in MOMENTS:

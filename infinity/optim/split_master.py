@@ -9,13 +9,15 @@ almost known: ``bits(master) = bits(copy) << 16 + r`` with a signed remainder
 (a tie rounded up) fits an int16; ``r = +0x8000`` (a tie rounded down: the low 16
 bits exactly 0x8000 and the upper half even) does not. So each sub-group stores its
 remainders as int16 in the optimizer tier, and keeps the few elements whose
-remainder does not fit, and every NaN (whose bf16 rounding drops the payload), in
-an exception list in host memory: (index, fp32 bits). Joining adds the remainder to
-the copy's bits and writes the exceptions back over it, so the master comes back
-bit for bit, NaN payloads, infinities and signed zeros included. For random
-mantissas about one element in 2^17 is an exception (8 bytes each); a model whose
-masters all sit on ties (a constant such as 1 + 2^-8) keeps one per element, and
-``OptimizerStateStore.stats`` counts them.
+remainder does not fit in an exception list in host memory: (index, fp32 bits).
+The remainder is the int32 difference of the bit patterns (wrapping), so this
+holds for any pattern: a NaN, whose rounding is a canonical NaN, comes back with
+its payload (as an exception when the payload differs by more than 16 bits can
+say). Joining adds the remainder to the copy's bits and writes the exceptions back
+over it, so the master comes back bit for bit, NaNs, infinities and signed zeros
+included. For random mantissas about one element in 2^17 is an exception (8 bytes
+each); a model whose masters all sit on ties (a constant such as 1 + 2^-8) keeps
+one per element (``SplitMasters.exceptions.count()`` says how many).
 
 The remainder is computed from the master's own rounding, never from the stored
 copy, so the invariant the store relies on is that the parameter tier always holds
@@ -37,7 +39,8 @@ from __future__ import annotations
 import torch
 
 REMAINDER_ITEMSIZE = 2
-_LO, _HI = -(1 << 15), (1 << 15) - 1
+# A low half 0x8000 read as an int16: the remainder of a tie rounded up (a tie rounded down needs +0x8000).
+_TIE_UP = -(1 << 15)
 
 
 def use_split_master(dtype: torch.dtype, params_kind: str, optimizer_kind: str) -> bool:
@@ -48,25 +51,26 @@ def use_split_master(dtype: torch.dtype, params_kind: str, optimizer_kind: str) 
 def split(master: torch.Tensor, copy: torch.Tensor, remainder: torch.Tensor):
     """Fill ``copy`` (bf16) with ``master``'s rounding and ``remainder`` (int16) with what restores it.
 
-    Returns the exceptions: ``(index int64, bits int32)`` of the elements whose remainder does
-    not fit (their ``remainder`` slot holds 0), or None.
+    Returns the exceptions: ``(index int64, bits int32)`` of the elements that copy and remainder
+    do not restore, or None. Rounding to nearest makes the signed remainder the master's low 16
+    bits read as an int16, except for a tie rounded down (low bits 0x8000, which as an int16
+    says "rounded up") and NaNs whose rounding changed more than the low bits: so the remainder is
+    the low half of each master, and only the elements whose low half is 0x8000 or whose copy is
+    NaN are checked, by joining them. No branch on a tensor's value (on a GPU that would be a
+    device wait).
     """
-    copy.copy_(master)
     bits = master.view(torch.int32)
-    r = bits - copy.float().view(torch.int32)
-    lo, hi = torch.aminmax(r)
-    bad = None
-    if int(lo) < _LO or int(hi) > _HI:
-        bad = (r < _LO) | (r > _HI)
-    nan = torch.isnan(master)
-    if bool(nan.any()):
-        bad = nan if bad is None else bad | nan
-    if bad is None:
-        remainder.copy_(r)
+    copy.copy_(master)
+    remainder.copy_(bits)                   # int32 -> int16 keeps the low 16 bits
+    suspect = torch.eq(remainder, _TIE_UP)
+    suspect.logical_or_(torch.isnan(copy))
+    index = torch.nonzero(suspect).flatten()
+    if index.numel() == 0:
         return None
-    index = torch.nonzero(bad).flatten()
-    r[index] = 0
-    remainder.copy_(r)
+    joined = copy[index].float().view(torch.int32).add_(remainder[index])
+    index = index[joined != bits[index]]
+    if index.numel() == 0:
+        return None
     return index, bits[index].clone()
 
 
@@ -95,8 +99,8 @@ class Exceptions:
         index, values = found
         if start == 0 and numel is None:
             return found
-        keep = (index >= start) & (index < start + numel)
-        if not bool(keep.any()):
+        keep = torch.nonzero((index >= start) & (index < start + numel)).flatten()
+        if keep.numel() == 0:
             return None
         return index[keep] - start, values[keep]
 
@@ -105,7 +109,7 @@ class Exceptions:
         old = self._of.pop(sub, None)
         parts_i, parts_v = [], []
         if old is not None and numel is not None:
-            keep = (old[0] < start) | (old[0] >= start + numel)
+            keep = torch.nonzero((old[0] < start) | (old[0] >= start + numel)).flatten()
             parts_i.append(old[0][keep])
             parts_v.append(old[1][keep])
         if found is not None:

@@ -31,8 +31,9 @@ def test_random_masters_come_back_bit_for_bit():
     master = bits.view(torch.float32)
     back, found = _roundtrip(master)
     assert torch.equal(_bits(back), bits)
-    # NaNs (about 1 in 256 of random bit patterns) and ties rounded down are the exceptions
-    assert found is not None and found[0].numel() >= int(torch.isnan(master).sum())
+    # ties rounded down (about 1 in 2^17) and NaNs whose rounding changed their upper half
+    # (about 1 in 256 of random bit patterns is a NaN) are the exceptions
+    assert found is not None and 0 < found[0].numel() < master.numel() // 100
 
 
 def test_ties_both_ways_nan_inf_and_signed_zero():
@@ -47,8 +48,9 @@ def test_ties_both_ways_nan_inf_and_signed_zero():
     back, found = _roundtrip(master)
     assert torch.equal(_bits(back), _bits(master))
     index = set(found[0].tolist())
-    assert {0, 1} <= index and not {2, 3} & index          # only the ties rounded down
-    assert {4, 5, 6} <= index                               # every NaN keeps its payload
+    assert {0, 1} <= index and not {2, 3} & index          # the ties rounded down, not those rounded up
+    assert 4 in index                                       # a signalling NaN's rounding is a quiet NaN
+    assert not set(range(7, 14)) & index                    # infinities, zeros, extremes: no exception
 
 
 def test_all_masters_on_ties():
