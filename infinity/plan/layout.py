@@ -12,8 +12,7 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   (the background step writes them while the next iteration uses the published set,
   ``infinity/optim/background.py``).
 * fp32 master, Adam m and v, fp32 gradient accumulator of the trainable shards:
-  ``tiers.optimizer``. In bf16 with params and optimizer in the same host or NVMe tier the
-  master is stored as the compute copy plus a 2-byte remainder ([Note: split master] in
+  ``tiers.optimizer``. In bf16 with params and optimizer both on NVMe the master is stored as the compute copy plus a 2-byte remainder ([Note: split master] in
   infinity/optim/split_master.py); in bf16/fp16 with the optimizer in host memory or on NVMe and
   no DPU the gradients are stored in the compute dtype ([Note: compact gradients] in
   infinity/optim/compact_grads.py; the plan assumes one micro-batch per step).
@@ -164,8 +163,7 @@ class Layout:
             self.largest_trainable_numel = 0
         # See [Note: split master] in infinity/optim/split_master.py and [Note: compact gradients]
         # in infinity/optim/compact_grads.py: the engine's own rules, so plan and run agree.
-        self.split_master = (cfg.precision.dtype == "bfloat16" and self.params_tier == self.opt_tier
-                             and self.params_tier in ("host", "nvme"))
+        self.split_master = cfg.precision.dtype == "bfloat16" and self.params_tier == self.opt_tier == "nvme"
         self.grad_bytes = (param_bytes if cfg.precision.dtype in ("bfloat16", "float16")
                            and self.opt_tier in ("host", "nvme") and not cfg.dpu.enabled else FP32_BYTES)
         self.master_bytes = 2 if self.split_master else FP32_BYTES

@@ -103,8 +103,8 @@ def test_plan_matches_the_tiers_after_training(tmp_path, params, optimizer, dtyp
         assert p.nvme_read_bytes == p.nvme_write_bytes == 0
 
 
-@pytest.mark.parametrize("params, optimizer", [("nvme", "nvme"), ("host", "host")])
-def test_bytes_per_parameter_planned_and_measured_agree(tmp_path, params, optimizer):
+@pytest.mark.parametrize("params, optimizer, stored", [("nvme", "nvme", 14), ("host", "host", 16)])
+def test_bytes_per_parameter_planned_and_measured_agree(tmp_path, params, optimizer, stored):
     """Stored bytes and NVMe bytes read and written per parameter per step: the plan's figures and the
     engine's (``infinity.stats(model)["transfers"]["per_parameter"]``) within 5%."""
     cfg = _config(tmp_path, params, optimizer, "bfloat16")
@@ -124,5 +124,5 @@ def test_bytes_per_parameter_planned_and_measured_agree(tmp_path, params, optimi
     assert measured["stored_nvme"] == pytest.approx(planned["stored_nvme"], rel=0.05)
     assert measured["nvme_read"] == pytest.approx(planned["nvme_read"], rel=0.05)
     assert measured["nvme_written"] == pytest.approx(planned["nvme_written"], rel=0.05)
-    # bf16 compute, one micro-batch: compute copy 2 + master remainder 2 + m, v 8 + gradient 2
-    assert planned["stored"] == pytest.approx(14, rel=0.05)
+    # bf16 compute, one micro-batch: compute copy 2 + master 2 (remainder, on NVMe) or 4 + m, v 8 + gradient 2
+    assert planned["stored"] == pytest.approx(stored, rel=0.05)

@@ -59,6 +59,14 @@ def test_all_masters_on_ties():
     assert torch.equal(back, master) and found[0].numel() == master.numel()
 
 
+def test_split_by_default_in_bf16_with_both_tiers_on_nvme_only():
+    assert split_master.use_split_master(torch.bfloat16, "nvme", "nvme")
+    assert not split_master.use_split_master(torch.bfloat16, "host", "host")
+    assert not split_master.use_split_master(torch.bfloat16, "host", "nvme")
+    assert not split_master.use_split_master(torch.float16, "nvme", "nvme")
+    assert not split_master.use_split_master(torch.float32, "nvme", "nvme")
+
+
 def test_exceptions_replace_a_range_only():
     ex = split_master.Exceptions()
     ex.set(0, (torch.tensor([1, 5, 9]), torch.tensor([10, 50, 90], dtype=torch.int32)))
@@ -78,8 +86,8 @@ class _TieNorm(torch.nn.LayerNorm):
 
 
 def _train(preset: str, tmp_path, split: bool, monkeypatch, steps: int = 4):
-    if not split:
-        monkeypatch.setattr(construction, "use_split_master", lambda *a: False)
+    # host tiers keep a separate master by default; the split path is the same code there
+    monkeypatch.setattr(construction, "use_split_master", lambda *a: split)
     (tmp_path / f"swap-{split}").mkdir()
     cfg = infinity.load_config(preset, overrides={"tiers": {"nvme_path": str(tmp_path / f"swap-{split}")},
                                                   "partition": {"sub_group_size": 4096}})
