@@ -222,7 +222,7 @@ class Layout:
             sub = min(round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL),
                       max(t, SHARD_ALIGN_NUMEL))
             per = (8 if self.split_master else 0) + (FP32_BYTES if self.grad_bytes != FP32_BYTES else 0)
-            yield PlanRow("optimizer_subgroup_buffers", f"joined fp32 masters / widened gradients of the "
+            yield PlanRow("optimizer_scratch", f"joined fp32 masters / widened gradients of the "
                           f"sub-group being stepped ({per} bytes x {sub:,} elements)", "host", per * sub)
         if self.params_tier == "nvme" and self.structured:
             size = round_up(self.largest_shard * pb, NVME_ALIGN_BYTES)
