@@ -8,7 +8,10 @@ group may straddle two sub-groups. Master weights, ``exp_avg``, ``exp_avg_sq`` a
 the gradient accumulator each live as one flat tensor per sub-group in the
 optimizer tier, so the host Adam kernel runs on a few large flat tensors (about
 35% faster than on many small ones) and the NVMe traffic is a few large
-sequential transfers.
+sequential transfers. Two of them may be stored narrower and widened for the
+kernel: the master as the compute copy plus a 16-bit remainder ([Note: split
+master] in infinity/optim/split_master.py) and the gradient in the compute dtype
+([Note: compact gradients] in infinity/optim/compact_grads.py).
 
 [Note: pipelined sub-groups]
 ``OptimizerStateStore.sub_groups`` is the one pass over the sub-groups that every
