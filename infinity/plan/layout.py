@@ -190,7 +190,7 @@ class Layout:
                       f"{self.shard_numel:,} elements)", self.params_tier, nbytes)
         t = self.trainable_numel
         if self.split_master:
-            yield PlanRow("master", f"fp32 master params as compute copy + 16-bit remainder ({t:,} "
+            yield PlanRow("master", f"fp32 master params: 16-bit remainders beside the compute copy ({t:,} "
                           "trainable elements)", self.opt_tier, self.master_bytes * t)
         else:
             yield PlanRow("master", f"fp32 master params ({t:,} trainable elements)", self.opt_tier,
