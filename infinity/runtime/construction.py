@@ -28,7 +28,7 @@ from tiers.arena import Arena
 from tiers.host_alloc import trim_c_heap
 
 # Plan rows (infinity/plan/layout.py) that ``Partitioner.finish`` has yet to allocate.
-_NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_subgroup_buffers",
+_NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_subgroup_buffers", "optimizer_scratch",
                                 "nvme_staging", "prefetch_arena", "grad_staging", "compute_copy_staging",
                                 "activations", "activation_staging", "activation_prefetch"})
 
@@ -213,7 +213,7 @@ class Partitioner:
         bulk of its memory or disk is taken, with the numbers.
         """
         from infinity.plan import CensusGroup, ModelCensus, plan
-        from tiers.budget import Need, check_budget
+        from tiers.budget import BudgetError, Need, check_budget
 
         config = self.engine.config
         census = ModelCensus("model", tuple(
@@ -229,5 +229,10 @@ class Partitioner:
                 needs += [Need(row.what, "nvme", row.nbytes // len(paths), p) for p in paths]
             else:
                 needs.append(Need(row.what, row.tier, row.nbytes))
-        check_budget(needs, host_budget=config.tiers.host_budget,
-                     device=self.engine.device.device).raise_if_short()
+        short = check_budget(needs, host_budget=config.tiers.host_budget,
+                             device=self.engine.device.device).shortfalls()
+        if short:
+            per = the_plan.per_parameter()
+            raise BudgetError("the configured tiers do not fit:\n  " + "\n  ".join(short) +
+                              f"\n  (model states: {per['stored']:.2f} bytes per parameter element, "
+                              f"{per['stored_nvme']:.2f} of them on NVMe)")
