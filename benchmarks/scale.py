@@ -10,7 +10,9 @@ at the first size whose NVMe files would not fit in the free disk (bytes per
 parameter measured on the previous size, ``--disk-bytes-per-param`` before the
 first), above ``--max-params``, or at the first failure. For each size it reports
 the model states (fp32 master + Adam m, v + compute copy: 16 B/param) against the
-machine's RAM, the peak host RSS, the NVMe bytes used and the step time; at the end,
+machine's RAM, the peak host RSS, the NVMe bytes used (and per parameter), the NVMe
+bytes read and written per parameter in a steady step (the median over the steps after
+the first) and the step time; at the end,
 how much the peak RSS grew from the smallest to the largest size against how much
 the model states grew (flat RSS = the host holds only fixed-size buffers).
 ``--sizes 125M,1.3B,4B`` (presets or parameter counts) replaces the ladder;
@@ -77,7 +79,9 @@ def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
         r, s = result.report, result.report["summary"]
         nvme_peak = (s.get("tier_peak_bytes") or {}).get("nvme") or 0
         row.update(peak_rss_bytes=s["peak_rss_bytes"], nvme_peak_bytes=nvme_peak,
-                   nvme_bytes_per_param=nvme_peak / cfg.n_params, construct_seconds=r["construct_seconds"],
+                   nvme_bytes_per_param=nvme_peak / cfg.n_params,
+                   nvme_read_per_param_step=(s.get("io_read_bytes_per_step") or 0) / cfg.n_params,
+                   nvme_written_per_param_step=(s.get("io_write_bytes_per_step") or 0) / cfg.n_params, construct_seconds=r["construct_seconds"],
                    step_seconds=[st["seconds"] for st in r["steps"]], losses=[st["loss"] for st in r["steps"]],
                    rss_per_step=[st["rss_bytes"] for st in r["steps"]],
                    peak_rss_build_bytes=r["peak_rss_after_build_bytes"],
@@ -89,7 +93,7 @@ def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = ("size", "layers x d", "params", "states", "states/RAM", "peak RSS", "RSS/RAM", "peak in build",
-            "NVMe used", "build s", "step s", "loss", "status")
+            "NVMe used", "NVMe B/param", "NVMe r+w B/param/step", "build s", "step s", "loss", "status")
     ram = psutil.virtual_memory().total
     out = []
     for r in rows:
@@ -100,6 +104,9 @@ def table(rows: list[dict]) -> str:
                     f"{r['peak_rss_bytes'] / ram:.3f}" if ok else "-",
                     format_bytes(r["peak_rss_build_bytes"]) if ok else "-",
                     format_bytes(r["nvme_peak_bytes"]) if ok else "-",
+                    f"{r['nvme_bytes_per_param']:.2f}" if ok else "-",
+                    (f"{r['nvme_read_per_param_step']:.1f}+{r['nvme_written_per_param_step']:.1f}="
+                     f"{r['nvme_read_per_param_step'] + r['nvme_written_per_param_step']:.1f}") if ok else "-",
                     f"{r['construct_seconds']:.1f}" if ok else "-",
                     f"{r['step_seconds'][-1]:.1f}" if ok else "-",
                     " > ".join(f"{x:.3f}" for x in r["losses"]) if ok else "-",

@@ -46,6 +46,7 @@ from infinity.checkpoint.manifest import STATE_FILES, dtype_of, itemsize, read_s
 from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, plan_shards
 from infinity.checkpoint.stream import Run, StreamIO, read_runs
 from infinity.checkpoint.writer import check_ready, model_buffers, names_by_param
+from infinity.optim.split_master import MasterLoad
 
 _F32 = 4
 
@@ -195,7 +196,8 @@ class _Verified:
     def __init__(self, engine, model: nn.Module, opt, saved: SavedCheckpoint) -> None:
         self.engine, self.opt, self.saved = engine, opt, saved
         manifest = saved.manifest
-        self.fills, self.files, self.runs = _plan(engine, model, saved)
+        self.master_load = MasterLoad(engine.store) if engine.store.split is not None else None
+        self.fills, self.files, self.runs = _plan(engine, model, saved, self.master_load)
         self.buffers = model_buffers(model)
         _check_buffers(manifest, self.buffers)
         with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
@@ -222,8 +224,15 @@ class _Verified:
         engine = self.engine
         coordinator, store, layout = engine.coordinator, engine.store, engine.layout
         with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
-            read_runs(io, self.files, self.runs)
-            _fill_zeros(io, coordinator, store, layout, self.fills)
+            try:
+                read_runs(io, self.files, self.runs)
+                _fill_zeros(io, coordinator, store, layout, self.fills, self.master_load)
+            except BaseException:
+                if self.master_load is not None:
+                    self.master_load.abandon()
+                raise
+        if self.master_load is not None:
+            self.master_load.finish()     # after the params file: the copies are the masters' rounding
         store.moments_initialized = True
         if self.opt is not None:
             self.opt.zero_grad()
@@ -236,7 +245,7 @@ class _Verified:
         return self.extra
 
 
-def _plan(engine, model: nn.Module, saved: SavedCheckpoint):
+def _plan(engine, model: nn.Module, saved: SavedCheckpoint, master_load=None):
     """The fills, the source files and the runs (with their destinations) that load this rank's shards."""
     manifest = saved.manifest
     ranks = engine.ranks
@@ -267,11 +276,18 @@ def _plan(engine, model: nn.Module, saved: SavedCheckpoint):
             src = source(m.src_rank, state)
             for sub, within, n, rel in _sub_pieces(layout, flat, m.numel):
                 runs.append(Run(src, (m.src_elem + rel) * _F32, n * _F32,
-                                _StateDest(store.tier, store.keys[state][sub], within * _F32)))
+                                _state_dest(store, master_load, state, sub, within)))
     return fills, files, runs
 
 
-def _fill_zeros(io, coordinator, store, layout, fills) -> None:
+def _state_dest(store, master_load, state: str, sub: int, within: int):
+    """Where fp32 bytes of ``state`` for elements from ``within`` of sub-group ``sub`` land."""
+    if state == "master" and master_load is not None:
+        return master_load.dest(sub, within * _F32)
+    return _StateDest(store.tier, store.keys[state][sub], within * _F32)
+
+
+def _fill_zeros(io, coordinator, store, layout, fills, master_load=None) -> None:
     """Padding of the new shards (no parameter covers it) is zero, as at partitioning."""
     zeros = io.zeros
     futures = []
@@ -284,7 +300,7 @@ def _fill_zeros(io, coordinator, store, layout, fills) -> None:
             flat = layout.group_starts[fill.group] + fill.dst_elem + start
             for state in STATE_FILES[1:]:
                 for sub, within, m, rel in _sub_pieces(layout, flat, n):
-                    futures.append(store.tier.write(store.keys[state][sub], zeros[:m * _F32], within * _F32))
+                    futures.append(_state_dest(store, master_load, state, sub, within).write(0, zeros[:m * _F32]))
         if len(futures) > 64:
             for fut in futures:
                 fut.wait()

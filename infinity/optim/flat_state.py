@@ -8,7 +8,10 @@ group may straddle two sub-groups. Master weights, ``exp_avg``, ``exp_avg_sq`` a
 the gradient accumulator each live as one flat tensor per sub-group in the
 optimizer tier, so the host Adam kernel runs on a few large flat tensors (about
 35% faster than on many small ones) and the NVMe traffic is a few large
-sequential transfers.
+sequential transfers. Two of them may be stored narrower and widened for the
+kernel: the master as the compute copy plus a 16-bit remainder ([Note: split
+master] in infinity/optim/split_master.py) and the gradient in the compute dtype
+([Note: compact gradients] in infinity/optim/compact_grads.py).
 
 [Note: pipelined sub-groups]
 ``OptimizerStateStore.sub_groups`` is the one pass over the sub-groups that every
@@ -30,6 +33,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from infinity.optim import compact_grads, split_master
 from tiers.base import wait_quietly
 
 STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
@@ -116,17 +120,31 @@ class OptimizerStateStore:
     datapath:
         Moves and books the tier transfers (``infinity.runtime.datapath.DataPath``); None:
         the tier's own reads and writes, unbooked (tests of the store alone).
+    copies:
+        ``infinity.optim.split_master.CopyAccess`` to store each master as its bf16 compute copy
+        plus a 16-bit remainder (see [Note: split master] in infinity/optim/split_master.py), or
+        None: a separate fp32 master.
+    grad_dtype:
+        The dtype the gradient keys start in: fp32, or the compute dtype until micro-batches
+        accumulate (see [Note: compact gradients] in infinity/optim/compact_grads.py).
     """
 
     def __init__(self, tier, layout: FlatLayout, allocator=None, *, defer_states: bool = False,
-                 datapath=None) -> None:
+                 datapath=None, copies=None, grad_dtype: torch.dtype = torch.float32) -> None:
         self.tier = tier
         self.io = datapath if datapath is not None else _Unbooked()
         self.layout = layout
         self.in_place = hasattr(tier, "view")
+        self.grad_dtype = grad_dtype
         # Where gradient shards must arrive: the tier's device for in-place tiers, else the host.
         self.device = getattr(tier, "device", torch.device("cpu"))
-        self.keys = {"master": self._allocate("master")}
+        # The masters split into compute copy and remainder (see [Note: split master]), or None.
+        self.split = None
+        if copies is not None:
+            self.keys = {"remainder": self._allocate("remainder", split_master.REMAINDER_ITEMSIZE)}
+            self.split = split_master.SplitMasters(copies, layout, tier, self.io, self.keys["remainder"])
+        else:
+            self.keys = {"master": self._allocate("master")}
         self.moments_initialized = False
         self.grad_written: set[int] = set()
         # What arrived since zero_grad, and the running norm (``GradientBook``, kept on the compute
@@ -134,15 +152,30 @@ class OptimizerStateStore:
         self.book = None
         self._pending_writes: list = []
         self._buffers = None
+        n = layout.sub_group_size
+        empty = allocator.empty if allocator is not None else (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
         if not self.in_place:
-            n = layout.sub_group_size
-            self._buffers = [{s: allocator.empty(n * _F32).view(torch.float32) for s in STATES}
+            self._buffers = [{s: empty(n * _F32).view(torch.float32) for s in STATES}
                              for _ in range(2)]
+        elif copies is not None:    # the joined masters of the sub-group being stepped
+            self._buffers = [{"master": empty(n * _F32).view(torch.float32)}]
+        if copies is not None:
+            for bufs in self._buffers:
+                bufs["copy"] = empty(n * 2).view(torch.bfloat16)
+                bufs["remainder"] = empty(n * 2).view(torch.int16)
+        if grad_dtype != torch.float32:     # a compact gradient sub-group, widened into "grad"
+            if self._buffers is None:
+                self._buffers = [{}]
+            if self.in_place:
+                self._buffers[0]["grad"] = empty(n * _F32).view(torch.float32)
+            else:
+                for bufs in self._buffers:
+                    bufs["grad_compact"] = empty(n * compact_grads.itemsize(grad_dtype)).view(grad_dtype)
         if not defer_states:
             self.allocate_states()
 
-    def _allocate(self, state: str) -> list[int]:
-        return [self.tier.allocate(n * _F32, tag=f"{state}:sub{i}")
+    def _allocate(self, state: str, itemsize: int = _F32) -> list[int]:
+        return [self.tier.allocate(n * itemsize, tag=f"{state}:sub{i}")
                 for i, (_, n) in enumerate(self.layout.sub_ranges)]
 
     def allocate_states(self) -> None:
@@ -153,8 +186,9 @@ class OptimizerStateStore:
         freed space is reused for the moments instead of leaving holes the size of the
         masters in the swap files.
         """
-        for s in (*MOMENTS, "grad"):
+        for s in MOMENTS:
             self.keys[s] = self._allocate(s)
+        self.keys["grad"] = self._allocate("grad", compact_grads.itemsize(self.grad_dtype))
         if self.in_place:
             for s in (*MOMENTS, "grad"):
                 for i in range(self.layout.num_subs):
@@ -163,14 +197,18 @@ class OptimizerStateStore:
 
     # -- access ---------------------------------------------------------------------------------
     def view(self, state: str, sub: int) -> torch.Tensor:
-        """The in-place fp32 view of one state of one sub-group (host tier only)."""
-        return self.tier.view(self.keys[state][sub]).view(torch.float32)
+        """The in-place view of one state of one sub-group (host tier only): fp32, gradients in ``grad_dtype``."""
+        return self.tier.view(self.keys[state][sub]).view(self.grad_dtype if state == "grad" else torch.float32)
 
     def write_master_shard(self, group_index: int, fp32_shard: torch.Tensor) -> None:
-        """Set the master weights of one group (initial values, resharded loads)."""
+        """Set the master weights of one group (initial values, resharded loads); split masters
+        also write the group's compute copy, their rounding."""
         for piece in self.layout.pieces_of_group[group_index]:
             src = fp32_shard[piece.group_offset:piece.group_offset + piece.numel]
-            self._write(("master", piece), src)
+            if self.split is None:
+                self._write(("master", piece), src)
+            else:
+                self._pending_writes.extend(self.split.write_piece(piece, src))
         self.flush()
 
     def read_state_shard(self, state: str, group_index: int) -> torch.Tensor:
@@ -179,16 +217,28 @@ class OptimizerStateStore:
         out = torch.empty(self.layout.shard_numels[group_index], dtype=torch.float32)
         for piece in self.layout.pieces_of_group[group_index]:
             dst = out[piece.group_offset:piece.group_offset + piece.numel]
-            if state in MOMENTS and not self.moments_initialized:
+            if state == "master" and self.split is not None:
+                self.split.read_piece(piece, dst)
+            elif state in MOMENTS and not self.moments_initialized:
                 dst.zero_()
             elif state == "grad" and group_index not in self.grad_written:
                 dst.zero_()
+            elif state == "grad" and self.grad_dtype != torch.float32:
+                compact = torch.empty(piece.numel, dtype=self.grad_dtype)
+                self.io.read(self.tier, self.keys[state][piece.sub_index], compact,
+                             offset=piece.sub_offset * compact.element_size()).wait()
+                dst.copy_(compact)
             else:
                 self.io.read(self.tier, self.keys[state][piece.sub_index], dst,
                                offset=piece.sub_offset * _F32).wait()
         return out
 
     def write_state_shard(self, state: str, group_index: int, values: torch.Tensor) -> None:
+        if state == "master":
+            self.write_master_shard(group_index, values)
+            return
+        if state == "grad":
+            compact_grads.widen(self)   # edited gradients (clip_grad_value_) need not fit the compute dtype
         for piece in self.layout.pieces_of_group[group_index]:
             self._write((state, piece), values[piece.group_offset:piece.group_offset + piece.numel])
         if state in MOMENTS:
@@ -198,7 +248,8 @@ class OptimizerStateStore:
     def _write(self, where, src: torch.Tensor):
         state, piece = where
         src = src.contiguous()
-        fut = self.io.write(self.tier, self.keys[state][piece.sub_index], src, offset=piece.sub_offset * _F32)
+        fut = self.io.write(self.tier, self.keys[state][piece.sub_index], src,
+                            offset=piece.sub_offset * src.element_size())
         self._pending_writes.append((fut, src))
         # Gradient shards arrive throughout backward: keep only unfinished writes (and
         # their source tensors) referenced, and at most _MAX_PENDING_BYTES of them.
@@ -223,6 +274,8 @@ class OptimizerStateStore:
         it unchanged until they are done.
         """
         first = group_index not in self.grad_written
+        if not first:
+            compact_grads.widen(self)   # micro-batches accumulate: in fp32 from now on
         futures = []
         for piece in self.layout.pieces_of_group[group_index]:
             src = shard_grad[piece.group_offset:piece.group_offset + piece.numel]
@@ -230,7 +283,7 @@ class OptimizerStateStore:
                 dst = self.view("grad", piece.sub_index)[piece.sub_offset:piece.sub_offset + piece.numel]
                 dst.copy_(src) if first else dst.add_(src)
             elif first:
-                futures.append(self._write(("grad", piece), src.float()))
+                futures.append(self._write(("grad", piece), src.to(self.grad_dtype)))
             else:
                 self.flush()  # this group's earlier writes must land before read-add-write
                 old = torch.empty(piece.numel, dtype=torch.float32)
@@ -245,7 +298,7 @@ class OptimizerStateStore:
         ``[(shard offset, numel, accumulator view)]`` per piece, or None (it must go through
         ``accumulate_grad``: not in host or device memory, another dtype, or a second micro-batch).
         The caller fills the views; the group counts as written from here on."""
-        if dtype != torch.float32:
+        if dtype != self.grad_dtype:
             return None
         return self.first_grad_views(group_index)
 
@@ -311,9 +364,25 @@ class OptimizerStateStore:
         writes: list = []
         try:
             for sub in subs:
-                st = {s: self.view(s, sub) for s in ("master", *MOMENTS)}
-                st["grad"] = self.tier.view(grad_keys[sub]).view(torch.float32)
+                st = {s: self.view(s, sub) for s in MOMENTS}
+                numel = self.layout.sub_ranges[sub][1]
+                st["grad"] = self.tier.view(grad_keys[sub]).view(self.grad_dtype)[:numel]
+                if self.grad_dtype != torch.float32:
+                    st["grad"] = self._buffers[0]["grad"][:numel].copy_(st["grad"])
+                if self.split is None:
+                    st["master"] = self.view("master", sub)
+                    yield sub, st, writes
+                    continue
+                bufs = self._buffers[0]
+                remainder = self.tier.view(self.keys["remainder"][sub]).view(torch.int16)[:numel]
+                for fut in self.split.read_copies(sub, bufs["copy"]):
+                    fut.wait()
+                st["master"] = split_master.join(bufs["copy"][:numel], remainder, self.split.exceptions.get(sub),
+                                                 bufs["master"][:numel])
                 yield sub, st, writes
+                for fut, _ in writes:   # the caller's writes may read the joined masters
+                    fut.wait()
+                self.split.exceptions.set(sub, split_master.split(st["master"], bufs["copy"][:numel], remainder))
         except BaseException:
             wait_quietly(f for f, _ in writes)
             raise
@@ -340,6 +409,11 @@ class OptimizerStateStore:
                     buf.zero_()
                 elif s == "grad" and not changed[sub]:
                     continue
+                elif s == "grad" and self.grad_dtype != torch.float32:
+                    reads[slot].append(io.read(tier, grad_keys[sub], bufs[slot]["grad_compact"][:numel]))
+                elif s == "master" and self.split is not None:
+                    reads[slot].extend(self.split.read_copies(sub, bufs[slot]["copy"]))
+                    reads[slot].append(io.read(tier, self.keys["remainder"][sub], bufs[slot]["remainder"][:numel]))
                 else:
                     key = grad_keys[sub] if s == "grad" else self.keys[s][sub]
                     reads[slot].append(io.read(tier, key, buf))
@@ -355,8 +429,16 @@ class OptimizerStateStore:
                     issue_reads(i + 1)
                 numel = layout.sub_ranges[sub][1]
                 st = {s: bufs[slot][s][:numel] for s in STATES}
+                if self.grad_dtype != torch.float32 and changed[sub]:
+                    st["grad"].copy_(bufs[slot]["grad_compact"][:numel])
+                if self.split is not None:
+                    copy, remainder = bufs[slot]["copy"][:numel], bufs[slot]["remainder"][:numel]
+                    split_master.join(copy, remainder, self.split.exceptions.get(sub), st["master"])
                 yield sub, st, writes[slot]
-                for s in ("master", *MOMENTS):
+                if self.split is not None:
+                    self.split.exceptions.set(sub, split_master.split(st["master"], copy, remainder))
+                    writes[slot].append((io.write(tier, self.keys["remainder"][sub], remainder), remainder))
+                for s in MOMENTS if self.split is not None else ("master", *MOMENTS):
                     writes[slot].append((io.write(tier, self.keys[s][sub], st[s]), st[s]))
         except BaseException:
             wait_quietly([f for slot in reads for f in slot] + [f for slot in writes for f, _ in slot])

@@ -12,12 +12,17 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   (the background step writes them while the next iteration uses the published set,
   ``infinity/optim/background.py``).
 * fp32 master, Adam m and v, fp32 gradient accumulator of the trainable shards:
-  ``tiers.optimizer``.
+  ``tiers.optimizer``. In bf16 with params and optimizer both on NVMe the master is stored as the compute copy plus a 2-byte remainder ([Note: split master] in
+  infinity/optim/split_master.py); in bf16/fp16 with the optimizer in host memory or on NVMe and
+  no DPU the gradients are stored in the compute dtype ([Note: compact gradients] in
+  infinity/optim/compact_grads.py; the plan assumes one micro-batch per step).
 * when anything is on NVMe: the I/O buffer pool (``tiers.pool_buffers`` x
   ``tiers.pool_buffer_size``) in host memory.
 * when the optimizer is on NVMe: its sub-group pipeline buffers in host memory: 4 fp32 buffers
   (master, m, v, gradient) of one sub-group, double buffered (one sub-group stepped while the
-  next is read). A sub-group is ``partition.sub_group_size`` elements rounded up to the shard
+  next is read), plus the compute copy and remainder (split masters) and the compact gradient
+  they are read into. In host memory, split masters and compact gradients are joined and
+  widened into one sub-group's fp32 buffers. A sub-group is ``partition.sub_group_size`` elements rounded up to the shard
   alignment, but never more than the rank's whole shard (``infinity/optim/flat_state.py``).
 * when params are on NVMe: aligned host staging buffers demand reads land in (3 buffers of the
   largest shard, ``infinity/runtime/shards.py``, [Note: staging buffers]) and, when prefetching, the
@@ -64,7 +69,10 @@ again in backward (persistent groups once: they are re-gathered after the update
 held by several modules, a tied weight, is read once per holder in forward); gradients
 are written as they are reduce-scattered; one pass over the optimizer's sub-groups reads master,
 m, v and gradient and writes master, m, v and the new compute copy (frozen groups are not
-rewritten). With the overlapped step (``dpu.overlap`` without DPU, params on NVMe, prefetching
+rewritten). Split masters read the compute copy and the remainder (2 + 2 bytes) and write the
+remainder; compact gradients are written and read in the compute dtype. bf16 on NVMe, one
+micro-batch: 2 + 2 (forward, backward) + 2 (gradients) + 14 (copy, remainder, m, v, gradient)
++ 12 (remainder, m, v, copy) = 32 bytes per parameter and step, before fresh shards. With the overlapped step (``dpu.overlap`` without DPU, params on NVMe, prefetching
 on), the next forward takes up to ``prefetch.nvme_bytes`` of the rewritten compute copies from
 host memory instead of reading them back ([Note: fresh shards] in infinity/prefetch/fresh_shards.py): the
 plan subtracts min(``prefetch.nvme_bytes``, rewritten bytes) from the reads. That is the floor
@@ -155,6 +163,12 @@ class Layout:
                 self.largest_name, self.largest_numel = group.name, padded
         if not census.structured:
             self.largest_trainable_numel = 0
+        # See [Note: split master] in infinity/optim/split_master.py and [Note: compact gradients]
+        # in infinity/optim/compact_grads.py: the engine's own rules, so plan and run agree.
+        self.split_master = cfg.precision.dtype == "bfloat16" and self.params_tier == self.opt_tier == "nvme"
+        self.grad_bytes = (param_bytes if cfg.precision.dtype in ("bfloat16", "float16")
+                           and self.opt_tier in ("host", "nvme") and not cfg.dpu.enabled else FP32_BYTES)
+        self.master_bytes = 2 if self.split_master else FP32_BYTES
 
     @property
     def grad_staging_nbytes(self) -> int:
@@ -177,11 +191,18 @@ class Layout:
         yield PlanRow("compute_copy", f"compute copy of params ({dtype}, "
                       f"{self.shard_numel:,} elements)", self.params_tier, nbytes)
         t = self.trainable_numel
-        yield PlanRow("master", f"fp32 master params ({t:,} trainable elements)", self.opt_tier,
-                      FP32_BYTES * t)
+        if self.split_master:
+            yield PlanRow("master", f"fp32 master params: 16-bit remainders beside the compute copy ({t:,} "
+                          "trainable elements)", self.opt_tier, self.master_bytes * t)
+        else:
+            yield PlanRow("master", f"fp32 master params ({t:,} trainable elements)", self.opt_tier,
+                          FP32_BYTES * t)
         yield PlanRow("adam_moments", "Adam m and v (fp32)", self.opt_tier, 2 * FP32_BYTES * t)
-        yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier,
-                      FP32_BYTES * t)
+        if self.grad_bytes == FP32_BYTES:
+            yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier, FP32_BYTES * t)
+        else:
+            yield PlanRow("grad_accumulator", f"gradient shards ({dtype}; fp32, 4 bytes, once micro-batches "
+                          "accumulate)", self.opt_tier, self.grad_bytes * t)
         if cfg.dpu.enabled and t:
             yield PlanRow("dpu_grad_accumulator", "second fp32 gradient accumulator (DPU)",
                           self.opt_tier, FP32_BYTES * t)
@@ -195,8 +216,16 @@ class Layout:
         if self.opt_tier == "nvme" and t:
             sub = min(round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL),
                       max(t, SHARD_ALIGN_NUMEL))
+            extra = (4 if self.split_master else 0) + (self.grad_bytes if self.grad_bytes != FP32_BYTES else 0)
             yield PlanRow("optimizer_subgroup_buffers", f"optimizer sub-group buffers (2 sets x "
-                          f"4 fp32 x {sub:,} elements)", "host", 2 * 4 * FP32_BYTES * sub)
+                          f"({4 * FP32_BYTES + extra} bytes) x {sub:,} elements)", "host",
+                          2 * (4 * FP32_BYTES + extra) * sub)
+        elif self.opt_tier == "host" and t and (self.split_master or self.grad_bytes != FP32_BYTES):
+            sub = min(round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL),
+                      max(t, SHARD_ALIGN_NUMEL))
+            per = (8 if self.split_master else 0) + (FP32_BYTES if self.grad_bytes != FP32_BYTES else 0)
+            yield PlanRow("optimizer_scratch", f"joined fp32 masters / widened gradients of the "
+                          f"sub-group being stepped ({per} bytes x {sub:,} elements)", "host", per * sub)
         if self.params_tier == "nvme" and self.structured:
             size = round_up(self.largest_shard * pb, NVME_ALIGN_BYTES)
             yield PlanRow("nvme_staging", f"NVMe demand-read staging ({STAGING_BUFFERS} x "
@@ -272,15 +301,18 @@ class Layout:
                 and self.structured):
             total -= min(int(cfg.prefetch.nvme_bytes), self.rewrite_nvme)   # fresh shards
         if self.opt_tier == "nvme":
-            total += 4 * FP32_BYTES * self.trainable_numel  # master, m, v, gradient
+            # master (or compute copy + remainder), m, v, gradient
+            total += (self.master_bytes + 2 * FP32_BYTES + self.grad_bytes) * self.trainable_numel
+            if self.split_master:
+                total += self.pb * self.trainable_numel     # the compute copies the masters are joined from
         return total
 
     def nvme_write_bytes(self) -> int:
         """Bytes one rank writes to NVMe per step (see [Note: NVMe traffic per step])."""
         total = 0
         if self.opt_tier == "nvme":
-            total += FP32_BYTES * self.trainable_numel  # gradients, as reduce-scattered
-            total += 3 * FP32_BYTES * self.trainable_numel  # master, m, v
+            total += self.grad_bytes * self.trainable_numel  # gradients, as reduce-scattered
+            total += (self.master_bytes + 2 * FP32_BYTES) * self.trainable_numel  # master (remainder), m, v
         if self.params_tier == "nvme":
             total += self.rewrite_nvme
         return total

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Short names for budget messages, which join every need of one resource in a sentence.
+# The rows that hold model states (the rest are buffers and transient memory).
+STATE_ROWS = ("compute_copy", "master", "adam_moments", "grad_accumulator", "dpu_grad_accumulator",
+              "dpu_compute_copy")
 NEED_LABELS = {
     "compute_copy": "params (compute copy)",
     "master": "fp32 master",
@@ -192,6 +195,18 @@ class Plan:
             raise PlanError(f"tier must be one of {list(TIERS)}, got {tier!r}")
         return sum(row.nbytes for row in self.rows if row.tier == tier)
 
+    def per_parameter(self) -> dict[str, float]:
+        """Bytes per parameter element of one rank's shards (padding included, as the engine's
+        ``infinity.stats(model)["transfers"]["per_parameter"]`` counts them): ``stored`` (the model
+        states in every tier: compute copy, master, moments, gradients), ``stored_nvme`` (of which on
+        NVMe), and ``nvme_read`` / ``nvme_written`` in one step."""
+        numel = max(1, self.shards.shard_numel)
+        states = [row for row in self.rows if row.key in STATE_ROWS]
+        return {"stored": sum(r.nbytes for r in states) / numel,
+                "stored_nvme": sum(r.nbytes for r in states if r.tier == "nvme") / numel,
+                "nvme_read": self.nvme_read_bytes / numel,
+                "nvme_written": self.nvme_write_bytes / numel}
+
     def row(self, key: str) -> PlanRow | None:
         """The row with this key, or None when the config makes it unnecessary."""
         return next((row for row in self.rows if row.key == key), None)
@@ -302,6 +317,7 @@ class Plan:
                 for r in self.rows
             ],
             "tier_bytes": {tier: self.tier_bytes(tier) for tier in TIERS},
+            "per_parameter": self.per_parameter(),
             "nvme_read_bytes_per_step": self.nvme_read_bytes,
             "nvme_write_bytes_per_step": self.nvme_write_bytes,
             "host_to_device_bytes_per_step": self.host_to_device_bytes,

@@ -48,6 +48,12 @@ def render_plan(plan) -> str:
         f"NVMe traffic per step, per rank: read {format_gib(plan.nvme_read_bytes)} GiB, "
         f"write {format_gib(plan.nvme_write_bytes)} GiB"
     )
+    per = plan.per_parameter()
+    lines.append(
+        f"Bytes per parameter: stored {per['stored']:.2f} ({per['stored_nvme']:.2f} on NVMe); NVMe per step "
+        f"read {per['nvme_read']:.2f} + written {per['nvme_written']:.2f} = "
+        f"{per['nvme_read'] + per['nvme_written']:.2f}"
+    )
     lines.append(
         f"Host<->device traffic per step, per rank: to the device {format_gib(plan.host_to_device_bytes)} GiB, "
         f"to the host {format_gib(plan.device_to_host_bytes)} GiB"

@@ -22,13 +22,15 @@ import torch
 from torch import nn
 
 from infinity.errors import EngineError
+from infinity.optim.compact_grads import grad_dtype_for
 from infinity.optim.flat_state import FlatLayout, OptimizerStateStore
+from infinity.optim.split_master import CopyAccess, use_split_master
 from infinity.param_group import ParamGroup, ParamState
 from tiers.arena import Arena
 from tiers.host_alloc import trim_c_heap
 
 # Plan rows (infinity/plan/layout.py) that ``Partitioner.finish`` has yet to allocate.
-_NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_subgroup_buffers",
+_NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_subgroup_buffers", "optimizer_scratch",
                                 "nvme_staging", "prefetch_arena", "grad_staging", "compute_copy_staging",
                                 "activations", "activation_staging", "activation_prefetch"})
 
@@ -159,8 +161,13 @@ class Partitioner:
             g.persistent = whole or g.numel < threshold
         self._check_budget()
         layout = FlatLayout([g.shard_numel for g in self.coordinator.groups], config.partition.sub_group_size)
+        copies = None
+        if use_split_master(self.coordinator.dtype, self.tiers.params.kind, self.tiers.optimizer.kind):
+            copies = CopyAccess(self.coordinator.shards, self.coordinator.groups)
         store = OptimizerStateStore(self.tiers.optimizer, layout, self.tiers.allocator, defer_states=True,
-                                    datapath=self.engine.datapath)
+                                    datapath=self.engine.datapath, copies=copies,
+                                    grad_dtype=grad_dtype_for(self.coordinator.dtype, self.tiers.optimizer.kind,
+                                                              config.dpu.enabled))
         for g in self.coordinator.groups:
             key = self._master_keys.pop(g)
             with self._scratch.take(4 * g.shard_numel, f"master {g.name}") as loan:
@@ -230,7 +237,7 @@ class Partitioner:
         bulk of its memory or disk is taken, with the numbers.
         """
         from infinity.plan import CensusGroup, ModelCensus, plan
-        from tiers.budget import Need, check_budget
+        from tiers.budget import BudgetError, Need, check_budget
 
         config = self.engine.config
         census = ModelCensus("model", tuple(
@@ -246,5 +253,10 @@ class Partitioner:
                 needs += [Need(row.what, "nvme", row.nbytes // len(paths), p) for p in paths]
             else:
                 needs.append(Need(row.what, row.tier, row.nbytes))
-        check_budget(needs, host_budget=config.tiers.host_budget,
-                     device=self.engine.device.device).raise_if_short()
+        short = check_budget(needs, host_budget=config.tiers.host_budget,
+                             device=self.engine.device.device).shortfalls()
+        if short:
+            per = the_plan.per_parameter()
+            raise BudgetError("the configured tiers do not fit:\n  " + "\n  ".join(short) +
+                              f"\n  (model states: {per['stored']:.2f} bytes per parameter element, "
+                              f"{per['stored_nvme']:.2f} of them on NVMe)")

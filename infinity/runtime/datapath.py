@@ -25,8 +25,9 @@ the CPU in every CI run (see [Note: the transfer ledger]).
 ``infinity.stats(model)["transfers"]`` is the ledger of the last complete step:
 ``host_to_device``, ``device_to_host``, ``nvme_to_host``, ``host_to_nvme`` (each
 ``{"copies": n, "bytes": n}``), ``unpooled`` (host<->device copies whose host side is
-not allocator memory), ``host_waits`` by phase, and ``per_parameter_calls`` (engine
-calls made once per parameter rather than once per group or bucket). Which side of a
+not allocator memory), ``host_waits`` by phase, ``per_parameter_calls`` (engine
+calls made once per parameter rather than once per group or bucket), and ``per_parameter``:
+bytes stored and moved to and from NVMe per element of the rank's shards (``with_per_parameter``). Which side of a
 copy is "host" is the role of the memory, not its torch device: on the CPU the
 compute device's buffers (gathered groups, gradient buckets) count as device memory
 and the tiers' host memory as host memory, as they would on a GPU.
@@ -114,6 +115,20 @@ class TransferLedger(StepLedger):
     def current(self) -> dict:
         with self._lock:
             return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._current.items()}
+
+
+def with_per_parameter(last: dict | None, numel: int, tiers) -> dict | None:
+    """The ledger's ``last`` step with ``per_parameter`` added: bytes per element of this rank's shards
+    (padding included) ``stored`` by the parameter and optimizer tiers (``stored_nvme``: by NVMe), and
+    ``nvme_read`` / ``nvme_written`` in that step. ``infinity.plan``'s ``Plan.per_parameter`` predicts them."""
+    if last is None:
+        return None
+    numel = max(1, numel)
+    used = {id(t): t for t in (tiers.params, tiers.optimizer)}.values()
+    stored = {t.kind: t.stats()["bytes_in_use"] for t in used}
+    return dict(last, per_parameter={
+        "stored": sum(stored.values()) / numel, "stored_nvme": stored.get("nvme", 0) / numel,
+        "nvme_read": last["nvme_to_host"]["bytes"] / numel, "nvme_written": last["host_to_nvme"]["bytes"] / numel})
 
 
 class DataPath:

@@ -24,7 +24,7 @@ from infinity.param_group import ParamGroup, ParamState
 from infinity.prefetch import Prefetcher
 from infinity.runtime.activations import ActivationOffload
 from infinity.runtime.coordinator import Coordinator
-from infinity.runtime.datapath import DataPath
+from infinity.runtime.datapath import DataPath, with_per_parameter
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
 from infinity.runtime.grads import GradReducer
@@ -338,7 +338,9 @@ class Engine:
             "steps": list(self.step_stats),
             "prefetch": self.prefetcher.stats() if self.prefetcher is not None else None,
             "gathered_bytes_now": self.coordinator.available_nbytes(),
-            "transfers": self.datapath.ledger.last,
+            "transfers": with_per_parameter(self.datapath.ledger.last,
+                                            self.store.layout.total_numel if self.store is not None else 0,
+                                            self.tiers),
             "comm": self.ranks.comm.last,
             "gather_memory": self.coordinator.memory.stats(),
             "reduce_buckets": self.reducer.device_buckets.stats(),

@@ -34,6 +34,16 @@ def test_too_little_disk_says_how_much(tmp_path, monkeypatch):
             nn.Linear(64, 64)
 
 
+def test_too_little_disk_names_the_bytes_per_parameter(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 4096, 4096))
+    cfg = dict(_nvme_cfg(tmp_path), precision={"dtype": "bfloat16"})
+    # bf16 on NVMe: compute copy 2 + master remainder 2 + m, v 8 + bf16 gradient 2
+    with pytest.raises(BudgetError, match=r"model states: 14\.00 bytes per parameter element, 14\.00 of them on NVMe"):
+        with infinity.Init(cfg):
+            nn.Linear(64, 64)
+
+
 def test_too_little_host_memory_for_optimizer_states():
     # The first module that does not fit stops construction, naming the tier and budget.
     with pytest.raises((BudgetError, TierFullError), match="host.*budget"):

@@ -101,3 +101,28 @@ def test_plan_matches_the_tiers_after_training(tmp_path, params, optimizer, dtyp
         assert written == pytest.approx(p.nvme_write_bytes, rel=REL)
     else:
         assert p.nvme_read_bytes == p.nvme_write_bytes == 0
+
+
+@pytest.mark.parametrize("params, optimizer, stored", [("nvme", "nvme", 14), ("host", "host", 16)])
+def test_bytes_per_parameter_planned_and_measured_agree(tmp_path, params, optimizer, stored):
+    """Stored bytes and NVMe bytes read and written per parameter per step: the plan's figures and the
+    engine's (``infinity.stats(model)["transfers"]["per_parameter"]``) within 5%."""
+    cfg = _config(tmp_path, params, optimizer, "bfloat16")
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = Small()
+    opt = infinity.AdamW(model, lr=1e-3)
+    for _ in range(3):
+        model(torch.randint(0, 500, (2, 8))).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+    measured = infinity.stats(model)["transfers"]["per_parameter"]
+    planned = plan(Small(), cfg, check_fit=False).per_parameter()
+    infinity.release(model)
+    assert measured["stored"] == pytest.approx(planned["stored"], rel=0.05)
+    assert measured["stored_nvme"] == pytest.approx(planned["stored_nvme"], rel=0.05)
+    assert measured["nvme_read"] == pytest.approx(planned["nvme_read"], rel=0.05)
+    assert measured["nvme_written"] == pytest.approx(planned["nvme_written"], rel=0.05)
+    # bf16 compute, one micro-batch: compute copy 2 + master 2 (remainder, on NVMe) or 4 + m, v 8 + gradient 2
+    assert planned["stored"] == pytest.approx(stored, rel=0.05)

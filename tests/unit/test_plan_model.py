@@ -48,10 +48,12 @@ def test_host_params_nvme_optimizer_bf16(tmp_path):
         "compute_copy": ("host", 2 * 20_480),
         "master": ("nvme", 4 * 20_480),
         "adam_moments": ("nvme", 8 * 20_480),
-        "grad_accumulator": ("nvme", 4 * 20_480),
+        # One micro-batch per step: gradient shards stored in bf16, as they arrive.
+        "grad_accumulator": ("nvme", 2 * 20_480),
         "pool_buffers": ("host", 8 * 64 * MiB),
-        # The whole shard is smaller than a sub-group: 2 sets x 4 states x fp32 x 20,480.
-        "optimizer_subgroup_buffers": ("host", 2 * 4 * 4 * 20_480),
+        # The whole shard is smaller than a sub-group: 2 sets x (4 fp32 states + the bf16 gradient
+        # as read) x 20,480.
+        "optimizer_subgroup_buffers": ("host", 2 * (4 * 4 + 2) * 20_480),
         "working_set": ("device", 2 * 32_768),
         # fc1's gradient bucket, in bf16 as the gradients are, before its reduce-scatter.
         "working_set_grad": ("device", 2 * 2 * 32_768),   # two buckets of the largest
@@ -65,13 +67,13 @@ def test_host_params_nvme_optimizer_bf16(tmp_path):
         # norm (600 elements < 1000) stays gathered: 4,096 padded elements in bf16.
         "persistent_params": ("device", 2 * 4_096),
     }
-    assert p.tier_bytes("host") == 40_960 + 8 * 64 * MiB + 655_360 + 65_536 + 81_920
-    assert p.tier_bytes("nvme") == 16 * 20_480
-    # Optimizer pass: read master, m, v, grad; write grad (backward) + master, m, v.
-    assert p.nvme_read_bytes == 16 * 20_480
-    assert p.nvme_write_bytes == 16 * 20_480
-    # Both ranks share the disk: 2 x (327,680 B / 1 GB/s + 327,680 B / 2 GB/s).
-    assert p.step_time_lower_bound_s == pytest.approx(2 * (327_680 / 1e9 + 327_680 / 2e9))
+    assert p.tier_bytes("host") == 40_960 + 8 * 64 * MiB + 737_280 + 65_536 + 81_920
+    assert p.tier_bytes("nvme") == 14 * 20_480
+    # Optimizer pass: read master, m, v (4 + 8) and the bf16 grad (2); write grad (backward, 2) + master, m, v.
+    assert p.nvme_read_bytes == 14 * 20_480
+    assert p.nvme_write_bytes == 14 * 20_480
+    # Both ranks share the disk: 2 x (286,720 B / 1 GB/s + 286,720 B / 2 GB/s).
+    assert p.step_time_lower_bound_s == pytest.approx(2 * (286_720 / 1e9 + 286_720 / 2e9))
 
 
 def test_everything_on_nvme_fp32_stores_the_compute_copy_apart_from_the_master(tmp_path):

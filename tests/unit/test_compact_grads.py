@@ -1,0 +1,71 @@
+"""Gradients stored in the compute dtype while a step has one micro-batch: results unchanged, bytes halved.
+
+See [Note: compact gradients] in infinity/optim/compact_grads.py.
+"""
+import pytest
+import torch
+
+import infinity
+from infinity import registry
+from infinity.runtime import construction
+from tests.support.tiny_gpt import TinyGPT, batches
+
+
+def _train(preset: str, swap, compact: bool, accum: int, steps: int = 3, rank: int = 0, world: int = 1):
+    """Losses, final states and the store's gradient dtypes; ``compact`` False: fp32 keys as before."""
+    if not compact:
+        original = construction.grad_dtype_for
+        construction.grad_dtype_for = lambda *a: torch.float32
+    try:
+        cfg = infinity.load_config(preset, overrides={"tiers": {"nvme_path": str(swap)},
+                                                      "partition": {"sub_group_size": 4096}})
+        torch.manual_seed(0)
+        with infinity.Init(cfg):
+            model = TinyGPT(d=48)
+    finally:
+        if not compact:
+            construction.grad_dtype_for = original
+    store = registry.engine_of(model, "test").store
+    opt = infinity.AdamW(model, lr=1e-2)
+    losses, dtypes = [], [store.grad_dtype]
+    data = batches(steps * accum * world, 4)
+    for i in range(steps * accum):
+        x, y = data[i * world + rank]
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        if (i + 1) % accum == 0:
+            if i % 2 == 1:
+                infinity.clip_grad_norm_(model, 0.05)
+            opt.step()
+            opt.zero_grad()
+            dtypes.append(store.grad_dtype)
+    shards = opt.state_dict()["shards"]
+    infinity.release(model)
+    return losses, shards, dtypes
+
+
+def _same(a, b) -> None:
+    assert a[0] == b[0]
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        for x, y in zip(a[1][name], b[1][name]):
+            assert torch.equal(x.view(torch.int32), y.view(torch.int32)), name
+
+
+@pytest.mark.parametrize("preset", ["nvme", "offload-host"])
+def test_one_micro_batch_keeps_compute_dtype_gradients_and_the_same_results(preset, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    compact = _train(preset, tmp_path / "a", True, accum=1)
+    wide = _train(preset, tmp_path / "b", False, accum=1)
+    assert set(compact[2]) == {torch.bfloat16} and set(wide[2]) == {torch.float32}
+    _same(compact, wide)
+
+
+def test_accumulating_micro_batches_widen_to_fp32_exactly(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    compact = _train("nvme", tmp_path / "a", True, accum=2)
+    wide = _train("nvme", tmp_path / "b", False, accum=2)
+    assert compact[2][0] == torch.bfloat16 and set(compact[2][1:]) == {torch.float32}
+    _same(compact, wide)
