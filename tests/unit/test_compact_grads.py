@@ -2,6 +2,7 @@
 
 See [Note: compact gradients] in infinity/optim/compact_grads.py.
 """
+from copy import deepcopy
 import pytest
 import torch
 
@@ -40,7 +41,7 @@ def _train(preset: str, swap, compact: bool, accum: int, steps: int = 3, rank: i
             opt.step()
             opt.zero_grad()
             dtypes.append(store.grad_dtype)
-    shards = opt.state_dict()["shards"]
+    shards = deepcopy(opt.state_dict()["shards"])
     infinity.release(model)
     return losses, shards, dtypes
 

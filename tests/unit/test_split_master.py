@@ -2,6 +2,7 @@
 
 See [Note: split master] in infinity/optim/split_master.py.
 """
+from copy import deepcopy
 import pytest
 import torch
 
@@ -106,7 +107,7 @@ def _train(preset: str, tmp_path, split: bool, monkeypatch, steps: int = 4):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    state = opt.state_dict()["shards"]
+    state = deepcopy(opt.state_dict()["shards"])
     infinity.release(model)
     monkeypatch.undo()
     return losses, state
@@ -141,7 +142,7 @@ def test_checkpoints_save_load_and_consolidate_split_masters_exactly(tmp_path, m
     model(x, y).backward()
     opt.step()
     opt.zero_grad()
-    trained = opt.state_dict()["shards"]
+    trained = deepcopy(opt.state_dict()["shards"])
     engine = registry.engine_of(model, "test")
     assert engine.store.split.exceptions.count() > 0
     names = {id(p): n for n, p in model.named_parameters()}
