@@ -30,6 +30,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from infinity.optim.moments import MomentFormat
 from tiers.base import wait_quietly
 
 STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
@@ -116,11 +117,17 @@ class OptimizerStateStore:
     datapath:
         Moves and books the tier transfers (``infinity.runtime.datapath.DataPath``); None:
         the tier's own reads and writes, unbooked (tests of the store alone).
+    moment_format:
+        How Adam's m and v are stored (``infinity.optim.moments.MomentFormat``); None: fp32.
+        Compressed moments are raw bytes in their keys and buffers (see [Note: compressed
+        moments] in infinity/optim/moments.py); ``read_state_shard`` and ``write_state_shard``
+        decode and encode them.
     """
 
     def __init__(self, tier, layout: FlatLayout, allocator=None, *, defer_states: bool = False,
-                 datapath=None) -> None:
+                 datapath=None, moment_format: MomentFormat | None = None) -> None:
         self.tier = tier
+        self.moment_format = moment_format or MomentFormat()
         self.io = datapath if datapath is not None else _Unbooked()
         self.layout = layout
         self.in_place = hasattr(tier, "view")
@@ -136,13 +143,20 @@ class OptimizerStateStore:
         self._buffers = None
         if not self.in_place:
             n = layout.sub_group_size
-            self._buffers = [{s: allocator.empty(n * _F32).view(torch.float32) for s in STATES}
-                             for _ in range(2)]
+            self._buffers = [{s: allocator.empty(self._state_nbytes(s, n)).view(self._buffer_dtype(s))
+                              for s in STATES} for _ in range(2)]
         if not defer_states:
             self.allocate_states()
 
+    def _state_nbytes(self, state: str, numel: int) -> int:
+        return self.moment_format.nbytes(numel) if state in MOMENTS else numel * _F32
+
+    def _buffer_dtype(self, state: str) -> torch.dtype:
+        """fp32, or raw bytes for compressed moments."""
+        return torch.uint8 if state in MOMENTS and self.moment_format.compressed else torch.float32
+
     def _allocate(self, state: str) -> list[int]:
-        return [self.tier.allocate(n * _F32, tag=f"{state}:sub{i}")
+        return [self.tier.allocate(self._state_nbytes(state, n), tag=f"{state}:sub{i}")
                 for i, (_, n) in enumerate(self.layout.sub_ranges)]
 
     def allocate_states(self) -> None:
@@ -163,8 +177,9 @@ class OptimizerStateStore:
 
     # -- access ---------------------------------------------------------------------------------
     def view(self, state: str, sub: int) -> torch.Tensor:
-        """The in-place fp32 view of one state of one sub-group (host tier only)."""
-        return self.tier.view(self.keys[state][sub]).view(torch.float32)
+        """The in-place view of one state of one sub-group (host tier only): fp32, or the raw bytes of
+        compressed moments."""
+        return self.tier.view(self.keys[state][sub]).view(self._buffer_dtype(state))
 
     def write_master_shard(self, group_index: int, fp32_shard: torch.Tensor) -> None:
         """Set the master weights of one group (initial values, resharded loads)."""
@@ -183,6 +198,8 @@ class OptimizerStateStore:
                 dst.zero_()
             elif state == "grad" and group_index not in self.grad_written:
                 dst.zero_()
+            elif state in MOMENTS and self.moment_format.compressed:
+                dst.copy_(self.read_moments(state, piece.sub_index, piece.sub_offset, piece.sub_offset + piece.numel))
             else:
                 self.io.read(self.tier, self.keys[state][piece.sub_index], dst,
                                offset=piece.sub_offset * _F32).wait()
@@ -190,10 +207,37 @@ class OptimizerStateStore:
 
     def write_state_shard(self, state: str, group_index: int, values: torch.Tensor) -> None:
         for piece in self.layout.pieces_of_group[group_index]:
-            self._write((state, piece), values[piece.group_offset:piece.group_offset + piece.numel])
+            src = values[piece.group_offset:piece.group_offset + piece.numel]
+            if state in MOMENTS and self.moment_format.compressed:
+                self.write_moments(state, piece.sub_index, piece.sub_offset, src)
+            else:
+                self._write((state, piece), src)
         if state in MOMENTS:
             self.moments_initialized = True
         self.flush()
+
+    # -- compressed moments: decoded and encoded by whole blocks (pieces of shards start and end on
+    # multiples of 2048 elements, which whole blocks tile) --------------------------------------------
+    def read_moments(self, state: str, sub: int, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of one compressed moment of sub-group ``sub``, decoded to fp32."""
+        fmt, numel = self.moment_format, self.layout.sub_ranges[sub][1]
+        a0, b0 = fmt.covering(a, b, numel)
+        parts = []
+        for offset, nbytes in fmt.regions(numel, a0, b0):
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            self.io.read(self.tier, self.keys[state][sub], buf, offset=offset).wait()
+            parts.append(buf)
+        return fmt.decode(parts, state)[a - a0:b - a0]
+
+    def write_moments(self, state: str, sub: int, a: int, values: torch.Tensor) -> None:
+        """Encode fp32 ``values`` into elements [a, a + len) of one compressed moment of ``sub``
+        (a range of whole blocks, or one ending at the sub-group's end)."""
+        fmt, numel = self.moment_format, self.layout.sub_ranges[sub][1]
+        regions = fmt.regions(numel, a, a + values.numel())
+        parts = [torch.empty(nbytes, dtype=torch.uint8) for _, nbytes in regions]
+        fmt.encode(values.float(), parts, state)
+        for (offset, _), part in zip(regions, parts):
+            self.io.write(self.tier, self.keys[state][sub], part, offset=offset).wait()
 
     def _write(self, where, src: torch.Tensor):
         state, piece = where
@@ -292,7 +336,8 @@ class OptimizerStateStore:
 
     # -- the sub-group pipeline (see [Note: pipelined sub-groups]) ----------------------------------
     def sub_groups(self, grad_keys: Sequence[int], changed: Sequence[bool]) -> Iterator[tuple]:
-        """Yield ``(sub, {state: fp32 tensor}, writes)`` for each sub-group an update must visit.
+        """Yield ``(sub, {state: tensor}, writes)`` for each sub-group an update must visit (fp32
+        tensors; compressed moments as their raw bytes).
 
         ``grad_keys`` are the gradient keys of the update (DPU's may be the second set);
         ``changed[sub]`` says whether the update changes anything in ``sub``. The caller may
@@ -335,7 +380,7 @@ class OptimizerStateStore:
             numel = layout.sub_ranges[sub][1]
             reads[slot] = []
             for s in STATES:
-                buf = bufs[slot][s][:numel]
+                buf = bufs[slot][s][:numel if bufs[slot][s].dtype == torch.float32 else self._state_nbytes(s, numel)]
                 if s in MOMENTS and not moments_known:
                     buf.zero_()
                 elif s == "grad" and not changed[sub]:
@@ -354,7 +399,8 @@ class OptimizerStateStore:
                 if i + 1 < len(subs):
                     issue_reads(i + 1)
                 numel = layout.sub_ranges[sub][1]
-                st = {s: bufs[slot][s][:numel] for s in STATES}
+                st = {s: bufs[slot][s][:numel if bufs[slot][s].dtype == torch.float32 else self._state_nbytes(s, numel)]
+                      for s in STATES}
                 yield sub, st, writes[slot]
                 for s in ("master", *MOMENTS):
                     writes[slot].append((io.write(tier, self.keys[s][sub], st[s]), st[s]))

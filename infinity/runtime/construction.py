@@ -21,6 +21,7 @@ from torch import nn
 
 from infinity.errors import EngineError
 from infinity.optim.flat_state import FlatLayout, OptimizerStateStore
+from infinity.optim.moments import MomentFormat
 from infinity.param_group import ParamGroup, ParamState
 from tiers.arena import Arena
 from tiers.host_alloc import trim_c_heap
@@ -136,7 +137,9 @@ class Partitioner:
         self._check_budget()
         layout = FlatLayout([g.shard_numel for g in self.coordinator.groups], config.partition.sub_group_size)
         store = OptimizerStateStore(self.tiers.optimizer, layout, self.tiers.allocator, defer_states=True,
-                                    datapath=self.engine.datapath)
+                                    datapath=self.engine.datapath,
+                                    moment_format=MomentFormat(config.optimizer.state_dtype,
+                                                               config.optimizer.state_block_size))
         for g in self.coordinator.groups:
             key = self._master_keys.pop(g)
             with self._scratch.take(4 * g.shard_numel, f"master {g.name}") as loan:
