@@ -43,6 +43,7 @@ from infinity.checkpoint.agreement import agree
 from infinity.checkpoint.directory import SavedCheckpoint
 from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from infinity.checkpoint.manifest import STATE_FILES, dtype_of, itemsize, read_small_file
+from infinity.checkpoint.moments import MomentLoader
 from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, plan_shards
 from infinity.checkpoint.stream import Run, StreamIO, read_runs
 from infinity.checkpoint.writer import check_ready, model_buffers, names_by_param
@@ -195,7 +196,9 @@ class _Verified:
     def __init__(self, engine, model: nn.Module, opt, saved: SavedCheckpoint) -> None:
         self.engine, self.opt, self.saved = engine, opt, saved
         manifest = saved.manifest
-        self.fills, self.files, self.runs = _plan(engine, model, saved)
+        # Compressed moments are encoded as their sub-groups complete ([Note: moments in checkpoints]).
+        self.moments = MomentLoader(engine.store) if engine.store.moment_format.compressed else None
+        self.fills, self.files, self.runs = _plan(engine, model, saved, self.moments)
         self.buffers = model_buffers(model)
         _check_buffers(manifest, self.buffers)
         with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
@@ -223,7 +226,9 @@ class _Verified:
         coordinator, store, layout = engine.coordinator, engine.store, engine.layout
         with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
             read_runs(io, self.files, self.runs)
-            _fill_zeros(io, coordinator, store, layout, self.fills)
+            _fill_zeros(io, coordinator, store, layout, self.fills, self.moments)
+        if self.moments is not None:
+            self.moments.finish()
         store.moments_initialized = True
         if self.opt is not None:
             self.opt.zero_grad()
@@ -236,7 +241,7 @@ class _Verified:
         return self.extra
 
 
-def _plan(engine, model: nn.Module, saved: SavedCheckpoint):
+def _plan(engine, model: nn.Module, saved: SavedCheckpoint, moments: MomentLoader | None):
     """The fills, the source files and the runs (with their destinations) that load this rank's shards."""
     manifest = saved.manifest
     ranks = engine.ranks
@@ -266,12 +271,13 @@ def _plan(engine, model: nn.Module, saved: SavedCheckpoint):
         for state in STATE_FILES[1:]:
             src = source(m.src_rank, state)
             for sub, within, n, rel in _sub_pieces(layout, flat, m.numel):
-                runs.append(Run(src, (m.src_elem + rel) * _F32, n * _F32,
-                                _StateDest(store.tier, store.keys[state][sub], within * _F32)))
+                dest = (moments.dest(state, sub, within * _F32) if moments is not None and state != "master"
+                        else _StateDest(store.tier, store.keys[state][sub], within * _F32))
+                runs.append(Run(src, (m.src_elem + rel) * _F32, n * _F32, dest))
     return fills, files, runs
 
 
-def _fill_zeros(io, coordinator, store, layout, fills) -> None:
+def _fill_zeros(io, coordinator, store, layout, fills, moments: MomentLoader | None) -> None:
     """Padding of the new shards (no parameter covers it) is zero, as at partitioning."""
     zeros = io.zeros
     futures = []
@@ -284,7 +290,10 @@ def _fill_zeros(io, coordinator, store, layout, fills) -> None:
             flat = layout.group_starts[fill.group] + fill.dst_elem + start
             for state in STATE_FILES[1:]:
                 for sub, within, m, rel in _sub_pieces(layout, flat, n):
-                    futures.append(store.tier.write(store.keys[state][sub], zeros[:m * _F32], within * _F32))
+                    if moments is not None and state != "master":
+                        moments.receive(state, sub, within * _F32, zeros[:m * _F32])
+                    else:
+                        futures.append(store.tier.write(store.keys[state][sub], zeros[:m * _F32], within * _F32))
         if len(futures) > 64:
             for fut in futures:
                 fut.wait()
