@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.checkpoint.errors import CheckpointCorruptError
+from infinity.optim.moments import read_moments, write_moments
 
 _F32 = 4
 
@@ -37,7 +38,7 @@ class DecodedMoments:
         if offset % _F32 or dst.numel() % _F32:
             raise ValueError(f"decoded moments: bytes from {offset}, {dst.numel()} long, are not whole fp32 values")
         a = offset // _F32
-        dst.view(torch.float32).copy_(self.store.read_moments(self.state, self.sub, a, a + dst.numel() // _F32))
+        dst.view(torch.float32).copy_(read_moments(self.store, self.state, self.sub, a, a + dst.numel() // _F32))
 
 
 class _Done:
@@ -81,7 +82,7 @@ class MomentLoader:
         entry[1] += raw.numel()
         if entry[1] >= numel * _F32:
             del self._staged[(state, sub)]
-            self.store.write_moments(state, sub, 0, entry[0])
+            write_moments(self.store, state, sub, 0, entry[0])
 
     def finish(self) -> None:
         """Every sub-group was complete (a load writes every element: parameters or padding)."""

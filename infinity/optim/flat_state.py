@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from infinity.optim.moments import MomentFormat
+from infinity.optim.moments import MomentFormat, read_moments, write_moments
 from tiers.base import wait_quietly
 
 STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
@@ -143,20 +143,13 @@ class OptimizerStateStore:
         self._buffers = None
         if not self.in_place:
             n = layout.sub_group_size
-            self._buffers = [{s: allocator.empty(self._state_nbytes(s, n)).view(self._buffer_dtype(s))
+            self._buffers = [{s: allocator.empty(self.moment_format.stored_nbytes(s, n)).view(self.moment_format.stored_dtype(s))
                               for s in STATES} for _ in range(2)]
         if not defer_states:
             self.allocate_states()
 
-    def _state_nbytes(self, state: str, numel: int) -> int:
-        return self.moment_format.nbytes(numel) if state in MOMENTS else numel * _F32
-
-    def _buffer_dtype(self, state: str) -> torch.dtype:
-        """fp32, or raw bytes for compressed moments."""
-        return torch.uint8 if state in MOMENTS and self.moment_format.compressed else torch.float32
-
     def _allocate(self, state: str) -> list[int]:
-        return [self.tier.allocate(self._state_nbytes(state, n), tag=f"{state}:sub{i}")
+        return [self.tier.allocate(self.moment_format.stored_nbytes(state, n), tag=f"{state}:sub{i}")
                 for i, (_, n) in enumerate(self.layout.sub_ranges)]
 
     def allocate_states(self) -> None:
@@ -179,7 +172,7 @@ class OptimizerStateStore:
     def view(self, state: str, sub: int) -> torch.Tensor:
         """The in-place view of one state of one sub-group (host tier only): fp32, or the raw bytes of
         compressed moments."""
-        return self.tier.view(self.keys[state][sub]).view(self._buffer_dtype(state))
+        return self.tier.view(self.keys[state][sub]).view(self.moment_format.stored_dtype(state))
 
     def write_master_shard(self, group_index: int, fp32_shard: torch.Tensor) -> None:
         """Set the master weights of one group (initial values, resharded loads)."""
@@ -199,7 +192,7 @@ class OptimizerStateStore:
             elif state == "grad" and group_index not in self.grad_written:
                 dst.zero_()
             elif state in MOMENTS and self.moment_format.compressed:
-                dst.copy_(self.read_moments(state, piece.sub_index, piece.sub_offset, piece.sub_offset + piece.numel))
+                dst.copy_(read_moments(self, state, piece.sub_index, piece.sub_offset, piece.sub_offset + piece.numel))
             else:
                 self.io.read(self.tier, self.keys[state][piece.sub_index], dst,
                                offset=piece.sub_offset * _F32).wait()
@@ -209,35 +202,12 @@ class OptimizerStateStore:
         for piece in self.layout.pieces_of_group[group_index]:
             src = values[piece.group_offset:piece.group_offset + piece.numel]
             if state in MOMENTS and self.moment_format.compressed:
-                self.write_moments(state, piece.sub_index, piece.sub_offset, src)
+                write_moments(self, state, piece.sub_index, piece.sub_offset, src)
             else:
                 self._write((state, piece), src)
         if state in MOMENTS:
             self.moments_initialized = True
         self.flush()
-
-    # -- compressed moments: decoded and encoded by whole blocks (pieces of shards start and end on
-    # multiples of 2048 elements, which whole blocks tile) --------------------------------------------
-    def read_moments(self, state: str, sub: int, a: int, b: int) -> torch.Tensor:
-        """Elements [a, b) of one compressed moment of sub-group ``sub``, decoded to fp32."""
-        fmt, numel = self.moment_format, self.layout.sub_ranges[sub][1]
-        a0, b0 = fmt.covering(a, b, numel)
-        parts = []
-        for offset, nbytes in fmt.regions(numel, a0, b0):
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            self.io.read(self.tier, self.keys[state][sub], buf, offset=offset).wait()
-            parts.append(buf)
-        return fmt.decode(parts, state)[a - a0:b - a0]
-
-    def write_moments(self, state: str, sub: int, a: int, values: torch.Tensor) -> None:
-        """Encode fp32 ``values`` into elements [a, a + len) of one compressed moment of ``sub``
-        (a range of whole blocks, or one ending at the sub-group's end)."""
-        fmt, numel = self.moment_format, self.layout.sub_ranges[sub][1]
-        regions = fmt.regions(numel, a, a + values.numel())
-        parts = [torch.empty(nbytes, dtype=torch.uint8) for _, nbytes in regions]
-        fmt.encode(values.float(), parts, state)
-        for (offset, _), part in zip(regions, parts):
-            self.io.write(self.tier, self.keys[state][sub], part, offset=offset).wait()
 
     def _write(self, where, src: torch.Tensor):
         state, piece = where
@@ -380,7 +350,7 @@ class OptimizerStateStore:
             numel = layout.sub_ranges[sub][1]
             reads[slot] = []
             for s in STATES:
-                buf = bufs[slot][s][:numel if bufs[slot][s].dtype == torch.float32 else self._state_nbytes(s, numel)]
+                buf = bufs[slot][s][:numel if bufs[slot][s].dtype == torch.float32 else self.moment_format.stored_nbytes(s, numel)]
                 if s in MOMENTS and not moments_known:
                     buf.zero_()
                 elif s == "grad" and not changed[sub]:
@@ -399,7 +369,7 @@ class OptimizerStateStore:
                 if i + 1 < len(subs):
                     issue_reads(i + 1)
                 numel = layout.sub_ranges[sub][1]
-                st = {s: bufs[slot][s][:numel if bufs[slot][s].dtype == torch.float32 else self._state_nbytes(s, numel)]
+                st = {s: bufs[slot][s][:numel if bufs[slot][s].dtype == torch.float32 else self.moment_format.stored_nbytes(s, numel)]
                       for s in STATES}
                 yield sub, st, writes[slot]
                 for s in ("master", *MOMENTS):

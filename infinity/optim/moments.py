@@ -55,6 +55,7 @@ except ImportError:  # not built (a source checkout without `setup.py build_ext`
     _qadam = None
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
+MOMENTS = ("exp_avg", "exp_avg_sq")
 CODE_TOP = 1.9375
 """The largest code value (binary 1.1111 in the top binade): a block's absmax maps onto it."""
 _M_BITS, _M_BIAS, _M_TOP = 4, 7, 0x7F      # m's magnitude: 3 exponent bits, 4 mantissa bits
@@ -103,6 +104,14 @@ class MomentFormat:
             return numel + 4 * -(-numel // self.block_size)
         return numel * (4 if self.dtype == "fp32" else 2)
 
+    def stored_nbytes(self, state: str, numel: int) -> int:
+        """Bytes of one optimizer state of a sub-group: a moment in this format, anything else fp32."""
+        return self.nbytes(numel) if state in MOMENTS else 4 * numel
+
+    def stored_dtype(self, state: str) -> torch.dtype:
+        """How the store views a state's key and buffers: fp32, or raw bytes for compressed moments."""
+        return torch.uint8 if state in MOMENTS and self.compressed else torch.float32
+
     def covering(self, a: int, b: int, numel: int) -> tuple[int, int]:
         """The smallest range of whole blocks around elements [a, b) of a sub-group of ``numel``."""
         if self.dtype != "int8":
@@ -144,6 +153,32 @@ class MomentFormat:
             codes, scales = _encode_int8(values, self.block_size, state == "exp_avg_sq")
             parts[0].copy_(codes)
             parts[1].view(torch.float32).copy_(scales)
+
+
+# -- a store's compressed moments, read and written by whole blocks (pieces of shards start and end on
+# multiples of 2048 elements, which whole blocks tile) ----------------------------------------------------
+def read_moments(store, state: str, sub: int, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of one compressed moment of sub-group ``sub`` of ``store``
+    (``infinity.optim.flat_state.OptimizerStateStore``), decoded to fp32."""
+    fmt, numel = store.moment_format, store.layout.sub_ranges[sub][1]
+    a0, b0 = fmt.covering(a, b, numel)
+    parts = []
+    for offset, nbytes in fmt.regions(numel, a0, b0):
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        store.io.read(store.tier, store.keys[state][sub], buf, offset=offset).wait()
+        parts.append(buf)
+    return fmt.decode(parts, state)[a - a0:b - a0]
+
+
+def write_moments(store, state: str, sub: int, a: int, values: torch.Tensor) -> None:
+    """Encode fp32 ``values`` into elements [a, a + len) of one compressed moment of sub-group ``sub``
+    (whole blocks, or a range ending at the sub-group's end)."""
+    fmt, numel = store.moment_format, store.layout.sub_ranges[sub][1]
+    regions = fmt.regions(numel, a, a + values.numel())
+    parts = [torch.empty(nbytes, dtype=torch.uint8) for _, nbytes in regions]
+    fmt.encode(values.float(), parts, state)
+    for (offset, _), part in zip(regions, parts):
+        store.io.write(store.tier, store.keys[state][sub], part, offset=offset).wait()
 
 
 def _encode_mag(u: torch.Tensor, bits: int, bias: int, top: int) -> torch.Tensor:

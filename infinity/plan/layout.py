@@ -12,11 +12,12 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   (the background step writes them while the next iteration uses the published set,
   ``infinity/optim/background.py``).
 * fp32 master, Adam m and v, fp32 gradient accumulator of the trainable shards:
-  ``tiers.optimizer``.
+  ``tiers.optimizer``; m and v at their stored size (``optimizer.state_dtype``: 4, 2 or
+  1 + 4 / ``state_block_size`` bytes each per element).
 * when anything is on NVMe: the I/O buffer pool (``tiers.pool_buffers`` x
   ``tiers.pool_buffer_size``) in host memory.
-* when the optimizer is on NVMe: its sub-group pipeline buffers in host memory: 4 fp32 buffers
-  (master, m, v, gradient) of one sub-group, double buffered (one sub-group stepped while the
+* when the optimizer is on NVMe: its sub-group pipeline buffers in host memory: 4 buffers
+  (master, m, v, gradient; m and v at their stored size) of one sub-group, double buffered (one sub-group stepped while the
   next is read). A sub-group is ``partition.sub_group_size`` elements rounded up to the shard
   alignment, but never more than the rank's whole shard (``infinity/optim/flat_state.py``).
 * when params are on NVMe: aligned host staging buffers demand reads land in (3 buffers of the
@@ -74,6 +75,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from infinity.optim.moments import MomentFormat
 from infinity.plan.census import ModelCensus
 from infinity.plan.rows import PlanRow
 from infinity.plan.units import round_up
@@ -115,6 +117,8 @@ class Layout:
         self.structured = census.structured
         self.params_tier = cfg.tiers.params
         self.opt_tier = cfg.tiers.optimizer
+        # Adam m and v as stored (see [Note: compressed moments] in infinity/optim/moments.py).
+        self.moments = MomentFormat(cfg.optimizer.state_dtype, cfg.optimizer.state_block_size)
         threshold = int(cfg.partition.persistence_threshold)
         self.shard_numel = 0
         self.trainable_numel = 0
@@ -177,7 +181,7 @@ class Layout:
         t = self.trainable_numel
         yield PlanRow("master", f"fp32 master params ({t:,} trainable elements)", self.opt_tier,
                       FP32_BYTES * t)
-        yield PlanRow("adam_moments", "Adam m and v (fp32)", self.opt_tier, 2 * FP32_BYTES * t)
+        yield PlanRow("adam_moments", f"Adam m and v ({self.moments.dtype})", self.opt_tier, self.moment_nbytes())
         yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier,
                       FP32_BYTES * t)
         if cfg.dpu.enabled and t:
@@ -194,7 +198,8 @@ class Layout:
             sub = min(round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL),
                       max(t, SHARD_ALIGN_NUMEL))
             yield PlanRow("optimizer_subgroup_buffers", f"optimizer sub-group buffers (2 sets x "
-                          f"4 fp32 x {sub:,} elements)", "host", 2 * 4 * FP32_BYTES * sub)
+                          f"{sub:,} elements: 2 fp32 + m, v in {self.moments.dtype})", "host",
+                          2 * (2 * FP32_BYTES * sub + 2 * self.moments.nbytes(sub)))
         if self.params_tier == "nvme" and self.structured:
             size = round_up(self.largest_shard * pb, NVME_ALIGN_BYTES)
             yield PlanRow("nvme_staging", f"NVMe demand-read staging ({STAGING_BUFFERS} x "
@@ -231,6 +236,11 @@ class Layout:
                           f"reduce-scatter (stage 1, {self.trainable_padded_numel:,} elements, {dtype})", "device",
                           self.trainable_padded_numel * pb)
 
+    def moment_nbytes(self) -> int:
+        """Bytes of Adam's m and v of this rank's trainable elements, as stored (blocks tile the
+        2048-element aligned shards, so the int8 scales add exactly 4 bytes per block)."""
+        return 2 * self.moments.nbytes(self.trainable_numel)
+
     def host_to_device_bytes(self) -> int:
         """Bytes one rank copies from host memory to the compute device per step (see [Note: PCIe
         traffic per step])."""
@@ -264,7 +274,7 @@ class Layout:
                 and self.structured):
             total -= min(int(cfg.prefetch.nvme_bytes), self.rewrite_nvme)   # fresh shards
         if self.opt_tier == "nvme":
-            total += 4 * FP32_BYTES * self.trainable_numel  # master, m, v, gradient
+            total += 2 * FP32_BYTES * self.trainable_numel + self.moment_nbytes()  # master, gradient, m, v
         return total
 
     def nvme_write_bytes(self) -> int:
@@ -272,7 +282,7 @@ class Layout:
         total = 0
         if self.opt_tier == "nvme":
             total += FP32_BYTES * self.trainable_numel  # gradients, as reduce-scattered
-            total += 3 * FP32_BYTES * self.trainable_numel  # master, m, v
+            total += FP32_BYTES * self.trainable_numel + self.moment_nbytes()  # master, m, v
         if self.params_tier == "nvme":
             total += self.rewrite_nvme
         return total
