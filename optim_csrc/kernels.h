@@ -72,7 +72,8 @@ KERNEL_ATTR static void KERNEL(run_int8)(const Job *j) {
          * arithmetic with byte stores is vectorized at the byte width (4 floats a vector). */
         for (int64_t t = 0; t < len; t++) {
             float x = fm[t];
-            cm[t] = encode_mag(fabsf(x) * qm, 4, 7, 0x7F) | (x < 0.0f ? 0x80 : 0);
+            int32_t c = encode_mag(fabsf(x) * qm, 4, 7, 0x7F);
+            cm[t] = c | ((x < 0.0f) & (c != 0)) << 7;   /* one zero: a -0 code would not re-encode alike */
             int32_t cw = encode_mag(fw[t] * qw, 4, 15, 0xFF);
             cv[t] = cw + ((cw == 0) & (fw[t] > 0.0f));   /* a positive w never becomes 0 */
         }

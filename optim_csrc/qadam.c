@@ -150,8 +150,8 @@ static PyObject *qadam_step(PyObject *self, PyObject *args) {
     long long n, lo, hi, block, step;
     unsigned long long p, g, m, v, ms, vs;
     unsigned int seed;
-    float lr, b1, b2, eps, wd, gmul;
-    if (!PyArg_ParseTuple(args, "iLLLLKKKKKKLffffffpIi", &mode, &n, &lo, &hi, &block, &p, &g, &m, &v, &ms, &vs,
+    double lr, b1, b2, eps, wd, gmul;
+    if (!PyArg_ParseTuple(args, "iLLLLKKKKKKLddddddpIi", &mode, &n, &lo, &hi, &block, &p, &g, &m, &v, &ms, &vs,
                           &step, &lr, &b1, &b2, &eps, &wd, &gmul, &decoupled, &seed, &threads))
         return NULL;
     if (mode != MODE_BF16 && mode != MODE_INT8) {
@@ -170,9 +170,11 @@ static PyObject *qadam_step(PyObject *self, PyObject *args) {
     base.p = (float *)(uintptr_t)p; base.g = (const float *)(uintptr_t)g;
     base.m = (uint8_t *)(uintptr_t)m; base.v = (uint8_t *)(uintptr_t)v;
     base.ms = (float *)(uintptr_t)ms; base.vs = (float *)(uintptr_t)vs;
-    base.lr = lr; base.b1 = b1; base.b2 = b2; base.eps = eps; base.wd = wd; base.gmul = gmul; base.seed = seed;
-    base.step_size = (float)(lr / (1.0 - pow((double)b1, (double)step)));
-    base.inv_bc2_sqrt = (float)(1.0 / sqrt(1.0 - pow((double)b2, (double)step)));
+    /* The bias corrections in double from the double hyper-parameters, then float, as the torch twin does. */
+    base.lr = (float)lr; base.b1 = (float)b1; base.b2 = (float)b2; base.eps = (float)eps; base.wd = (float)wd;
+    base.gmul = (float)gmul; base.seed = seed;
+    base.step_size = (float)(lr / (1.0 - pow(b1, (double)step)));
+    base.inv_bc2_sqrt = (float)(1.0 / sqrt(1.0 - pow(b2, (double)step)));
     if (lo == hi) Py_RETURN_NONE;
     int64_t first = lo / block, last = (hi + block - 1) / block, nblocks = last - first;
     /* At least 64 blocks of work per thread, or the thread costs more than it saves. */

@@ -45,6 +45,7 @@ and re-encoded whole, its other elements unchanged up to the new scale.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -218,7 +219,8 @@ def _encode_int8_parts(fm: torch.Tensor | None, fw: torch.Tensor | None, block: 
     if fm is not None:
         am = _block_max(fm.abs(), block)
         q = torch.where(am > 0, CODE_TOP / am, torch.zeros_like(am)).repeat_interleave(block)[:fm.numel()]
-        c = _encode_mag(fm.abs() * q, _M_BITS, _M_BIAS, _M_TOP) | torch.where(fm < 0, 0x80, 0)
+        c = _encode_mag(fm.abs() * q, _M_BITS, _M_BIAS, _M_TOP)
+        c = c | torch.where((fm < 0) & (c != 0), 0x80, 0)     # one zero code: -0 would not re-encode alike
         out.append((c.to(torch.uint8), am))
     if fw is not None:
         aw = _block_max(fw, block)
@@ -328,7 +330,7 @@ def _adam(p, g, m, v, h: AdamHyper):
     v.copy_(b2 * v + (1 - b2) * g * g)
     w = v.sqrt()
     step_size = h.lr / (1.0 - h.beta1 ** h.step)
-    inv = 1.0 / (1.0 - h.beta2 ** h.step) ** 0.5
+    inv = 1.0 / math.sqrt(1.0 - h.beta2 ** h.step)
     p.sub_(torch.tensor(step_size, dtype=f32) * m / (w * torch.tensor(inv, dtype=f32) + torch.tensor(h.eps, dtype=f32)))
     return w
 
