@@ -35,7 +35,7 @@ KERNEL_ATTR static void KERNEL(run_bf16)(const Job *j) {
 
 KERNEL_ATTR static void KERNEL(run_int8)(const Job *j) {
     Hyper h = hyper_of(j);
-    float fm[MAX_BLOCK], fw[MAX_BLOCK], fv[MAX_BLOCK];
+    float fm[MAX_BLOCK], fw[MAX_BLOCK];
     int32_t cm[MAX_BLOCK], cv[MAX_BLOCK];
     const float inv_top = 1.0f / CODE_TOP;
     for (int64_t k = j->first_block; k < j->last_block; k++) {
@@ -56,15 +56,44 @@ KERNEL_ATTR static void KERNEL(run_int8)(const Job *j) {
             fw[t] = decode_mag(cv[t], 4, 15) * dw;
         }
         int64_t u0 = j->lo > b0 ? j->lo - b0 : 0, u1 = j->hi < b1 ? j->hi - b0 : len;
-        for (int64_t t = u0; t < u1; t++) fv[t] = fw[t] * fw[t];
-        adam_span(h, u1 - u0, j->p + b0 + u0, j->g + b0 + u0, fm + u0, fv + u0, fw + u0);
-        /* Largest magnitudes as integers: non-negative floats order like their bit patterns, and an
-         * integer max reduction vectorizes without -ffast-math. */
+        float *restrict p = j->p + b0;
+        const float *restrict g = j->g + b0;
+        float c1 = 1.0f - h.b1, c2 = 1.0f - h.b2;
+        /* Adam on the block's elements in [lo, hi), v from w = sqrt(v) as stored; the new largest
+         * magnitudes as integers on the way (non-negative floats order like their bit patterns, and an
+         * integer max reduction vectorizes without -ffast-math). */
         int32_t im = 0, iw = 0;
-        for (int64_t t = 0; t < len; t++) {
-            int32_t a = as_int(fm[t]) & 0x7FFFFFFF, b = as_int(fw[t]);
-            im = a > im ? a : im;
-            iw = b > iw ? b : iw;
+        if (h.decoupled) {
+            for (int64_t t = u0; t < u1; t++) {
+                float gi = g[t] * h.gmul, pi = p[t] * h.decay, wo = fw[t];
+                float mi = h.b1 * fm[t] + c1 * gi;
+                float vi = h.b2 * (wo * wo) + c2 * gi * gi;
+                float wi = sqrtf(vi);
+                p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
+                fm[t] = mi; fw[t] = wi;
+                int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi);
+                im = a > im ? a : im;
+                iw = b > iw ? b : iw;
+            }
+        } else {
+            for (int64_t t = u0; t < u1; t++) {
+                float pi = p[t], gi = g[t] * h.gmul + h.wd * p[t], wo = fw[t];
+                float mi = h.b1 * fm[t] + c1 * gi;
+                float vi = h.b2 * (wo * wo) + c2 * gi * gi;
+                float wi = sqrtf(vi);
+                p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
+                fm[t] = mi; fw[t] = wi;
+                int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi);
+                im = a > im ? a : im;
+                iw = b > iw ? b : iw;
+            }
+        }
+        if (u0 > 0 || u1 < len) {   /* a block partly outside [lo, hi): its other elements count too */
+            for (int64_t t = 0; t < len; t++) {
+                int32_t a = as_int(fm[t]) & 0x7FFFFFFF, b = as_int(fw[t]);
+                im = a > im ? a : im;
+                iw = b > iw ? b : iw;
+            }
         }
         float am = as_float(im), aw = as_float(iw);
         float qm = am > 0.0f ? CODE_TOP / am : 0.0f, qw = aw > 0.0f ? CODE_TOP / aw : 0.0f;
