@@ -213,6 +213,18 @@ def test_engine_trains_with_compressed_states_alike_on_host_and_nvme(tmp_path, d
     assert abs(runs["host"][0][-1] - fp32_losses[-1]) < 0.05 * fp32_losses[-1]
 
 
+@NATIVE
+def test_engine_without_the_extension_steps_with_the_torch_twin(tmp_path, monkeypatch):
+    model, _, native_losses, _ = _small_run(tmp_path, "int8", "host")
+    infinity.release(model)
+    monkeypatch.setattr(moments, "_qadam", None)
+    assert not moments.native()
+    model, opt, twin_losses, _ = _small_run(tmp_path, "int8", "nvme")
+    assert opt.updates.update.moment_step.native is False
+    infinity.release(model)
+    assert twin_losses == pytest.approx(native_losses, rel=1e-4)
+
+
 def test_checkpoint_of_int8_states_resumes_and_consolidates_to_fp32(tmp_path):
     from infinity.checkpoint.consolidate import consolidate
 
