@@ -51,8 +51,8 @@ KERNEL_ATTR static void KERNEL(run_int8)(const Job *j) {
         }
         for (int64_t t = 0; t < len; t++) {
             int32_t c = cm[t];
-            float mag = decode_mag(c & 0x7F, 4, 7) * dm;
-            fm[t] = (c & 0x80) ? -mag : mag;
+            /* the sign bit goes straight to the float's: no negation, no select */
+            fm[t] = as_float(as_int(decode_mag(c & 0x7F, 4, 7)) | (c & 0x80) << 24) * dm;
             fw[t] = decode_mag(cv[t], 4, 15) * dw;
         }
         int64_t u0 = j->lo > b0 ? j->lo - b0 : 0, u1 = j->hi < b1 ? j->hi - b0 : len;
