@@ -5,9 +5,9 @@
 
 Quality: the GPT preset (``infinity.examples.gpt``) is trained on the demo corpus (byte tokens of
 ``tiny_corpus.txt``) with ``infinity.AdamW`` and every state on the host, once per
-``[optimizer] state_dtype``, from the same initial weights and the same batches. The table gives
-each mode's final loss (mean of the last ``--tail`` steps, which smooths the batch noise) against
-fp32's, and the largest gap between the curves (each smoothed over ``--tail`` steps).
+``[optimizer] state_dtype``, from the same initial weights and the same batches. Every
+``--eval-every`` steps the loss on one fixed batch of ``--eval-batch`` sequences is recorded: the
+table gives each mode's last such loss against fp32's, and the largest gap between the curves.
 
 Bytes: a small model of Linear layers with every state on NVMe (bf16 compute) steps ``--bytes-steps``
 times per mode; the table gives what the NVMe tier stores per parameter and what one step reads and
@@ -39,27 +39,35 @@ MODES = ("fp32", "bf16", "int8")
 
 
 def curve(model_name: str, state_dtype: str, steps: int, batch: int, seq: int, lr: float, seed: int = 0,
-          block_size: int = 256) -> list[float]:
-    """Losses of ``steps`` steps of the preset ``model_name`` with m and v stored as ``state_dtype``."""
-    cfg = {"tiers": {"params": "device", "optimizer": "host", "device": "cpu"},
+          block_size: int = 256, eval_every: int = 10, eval_batch: int = 16) -> dict[str, list[float]]:
+    """Training losses of ``steps`` steps of the preset ``model_name`` with m and v stored as ``state_dtype``
+    (``"train"``), and every ``eval_every`` steps the loss on one fixed batch of ``eval_batch`` sequences of
+    the corpus (``"eval"``, the last after the last step): a small training batch makes each step's loss
+    noisy, and the fixed batch shows how well the model fits without that noise."""
+    # No prefetching: the parameters stay on the device, and the fixed-batch forwards would leave the trace.
+    cfg = {"tiers": {"params": "device", "optimizer": "host", "device": "cpu"}, "prefetch": {"enabled": False},
            "optimizer": {"state_dtype": state_dtype, "state_block_size": block_size}}
     torch.manual_seed(seed)
     with infinity.Init(cfg):
         model = GPT(preset(model_name, seq_len=seq))
     opt = infinity.AdamW(model, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     data = batches("text", batch, seq, model.cfg.vocab_size, seed=seed)
-    losses = []
+    held_x, held_y = next(batches("text", eval_batch, seq, model.cfg.vocab_size, seed=seed + 7919))
+    losses, evals = [], []
     try:
-        for _ in range(steps):
+        for step in range(1, steps + 1):
             x, y = next(data)
             loss = model(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+            if step % eval_every == 0 or step == steps:
+                with torch.no_grad():
+                    evals.append(model(held_x, held_y).item())
     finally:
         infinity.release(model)
-    return losses
+    return {"train": losses, "eval": evals}
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -73,28 +81,29 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def compare(curves: dict[str, list[float]], tail: int) -> dict[str, dict]:
-    """Per mode: final loss (mean of the last ``tail``), its relative difference to fp32's, largest gap."""
-    ref = smooth(curves["fp32"], tail)
+def compare(curves: dict[str, dict], tail: int, eval_every: int = 10) -> dict[str, dict]:
+    """Per mode, on the fixed batch's losses: the final one, its relative difference to fp32's, and the
+    largest relative gap to fp32's curve with its step; and the final training loss (mean of the last ``tail``)."""
+    ref = curves["fp32"]["eval"]
     out = {}
-    for mode, losses in curves.items():
-        s = smooth(losses, tail)
-        gaps = [abs(a - b) / b for a, b in zip(s, ref)]
+    for mode, c in curves.items():
+        gaps = [abs(a - b) / b for a, b in zip(c["eval"], ref)]
         worst = max(range(len(gaps)), key=gaps.__getitem__)
-        out[mode] = {"final": s[-1], "final_rel": (s[-1] - ref[-1]) / ref[-1], "max_gap_rel": gaps[worst],
-                     "max_gap_step": worst + 1}
+        steps = len(c["train"])
+        out[mode] = {"final": c["eval"][-1], "final_rel": (c["eval"][-1] - ref[-1]) / ref[-1],
+                     "max_gap_rel": gaps[worst], "max_gap_step": min(steps, (worst + 1) * eval_every),
+                     "final_train": smooth(c["train"], tail)[-1]}
     return out
 
 
-def ascii_plot(curves: dict[str, list[float]], tail: int, width: int = 60, height: int = 14) -> str:
-    """The smoothed curves as text: one column per ``steps / width`` steps, a letter per mode."""
+def ascii_plot(curves: dict[str, list[float]], width: int = 60, height: int = 14) -> str:
+    """Loss curves as text: one column per ``len / width`` points, a letter per mode."""
     marks = {"fp32": "o", "bf16": "b", "int8": "8"}
-    smoothed = {m: smooth(c, tail) for m, c in curves.items()}
-    lo = min(min(s) for s in smoothed.values())
-    hi = max(max(s) for s in smoothed.values())
-    steps = len(next(iter(smoothed.values())))
+    lo = min(min(s) for s in curves.values())
+    hi = max(max(s) for s in curves.values())
+    steps = len(next(iter(curves.values())))
     grid = [[" "] * width for _ in range(height)]
-    for mode, s in smoothed.items():
+    for mode, s in curves.items():
         for col in range(width):
             v = s[min(steps - 1, round(col * (steps - 1) / (width - 1)))]
             row = round((hi - v) / (hi - lo or 1.0) * (height - 1))
@@ -102,8 +111,8 @@ def ascii_plot(curves: dict[str, list[float]], tail: int, width: int = 60, heigh
             grid[row][col] = marks.get(mode, "?") if cell == " " else "*"
     lines = [f"{hi - (hi - lo) * r / (height - 1):6.2f} |" + "".join(row) for r, row in enumerate(grid)]
     lines.append("       +" + "-" * width)
-    lines.append(f"        step 1{' ' * (width - 6 - len(str(steps)))}{steps}")
-    lines.append("        " + ", ".join(f"{marks.get(m, '?')} {m}" for m in smoothed) + ", * several")
+    lines.append(f"        point 1{' ' * (width - 7 - len(str(steps)))}{steps}")
+    lines.append("        " + ", ".join(f"{marks.get(m, '?')} {m}" for m in curves) + ", * several")
     return "\n".join(lines)
 
 
@@ -154,7 +163,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--block-size", type=int, default=256, help="optimizer.state_block_size for int8")
-    ap.add_argument("--tail", type=int, default=20, help="steps averaged for the final loss and the curves")
+    ap.add_argument("--tail", type=int, default=20, help="steps averaged for the final training loss")
+    ap.add_argument("--eval-every", type=int, default=10, help="steps between losses on the fixed batch")
+    ap.add_argument("--eval-batch", type=int, default=16, help="sequences in the fixed batch")
     ap.add_argument("--bytes-steps", type=int, default=3, help="steps measured for the bytes table (0: none)")
     ap.add_argument("--bytes-only", action="store_true", help="only the bytes table")
     ap.add_argument("--json", help="write settings, machine, curves and figures here")
@@ -167,16 +178,17 @@ def main(argv=None) -> dict:
         for mode in modes:
             t0 = time.perf_counter()
             curves[mode] = curve(args.model, mode, args.steps, args.batch, args.seq, args.lr,
-                                 block_size=args.block_size)
+                                 block_size=args.block_size, eval_every=args.eval_every, eval_batch=args.eval_batch)
             seconds[mode] = time.perf_counter() - t0
-        figures = compare(curves, args.tail)
+        figures = compare(curves, args.tail, args.eval_every)
         print(f"GPT {args.model}, demo corpus, {args.steps} steps of {args.batch} x {args.seq} tokens, lr {args.lr}; "
-              f"losses averaged over {args.tail} steps")
-        print(f"{'state_dtype':12} {'final loss':>10} {'vs fp32':>9} {'largest gap':>12} {'at step':>8} {'seconds':>8}")
+              f"loss on a fixed batch of {args.eval_batch} x {args.seq} every {args.eval_every} steps")
+        print(f"{'state_dtype':12} {'final loss':>10} {'vs fp32':>9} {'largest gap':>12} {'at step':>8} "
+              f"{'train loss':>11} {'seconds':>8}")
         for mode, f in figures.items():
             print(f"{mode:12} {f['final']:10.4f} {100 * f['final_rel']:+8.2f}% {100 * f['max_gap_rel']:11.2f}% "
-                  f"{f['max_gap_step']:8d} {seconds[mode]:8.1f}")
-        print(ascii_plot(curves, args.tail))
+                  f"{f['max_gap_step']:8d} {f['final_train']:11.4f} {seconds[mode]:8.1f}")
+        print(ascii_plot({m: c["eval"] for m, c in curves.items()}))
         result.update(curves=curves, figures=figures, seconds=seconds)
     if args.bytes_steps:
         rows = []

@@ -68,12 +68,14 @@ def test_dpu_benchmark_tiny(tmp_path, capsys):
 def test_qstates_benchmark_tiny(tmp_path, capsys):
     out = tmp_path / "qstates.json"
     load("qstates").main(["--model", "tiny", "--steps", "4", "--batch", "1", "--seq", "8", "--tail", "2",
+                          "--eval-every", "3", "--eval-batch", "2",
                           "--bytes-steps", "1", "--json", str(out)])
     table = capsys.readouterr().out
     for row in ("state_dtype", "largest gap", "o fp32", "NVMe bytes per parameter"):
         assert row in table, row
     record = json.loads(out.read_text())
-    assert set(record["curves"]) == {"fp32", "bf16", "int8"} and all(len(c) == 4 for c in record["curves"].values())
+    assert set(record["curves"]) == {"fp32", "bf16", "int8"}
+    assert all(len(c["train"]) == 4 and len(c["eval"]) == 2 for c in record["curves"].values())
     assert record["figures"]["fp32"]["final_rel"] == 0.0
     stored = {r["state_dtype"]: r["stored_per_param"] for r in record["bytes"]}
     assert stored["int8"] < stored["bf16"] < stored["fp32"]
