@@ -96,8 +96,8 @@ def compare(curves: dict[str, dict], tail: int, eval_every: int = 10) -> dict[st
     return out
 
 
-def ascii_plot(curves: dict[str, list[float]], width: int = 60, height: int = 14) -> str:
-    """Loss curves as text: one column per ``len / width`` points, a letter per mode."""
+def ascii_plot(curves: dict[str, list[float]], every: int = 1, width: int = 60, height: int = 14) -> str:
+    """Loss curves recorded every ``every`` steps as text: one column per ``len / width`` points, a letter per mode."""
     marks = {"fp32": "o", "bf16": "b", "int8": "8"}
     lo = min(min(s) for s in curves.values())
     hi = max(max(s) for s in curves.values())
@@ -109,9 +109,10 @@ def ascii_plot(curves: dict[str, list[float]], width: int = 60, height: int = 14
             row = round((hi - v) / (hi - lo or 1.0) * (height - 1))
             cell = grid[row][col]
             grid[row][col] = marks.get(mode, "?") if cell == " " else "*"
-    lines = [f"{hi - (hi - lo) * r / (height - 1):6.2f} |" + "".join(row) for r, row in enumerate(grid)]
+    lines = [(f"{hi - (hi - lo) * r / (height - 1):6.2f} |" + "".join(row)).rstrip() for r, row in enumerate(grid)]
     lines.append("       +" + "-" * width)
-    lines.append(f"        point 1{' ' * (width - 7 - len(str(steps)))}{steps}")
+    first, last = f"step {every}", f"step {steps * every}"
+    lines.append(f"        {first}{' ' * (width - len(first) - len(last))}{last}")
     lines.append("        " + ", ".join(f"{marks.get(m, '?')} {m}" for m in curves) + ", * several")
     return "\n".join(lines)
 
@@ -188,7 +189,7 @@ def main(argv=None) -> dict:
         for mode, f in figures.items():
             print(f"{mode:12} {f['final']:10.4f} {100 * f['final_rel']:+8.2f}% {100 * f['max_gap_rel']:11.2f}% "
                   f"{f['max_gap_step']:8d} {f['final_train']:11.4f} {seconds[mode]:8.1f}")
-        print(ascii_plot({m: c["eval"] for m, c in curves.items()}))
+        print(ascii_plot({m: c["eval"] for m, c in curves.items()}, args.eval_every))
         result.update(curves=curves, figures=figures, seconds=seconds)
     if args.bytes_steps:
         rows = []
