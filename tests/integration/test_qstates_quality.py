@@ -1,7 +1,7 @@
 """Compressed optimizer states keep fp32 states' quality: GPT 20M on the demo corpus, 300 steps per state_dtype.
 
 The curves come from benchmarks/qstates.py at the settings of the README's table (2 x 32 tokens a step,
-the loss on a fixed batch of 16 x 32 every 10 steps): about 3 minutes on two busy cores.
+the loss on a fixed batch of 16 x 32 every 10 steps): 3 to 6 minutes on two busy cores.
 """
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ def test_bf16_and_int8_states_follow_fp32_states_on_gpt_20m():
     stated = "; ".join(f"{m}: final {f['final']:.4f} ({100 * f['final_rel']:+.2f}% vs fp32), largest gap "
                        f"{100 * f['max_gap_rel']:.2f}% at step {f['max_gap_step']}" for m, f in figures.items())
     print(stated)
-    # The run learned something (the comparison would be empty otherwise) ...
-    assert figures["fp32"]["final"] < 0.5 * curves["fp32"]["eval"][0], stated
+    # The run learned something (the comparison would be empty otherwise: the first step's loss is
+    # about ln(16384) = 9.7, the loss of uniform guesses) ...
+    assert figures["fp32"]["final"] < 0.5 * curves["fp32"]["train"][0], stated
     for mode in ("bf16", "int8"):
         # ... the compressed runs are their own runs, not fp32 again ...
         assert curves[mode]["train"] != curves["fp32"]["train"], mode
