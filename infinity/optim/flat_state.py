@@ -39,6 +39,11 @@ _F32 = 4
 _MAX_PENDING_BYTES = 64 * 2**20
 
 
+def _stored_len(fmt: MomentFormat, state: str, numel: int) -> int:
+    """Length, in the elements of its buffer's dtype, of one state of a sub-group of ``numel``."""
+    return fmt.stored_nbytes(state, numel) // torch.empty((), dtype=fmt.stored_dtype(state)).element_size()
+
+
 class _Unbooked:
     """The tier's own reads and writes, for a store used without an engine's data path."""
 
@@ -142,9 +147,9 @@ class OptimizerStateStore:
         self._pending_writes: list = []
         self._buffers = None
         if not self.in_place:
-            n = layout.sub_group_size
-            self._buffers = [{s: allocator.empty(self.moment_format.stored_nbytes(s, n)).view(self.moment_format.stored_dtype(s))
-                              for s in STATES} for _ in range(2)]
+            n, fmt = layout.sub_group_size, self.moment_format
+            self._buffers = [{s: allocator.empty(fmt.stored_nbytes(s, n)).view(fmt.stored_dtype(s)) for s in STATES}
+                             for _ in range(2)]
         if not defer_states:
             self.allocate_states()
 
@@ -350,7 +355,7 @@ class OptimizerStateStore:
             numel = layout.sub_ranges[sub][1]
             reads[slot] = []
             for s in STATES:
-                buf = bufs[slot][s][:numel if bufs[slot][s].dtype == torch.float32 else self.moment_format.stored_nbytes(s, numel)]
+                buf = bufs[slot][s][:_stored_len(self.moment_format, s, numel)]
                 if s in MOMENTS and not moments_known:
                     buf.zero_()
                 elif s == "grad" and not changed[sub]:
@@ -369,8 +374,7 @@ class OptimizerStateStore:
                 if i + 1 < len(subs):
                     issue_reads(i + 1)
                 numel = layout.sub_ranges[sub][1]
-                st = {s: bufs[slot][s][:numel if bufs[slot][s].dtype == torch.float32 else self.moment_format.stored_nbytes(s, numel)]
-                      for s in STATES}
+                st = {s: bufs[slot][s][:_stored_len(self.moment_format, s, numel)] for s in STATES}
                 yield sub, st, writes[slot]
                 for s in ("master", *MOMENTS):
                     writes[slot].append((io.write(tier, self.keys[s][sub], st[s]), st[s]))

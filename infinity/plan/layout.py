@@ -17,9 +17,10 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
 * when anything is on NVMe: the I/O buffer pool (``tiers.pool_buffers`` x
   ``tiers.pool_buffer_size``) in host memory.
 * when the optimizer is on NVMe: its sub-group pipeline buffers in host memory: 4 buffers
-  (master, m, v, gradient; m and v at their stored size) of one sub-group, double buffered (one sub-group stepped while the
-  next is read). A sub-group is ``partition.sub_group_size`` elements rounded up to the shard
-  alignment, but never more than the rank's whole shard (``infinity/optim/flat_state.py``).
+  (master, m, v, gradient; m and v at their stored size) of one sub-group, double buffered (one
+  sub-group stepped while the next is read). A sub-group is ``partition.sub_group_size`` elements
+  rounded up to the shard alignment, but never more than the rank's whole shard
+  (``infinity/optim/flat_state.py``).
 * when params are on NVMe: aligned host staging buffers demand reads land in (3 buffers of the
   largest shard, ``infinity/runtime/shards.py``, [Note: staging buffers]) and, when prefetching, the
   arena reads issued ahead land in (``prefetch.nvme_bytes``, ``tiers/arena.py``).
