@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-SOURCES := pyproject.toml setup.py $(wildcard aio_csrc/*.c aio_csrc/*.h)
+SOURCES := pyproject.toml setup.py $(wildcard aio_csrc/*.c aio_csrc/*.h optim_csrc/*.c optim_csrc/*.h)
 
 .PHONY: test demo install clean bench-nvme
 

@@ -15,7 +15,11 @@ together, ours runs in a second phase against its own triad:
   (its kernel is built by DeepSpeed's JIT the first time);
 - ``ours (engine step)``: ``infinity.AdamW.step()`` on a model of Linear layers built in
   ``infinity.Init`` with every state on the host: the flat sub-group pass plus the fp32 compute
-  copies it writes, as training runs it.
+  copies it writes, as training runs it;
+- ``ours (engine step, bf16 states)``, ``ours (engine step, int8 states)``: the same with
+  ``[optimizer] state_dtype`` "bf16" / "int8" (same sub-group size), stepped by the compressed
+  kernel (``infinity.optim.moments``); their rows give the bytes they move (bf16 24, int8 about 20
+  with the compute copy) and their rate against the fp32 engine step's (``x fp32 ours``).
 
 An Adam step moves 28 bytes per parameter (read parameter, gradient, m, v; write parameter,
 m, v); ours also writes the compute copy (32). The bound is triad bandwidth / 28 bytes. The
@@ -101,19 +105,29 @@ class _Stack(nn.Module):
         self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(layers)])
 
 
-def ours_step(n: int, workdir: str):
+# Bytes an engine step moves per parameter with each state dtype: master and gradient read, master
+# written (12), m and v read and written, and the fp32 compute copy written (4).
+OURS_BYTES = {"fp32": 32, "bf16": 24, "int8": 16 + 4 + 4 * 4 / 256}
+
+
+def ours_step(n: int, workdir: str, state_dtype: str = "fp32"):
     """``infinity.AdamW.step`` on Linear layers of about ``n`` parameters, all states on the host."""
     import infinity
 
     d = max(64, min(4096, int(n ** 0.5) // 64 * 64))
     layers = max(1, round(n / (d * d + d)))
-    cfg = {"tiers": {"params": "device", "optimizer": "host", "device": "cpu", "nvme_path": workdir}}
+    cfg = {"tiers": {"params": "device", "optimizer": "host", "device": "cpu", "nvme_path": workdir},
+           "optimizer": {"state_dtype": state_dtype}}
     with infinity.Init(cfg):
         model = _Stack(d, layers)
     opt = infinity.AdamW(model, **KW)
     for g in opt.engine.coordinator.groups:
         opt.store.accumulate_grad(g.index, torch.rand(g.shard_numel) * 1e-2)
     return opt.step, sum(g.numel for g in opt.engine.coordinator.groups), (model, opt)
+
+
+def ours_name(state_dtype: str) -> str:
+    return "ours (engine step)" if state_dtype == "fp32" else f"ours (engine step, {state_dtype} states)"
 
 
 def run_phase(variants: dict, repeats: int, raw: dict) -> None:
@@ -144,7 +158,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5, help="timed steps of each variant per round, alternating")
     ap.add_argument("--rounds", type=int, default=2, help="rounds, each rebuilding every variant")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--skip", default="", help="comma-separated variants to leave out (foreach, deepspeed, ours)")
+    ap.add_argument("--skip", default="", help="comma-separated variants to leave out (foreach, deepspeed, ours, "
+                    "torch: every torch-side one)")
+    ap.add_argument("--state-dtypes", default="fp32,bf16,int8",
+                    help="[optimizer] state_dtype of the engine-step rows (fp32 is the engine's default)")
     ap.add_argument("--json", help="write settings, machine and raw samples here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -158,17 +175,21 @@ def main(argv=None) -> dict:
             notes: dict[str, str] = {}
             counts = {}
             # The torch-side variants share one set of arrays (16 B/param); ours owns its states
-            # (20 B/param). Together in one phase when that fits in half the free memory.
-            together = 36 * n < psutil.virtual_memory().available // 2
+            # (20 B/param with fp32 moments, 16 with bf16, 14 with int8). Together in one phase when
+            # that fits in half the free memory.
+            dtypes = [d for d in args.state_dtypes.split(",") if d] if "ours" not in skip else []
+            ours_nbytes = sum({"fp32": 20, "bf16": 16}.get(d, 14) for d in dtypes)
+            together = (16 + ours_nbytes) * n < psutil.virtual_memory().available // 2
             for _ in range(args.rounds):
                 triad, counts["triad"] = triad_step(n)
                 shared = Shared(n)
-                phase = {"triad": triad,
-                         "torch fused, 1 tensor": torch_adamw_step(shared, 1, fused=True),
-                         "torch fused, 100 tensors": torch_adamw_step(shared, 100, fused=True)}
-                if "foreach" not in skip:
+                phase = {"triad": triad}
+                if "torch" not in skip:
+                    phase["torch fused, 1 tensor"] = torch_adamw_step(shared, 1, fused=True)
+                    phase["torch fused, 100 tensors"] = torch_adamw_step(shared, 100, fused=True)
+                if "foreach" not in skip and "torch" not in skip:
                     phase["torch foreach, 100 tensors"] = torch_adamw_step(shared, 100, foreach=True)
-                if "deepspeed" not in skip:
+                if "deepspeed" not in skip and "torch" not in skip:
                     got = deepspeed_step(shared)
                     if isinstance(got, str):
                         notes["deepspeed CPUAdam"] = got
@@ -179,9 +200,11 @@ def main(argv=None) -> dict:
                     del shared
                     phase = {"triad (ours' phase)": triad}
                     gc.collect()
-                keep = None
-                if "ours" not in skip:
-                    phase["ours (engine step)"], counts["ours"], keep = ours_step(n, workdir)
+                keep = []
+                for dtype in dtypes:
+                    name = ours_name(dtype)
+                    phase[name], counts["ours"], kept = ours_step(n, workdir, dtype)
+                    keep.append(kept)
                 run_phase(phase, args.repeats, raw)
                 del phase, keep, triad
                 shared = None
@@ -204,17 +227,21 @@ def print_table(n: int, raw: dict, notes: dict, counts: dict, together: bool) ->
           f"(STREAM count; {bw * 16 / 12 / 1e9:.1f} GB/s with write-allocate); "
           f"bound {bound / 1e9:.2f} G params/s at {ADAM_BYTES} B/param"
           + ("" if together else "; ours measured in its own phase, against its own triad"))
-    print(f"{'variant':30} {'median s':>9} {'G params/s':>11} {'GB/s moved':>11} {'x bound':>8}")
+    print(f"{'variant':38} {'median s':>9} {'G params/s':>11} {'GB/s moved':>11} {'x bound':>8} {'x fp32 ours':>12}")
+    fp32_ours = raw.get(ours_name("fp32"))
     for name, samples in raw.items():
         if name.startswith("triad"):
             continue
         mine = name.startswith("ours")
         _, b = bound_of("triad" if together or not mine else "triad (ours' phase)")
         count = counts["ours"] if mine else n
-        nbytes = ADAM_BYTES + (4 if mine else 0)
+        dtype = next((d for d in OURS_BYTES if d != "fp32" and f"{d} states" in name), "fp32")
+        nbytes = OURS_BYTES[dtype] if mine else ADAM_BYTES
         med = statistics.median(samples)
         rate = count / med
-        print(f"{name:30} {med:9.4f} {rate / 1e9:11.2f} {rate * nbytes / 1e9:11.1f} {b / rate:8.2f}")
+        # Side by side in the same phase: the ratio of medians to the fp32 engine step's.
+        ratio = f"{statistics.median(fp32_ours) / med:12.2f}" if mine and fp32_ours else ""
+        print(f"{name:38} {med:9.4f} {rate / 1e9:11.2f} {rate * nbytes / 1e9:11.1f} {b / rate:8.2f} {ratio}")
     for name, why in notes.items():
         print(f"{name:30} {why}")
 

@@ -39,6 +39,7 @@ from infinity.checkpoint.manifest import LATEST, dtype_of, fsync_dir, itemsize, 
 from infinity.checkpoint.reshard import SavedLayout
 from infinity.checkpoint.stream import Run, StreamIO, _Done, _pwrite_all, read_runs
 
+_STATES = ("master", "exp_avg", "exp_avg_sq")
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
                        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                        torch.uint8: "U8", torch.bool: "BOOL"}
@@ -87,8 +88,8 @@ def _join_parts(join: dict, layout: SavedLayout) -> list:
     return parts
 
 
-def _entries(manifest: dict, layout: SavedLayout, dtype: torch.dtype) -> list[_Entry]:
-    buffers = {e["name"]: e for e in manifest["buffers"]}
+def _entries(manifest: dict, layout: SavedLayout, dtype: torch.dtype, with_buffers: bool = True) -> list[_Entry]:
+    buffers = {e["name"]: e for e in manifest["buffers"]} if with_buffers else {}
     joins = {j["key"]: j for j in manifest.get("joins", [])}
     tiles = {name for j in joins.values() for name in j["parts"]}
     keys = list(manifest["state_dict_keys"])
@@ -150,7 +151,7 @@ def _refuse_output_inside(out: str, directories: list[str]) -> None:
 
 
 def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
-                safetensors: bool = False, buffer_size: int | None = None) -> dict:
+                safetensors: bool = False, buffer_size: int | None = None, state: str = "master") -> dict:
     """Write the checkpoint's model as one ordinary state dict, streaming (see the module note).
 
     Parameters
@@ -165,6 +166,11 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
         Write the safetensors format instead of ``torch.save``'s.
     buffer_size:
         Bytes read from the checkpoint at a time (default: the ``[checkpoint]`` default, 64 MiB).
+    state:
+        Which saved state each parameter's tensor holds: ``"master"`` (the parameters), or Adam's
+        ``"exp_avg"`` / ``"exp_avg_sq"`` under the parameters' names (no buffers): fp32 values
+        whatever ``[optimizer] state_dtype`` the run stored them in (see [Note: moments in
+        checkpoints] in infinity/checkpoint/moments.py).
 
     Returns
     -------
@@ -181,6 +187,8 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
     t0 = time.perf_counter()
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"consolidate: dtype must be float32, bfloat16 or float16, got {dtype}")
+    if state not in _STATES:
+        raise ValueError(f"consolidate: state must be one of {', '.join(_STATES)}, got {state!r}")
     saved = SavedCheckpoint(ckpt)
     out = os.fspath(out)
     parent = os.path.dirname(os.path.abspath(saved.directory))    # the directory its save commits into
@@ -188,7 +196,7 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
                           + ([parent] if os.path.isfile(os.path.join(parent, LATEST)) else []))
     manifest = saved.manifest
     layout = SavedLayout(manifest)
-    entries = _entries(manifest, layout, dtype)
+    entries = _entries(manifest, layout, dtype, with_buffers=state == "master")
     tmp = f"{out}.tmp-{os.getpid()}"
     config = load_config(None)
     try:
@@ -199,7 +207,7 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
             offsets = _torch_skeleton(tmp, entries)
         fd = os.open(tmp, os.O_WRONLY)
         try:
-            _fill(saved, layout, entries, offsets, fd, config, buffer_size or config.checkpoint.buffer_size)
+            _fill(saved, layout, entries, offsets, fd, config, buffer_size or config.checkpoint.buffer_size, state)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -215,7 +223,7 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
             "seconds": time.perf_counter() - t0, "format": "safetensors" if safetensors else "torch"}
 
 
-def _fill(saved, layout, entries, offsets, fd, config, buffer_size) -> None:
+def _fill(saved, layout, entries, offsets, fd, config, buffer_size, state: str = "master") -> None:
     files, runs, done = {}, [], set()
     for entry in entries:
         if not entry.parts or not _shares_storage(entry, offsets, done):
@@ -223,9 +231,9 @@ def _fill(saved, layout, entries, offsets, fd, config, buffer_size) -> None:
         for p, segment, stride, shift in entry.parts:
             dest = _FileDest(fd, offsets[entry.key], torch.float32, entry.out_dtype, segment, stride, shift)
             for rank, flat, rel, n in layout.locate(p.group, p.offset, p.numel):
-                key = f"rank{rank}/master"
+                key = f"rank{rank}/{state}"
                 if key not in files:
-                    record = saved.file(rank, "master")
+                    record = saved.file(rank, state)
                     files[key] = (saved.path_of(record), record)
                 runs.append(Run(key, flat * 4, n * 4, dest, rel * 4))
     with StreamIO(config.aio, buffer_size) as io:

@@ -43,6 +43,7 @@ from infinity.checkpoint.agreement import agree
 from infinity.checkpoint.directory import SavedCheckpoint
 from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from infinity.checkpoint.manifest import STATE_FILES, dtype_of, itemsize, read_small_file
+from infinity.checkpoint.moments import MomentLoader
 from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, plan_shards
 from infinity.checkpoint.stream import Run, StreamIO, read_runs
 from infinity.checkpoint.writer import check_ready, model_buffers, names_by_param
@@ -197,7 +198,9 @@ class _Verified:
         self.engine, self.opt, self.saved = engine, opt, saved
         manifest = saved.manifest
         self.master_load = MasterLoad(engine.store) if engine.store.split is not None else None
-        self.fills, self.files, self.runs = _plan(engine, model, saved, self.master_load)
+        # Compressed moments are encoded as their sub-groups complete ([Note: moments in checkpoints]).
+        self.moments = MomentLoader(engine.store) if engine.store.moment_format.compressed else None
+        self.fills, self.files, self.runs = _plan(engine, model, saved, self.master_load, self.moments)
         self.buffers = model_buffers(model)
         _check_buffers(manifest, self.buffers)
         with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
@@ -226,13 +229,15 @@ class _Verified:
         with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
             try:
                 read_runs(io, self.files, self.runs)
-                _fill_zeros(io, coordinator, store, layout, self.fills, self.master_load)
+                _fill_zeros(io, coordinator, store, layout, self.fills, self.master_load, self.moments)
             except BaseException:
                 if self.master_load is not None:
                     self.master_load.abandon()
                 raise
         if self.master_load is not None:
             self.master_load.finish()     # after the params file: the copies are the masters' rounding
+        if self.moments is not None:
+            self.moments.finish()
         store.moments_initialized = True
         if self.opt is not None:
             self.opt.zero_grad()
@@ -245,7 +250,8 @@ class _Verified:
         return self.extra
 
 
-def _plan(engine, model: nn.Module, saved: SavedCheckpoint, master_load=None):
+def _plan(engine, model: nn.Module, saved: SavedCheckpoint, master_load=None,
+          moments: MomentLoader | None = None):
     """The fills, the source files and the runs (with their destinations) that load this rank's shards."""
     manifest = saved.manifest
     ranks = engine.ranks
@@ -276,18 +282,21 @@ def _plan(engine, model: nn.Module, saved: SavedCheckpoint, master_load=None):
             src = source(m.src_rank, state)
             for sub, within, n, rel in _sub_pieces(layout, flat, m.numel):
                 runs.append(Run(src, (m.src_elem + rel) * _F32, n * _F32,
-                                _state_dest(store, master_load, state, sub, within)))
+                                _state_dest(store, master_load, moments, state, sub, within)))
     return fills, files, runs
 
 
-def _state_dest(store, master_load, state: str, sub: int, within: int):
+def _state_dest(store, master_load, moments, state: str, sub: int, within: int):
     """Where fp32 bytes of ``state`` for elements from ``within`` of sub-group ``sub`` land."""
     if state == "master" and master_load is not None:
         return master_load.dest(sub, within * _F32)
+    if state != "master" and moments is not None:
+        return moments.dest(state, sub, within * _F32)
     return _StateDest(store.tier, store.keys[state][sub], within * _F32)
 
 
-def _fill_zeros(io, coordinator, store, layout, fills, master_load=None) -> None:
+def _fill_zeros(io, coordinator, store, layout, fills, master_load=None,
+                moments: MomentLoader | None = None) -> None:
     """Padding of the new shards (no parameter covers it) is zero, as at partitioning."""
     zeros = io.zeros
     futures = []
@@ -300,7 +309,11 @@ def _fill_zeros(io, coordinator, store, layout, fills, master_load=None) -> None
             flat = layout.group_starts[fill.group] + fill.dst_elem + start
             for state in STATE_FILES[1:]:
                 for sub, within, m, rel in _sub_pieces(layout, flat, n):
-                    futures.append(_state_dest(store, master_load, state, sub, within).write(0, zeros[:m * _F32]))
+                    if moments is not None and state != "master":
+                        moments.receive(state, sub, within * _F32, zeros[:m * _F32])
+                    else:
+                        futures.append(_state_dest(store, master_load, None, state, sub, within)
+                                       .write(0, zeros[:m * _F32]))
         if len(futures) > 64:
             for fut in futures:
                 fut.wait()

@@ -222,6 +222,10 @@ def write_file(io: StreamIO, directory: str, relpath: str, spans: list, chunk_nb
                 n = min(piece, span.nbytes - start)
                 if isinstance(span, ZeroSpan):
                     reads.append((None, io.zeros[:n], None))
+                elif hasattr(span, "fill"):     # bytes made on the host (decoded compressed moments)
+                    buf = take()
+                    span.fill(start, buf[:n])
+                    reads.append((buf, buf[:n], None))
                 else:
                     view = _host_view(span.tier, span.key)
                     if view is not None:

@@ -18,6 +18,7 @@ from infinity.checkpoint.disk import SaveSize, check_room, free_bytes, writing
 from infinity.checkpoint.errors import CheckpointError
 from infinity.checkpoint.manifest import (CHUNK_NBYTES, FORMAT, MANIFEST, STATE_FILES, VERSION, dtype_name,
                                           dump_json, fsync_dir, itemsize, sync_files, write_bytes, write_small_file)
+from infinity.checkpoint.moments import DecodedMoments
 from infinity.checkpoint.stream import StreamIO, TierSpan, ZeroSpan, write_file
 from infinity.optim.split_master import MasterSource
 
@@ -220,6 +221,8 @@ def _rank_spans(engine) -> dict[str, list]:
         elif state == "master" and store.split is not None:     # joined from compute copy and remainder
             source = MasterSource(store.split)
             files[state] = [TierSpan(source, sub, 0, n * 4) for sub, (_, n) in enumerate(layout.sub_ranges)]
+        elif state in _MOMENTS and store.moment_format.compressed:    # [Note: moments in checkpoints]
+            files[state] = [DecodedMoments(store, state, sub, n * 4) for sub, (_, n) in enumerate(layout.sub_ranges)]
         else:
             files[state] = [TierSpan(store.tier, store.keys[state][sub], 0, n * 4)
                             for sub, (_, n) in enumerate(layout.sub_ranges)]

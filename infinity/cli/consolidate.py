@@ -10,6 +10,7 @@ Examples
 --------
     infinity-consolidate ckpt/ model.pt
     infinity-consolidate ckpt/step00001200-5c0d2e4f9a1b3c77 model.safetensors --dtype bfloat16
+    infinity-consolidate ckpt/ exp_avg_sq.pt --state exp_avg_sq
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dtype of parameters and floating-point buffers (default: float32, the masters)")
     parser.add_argument("--safetensors", action="store_true",
                         help="write safetensors (default when OUT ends in .safetensors)")
+    parser.add_argument("--state", choices=("master", "exp_avg", "exp_avg_sq"), default="master",
+                        help="what each parameter's tensor holds: the parameters (master, default) or Adam's "
+                             "moments, fp32 whatever [optimizer] state_dtype stored them (no buffers then)")
     parser.add_argument("--buffer-size", default=None,
                         help="bytes read from the checkpoint at a time, e.g. 64MiB (default: the config default)")
     return parser
@@ -56,7 +60,7 @@ def _consolidate(args: argparse.Namespace) -> int:
         raise UsageError(f"--buffer-size {args.buffer_size!r}: {exc}") from None
     safetensors = args.safetensors or args.out.endswith(".safetensors")
     summary = consolidate(args.ckpt, args.out, getattr(torch, args.dtype), safetensors=safetensors,
-                          buffer_size=buffer_size)
+                          buffer_size=buffer_size, state=args.state)
     seconds = summary["seconds"]
     rate = summary["nbytes"] / seconds / 1e9 if seconds > 0 else float("nan")
     rows = [("checkpoint", summary["directory"]), ("output", args.out), ("format", summary["format"]),

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from infinity.config.deepspeed import from_deepspeed
 from infinity.config.load import dump, load_config, reference_markdown
-from infinity.config.sections import (SECTIONS, AioConfig, CheckpointConfig, Config, DpuConfig, PartitionConfig,
-                                      PrecisionConfig, PrefetchConfig, TiersConfig, TilingConfig)
+from infinity.config.sections import (SECTIONS, AioConfig, CheckpointConfig, Config, DpuConfig, OptimizerConfig,
+                                      PartitionConfig, PrecisionConfig, PrefetchConfig, TiersConfig, TilingConfig)
 from infinity.config.text import preset_path, presets
 from infinity.config.values import ALIGNMENT, ConfigError
 
 __all__ = [
-    "ALIGNMENT", "SECTIONS", "AioConfig", "CheckpointConfig", "Config", "ConfigError", "DpuConfig", "PartitionConfig",
-    "PrecisionConfig", "PrefetchConfig", "TiersConfig", "TilingConfig",
+    "ALIGNMENT", "SECTIONS", "AioConfig", "CheckpointConfig", "Config", "ConfigError", "DpuConfig", "OptimizerConfig",
+    "PartitionConfig", "PrecisionConfig", "PrefetchConfig", "TiersConfig", "TilingConfig",
     "dump", "from_deepspeed", "load_config", "preset_path", "presets", "reference_markdown",
 ]

@@ -1,8 +1,8 @@
-"""The nine config sections as frozen dataclasses, and ``Config``, the whole of them.
+"""The ten config sections as frozen dataclasses, and ``Config``, the whole of them.
 
 [Note: config]
-A config has nine sections (``tiers``, ``aio``, ``precision``, ``partition``,
-``prefetch``, ``tiling``, ``dpu``, ``checkpoint``, ``activations``). Each is a frozen dataclass whose
+A config has ten sections (``tiers``, ``aio``, ``precision``, ``partition``,
+``prefetch``, ``tiling``, ``dpu``, ``optimizer``, ``checkpoint``, ``activations``). Each is a frozen dataclass whose
 fields carry their defaults, the only place a default is written, and a docstring
 that ``reference_markdown()`` turns into the README's reference. Validation lives in
 each section's ``__post_init__``, so a section built from Python (``AioConfig(
@@ -393,6 +393,32 @@ class DpuConfig(Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class OptimizerConfig(Section):
+    """How the host optimizer stores Adam's moments (see [Note: compressed moments] in infinity/optim/moments.py)."""
+
+    section: ClassVar[str] = "optimizer"
+
+    state_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """Storage of Adam's m and v in the optimizer tier: "fp32" (4+4 bytes per parameter, exact),
+    "bf16" (2+2, stochastic rounding) or "int8" (1+1 and one fp32 scale per block of
+    `state_block_size`, with a non-linear code). The master weights stay fp32. Opt-in: the
+    compressed formats change the training dynamics slightly (the README's quality table)."""
+
+    state_block_size: int = 256
+    """With "int8": elements per block, each block with its own scales. A power of two."""
+
+    def _check(self) -> None:
+        self._within("state_block_size", 32, 2048, "a block shares one 4-byte scale per moment, which costs "
+                     "more than 1/8 byte per element below 32; above 2048 (the largest block the 8-bit Adam "
+                     "literature uses) one large value coarsens too many others, and blocks must tile the "
+                     "optimizer's 2048-element aligned shards")
+        b = self.state_block_size
+        if b & (b - 1):
+            raise ConfigError(f"{b} is not a power of two (blocks must tile the 2048-element aligned shards); "
+                              f"try {1 << (b.bit_length() - 1)} or {1 << b.bit_length()}", f"{self.section}.state_block_size")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig(Section):
     """Saving and loading sharded checkpoints."""
 
@@ -450,8 +476,8 @@ class ActivationsConfig(Section):
 
 
 SECTIONS: tuple[type[Section], ...] = (TiersConfig, AioConfig, PrecisionConfig, PartitionConfig,
-                                        PrefetchConfig, TilingConfig, DpuConfig, CheckpointConfig,
-                                        ActivationsConfig)
+                                        PrefetchConfig, TilingConfig, DpuConfig, OptimizerConfig,
+                                        CheckpointConfig, ActivationsConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,6 +501,7 @@ class Config:
     prefetch: PrefetchConfig = dataclasses.field(default_factory=PrefetchConfig)
     tiling: TilingConfig = dataclasses.field(default_factory=TilingConfig)
     dpu: DpuConfig = dataclasses.field(default_factory=DpuConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     activations: ActivationsConfig = dataclasses.field(default_factory=ActivationsConfig)
 
@@ -492,6 +519,10 @@ class Config:
                 f"stage {stage} keeps whole parameters on every rank's compute device, so tiers.params must be "
                 f"\"device\" (it is {json.dumps(params)}); parameters in host memory or on NVMe are sharded over "
                 "the ranks, which is stage 3", "partition.stage")
+        if self.optimizer.state_dtype != "fp32" and self.tiers.optimizer == "device":
+            raise ConfigError(f"{json.dumps(self.optimizer.state_dtype)} moments are stepped by the host kernel; with "
+                              "tiers.optimizer = \"device\" they must be \"fp32\" (or put the optimizer states in "
+                              "\"host\" or \"nvme\")", "optimizer.state_dtype")
         if self.activations.offload == "nvme" and not self.tiers.nvme_path:
             raise ConfigError("\"nvme\" needs tiers.nvme_path, a directory on a fast local disk, for the "
                               "activations' files", "activations.offload")

@@ -7,9 +7,10 @@ of which sub-group an update changes, and each parameter's own Adam step count),
 ``job`` (``StepJob``: everything one update needs, fixed at ``opt.step()``),
 ``scheduler`` (runs a job now, overlapped with the next forward, or one step behind with
 DPU), ``background`` and ``delayed`` (the worker thread and DPU's double buffers),
-``update`` (the host Adam kernel and the new compute copies) and ``flat_state`` (the
+``update`` (the host Adam kernel and the new compute copies), ``flat_state`` (the
 flat per-sub-group master weights, moments and gradient accumulator, and the one
-sub-group pipeline that streams them).
+sub-group pipeline that streams them) and ``moments`` (m and v stored as bf16 or int8, and
+the kernel that steps them).
 
 What it may touch: the optimizer tier (through the state store), the parameter tier only
 through ``infinity.runtime.shards.ParamShards`` (new compute copies, the fresh-shard

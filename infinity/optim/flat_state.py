@@ -34,12 +34,18 @@ from typing import Iterator, Sequence
 import torch
 
 from infinity.optim import compact_grads, split_master
+from infinity.optim.moments import MomentFormat, read_moments, write_moments
 from tiers.base import wait_quietly
 
 STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _F32 = 4
 _MAX_PENDING_BYTES = 64 * 2**20
+
+
+def _stored_len(fmt: MomentFormat, state: str, numel: int) -> int:
+    """Length, in the elements of its buffer's dtype, of one state of a sub-group of ``numel``."""
+    return fmt.stored_nbytes(state, numel) // torch.empty((), dtype=fmt.stored_dtype(state)).element_size()
 
 
 class _Unbooked:
@@ -127,11 +133,18 @@ class OptimizerStateStore:
     grad_dtype:
         The dtype the gradient keys start in: fp32, or the compute dtype until micro-batches
         accumulate (see [Note: compact gradients] in infinity/optim/compact_grads.py).
+    moment_format:
+        How Adam's m and v are stored (``infinity.optim.moments.MomentFormat``); None: fp32.
+        Compressed moments are raw bytes in their keys and buffers (see [Note: compressed
+        moments] in infinity/optim/moments.py); ``read_state_shard`` and ``write_state_shard``
+        decode and encode them.
     """
 
     def __init__(self, tier, layout: FlatLayout, allocator=None, *, defer_states: bool = False,
-                 datapath=None, copies=None, grad_dtype: torch.dtype = torch.float32) -> None:
+                 datapath=None, copies=None, grad_dtype: torch.dtype = torch.float32,
+                 moment_format: MomentFormat | None = None) -> None:
         self.tier = tier
+        self.moment_format = moment_format or MomentFormat()
         self.io = datapath if datapath is not None else _Unbooked()
         self.layout = layout
         self.in_place = hasattr(tier, "view")
@@ -155,7 +168,8 @@ class OptimizerStateStore:
         n = layout.sub_group_size
         empty = allocator.empty if allocator is not None else (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
         if not self.in_place:
-            self._buffers = [{s: empty(n * _F32).view(torch.float32) for s in STATES}
+            fmt = self.moment_format
+            self._buffers = [{s: empty(fmt.stored_nbytes(s, n)).view(fmt.stored_dtype(s)) for s in STATES}
                              for _ in range(2)]
         elif copies is not None:    # the joined masters of the sub-group being stepped
             self._buffers = [{"master": empty(n * _F32).view(torch.float32)}]
@@ -174,8 +188,10 @@ class OptimizerStateStore:
         if not defer_states:
             self.allocate_states()
 
-    def _allocate(self, state: str, itemsize: int = _F32) -> list[int]:
-        return [self.tier.allocate(n * itemsize, tag=f"{state}:sub{i}")
+    def _allocate(self, state: str, itemsize: int | None = None) -> list[int]:
+        """One key per sub-group: ``itemsize`` bytes per element, or the state's stored size."""
+        return [self.tier.allocate(n * itemsize if itemsize is not None
+                                   else self.moment_format.stored_nbytes(state, n), tag=f"{state}:sub{i}")
                 for i, (_, n) in enumerate(self.layout.sub_ranges)]
 
     def allocate_states(self) -> None:
@@ -197,8 +213,10 @@ class OptimizerStateStore:
 
     # -- access ---------------------------------------------------------------------------------
     def view(self, state: str, sub: int) -> torch.Tensor:
-        """The in-place view of one state of one sub-group (host tier only): fp32, gradients in ``grad_dtype``."""
-        return self.tier.view(self.keys[state][sub]).view(self.grad_dtype if state == "grad" else torch.float32)
+        """The in-place view of one state of one sub-group (host tier only): fp32, gradients in
+        ``grad_dtype``, the raw bytes of compressed moments."""
+        dtype = self.grad_dtype if state == "grad" else self.moment_format.stored_dtype(state)
+        return self.tier.view(self.keys[state][sub]).view(dtype)
 
     def write_master_shard(self, group_index: int, fp32_shard: torch.Tensor) -> None:
         """Set the master weights of one group (initial values, resharded loads); split masters
@@ -228,6 +246,8 @@ class OptimizerStateStore:
                 self.io.read(self.tier, self.keys[state][piece.sub_index], compact,
                              offset=piece.sub_offset * compact.element_size()).wait()
                 dst.copy_(compact)
+            elif state in MOMENTS and self.moment_format.compressed:
+                dst.copy_(read_moments(self, state, piece.sub_index, piece.sub_offset, piece.sub_offset + piece.numel))
             else:
                 self.io.read(self.tier, self.keys[state][piece.sub_index], dst,
                                offset=piece.sub_offset * _F32).wait()
@@ -240,7 +260,11 @@ class OptimizerStateStore:
         if state == "grad":
             compact_grads.widen(self)   # edited gradients (clip_grad_value_) need not fit the compute dtype
         for piece in self.layout.pieces_of_group[group_index]:
-            self._write((state, piece), values[piece.group_offset:piece.group_offset + piece.numel])
+            src = values[piece.group_offset:piece.group_offset + piece.numel]
+            if state in MOMENTS and self.moment_format.compressed:
+                write_moments(self, state, piece.sub_index, piece.sub_offset, src)
+            else:
+                self._write((state, piece), src)
         if state in MOMENTS:
             self.moments_initialized = True
         self.flush()
@@ -345,7 +369,8 @@ class OptimizerStateStore:
 
     # -- the sub-group pipeline (see [Note: pipelined sub-groups]) ----------------------------------
     def sub_groups(self, grad_keys: Sequence[int], changed: Sequence[bool]) -> Iterator[tuple]:
-        """Yield ``(sub, {state: fp32 tensor}, writes)`` for each sub-group an update must visit.
+        """Yield ``(sub, {state: tensor}, writes)`` for each sub-group an update must visit (fp32
+        tensors; compressed moments as their raw bytes).
 
         ``grad_keys`` are the gradient keys of the update (DPU's may be the second set);
         ``changed[sub]`` says whether the update changes anything in ``sub``. The caller may
@@ -404,7 +429,7 @@ class OptimizerStateStore:
             numel = layout.sub_ranges[sub][1]
             reads[slot] = []
             for s in STATES:
-                buf = bufs[slot][s][:numel]
+                buf = bufs[slot][s][:_stored_len(self.moment_format, s, numel)]
                 if s in MOMENTS and not moments_known:
                     buf.zero_()
                 elif s == "grad" and not changed[sub]:
@@ -428,7 +453,7 @@ class OptimizerStateStore:
                 if i + 1 < len(subs):
                     issue_reads(i + 1)
                 numel = layout.sub_ranges[sub][1]
-                st = {s: bufs[slot][s][:numel] for s in STATES}
+                st = {s: bufs[slot][s][:_stored_len(self.moment_format, s, numel)] for s in STATES}
                 if self.grad_dtype != torch.float32 and changed[sub]:
                     st["grad"].copy_(bufs[slot]["grad_compact"][:numel])
                 if self.split is not None:

@@ -35,6 +35,7 @@ import collections
 import torch
 
 from infinity.optim.job import StepJob
+from infinity.optim.moments import AdamHyper, MomentStep, step_seed
 from infinity.optim.ranges import UpdateRanges
 from tiers.arena import Arena
 from tiers.base import wait_quietly
@@ -103,6 +104,9 @@ class UpdatePass:
             self.staging = Arena(allocator.empty, nbytes, name="compute-copy-staging")
         self._staged: collections.deque = collections.deque()    # (write future, loan) not yet given back
         self._itemsize = torch.empty((), dtype=self.shards.dtype).element_size()
+        # Compressed moments are stepped by their own kernel (see [Note: the compressed step] in
+        # infinity/optim/moments.py); fp32 ones by torch's fused kernel.
+        self.moment_step = MomentStep(store.moment_format) if store.moment_format.compressed else None
         # Told ``sub_done(sub, futures)`` after each sub-group of an overlapped job (the
         # ``BackgroundUpdate`` running it), so the next forward may fetch its groups.
         self.progress = None
@@ -142,6 +146,9 @@ class UpdatePass:
                                  if o < c1 and o + n > c0]
                         for h in sorted({h for *_, h in parts}):   # one kernel call per set of hyper-parameters
                             mine = [part for part in parts if part[3] == h]
+                            if self.moment_step is not None:
+                                self._step_compressed(st, sub, mine, job, _hyper_set(hyper, job, h))
+                                continue
                             kernel(*[[t[a:b] for a, b, _, _ in mine] for t in states], [],
                                    [step_t(k) for _, _, k, _ in mine], **_hyper_set(hyper, job, h))
                         self._write_compute_copies(job, sub, st["master"], c0, c1, copies)
@@ -161,6 +168,14 @@ class UpdatePass:
             self._give_back_staging()
             raise
         self._give_back_staging()
+
+    def _step_compressed(self, st: dict, sub: int, parts: list, job: StepJob, hyper: dict) -> None:
+        """Adam over ``parts`` (``(start, end, step, hyper index)`` in ``sub``) with compressed moments."""
+        grad_mul = 1.0 if job.clip_coef is None else job.clip_coef
+        for a, b, step, _ in parts:
+            h = AdamHyper(step=step, lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
+                          weight_decay=hyper["weight_decay"], decoupled=job.decoupled, grad_mul=grad_mul)
+            self.moment_step(st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"], a, b, h, step_seed(step, sub))
 
     def _write_compute_copies(self, job: StepJob, sub: int, master: torch.Tensor, c0: int, c1: int,
                               writes: list) -> None:

@@ -12,18 +12,21 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   (the background step writes them while the next iteration uses the published set,
   ``infinity/optim/background.py``).
 * fp32 master, Adam m and v, fp32 gradient accumulator of the trainable shards:
-  ``tiers.optimizer``. In bf16 with params and optimizer both on NVMe the master is stored as the compute copy plus a 2-byte remainder ([Note: split master] in
+  ``tiers.optimizer``; m and v at their stored size (``optimizer.state_dtype``: 4, 2 or
+  1 + 4 / ``state_block_size`` bytes each per element). In bf16 with params and optimizer both on
+  NVMe the master is stored as the compute copy plus a 2-byte remainder ([Note: split master] in
   infinity/optim/split_master.py); in bf16/fp16 with the optimizer in host memory or on NVMe and
   no DPU the gradients are stored in the compute dtype ([Note: compact gradients] in
   infinity/optim/compact_grads.py; the plan assumes one micro-batch per step).
 * when anything is on NVMe: the I/O buffer pool (``tiers.pool_buffers`` x
   ``tiers.pool_buffer_size``) in host memory.
-* when the optimizer is on NVMe: its sub-group pipeline buffers in host memory: 4 fp32 buffers
-  (master, m, v, gradient) of one sub-group, double buffered (one sub-group stepped while the
-  next is read), plus the compute copy and remainder (split masters) and the compact gradient
-  they are read into. In host memory, split masters and compact gradients are joined and
-  widened into one sub-group's fp32 buffers. A sub-group is ``partition.sub_group_size`` elements rounded up to the shard
-  alignment, but never more than the rank's whole shard (``infinity/optim/flat_state.py``).
+* when the optimizer is on NVMe: its sub-group pipeline buffers in host memory: 4 buffers
+  (master, m, v, gradient; m and v at their stored size) of one sub-group, double buffered (one
+  sub-group stepped while the next is read), plus the compute copy and remainder (split masters)
+  and the compact gradient they are read into. In host memory, split masters and compact
+  gradients are joined and widened into one sub-group's fp32 buffers. A sub-group is
+  ``partition.sub_group_size`` elements rounded up to the shard alignment, but never more than the
+  rank's whole shard (``infinity/optim/flat_state.py``).
 * when params are on NVMe: aligned host staging buffers demand reads land in (3 buffers of the
   largest shard, ``infinity/runtime/shards.py``, [Note: staging buffers]) and, when prefetching, the
   arena reads issued ahead land in (``prefetch.nvme_bytes``, ``tiers/arena.py``).
@@ -84,6 +87,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from infinity.optim.moments import MomentFormat
 from infinity.plan.census import ModelCensus
 from infinity.plan.rows import PlanRow
 from infinity.plan.units import round_up
@@ -125,6 +129,8 @@ class Layout:
         self.structured = census.structured
         self.params_tier = cfg.tiers.params
         self.opt_tier = cfg.tiers.optimizer
+        # Adam m and v as stored (see [Note: compressed moments] in infinity/optim/moments.py).
+        self.moments = MomentFormat(cfg.optimizer.state_dtype, cfg.optimizer.state_block_size)
         threshold = int(cfg.partition.persistence_threshold)
         self.shard_numel = 0
         self.trainable_numel = 0
@@ -197,7 +203,7 @@ class Layout:
         else:
             yield PlanRow("master", f"fp32 master params ({t:,} trainable elements)", self.opt_tier,
                           FP32_BYTES * t)
-        yield PlanRow("adam_moments", "Adam m and v (fp32)", self.opt_tier, 2 * FP32_BYTES * t)
+        yield PlanRow("adam_moments", f"Adam m and v ({self.moments.dtype})", self.opt_tier, self.moment_nbytes())
         if self.grad_bytes == FP32_BYTES:
             yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier, FP32_BYTES * t)
         else:
@@ -218,8 +224,9 @@ class Layout:
                       max(t, SHARD_ALIGN_NUMEL))
             extra = (4 if self.split_master else 0) + (self.grad_bytes if self.grad_bytes != FP32_BYTES else 0)
             yield PlanRow("optimizer_subgroup_buffers", f"optimizer sub-group buffers (2 sets x "
-                          f"({4 * FP32_BYTES + extra} bytes) x {sub:,} elements)", "host",
-                          2 * (4 * FP32_BYTES + extra) * sub)
+                          f"{sub:,} elements: 2 fp32 + m, v in {self.moments.dtype}"
+                          f"{f' + {extra} bytes' if extra else ''})", "host",
+                          2 * ((2 * FP32_BYTES + extra) * sub + 2 * self.moments.nbytes(sub)))
         elif self.opt_tier == "host" and t and (self.split_master or self.grad_bytes != FP32_BYTES):
             sub = min(round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL),
                       max(t, SHARD_ALIGN_NUMEL))
@@ -268,6 +275,11 @@ class Layout:
                           f"reduce-scatter (stage 1, {self.trainable_padded_numel:,} elements, {dtype})", "device",
                           self.trainable_padded_numel * pb)
 
+    def moment_nbytes(self) -> int:
+        """Bytes of Adam's m and v of this rank's trainable elements, as stored (blocks tile the
+        2048-element aligned shards, so the int8 scales add exactly 4 bytes per block)."""
+        return 2 * self.moments.nbytes(self.trainable_numel)
+
     def host_to_device_bytes(self) -> int:
         """Bytes one rank copies from host memory to the compute device per step (see [Note: PCIe
         traffic per step])."""
@@ -302,7 +314,7 @@ class Layout:
             total -= min(int(cfg.prefetch.nvme_bytes), self.rewrite_nvme)   # fresh shards
         if self.opt_tier == "nvme":
             # master (or compute copy + remainder), m, v, gradient
-            total += (self.master_bytes + 2 * FP32_BYTES + self.grad_bytes) * self.trainable_numel
+            total += (self.master_bytes + self.grad_bytes) * self.trainable_numel + self.moment_nbytes()
             if self.split_master:
                 total += self.pb * self.trainable_numel     # the compute copies the masters are joined from
         return total
@@ -312,7 +324,7 @@ class Layout:
         total = 0
         if self.opt_tier == "nvme":
             total += self.grad_bytes * self.trainable_numel  # gradients, as reduce-scattered
-            total += (self.master_bytes + 2 * FP32_BYTES) * self.trainable_numel  # master (remainder), m, v
+            total += self.master_bytes * self.trainable_numel + self.moment_nbytes()  # master (remainder), m, v
         if self.params_tier == "nvme":
             total += self.rewrite_nvme
         return total

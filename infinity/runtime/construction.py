@@ -25,6 +25,7 @@ from infinity.errors import EngineError
 from infinity.optim.compact_grads import grad_dtype_for
 from infinity.optim.flat_state import FlatLayout, OptimizerStateStore
 from infinity.optim.split_master import CopyAccess, use_split_master
+from infinity.optim.moments import MomentFormat
 from infinity.param_group import ParamGroup, ParamState
 from tiers.arena import Arena
 from tiers.host_alloc import trim_c_heap
@@ -167,7 +168,9 @@ class Partitioner:
         store = OptimizerStateStore(self.tiers.optimizer, layout, self.tiers.allocator, defer_states=True,
                                     datapath=self.engine.datapath, copies=copies,
                                     grad_dtype=grad_dtype_for(self.coordinator.dtype, self.tiers.optimizer.kind,
-                                                              config.dpu.enabled))
+                                                              config.dpu.enabled),
+                                    moment_format=MomentFormat(config.optimizer.state_dtype,
+                                                               config.optimizer.state_block_size))
         for g in self.coordinator.groups:
             key = self._master_keys.pop(g)
             with self._scratch.take(4 * g.shard_numel, f"master {g.name}") as loan:

@@ -1,4 +1,5 @@
-"""Smoke runs of benchmarks/adam.py and benchmarks/dpu.py at tiny sizes: tables printed, JSON written."""
+"""Smoke runs of benchmarks/adam.py, benchmarks/dpu.py and benchmarks/qstates.py at tiny sizes: tables
+printed, JSON written."""
 from __future__ import annotations
 
 import importlib.util
@@ -31,11 +32,13 @@ def test_adam_benchmark_tiny(tmp_path, capsys):
                        "--json", str(out)])
     table = capsys.readouterr().out
     for row in ("torch fused, 1 tensor", "torch fused, 100 tensors", "torch foreach, 100 tensors",
-                "ours (engine step)", "G params/s"):
+                "ours (engine step)", "ours (engine step, bf16 states)", "ours (engine step, int8 states)",
+                "G params/s", "x fp32 ours"):
         assert row in table, row
     record = json.loads(out.read_text())
     size = record["sizes"]["300000"]
-    assert set(size["raw_seconds"]) >= {"triad", "torch fused, 1 tensor", "ours (engine step)"}
+    assert set(size["raw_seconds"]) >= {"triad", "torch fused, 1 tensor", "ours (engine step)",
+                                        "ours (engine step, int8 states)"}
     assert all(len(v) == 2 and min(v) > 0 for v in size["raw_seconds"].values())
     assert 0.5 * 300_000 < size["numel"]["ours"] < 2 * 300_000  # whole layers
     assert record["machine"]["torch"] == torch.__version__
@@ -60,3 +63,23 @@ def test_dpu_benchmark_tiny(tmp_path, capsys):
     assert len(runs["sync"]["losses"]) == len(runs["dpu"]["losses"]) == 6
     assert runs["sync"]["losses"][0] == runs["dpu"]["losses"][0]  # same start, the schedules differ later
     assert not [p for p in os.listdir(tmp_path) if p.startswith("tmp")]  # the swap directories were removed
+
+
+def test_qstates_benchmark_tiny(tmp_path, capsys):
+    out = tmp_path / "qstates.json"
+    load("qstates").main(["--model", "tiny", "--steps", "4", "--batch", "1", "--seq", "8", "--tail", "2",
+                          "--eval-every", "3", "--eval-batch", "2",
+                          "--bytes-steps", "1", "--json", str(out)])
+    table = capsys.readouterr().out
+    for row in ("state_dtype", "largest gap", "o fp32", "NVMe bytes per parameter"):
+        assert row in table, row
+    record = json.loads(out.read_text())
+    assert set(record["curves"]) == {"fp32", "bf16", "int8"}
+    assert all(len(c["train"]) == 4 and len(c["eval"]) == 2 for c in record["curves"].values())
+    assert record["figures"]["fp32"]["final_rel"] == 0.0
+    stored = {r["state_dtype"]: r["stored_per_param"] for r in record["bytes"]}
+    assert stored["int8"] < stored["bf16"] < stored["fp32"]
+    for r in record["bytes"]:     # the plan's arithmetic is the measurement's
+        assert abs(r["stored_per_param"] - r["plan_stored_per_param"]) < 0.05 * r["plan_stored_per_param"]
+        moved = r["read_per_param_step"] + r["written_per_param_step"]
+        assert abs(moved - r["plan_moved_per_param_step"]) < 0.05 * r["plan_moved_per_param_step"]

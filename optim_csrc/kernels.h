@@ -1,0 +1,117 @@
+/* The two block loops, compiled once per instruction set: qadam.c includes this file with
+ * KERNEL(name) and KERNEL_ATTR defined (see there). Plain C loops that gcc vectorizes; each
+ * mixes no byte or 16-bit stores with float arithmetic (those are widened or narrowed in loops
+ * of their own), or gcc would vectorize at the narrow width. */
+KERNEL_ATTR static void KERNEL(run_bf16)(const Job *j) {
+    Hyper h = hyper_of(j);
+    uint16_t *restrict m16 = (uint16_t *)j->m, *restrict v16 = (uint16_t *)j->v;
+    int64_t a = j->first_block * j->block, b = j->last_block * j->block;
+    if (a < j->lo) a = j->lo;
+    if (b > j->hi) b = j->hi;
+    uint32_t sm = j->seed, sv = j->seed ^ 0x5BD1E995u;
+    float fm[CHUNK], fv[CHUNK], fw[CHUNK];
+    uint32_t cm[CHUNK], cv[CHUNK];
+    for (int64_t c0 = a; c0 < b; c0 += CHUNK) {
+        int64_t len = b - c0 < CHUNK ? b - c0 : CHUNK;
+        for (int64_t t = 0; t < len; t++) {
+            cm[t] = m16[c0 + t];
+            cv[t] = v16[c0 + t];
+        }
+        for (int64_t t = 0; t < len; t++) {
+            fm[t] = as_float((int32_t)(cm[t] << 16));
+            fv[t] = as_float((int32_t)(cv[t] << 16));
+        }
+        adam_span(h, len, j->p + c0, j->g + c0, fm, fv, fw);
+        for (int64_t t = 0; t < len; t++) {
+            cm[t] = bf16_sr(fm[t], sm, (uint32_t)(c0 + t));
+            cv[t] = bf16_sr(fv[t], sv, (uint32_t)(c0 + t));
+        }
+        for (int64_t t = 0; t < len; t++) {
+            m16[c0 + t] = (uint16_t)cm[t];
+            v16[c0 + t] = (uint16_t)cv[t];
+        }
+    }
+}
+
+KERNEL_ATTR static void KERNEL(run_int8)(const Job *j) {
+    Hyper h = hyper_of(j);
+    float fm[MAX_BLOCK], fw[MAX_BLOCK];
+    int32_t cm[MAX_BLOCK], cv[MAX_BLOCK];
+    const float inv_top = 1.0f / CODE_TOP;
+    for (int64_t k = j->first_block; k < j->last_block; k++) {
+        int64_t b0 = k * j->block, b1 = b0 + j->block;
+        if (b1 > j->n) b1 = j->n;
+        int64_t len = b1 - b0;
+        uint8_t *restrict mc = j->m + b0;
+        uint8_t *restrict vc = j->v + b0;
+        float dm = j->ms[k] * inv_top, dw = j->vs[k] * inv_top;
+        for (int64_t t = 0; t < len; t++) {     /* widened first, as the codes are narrowed last */
+            cm[t] = mc[t];
+            cv[t] = vc[t];
+        }
+        for (int64_t t = 0; t < len; t++) {
+            int32_t c = cm[t];
+            /* the sign bit goes straight to the float's: no negation, no select */
+            fm[t] = as_float(as_int(decode_mag(c & 0x7F, 4, 7)) | (c & 0x80) << 24) * dm;
+            fw[t] = decode_mag(cv[t], 4, 15) * dw;
+        }
+        int64_t u0 = j->lo > b0 ? j->lo - b0 : 0, u1 = j->hi < b1 ? j->hi - b0 : len;
+        float *restrict p = j->p + b0;
+        const float *restrict g = j->g + b0;
+        float c1 = 1.0f - h.b1, c2 = 1.0f - h.b2;
+        /* Adam on the block's elements in [lo, hi), v from w = sqrt(v) as stored; the new largest
+         * magnitudes as integers on the way (non-negative floats order like their bit patterns, and an
+         * integer max reduction vectorizes without -ffast-math). */
+        int32_t im = 0, iw = 0;
+        if (h.decoupled) {
+            for (int64_t t = u0; t < u1; t++) {
+                float gi = g[t] * h.gmul, pi = p[t] * h.decay, wo = fw[t];
+                float mi = h.b1 * fm[t] + c1 * gi;
+                float vi = h.b2 * (wo * wo) + c2 * gi * gi;
+                float wi = sqrtf(vi);
+                p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
+                fm[t] = mi; fw[t] = wi;
+                int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi);
+                im = a > im ? a : im;
+                iw = b > iw ? b : iw;
+            }
+        } else {
+            for (int64_t t = u0; t < u1; t++) {
+                float pi = p[t], gi = g[t] * h.gmul + h.wd * p[t], wo = fw[t];
+                float mi = h.b1 * fm[t] + c1 * gi;
+                float vi = h.b2 * (wo * wo) + c2 * gi * gi;
+                float wi = sqrtf(vi);
+                p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
+                fm[t] = mi; fw[t] = wi;
+                int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi);
+                im = a > im ? a : im;
+                iw = b > iw ? b : iw;
+            }
+        }
+        if (u0 > 0 || u1 < len) {   /* a block partly outside [lo, hi): its other elements count too */
+            for (int64_t t = 0; t < len; t++) {
+                int32_t a = as_int(fm[t]) & 0x7FFFFFFF, b = as_int(fw[t]);
+                im = a > im ? a : im;
+                iw = b > iw ? b : iw;
+            }
+        }
+        float am = as_float(im), aw = as_float(iw);
+        float qm = am > 0.0f ? CODE_TOP / am : 0.0f, qw = aw > 0.0f ? CODE_TOP / aw : 0.0f;
+        /* Codes as int32 first, then narrowed in a loop of their own: a loop that mixes float
+         * arithmetic with byte stores is vectorized at the byte width (4 floats a vector). */
+        for (int64_t t = 0; t < len; t++) {
+            float x = fm[t];
+            int32_t c = encode_mag(fabsf(x) * qm, 4, 7, 0x7F);
+            cm[t] = c | ((x < 0.0f) & (c != 0)) << 7;   /* one zero: a -0 code would not re-encode alike */
+            int32_t cw = encode_mag(fw[t] * qw, 4, 15, 0xFF);
+            cv[t] = cw + ((cw == 0) & (fw[t] > 0.0f));   /* a positive w never becomes 0 */
+        }
+        for (int64_t t = 0; t < len; t++) {
+            mc[t] = (uint8_t)cm[t];
+            vc[t] = (uint8_t)cv[t];
+        }
+        j->ms[k] = am;
+        j->vs[k] = aw;
+    }
+}
+
