@@ -129,8 +129,7 @@ class ReleasedParameter(nn.Parameter):
                 out = func(*args, **kwargs)
                 if out is param:
                     return out
-                raise EngineError(refusal(param, _name(func, attribute)) + "; its dtype and device are the "
-                                  "config's ([precision] dtype, [tiers] device), not set by converting the model")
+                raise EngineError(refusal(param, _name(func, attribute), _CONVERSION_REASON))
         raise EngineError(refusal(param, _name(func, attribute)))
 
 
@@ -190,18 +189,23 @@ def _whole_shape(param) -> torch.Size:
     return held[2].shape
 
 
-def refusal(param, what: str) -> str:
-    """The message refusing ``what`` on the released ``param``: its name, and ``infinity.gathered``."""
+_RELEASED_REASON = ("it is released (its values are shards over ranks and tiers; this tensor holds none of "
+                    "them); read or change it inside `with infinity.gathered(model):`, or save with "
+                    "infinity.save_checkpoint and infinity-consolidate")
+_CONVERSION_REASON = ("infinity keeps parameters in the dtype and on the device its config names ([precision] "
+                      "dtype, [tiers] device), so converting the model would change nothing: change the config "
+                      "instead (to convert the values themselves, copy them inside `with infinity.gathered(model):`)")
+
+
+def refusal(param, what: str, reason: str = _RELEASED_REASON) -> str:
+    """The message refusing ``what`` on the released ``param``: its name, why, and what to do instead."""
     held = _holder(param)
     if held is None:
-        return (f"{what} on a released infinity parameter: its values are shards over ranks and tiers (or its "
-                "engine was released by infinity.release); read or change it inside "
-                "`with infinity.gathered(model):`")
+        return (f"{what} on a released infinity parameter (of a model whose engine was released by "
+                f"infinity.release, or is being built): {reason}")
     engine, group, slot = held
     name = engine.param_names.get(param) or f"{group.name}.{slot.name}"
-    return (f"{what} on parameter {name!r}: it is released (its values are shards over ranks and tiers; this "
-            "tensor holds none of them); read or change it inside `with infinity.gathered(model):`, or save "
-            "with infinity.save_checkpoint and infinity-consolidate")
+    return f"{what} on parameter {name!r}: {reason}"
 
 
 def release(param: nn.Parameter) -> None:
