@@ -143,7 +143,8 @@ class Engine:
         (restoring the model's own), close the tiers (deleting the swap files and unlocking
         their directories, as ``Init`` does when construction fails) and drop the engine's
         parts and the optimizer's, so their buffers go with them. The model keeps its
-        ``(0,)`` placeholders and gets guard hooks in place of the engine's: a forward or a
+        placeholders (which refuse reads: [Note: released placeholders] in
+        infinity/runtime/placeholder.py) and gets guard hooks in place of the engine's: a forward or a
         ``state_dict()`` raises, as does any infinity call on it or on its optimizer, naming
         ``infinity.release``.
         """
