@@ -54,7 +54,8 @@ def _check_reads_refused(plain: nn.Module, model: nn.Module) -> None:
     assert type(p) is ReleasedParameter and isinstance(p, nn.Parameter)
     reads = {"sum": lambda: p.sum(), "tolist": lambda: p.tolist(), "detach": lambda: p.detach(),
              "clone": lambda: p.clone(), "data": lambda: p.data, "add": lambda: p + 1,
-             "numpy": lambda: p.detach().numpy(), "mul_": lambda: p.mul_(2), "torch.save": lambda: torch.save(p, io.BytesIO()),
+             "numpy": lambda: p.detach().numpy(), "mul_": lambda: p.mul_(2),
+             "torch.save": lambda: torch.save(p, io.BytesIO()),
              "index": lambda: p[0], "init": lambda: nn.init.zeros_(p)}
     for what, read in reads.items():
         with pytest.raises(EngineError, match=REFUSED):
@@ -118,7 +119,8 @@ def views_case(rank: int, world_size: int, workdir: str, dtype: str = "bfloat16"
     opt.step()
     with torch.autocast("cpu", dtype=compute, enabled=compute != torch.float32):
         ref = plain(*next(iter(batches(1, 4))))
-    assert abs(float(loss.detach()) - float(ref.detach())) <= 0.01 * abs(float(ref.detach())), (float(loss.detach()), float(ref.detach()))
+    loss, ref = float(loss.detach()), float(ref.detach())
+    assert abs(loss - ref) <= 0.01 * abs(ref), (loss, ref)
     infinity.release(model)
     with pytest.raises(EngineError, match=r"Tensor\.sum on a released infinity parameter.*infinity\.release"):
         model.blocks[1].mlp[2].weight.sum()
