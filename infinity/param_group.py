@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from infinity.runtime import placeholder
+from infinity.runtime.placeholder import ReleasedParameter
 
 ALIGN_NUMEL = 2048
 
@@ -166,8 +166,10 @@ class ParamGroup:
         self.full = full
         self.pending = None
         for slot in self.slots:
-            placeholder.restore(slot.param)
-            slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            param = slot.param
+            if type(param) is ReleasedParameter:    # a plain Parameter again before .data is set
+                param.__class__ = nn.Parameter
+            param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.state = ParamState.AVAILABLE
 
     def to_not_available(self, keep_views: bool = False) -> None:
@@ -190,5 +192,7 @@ class ParamGroup:
         ``keep_views``; see [Note: released placeholders] in infinity/runtime/placeholder.py)."""
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for slot in self.slots:
-            slot.param.data = empty
-            placeholder.release(slot.param)
+            param = slot.param
+            param.data = empty
+            if type(param) is nn.Parameter:     # subclasses keep their class (and no guard)
+                param.__class__ = ReleasedParameter

@@ -126,6 +126,8 @@ class ReleasedParameter(nn.Parameter):
             if func in _SHAPE_METHODS and param is args[0]:
                 return _shape_answer(func, _whole_shape(param), args[1:], kwargs)
             if func in _CONVERSIONS and param is args[0]:
+                if func is _T.type and len(args) == 1 and not kwargs:
+                    return func(*args)      # p.type(): the type's name, a description
                 out = func(*args, **kwargs)
                 if out is param:
                     return out
@@ -207,14 +209,3 @@ def refusal(param, what: str, reason: str = _RELEASED_REASON) -> str:
     name = engine.param_names.get(param) or f"{group.name}.{slot.name}"
     return f"{what} on parameter {name!r}: {reason}"
 
-
-def release(param: nn.Parameter) -> None:
-    """``param`` (whose ``.data`` is now the empty placeholder) refuses reads from now on."""
-    if type(param) is nn.Parameter:
-        param.__class__ = ReleasedParameter
-
-
-def restore(param: nn.Parameter) -> None:
-    """``param`` is about to be gathered: a plain ``nn.Parameter`` again (before its ``.data`` is set)."""
-    if type(param) is ReleasedParameter:
-        param.__class__ = nn.Parameter
