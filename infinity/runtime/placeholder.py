@@ -51,9 +51,9 @@ _GRAD, _REQUIRES_GRAD = torch._C.TensorBase.grad, torch._C.TensorBase.requires_g
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 # Attributes the placeholder itself answers right (the name of a getset descriptor).
 _DESCRIBING_ATTRIBUTES = frozenset({
-    "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "layout", "is_cuda", "is_cpu", "is_meta",
-    "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_mps", "is_xpu", "names", "_version",
-    "_backward_hooks", "_post_accumulate_grad_hooks", "itemsize", "output_nr", "_base", "_cdata",
+    "dtype", "device", "requires_grad", "grad", "is_leaf", "retains_grad", "grad_fn", "layout", "is_cuda",
+    "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_mps", "is_xpu", "names",
+    "_version", "_backward_hooks", "_post_accumulate_grad_hooks", "itemsize", "output_nr", "_base", "_cdata",
     "__cuda_array_interface__"})
 _DESCRIBING_METHODS = frozenset({
     _T.requires_grad_, _T.element_size, _T.is_floating_point, _T.is_complex, _T.get_device, _T.is_signed,
