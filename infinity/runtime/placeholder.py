@@ -53,8 +53,7 @@ _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 _DESCRIBING_ATTRIBUTES = frozenset({
     "dtype", "device", "requires_grad", "grad", "is_leaf", "retains_grad", "grad_fn", "layout", "is_cuda",
     "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_mps", "is_xpu", "names",
-    "_version", "_backward_hooks", "_post_accumulate_grad_hooks", "itemsize", "output_nr", "_base", "_cdata",
-    "__cuda_array_interface__"})
+    "_version", "_backward_hooks", "_post_accumulate_grad_hooks", "itemsize", "output_nr", "_base", "_cdata"})
 _DESCRIBING_METHODS = frozenset({
     _T.requires_grad_, _T.element_size, _T.is_floating_point, _T.is_complex, _T.get_device, _T.is_signed,
     _T.register_hook, _T.register_post_accumulate_grad_hook, _T.retain_grad, _T.__hash__,
