@@ -34,7 +34,9 @@ call receives before this class sees the call.
 
 Not caught: parameters of a subclass of ``nn.Parameter`` keep their class (and the
 silent empty placeholder); ``Tensor`` methods reached without torch's dispatch (the
-C++ of custom extensions) see the ``(0,)`` tensor.
+C++ of custom extensions) see the ``(0,)`` tensor; while ``torch.compile`` traces a
+frame every call passes (its tracer makes a fake of every tensor the frame reaches,
+the foreign watch's dictionary keys included, and must see the tensor as it is).
 
 What the room may touch: the registry (which engine holds a parameter, for its name);
 nothing else of the engine.
