@@ -12,7 +12,8 @@ optimizer's flat fp32 space, and in a 2-byte parameter tier, a multiple of the
 
 [Note: parameter states]
 NOT_AVAILABLE: only shards exist, in a tier; each ``nn.Parameter`` holds an
-empty tensor. INFLIGHT: the shard read (and on several ranks the all-gather) has
+empty tensor and refuses to be read ([Note: released placeholders] in
+infinity/runtime/placeholder.py). INFLIGHT: the shard read (and on several ranks the all-gather) has
 been issued. AVAILABLE: the whole flat tensor is on the compute device and every
 parameter is a view into it. Releasing goes back to NOT_AVAILABLE. Transitions
 check the state they start from and raise ``ParamStateError`` naming the group.
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from infinity.runtime.placeholder import ReleasedParameter
 
 ALIGN_NUMEL = 2048
 
@@ -118,9 +121,10 @@ class ParamGroup:
         return f"ParamGroup({self.index}, {self.name!r}, numel={self.numel}, {self.state.name})"
 
     # -- flat layout -------------------------------------------------------------------------
-    def flatten(self, tensors: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """The padded flat tensor of the parameters' current values (or of ``tensors``)."""
-        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+    def flatten(self, tensors: list[torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The padded flat tensor of the parameters' current values (or of ``tensors``), in the compute
+        dtype unless ``dtype`` says otherwise."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype or self.dtype, device=self.device)
         for slot, t in zip(self.slots, tensors or [s.param.data for s in self.slots]):
             flat[slot.offset:slot.offset + slot.numel].copy_(t.reshape(-1))
         return flat
@@ -163,7 +167,10 @@ class ParamGroup:
         self.full = full
         self.pending = None
         for slot in self.slots:
-            slot.param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            param = slot.param
+            if type(param) is ReleasedParameter:    # a plain Parameter again before .data is set
+                param.__class__ = nn.Parameter
+            param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.state = ParamState.AVAILABLE
 
     def to_not_available(self, keep_views: bool = False) -> None:
@@ -182,7 +189,11 @@ class ParamGroup:
         self.state = ParamState.NOT_AVAILABLE
 
     def drop_views(self) -> None:
-        """Parameters become empty placeholders (a released group, or one released with ``keep_views``)."""
+        """Parameters become empty placeholders that refuse reads (a released group, or one released with
+        ``keep_views``; see [Note: released placeholders] in infinity/runtime/placeholder.py)."""
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for slot in self.slots:
-            slot.param.data = empty
+            param = slot.param
+            param.data = empty
+            if type(param) is nn.Parameter:     # subclasses keep their class (and no guard)
+                param.__class__ = ReleasedParameter

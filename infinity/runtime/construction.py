@@ -139,7 +139,8 @@ class Partitioner:
 
     def dematerialize(self, group: ParamGroup) -> None:
         """Re-shard a materialized group from its (possibly edited) values, rank 0's winning."""
-        full = group.flatten([s.param.data.to(torch.float32) for s in group.slots]).to(torch.float32)
+        # In fp32, whatever the compute dtype: the master weights keep the values construction gave.
+        full = group.flatten([s.param.data for s in group.slots], dtype=torch.float32)
         self.ranks.broadcast(full, src=0)
         shard = group.shard_of(full).to("cpu").contiguous()
         self.coordinator.shards.write(group, shard).wait()

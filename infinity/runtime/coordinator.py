@@ -133,7 +133,7 @@ class Coordinator:
         self.groups.append(group)
         for slot in group.slots:
             self.group_of[slot.param] = group
-            slot.param.data = torch.empty(0, dtype=self.dtype, device=self.device.device)
+        group.drop_views()
 
     # -- fetching ----------------------------------------------------------------------------
     def start_fetch(self, group: ParamGroup, prefetch: bool = False, staging=None) -> bool:

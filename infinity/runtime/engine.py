@@ -89,6 +89,7 @@ class Engine:
             self.loss_scaler = LossScaler.for_precision(config.precision)     # fp16 only
             self._at_collection: list[weakref.finalize] = []    # what the model's collection undoes
             self.released = False                       # infinity.release(model) ran (see [Note: releasing])
+            self.param_names: dict = {}                 # param -> qualified name, for messages (set in finalize)
         except BaseException:
             self.tiers.close()
             raise
@@ -104,6 +105,7 @@ class Engine:
         self.coordinator.memory.size_for(self.coordinator.groups, self.coordinator.in_place)
         self.reducer.attach(store)
         names = {p: n for root in roots for n, p in reversed(list(root.named_parameters(remove_duplicate=False)))}
+        self.param_names = names
         self.grad_face = GradFace(self, names)
         self.reducer.mark_grads = self.grad_face.mark
         guard = TorchOptimizerGuard(self, names)      # torch.optim over these parameters raises
@@ -142,7 +144,8 @@ class Engine:
         (restoring the model's own), close the tiers (deleting the swap files and unlocking
         their directories, as ``Init`` does when construction fails) and drop the engine's
         parts and the optimizer's, so their buffers go with them. The model keeps its
-        ``(0,)`` placeholders and gets guard hooks in place of the engine's: a forward or a
+        placeholders (which refuse reads: [Note: released placeholders] in
+        infinity/runtime/placeholder.py) and gets guard hooks in place of the engine's: a forward or a
         ``state_dict()`` raises, as does any infinity call on it or on its optimizer, naming
         ``infinity.release``.
         """
@@ -321,12 +324,20 @@ class Engine:
                     "`with infinity.gathered(model):`, or save with infinity.save_checkpoint and "
                     "infinity-consolidate")
 
-    def write_param_shard(self, group: ParamGroup, full: torch.Tensor) -> None:
-        """Store new full values of a gathered group (``infinity.gathered`` write-back)."""
-        full32 = full.detach().to(device="cpu", dtype=torch.float32)
-        shard = group.shard_of(full32).contiguous()
+    def write_param_shard(self, group: ParamGroup, full: torch.Tensor, before: torch.Tensor) -> None:
+        """Store new full values of a gathered group (``infinity.gathered`` write-back).
+
+        ``before`` is this rank's shard as gathered (compute dtype): in bf16/fp16, only the
+        elements that differ from it take the new value as their fp32 master weight; the others
+        keep theirs (a compute-dtype value is the master's rounding, not the master).
+        """
+        shard = group.shard_of(full.detach()).to("cpu").contiguous()
         self.coordinator.shards.write(group, shard).wait()
-        self.store.write_master_shard(group.index, shard)
+        master = shard.to(torch.float32)
+        if shard.dtype != torch.float32:
+            changed = shard != before.to("cpu")
+            master = torch.where(changed, master, self.store.read_state_shard("master", group.index))
+        self.store.write_master_shard(group.index, master)
 
     def stats(self) -> dict:
         """Telemetry of the engine: per-step records, fetch counters, tier statistics."""

@@ -14,8 +14,13 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
     """Gather every parameter of ``model`` (or of a sub-module) for the duration of the block.
 
     Inside, parameters have their full shapes and values and can be read (export,
-    evaluation) or changed in place (custom initialisation). On exit, groups whose
-    values changed are written back to their shards and fp32 master weights.
+    evaluation) or changed in place (custom initialisation), directly or through any
+    view: ``p.data``, the tensors of ``model.state_dict()`` (a tiled layer's joined
+    weight included), ``load_state_dict``. On exit, groups whose values changed are
+    written back to their shards and fp32 master weights; in bf16/fp16 only the
+    elements that changed get new masters, the rest keep their fp32 values.
+    Outside the block, a released parameter refuses to be read (see [Note: released
+    placeholders] in infinity/runtime/placeholder.py).
 
     Parameters
     ----------
@@ -47,7 +52,7 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
                 if modifier_rank is not None:
                     engine.ranks.broadcast(current, src=modifier_rank)
                 if not torch.equal(g.shard_of(current), snapshots[g]):
-                    engine.write_param_shard(g, current)
+                    engine.write_param_shard(g, current, snapshots[g])
                 coordinator.unuse(g)
 
 

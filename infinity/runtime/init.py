@@ -86,10 +86,13 @@ class Init:
     >>> with infinity.Init({"tiers": {"params": "host"}}):
     ...     model = torch.nn.Linear(4, 3)
     >>> model.weight.shape          # released: only shards exist until a forward gathers them
-    torch.Size([0])
-    >>> with infinity.gathered(model):
-    ...     model.weight.shape
     torch.Size([3, 4])
+    >>> model.weight.sum()          # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    infinity.errors.EngineError: Tensor.sum on parameter 'weight': it is released ...
+    >>> with infinity.gathered(model):
+    ...     float(model.weight.sum()) == float(model.weight.detach().sum())
+    True
     """
 
     def __init__(self, config: str | dict | Config | None = None, *, group=None) -> None:

@@ -145,8 +145,13 @@ class _Tiled:
                 continue
             for k in keys:
                 del out[k]
-            full = joined(self, name, dim, shape, wrap=False)
-            out[prefix + name] = full if keep_vars else full.detach()
+            if keep_vars:
+                out[prefix + name] = joined(self, name, dim, shape, wrap=False)
+                continue
+            # Written through, like a state dict's views of an untiled layer's parameters: an in-place
+            # edit of this tensor reaches the tiles (see [Note: the tiled weight]).
+            with torch.no_grad():
+                out[prefix + name] = joined(self, name, dim, shape, wrap=True)
         metadata = getattr(out, "_metadata", None)
         if metadata is not None:
             for key in [f"{prefix}tiles", *(f"{prefix}tiles.{i}" for i in range(self.num_tiles))]:

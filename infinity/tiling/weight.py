@@ -4,7 +4,7 @@
 ``weight`` and ``bias`` of a tiled layer are properties returning a new tensor,
 the concatenation of the tiles (a ``TiledWeight``): readable wherever the tiles
 are gathered (under ``infinity.gathered``, in plain PyTorch always; elsewhere an
-empty tensor, like a released untiled parameter), differentiable (gradients flow
+empty tensor), differentiable (gradients flow
 to the tiles, so a head computed as ``x @ wte.weight.T`` works, though it gathers
 every tile at once), and written through: an in-place edit of it (``nn.init``,
 ``copy_``, ``zero_``, indexing) is copied back into the tiles, where they are
@@ -12,7 +12,9 @@ gathered (a tiled layer written in model code and built inside ``infinity.Init``
 has partitioned tiles during construction: such an edit raises ``TilingError``
 there). They cannot be assigned; edits through ``.data`` are not written back.
 Each access copies the whole layer. ``state_dict()`` has the untiled keys
-(``weight``, ``bias``) and ``load_state_dict`` splits them, so state dicts move
+(``weight``, ``bias``), as ``TiledWeight``s too, so an in-place edit of a state
+dict's tensor reaches the tiles as it reaches an untiled layer's parameter (under
+``infinity.gathered``, on to the stored shards); ``load_state_dict`` splits them, so state dicts move
 between tiled and untiled models both ways; ``parameters()`` lists the tiles.
 ``tile_sizes`` and ``tiled_params()`` are what infinity/checkpoint reads to write
 consolidated checkpoints under the untiled keys.
@@ -122,8 +124,11 @@ def joined(module: nn.Module, name: str, dim: int, full_shape: tuple, wrap: bool
         expected = list(full_shape)
         expected[dim] = size
         # Reading the shape first lets infinity.Init's construction-time mode gather this tile
-        # before it is copied (tile by tile, so never more than a few tiles at once).
-        if list(part.shape) != expected:
+        # before it is copied (tile by tile, so never more than a few tiles at once). The shape of
+        # the tensor itself: a released parameter answers its whole shape to ``.shape``.
+        with torch._C.DisableTorchFunctionSubclass():
+            gathered = list(part.shape) == expected
+        if not gathered:
             return torch.empty(0, dtype=part.dtype, device=part.device)
         if out is None:
             out = torch.empty(full_shape, dtype=part.dtype, device=part.device)

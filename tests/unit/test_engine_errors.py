@@ -87,10 +87,12 @@ def test_construction_interception_is_undone_on_error():
     assert plain.weight.shape == (2, 3)
 
 
-def test_released_parameters_are_empty_and_gathered_ones_whole():
+def test_released_parameters_refuse_reads_and_gathered_ones_are_whole():
     with infinity.Init({"tiers": {"params": "host"}}):
         model = nn.Sequential(nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 2))
-    assert model[0].weight.shape == (0,)
+    assert model[0].weight.shape == (3, 5)          # described as on the plain model
+    with pytest.raises(EngineError, match=r"'0\.weight'.*infinity\.gathered"):
+        model[0].weight.sum()
     with infinity.gathered(model):
         assert model[0].weight.shape == (3, 5)
         with torch.no_grad():

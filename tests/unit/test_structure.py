@@ -135,6 +135,9 @@ _FOREIGN_PRIVATE = {
     # A tensor with a parameter's shape and no memory: the .grad token of infinity/optim/grad_face.py
     # (torch's documented way to write a wrapper tensor subclass).
     "_make_wrapper_subclass",
+    # What nn.Module._apply (model.to(device)) asks of each parameter: a released placeholder lets it
+    # through (infinity/runtime/placeholder.py).
+    "_has_compatible_shallow_copy_type",
 }
 
 

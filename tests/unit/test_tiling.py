@@ -136,10 +136,13 @@ def test_state_dict_round_trip_between_tiled_and_untiled():
     tiled = TiledLinear.from_linear(ref, 7)
     sd = tiled.state_dict()
     assert list(sd) == list(ref.state_dict()) == ["weight", "bias"]
-    assert not isinstance(sd["weight"], TiledWeight) and not sd["weight"].requires_grad
+    assert isinstance(sd["weight"], TiledWeight) and not sd["weight"].requires_grad
     plain = nn.Linear(12, 30)
     plain.load_state_dict(sd)
     assert torch.equal(plain(x), ref(x))
+    sd["bias"].zero_()                                  # written through to the tiles, as a parameter's view is
+    sd["weight"][29, 11] = 7.0
+    assert all(not t.bias.any() for t in tiled.tiles) and float(tiled.tiles[-1].weight[-1, -1].detach()) == 7.0
     other = TiledLinear(12, 30, tiles=4)               # a different tiling loads the same dict
     other.load_state_dict(ref.state_dict())
     assert _max_diff(other(x), ref(x)) <= TOL

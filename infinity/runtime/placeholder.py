@@ -1,0 +1,212 @@
+"""What an engine parameter is while its group is released: a placeholder that refuses to be read.
+
+[Note: released placeholders]
+A released parameter's values are shards over ranks and tiers; the ``nn.Parameter``
+itself holds an empty ``(0,)`` tensor. Read as a tensor (``p.sum()``, ``p.tolist()``,
+``p.detach()``, ``p.clone()``, ``p.data``, ``torch.save(p)``, ``copy.deepcopy``) it would
+give an empty result without a word, and an in-place write to it would be lost. So
+while released, a parameter's class is :class:`ReleasedParameter` (a subclass of
+``nn.Parameter``: ``isinstance`` checks still hold), whose ``__torch_function__``
+answers what describes the parameter, and refuses the rest with an ``EngineError``
+naming the parameter and ``infinity.gathered``:
+
+- answered as on the plain model, from the group's layout: ``shape``, ``size()``,
+  ``dim()``, ``ndim``, ``numel()``, ``nelement()``, ``len()``;
+- answered by the placeholder, which has them right: ``dtype``, ``device``,
+  ``requires_grad`` (and ``requires_grad_``), ``grad`` (get, set, delete: the gradient
+  tokens of infinity/optim/grad_face.py live there), ``is_leaf``, ``grad_fn``,
+  ``layout``, ``element_size()``, ``is_floating_point()`` and friends;
+- ``.to()`` / ``.cuda()`` / ``.float()`` ... pass when they change nothing (``model.to(
+  device)``, as Trainer and accelerate call it), and are refused otherwise: the config's
+  ``[precision]`` and ``[tiers]`` decide where and in which dtype parameters live;
+- everything else is refused.
+
+Why a class swap rather than a check on every op: the group's transitions swap the
+class (``ParamGroup.to_available`` back to ``nn.Parameter``, ``ParamGroup.drop_views`` to
+this one), a Python attribute store per parameter per fetch, next to the ``.data``
+store that is there anyway. A gathered parameter is a plain ``nn.Parameter``, whose
+``__torch_function__`` is torch's disabled one, so the forward and backward ops pay
+nothing; only torch calls on a released parameter come through here. (A global
+torch-function mode would cost every op of every step.) The torch-function modes the
+engine runs (infinity.Init's construction mode, the foreign-parameter watch) come
+before a subclass in torch's dispatch, so they still gather a released parameter a
+call receives before this class sees the call.
+
+Not caught: parameters of a subclass of ``nn.Parameter`` keep their class (and the
+silent empty placeholder); ``Tensor`` methods reached without torch's dispatch (the
+C++ of custom extensions) see the ``(0,)`` tensor; while ``torch.compile`` traces a
+frame every call passes (its tracer makes a fake of every tensor the frame reaches,
+the foreign watch's dictionary keys included, and must see the tensor as it is).
+
+What the room may touch: the registry (which engine holds a parameter, for its name);
+nothing else of the engine.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infinity.errors import EngineError
+
+_T = torch.Tensor
+_GRAD, _REQUIRES_GRAD = torch._C.TensorBase.grad, torch._C.TensorBase.requires_grad
+_NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
+# Attributes the placeholder itself answers right (the name of a getset descriptor).
+_DESCRIBING_ATTRIBUTES = frozenset({
+    "dtype", "device", "requires_grad", "grad", "is_leaf", "retains_grad", "grad_fn", "layout", "is_cuda",
+    "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_mps", "is_xpu", "names",
+    "_version", "_backward_hooks", "_post_accumulate_grad_hooks", "itemsize", "output_nr", "_base", "_cdata"})
+_DESCRIBING_METHODS = frozenset({
+    _T.requires_grad_, _T.element_size, _T.is_floating_point, _T.is_complex, _T.get_device, _T.is_signed,
+    _T.register_hook, _T.register_post_accumulate_grad_hook, _T.retain_grad, _T.__hash__,
+    torch._has_compatible_shallow_copy_type})
+# What the parameter's whole shape answers (the placeholder's is (0,)).
+_SHAPE_METHODS = frozenset({_T.size, _T.dim, _T.numel, _T.nelement, _T.__len__, torch.numel})
+_SHAPE_ATTRIBUTES = frozenset({"shape", "ndim"})
+# Conversions that return the tensor itself when they change nothing.
+_CONVERSIONS = frozenset({_T.to, _T.cuda, _T.cpu, _T.type, _T.float, _T.half, _T.bfloat16, _T.double})
+
+
+class ReleasedParameter(nn.Parameter):
+    """An engine parameter whose group is released (see [Note: released placeholders])."""
+
+    def __hash__(self) -> int:      # as Tensor's (id), without a trip through __torch_function__
+        return id(self)
+
+    # ``.grad`` is read and written on every parameter at every step (``zero_grad``, the gradient
+    # tokens): these properties reach torch's own descriptor in a third of the time the trip
+    # through ``__torch_function__`` takes.
+    @property
+    def grad(self):
+        with _NO_SUBCLASS():
+            return _GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value) -> None:
+        with _NO_SUBCLASS():
+            _GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        with _NO_SUBCLASS():
+            _GRAD.__delete__(self)
+
+    @property
+    def requires_grad(self) -> bool:
+        with _NO_SUBCLASS():
+            return _REQUIRES_GRAD.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        with _NO_SUBCLASS():
+            _REQUIRES_GRAD.__set__(self, value)
+
+    def __repr__(self) -> str:
+        return (f"ReleasedParameter(shape={tuple(_whole_shape(self))}, dtype={self.dtype}: released by infinity; "
+                "its values exist inside `with infinity.gathered(model):`)")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        attribute = _attribute_of(func)
+        with _NO_SUBCLASS():
+            if attribute in _DESCRIBING_ATTRIBUTES and func.__name__ in ("__get__", "__set__", "__delete__"):
+                return func(*args, **kwargs)
+            if attribute == "data" and func.__name__ == "__set__":
+                return func(*args, **kwargs)
+            if func in _DESCRIBING_METHODS:
+                return func(*args, **kwargs)
+            param = _released_among(args, kwargs)
+            if param is None or torch.compiler.is_compiling():
+                # Not released itself, or torch.compile's tracer looking at the tensor (it makes a fake
+                # of every tensor a traced frame reaches, the foreign watch's keys included).
+                return func(*args, **kwargs)
+            if attribute in _SHAPE_ATTRIBUTES and func.__name__ == "__get__":
+                shape = _whole_shape(param)
+                return shape if attribute == "shape" else len(shape)
+            if func in _SHAPE_METHODS and param is args[0]:
+                return _shape_answer(func, _whole_shape(param), args[1:], kwargs)
+            if func in _CONVERSIONS and param is args[0]:
+                if func is _T.type and len(args) == 1 and not kwargs:
+                    return func(*args)      # p.type(): the type's name, a description
+                out = func(*args, **kwargs)
+                if out is param:
+                    return out
+                raise EngineError(refusal(param, _name(func, attribute), _CONVERSION_REASON))
+        raise EngineError(refusal(param, _name(func, attribute)))
+
+
+def _attribute_of(func) -> str | None:
+    """The attribute name of a descriptor's ``__get__``/``__set__``/``__delete__`` (None for a function)."""
+    owner = getattr(func, "__self__", None)
+    return getattr(owner, "__name__", None) if type(owner).__name__ == "getset_descriptor" else None
+
+
+def _released_among(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if type(a) is ReleasedParameter:
+            return a
+        if type(a) in (list, tuple):
+            for b in a:
+                if type(b) is ReleasedParameter:
+                    return b
+    return None
+
+
+def _name(func, attribute: str | None) -> str:
+    if attribute is not None:
+        return f".{attribute}" if func.__name__ == "__get__" else f"setting .{attribute}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+    return name.replace("TensorBase.", "Tensor.").replace("_TensorBase.", "Tensor.")
+
+
+def _shape_answer(func, shape: torch.Size, args, kwargs):
+    if func in (_T.numel, _T.nelement, torch.numel):
+        return shape.numel()
+    if func is _T.dim:
+        return len(shape)
+    if func is _T.__len__:
+        if not shape:
+            raise TypeError("len() of a 0-d tensor")
+        return shape[0]
+    dim = args[0] if args else kwargs.get("dim")
+    return shape if dim is None else shape[dim]
+
+
+def _holder(param):
+    """(engine, group, slot) of ``param``, or None when no live engine holds it."""
+    from infinity import registry
+
+    engine = registry.engine_of_param(param)
+    if engine is None:
+        return None
+    group = engine.coordinator.group_of[param]
+    return engine, group, next(s for s in group.slots if s.param is param)
+
+
+def _whole_shape(param) -> torch.Size:
+    held = _holder(param)
+    if held is None:
+        with torch._C.DisableTorchFunctionSubclass():
+            return param.shape
+    return held[2].shape
+
+
+_RELEASED_REASON = ("it is released (its values are shards over ranks and tiers; this tensor holds none of "
+                    "them); read or change it inside `with infinity.gathered(model):`, or save with "
+                    "infinity.save_checkpoint and infinity-consolidate")
+_CONVERSION_REASON = ("infinity keeps parameters in the dtype and on the device its config names ([precision] "
+                      "dtype, [tiers] device), so converting the model would change nothing: change the config "
+                      "instead (to convert the values themselves, copy them inside `with infinity.gathered(model):`)")
+
+
+def refusal(param, what: str, reason: str = _RELEASED_REASON) -> str:
+    """The message refusing ``what`` on the released ``param``: its name, why, and what to do instead."""
+    held = _holder(param)
+    if held is None:
+        return (f"{what} on a released infinity parameter (of a model whose engine was released by "
+                f"infinity.release, or is being built): {reason}")
+    engine, group, slot = held
+    name = engine.param_names.get(param) or f"{group.name}.{slot.name}"
+    return f"{what} on parameter {name!r}: {reason}"
+
