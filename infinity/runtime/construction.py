@@ -159,11 +159,12 @@ class Partitioner:
 
     def _values(self, group: ParamGroup, into: torch.Tensor) -> None:
         """This rank's fp32 shard of ``group`` as it stands, into ``into``."""
-        if group in self._sources:
-            fill = self._sources[group]
-            into.zero_() if fill is None else fill(into)
-        else:
+        if group not in self._sources:
             self.engine.datapath.read(self.tiers.optimizer, self._master_keys[group], into).wait()
+        elif self._sources[group] is None:
+            into.zero_()        # touched before the loader gave it a source: see the Note
+        else:
+            self._sources[group](into)
 
     def _forget(self, group: ParamGroup) -> None:
         """Drop the group's temporary master key or source (the group is going away or moved to the store)."""
