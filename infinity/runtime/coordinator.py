@@ -126,10 +126,11 @@ class Coordinator:
         group.memory = self.memory
         return group
 
-    def partition(self, group: ParamGroup, flat: torch.Tensor) -> None:
+    def partition(self, group: ParamGroup, flat: torch.Tensor | None) -> None:
         """Keep this rank's shard of ``flat`` (the group's padded values, the same on every rank) in the
-        parameter tier; the group joins the others, NOT_AVAILABLE, its parameters empty placeholders."""
-        self.shards.put(group, group.shard_of(flat))
+        parameter tier; the group joins the others, NOT_AVAILABLE, its parameters empty placeholders.
+        ``flat`` None: the shard's key is allocated and written later (``ParamShards.put``)."""
+        self.shards.put(group, None if flat is None else group.shard_of(flat))
         self.groups.append(group)
         for slot in group.slots:
             self.group_of[slot.param] = group

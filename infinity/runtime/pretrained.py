@@ -16,9 +16,14 @@ class's ``from_pretrained`` is routed here instead (for the context's duration o
 2. the model is built inside ``Init`` (each module sharded as it is built), without
    weight initialisation when the checkpoint covers every parameter;
 3. for each parameter group, this rank's shard is filled from the files, reading only
-   the rows of each tensor that overlap the shard (``pread``, no memory map), and written
-   over the group's compute copy and master weights. Peak host memory is one group's
-   shard plus one tensor's overlapping rows, on top of the engine's own budget.
+   the elements of each tensor that overlap the shard (one ``pread`` per tensor, straight
+   into the shard buffer; no memory map), and written to the group's compute copy and
+   master weights. When the checkpoint covers every parameter, step 2 writes nothing
+   (no values exist yet) and each group is read and written once, at ``Init``'s exit,
+   straight into the optimizer store ([Note: groups whose values come later] in
+   infinity/runtime/construction.py); the files stay open until then. Peak host memory
+   is one group's shard (plus one tensor's elements where the file's dtype differs), on
+   top of the engine's own budget.
 
 Parameters the checkpoint lacks keep their initial values and are named in a warning,
 as transformers does; so are checkpoint keys the model does not use.
@@ -29,7 +34,7 @@ import json
 import math
 import os
 import warnings
-from contextlib import nullcontext
+import weakref
 
 import torch
 
@@ -41,8 +46,33 @@ _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
 
+# safetensors dtype names (the format's header) and the torch dtypes they hold.
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+_MAX_HEADER = 100 << 20     # the format's own limit on the JSON header
+
+
+class _Entry:
+    """Where one tensor's bytes lie in its file: dtype, shape and absolute byte offset."""
+
+    __slots__ = ("path", "dtype", "shape", "offset")
+
+    def __init__(self, path: str, dtype: torch.dtype, shape: tuple, offset: int) -> None:
+        self.path, self.dtype, self.shape, self.offset = path, dtype, shape, offset
+
+
 class CheckpointFiles:
-    """The safetensors files of one checkpoint directory: which file holds each key, read lazily.
+    """The safetensors files of one checkpoint directory, read with ``pread`` into given memory.
+
+    Each file's header (a little-endian u64 length, then JSON naming every tensor's dtype,
+    shape and byte range) is read once; a range of a tensor's elements is then one
+    positioned read, straight into the destination when the dtypes agree (no memory map,
+    no intermediate tensor). File descriptors are opened at first use and closed by
+    ``close`` (or when the object is collected); a read after ``close`` opens them again.
 
     Parameters
     ----------
@@ -51,55 +81,98 @@ class CheckpointFiles:
     """
 
     def __init__(self, directory: str) -> None:
-        from safetensors import safe_open
-
-        self._safe_open = safe_open
         index = os.path.join(directory, _INDEX)
         if os.path.isfile(index):
             with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.file_of = {k: os.path.join(directory, v) for k, v in weight_map.items()}
+                paths = sorted({os.path.join(directory, v) for v in json.load(f)["weight_map"].values()})
         elif os.path.isfile(os.path.join(directory, _SINGLE)):
-            single = os.path.join(directory, _SINGLE)
-            with self._open(single) as f:
-                self.file_of = dict.fromkeys(f.keys(), single)
+            paths = [os.path.join(directory, _SINGLE)]
         else:
             found = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
             raise EngineError(
                 f"from_pretrained under infinity.Init streams safetensors checkpoints, and {directory!r} has "
                 f"neither {_SINGLE} nor {_INDEX} (it has: {', '.join(found) or 'nothing'}); convert the "
                 "checkpoint with save_pretrained(..., safe_serialization=True) first")
-        self._handles: dict[str, object] = {}
-        self.shape_of = {}
-        for path in sorted(set(self.file_of.values())):
-            handle = self.handle(path)
-            for key in handle.keys():
-                self.shape_of[key] = tuple(handle.get_slice(key).get_shape())
+        self._fds: dict[str, int] = {}
+        self._closer = weakref.finalize(self, _close_all, self._fds)
+        self.entries: dict[str, _Entry] = {}
+        for path in paths:
+            self.entries.update(_read_header(path, self.fd(path)))
+        self.file_of = {k: e.path for k, e in self.entries.items()}
+        self.shape_of = {k: e.shape for k, e in self.entries.items()}
 
-    def _open(self, path: str):
-        try:
-            return self._safe_open(path, framework="pt", device="cpu", backend="pread")
-        except TypeError:       # safetensors without the pread backend
-            return self._safe_open(path, framework="pt", device="cpu")
+    def fd(self, path: str) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._fds[path], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return self._fds[path]
 
-    def handle(self, path: str):
-        if path not in self._handles:
-            self._handles[path] = self._open(path)
-        return self._handles[path]
+    def read_into(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Elements ``[start, start + out.numel())`` of tensor ``key`` flattened, into contiguous ``out``
+        (cast when ``out``'s dtype differs from the file's)."""
+        entry = self.entries[key]
+        raw = out if out.dtype == entry.dtype else torch.empty(out.numel(), dtype=entry.dtype)
+        nbytes = raw.numel() * raw.element_size()
+        if nbytes:
+            view = memoryview(raw.view(-1).view(torch.uint8).numpy())
+            first = entry.offset + start * raw.element_size()
+            done = 0
+            while done < nbytes:
+                got = os.preadv(self.fd(entry.path), [view[done:]], first + done)
+                if got == 0:
+                    raise EngineError(f"from_pretrained under infinity.Init: {entry.path!r} ends before the "
+                                      f"bytes of {key!r} (wanted {nbytes} bytes at offset {first}); the file is cut")
+                done += got
+        if raw is not out:
+            out.copy_(raw.view(out.shape))
 
     def read_flat(self, key: str, start: int, end: int) -> torch.Tensor:
-        """Elements ``[start, end)`` of tensor ``key`` flattened, reading only the rows they lie in."""
-        handle = self.handle(self.file_of[key])
-        shape = self.shape_of[key]
-        if len(shape) == 0:
-            return handle.get_tensor(key).reshape(-1)[start:end]
-        row = math.prod(shape[1:])
-        first, last = start // row, -(-end // row)
-        rows = handle.get_slice(key)[first:last]
-        return rows.reshape(-1)[start - first * row:end - first * row]
+        """Elements ``[start, end)`` of tensor ``key`` flattened, as a new tensor of the file's dtype."""
+        out = torch.empty(end - start, dtype=self.entries[key].dtype)
+        self.read_into(key, start, out)
+        return out
 
     def close(self) -> None:
-        self._handles.clear()
+        _close_all(self._fds)
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    while fds:
+        os.close(fds.popitem()[1])
+
+
+def _read_header(path: str, fd: int) -> dict[str, _Entry]:
+    """The tensors of one safetensors file, checked against its size."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    length = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < length <= min(_MAX_HEADER, size - 8):
+        raise EngineError(f"from_pretrained under infinity.Init: {path!r} is not a safetensors file (its "
+                          f"header length reads {length}, the file has {size} bytes)")
+    try:
+        header = json.loads(os.pread(fd, length, 8))
+    except ValueError as exc:
+        raise EngineError(f"from_pretrained under infinity.Init: {path!r} has an unreadable safetensors "
+                          f"header ({exc})") from exc
+    base = 8 + length
+    entries = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise EngineError(f"from_pretrained under infinity.Init: {key!r} in {path!r} has dtype "
+                              f"{info.get('dtype')!r}, which the streaming loader does not read "
+                              f"(it reads {', '.join(_DTYPES)})")
+        shape = tuple(info["shape"])
+        begin, end = info["data_offsets"]
+        if end - begin != math.prod(shape) * dtype.itemsize or base + end > size:
+            raise EngineError(f"from_pretrained under infinity.Init: {key!r} in {path!r} claims bytes "
+                              f"[{begin}, {end}) for shape {list(shape)} of {info['dtype']} in a file of "
+                              f"{size} bytes; the file is damaged")
+        entries[key] = _Entry(path, dtype, shape, base + begin)
+    return entries
 
 
 class _Match:
@@ -225,10 +298,14 @@ def load_pretrained(init, cls, path, *model_args, **kwargs):
             twin = cls(config)
         match = _Match(twin, files, directory)
         del twin
-        with nullcontext() if match.missing else no_init_weights():
+        if match.missing:
             model = cls(config)
-        if not match.missing:
-            model.tie_weights()     # no_init_weights skips init_weights, which ties too
+        else:
+            # Every parameter comes from the checkpoint: no init, and no values written before the
+            # load's (see [Note: groups whose values come later] in infinity/runtime/construction.py).
+            with no_init_weights(), init.partitioner.deferring():
+                model = cls(config)
+                model.tie_weights()     # no_init_weights skips init_weights, which ties too
         _stream(init, model, files, match)
     finally:
         files.close()
@@ -248,32 +325,60 @@ def load_pretrained(init, cls, path, *model_args, **kwargs):
     return model
 
 
+class _GroupFill:
+    """Writes one group's shard (this rank's) from the checkpoint: each slot's overlap is one read."""
+
+    def __init__(self, files: CheckpointFiles, group, key_of_param: dict) -> None:
+        self.files = files
+        lo = group.rank * group.shard_numel
+        hi = lo + group.shard_numel
+        # (checkpoint key, first element in the tensor, first element in the shard, element count)
+        self.reads = []
+        for slot in group.slots:
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end and slot.param in key_of_param:
+                self.reads.append((key_of_param[slot.param], start - slot.offset, start - lo, end - start))
+        self.complete = (sum(n for *_, n in self.reads) == sum(
+            max(0, min(hi, s.offset + s.numel) - max(lo, s.offset)) for s in group.slots))
+
+    def __call__(self, shard: torch.Tensor) -> None:
+        at = 0
+        for key, first, into, n in self.reads:
+            shard[at:into].zero_()      # padding and uncovered slots between the reads
+            self.files.read_into(key, first, shard[into:into + n])
+            at = into + n
+        shard[at:].zero_()
+
+
 def _stream(init, model, files: CheckpointFiles, match: _Match) -> None:
-    """Fill each of ``model``'s groups, this rank's shard only, from the checkpoint files."""
+    """Give each of ``model``'s groups, this rank's shard only, its values from the checkpoint files.
+
+    A group built in ``deferring()`` gets the files as its source and is written once, at
+    ``Init``'s exit; any other group is read, filled and rewritten now.
+    """
     init.settle()       # groups that construction code opened are re-sharded before being overwritten
     coordinator = init.engine.coordinator
-    name_of = {}
+    partitioner = init.partitioner
+    key_of_param = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if name in match.key_of:
-            name_of.setdefault(p, name)
+            key_of_param.setdefault(p, match.key_of[name])
     with init.suspended():
         for group in list(coordinator.groups):
-            if not any(s.param in name_of for s in group.slots):
+            if not any(s.param in key_of_param for s in group.slots):
                 continue
-            lo = group.rank * group.shard_numel
-            hi = lo + group.shard_numel
-            with init.partitioner.shard_buffer(group) as shard:
-                if all(s.param in name_of for s in group.slots):
-                    shard.zero_()
+            fill = _GroupFill(files, group, key_of_param)
+            if partitioner.is_deferred(group):
+                partitioner.fill_from(group, fill)
+                continue
+            with partitioner.shard_buffer(group) as shard:
+                if fill.complete:
+                    fill(shard)
                 else:
-                    init.partitioner.read_master(group, shard)
-                for slot in group.slots:
-                    start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                    if start >= end or slot.param not in name_of:
-                        continue
-                    key = match.key_of[name_of[slot.param]]
-                    shard[start - lo:end - lo].copy_(files.read_flat(key, start - slot.offset, end - slot.offset))
-                init.partitioner.load_shard(group, shard)
+                    partitioner.read_master(group, shard)
+                    for key, first, into, n in fill.reads:
+                        files.read_into(key, first, shard[into:into + n])
+                partitioner.load_shard(group, shard)
         for name, buf in model.named_buffers(remove_duplicate=False):
             if name in match.key_of:
                 key = match.key_of[name]

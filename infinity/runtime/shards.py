@@ -99,9 +99,15 @@ class ParamShards:
         """Where the shards live: "device", "host" or "nvme"."""
         return self.tier.kind
 
-    def put(self, group: ParamGroup, shard: torch.Tensor) -> None:
-        """Store the group's first shard (partitioning; ``shard`` is in host memory, any float dtype)."""
+    def put(self, group: ParamGroup, shard: torch.Tensor | None) -> None:
+        """Store the group's first shard (partitioning; ``shard`` is in host memory, any float dtype).
+
+        None allocates the key without writing it: the caller writes the shard later (a group whose
+        values come from a checkpoint at the end of construction).
+        """
         group.param_key = self.tier.allocate(group.shard_nbytes, tag=f"param:{group.name}")
+        if shard is None:
+            return
         src = shard if shard.dtype == self.dtype else shard.to(self.dtype)
         self.datapath.write(self.tier, group.param_key, src).wait()
 

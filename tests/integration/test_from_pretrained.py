@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import infinity
+from infinity import registry
 from infinity.errors import EngineError
 from tests.support.ranks import run_ranks
 
@@ -147,3 +148,102 @@ def test_two_ranks_each_load_their_shard(tmp_path):
     checkpoint = _save(str(tmp_path / "ckpt"), _llama(), transformers.LlamaForCausalLM)
     for result in run_ranks(_on_rank, 2, tmp_path / "ranks", checkpoint):
         _check(result)
+
+
+def test_each_shard_is_written_once_and_nothing_is_read_back(tmp_path):
+    # Every parameter is in the checkpoint: the model is built without values and each group's
+    # compute copy and master are written once (fp32: 4 + 4 bytes per element), at Init's exit.
+    checkpoint = _save(str(tmp_path / "ckpt"), _llama(), transformers.LlamaForCausalLM)
+    with infinity.Init(_cfg(str(tmp_path))):
+        model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
+    nvme = infinity.stats(model)["tiers"]["nvme"]
+    shard_numel = sum(g.shard_numel for g in registry.engine_of(model).coordinator.groups)
+    assert nvme["bytes_written"] == 8 * shard_numel and nvme["bytes_read"] == 0, (nvme, shard_numel)
+    _check(_compare(model, transformers.LlamaForCausalLM.from_pretrained(checkpoint)))
+    infinity.release(model)
+
+
+class _TouchConfig(transformers.PretrainedConfig):
+    model_type = "infinity-test-touch"
+
+    def __init__(self, width: int = 16, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.width = width
+
+
+class _Touching(transformers.PreTrainedModel):
+    """Its __init__ edits a child's parameter after the child was built (and sharded)."""
+
+    config_class = _TouchConfig
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.inner = torch.nn.Linear(config.width, config.width)
+        self.head = torch.nn.Linear(config.width, 3)
+        with torch.no_grad():
+            self.inner.weight.mul_(0.5)
+        self.post_init()
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+def test_a_group_touched_while_built_still_gets_the_checkpoint_values(tmp_path):
+    torch.manual_seed(0)
+    _Touching(_TouchConfig()).save_pretrained(str(tmp_path / "ckpt"))
+    ref = _Touching.from_pretrained(str(tmp_path / "ckpt"))
+    with infinity.Init(_cfg(str(tmp_path))):
+        model = _Touching.from_pretrained(str(tmp_path / "ckpt"))
+    with infinity.gathered(model):
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    infinity.release(model)
+
+
+def test_a_bf16_checkpoint_loads_exactly_into_fp32_masters(tmp_path):
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(_llama()).to(torch.bfloat16).save_pretrained(str(tmp_path / "ckpt"))
+    ref = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.bfloat16)
+    with infinity.Init(_cfg(str(tmp_path))):
+        model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "ckpt"))
+    with infinity.gathered(model):
+        assert all(p.dtype == torch.float32 and torch.equal(p, q.float())
+                   for p, q in zip(model.parameters(), ref.parameters()))
+    infinity.release(model)
+
+
+def test_bf16_compute_with_split_masters_keeps_the_fp32_checkpoint_exactly(tmp_path):
+    # bf16 compute with both tiers on NVMe stores each master as its compute copy plus a remainder
+    # (infinity/optim/split_master.py): the load writes the copy once, through the masters, and the
+    # masters are the checkpoint's fp32 values bit for bit.
+    checkpoint = _save(str(tmp_path / "ckpt"), _llama(), transformers.LlamaForCausalLM)
+    ref = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
+    cfg = dict(_cfg(str(tmp_path)), precision={"dtype": "bfloat16"})
+    with infinity.Init(cfg):
+        model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
+    engine = registry.engine_of(model)
+    assert engine.store.split is not None
+    nvme = infinity.stats(model)["tiers"]["nvme"]
+    shard_numel = sum(g.shard_numel for g in engine.coordinator.groups)
+    assert nvme["bytes_written"] == 4 * shard_numel and nvme["bytes_read"] == 0, (nvme, shard_numel)
+    opt = infinity.AdamW(model, lr=1e-3)
+    masters = torch.cat(opt.state_dict()["shards"]["master"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_values = dict(ref.named_parameters())
+    for g in engine.coordinator.groups:
+        start = engine.layout.group_starts[g.index]
+        for slot in g.slots:
+            want = ref_values[names[id(slot.param)]].detach().reshape(-1)
+            got = masters[start + slot.offset:start + slot.offset + slot.numel]
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), names[id(slot.param)]
+    with infinity.gathered(model):
+        assert all(torch.equal(p, q.to(torch.bfloat16)) for p, q in zip(model.parameters(), ref.parameters()))
+    infinity.release(model)
+
+
+def test_a_cut_safetensors_file_is_named(tmp_path):
+    checkpoint = _save(str(tmp_path / "ckpt"), _llama(), transformers.LlamaForCausalLM)
+    victim = sorted(f for f in os.listdir(checkpoint) if f.endswith(".safetensors"))[0]
+    with open(os.path.join(checkpoint, victim), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(checkpoint, victim)) - 1)
+    with pytest.raises(EngineError, match=rf"{victim}.*the file is damaged"):
+        infinity.from_pretrained(transformers.LlamaForCausalLM, checkpoint, _cfg(str(tmp_path)))
