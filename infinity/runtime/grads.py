@@ -144,6 +144,9 @@ class GradReducer:
         self.book: GradientBook | None = None
         # Sets the ``.grad`` of parameters whose gradient is in the store (``GradFace.mark``), or None.
         self.mark_grads = None
+        # Told ``taken(group index, every parameter had a gradient)`` and ``landed(group index)`` (the
+        # shard is in the store): the update during backward (infinity/optim/in_backward.py), or None.
+        self.watcher = None
 
     def attach(self, store) -> None:
         """The groups are final and ``store`` accumulates their gradients from now on."""
@@ -206,6 +209,8 @@ class GradReducer:
             part.zero_() if grad is None else part.copy_(grad.reshape(-1))   # converts into an fp32 accumulator
         end = max(slot.offset + slot.numel for slot in group.slots)
         flat[end:].zero_()      # padding: reused memory, zero as at partitioning
+        if self.watcher is not None:
+            self.watcher.taken(group.index, arrived == len(params))
         if arrived == len(params):
             self.book.arrived.index_fill_(0, self._group_positions[group], 1.0)
         else:
@@ -312,10 +317,11 @@ class GradReducer:
                     left.append((index, host, done, numel, dtype))
                     continue
                 self.datapath.host_wait(done)
-            if host is None:
-                continue    # written in place already
-            writes = self.store.accumulate_grad(index, host.tensor.view(dtype)[:numel])
-            self.datapath.when_done(_Landed(writes), host.release)   # NVMe writes still read it
+            if host is not None:    # else written in place already
+                writes = self.store.accumulate_grad(index, host.tensor.view(dtype)[:numel])
+                self.datapath.when_done(_Landed(writes), host.release)   # NVMe writes still read it
+            if self.watcher is not None:
+                self.watcher.landed(index)
         self._sent = left
         if wait:
             self.datapath.settle(wait=True)
