@@ -10,7 +10,6 @@ pass], [Note: update modes], [Note: parameters without a gradient], [Note: skipp
 """
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 
@@ -68,7 +67,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._updates = UpdateScheduler(engine, update, self._ranges.trainable, self._name)
         self._in_backward = None    # [Note: update during backward] in infinity/optim/in_backward.py
         if engine.config.optimizer.update_in_backward:
-            self._in_backward = InBackwardUpdate(self, engine, update.run, functools.partial(_in_backward_job, self),
+            self._in_backward = InBackwardUpdate(self, engine, update.run, self._job_in_backward,
                                                  self._ranges.trainable)
         engine.attach_optimizer(self, self._updates)
 
@@ -201,6 +200,23 @@ class _OffloadAdam(torch.optim.Optimizer):
                        param_keys=self._updates.param_keys(updated), delayed=delayed,
                        overlapped=not delayed and self._updates.overlaps, runs=runs,
                        hypers=() if uniform else tuple(hypers), subs=subs, grads=grads)
+
+    def _job_in_backward(self, sub: int, updated: frozenset[int], grads: dict | None,
+                          hypers: list) -> StepJob:
+        """The job stepping sub-group ``sub`` during backward, as the next ``opt.step()`` would step it
+        (see [Note: update during backward] in infinity/optim/in_backward.py): its step counts, and the
+        hyper-parameters ``hypers`` read from ``param_groups`` at the step's first sub-group."""
+        uniform = len(set(hypers)) == 1
+        groups = self.engine.coordinator.groups
+        with_grad = {id(s.param) for gi in updated for s in groups[gi].slots}
+        step = self.step_count + 1
+        runs = self._param_steps.runs(updated, with_grad, step, None if uniform else self._hyper_of)
+        lr, beta1, beta2, eps, weight_decay = hypers[0]
+        return StepJob(step=step, call=self._calls + 1, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=weight_decay, decoupled=self._decoupled, clip_coef=None,
+                       grad_keys=tuple(self.store.keys["grad"]), updated=updated,
+                       param_keys=self.engine.coordinator.shards.keys(groups, updated), runs=runs,
+                       hypers=() if uniform else tuple(hypers), subs=frozenset([sub]), grads=grads)
 
     def _clip_coef(self) -> float | None:
         """The factor of this step's gradients: ``infinity.clip_grad_norm_``'s times torch's (``.grad.mul_``),
@@ -348,24 +364,6 @@ class _OffloadAdam(torch.optim.Optimizer):
                                  f"parameters here, {len(old['params'])} in the state")
         for group, old in zip(self.param_groups, saved):
             group.update({k: v for k, v in old.items() if k != "params"})
-
-
-def _in_backward_job(opt: _OffloadAdam, sub: int, updated: frozenset[int], grads: dict | None,
-                     hypers: list) -> StepJob:
-    """The job stepping sub-group ``sub`` during backward, as the next ``opt.step()`` would step it
-    (see [Note: update during backward] in infinity/optim/in_backward.py): its step counts, and the
-    hyper-parameters ``hypers`` read from ``param_groups`` at the step's first sub-group."""
-    uniform = len(set(hypers)) == 1
-    groups = opt.engine.coordinator.groups
-    with_grad = {id(s.param) for gi in updated for s in groups[gi].slots}
-    step = opt.step_count + 1
-    runs = opt._param_steps.runs(updated, with_grad, step, None if uniform else opt._hyper_of)
-    lr, beta1, beta2, eps, weight_decay = hypers[0]
-    return StepJob(step=step, call=opt._calls + 1, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                   weight_decay=weight_decay, decoupled=opt._decoupled, clip_coef=None,
-                   grad_keys=tuple(opt.store.keys["grad"]), updated=updated,
-                   param_keys=opt.engine.coordinator.shards.keys(groups, updated), runs=runs,
-                   hypers=() if uniform else tuple(hypers), subs=frozenset([sub]), grads=grads)
 
 
 class AdamW(_OffloadAdam):

@@ -61,3 +61,67 @@ def test_same_losses_and_states_as_the_ordinary_step(preset, dtype, state_dtype,
             assert torch.equal(x, y), name
     assert early[2]["in_backward_subs"] > 0     # some sub-groups really were stepped during backward
     assert "in_backward_subs" not in plain[2]
+
+
+def test_refused_where_it_cannot_be_exact(tmp_path):
+    for extra, key in [({"dpu": {"enabled": True}}, "dpu"), ({"precision": {"dtype": "float16"}}, "float16")]:
+        over = {"optimizer": {"update_in_backward": True}, **extra}
+        with pytest.raises(ConfigError, match="optimizer.update_in_backward") as err:
+            infinity.load_config("nvme", overrides={"tiers": {"nvme_path": str(tmp_path)}, **over})
+        assert key in str(err.value)
+    model = _engine("nvme", tmp_path, True, "bfloat16")
+    opt = infinity.AdamW(model, lr=1e-2)
+    (x, y), (x2, y2) = batches(2, 4)
+    model(x, y).backward()
+    with pytest.raises(EngineError, match="update_in_backward.*clip"):
+        infinity.clip_grad_norm_(model, 1.0)
+    with pytest.raises(EngineError, match="zero_grad.*update_in_backward"):
+        opt.zero_grad()
+    with pytest.raises(EngineError, match="second gradient.*update_in_backward"):
+        model(x2, y2).backward()    # accumulation over micro-batches
+    infinity.release(model)
+
+
+def test_gradients_never_go_to_nvme(tmp_path):
+    model = _engine("nvme", tmp_path, True, "bfloat16", {"optimizer": {"state_dtype": "int8"}})
+    opt = infinity.AdamW(model, lr=1e-2)
+    store = registry.engine_of(model, "test").store
+    grad_keys = set(store.keys["grad"])
+    written = []
+    write = store.io.write
+
+    def spy(tier, key, *a, **k):
+        written.append(key)
+        return write(tier, key, *a, **k)
+
+    store.io.write = spy
+    for x, y in batches(2, 4):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert written and not grad_keys & set(written)
+    infinity.release(model)
+
+
+def test_plan_and_measurement_agree_on_nvme_bytes(tmp_path):
+    """With int8 moments and the update during backward: no gradient bytes on NVMe, planned as measured."""
+    from infinity.plan import plan
+    from tests.unit.test_plan_engine import Small, _config
+    cfg = _config(tmp_path, "nvme", "nvme", "bfloat16")
+    cfg["optimizer"] = {"state_dtype": "int8", "update_in_backward": True}
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = Small()
+    opt = infinity.AdamW(model, lr=1e-3)
+    for _ in range(3):
+        model(torch.randint(0, 500, (2, 8))).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+    measured = infinity.stats(model)["transfers"]["per_parameter"]
+    planned = plan(Small(), cfg, check_fit=False).per_parameter()
+    assert opt.stats()["in_backward_subs"] > 0
+    infinity.release(model)
+    assert measured["nvme_read"] == pytest.approx(planned["nvme_read"], rel=0.05)
+    assert measured["nvme_written"] == pytest.approx(planned["nvme_written"], rel=0.05)
+    assert measured["nvme_read"] + measured["nvme_written"] <= 16.5
