@@ -411,10 +411,10 @@ class OptimizerConfig(Section):
     """Step each sub-group of the host optimizer (`partition.sub_group_size` elements) on a background thread
     as soon as backward has produced all of its gradients, while the rest of backward computes; `opt.step()`
     then steps only what is left. With states on NVMe the gradients stay in host memory and never go to the
-    disk. Results are identical to the ordinary step; what cannot be exact is refused: with `dpu.enabled` or
-    float16 here, and at the call `clip_grad_norm_`, a second backward before `opt.step()` (accumulation),
-    an edit of `.grad`, or a non-finite gradient once a sub-group was stepped. Learning rates are read during
-    backward: change them after `opt.step()`, as schedulers do."""
+    disk. Results are identical to the ordinary step; what cannot be exact is refused: with `dpu.enabled`,
+    float16 or `tiers.optimizer = "device"` here, and at the call `clip_grad_norm_`, a second backward before
+    `opt.step()` (accumulation), an edit of `.grad`, or a non-finite gradient once a sub-group was stepped.
+    Learning rates are read during backward: change them after `opt.step()`, as schedulers do."""
 
     def _check(self) -> None:
         self._within("state_block_size", 32, 2048, "a block shares one 4-byte scale per moment, which costs "
