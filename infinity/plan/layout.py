@@ -241,9 +241,11 @@ class Layout:
         if self.grads_held and t:
             sub = min(round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL),
                       max(t, SHARD_ALIGN_NUMEL))
+            # Two sub-groups filling, and the largest group's, should its gradient come last (a tied weight).
+            held = min(t, 2 * sub + round_up(self.largest_trainable_shard, sub))
             yield PlanRow("held_grads", f"gradients held in host memory until their sub-group is stepped "
-                          f"(update during backward; about 2 x {sub:,} elements, more while a tied weight's "
-                          "sub-group waits)", "host", 2 * self.grad_bytes * sub)
+                          f"(update during backward: two sub-groups of {sub:,} elements and the largest "
+                          "group's)", "host", self.grad_bytes * held)
         if self.params_tier == "nvme" and self.structured:
             size = round_up(self.largest_shard * pb, NVME_ALIGN_BYTES)
             yield PlanRow("nvme_staging", f"NVMe demand-read staging ({STAGING_BUFFERS} x "
