@@ -169,6 +169,7 @@ class OptimizerStateStore:
         # what refuses a second gradient of a group before the step.
         self.held = None
         self.refuse_second_grad = None
+        self.before_zero_grad = None
         self._pending_writes: list = []
         self._buffers = None
         n = layout.sub_group_size
@@ -356,6 +357,8 @@ class OptimizerStateStore:
                 for piece in self.layout.pieces_of_group[group_index]]
 
     def zero_grad(self) -> None:
+        if self.before_zero_grad is not None:
+            self.before_zero_grad()
         self.flush()
         self.grad_written.clear()
         if self.book is not None:

@@ -120,6 +120,7 @@ class InBackwardUpdate:
         self.held = None if self.store.in_place else HeldGrads(self.store)
         self.store.held = self.held
         self.store.refuse_second_grad = self._refuse_second
+        self.store.before_zero_grad = self._before_zero_grad
         engine.reducer.watcher = self
         threads = engine.config.dpu.threads or (0 if engine.device.is_cuda else 1)
         self.threads = threads
@@ -131,6 +132,7 @@ class InBackwardUpdate:
         self._stream = None
         self.stepped: set[int] = set()     # sub-groups stepped (or queued) since the last step
         self._partial: set[int] = set()    # groups some parameter of which had no gradient
+        self._taken: set[int] = set()      # groups whose gradient backward produced since the last step
         self._hyper = None                 # (hypers, uniform) read at the first sub-group of a step
         self.subs_stepped = 0
         self.refresh(trainable)
@@ -144,6 +146,10 @@ class InBackwardUpdate:
 
     # -- called by the gradient reducer (main thread) --------------------------------------------
     def taken(self, group_index: int, complete: bool) -> None:
+        """A group's gradient is about to be reduced and sent; a second one before the step is refused."""
+        if group_index in self._taken:
+            self._refuse_second(group_index)
+        self._taken.add(group_index)
         if not complete:
             self._partial.add(group_index)
 
@@ -260,9 +266,14 @@ class InBackwardUpdate:
         self.wait()
         self.stepped.clear()
         self._partial.clear()
+        self._taken.clear()
         self._hyper = None
         if self.held is not None:
             self.held.subs.clear()
+
+    def _before_zero_grad(self) -> None:
+        """The store's gradients are dropped (``model.zero_grad()`` too): refused once sub-groups were stepped."""
+        self.reset("zeroing the gradients (opt.zero_grad(), model.zero_grad() or .grad = None)")
 
     def refuse(self, call: str) -> None:
         raise EngineError(f"{call}: {KEY} = true steps each sub-group as soon as its gradients are in, so nothing "

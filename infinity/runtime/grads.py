@@ -190,6 +190,8 @@ class GradReducer:
         """
         self._let_go()
         arrived = sum(grad is not None for grad in grads)
+        if self.watcher is not None:    # may refuse the gradient: before anything is taken for it
+            self.watcher.taken(group.index, arrived == len(params))
         flat = self._accumulator(group)
         loan = None
         first_whole = self.defer and group not in self._waiting
@@ -209,8 +211,6 @@ class GradReducer:
             part.zero_() if grad is None else part.copy_(grad.reshape(-1))   # converts into an fp32 accumulator
         end = max(slot.offset + slot.numel for slot in group.slots)
         flat[end:].zero_()      # padding: reused memory, zero as at partitioning
-        if self.watcher is not None:
-            self.watcher.taken(group.index, arrived == len(params))
         if arrived == len(params):
             self.book.arrived.index_fill_(0, self._group_positions[group], 1.0)
         else:

@@ -76,6 +76,13 @@ def test_refused_where_it_cannot_be_exact(tmp_path):
         infinity.clip_grad_norm_(model, 1.0)
     with pytest.raises(EngineError, match="zero_grad.*update_in_backward"):
         opt.zero_grad()
+    model.zero_grad()   # takes effect at the next step or backward
+    with pytest.raises(EngineError, match="zero_grad.*update_in_backward"):
+        opt.step()
+    infinity.release(model)
+    model = _engine("nvme", tmp_path, True, "bfloat16")
+    infinity.AdamW(model, lr=1e-2)
+    model(x, y).backward()
     with pytest.raises(EngineError, match="second gradient.*update_in_backward"):
         model(x2, y2).backward()    # accumulation over micro-batches
     infinity.release(model)
