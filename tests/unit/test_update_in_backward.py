@@ -160,3 +160,14 @@ def test_two_ranks_match_the_ordinary_step(tmp_path):
         assert early[0] == plain[0]
         assert all(torch.equal(a, b) for a, b in zip(plain[1], early[1]))
         assert early[2] > 0
+
+
+def test_a_non_finite_gradient_after_stepped_sub_groups_is_refused(tmp_path):
+    model = _engine("nvme", tmp_path, True, "bfloat16")
+    opt = infinity.AdamW(model, lr=1e-2)
+    model.wte.weight.register_hook(lambda g: g * float("inf"))  # the tied weight's gradient comes last
+    (x, y), = batches(1, 4)
+    model(x, y).backward()
+    with pytest.raises(EngineError, match="inf/NaN.*already stepped.*update_in_backward"):
+        opt.step()
+    infinity.release(model)
