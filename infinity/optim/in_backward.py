@@ -1,4 +1,4 @@
-"""The optimizer step during backward (``[optimizer] update_in_backward``): each sub-group as soon as its gradients are in.
+"""The optimizer step during backward (``[optimizer] update_in_backward``): sub-groups stepped as gradients come.
 
 [Note: update during backward]
 The update pass steps sub-groups of the flat space (see [Note: pipelined sub-groups] in
