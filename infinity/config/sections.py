@@ -407,6 +407,15 @@ class OptimizerConfig(Section):
     state_block_size: int = 256
     """With "int8": elements per block, each block with its own scales. A power of two."""
 
+    update_in_backward: bool = False
+    """Step each sub-group of the host optimizer (`partition.sub_group_size` elements) on a background thread
+    as soon as backward has produced all of its gradients, while the rest of backward computes; `opt.step()`
+    then steps only what is left. With states on NVMe the gradients stay in host memory and never go to the
+    disk. Results are identical to the ordinary step; what cannot be exact is refused: with `dpu.enabled`,
+    float16 or `tiers.optimizer = "device"` here, and at the call `clip_grad_norm_`, a second backward before
+    `opt.step()` (accumulation), an edit of `.grad`, or a non-finite gradient once a sub-group was stepped.
+    Learning rates are read during backward: change them after `opt.step()`, as schedulers do."""
+
     def _check(self) -> None:
         self._within("state_block_size", 32, 2048, "a block shares one 4-byte scale per moment, which costs "
                      "more than 1/8 byte per element below 32; above 2048 (the largest block the 8-bit Adam "
@@ -475,6 +484,20 @@ class ActivationsConfig(Section):
                      "than 64TiB", "bytes")
 
 
+def _check_update_in_backward(cfg: "Config") -> None:
+    """The settings with which a step during backward could not equal the ordinary step."""
+    key = "optimizer.update_in_backward"
+    if cfg.dpu.enabled:
+        raise ConfigError("the update during backward steps with this step's gradients; dpu.enabled delays "
+                          "the step by one iteration: turn one of them off", key)
+    if cfg.precision.dtype == "float16":
+        raise ConfigError("float16 loss scaling skips a step when any gradient overflows, which is known only "
+                          "after the whole backward; use bfloat16 or float32, or turn the key off", key)
+    if cfg.tiers.optimizer == "device":
+        raise ConfigError("the update during backward runs the host optimizer; with tiers.optimizer = "
+                          "\"device\" use the ordinary step (or put the states in \"host\" or \"nvme\")", key)
+
+
 SECTIONS: tuple[type[Section], ...] = (TiersConfig, AioConfig, PrecisionConfig, PartitionConfig,
                                         PrefetchConfig, TilingConfig, DpuConfig, OptimizerConfig,
                                         CheckpointConfig, ActivationsConfig)
@@ -523,6 +546,8 @@ class Config:
             raise ConfigError(f"{json.dumps(self.optimizer.state_dtype)} moments are stepped by the host kernel; with "
                               "tiers.optimizer = \"device\" they must be \"fp32\" (or put the optimizer states in "
                               "\"host\" or \"nvme\")", "optimizer.state_dtype")
+        if self.optimizer.update_in_backward:
+            _check_update_in_backward(self)
         if self.activations.offload == "nvme" and not self.tiers.nvme_path:
             raise ConfigError("\"nvme\" needs tiers.nvme_path, a directory on a fast local disk, for the "
                               "activations' files", "activations.offload")

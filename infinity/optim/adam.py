@@ -20,6 +20,7 @@ from infinity import registry
 from infinity.errors import EngineError, released_message
 from infinity.optim import param_groups
 from infinity.optim.checks import GradientChecks
+from infinity.optim.in_backward import InBackwardUpdate
 from infinity.optim.job import StepJob
 from infinity.optim.nonfinite import NonFiniteSteps
 from infinity.optim.ranges import ParamSteps, UpdateRanges
@@ -64,6 +65,10 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._nonfinite = NonFiniteSteps(engine, self._name)
         update = UpdatePass(self.store, engine.coordinator, self._ranges, engine.device, engine.tiers.allocator)
         self._updates = UpdateScheduler(engine, update, self._ranges.trainable, self._name)
+        self._in_backward = None    # [Note: update during backward] in infinity/optim/in_backward.py
+        if engine.config.optimizer.update_in_backward:
+            self._in_backward = InBackwardUpdate(self, engine, update.run, self._job_in_backward,
+                                                 self._ranges.trainable)
         engine.attach_optimizer(self, self._updates)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -94,6 +99,8 @@ class _OffloadAdam(torch.optim.Optimizer):
                 raise EngineError(f"{self._name}.add_param_group: with dpu.enabled the parameters an optimizer "
                                   "steps are fixed at its construction; pass every group to the constructor")
             self._updates.update.ranges = ranges
+            if self._in_backward is not None:
+                self._in_backward.refresh(ranges.trainable)
         steps: dict[str, int] = {}
         if self._ranges is not None:      # parameters joining now start at Adam step 0, as in torch
             steps = self._param_steps.as_dict(self.step_count)
@@ -126,6 +133,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         parts, so their buffers are freed; every later use of this optimizer raises, naming infinity.release."""
         gone = _Released(self._name)
         self.engine = self.store = self._updates = self._checks = self._ranges = self._param_steps = gone
+        self._in_backward = None
 
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -150,6 +158,9 @@ class _OffloadAdam(torch.optim.Optimizer):
             self._calls += 1
             self._updates.begin_step()
             nonfinite, with_grad = self._checks.exchange()
+            stepped = frozenset()
+            if self._in_backward is not None:   # sub-groups stepped during backward: the rest is stepped here
+                stepped = self._in_backward.finish(f"{self._name}.step()", clip_coef, nonfinite)
             if engine.loss_scaler is not None:
                 engine.loss_scaler.update(nonfinite)    # [Note: loss scaling] in infinity/optim/loss_scale.py
             if nonfinite:
@@ -161,12 +172,15 @@ class _OffloadAdam(torch.optim.Optimizer):
             if delayed:
                 self._updates.publish_finished()
             self.step_count += 1
-            self._updates.run(self._job(delayed, with_grad, clip_coef))
+            self._updates.run(self._job(delayed, with_grad, clip_coef, stepped))
+            if self._in_backward is not None:
+                self._in_backward.reset("")
         finally:
             engine.datapath.set_phase("idle")
         return None
 
-    def _job(self, delayed: bool, with_grad: set[int], clip_coef: float | None) -> StepJob:
+    def _job(self, delayed: bool, with_grad: set[int], clip_coef: float | None,
+             stepped: frozenset = frozenset()) -> StepJob:
         hypers = param_groups.hyper_sets(self.param_groups)
         uniform = len(set(hypers)) == 1
         self.store.flush()  # gradient writes the backward issued to the tier must land before the pass reads
@@ -176,12 +190,33 @@ class _OffloadAdam(torch.optim.Optimizer):
         if self._param_steps.lagging or not uniform:
             runs = self._param_steps.runs(updated, with_grad, self.step_count, None if uniform else self._hyper_of)
         lr, beta1, beta2, eps, weight_decay = hypers[0]
+        subs = grads = None
+        if self._in_backward is not None:
+            subs = frozenset(range(self.store.layout.num_subs)) - stepped
+            grads = self._in_backward.remaining_grads(subs)
         return StepJob(step=self.step_count, call=self._calls, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                        weight_decay=weight_decay, decoupled=self._decoupled, clip_coef=clip_coef,
                        grad_keys=self._updates.grad_keys(delayed), updated=updated,
                        param_keys=self._updates.param_keys(updated), delayed=delayed,
                        overlapped=not delayed and self._updates.overlaps, runs=runs,
-                       hypers=() if uniform else tuple(hypers))
+                       hypers=() if uniform else tuple(hypers), subs=subs, grads=grads)
+
+    def _job_in_backward(self, sub: int, updated: frozenset[int], grads: dict | None,
+                          hypers: list) -> StepJob:
+        """The job stepping sub-group ``sub`` during backward, as the next ``opt.step()`` would step it
+        (see [Note: update during backward] in infinity/optim/in_backward.py): its step counts, and the
+        hyper-parameters ``hypers`` read from ``param_groups`` at the step's first sub-group."""
+        uniform = len(set(hypers)) == 1
+        groups = self.engine.coordinator.groups
+        with_grad = {id(s.param) for gi in updated for s in groups[gi].slots}
+        step = self.step_count + 1
+        runs = self._param_steps.runs(updated, with_grad, step, None if uniform else self._hyper_of)
+        lr, beta1, beta2, eps, weight_decay = hypers[0]
+        return StepJob(step=step, call=self._calls + 1, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=weight_decay, decoupled=self._decoupled, clip_coef=None,
+                       grad_keys=tuple(self.store.keys["grad"]), updated=updated,
+                       param_keys=self.engine.coordinator.shards.keys(groups, updated), runs=runs,
+                       hypers=() if uniform else tuple(hypers), subs=frozenset([sub]), grads=grads)
 
     def _clip_coef(self) -> float | None:
         """The factor of this step's gradients: ``infinity.clip_grad_norm_``'s times torch's (``.grad.mul_``),
@@ -197,6 +232,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         self.skipped_steps += 1
         self._updates.stats.skipped_steps += 1
         self._updates.publish_finished()
+        if self._in_backward is not None:
+            self._in_backward.reset("")
         self.store.zero_grad()
         self._checks.reset()
         self.engine.grad_face.forget()
@@ -219,12 +256,16 @@ class _OffloadAdam(torch.optim.Optimizer):
         """
         self.engine.recover_aborted_backward()
         self.engine.reducer.settle()
+        if self._in_backward is not None:
+            self._in_backward.reset(f"{self._name}.zero_grad()")
         self.store.zero_grad()
         self._checks.reset()
         self.engine.grad_face.forget()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip this step's gradients by their global L2 norm (applied by the step, DPU included)."""
+        if self._in_backward is not None:
+            self._in_backward.refuse(f"{self._name}.clip_grad_norm_")
         return self._checks.clip_grad_norm_(max_norm)
 
     # -- telemetry and state -------------------------------------------------------------------
@@ -236,6 +277,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         """
         out = self._updates.as_dict()
         scaler = self.engine.loss_scaler
+        if self._in_backward is not None:
+            out["in_backward_subs"] = self._in_backward.subs_stepped
         out.update(steps=self.step_count, calls=self._calls,
                    loss_scale=scaler.as_dict() if scaler is not None else None)
         return out

@@ -33,6 +33,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from infinity.errors import EngineError
 from infinity.optim import compact_grads, split_master
 from infinity.optim.moments import MomentFormat, read_moments, write_moments
 from tiers.base import wait_quietly
@@ -163,6 +164,12 @@ class OptimizerStateStore:
         # What arrived since zero_grad, and the running norm (``GradientBook``, kept on the compute
         # device by the gradient reducer); zero_grad resets it with the accumulator.
         self.book = None
+        # With the update during backward ([Note: update during backward] in infinity/optim/in_backward.py):
+        # the gradients held in host memory instead of the NVMe key (``HeldGrads``, streamed stores), and
+        # what refuses a second gradient of a group before the step.
+        self.held = None
+        self.refuse_second_grad = None
+        self.before_zero_grad = None
         self._pending_writes: list = []
         self._buffers = None
         n = layout.sub_group_size
@@ -241,6 +248,8 @@ class OptimizerStateStore:
                 dst.zero_()
             elif state == "grad" and group_index not in self.grad_written:
                 dst.zero_()
+            elif state == "grad" and self.held is not None:
+                self.held.read(piece, dst)
             elif state == "grad" and self.grad_dtype != torch.float32:
                 compact = torch.empty(piece.numel, dtype=self.grad_dtype)
                 self.io.read(self.tier, self.keys[state][piece.sub_index], compact,
@@ -257,6 +266,9 @@ class OptimizerStateStore:
         if state == "master":
             self.write_master_shard(group_index, values)
             return
+        if state == "grad" and self.refuse_second_grad is not None:
+            raise EngineError("gradient shards cannot be edited with optimizer.update_in_backward = true (each "
+                              "sub-group is stepped as soon as its gradients are in); set the key to false")
         if state == "grad":
             compact_grads.widen(self)   # edited gradients (clip_grad_value_) need not fit the compute dtype
         for piece in self.layout.pieces_of_group[group_index]:
@@ -298,6 +310,12 @@ class OptimizerStateStore:
         it unchanged until they are done.
         """
         first = group_index not in self.grad_written
+        if not first and self.refuse_second_grad is not None:
+            self.refuse_second_grad(group_index)
+        if self.held is not None:
+            self.held.accumulate(group_index, shard_grad)
+            self.grad_written.add(group_index)
+            return []
         if not first:
             compact_grads.widen(self)   # micro-batches accumulate: in fp32 from now on
         futures = []
@@ -339,6 +357,8 @@ class OptimizerStateStore:
                 for piece in self.layout.pieces_of_group[group_index]]
 
     def zero_grad(self) -> None:
+        if self.before_zero_grad is not None:
+            self.before_zero_grad()
         self.flush()
         self.grad_written.clear()
         if self.book is not None:
@@ -368,12 +388,15 @@ class OptimizerStateStore:
         self.moments_initialized = True
 
     # -- the sub-group pipeline (see [Note: pipelined sub-groups]) ----------------------------------
-    def sub_groups(self, grad_keys: Sequence[int], changed: Sequence[bool]) -> Iterator[tuple]:
+    def sub_groups(self, grad_keys: Sequence[int], changed: Sequence[bool], grads: dict | None = None
+                   ) -> Iterator[tuple]:
         """Yield ``(sub, {state: tensor}, writes)`` for each sub-group an update must visit (fp32
         tensors; compressed moments as their raw bytes).
 
         ``grad_keys`` are the gradient keys of the update (DPU's may be the second set);
-        ``changed[sub]`` says whether the update changes anything in ``sub``. The caller may
+        ``changed[sub]`` says whether the update changes anything in ``sub``. ``grads``: the
+        gradients of the changed sub-groups in host memory instead of ``grad_keys`` (streamed
+        stores; each is dropped once stepped). The caller may
         change the tensors in place and append ``(future, tensor)`` pairs of its own transfers
         to ``writes``; each is waited before the buffers it reads are reused and at the end.
         Master weights and moments are written back after the caller returns from a sub-group.
@@ -383,7 +406,7 @@ class OptimizerStateStore:
         if self.in_place:
             yield from self._in_place(grad_keys, [sub for sub, c in enumerate(changed) if c])
         else:
-            yield from self._streamed(grad_keys, changed)
+            yield from self._streamed(grad_keys, changed, grads)
 
     def _in_place(self, grad_keys, subs: list[int]):
         writes: list = []
@@ -414,7 +437,7 @@ class OptimizerStateStore:
         for fut, _ in writes:
             fut.wait()
 
-    def _streamed(self, grad_keys, changed: Sequence[bool]):
+    def _streamed(self, grad_keys, changed: Sequence[bool], grads: dict | None = None):
         tier, io, layout, bufs = self.tier, self.io, self.layout, self._buffers
         moments_known = self.moments_initialized
         subs = [sub for sub, c in enumerate(changed) if c or not moments_known]
@@ -432,7 +455,7 @@ class OptimizerStateStore:
                 buf = bufs[slot][s][:_stored_len(self.moment_format, s, numel)]
                 if s in MOMENTS and not moments_known:
                     buf.zero_()
-                elif s == "grad" and not changed[sub]:
+                elif s == "grad" and (not changed[sub] or grads is not None):
                     continue
                 elif s == "grad" and self.grad_dtype != torch.float32:
                     reads[slot].append(io.read(tier, grad_keys[sub], bufs[slot]["grad_compact"][:numel]))
@@ -454,7 +477,9 @@ class OptimizerStateStore:
                     issue_reads(i + 1)
                 numel = layout.sub_ranges[sub][1]
                 st = {s: bufs[slot][s][:_stored_len(self.moment_format, s, numel)] for s in STATES}
-                if self.grad_dtype != torch.float32 and changed[sub]:
+                if grads is not None and changed[sub]:
+                    st["grad"].copy_(grads.pop(sub))    # KeyError: a changed sub-group without a held gradient
+                elif self.grad_dtype != torch.float32 and changed[sub]:
                     st["grad"].copy_(bufs[slot]["grad_compact"][:numel])
                 if self.split is not None:
                     copy, remainder = bufs[slot]["copy"][:numel], bufs[slot]["remainder"][:numel]

@@ -49,6 +49,12 @@ class StepJob:
         Per torch param group, ``(lr, beta1, beta2, eps, weight_decay)``, when they differ
         between groups (``runs`` then says which applies where); empty when all share the
         scalars above.
+    subs:
+        The sub-groups this job steps (None: all); the update during backward steps one at a time
+        (see [Note: update during backward] in infinity/optim/in_backward.py).
+    grads:
+        ``{sub-group: gradient}`` held in host memory instead of read from ``grad_keys`` (the update
+        during backward with states on NVMe); the pass takes each one as it steps it. None: read the keys.
     overlapped:
         True when the job runs on the background worker at exact semantics: it writes the
         published compute copies in place and reports each finished sub-group
@@ -72,6 +78,8 @@ class StepJob:
     overlapped: bool = False
     runs: tuple | None = None
     hypers: tuple = ()
+    subs: frozenset | None = None
+    grads: dict | None = None
 
 
 @dataclass

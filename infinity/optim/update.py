@@ -132,8 +132,9 @@ class UpdatePass:
                      eps=job.eps, maximize=False, grad_scale=grad_scale, found_inf=None)
         num_subs = self.store.layout.num_subs
         runs = job.runs or self.ranges.runs(job.updated, job.step)
-        spans = [self.ranges.spans(sub, job.updated) for sub in range(num_subs)]
-        passes = self.store.sub_groups(job.grad_keys, [bool(r) for r in spans])
+        spans = [self.ranges.spans(sub, job.updated) if job.subs is None or sub in job.subs else []
+                 for sub in range(num_subs)]
+        passes = self.store.sub_groups(job.grad_keys, [bool(r) for r in spans], job.grads)
         chunk = chunk_numel()
         copies: list = []
         try:

@@ -75,7 +75,10 @@ m, v and gradient and writes master, m, v and the new compute copy (frozen group
 rewritten). Split masters read the compute copy and the remainder (2 + 2 bytes) and write the
 remainder; compact gradients are written and read in the compute dtype. bf16 on NVMe, one
 micro-batch: 2 + 2 (forward, backward) + 2 (gradients) + 14 (copy, remainder, m, v, gradient)
-+ 12 (remainder, m, v, copy) = 32 bytes per parameter and step, before fresh shards. With the overlapped step (``dpu.overlap`` without DPU, params on NVMe, prefetching
++ 12 (remainder, m, v, copy) = 32 bytes per parameter and step, before fresh shards; the
+update during backward (``optimizer.update_in_backward``) holds the gradients in host memory
+(2 + 2 bytes fewer) but writes the new compute copies during backward, so the fresh shards below
+do not apply. With the overlapped step (``dpu.overlap`` without DPU, params on NVMe, prefetching
 on), the next forward takes up to ``prefetch.nvme_bytes`` of the rewritten compute copies from
 host memory instead of reading them back ([Note: fresh shards] in infinity/prefetch/fresh_shards.py): the
 plan subtracts min(``prefetch.nvme_bytes``, rewritten bytes) from the reads. That is the floor
@@ -175,6 +178,8 @@ class Layout:
         self.grad_bytes = (param_bytes if cfg.precision.dtype in ("bfloat16", "float16")
                            and self.opt_tier in ("host", "nvme") and not cfg.dpu.enabled else FP32_BYTES)
         self.master_bytes = 2 if self.split_master else FP32_BYTES
+        # [Note: update during backward] in infinity/optim/in_backward.py: gradients held in host memory.
+        self.grads_held = cfg.optimizer.update_in_backward and self.opt_tier == "nvme"
 
     @property
     def grad_staging_nbytes(self) -> int:
@@ -233,6 +238,14 @@ class Layout:
             per = (8 if self.split_master else 0) + (FP32_BYTES if self.grad_bytes != FP32_BYTES else 0)
             yield PlanRow("optimizer_scratch", f"joined fp32 masters / widened gradients of the "
                           f"sub-group being stepped ({per} bytes x {sub:,} elements)", "host", per * sub)
+        if self.grads_held and t:
+            sub = min(round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL),
+                      max(t, SHARD_ALIGN_NUMEL))
+            # Two sub-groups filling, and the largest group's, should its gradient come last (a tied weight).
+            held = min(t, 2 * sub + round_up(self.largest_trainable_shard, sub))
+            yield PlanRow("held_grads", f"gradients held in host memory until their sub-group is stepped "
+                          f"(update during backward: two sub-groups of {sub:,} elements and the largest "
+                          "group's)", "host", self.grad_bytes * held)
         if self.params_tier == "nvme" and self.structured:
             size = round_up(self.largest_shard * pb, NVME_ALIGN_BYTES)
             yield PlanRow("nvme_staging", f"NVMe demand-read staging ({STAGING_BUFFERS} x "
@@ -310,11 +323,12 @@ class Layout:
         total = self.read_nvme if self.params_tier == "nvme" else 0
         cfg = self.cfg
         if (self.params_tier == "nvme" and cfg.dpu.overlap and not cfg.dpu.enabled and cfg.prefetch.enabled
-                and self.structured):
+                and self.structured and not cfg.optimizer.update_in_backward):    # stepped in backward: none
             total -= min(int(cfg.prefetch.nvme_bytes), self.rewrite_nvme)   # fresh shards
         if self.opt_tier == "nvme":
-            # master (or compute copy + remainder), m, v, gradient
-            total += (self.master_bytes + self.grad_bytes) * self.trainable_numel + self.moment_nbytes()
+            # master (or compute copy + remainder), m, v, gradient (none held in host memory)
+            grads = 0 if self.grads_held else self.grad_bytes
+            total += (self.master_bytes + grads) * self.trainable_numel + self.moment_nbytes()
             if self.split_master:
                 total += self.pb * self.trainable_numel     # the compute copies the masters are joined from
         return total
@@ -323,7 +337,8 @@ class Layout:
         """Bytes one rank writes to NVMe per step (see [Note: NVMe traffic per step])."""
         total = 0
         if self.opt_tier == "nvme":
-            total += self.grad_bytes * self.trainable_numel  # gradients, as reduce-scattered
+            if not self.grads_held:
+                total += self.grad_bytes * self.trainable_numel  # gradients, as reduce-scattered
             total += self.master_bytes * self.trainable_numel + self.moment_nbytes()  # master (remainder), m, v
         if self.params_tier == "nvme":
             total += self.rewrite_nvme

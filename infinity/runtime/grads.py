@@ -144,6 +144,9 @@ class GradReducer:
         self.book: GradientBook | None = None
         # Sets the ``.grad`` of parameters whose gradient is in the store (``GradFace.mark``), or None.
         self.mark_grads = None
+        # Told ``taken(group index, every parameter had a gradient)`` and ``landed(group index)`` (the
+        # shard is in the store): the update during backward (infinity/optim/in_backward.py), or None.
+        self.watcher = None
 
     def attach(self, store) -> None:
         """The groups are final and ``store`` accumulates their gradients from now on."""
@@ -187,6 +190,8 @@ class GradReducer:
         """
         self._let_go()
         arrived = sum(grad is not None for grad in grads)
+        if self.watcher is not None:    # may refuse the gradient: before anything is taken for it
+            self.watcher.taken(group.index, arrived == len(params))
         flat = self._accumulator(group)
         loan = None
         first_whole = self.defer and group not in self._waiting
@@ -312,10 +317,11 @@ class GradReducer:
                     left.append((index, host, done, numel, dtype))
                     continue
                 self.datapath.host_wait(done)
-            if host is None:
-                continue    # written in place already
-            writes = self.store.accumulate_grad(index, host.tensor.view(dtype)[:numel])
-            self.datapath.when_done(_Landed(writes), host.release)   # NVMe writes still read it
+            if host is not None:    # else written in place already
+                writes = self.store.accumulate_grad(index, host.tensor.view(dtype)[:numel])
+                self.datapath.when_done(_Landed(writes), host.release)   # NVMe writes still read it
+            if self.watcher is not None:
+                self.watcher.landed(index)
         self._sent = left
         if wait:
             self.datapath.settle(wait=True)

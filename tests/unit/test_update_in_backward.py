@@ -1,0 +1,173 @@
+"""The optimizer step during backward (``[optimizer] update_in_backward``): the ordinary step's results, or a refusal.
+
+See [Note: update during backward] in infinity/optim/in_backward.py.
+"""
+import os
+from copy import deepcopy
+
+import pytest
+import torch
+
+import infinity
+from infinity import registry
+from infinity.config import ConfigError
+from infinity.errors import EngineError
+from tests.support.tiny_gpt import TinyGPT, batches
+
+
+def _engine(preset: str, swap, in_backward: bool, dtype: str, extra=None):
+    over = {"tiers": {"nvme_path": str(swap)}, "partition": {"sub_group_size": 4096},
+            "precision": {"dtype": dtype}, "optimizer": {"update_in_backward": in_backward}}
+    for k, v in (extra or {}).items():
+        over.setdefault(k, {}).update(v)
+    cfg = infinity.load_config(preset, overrides=over)
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = TinyGPT(d=48)
+    return model
+
+
+def _train(preset, swap, in_backward, dtype, steps=3, state_dtype="fp32"):
+    model = _engine(preset, swap, in_backward, dtype, {"optimizer": {"state_dtype": state_dtype}})
+    decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for _, p in model.named_parameters() if p.dim() < 2]
+    opt = infinity.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
+    losses = []
+    for x, y in batches(steps, 4):
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    stats = opt.stats()
+    shards = deepcopy(opt.state_dict()["shards"])
+    infinity.release(model)
+    return losses, shards, stats
+
+
+@pytest.mark.parametrize("preset,dtype,state_dtype", [("nvme", "bfloat16", "fp32"), ("offload-host", "float32", "fp32"),
+                                                      ("nvme", "bfloat16", "int8")])
+def test_same_losses_and_states_as_the_ordinary_step(preset, dtype, state_dtype, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = _train(preset, tmp_path / "a", False, dtype, state_dtype=state_dtype)
+    early = _train(preset, tmp_path / "b", True, dtype, state_dtype=state_dtype)
+    assert early[0] == plain[0]
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        for x, y in zip(plain[1][name], early[1][name]):
+            assert torch.equal(x, y), name
+    assert early[2]["in_backward_subs"] > 0     # some sub-groups really were stepped during backward
+    assert "in_backward_subs" not in plain[2]
+
+
+def test_refused_where_it_cannot_be_exact(tmp_path):
+    for extra, key in [({"dpu": {"enabled": True}}, "dpu"), ({"precision": {"dtype": "float16"}}, "float16")]:
+        over = {"optimizer": {"update_in_backward": True}, **extra}
+        with pytest.raises(ConfigError, match="optimizer.update_in_backward") as err:
+            infinity.load_config("nvme", overrides={"tiers": {"nvme_path": str(tmp_path)}, **over})
+        assert key in str(err.value)
+    model = _engine("nvme", tmp_path, True, "bfloat16")
+    opt = infinity.AdamW(model, lr=1e-2)
+    (x, y), (x2, y2) = batches(2, 4)
+    model(x, y).backward()
+    with pytest.raises(EngineError, match="update_in_backward.*clip"):
+        infinity.clip_grad_norm_(model, 1.0)
+    with pytest.raises(EngineError, match="zero_grad.*update_in_backward"):
+        opt.zero_grad()
+    model.zero_grad()   # takes effect at the next step or backward
+    with pytest.raises(EngineError, match="zero_grad.*update_in_backward"):
+        opt.step()
+    infinity.release(model)
+    model = _engine("nvme", tmp_path, True, "bfloat16")
+    infinity.AdamW(model, lr=1e-2)
+    model(x, y).backward()
+    with pytest.raises(EngineError, match="second gradient.*update_in_backward"):
+        model(x2, y2).backward()    # accumulation over micro-batches
+    infinity.release(model)
+
+
+def test_gradients_never_go_to_nvme(tmp_path):
+    model = _engine("nvme", tmp_path, True, "bfloat16", {"optimizer": {"state_dtype": "int8"}})
+    opt = infinity.AdamW(model, lr=1e-2)
+    store = registry.engine_of(model, "test").store
+    grad_keys = set(store.keys["grad"])
+    written = []
+    write = store.io.write
+
+    def spy(tier, key, *a, **k):
+        written.append(key)
+        return write(tier, key, *a, **k)
+
+    store.io.write = spy
+    for x, y in batches(2, 4):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert written and not grad_keys & set(written)
+    infinity.release(model)
+
+
+def test_plan_and_measurement_agree_on_nvme_bytes(tmp_path):
+    """With int8 moments and the update during backward: no gradient bytes on NVMe, planned as measured."""
+    from infinity.plan import plan
+    from tests.unit.test_plan_engine import Small, _config
+    cfg = _config(tmp_path, "nvme", "nvme", "bfloat16")
+    cfg["optimizer"] = {"state_dtype": "int8", "update_in_backward": True}
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = Small()
+    opt = infinity.AdamW(model, lr=1e-3)
+    for _ in range(3):
+        model(torch.randint(0, 500, (2, 8))).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+    measured = infinity.stats(model)["transfers"]["per_parameter"]
+    planned = plan(Small(), cfg, check_fit=False).per_parameter()
+    assert opt.stats()["in_backward_subs"] > 0
+    infinity.release(model)
+    assert measured["nvme_read"] == pytest.approx(planned["nvme_read"], rel=0.05)
+    assert measured["nvme_written"] == pytest.approx(planned["nvme_written"], rel=0.05)
+    assert measured["nvme_read"] + measured["nvme_written"] <= 16.5
+
+
+def _rank_run(rank, world, workdir):
+    out = []
+    for in_backward in (False, True):
+        swap = f"{workdir}/swap-{in_backward}-{rank}"
+        os.makedirs(swap)
+        model = _engine("nvme", swap, in_backward, "bfloat16")
+        opt = infinity.AdamW(model, lr=1e-2)
+        losses = []
+        for i in range(2):
+            x, y = batches(2 * world, 4)[i * world + rank]
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        masters = [t.clone() for t in opt.state_dict()["shards"]["master"]]
+        out.append((losses, masters, opt.stats().get("in_backward_subs", 0)))
+        infinity.release(model)
+    return out
+
+
+def test_two_ranks_match_the_ordinary_step(tmp_path):
+    from tests.support.ranks import run_ranks
+    for (plain, early) in run_ranks(_rank_run, 2, tmp_path):
+        assert early[0] == plain[0]
+        assert all(torch.equal(a, b) for a, b in zip(plain[1], early[1]))
+        assert early[2] > 0
+
+
+def test_a_non_finite_gradient_after_stepped_sub_groups_is_refused(tmp_path):
+    model = _engine("nvme", tmp_path, True, "bfloat16")
+    opt = infinity.AdamW(model, lr=1e-2)
+    model.wte.weight.register_hook(lambda g: g * float("inf"))  # the tied weight's gradient comes last
+    (x, y), = batches(1, 4)
+    model(x, y).backward()
+    with pytest.raises(EngineError, match="inf/NaN.*already stepped.*update_in_backward"):
+        opt.step()
+    infinity.release(model)
