@@ -84,7 +84,7 @@ CHECKPOINT_FP32_BYTES_PER_PARAM = 12
 
 def _train_flags(cfg, args, swap: str, steps: int) -> list[str]:
     return [*shape_args(cfg), "--steps", str(steps), "--batch", str(args.batch), "--seq", str(args.seq),
-            "--data", "repeat", "--lr", "1e-3", "--set", 'tiers.params="nvme"', "--set", 'tiers.optimizer="nvme"',
+            "--data", "repeat", "--lr", str(args.lr), "--set", 'tiers.params="nvme"', "--set", 'tiers.optimizer="nvme"',
             "--set", f'precision.dtype="{args.dtype}"', "--set", f'optimizer.state_dtype="{args.state_dtype}"',
             "--nvme-dir", swap, *args.extra]
 
@@ -238,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-params", default=None, help="stop above this many parameters (default: disk-bound)")
     p.add_argument("--sizes", default=None, help="explicit comma-separated sizes (presets or counts) instead")
     p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--vocab", type=int, default=50304, help="vocabulary of the ladder's shapes")
