@@ -91,6 +91,7 @@ class LlamaConfig:
 LLAMA_PRESETS: dict[str, LlamaConfig] = {
     "llama-tiny": LlamaConfig(n_layer=2, d_model=64, n_head=4, intermediate=176, vocab_size=512, seq_len=64),
     "llama-1B": LlamaConfig(n_layer=16, d_model=2048, n_head=16, intermediate=5504),
+    "llama-2B": LlamaConfig(n_layer=24, d_model=2560, n_head=20, intermediate=6912),
     "llama-6.7B": LlamaConfig(n_layer=32, d_model=4096, n_head=32, intermediate=11008),
 }
 
