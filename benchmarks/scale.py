@@ -17,7 +17,31 @@ how much the peak RSS grew from the smallest to the largest size against how muc
 the model states grew (flat RSS = the host holds only fixed-size buffers).
 ``--sizes 125M,1.3B,4B`` (presets or parameter counts) replaces the ladder;
 ``--fixed-width D`` grows only the depth at d_model = D, so the largest layer (and
-the token embedding) stays the same size while the model grows.
+the token embedding) stays the same size while the model grows. Llama shapes
+(``--sizes llama-6.7B``, infinity/examples/llama.py) run the same way.
+
+``--state-dtype int8`` stores Adam's moments in int8 (``[optimizer] state_dtype``).
+``--checkpoint`` saves a checkpoint after each size's steps and resumes it in a new
+process for one more step, when the swap files and the checkpoint fit the free disk
+together (the bytes are checked first; a size that cannot is reported with them);
+``--reference`` also trains ``steps + 1`` steps uninterrupted, whose last loss the
+resumed step must equal. Before the ladder, the largest model that fits this disk is
+printed per moment dtype, from ``infinity.plan``'s stored bytes per parameter.
+
+    python benchmarks/scale.py --nvme-dir /tmp/nvme --sizes llama-6.7B --dtype bfloat16 \
+        --state-dtype int8 --seq 128 --steps 3 --lr 1e-4 --checkpoint
+
+Measured on the 2-core, 24 GiB CPU machine (ext4 virtual disk, ~75 GiB free), that command:
+llama-6.7B (6,738,415,616 parameters), batch 1 x 128, built in 124 s; losses 11.07 > 5.10 > 1.58
+(the same batch each step); steps 53 / 145 / 152 s, the last two split ~75-82 s compute and
+~70 s waiting for NVMe reads (the host Adam step runs behind the next forward, so its time is
+inside those two); peak RSS 6.3 GiB; swap files 54.1 GB allocated (8.03 B/param, the plan's
+50.40 GiB); NVMe 9.0 B/param read + 8.0 written per step. The checkpoint was refused by the
+arithmetic: it stores fp32 master and moments (14 B/param, 94.3 GB), more than the free disk
+even without the 54 GB of swap beside it. Saved and resumed instead at llama-2B (2.07B,
+``--sizes llama-2B``): a 28.9 GB checkpoint (14.00 B/param) in 166 s; the resumed step's loss
+10.347456932067871 equals the uninterrupted run's fourth (the same at llama-1B with
+``--reference``: 5.609546184539795).
 """
 from __future__ import annotations
 
@@ -27,10 +51,12 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 
 import psutil
 
 from infinity.examples.gpt import PRESETS, shape_for_params
+from infinity.examples.llama import LLAMA_PRESETS
 from infinity.examples.meter import format_bytes
 from infinity.examples.runs import run_training, shape_args
 
@@ -58,18 +84,81 @@ def shape_of(size: str, vocab: int, seq_len: int, d_model: int | None = None):
     """A preset name, or a parameter count turned into a shape."""
     if size in PRESETS:
         return PRESETS[size]
+    if size in LLAMA_PRESETS:
+        return replace(LLAMA_PRESETS[size], seq_len=max(seq_len, LLAMA_PRESETS[size].seq_len))
     return shape_for_params(_count(size), vocab_size=vocab, seq_len=seq_len, d_model=d_model)
 
 
-def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
+# Checkpoint bytes per parameter (infinity/checkpoint): the compute copy (dtype bytes), the fp32
+# master and Adam m and v decoded to fp32; the files' headers and buffers are measured, not counted.
+CHECKPOINT_FP32_BYTES_PER_PARAM = 12
+
+
+def _train_flags(cfg, args, swap: str, steps: int) -> list[str]:
+    return [*shape_args(cfg), "--steps", str(steps), "--batch", str(args.batch), "--seq", str(args.seq),
+            "--data", "repeat", "--lr", str(args.lr), "--set", 'tiers.params="nvme"', "--set", 'tiers.optimizer="nvme"',
+            "--set", f'precision.dtype="{args.dtype}"', "--set", f'optimizer.state_dtype="{args.state_dtype}"',
+            "--nvme-dir", swap, *args.extra]
+
+
+def _train(cfg, args, nvme_dir: str, label: str, steps: int, more: list[str]):
     swap = tempfile.mkdtemp(prefix=f"scale-{label}-", dir=nvme_dir)
-    flags = [*shape_args(cfg), "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
-             "--data", "repeat", "--lr", "1e-3", "--set", 'tiers.params="nvme"', "--set", 'tiers.optimizer="nvme"',
-             "--set", f'precision.dtype="{args.dtype}"', "--nvme-dir", swap, *args.extra]
     try:
-        result = run_training(flags, timeout=args.timeout, log_path=args.log)
+        return run_training([*_train_flags(cfg, args, swap, steps), *more], timeout=args.timeout, log_path=args.log)
     finally:
         shutil.rmtree(swap, ignore_errors=True)
+
+
+def checkpoint_need(n_params: int, dtype_bytes: int, swap_bytes_per_param: float) -> dict:
+    """The disk a save needs beside the live swap files, per the checkpoint format."""
+    ckpt = n_params * (dtype_bytes + CHECKPOINT_FP32_BYTES_PER_PARAM)
+    swap = int(n_params * swap_bytes_per_param)
+    return {"checkpoint_bytes": ckpt, "swap_bytes": swap, "total_bytes": ckpt + swap}
+
+
+def _checkpoint_row(cfg, args, nvme_dir: str, label: str, first) -> dict:
+    """Resume the checkpoint ``first`` saved for one step in a new process (and the reference run)."""
+    ck = first.report["checkpoint"]
+    out = {"checkpoint_nbytes": ck["nbytes"], "checkpoint_seconds": ck["seconds"],
+           "checkpoint_bytes_per_param": ck["nbytes"] / cfg.n_params}
+    resumed = _train(cfg, args, nvme_dir, label + "-resume", 1, ["--resume", ck["path"]])
+    out.update(resume_error=resumed.error, resume_wall_seconds=resumed.wall_seconds,
+               resume_peak_rss_sampled_bytes=resumed.peak_rss_sampled_bytes)
+    if resumed.ok:
+        out["resumed_loss"] = resumed.report["steps"][0]["loss"]
+    if args.reference:
+        ref = _train(cfg, args, nvme_dir, label + "-ref", args.steps + 1, [])
+        out.update(reference_error=ref.error)
+        if ref.ok:
+            out["reference_losses"] = [st["loss"] for st in ref.report["steps"]]
+    return out
+
+
+def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
+    ck_dir, skip = None, None
+    if args.checkpoint:
+        need = checkpoint_need(cfg.n_params, 2 if args.dtype != "float32" else 4, args.disk_bytes_per_param)
+        free = shutil.disk_usage(nvme_dir).free
+        if need["total_bytes"] > free - DISK_HEADROOM_BYTES:
+            skip = (f"checkpoint not saved: it needs {format_bytes(need['checkpoint_bytes'])} beside "
+                    f"{format_bytes(need['swap_bytes'])} of swap files ({format_bytes(need['total_bytes'])} in all), "
+                    f"{format_bytes(free)} free on {nvme_dir}")
+            print(f"{label:>8}: {skip}", file=sys.stderr, flush=True)
+        else:
+            ck_dir = tempfile.mkdtemp(prefix=f"scale-{label}-ckpt-", dir=nvme_dir)
+    try:
+        result = _train(cfg, args, nvme_dir, label, args.steps, ["--checkpoint", ck_dir] if ck_dir else [])
+        row = _row(cfg, label, result)
+        row["checkpoint_skipped"] = skip
+        if ck_dir and result.ok:
+            row.update(_checkpoint_row(cfg, args, nvme_dir, label, result))
+    finally:
+        if ck_dir:
+            shutil.rmtree(ck_dir, ignore_errors=True)
+    return row
+
+
+def _row(cfg, label: str, result) -> dict:
     ram = psutil.virtual_memory().total
     row = {"label": label, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_params": cfg.n_params,
            "states_nbytes": cfg.states_nbytes(), "states_over_ram": cfg.states_nbytes() / ram,
@@ -83,12 +172,37 @@ def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
                    nvme_read_per_param_step=(s.get("io_read_bytes_per_step") or 0) / cfg.n_params,
                    nvme_written_per_param_step=(s.get("io_write_bytes_per_step") or 0) / cfg.n_params, construct_seconds=r["construct_seconds"],
                    step_seconds=[st["seconds"] for st in r["steps"]], losses=[st["loss"] for st in r["steps"]],
+                   step_split=[{k: st[k] for k in ("compute_seconds", "stall_seconds", "optimizer_seconds")}
+                               for st in r["steps"]],
                    rss_per_step=[st["rss_bytes"] for st in r["steps"]],
                    peak_rss_build_bytes=r["peak_rss_after_build_bytes"],
                    peak_rss_forward_backward_bytes=[st["peak_rss_forward_backward_bytes"] for st in r["steps"]],
                    peak_rss_per_step=[st["peak_rss_bytes"] for st in r["steps"]],
                    source=r["machine"]["source"], load_average=r["machine"]["load_average"])
     return row
+
+
+def largest_fits(nvme_dir: str, dtype: str) -> list[dict]:
+    """Per moment dtype: stored NVMe bytes per parameter (infinity.plan, params and optimizer on NVMe)
+    and the largest parameter count whose swap files, alone and beside a checkpoint, fit the free disk."""
+    from infinity.config import load_config
+    from infinity.plan import plan
+
+    free = shutil.disk_usage(nvme_dir).free - DISK_HEADROOM_BYTES
+    dtype_bytes = 4 if dtype == "float32" else 2
+    rows = []
+    for state in ("fp32", "bf16", "int8"):
+        config = load_config(None, overrides={"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": nvme_dir},
+                                              "precision": {"dtype": dtype}, "optimizer": {"state_dtype": state}})
+        n = 1_000_000_000
+        p = plan(n, config, check_fit=False).to_dict()
+        stored = p["tier_bytes"]["nvme"] / n
+        moved = (p["nvme_read_bytes_per_step"] + p["nvme_write_bytes_per_step"]) / n
+        rows.append({"state_dtype": state, "stored_bytes_per_param": stored, "moved_bytes_per_param_step": moved,
+                     "largest_params": int(free / stored),
+                     "largest_params_with_checkpoint": int(free / (stored + dtype_bytes
+                                                                   + CHECKPOINT_FP32_BYTES_PER_PARAM))})
+    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -136,16 +250,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-params", default=None, help="stop above this many parameters (default: disk-bound)")
     p.add_argument("--sizes", default=None, help="explicit comma-separated sizes (presets or counts) instead")
     p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--vocab", type=int, default=50304, help="vocabulary of the ladder's shapes")
     p.add_argument("--fixed-width", type=int, default=None,
                    help="keep d_model fixed and grow only the depth (default: GPT-3-like, both grow)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--disk-bytes-per-param", type=float, default=21.0,
-                   help="NVMe bytes per parameter assumed before the first size is measured")
+    p.add_argument("--disk-bytes-per-param", type=float, default=None,
+                   help="NVMe bytes per parameter assumed before the first size is measured "
+                        "(default: infinity.plan's stored bytes for --dtype and --state-dtype, plus 2%%)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per size before it is killed")
     p.add_argument("--log", default=None, help="append each run's output (progress lines) to this file")
+    p.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
+                   help="Adam moments' storage ([optimizer] state_dtype)")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="save a checkpoint after the steps and resume it for one step (when it fits the disk)")
+    p.add_argument("--reference", action="store_true",
+                   help="with --checkpoint: also train steps + 1 uninterrupted, to compare the resumed loss")
     p.add_argument("--json", default=None)
     p.add_argument("extra", nargs="*", help="after --, more train_gpt flags (e.g. --set prefetch.enabled=false)")
     return p
@@ -156,9 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     nvme_dir = args.nvme_dir or tempfile.gettempdir()
     os.makedirs(nvme_dir, exist_ok=True)
     limit = _count(args.max_params) if args.max_params else None
-    per_param = args.disk_bytes_per_param
     rows: list[dict] = []
     stop = None
+    fits = largest_fits(nvme_dir, args.dtype)
+    for f in fits:
+        print(f"{f['state_dtype']:>5} moments: {f['stored_bytes_per_param']:.2f} B/param stored on NVMe, "
+              f"{f['moved_bytes_per_param_step']:.2f} moved per step; largest that fits {nvme_dir}: "
+              f"{_label(f['largest_params'])} ({_label(f['largest_params_with_checkpoint'])} beside a checkpoint)",
+              flush=True)
+    if args.disk_bytes_per_param is None:
+        args.disk_bytes_per_param = 1.02 * next(f["stored_bytes_per_param"] for f in fits
+                                                if f["state_dtype"] == args.state_dtype)
+    per_param = args.disk_bytes_per_param
     if args.sizes:
         plan = [(s.strip(), shape_of(s.strip(), args.vocab, args.seq, args.fixed_width))
                 for s in args.sizes.split(",") if s.strip()]
@@ -194,6 +325,20 @@ def main(argv: list[str] | None = None) -> int:
             per_param = max(row["nvme_bytes_per_param"] * 1.02, 16.0)
         target = int(target * args.factor)
     print(table(rows))
+    for r in rows:
+        for k in ("step_split",):
+            if k in r:
+                print(f"{r['label']} per step (compute / waiting for NVMe reads / optimizer, s): " + "; ".join(
+                    f"{x['compute_seconds']:.1f} / {x['stall_seconds']:.1f} / {x['optimizer_seconds']:.1f}"
+                    for x in r[k]))
+        if r.get("checkpoint_skipped"):
+            print(f"{r['label']}: {r['checkpoint_skipped']}")
+        elif "checkpoint_nbytes" in r:
+            print(f"{r['label']}: checkpoint {format_bytes(r['checkpoint_nbytes'])} "
+                  f"({r['checkpoint_bytes_per_param']:.2f} B/param) saved in {r['checkpoint_seconds']:.1f} s; "
+                  f"resumed step loss {r.get('resumed_loss', r.get('resume_error'))}"
+                  + (f"; uninterrupted losses {r.get('reference_losses', r.get('reference_error'))}"
+                     if args.reference else ""))
     ok = [r for r in rows if not r["error"]]
     if ok:
         big = max(ok, key=lambda r: r["n_params"])
@@ -208,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped: {stop}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "ram_bytes": psutil.virtual_memory().total,
+            json.dump({"settings": vars(args), "ram_bytes": psutil.virtual_memory().total, "largest_fits": fits,
                        "rows": rows, "flatness": flat, "stopped": stop}, f, indent=1)
     return 0 if ok else 1
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import psutil
 
 from infinity.examples.gpt import GPTConfig
+from infinity.examples.llama import LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,13 @@ class RunResult:
         return self.report is not None and self.error is None
 
 
-def shape_args(cfg: GPTConfig) -> list[str]:
-    """train_gpt flags that reproduce ``cfg`` exactly (from the ``tiny`` preset, every field overridden)."""
+def shape_args(cfg: GPTConfig | LlamaConfig) -> list[str]:
+    """train_gpt flags that reproduce ``cfg`` exactly (from the ``tiny`` or ``llama-tiny`` preset,
+    every field overridden)."""
+    if isinstance(cfg, LlamaConfig):
+        return ["--model-size", "llama-tiny", "--layers", str(cfg.n_layer), "--d-model", str(cfg.d_model),
+                "--heads", str(cfg.n_head), "--intermediate", str(cfg.intermediate), "--vocab",
+                str(cfg.vocab_size), "--seq-len", str(cfg.seq_len)]
     return ["--model-size", "tiny", "--layers", str(cfg.n_layer), "--d-model", str(cfg.d_model),
             "--heads", str(cfg.n_head), "--vocab", str(cfg.vocab_size), "--seq-len", str(cfg.seq_len)]
 

@@ -31,6 +31,7 @@ import torch
 from infinity.examples import data
 from infinity.examples.console import Progress, summary_table
 from infinity.examples.gpt import GPT, PRESETS, preset
+from infinity.examples.llama import LLAMA_PRESETS, Llama, llama_preset
 from infinity.examples.meter import StepMeter, gpu_peak_flops, peak_rss_bytes
 
 ENGINES = ("infinity", "torch")
@@ -45,8 +46,8 @@ class TrainOptions:
     config:
         Preset name or config file for ``infinity.Init`` (ignored by ``engine="torch"``).
     model_size:
-        A key of ``gpt.PRESETS``; ``layers``, ``d_model``, ``heads``, ``vocab``, ``seq_len``
-        override single fields of it.
+        A key of ``gpt.PRESETS`` or ``llama.LLAMA_PRESETS``; ``layers``, ``d_model``, ``heads``,
+        ``vocab``, ``seq_len`` (and ``intermediate``, Llama only) override single fields of it.
     steps, batch, seq:
         Training steps, sequences per rank per step, tokens per sequence (None: min(256, seq_len)).
     nvme_dir:
@@ -90,6 +91,7 @@ class TrainOptions:
     heads: int | None = None
     vocab: int | None = None
     seq_len: int | None = None
+    intermediate: int | None = None
     progress: str = "auto"
     every: int = 1
     quiet: bool = False
@@ -99,6 +101,8 @@ class TrainOptions:
             raise ValueError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
         if self.steps < 1 or self.batch < 1:
             raise ValueError(f"--steps ({self.steps}) and --batch ({self.batch}) must be >= 1")
+        if self.intermediate is not None and self.model_size not in LLAMA_PRESETS:
+            raise ValueError(f"--intermediate is a Llama field; --model-size {self.model_size!r} is a GPT shape")
 
 
 def parse_overrides(items: tuple[str, ...] | list[str]) -> dict:
@@ -135,15 +139,27 @@ def load_engine_config(options: TrainOptions):
 
 
 def model_config(options: TrainOptions):
-    """The GPT shape: the preset, with --layers/--d-model/--heads/--vocab/--seq-len applied.
+    """The model shape: the preset, with --layers/--d-model/--heads/--vocab/--seq-len applied
+    (and --intermediate for a Llama preset).
 
-    The position table is grown to ``--seq`` when that is longer than the preset's.
+    The position table (GPT) or longest input (Llama) is grown to ``--seq`` when that is longer
+    than the preset's.
     """
+    llama = options.model_size in LLAMA_PRESETS
+    base = LLAMA_PRESETS[options.model_size] if llama else PRESETS[options.model_size]
     seq_len = options.seq_len
-    if seq_len is None and options.seq is not None and options.seq > PRESETS[options.model_size].seq_len:
+    if seq_len is None and options.seq is not None and options.seq > base.seq_len:
         seq_len = options.seq
-    return preset(options.model_size, n_layer=options.layers, d_model=options.d_model, n_head=options.heads,
+    fields = dict(n_layer=options.layers, d_model=options.d_model, n_head=options.heads,
                   vocab_size=options.vocab, seq_len=seq_len)
+    if llama:
+        return llama_preset(options.model_size, intermediate=options.intermediate, **fields)
+    return preset(options.model_size, **fields)
+
+
+def build_model(model_cfg):
+    """The module for a shape: ``Llama`` for a ``LlamaConfig``, else ``GPT``."""
+    return Llama(model_cfg) if hasattr(model_cfg, "intermediate") else GPT(model_cfg)
 
 
 def _distributed(device: str) -> tuple[int, int]:
@@ -198,7 +214,7 @@ def _build(options: TrainOptions, model_cfg, config) -> _Run:
     torch.manual_seed(options.seed)
     if options.engine == "torch":
         device = torch.device(config.tiers.compute_device())   # where the engine would compute
-        model = GPT(model_cfg).to(device)
+        model = build_model(model_cfg).to(device)
         fused = {"fused": True} if device.type in ("cuda", "cpu") else {}
         opt = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=options.weight_decay, **fused)
         dtype = config.precision.torch_dtype
@@ -206,7 +222,7 @@ def _build(options: TrainOptions, model_cfg, config) -> _Run:
     import infinity
 
     with infinity.Init(config):
-        model = GPT(model_cfg)
+        model = build_model(model_cfg)
     opt = infinity.AdamW(model, lr=options.lr, weight_decay=options.weight_decay)
     from infinity import registry
 
@@ -361,7 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infinity.examples.train_gpt", description=__doc__.split("\n")[0])
     p.add_argument("--config", default="nvme", help="preset name (device, offload-optimizer, offload-host, "
                                                      "nvme) or a .toml/.json file (default: nvme)")
-    p.add_argument("--model-size", default="tiny", choices=list(PRESETS), help="model shape (default: tiny)")
+    p.add_argument("--model-size", default="tiny", choices=[*PRESETS, *LLAMA_PRESETS],
+                   help="model shape (default: tiny)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: min(256, model's))")
@@ -384,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=None, help="override the preset's n_head")
     p.add_argument("--vocab", type=int, default=None, help="override the preset's vocab_size")
     p.add_argument("--seq-len", type=int, default=None, help="override the preset's seq_len (position table)")
+    p.add_argument("--intermediate", type=int, default=None, help="override a Llama preset's MLP width")
     p.add_argument("--progress", default="auto", choices=("auto", "tqdm", "plain", "none"))
     p.add_argument("--every", type=int, default=1, help="plain progress: print every N steps")
     p.add_argument("--quiet", action="store_true", help="no summary table")
