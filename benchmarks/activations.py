@@ -41,9 +41,27 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
 MODES = ("none", "host", "nvme")
 
 
-def _rss_now() -> int:
+def rss_now() -> int:
+    """This process's resident bytes now."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def checkpointed_gpt(args: argparse.Namespace, cfg: dict):
+    """The example GPT of ``args``' shape built under ``cfg``, every block activation-checkpointed, and
+    its AdamW (lr 1e-4)."""
+    import torch
+
+    import infinity
+    from infinity.examples.gpt import GPT, GPTConfig
+
+    shape = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=max(1, args.d_model // 64),
+                      vocab_size=args.vocab, seq_len=args.seq)
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = GPT(shape)
+    model.blocks = torch.nn.ModuleList(infinity.activation_checkpoint(b) for b in model.blocks)
+    return model, infinity.AdamW(model, lr=1e-4)
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -51,21 +69,14 @@ def child(args: argparse.Namespace) -> dict:
     import torch
 
     import infinity
-    from infinity.examples.gpt import GPT, GPTConfig
 
     torch.set_num_threads(args.threads)
-    shape = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=max(1, args.d_model // 64),
-                      vocab_size=args.vocab, seq_len=args.seq)
     cfg = {"tiers": {"device": "cpu", "params": "device", "optimizer": "host", "nvme_path": args.path,
                      "pool_buffers": args.pool_buffers, "pool_buffer_size": args.pool_buffer_size},
            "aio": {"direct": not args.buffered},
            "activations": {"offload": args.mode, "prefetch_bytes": args.prefetch_bytes,
                            "buffer_bytes": args.buffer_bytes}}
-    torch.manual_seed(0)
-    with infinity.Init(cfg):
-        model = GPT(shape)
-    model.blocks = torch.nn.ModuleList(infinity.activation_checkpoint(b) for b in model.blocks)
-    opt = infinity.AdamW(model, lr=1e-4)
+    model, opt = checkpointed_gpt(args, cfg)
     g = torch.Generator().manual_seed(1)
     losses, rss = [], []
     for _ in range(args.steps):
@@ -75,7 +86,7 @@ def child(args: argparse.Namespace) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        rss.append(_rss_now())
+        rss.append(rss_now())
     opt.synchronize()
     act = infinity.stats(model)["activations"]
     return {"mode": args.mode, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -28,12 +28,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
     sys.path[0] = os.path.dirname(_HERE)
 
+from benchmarks.activations import checkpointed_gpt, rss_now  # noqa: E402
+
 MiB = 1 << 20
-
-
-def _rss_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def tracked(stats: dict) -> dict:
@@ -55,22 +52,15 @@ def run(args: argparse.Namespace, path: str) -> dict:
     import torch
 
     import infinity
-    from infinity.examples.gpt import GPT, GPTConfig
 
     torch.set_num_threads(args.threads)
-    shape = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=max(1, args.d_model // 64),
-                      vocab_size=args.vocab, seq_len=args.seq)
     cfg = {"tiers": {"device": "cpu", "params": args.params, "optimizer": "host", "nvme_path": path},
            "aio": {"direct": not args.buffered},
            "partition": {"persistence_threshold": args.persistence_threshold,
                          "gather_buffer_bytes": args.gather_buffer_bytes,
                          "reduce_bucket_bytes": args.reduce_bucket_bytes},
            "activations": {"offload": args.activations}}
-    torch.manual_seed(0)
-    with infinity.Init(cfg):
-        model = GPT(shape)
-    model.blocks = torch.nn.ModuleList(infinity.activation_checkpoint(b) for b in model.blocks)
-    opt = infinity.AdamW(model, lr=1e-4)
+    model, opt = checkpointed_gpt(args, cfg)
     g = torch.Generator().manual_seed(1)
     steps = []
     for _ in range(args.steps):
@@ -80,7 +70,7 @@ def run(args: argparse.Namespace, path: str) -> dict:
         opt.step()
         opt.zero_grad()
         opt.synchronize()
-        row = {"loss": loss.item(), "rss": _rss_now(),
+        row = {"loss": loss.item(), "rss": rss_now(),
                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         row.update(tracked(infinity.stats(model)))
         steps.append(row)
