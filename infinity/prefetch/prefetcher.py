@@ -66,6 +66,7 @@ from torch import nn
 
 from infinity.param_group import ParamGroup, ParamState
 from infinity.prefetch.trace import BACKWARD, FORWARD, Divergence, Trace, TraceEntry, TraceMode
+from infinity.prefetch.windows import Windows
 from infinity.telemetry import StepTelemetry
 from tiers.arena import Arena
 
@@ -96,7 +97,6 @@ class Prefetcher:
         self.device_bytes = cfg.device_bytes
         self.reuse_distance = cfg.reuse_distance
         self.reads_ahead = engine.config.tiers.params == "nvme"
-        self.ordered_gathers = engine.ranks.world_size > 1
         self.arena = (Arena(engine.tiers.allocator.empty, cfg.nvme_bytes, name="prefetch-staging")
                       if self.enabled and self.reads_ahead and cfg.nvme_bytes > 0 else None)
         self.trace = Trace()
@@ -107,7 +107,9 @@ class Prefetcher:
                 self.names.setdefault(module, qualname)
         self.modules = {qualname: module for module, qualname in self.names.items()}
         self._roots = {id(r) for r in engine.roots}
-        self._ahead: dict[ParamGroup, None] = {}    # read or gathered ahead, not yet asked for (in order)
+        self.windows = Windows(self.coordinator, self.trace, self.arena, cfg.nvme_bytes, cfg.device_bytes,
+                               ordered_gathers=engine.ranks.world_size > 1, reads_ahead=self.reads_ahead)
+        self._ahead = self.windows.ahead     # read or gathered ahead, not yet asked for (in order)
         self._kept: set[ParamGroup] = set()
         self._distances: list[dict[int, int | None]] = []
         self._in_backward = False
@@ -153,14 +155,15 @@ class Prefetcher:
         # coordinator.end_backward() has just dropped every group not in use (ours too)
         # and cleared coordinator.keep.
         self._in_backward = False
-        self._ahead.clear()
+        self.windows.forget()
         self._kept.clear()
+        self.windows.restart(self.enabled)
 
     def on_request(self, module: nn.Module, groups) -> None:
         """A module asks for ``groups`` (forward or backward); called before they are gathered."""
         self.telemetry.count_request(groups, self._ahead, self._kept)
         for g in groups:
-            self._ahead.pop(g, None)
+            self.windows.take(g)
         if not self.enabled or self.telemetry.step is None:
             return
         name = self.names.get(module)
@@ -172,8 +175,14 @@ class Prefetcher:
             self._diverged(found)
             return
         if self.trace.mode is TraceMode.FOLLOWING:
+            self.windows.passed(self.trace.cursor - 1)
             self._reuse(groups, self.trace.cursor - 1)
-            self._walk()
+            self.windows.walk()
+            self._note_peaks(self.windows.held_bytes["nvme"], self.windows.held_bytes["device"])
+
+    def on_dropped(self, group: ParamGroup) -> None:
+        """The coordinator dropped ``group`` (NOT_AVAILABLE again): its next use ahead needs a fetch."""
+        self.windows.dropped(group)
 
     # -- steps ---------------------------------------------------------------------------------
     def _new_step(self) -> None:
@@ -189,7 +198,9 @@ class Prefetcher:
             if self.trace.mode is TraceMode.FOLLOWING:
                 nbytes = [g.full_nbytes for g in self.coordinator.groups]
                 self._distances = self.trace.next_use_distances(lambda i: nbytes[i])
+            self.windows.restart(self.enabled)
         self._step_diverged = False
+        self.windows.end_step()
         self.telemetry.begin_step(self.step)
         self.peak_nvme_bytes = self.peak_device_bytes = self.peak_kept_bytes = 0
 
@@ -224,7 +235,7 @@ class Prefetcher:
         for g in list(self._ahead):
             if g.state is not ParamState.NOT_AVAILABLE and not c.busy(g):
                 c.drop(g)
-        self._ahead.clear()
+        self.windows.forget()
         for g in list(self._kept):
             c.keep_for_reuse(g, False)
             if g.state is not ParamState.NOT_AVAILABLE and not c.busy(g):
@@ -248,72 +259,8 @@ class Prefetcher:
     # -- the walk ahead --------------------------------------------------------------------------
     def held(self) -> dict:
         """Bytes held ahead right now: ``nvme`` (reads in flight), ``device`` (gathered), ``kept``."""
-        nvme = device = 0
-        for g in list(self._ahead):
-            if g.state is ParamState.INFLIGHT:
-                nvme += g.shard_nbytes
-            elif g.state is ParamState.AVAILABLE and not self.coordinator.in_use.get(g):
-                device += g.full_nbytes
-            else:
-                del self._ahead[g]    # dropped or taken by another path: no longer ahead
         kept = sum(g.full_nbytes for g in self._kept if g.state is ParamState.AVAILABLE)
-        return {"nvme": nvme, "device": device, "kept": kept}
-
-    def _walk(self) -> None:
-        """Fill both windows in trace order (see [Note: two windows])."""
-        c = self.coordinator
-        held = self.held()
-        nvme_room = self.nvme_bytes - held["nvme"]
-        device_room = self.device_bytes - held["device"]
-        reads_open = self.arena is not None
-        gathers_open = self.device_bytes > 0
-        seen: set[int] = set()
-        for _, entry in self.trace.ahead():
-            for index in entry.groups:
-                if index in seen:
-                    continue
-                seen.add(index)
-                g = c.groups[index]
-                if g.persistent or g.state is ParamState.AVAILABLE:
-                    continue
-                if gathers_open:
-                    # A bounded gather buffer (partition.gather_buffer_bytes) with no room left ends the
-                    # gathers ahead: the group is gathered on demand instead of into memory of its own.
-                    if g.full_nbytes <= device_room and c.memory.has_room(g.full_nbytes) and self._may_gather(g):
-                        if g.state is ParamState.INFLIGHT and g in self._ahead:
-                            nvme_room += g.shard_nbytes
-                        self._gather(g)
-                        device_room -= g.full_nbytes
-                        continue
-                    gathers_open = False
-                if reads_open and g.state is ParamState.NOT_AVAILABLE:
-                    staging = self.arena.take(g.shard_nbytes, f"prefetch {g.name}") \
-                        if g.shard_nbytes <= nvme_room else None
-                    if staging is None or not c.start_fetch(g, prefetch=True, staging=staging):
-                        reads_open = False   # no room, or the overlapped optimizer step has not reached it
-                    else:
-                        self._ahead[g] = None
-                        nvme_room -= g.shard_nbytes
-                if not (gathers_open or reads_open):
-                    break
-            if not (gathers_open or reads_open):
-                break
-        self._note_peaks(self.nvme_bytes - nvme_room, self.device_bytes - device_room)
-
-    def _may_gather(self, g: ParamGroup) -> bool:
-        if self.ordered_gathers:
-            return True   # a collective: decided by the request sequence only; it waits if need be
-        if not self.coordinator.shards.update_ready(g):
-            return False  # the overlapped optimizer step has not rewritten it yet: never block ahead
-        if g.state is ParamState.INFLIGHT:
-            return g in self._ahead and g.pending.future.done()
-        return not self.reads_ahead     # host/device tier: the "read" is a copy, nothing to wait for
-
-    def _gather(self, g: ParamGroup) -> None:
-        if g.state is ParamState.NOT_AVAILABLE:
-            self.coordinator.start_fetch(g, prefetch=True)
-        self.coordinator.wait_available(g)
-        self._ahead[g] = None
+        return dict(self.windows.held(), kept=kept)
 
     def _note_peaks(self, nvme: int, device: int) -> None:
         """Bytes held ahead after a walk (its own accounting: no second pass over what is ahead)."""
@@ -339,6 +286,7 @@ class Prefetcher:
             "budgets": {"nvme_bytes": self.nvme_bytes, "device_bytes": self.device_bytes,
                         "reuse_distance": self.reuse_distance},
             "held": self.held(),
+            "walk": self.windows.stats(),
             "peak": {"nvme": self.peak_nvme_bytes, "device": self.peak_device_bytes, "kept": self.peak_kept_bytes},
             "arena": None if self.arena is None else self.arena.stats(),
             "divergences": [{"what": self.divergence_text[k], "count": n} for k, n in self.divergence_counts.items()],

@@ -21,6 +21,15 @@ prefetched for the rest of the step and the next step records anew. Only the
 sequence of requests drives the transitions, never timing, so every rank of a
 data-parallel job (same control flow, same trace) makes the same decisions and
 issues its collectives in the same order.
+
+[Note: slots]
+The prefetcher walks the trace after every request, so what it looks at per walk must
+not grow with the model (a walk from the cursor over every entry ahead made a step's
+bookkeeping quadratic in the number of groups). ``TraceSlots`` flattens the followed
+entries once per recording into slots, one per (entry, group), with each slot's
+previous and next slot of the same group and where the walk ahead of each position
+must stop; the prefetcher then keeps frontiers in it and walks only forward from
+them (see [Note: frontiers] in windows.py).
 """
 from __future__ import annotations
 
@@ -114,6 +123,9 @@ class Trace:
         self.divergences = 0
         self._live: list[TraceEntry] = []
         self._in_step = False
+        # Changes whenever ``entries`` change (a recording adopted, an entry updated in place), so
+        # that what was derived from them (``TraceSlots``) is known to be stale.
+        self.revision = 0
 
     # -- transitions -------------------------------------------------------------------------
     def _expect(self, *modes: TraceMode, to: str) -> None:
@@ -128,6 +140,7 @@ class Trace:
         self.mode = TraceMode.RECORDING
         self.entries = []
         self.cursor = 0
+        self.revision += 1
 
     def to_following(self) -> None:
         """Start following the recorded entries from the first one."""
@@ -136,6 +149,7 @@ class Trace:
             raise TraceStateError(f"trace (step {self.step}): cannot become FOLLOWING with no recorded entries")
         self.mode = TraceMode.FOLLOWING
         self.cursor = 0
+        self.revision += 1
 
     def to_diverged(self) -> None:
         self._expect(TraceMode.FOLLOWING, to="DIVERGED")
@@ -188,6 +202,7 @@ class Trace:
             if want.phase == phase and want.name == name:
                 if want.groups != entry.groups:
                     self.entries[self.cursor] = entry
+                    self.revision += 1
                 self.cursor += 1
                 return None
             found = Divergence(self.step, self.cursor, want, entry)
@@ -236,6 +251,54 @@ class Trace:
                 next_position[g] = position
         return out
 
+    def slots(self) -> "TraceSlots":
+        """The followed entries as slots (see [Note: slots]); build once per ``revision``."""
+        return TraceSlots(self.entries, self.revision)
+
     def summary(self) -> dict:
         return {"mode": self.mode.value, "entries": len(self.entries), "cursor": self.cursor,
                 "step": self.step, "recordings": self.recordings, "divergences": self.divergences}
+
+
+class TraceSlots:
+    """The entries of a trace flattened into slots, one per (entry, group) (see [Note: slots]).
+
+    Slot ``s`` is group ``group[s]`` asked for by entry ``position[s]``; the slots of entry
+    ``p`` are ``start[p]`` to ``start[p + 1]``. ``previous[s]`` / ``following[s]`` are the
+    slots of the same group before and after ``s`` (-1 / None when there is none), and
+    ``stop[p]`` is where a walk ahead from the cursor at position ``p`` ends, as
+    ``Trace.ahead`` ends it: at the first forward entry after a backward one.
+    """
+
+    def __init__(self, entries: list[TraceEntry], revision: int) -> None:
+        self.revision = revision
+        self.position: list[int] = []
+        self.group: list[int] = []
+        self.start: list[int] = []
+        for p, entry in enumerate(entries):
+            self.start.append(len(self.group))
+            self.position.extend([p] * len(entry.groups))
+            self.group.extend(entry.groups)
+        self.start.append(len(self.group))
+        self.previous = [-1] * len(self.group)
+        self.following: list[int | None] = [None] * len(self.group)
+        last: dict[int, int] = {}
+        for s, g in enumerate(self.group):
+            if g in last:
+                self.previous[s] = last[g]
+                self.following[last[g]] = s
+            last[g] = s
+        self.stop = [len(entries)] * (len(entries) + 1)
+        for q in range(len(entries) - 1, -1, -1):
+            new_forward = q > 0 and entries[q - 1].phase == BACKWARD and entries[q].phase == FORWARD
+            self.stop[q] = q if new_forward else self.stop[q + 1]
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+    def upcoming(self, first: int) -> dict[int, int]:
+        """Each group's first slot at or after slot ``first``."""
+        out: dict[int, int] = {}
+        for s in range(first, len(self.group)):
+            out.setdefault(self.group[s], s)
+        return out

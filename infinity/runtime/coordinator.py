@@ -79,6 +79,14 @@ class FetchStats:
         }
 
 
+def _release_gathered(coordinator: "Coordinator", group: ParamGroup, keep_views: bool = False) -> None:
+    """Release the group's gathered memory; the prefetcher learns that its next use needs a fetch
+    (see [Note: frontiers] in infinity/prefetch/windows.py)."""
+    group.to_not_available(keep_views)
+    if coordinator.prefetcher is not None:
+        coordinator.prefetcher.on_dropped(group)
+
+
 class Coordinator:
     """Owns every parameter group and its transitions.
 
@@ -243,7 +251,7 @@ class Coordinator:
         if group.state is ParamState.INFLIGHT:
             self.wait_available(group)
         if group.state is ParamState.AVAILABLE:
-            group.to_not_available()
+            _release_gathered(self, group)
         self.in_use.pop(group, None)
 
     # -- module lifecycle ------------------------------------------------------------------------
@@ -265,7 +273,7 @@ class Coordinator:
             if g.persistent or g in self.keep or g in self.backward_held:
                 continue
             if g.state is ParamState.AVAILABLE:
-                g.to_not_available()
+                _release_gathered(self, g)
 
     def adopt(self, module: nn.Module, group: ParamGroup) -> None:
         """``module`` uses ``group`` without owning it: gather it now and with the module from now on."""
@@ -293,7 +301,7 @@ class Coordinator:
         if self.in_use.get(group) or group.persistent or group in self.keep:
             return
         if group.state is ParamState.AVAILABLE:
-            group.to_not_available(keep_views)
+            _release_gathered(self, group, keep_views)
 
     def end_backward(self) -> None:
         self.backward_held.clear()

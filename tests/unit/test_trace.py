@@ -207,3 +207,20 @@ def test_summary_line():
     assert line.startswith("infinity step 12: 2.000 s, stall 0.500 s (25.0%), prefetch hit 90%")
     assert "nvme read 2.00 GB (1.00 GB/s) written 1.00 GB (0.50 GB/s)" in line
     assert "host" not in line and line.endswith("trace following")
+
+
+def test_slots_link_each_group_to_its_previous_and_next_use_and_stop_at_a_new_forward():
+    t = Trace()
+    _record(t, STEP + STEP)
+    t.begin_step()
+    slots = t.slots()
+    assert slots.group == [0, 1, 2, 3, 2, 3, 1, 0] * 2
+    assert slots.start[:7] == [0, 1, 2, 4, 6, 7, 8]
+    assert slots.previous[:8] == [-1, -1, -1, -1, 2, 3, 1, 0]
+    assert slots.following[:8] == [7, 6, 4, 5, 10, 11, 9, 8]
+    assert slots.stop[0] == 6 and slots.stop[4] == 6 and slots.stop[6] == 6 and slots.stop[7] == 12
+    assert slots.upcoming(3) == {3: 3, 2: 4, 1: 6, 0: 7}
+    assert slots.revision == t.revision
+    t.observe(*STEP[0])
+    t.observe("forward", "a", (1, 3))                     # a adopts group 3: the trace changes in place
+    assert t.revision != slots.revision

@@ -1,0 +1,46 @@
+"""The prefetcher's walk ahead costs O(1) per request, amortised over a step, whatever the depth.
+
+See [Note: frontiers] in infinity/prefetch/prefetcher.py. A walk from the cursor over the whole
+trace at every request made a step's bookkeeping quadratic in the number of groups; these tests
+count the slots the walks look at, which a return to that would multiply by the depth.
+"""
+import pytest
+import torch
+
+import infinity
+from infinity.config import load_config
+from infinity.examples.gpt import GPT, GPTConfig
+
+
+def _walk_after_steps(preset: str, layers: int, tmp_path, steps: int = 4) -> dict:
+    overrides = {"tiers": {"device": "cpu"}, "precision": {"dtype": "float32"}}
+    if preset == "nvme":
+        tmp_path.mkdir()
+        overrides["tiers"]["nvme_path"] = str(tmp_path)
+    torch.manual_seed(0)
+    shape = GPTConfig(n_layer=layers, d_model=32, n_head=4, vocab_size=128, seq_len=8)
+    with infinity.Init(load_config(preset, overrides=overrides)):
+        model = GPT(shape)
+    opt = infinity.AdamW(model, lr=1e-3)
+    idx = torch.randint(0, shape.vocab_size, (1, shape.seq_len))
+    try:
+        for _ in range(steps):
+            model(idx, idx).backward()
+            opt.step()
+            opt.zero_grad()
+        stats = infinity.stats(model)
+        return {**stats["prefetch"]["walk"], "hit_rate": stats["steps"][-1]["hit_rate"]}
+    finally:
+        infinity.release(model)
+
+
+@pytest.mark.parametrize("preset", ["offload-host", "nvme"])
+def test_a_steps_walks_look_at_each_slot_a_few_times_whatever_the_depth(preset, tmp_path):
+    shallow = _walk_after_steps(preset, 4, tmp_path / "shallow")
+    deep = _walk_after_steps(preset, 24, tmp_path / "deep")
+    for walk in (shallow, deep):
+        assert walk["slots"] > 0 and walk["visits_last_step"] <= 5 * walk["slots"], walk
+    # Six times the depth: about six times the visits (a walk over the whole trace per request
+    # would give about thirty-six).
+    assert deep["visits_last_step"] / shallow["visits_last_step"] <= 1.5 * deep["slots"] / shallow["slots"]
+    assert deep["hit_rate"] > 0.95 and shallow["hit_rate"] > 0.9
