@@ -40,7 +40,7 @@ def make(tmp_path, params, optimizer, overlap=True, prefetch=True, sub_group_siz
 @pytest.fixture
 def slow_update(monkeypatch):
     """The next forward catches the update midway, whatever the machine's load: each job holds back
-    its first sub-group until a fetch has found a group the job has not rewritten yet, or the main
+    its first sub-group until a fetch waits for a group the job has not rewritten yet, or the main
     thread waits for the whole job (``synchronize``, the next step), and announces the others 3 ms late."""
     announce, wait_ready, wait_job = BackgroundUpdate.sub_done, BackgroundUpdate.wait_ready, BackgroundUpdate.wait
     asked = threading.Event()
@@ -54,9 +54,23 @@ def slow_update(monkeypatch):
         announce(self, sub, copy_writes)
 
     def waiting(self, group):
-        if not self.ready(group):
+        if self.ready(group):
+            return wait_ready(self, group)
+        # Let the job go on only once this thread sleeps on the job's progress: set earlier, the
+        # job could finish the group before wait_ready looked, and the wait would count 0 seconds.
+        progress = self._progress
+        sleep = progress.wait
+
+        def wait_and_let_go(*args, **kwargs):
             asked.set()
-        return wait_ready(self, group)
+            return sleep(*args, **kwargs)
+
+        progress.wait = wait_and_let_go
+        try:
+            return wait_ready(self, group)
+        finally:
+            del progress.wait
+            asked.set()     # it never slept (its writes were what it waited for): let the job go on
 
     def waiting_for_all(self):
         asked.set()
