@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU checks of the data path in one command that fits a lent machine's 15 minutes of device time
+# (its start takes 2-3 of them). Run from the repository root on the GPU machine:
+#
+#   bash benchmarks/gpu_session.sh [OUT_DIR]        (OUT_DIR defaults to $OUT, else ./out)
+#
+# 1. builds the C extensions in place (PYTHONPATH=. is the install);
+# 2. tests/gpu: every preset against plain torch on CUDA, the ledger of a steady GPU step, and the
+#    profiler's view (no pageable memcpy, no synchronize in forward/backward);
+# 3. benchmarks/gpu.py at GPT 350M, bf16, batch 8 x 1024: plain torch and the presets, alternating;
+# 4. when wheels are in .whl/ (benchmarks/gpu_wheels.sh downloads them; pass .whl in the call's
+#    carry), DeepSpeed 0.19.8 is installed into /tmp/site and its ZeRO-2 / ZeRO-3 CPU-offload rows
+#    run beside ours at the same size.
+# Each phase has its own time bound, so one that hangs leaves the others their time; what each
+# printed is in OUT_DIR (log-*.txt, gpu-350M.json).
+set -uo pipefail
+out=${1:-${OUT:-out}}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+phase() {   # phase NAME SECONDS COMMAND...: run it bounded, keep its output, say how it ended
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$out/log-$name.txt" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0)) s (bound $limit s)"
+  tail -n 15 "$out/log-$name.txt"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+phase build 120 python3 setup.py build_ext --inplace -q
+phase tests-gpu 180 python3 -m pytest -q -p no:cacheprovider tests/gpu
+ds=""
+if ls .whl/deepspeed-* >/dev/null 2>&1; then
+  if phase deepspeed-install 120 env DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps \
+      --no-build-isolation --target /tmp/site .whl/*; then
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+    ds=",ds-zero2,ds-zero3"
+  fi
+fi
+phase gpu-350M 420 python3 benchmarks/gpu.py --sizes 350M --configs "torch,device,offload-optimizer,offload-host$ds" \
+  --steps 6 --repeat 2 --batch 8 --seq 1024 --dtype bfloat16 --timeout 200 --json "$out/gpu-350M.json"
