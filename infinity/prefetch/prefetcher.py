@@ -266,6 +266,7 @@ class Prefetcher:
         nvme_room = self.nvme_bytes - held["nvme"]
         device_room = self.device_bytes - held["device"]
         reads_open = self.arena is not None
+        fresh = c.shards.fresh
         gathers_open = self.device_bytes > 0
         seen: set[int] = set()
         for _, entry in self.trace.ahead():
@@ -287,8 +288,13 @@ class Prefetcher:
                         continue
                     gathers_open = False
                 if reads_open and g.state is ParamState.NOT_AVAILABLE:
-                    staging = self.arena.take(g.shard_nbytes, f"prefetch {g.name}") \
-                        if g.shard_nbytes <= nvme_room else None
+                    staging = None
+                    if g.shard_nbytes <= nvme_room:
+                        # In backward, fresh shards kept for the next forward give way: this backward
+                        # needs the read first (see [Note: fresh shards] in infinity/prefetch/fresh_shards.py).
+                        take = fresh.take_slice if self._in_backward and fresh is not None else None
+                        staging = (take(g.shard_nbytes, f"prefetch {g.name}", g.index) if take is not None
+                                   else self.arena.take(g.shard_nbytes, f"prefetch {g.name}"))
                     if staging is None or not c.start_fetch(g, prefetch=True, staging=staging):
                         reads_open = False   # no room, or the overlapped optimizer step has not reached it
                     else:
