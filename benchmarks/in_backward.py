@@ -6,6 +6,12 @@ load, and the report gives each one's median step time, the median of the per-pa
 last step's NVMe bytes per parameter (``infinity.stats(model)["transfers"]["per_parameter"]``),
 the plan's prediction of them, and whether the losses were equal at every step.
 
+The plan is made twice: from the groups alone (``plan``, what ``infinity-plan`` sees in the
+model's structure), and with each group's holders as the engine found them in the first step
+(``plan_with_uses``): the example GPT's head computes with the token embedding's weight, which
+the engine gathers for it too (see [Note: tied output head] in infinity/examples/gpt.py), one
+more NVMe read of that weight per step than the structure shows.
+
     python benchmarks/in_backward.py --model 125M --steps 6 --state-dtype int8
 """
 from __future__ import annotations
@@ -33,11 +39,21 @@ def build(args, in_backward: bool, workdir: str):
     with infinity.Init(cfg):
         model = GPT(preset(args.model, seq_len=args.seq))
     opt = infinity.AdamW(model, lr=1e-4)
-    engine = opt.engine
-    census = ModelCensus("model", tuple(CensusGroup(g.name, tuple(s.numel for s in g.slots), bool(g.trainable))
+    return model, opt, planned(opt.engine, with_uses=False)
+
+
+def planned(engine, with_uses: bool) -> dict:
+    """The plan's bytes per parameter for the engine's groups; ``with_uses``: each group counted once per
+    module the engine gathers it for (known after the first forward)."""
+    uses = {}
+    if with_uses:
+        for groups in engine.coordinator.module_groups.values():
+            for g in groups:
+                uses[g.index] = uses.get(g.index, 0) + 1
+    census = ModelCensus("model", tuple(CensusGroup(g.name, tuple(s.numel for s in g.slots), bool(g.trainable),
+                                                    uses.get(g.index, 1))
                                         for g in engine.coordinator.groups))
-    planned = plan(census, engine.config, world_size=1, local_ranks=1, check_fit=False).per_parameter()
-    return model, opt, planned
+    return plan(census, engine.config, world_size=1, local_ranks=1, check_fit=False).per_parameter()
 
 
 def main(argv=None) -> dict:
@@ -74,11 +90,16 @@ def main(argv=None) -> dict:
             if last is not None:
                 per_param[mode] = last["per_parameter"]
     out = {"settings": vars(args), "equal_losses": losses["ordinary"] == losses["in_backward"], "modes": {}}
-    for mode, (model, opt, planned) in runs.items():
+    for mode, (model, opt, structure) in runs.items():
         moved = per_param[mode]["nvme_read"] + per_param[mode]["nvme_written"]
+        with_uses = planned(opt.engine, with_uses=True)
+        fresh = opt.engine.coordinator.shards.fresh
         out["modes"][mode] = {"median_step_s": statistics.median(times[mode]), "step_s": times[mode],
                               "per_parameter": per_param[mode], "nvme_moved_per_param": moved,
-                              "plan_moved_per_param": planned["nvme_read"] + planned["nvme_written"],
+                              "plan_moved_per_param": structure["nvme_read"] + structure["nvme_written"],
+                              "plan_with_uses_moved_per_param": with_uses["nvme_read"] + with_uses["nvme_written"],
+                              "plan_with_uses": with_uses,
+                              "fresh_shards_served": fresh.served if fresh is not None else 0,
                               "subs_in_backward": opt.stats().get("in_backward_subs", 0)}
         infinity.release(model)
     out["ratio_median"] = statistics.median(b / a for a, b in zip(times["ordinary"], times["in_backward"]))

@@ -172,7 +172,8 @@ class _OffloadAdam(torch.optim.Optimizer):
             if delayed:
                 self._updates.publish_finished()
             self.step_count += 1
-            self._updates.run(self._job(delayed, with_grad, clip_coef, stepped))
+            # Sub-groups stepped during backward began this update (and its fresh shards): continue it.
+            self._updates.run(self._job(delayed, with_grad, clip_coef, stepped), continues=bool(stepped))
             if self._in_backward is not None:
                 self._in_backward.reset("")
         finally:
@@ -194,12 +195,13 @@ class _OffloadAdam(torch.optim.Optimizer):
         if self._in_backward is not None:
             subs = frozenset(range(self.store.layout.num_subs)) - stepped
             grads = self._in_backward.remaining_grads(subs)
+        overlapped = not delayed and self._updates.overlaps
         return StepJob(step=self.step_count, call=self._calls, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                        weight_decay=weight_decay, decoupled=self._decoupled, clip_coef=clip_coef,
                        grad_keys=self._updates.grad_keys(delayed), updated=updated,
                        param_keys=self._updates.param_keys(updated), delayed=delayed,
-                       overlapped=not delayed and self._updates.overlaps, runs=runs,
-                       hypers=() if uniform else tuple(hypers), subs=subs, grads=grads)
+                       overlapped=overlapped, runs=runs, hypers=() if uniform else tuple(hypers), subs=subs,
+                       grads=grads, offer_fresh=overlapped or self._in_backward is not None)
 
     def _job_in_backward(self, sub: int, updated: frozenset[int], grads: dict | None,
                           hypers: list) -> StepJob:
@@ -216,7 +218,8 @@ class _OffloadAdam(torch.optim.Optimizer):
                        weight_decay=weight_decay, decoupled=self._decoupled, clip_coef=None,
                        grad_keys=tuple(self.store.keys["grad"]), updated=updated,
                        param_keys=self.engine.coordinator.shards.keys(groups, updated), runs=runs,
-                       hypers=() if uniform else tuple(hypers), subs=frozenset([sub]), grads=grads)
+                       hypers=() if uniform else tuple(hypers), subs=frozenset([sub]), grads=grads,
+                       offer_fresh=True)
 
     def _clip_coef(self) -> float | None:
         """The factor of this step's gradients: ``infinity.clip_grad_norm_``'s times torch's (``.grad.mul_``),

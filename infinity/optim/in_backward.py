@@ -115,6 +115,7 @@ class InBackwardUpdate:
         self.job_for = job_for
         self.store = engine.store
         self.coordinator = engine.coordinator
+        self.datapath = engine.datapath
         self.device = engine.device
         self.run = run
         self.held = None if self.store.in_place else HeldGrads(self.store)
@@ -169,8 +170,12 @@ class InBackwardUpdate:
                           "over micro-batches; set the key to false to accumulate")
 
     def _submit(self, sub: int) -> None:
-        if self._hyper is None:
+        if self._hyper is None:     # the first sub-group of this step: the update begins
             self._hyper = param_groups.hyper_sets(self.opt.param_groups)
+            # Its new compute copies are offered for the next forward (see [Note: fresh shards] in
+            # infinity/prefetch/fresh_shards.py), kept past the end of this backward when it still
+            # runs; the worker is idle, the last update over.
+            self.coordinator.shards.reset_fresh(outlive_backward=self.datapath.phase == "backward")
         grads = self.held.take([sub]) if self.held is not None else None
         job = self.job_for(sub, self.waits[sub], grads, self._hyper)
         self.stepped.add(sub)

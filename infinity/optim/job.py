@@ -60,6 +60,10 @@ class StepJob:
         published compute copies in place and reports each finished sub-group
         (``BackgroundUpdate.sub_done``, with the futures of its compute-copy writes) so the
         next forward can fetch those groups once the writes have landed.
+    offer_fresh:
+        True when the new compute copies are also kept in host memory for the next forward's
+        fetches (the overlapped step and the update during backward: see [Note: fresh shards] in
+        infinity/prefetch/fresh_shards.py).
     """
 
     step: int
@@ -80,6 +84,7 @@ class StepJob:
     hypers: tuple = ()
     subs: frozenset | None = None
     grads: dict | None = None
+    offer_fresh: bool = False
 
 
 @dataclass

@@ -141,13 +141,18 @@ class UpdateScheduler:
             return self.delay.target_param_keys(updated)
         return self.coordinator.shards.keys(self.coordinator.groups, updated)
 
-    def run(self, job: StepJob) -> None:
-        """Run ``job`` in its mode (see [Note: update modes])."""
+    def run(self, job: StepJob, continues: bool = False) -> None:
+        """Run ``job`` in its mode (see [Note: update modes]).
+
+        ``continues``: the job finishes an update begun during backward (sub-groups stepped there), whose
+        fresh shards are kept (see [Note: fresh shards] in infinity/prefetch/fresh_shards.py).
+        """
+        if not (job.delayed or continues):
+            self.coordinator.shards.reset_fresh()
         if job.delayed:
             self.delay.submit(job)
         elif self.overlap is not None:
             self._after_update()   # gathered copies are stale from here on; fetches wait per group
-            self.coordinator.shards.reset_fresh()
             self.overlap.submit(job)
         elif self.delay is not None:
             self.delay.run_inline(job)

@@ -196,7 +196,7 @@ class UpdatePass:
                 values.copy_(master[a:b])
             fut = self.shards.write_updated(self.groups[piece.group_index], key, values,
                                             piece.group_offset + a - piece.sub_offset, source=self.states_on,
-                                            offer_fresh=job.overlapped)
+                                            offer_fresh=job.offer_fresh)
             if loan is not None:
                 self._staged.append((fut, loan))
             if not fut.done():

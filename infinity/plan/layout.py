@@ -77,13 +77,14 @@ remainder; compact gradients are written and read in the compute dtype. bf16 on 
 micro-batch: 2 + 2 (forward, backward) + 2 (gradients) + 14 (copy, remainder, m, v, gradient)
 + 12 (remainder, m, v, copy) = 32 bytes per parameter and step, before fresh shards; the
 update during backward (``optimizer.update_in_backward``) holds the gradients in host memory
-(2 + 2 bytes fewer) but writes the new compute copies during backward, so the fresh shards below
-do not apply. With the overlapped step (``dpu.overlap`` without DPU, params on NVMe, prefetching
-on), the next forward takes up to ``prefetch.nvme_bytes`` of the rewritten compute copies from
-host memory instead of reading them back ([Note: fresh shards] in infinity/prefetch/fresh_shards.py): the
-plan subtracts min(``prefetch.nvme_bytes``, rewritten bytes) from the reads. That is the floor
-of the saving; when the forward consumes fresh shards while the update still runs, the arena
-is reused and more is saved.
+(2 + 2 bytes fewer). With the overlapped step (``dpu.overlap`` without DPU) or the update during
+backward, params on NVMe and prefetching on, the next forward takes up to ``prefetch.nvme_bytes``
+of the rewritten compute copies from host memory instead of reading them back ([Note: fresh
+shards] in infinity/prefetch/fresh_shards.py): the plan subtracts min(``prefetch.nvme_bytes``,
+rewritten bytes) from the reads. For the overlapped step that is the floor of the saving: when
+the forward consumes fresh shards while the update still runs, the arena is reused and more is
+saved. The update during backward has written them all before the forward starts, so it saves
+what the arena holds then (its first groups), up to ``prefetch.nvme_bytes``: the figure itself.
 """
 from __future__ import annotations
 
@@ -322,8 +323,8 @@ class Layout:
         """Bytes one rank reads from NVMe per step (see [Note: NVMe traffic per step])."""
         total = self.read_nvme if self.params_tier == "nvme" else 0
         cfg = self.cfg
-        if (self.params_tier == "nvme" and cfg.dpu.overlap and not cfg.dpu.enabled and cfg.prefetch.enabled
-                and self.structured and not cfg.optimizer.update_in_backward):    # stepped in backward: none
+        offered = cfg.optimizer.update_in_backward or (cfg.dpu.overlap and not cfg.dpu.enabled)
+        if self.params_tier == "nvme" and offered and cfg.prefetch.enabled and self.structured:
             total -= min(int(cfg.prefetch.nvme_bytes), self.rewrite_nvme)   # fresh shards
         if self.opt_tier == "nvme":
             # master (or compute copy + remainder), m, v, gradient (none held in host memory)

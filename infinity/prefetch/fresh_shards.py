@@ -1,4 +1,4 @@
-"""Shards the overlapped optimizer step has just rewritten, held in host memory for the next forward."""
+"""Shards an optimizer update has just rewritten, held in host memory for the next forward."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +9,7 @@ from infinity.param_group import ParamGroup
 
 
 class FreshShards:
-    """Shards the overlapped optimizer step has just rewritten, kept in host memory for the next forward.
+    """Shards an optimizer update has just rewritten, kept in host memory for the next forward.
 
     [Note: fresh shards]
     The overlapped step (``dpu.overlap``) writes each updated group's new compute copy to
@@ -25,6 +25,23 @@ class FreshShards:
     other way (``ParamShards.write``: loading a state or a checkpoint) discards its
     fresh copy.
 
+    The update during backward (``optimizer.update_in_backward``, see [Note: update during
+    backward] in infinity/optim/in_backward.py) offers its shards the same way, but earlier:
+    its update starts at the first sub-group stepped in a backward (``reset`` with
+    ``outlive_backward``), so the end of that backward keeps them (``clear`` keeps them once)
+    and ``opt.step()`` adds those of the sub-groups left for it without a second ``reset``.
+    Its shards then wait through the rest of the backward for the next forward, and it
+    offers them in reverse group order (the last groups first), while the forward wants the
+    first groups first. So the arena is shared by priority, the shard needed soonest winning:
+    an offer that finds no room displaces complete shards of groups after its own (needed
+    later by the forward), the last first; and in backward, a read ahead that finds no room
+    displaces complete shards of groups after the one it reads (``take_slice``), since this
+    backward needs that read before the next forward needs any of them. A displaced group
+    is read from NVMe by the next forward, as when the arena is full. With the groups in
+    forward order (the order of their creation, as the overlapped update writes them), the
+    arena ends the backward holding the first groups the forward needs, up to its size, and
+    the backward's reads ahead are never starved by the shards.
+
     ``offer`` runs on the update's thread, everything else on the main thread; ``reset``
     only while no update runs.
     """
@@ -35,7 +52,9 @@ class FreshShards:
         self._filling: dict[int, list] = {}     # group index -> [slice, elements missing]
         self._complete: dict[int, object] = {}  # group index -> arena slice holding the whole shard
         self._refused: set[int] = set()
+        self._outlive_backward = False         # the running update began in a backward (update in backward)
         self.served = 0
+        self.displaced = 0
 
     def offer(self, group: ParamGroup, offset_numel: int, values: torch.Tensor) -> None:
         """Copy ``values`` (compute dtype) into the group's fresh shard at ``offset_numel``."""
@@ -45,7 +64,7 @@ class FreshShards:
             if entry is None:
                 if gi in self._complete or gi in self._refused:
                     return
-                piece = self.arena.take(group.shard_nbytes, f"fresh {group.name}")
+                piece = self._take(group.shard_nbytes, f"fresh {group.name}", gi)
                 if piece is None:
                     self._refused.add(gi)
                     return
@@ -57,6 +76,32 @@ class FreshShards:
             if entry[1] == 0:
                 del self._filling[gi]
                 self._complete[gi] = entry[0]
+
+    def take_slice(self, nbytes: int, owner: str, index: int):
+        """An arena slice for a read ahead of group ``index`` in backward, displacing complete fresh
+        shards of later groups when the arena has no room (None: still no room)."""
+        with self._lock:
+            return self._take(nbytes, owner, index)
+
+    def _take(self, nbytes: int, owner: str, index: int):
+        """An arena slice, displacing complete shards of groups after ``index``, the last first (lock held).
+
+        Nothing is displaced when that could not make room (a shard larger than what they and the free
+        bytes add up to: the largest groups, such as an embedding, may not fit the arena at all).
+        """
+        piece = self.arena.take(nbytes, owner)
+        if piece is None:
+            later = sorted((gi for gi in self._complete if gi > index), reverse=True)
+            free = self.arena.capacity - self.arena.bytes_in_use
+            if free + sum(self._complete[gi].nbytes for gi in later) < nbytes:
+                return None
+            for gi in later:
+                self._complete.pop(gi).release()
+                self.displaced += 1
+                piece = self.arena.take(nbytes, owner)
+                if piece is not None:
+                    break
+        return piece
 
     def has(self, group: ParamGroup) -> bool:
         return group.index in self._complete
@@ -84,16 +129,25 @@ class FreshShards:
             piece.release()
 
     def clear(self) -> None:
-        """Give back every complete fresh shard not taken (end of a backward)."""
+        """Give back every complete fresh shard not taken (end of a backward), unless the running update
+        began in this backward: its shards are for the next forward (kept once)."""
         with self._lock:
+            if self._outlive_backward:
+                self._outlive_backward = False
+                return
             done, self._complete = self._complete, {}
         for piece in done.values():
             piece.release()
 
-    def reset(self) -> None:
-        """Give back every shard, complete or not, and forget refusals (before an update starts)."""
+    def reset(self, outlive_backward: bool = False) -> None:
+        """Give back every shard, complete or not, and forget refusals (before an update starts).
+
+        ``outlive_backward``: the update starts during a backward, and the end of that backward keeps
+        its shards (see [Note: fresh shards]).
+        """
         with self._lock:
             pieces = list(self._complete.values()) + [entry[0] for entry in self._filling.values()]
             self._complete, self._filling, self._refused = {}, {}, set()
+            self._outlive_backward = outlive_backward
         for piece in pieces:
             piece.release()

@@ -149,12 +149,12 @@ class Prefetcher:
             self._drop_leftovers()   # no backward can follow a no-grad forward
 
     def begin_backward(self) -> None:
-        self._in_backward = True
+        self._in_backward = self.windows.in_backward = True
 
     def end_backward(self) -> None:
         # coordinator.end_backward() has just dropped every group not in use (ours too)
         # and cleared coordinator.keep.
-        self._in_backward = False
+        self._in_backward = self.windows.in_backward = False
         self.windows.forget()
         self._kept.clear()
         self.windows.restart(self.enabled)

@@ -53,6 +53,7 @@ class Windows:
         self.device_bytes = device_bytes
         self.ordered_gathers = ordered_gathers
         self.reads_ahead = reads_ahead
+        self.in_backward = False                # set by the prefetcher
         # Read ("nvme") or gathered ("device") ahead, not yet asked for, in order; their bytes.
         self.ahead: dict[ParamGroup, str] = {}
         self.held_bytes = {"nvme": 0, "device": 0}
@@ -191,7 +192,15 @@ class Windows:
     def _try_read(self, g: ParamGroup) -> bool:
         """Read ``g``'s shard ahead if the read window and the arena have room; else close the window."""
         room = self.nvme_bytes - self.held_bytes["nvme"]
-        staging = self.arena.take(g.shard_nbytes, f"prefetch {g.name}") if g.shard_nbytes <= room else None
+        staging = None
+        if g.shard_nbytes <= room:
+            # In backward, fresh shards kept for the next forward give way: this backward needs the
+            # read first (see [Note: fresh shards] in infinity/prefetch/fresh_shards.py).
+            fresh = self.coordinator.shards.fresh
+            if self.in_backward and fresh is not None:
+                staging = fresh.take_slice(g.shard_nbytes, f"prefetch {g.name}", g.index)
+            else:
+                staging = self.arena.take(g.shard_nbytes, f"prefetch {g.name}")
         if staging is None or not self.coordinator.start_fetch(g, prefetch=True, staging=staging):
             self._reads_open = False   # no room, or the overlapped optimizer step has not reached it
             return False

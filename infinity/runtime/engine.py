@@ -126,11 +126,12 @@ class Engine:
         """``optimizer`` steps this model; ``updates`` (its ``UpdateScheduler``) hears the lifecycle.
 
         An overlapped update gates the coordinator's fetches, group by group, and hands
-        rewritten shards over through the prefetcher's arena.
+        rewritten shards over through the prefetcher's arena, as does the update during backward.
         """
         self.optimizer = optimizer
         self._updates = updates
-        self.coordinator.shards.gate_on_update(updates.overlap, self.prefetcher.arena)
+        self.coordinator.shards.gate_on_update(updates.overlap, self.prefetcher.arena,
+                                               self.config.optimizer.update_in_backward)
 
     def release(self) -> None:
         """Give back everything the engine holds now (``infinity.release``, and ``Init`` when construction

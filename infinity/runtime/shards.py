@@ -4,7 +4,7 @@ The coordinator reads shards from here to gather groups; the optimizer's update 
 new compute copies here; checkpoints and ``infinity.gathered`` write edited values
 here. Every byte that enters or leaves the parameter tier goes through ``ParamShards``,
 so it alone knows the two ways a fetch is served without a tier read (a fresh shard
-the overlapped update left in host memory) or must wait (the update has not rewritten
+the overlapped update, or the update during backward, left in host memory) or must wait (the update has not rewritten
 the shard yet).
 
 [Note: staging buffers]
@@ -140,14 +140,15 @@ class ParamShards:
         return torch.empty(group.shard_numel, dtype=self.dtype), None
 
     # -- what the optimizer's update writes ------------------------------------------------------
-    def gate_on_update(self, update_gate, arena=None) -> None:
+    def gate_on_update(self, update_gate, arena=None, in_backward: bool = False) -> None:
         """Fetches wait for ``update_gate`` (the overlapped optimizer step) to rewrite each group first.
 
-        With an ``arena`` (the prefetcher's), the update also hands each rewritten shard over
-        in host memory (see [Note: fresh shards] in infinity/prefetch/fresh_shards.py).
+        With an ``arena`` (the prefetcher's), the overlapped update, or the update during backward
+        (``in_backward``), also hands each rewritten shard over in host memory (see [Note: fresh
+        shards] in infinity/prefetch/fresh_shards.py).
         """
         self.update_gate = update_gate
-        if update_gate is not None and arena is not None:
+        if arena is not None and (update_gate is not None or in_backward):
             self.fresh = FreshShards(arena)
 
     def update_ready(self, group: ParamGroup) -> bool:
@@ -186,10 +187,14 @@ class ParamShards:
         """Whether the group's next fetch is served from host memory (a fresh shard)."""
         return self.fresh is not None and self.fresh.has(group)
 
-    def reset_fresh(self) -> None:
-        """An update is about to start: give back every fresh shard of the last one."""
+    def reset_fresh(self, outlive_backward: bool = False) -> None:
+        """An update is about to start: give back every fresh shard of the last one.
+
+        ``outlive_backward``: it starts during a backward (the update during backward), whose end keeps
+        its shards for the next forward.
+        """
         if self.fresh is not None:
-            self.fresh.reset()
+            self.fresh.reset(outlive_backward)
 
     def clear_fresh(self) -> None:
         """The end of a backward: fresh shards not taken by now are not needed."""
