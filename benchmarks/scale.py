@@ -55,8 +55,8 @@ from dataclasses import replace
 
 import psutil
 
-from infinity.examples.gpt import PRESETS, shape_for_params
-from infinity.examples.llama import LLAMA_PRESETS
+from infinity.examples.gpt import GPT, PRESETS, shape_for_params
+from infinity.examples.llama import LLAMA_PRESETS, Llama, LlamaConfig
 from infinity.examples.meter import format_bytes
 from infinity.examples.runs import run_training, shape_args
 
@@ -125,7 +125,11 @@ def _checkpoint_row(cfg, args, nvme_dir: str, label: str, first) -> dict:
     out.update(resume_error=resumed.error, resume_wall_seconds=resumed.wall_seconds,
                resume_peak_rss_sampled_bytes=resumed.peak_rss_sampled_bytes)
     if resumed.ok:
-        out["resumed_loss"] = resumed.report["steps"][0]["loss"]
+        summary = resumed.report["summary"]
+        # The resumed process's own peaks, the load included: they should be the training run's
+        # (a load neither keeps states in host memory nor adds swap beside them).
+        out.update(resumed_loss=resumed.report["steps"][0]["loss"], resume_peak_rss_bytes=summary["peak_rss_bytes"],
+                   resume_nvme_peak_bytes=(summary.get("tier_peak_bytes") or {}).get("nvme") or 0)
     if args.reference:
         ref = _train(cfg, args, nvme_dir, label + "-ref", args.steps + 1, [])
         out.update(reference_error=ref.error)
@@ -156,6 +160,24 @@ def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
         if ck_dir:
             shutil.rmtree(ck_dir, ignore_errors=True)
     return row
+
+
+def planned_traffic(cfg, args, nvme_dir: str) -> dict:
+    """The plan's NVMe bytes per parameter and step for this shape (built on the meta device) under the
+    run's settings (``--set`` flags after ``--`` are not read): reads with the forward keeping pace with
+    the overlapped update and, ``read_max``, with the update ending first ([Note: NVMe traffic per step]
+    in infinity/plan/layout.py)."""
+    import torch
+
+    from infinity.plan import plan
+
+    with torch.device("meta"):
+        model = Llama(cfg) if isinstance(cfg, LlamaConfig) else GPT(cfg)
+    p = plan(model, {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": nvme_dir},
+                     "precision": {"dtype": args.dtype}, "optimizer": {"state_dtype": args.state_dtype}},
+             check_fit=False)
+    n = p.shards.shard_numel
+    return {"read": p.nvme_read_bytes / n, "read_max": p.nvme_read_bytes_max / n, "written": p.nvme_write_bytes / n}
 
 
 def _row(cfg, label: str, result) -> dict:
@@ -314,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"({per_param:.1f} B/param), {format_bytes(free)} free")
             break
         row = run_size(cfg, args, nvme_dir, label)
+        row["plan_per_param_step"] = planned_traffic(cfg, args, nvme_dir)
         rows.append(row)
         status = row["error"] or (f"peak RSS {format_bytes(row['peak_rss_bytes'])}, NVMe "
                                   f"{format_bytes(row['nvme_peak_bytes'])}, step {row['step_seconds'][-1]:.1f} s")
@@ -326,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
         target = int(target * args.factor)
     print(table(rows))
     for r in rows:
+        if not r["error"]:
+            pl = r["plan_per_param_step"]
+            print(f"{r['label']} NVMe B/param per step: measured {r['nvme_read_per_param_step']:.2f} read + "
+                  f"{r['nvme_written_per_param_step']:.2f} written (mean over the steps after the first two); "
+                  f"plan {pl['read']:.2f} read (up to {pl['read_max']:.2f} when the update ends before the "
+                  f"forward) + {pl['written']:.2f} written")
         for k in ("step_split",):
             if k in r:
                 print(f"{r['label']} per step (compute / waiting for NVMe reads / optimizer, s): " + "; ".join(
@@ -337,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['label']}: checkpoint {format_bytes(r['checkpoint_nbytes'])} "
                   f"({r['checkpoint_bytes_per_param']:.2f} B/param) saved in {r['checkpoint_seconds']:.1f} s; "
                   f"resumed step loss {r.get('resumed_loss', r.get('resume_error'))}"
+                  + (f"; resumed process: peak RSS {format_bytes(r['resume_peak_rss_bytes'])}, NVMe peak "
+                     f"{format_bytes(r['resume_nvme_peak_bytes'])} (training: {format_bytes(r['peak_rss_bytes'])}, "
+                     f"{format_bytes(r['nvme_peak_bytes'])})" if "resume_peak_rss_bytes" in r else "")
                   + (f"; uninterrupted losses {r.get('reference_losses', r.get('reference_error'))}"
                      if args.reference else ""))
     ok = [r for r in rows if not r["error"]]
