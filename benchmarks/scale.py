@@ -11,8 +11,9 @@ parameter measured on the previous size, ``--disk-bytes-per-param`` before the
 first), above ``--max-params``, or at the first failure. For each size it reports
 the model states (fp32 master + Adam m, v + compute copy: 16 B/param) against the
 machine's RAM, the peak host RSS, the NVMe bytes used (and per parameter), the NVMe
-bytes read and written per parameter in a steady step (the median over the steps after
-the first) and the step time; at the end,
+bytes read and written per parameter in a steady step (the mean over the steps after the
+first two: [Note: NVMe bytes per step] in infinity/examples/meter.py) beside the plan's for the
+shape, and the step time; at the end,
 how much the peak RSS grew from the smallest to the largest size against how much
 the model states grew (flat RSS = the host holds only fixed-size buffers).
 ``--sizes 125M,1.3B,4B`` (presets or parameter counts) replaces the ladder;
@@ -25,7 +26,8 @@ the token embedding) stays the same size while the model grows. Llama shapes
 process for one more step, when the swap files and the checkpoint fit the free disk
 together (the bytes are checked first; a size that cannot is reported with them);
 ``--reference`` also trains ``steps + 1`` steps uninterrupted, whose last loss the
-resumed step must equal. Before the ladder, the largest model that fits this disk is
+resumed step must equal. The resumed process's peak RSS and NVMe bytes are reported beside the
+training run's: a load adds neither. Before the ladder, the largest model that fits this disk is
 printed per moment dtype, from ``infinity.plan``'s stored bytes per parameter.
 
     python benchmarks/scale.py --nvme-dir /tmp/nvme --sizes llama-6.7B --dtype bfloat16 \
@@ -36,7 +38,8 @@ llama-6.7B (6,738,415,616 parameters), batch 1 x 128, built in 124 s; losses 11.
 (the same batch each step); steps 53 / 145 / 152 s, the last two split ~75-82 s compute and
 ~70 s waiting for NVMe reads (the host Adam step runs behind the next forward, so its time is
 inside those two); peak RSS 6.3 GiB; swap files 54.1 GB allocated (8.03 B/param, the plan's
-50.40 GiB); NVMe 9.0 B/param read + 8.0 written per step. The checkpoint was refused by the
+50.40 GiB); NVMe 9.0 B/param read + 8.0 written per step (the median of steps 2 and 3, the first
+update, which reads no moments, included: about 10.0 steady, the plan's 10.03). The checkpoint was refused by the
 arithmetic: it stores fp32 master and moments (14 B/param, 94.3 GB), more than the free disk
 even without the 54 GB of swap beside it. Saved and resumed instead at llama-2B (2.07B,
 ``--sizes llama-2B``): a 28.9 GB checkpoint (14.00 B/param) in 166 s; the resumed step's loss
