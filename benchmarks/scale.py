@@ -11,8 +11,9 @@ parameter measured on the previous size, ``--disk-bytes-per-param`` before the
 first), above ``--max-params``, or at the first failure. For each size it reports
 the model states (fp32 master + Adam m, v + compute copy: 16 B/param) against the
 machine's RAM, the peak host RSS, the NVMe bytes used (and per parameter), the NVMe
-bytes read and written per parameter in a steady step (the median over the steps after
-the first) and the step time; at the end,
+bytes read and written per parameter in a steady step (the mean over the steps after the
+first two: [Note: NVMe bytes per step] in infinity/examples/meter.py) beside the plan's for the
+shape, and the step time; at the end,
 how much the peak RSS grew from the smallest to the largest size against how much
 the model states grew (flat RSS = the host holds only fixed-size buffers).
 ``--sizes 125M,1.3B,4B`` (presets or parameter counts) replaces the ladder;
@@ -25,7 +26,8 @@ the token embedding) stays the same size while the model grows. Llama shapes
 process for one more step, when the swap files and the checkpoint fit the free disk
 together (the bytes are checked first; a size that cannot is reported with them);
 ``--reference`` also trains ``steps + 1`` steps uninterrupted, whose last loss the
-resumed step must equal. Before the ladder, the largest model that fits this disk is
+resumed step must equal. The resumed process's peak RSS and NVMe bytes are reported beside the
+training run's: a load adds neither. Before the ladder, the largest model that fits this disk is
 printed per moment dtype, from ``infinity.plan``'s stored bytes per parameter.
 
     python benchmarks/scale.py --nvme-dir /tmp/nvme --sizes llama-6.7B --dtype bfloat16 \
@@ -36,7 +38,8 @@ llama-6.7B (6,738,415,616 parameters), batch 1 x 128, built in 124 s; losses 11.
 (the same batch each step); steps 53 / 145 / 152 s, the last two split ~75-82 s compute and
 ~70 s waiting for NVMe reads (the host Adam step runs behind the next forward, so its time is
 inside those two); peak RSS 6.3 GiB; swap files 54.1 GB allocated (8.03 B/param, the plan's
-50.40 GiB); NVMe 9.0 B/param read + 8.0 written per step. The checkpoint was refused by the
+50.40 GiB); NVMe 9.0 B/param read + 8.0 written per step (the median of steps 2 and 3, the first
+update, which reads no moments, included: about 10.0 steady, the plan's 10.03). The checkpoint was refused by the
 arithmetic: it stores fp32 master and moments (14 B/param, 94.3 GB), more than the free disk
 even without the 54 GB of swap beside it. Saved and resumed instead at llama-2B (2.07B,
 ``--sizes llama-2B``): a 28.9 GB checkpoint (14.00 B/param) in 166 s; the resumed step's loss
@@ -55,8 +58,8 @@ from dataclasses import replace
 
 import psutil
 
-from infinity.examples.gpt import PRESETS, shape_for_params
-from infinity.examples.llama import LLAMA_PRESETS
+from infinity.examples.gpt import GPT, PRESETS, shape_for_params
+from infinity.examples.llama import LLAMA_PRESETS, Llama, LlamaConfig
 from infinity.examples.meter import format_bytes
 from infinity.examples.runs import run_training, shape_args
 
@@ -125,7 +128,11 @@ def _checkpoint_row(cfg, args, nvme_dir: str, label: str, first) -> dict:
     out.update(resume_error=resumed.error, resume_wall_seconds=resumed.wall_seconds,
                resume_peak_rss_sampled_bytes=resumed.peak_rss_sampled_bytes)
     if resumed.ok:
-        out["resumed_loss"] = resumed.report["steps"][0]["loss"]
+        summary = resumed.report["summary"]
+        # The resumed process's own peaks, the load included: they should be the training run's
+        # (a load neither keeps states in host memory nor adds swap beside them).
+        out.update(resumed_loss=resumed.report["steps"][0]["loss"], resume_peak_rss_bytes=summary["peak_rss_bytes"],
+                   resume_nvme_peak_bytes=(summary.get("tier_peak_bytes") or {}).get("nvme") or 0)
     if args.reference:
         ref = _train(cfg, args, nvme_dir, label + "-ref", args.steps + 1, [])
         out.update(reference_error=ref.error)
@@ -156,6 +163,24 @@ def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
         if ck_dir:
             shutil.rmtree(ck_dir, ignore_errors=True)
     return row
+
+
+def planned_traffic(cfg, args, nvme_dir: str) -> dict:
+    """The plan's NVMe bytes per parameter and step for this shape (built on the meta device) under the
+    run's settings (``--set`` flags after ``--`` are not read): reads with the forward keeping pace with
+    the overlapped update and, ``read_max``, with the update ending first ([Note: NVMe traffic per step]
+    in infinity/plan/layout.py)."""
+    import torch
+
+    from infinity.plan import plan
+
+    with torch.device("meta"):
+        model = Llama(cfg) if isinstance(cfg, LlamaConfig) else GPT(cfg)
+    p = plan(model, {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": nvme_dir},
+                     "precision": {"dtype": args.dtype}, "optimizer": {"state_dtype": args.state_dtype}},
+             check_fit=False)
+    n = p.shards.shard_numel
+    return {"read": p.nvme_read_bytes / n, "read_max": p.nvme_read_bytes_max / n, "written": p.nvme_write_bytes / n}
 
 
 def _row(cfg, label: str, result) -> dict:
@@ -314,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"({per_param:.1f} B/param), {format_bytes(free)} free")
             break
         row = run_size(cfg, args, nvme_dir, label)
+        row["plan_per_param_step"] = planned_traffic(cfg, args, nvme_dir)
         rows.append(row)
         status = row["error"] or (f"peak RSS {format_bytes(row['peak_rss_bytes'])}, NVMe "
                                   f"{format_bytes(row['nvme_peak_bytes'])}, step {row['step_seconds'][-1]:.1f} s")
@@ -326,6 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         target = int(target * args.factor)
     print(table(rows))
     for r in rows:
+        if not r["error"]:
+            pl = r["plan_per_param_step"]
+            print(f"{r['label']} NVMe B/param per step: measured {r['nvme_read_per_param_step']:.2f} read + "
+                  f"{r['nvme_written_per_param_step']:.2f} written (mean over the steps after the first two); "
+                  f"plan {pl['read']:.2f} read (up to {pl['read_max']:.2f} when the update ends before the "
+                  f"forward) + {pl['written']:.2f} written")
         for k in ("step_split",):
             if k in r:
                 print(f"{r['label']} per step (compute / waiting for NVMe reads / optimizer, s): " + "; ".join(
@@ -337,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['label']}: checkpoint {format_bytes(r['checkpoint_nbytes'])} "
                   f"({r['checkpoint_bytes_per_param']:.2f} B/param) saved in {r['checkpoint_seconds']:.1f} s; "
                   f"resumed step loss {r.get('resumed_loss', r.get('resume_error'))}"
+                  + (f"; resumed process: peak RSS {format_bytes(r['resume_peak_rss_bytes'])}, NVMe peak "
+                     f"{format_bytes(r['resume_nvme_peak_bytes'])} (training: {format_bytes(r['peak_rss_bytes'])}, "
+                     f"{format_bytes(r['nvme_peak_bytes'])})" if "resume_peak_rss_bytes" in r else "")
                   + (f"; uninterrupted losses {r.get('reference_losses', r.get('reference_error'))}"
                      if args.reference else ""))
     ok = [r for r in rows if not r["error"]]

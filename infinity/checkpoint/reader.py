@@ -43,11 +43,11 @@ from infinity.checkpoint.agreement import agree
 from infinity.checkpoint.directory import SavedCheckpoint
 from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from infinity.checkpoint.manifest import STATE_FILES, dtype_of, itemsize, read_small_file
-from infinity.checkpoint.moments import MomentLoader
 from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, plan_shards
+from infinity.checkpoint.staging import StagedSubGroups
 from infinity.checkpoint.stream import Run, StreamIO, read_runs
 from infinity.checkpoint.writer import check_ready, model_buffers, names_by_param
-from infinity.optim.split_master import MasterLoad
+from infinity.optim.moments import write_moments
 
 _F32 = 4
 
@@ -197,10 +197,10 @@ class _Verified:
     def __init__(self, engine, model: nn.Module, opt, saved: SavedCheckpoint) -> None:
         self.engine, self.opt, self.saved = engine, opt, saved
         manifest = saved.manifest
-        self.master_load = MasterLoad(engine.store) if engine.store.split is not None else None
-        # Compressed moments are encoded as their sub-groups complete ([Note: moments in checkpoints]).
-        self.moments = MomentLoader(engine.store) if engine.store.moment_format.compressed else None
-        self.fills, self.files, self.runs = _plan(engine, model, saved, self.master_load, self.moments)
+        # Split masters and compressed moments are rebuilt as their sub-groups complete
+        # ([Note: staged sub-groups] in staging.py).
+        self.staged = _staging(engine.store)
+        self.fills, self.files, self.runs = _plan(engine, model, saved, self.staged)
         self.buffers = model_buffers(model)
         _check_buffers(manifest, self.buffers)
         with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
@@ -229,15 +229,13 @@ class _Verified:
         with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
             try:
                 read_runs(io, self.files, self.runs)
-                _fill_zeros(io, coordinator, store, layout, self.fills, self.master_load, self.moments)
+                _fill_zeros(io, coordinator, store, layout, self.fills, self.staged)
+                if self.staged is not None:
+                    self.staged.finish()
             except BaseException:
-                if self.master_load is not None:
-                    self.master_load.abandon()
+                if self.staged is not None:
+                    self.staged.abandon()
                 raise
-        if self.master_load is not None:
-            self.master_load.finish()     # after the params file: the copies are the masters' rounding
-        if self.moments is not None:
-            self.moments.finish()
         store.moments_initialized = True
         if self.opt is not None:
             self.opt.zero_grad()
@@ -250,9 +248,38 @@ class _Verified:
         return self.extra
 
 
-def _plan(engine, model: nn.Module, saved: SavedCheckpoint, master_load=None,
-          moments: MomentLoader | None = None):
-    """The fills, the source files and the runs (with their destinations) that load this rank's shards."""
+def _staging(store) -> StagedSubGroups | None:
+    """The states this load gathers per sub-group in host memory (None when the tier takes every byte as it comes)."""
+    sinks = {}
+    if store.split is not None:
+        sinks["master"] = store.split.write_sub     # writes the compute copies too
+    if store.moment_format.compressed:
+        for state in STATE_FILES[2:]:
+            sinks[state] = lambda sub, values, state=state: _encode(store, state, sub, values)
+    return StagedSubGroups([n for _, n in store.layout.sub_ranges], sinks) if sinks else None
+
+
+# Elements of a gathered sub-group encoded at a time: the encoding's temporaries are several times
+# its input, so a whole 32Mi-element sub-group at once cost about 0.5 GB of host memory more.
+_ENCODE_NUMEL = 1 << 22
+
+
+def _encode(store, state: str, sub: int, values: torch.Tensor) -> None:
+    """Compressed moments of a complete sub-group, encoded in whole blocks of ``_ENCODE_NUMEL`` elements
+    (the int8 scales are per block, so the codes are those of one pass over the sub-group)."""
+    block = store.moment_format.block_size
+    step = max(block, _ENCODE_NUMEL // block * block)
+    for a in range(0, values.numel(), step):
+        write_moments(store, state, sub, a, values[a:a + step])
+
+
+def _plan(engine, model: nn.Module, saved: SavedCheckpoint, staged: StagedSubGroups | None = None):
+    """The fills, the source files and the runs (with their destinations) that load this rank's shards.
+
+    The parameters' runs come first in ``runs``, so ``read_runs`` reads the params file before the
+    masters': a split master written from the master file then sets the compute copy last, and the
+    copy is the master's rounding whatever the checkpoint's params file holds.
+    """
     manifest = saved.manifest
     ranks = engine.ranks
     coordinator, store, layout = engine.coordinator, engine.store, engine.layout
@@ -273,30 +300,27 @@ def _plan(engine, model: nn.Module, saved: SavedCheckpoint, master_load=None,
     param_dtype = saved_dtype if param_source == "params" else torch.float32
     param_size = itemsize(param_dtype)
     groups = coordinator.groups
-    runs = []
+    params = [Run(source(m.src_rank, param_source), m.src_elem * param_size, m.numel * param_size,
+                  _ParamDest(coordinator, groups[m.group], m.dst_elem, param_dtype)) for m in moves]
+    states = []
     for m in moves:
-        runs.append(Run(source(m.src_rank, param_source), m.src_elem * param_size, m.numel * param_size,
-                        _ParamDest(coordinator, groups[m.group], m.dst_elem, param_dtype)))
         flat = layout.group_starts[m.group] + m.dst_elem
         for state in STATE_FILES[1:]:
             src = source(m.src_rank, state)
             for sub, within, n, rel in _sub_pieces(layout, flat, m.numel):
-                runs.append(Run(src, (m.src_elem + rel) * _F32, n * _F32,
-                                _state_dest(store, master_load, moments, state, sub, within)))
-    return fills, files, runs
+                states.append(Run(src, (m.src_elem + rel) * _F32, n * _F32,
+                                  _state_dest(store, staged, state, sub, within, n * _F32)))
+    return fills, files, params + states
 
 
-def _state_dest(store, master_load, moments, state: str, sub: int, within: int):
-    """Where fp32 bytes of ``state`` for elements from ``within`` of sub-group ``sub`` land."""
-    if state == "master" and master_load is not None:
-        return master_load.dest(sub, within * _F32)
-    if state != "master" and moments is not None:
-        return moments.dest(state, sub, within * _F32)
+def _state_dest(store, staged: StagedSubGroups | None, state: str, sub: int, within: int, nbytes: int):
+    """Where ``nbytes`` fp32 bytes of ``state`` for elements from ``within`` of sub-group ``sub`` land."""
+    if staged is not None and staged.handles(state):
+        return staged.dest(state, sub, within * _F32, nbytes)
     return _StateDest(store.tier, store.keys[state][sub], within * _F32)
 
 
-def _fill_zeros(io, coordinator, store, layout, fills, master_load=None,
-                moments: MomentLoader | None = None) -> None:
+def _fill_zeros(io, coordinator, store, layout, fills, staged: StagedSubGroups | None = None) -> None:
     """Padding of the new shards (no parameter covers it) is zero, as at partitioning."""
     zeros = io.zeros
     futures = []
@@ -309,10 +333,10 @@ def _fill_zeros(io, coordinator, store, layout, fills, master_load=None,
             flat = layout.group_starts[fill.group] + fill.dst_elem + start
             for state in STATE_FILES[1:]:
                 for sub, within, m, rel in _sub_pieces(layout, flat, n):
-                    if moments is not None and state != "master":
-                        moments.receive(state, sub, within * _F32, zeros[:m * _F32])
+                    if staged is not None and staged.handles(state):
+                        staged.pad(state, sub)      # the staged buffer is zeros already
                     else:
-                        futures.append(_state_dest(store, master_load, None, state, sub, within)
+                        futures.append(_StateDest(store.tier, store.keys[state][sub], within * _F32)
                                        .write(0, zeros[:m * _F32]))
         if len(futures) > 64:
             for fut in futures:

@@ -78,13 +78,26 @@ micro-batch: 2 + 2 (forward, backward) + 2 (gradients) + 14 (copy, remainder, m,
 + 12 (remainder, m, v, copy) = 32 bytes per parameter and step, before fresh shards; the
 update during backward (``optimizer.update_in_backward``) holds the gradients in host memory
 (2 + 2 bytes fewer). With the overlapped step (``dpu.overlap`` without DPU) or the update during
-backward, params on NVMe and prefetching on, the next forward takes up to ``prefetch.nvme_bytes``
-of the rewritten compute copies from host memory instead of reading them back ([Note: fresh
-shards] in infinity/prefetch/fresh_shards.py): the plan subtracts min(``prefetch.nvme_bytes``,
-rewritten bytes) from the reads. For the overlapped step that is the floor of the saving: when
-the forward consumes fresh shards while the update still runs, the arena is reused and more is
-saved. The update during backward has written them all before the forward starts, so it saves
-what the arena holds then (its first groups), up to ``prefetch.nvme_bytes``: the figure itself.
+backward, params on NVMe and prefetching on, the next forward takes rewritten compute copies from
+host memory instead of reading them back ([Note: fresh shards] in infinity/prefetch/fresh_shards.py),
+as many as the arena of ``prefetch.nvme_bytes`` holds at a time. How many that is depends on who
+runs ahead:
+
+* the forward keeps pace with the overlapped update (it waits for each group's new copy: the step
+  is bound by the update, NVMe or host Adam, as on a GPU and in the 6.7B run on the CPU): each
+  fresh shard is taken soon after the update makes it and its slice is reused, so every rewritten
+  group whose shard fits the arena is served from host memory. ``nvme_read_bytes`` subtracts those
+  (``fresh_bytes``). (A group offered while the arena is still full of shards the forward has not
+  reached is read instead; with a large shard such as the embedding in front that is a few
+  groups after it, which the plan does not count.)
+* the update ends before the forward gets there (``opt.synchronize()`` between steps, a forward
+  slower than the update, and always the update during backward, which has written every copy
+  before the forward starts): only the first ``prefetch.nvme_bytes`` of them wait in the arena;
+  ``nvme_read_bytes(paced=False)`` subtracts min(``prefetch.nvme_bytes``, rewritten bytes).
+  For the overlapped step reads lie between the two; the plan reports both (``nvme_read_bytes_max``).
+
+At llama-6.7B (a 256 or 512 MiB arena, the largest shards, the embedding and the head, 250 MiB)
+the first serves the whole forward from host memory: 2 bytes per parameter fewer than the second.
 """
 from __future__ import annotations
 
@@ -143,6 +156,7 @@ class Layout:
         self.read_nvme = 0  # compute-copy bytes read per step (forward + backward)
         self.gathered_numel = 0  # shard elements gathered per step (forward + backward; persistent once)
         self.rewrite_nvme = 0  # compute-copy bytes of trainable groups, rewritten by the update
+        self.rewrite_shards: list[int] = []   # the same, per group
         self.largest_shard = 0
         self.largest_name: str | None = None
         self.largest_numel: int | None = None
@@ -167,6 +181,7 @@ class Layout:
                 self.trainable_numel += shard
                 self.trainable_padded_numel += padded
                 self.rewrite_nvme += on_disk
+                self.rewrite_shards.append(on_disk)
                 self.largest_trainable_numel = max(self.largest_trainable_numel, padded)
                 self.largest_trainable_shard = max(self.largest_trainable_shard, shard)
             if census.structured and (self.largest_numel is None or padded > self.largest_numel):
@@ -319,13 +334,25 @@ class Layout:
         gradient bucket, i.e. its shard times N-1."""
         return self.pb * self.trainable_numel * (self.world_size - 1)
 
-    def nvme_read_bytes(self) -> int:
+    def fresh_bytes(self, paced: bool = True) -> int:
+        """Rewritten compute-copy bytes the next forward takes from host memory instead of NVMe (see
+        [Note: NVMe traffic per step]): with the forward keeping pace with the update (``paced``), or
+        after the update has ended."""
+        cfg = self.cfg
+        overlapped = cfg.dpu.overlap and not cfg.dpu.enabled and not cfg.optimizer.update_in_backward
+        if not (self.params_tier == "nvme" and (overlapped or cfg.optimizer.update_in_backward)
+                and cfg.prefetch.enabled and self.structured):
+            return 0
+        arena = int(cfg.prefetch.nvme_bytes)
+        ended = min(arena, self.rewrite_nvme)
+        if not paced or not overlapped:     # the update during backward has ended before the forward
+            return ended
+        return max(ended, sum(shard for shard in self.rewrite_shards if shard <= arena))
+
+    def nvme_read_bytes(self, paced: bool = True) -> int:
         """Bytes one rank reads from NVMe per step (see [Note: NVMe traffic per step])."""
         total = self.read_nvme if self.params_tier == "nvme" else 0
-        cfg = self.cfg
-        offered = cfg.optimizer.update_in_backward or (cfg.dpu.overlap and not cfg.dpu.enabled)
-        if self.params_tier == "nvme" and offered and cfg.prefetch.enabled and self.structured:
-            total -= min(int(cfg.prefetch.nvme_bytes), self.rewrite_nvme)   # fresh shards
+        total -= self.fresh_bytes(paced)
         if self.opt_tier == "nvme":
             # master (or compute copy + remainder), m, v, gradient (none held in host memory)
             grads = 0 if self.grads_held else self.grad_bytes

@@ -162,7 +162,10 @@ class Plan:
     rows : tuple of PlanRow
         Every purpose bytes are held for, per rank.
     nvme_read_bytes, nvme_write_bytes : int
-        NVMe traffic of one step, per rank.
+        NVMe traffic of one step, per rank; reads with the next forward keeping pace with the
+        overlapped update (see [Note: NVMe traffic per step] in infinity/plan/layout.py).
+    nvme_read_bytes_max : int
+        Reads when the update ends before the next forward starts (fewer fresh shards).
     host_to_device_bytes, device_to_host_bytes : int
         Traffic between host memory and the compute device in one step, per rank
         (see [Note: PCIe traffic per step] in infinity/plan/layout.py).
@@ -186,6 +189,7 @@ class Plan:
     device_to_host_bytes: int = 0
     all_gather_bytes: int = 0
     reduce_scatter_bytes: int = 0
+    nvme_read_bytes_max: int = 0
     bandwidth: Bandwidth | None = None
     fit: FitCheck | None = field(default=None, compare=False)
 
@@ -319,6 +323,7 @@ class Plan:
             "tier_bytes": {tier: self.tier_bytes(tier) for tier in TIERS},
             "per_parameter": self.per_parameter(),
             "nvme_read_bytes_per_step": self.nvme_read_bytes,
+            "nvme_read_bytes_per_step_max": self.nvme_read_bytes_max,
             "nvme_write_bytes_per_step": self.nvme_write_bytes,
             "host_to_device_bytes_per_step": self.host_to_device_bytes,
             "device_to_host_bytes_per_step": self.device_to_host_bytes,
@@ -433,6 +438,7 @@ def plan(
         device_to_host_bytes=layout.device_to_host_bytes(),
         all_gather_bytes=layout.all_gather_bytes(),
         reduce_scatter_bytes=layout.reduce_scatter_bytes(),
+        nvme_read_bytes_max=layout.nvme_read_bytes(paced=False),
         bandwidth=bandwidth,
     )
     if not check_fit:

@@ -48,6 +48,11 @@ def render_plan(plan) -> str:
         f"NVMe traffic per step, per rank: read {format_gib(plan.nvme_read_bytes)} GiB, "
         f"write {format_gib(plan.nvme_write_bytes)} GiB"
     )
+    if plan.nvme_read_bytes_max > plan.nvme_read_bytes:
+        lines.append(
+            f"  (reads with the forward keeping pace with the overlapped update; up to "
+            f"{format_gib(plan.nvme_read_bytes_max)} GiB when the update ends first: fewer fresh shards)"
+        )
     per = plan.per_parameter()
     lines.append(
         f"Bytes per parameter: stored {per['stored']:.2f} ({per['stored_nvme']:.2f} on NVMe); NVMe per step "

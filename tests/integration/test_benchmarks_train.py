@@ -80,3 +80,15 @@ def test_scale_benchmark_ladder_reports_rss_against_states(tmp_path):
     assert flat["states_growth"] == rows[1]["states_nbytes"] / rows[0]["states_nbytes"]
     assert "is above --max-params" in report["stopped"]
     assert "largest trained" in proc.stdout and "peak RSS grew" in proc.stdout
+    assert rows[0]["plan_per_param_step"]["read"] <= rows[0]["plan_per_param_step"]["read_max"]
+
+
+def test_scale_benchmark_resumes_within_the_training_runs_swap(tmp_path):
+    """A resumed process's NVMe peak is the training run's: a load adds no keys beside the states
+    (bf16 with both tiers on NVMe splits the masters; int8 moments are re-encoded)."""
+    out = tmp_path / "scale.json"
+    _run("scale.py", "--sizes", "llama-tiny", "--dtype", "bfloat16", "--state-dtype", "int8", "--seq", "16",
+         "--steps", "2", "--checkpoint", "--nvme-dir", str(tmp_path / "nvme"), "--json", str(out))
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["error"] is None and row.get("resume_error") is None, (row["error"], row.get("resume_error"))
+    assert row["resume_nvme_peak_bytes"] == row["nvme_peak_bytes"]

@@ -98,6 +98,26 @@ def test_everything_on_nvme_fp32_stores_the_compute_copy_apart_from_the_master(t
     assert p.step_time_lower_bound_s is None
 
 
+@pytest.mark.parametrize("arena, paced, ended", [
+    # Every shard (fc1 64 KiB, norm and fc2 8 KiB each) fits a 64 KiB arena: a forward keeping pace with
+    # the update takes all 81,920 bytes from host memory; after the update only the first 64 KiB wait.
+    (65_536, 81_920, 65_536),
+    # An arena as large as every shard together: the same either way.
+    (81_920, 81_920, 81_920),
+])
+def test_fresh_shards_when_the_forward_keeps_pace_and_when_the_update_ends_first(tmp_path, arena, paced, ended):
+    """[Note: NVMe traffic per step]: the plan's reads assume the forward keeps pace with the
+    overlapped update (each fresh shard taken as it is made, its arena slice reused); ``nvme_read_bytes_max``
+    is the case of an update ending before the forward starts."""
+    cfg = {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)},
+           "prefetch": {"nvme_bytes": arena}}
+    p = plan(Tiny(), cfg, world_size=2, check_fit=False)
+    optimizer_pass = 16 * 20_480
+    assert p.nvme_read_bytes == 2 * 81_920 - paced + optimizer_pass
+    assert p.nvme_read_bytes_max == 2 * 81_920 - ended + optimizer_pass
+    assert p.to_dict()["nvme_read_bytes_per_step_max"] == p.nvme_read_bytes_max
+
+
 def test_nvme_params_host_optimizer_with_frozen_group(tmp_path):
     model = Tiny()
     model.fc2.weight.requires_grad_(False)
