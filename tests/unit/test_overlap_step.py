@@ -41,14 +41,30 @@ def make(tmp_path, params, optimizer, overlap=True, prefetch=True, sub_group_siz
 def slow_update(monkeypatch):
     """The next forward catches the update midway, whatever the machine's load: each job holds back
     its first sub-group until a fetch waits for a group the job has not rewritten yet, or the main
-    thread waits for the whole job (``synchronize``, the next step), and announces the others 3 ms late."""
-    announce, wait_ready, wait_job = BackgroundUpdate.sub_done, BackgroundUpdate.wait_ready, BackgroundUpdate.wait
+    thread waits for the whole job (``synchronize``, the next step), and announces the others 3 ms late.
+
+    The word to go on is given only to the job still holding its first sub-group, and only once the
+    fetch sleeps on the job's progress: given earlier, the job could finish the group before
+    ``wait_ready`` looked (a wait of 0 seconds), and given by a wait for a later sub-group it would let
+    the next job through unheld."""
+    announce, wait_ready, wait_job, submit = (BackgroundUpdate.sub_done, BackgroundUpdate.wait_ready,
+                                              BackgroundUpdate.wait, BackgroundUpdate.submit)
     asked = threading.Event()
+    past_first = [False]    # the running job has announced its first sub-group
+
+    def let_go():
+        if not past_first[0]:
+            asked.set()
+
+    def starting(self, job):
+        past_first[0] = False
+        return submit(self, job)
 
     def late(self, sub, copy_writes=()):
         if sub == 0:
             asked.wait(30.0)    # only a guard: one of the two waits below always comes
             asked.clear()
+            past_first[0] = True
         else:
             time.sleep(0.003)
         announce(self, sub, copy_writes)
@@ -56,26 +72,29 @@ def slow_update(monkeypatch):
     def waiting(self, group):
         if self.ready(group):
             return wait_ready(self, group)
-        # Let the job go on only once this thread sleeps on the job's progress: set earlier, the
-        # job could finish the group before wait_ready looked, and the wait would count 0 seconds.
         progress = self._progress
         sleep = progress.wait
+        slept = []
 
-        def wait_and_let_go(*args, **kwargs):
-            asked.set()
+        def sleep_then_let_go(*args, **kwargs):
+            if not slept:
+                slept.append(True)
+                let_go()
             return sleep(*args, **kwargs)
 
-        progress.wait = wait_and_let_go
+        progress.wait = sleep_then_let_go
         try:
             return wait_ready(self, group)
         finally:
             del progress.wait
-            asked.set()     # it never slept (its writes were what it waited for): let the job go on
+            if not slept:
+                let_go()     # it waited for writes, not for a sub-group
 
     def waiting_for_all(self):
-        asked.set()
+        let_go()
         return wait_job(self)
 
+    monkeypatch.setattr(BackgroundUpdate, "submit", starting)
     monkeypatch.setattr(BackgroundUpdate, "sub_done", late)
     monkeypatch.setattr(BackgroundUpdate, "wait_ready", waiting)
     monkeypatch.setattr(BackgroundUpdate, "wait", waiting_for_all)
