@@ -136,6 +136,12 @@ def mean_curves(runs: dict[int, dict[str, dict]]) -> dict[str, list[float]]:
             for m in modes}
 
 
+def gap_curves(curves: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each curve as percent above fp32's, record by record."""
+    ref = curves["fp32"]
+    return {m: [100 * (a - b) / b for a, b in zip(c, ref)] for m, c in curves.items()}
+
+
 def ascii_plot(curves: dict[str, list[float]], every: int = 1, width: int = 60, height: int = 14) -> str:
     """Loss curves recorded every ``every`` steps as text: one column per ``len / width`` points, a letter per mode."""
     marks = {"fp32": "o", PERTURBED: "~", "bf16": "b", "int8": "8"}
@@ -224,8 +230,11 @@ def run_curves(args) -> dict:
     for mode, f in summary.items():
         print(f"{mode:12} {100 * f['mean']:+7.2f}% {100 * f['std']:6.2f}% {100 * f['min']:+7.2f}% "
               f"{100 * f['max']:+7.2f}% {100 * f['max_gap_rel']:11.2f}%")
+    mean = mean_curves(runs)
     print(f"\nLoss on the fixed batch, mean over {len(seeds)} seed(s)")
-    print(ascii_plot(mean_curves(runs), args.eval_every))
+    print(ascii_plot(mean, args.eval_every))
+    print(f"\nThe same, as % above fp32's mean curve")
+    print(ascii_plot(gap_curves(mean), args.eval_every))
     key = str     # JSON keys are strings
     return {"runs": {key(s): r for s, r in runs.items()}, "seconds": {key(s): r for s, r in seconds.items()},
             "figures": {key(s): f for s, f in figures.items()}, "summary": summary}
