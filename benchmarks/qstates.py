@@ -1,7 +1,7 @@
 """Compressed optimizer states: loss curves against fp32 states, and bytes per parameter per mode.
 
     python benchmarks/qstates.py --model 20M --seeds 0,1,2 --eval-batch 32 --threads 1 --json /tmp/qstates.json
-    python benchmarks/qstates.py --model 125M --modes int8,bf16 --eval-batch 16 --threads 1
+    python benchmarks/qstates.py --model 125M --steps 100 --eval-batch 16 --threads 1
     python benchmarks/qstates.py --bytes-only
 
 Quality: the GPT preset (``infinity.examples.gpt``) is trained on the demo corpus (byte tokens of
