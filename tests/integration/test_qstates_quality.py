@@ -1,20 +1,35 @@
-"""Compressed optimizer states keep fp32 states' quality: GPT 20M on the demo corpus, 300 steps per state_dtype.
+"""Compressed optimizer states train like fp32 states: GPT tiny on the demo corpus, 300 steps, three seeds.
 
-The curves come from benchmarks/qstates.py at the settings of the README's table (2 x 32 tokens a step,
-the loss on a fixed batch of 64 x 32 every 10 steps, the final loss the mean of the last five records):
-about 2 minutes on two quiet cores, up to 9 on busy ones.
+Why this model and these bounds (benchmarks/qstates.py, the README's "Compressed optimizer states"):
+at 20M parameters, runs that differ only in rounding part chaotically (fp32 states against fp32
+states with the loss scaled by 1 + 2^-20 land up to a few percent apart after 300 steps), so a test
+there can only hold a final loss to a few percent, and one seed's gap says little about the format.
+The tiny preset is not chaotic: that perturbation moves its final loss by under 0.01% in every seed
+measured, so a test's result does not depend on the machine's rounding, and what is left is the
+format's own effect. Measured (seeds 0-3, 300 steps, 2 x 32 tokens a step, fixed batch of 32 x 32):
+bf16 within 0.07% of fp32 in every seed; int8 -0.17%, +0.82%, -0.43%, -1.18% (mean -0.24%), curves
+apart by at most 3.8% on the way; the torch twin in place of the C kernel gives the same to 0.01%.
+The bounds below are about twice the largest of those. They catch a format gone grossly wrong
+(sqrt(v) under 1/16 of its block's largest read as 0: the run stops on non-finite updates by step
+62; scales stored 5% off); subtler breakage
+(a 1% scale error, rounding toward zero, a bit less precision in m) moves tiny's final loss no
+more than the format's own seed-to-seed spread, and tests/unit/test_moments.py's check of the
+update on a fixed gradient stream, where no training amplifies anything, is the one that fails
+for those. Nine runs of one thread each: 2 minutes on a busy two-core machine (2026-11-26).
 """
 from __future__ import annotations
 
 import importlib.util
 import os
-import statistics
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS, BATCH, SEQ, LR, TAIL, EVERY = 300, 2, 32, 1e-3, 30, 10
+SEEDS, STEPS, BATCH, SEQ, LR, TAIL, EVERY, EVAL_BATCH = (0, 1, 2), 300, 2, 32, 1e-3, 30, 10, 32
+SEED_BOUND = {"bf16": 0.005, "int8": 0.02}     # one seed's final loss against fp32's
+MEAN_BOUND = {"bf16": 0.002, "int8": 0.01}     # the mean over the seeds
+GAP_BOUND = 0.08                               # the curves on the way
 
 
 def _bench():
@@ -25,30 +40,32 @@ def _bench():
 
 
 @pytest.mark.slow
-def test_bf16_and_int8_states_follow_fp32_states_on_gpt_20m():
+def test_bf16_and_int8_states_follow_fp32_states_over_seeds():
     bench = _bench()
-    # The thread count orders the matmuls' sums; fixed, so that a run alone gives the README's curves.
+    # One thread: the thread count orders the matmuls' sums (tiny is not chaotic, so that matters little),
+    # and one thread never waits for a descheduled peer at each op on a busy machine.
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     try:
-        curves = {mode: bench.curve("20M", mode, STEPS, BATCH, SEQ, LR, eval_every=EVERY)
-                  for mode in ("fp32", "bf16", "int8")}
+        runs = {seed: {mode: bench.curve("tiny", mode, STEPS, BATCH, SEQ, LR, seed=seed, eval_every=EVERY,
+                                         eval_batch=EVAL_BATCH)
+                       for mode in ("fp32", "bf16", "int8")} for seed in SEEDS}
     finally:
         torch.set_num_threads(threads)
-    figures = bench.compare(curves, TAIL, EVERY)
-    stated = "; ".join(f"{m}: final {f['final']:.4f} ({100 * f['final_rel']:+.2f}% vs fp32), largest gap "
-                       f"{100 * f['max_gap_rel']:.2f}% at step {f['max_gap_step']}" for m, f in figures.items())
+    figures = {seed: bench.compare(r, TAIL, EVERY) for seed, r in runs.items()}
+    summary = bench.over_seeds(figures)
+    stated = "; ".join(f"{m}: final vs fp32 mean {100 * f['mean']:+.2f}%, seeds "
+                       + ", ".join(f"{100 * x:+.2f}%" for x in f["samples"])
+                       + f", largest gap {100 * f['max_gap_rel']:.2f}%" for m, f in summary.items())
     print(stated)
-    # The run learned something (the comparison would be empty otherwise: the first step's loss is
-    # about ln(16384) = 9.7, the loss of uniform guesses) ...
-    assert figures["fp32"]["final"] < 0.5 * curves["fp32"]["train"][0], stated
+    for seed, r in runs.items():
+        # Every run learned something (the first loss is about ln(512) = 6.2, uniform guesses) ...
+        assert figures[seed]["fp32"]["final"] < 0.5 * r["fp32"]["train"][0], stated
     for mode in ("bf16", "int8"):
         # ... the compressed runs are their own runs, not fp32 again ...
-        assert curves[mode]["train"] != curves["fp32"]["train"], mode
-        # ... and they end near fp32 states on the fixed batch. Runs that differ in rounding take
-        # different, chaotic paths: the same code gave int8 +0.61% alone and +1.98% inside the whole
-        # suite (fp32's own curve moved too: 2.4696 vs 2.4417 at the end, with the same seeds and
-        # threads), so this test can hold the final loss only to 3%, not to the 1% the README's run
-        # shows; on the way the curves part by a few percent, and 10% would be a run going astray.
-        assert abs(figures[mode]["final_rel"]) < 0.03, stated
-        assert figures[mode]["max_gap_rel"] < 0.10, stated
+        assert all(r[mode]["train"] != r["fp32"]["train"] for r in runs.values()), mode
+        # ... and they end near fp32 states, seed by seed and on average, without parting on the way.
+        f = summary[mode]
+        assert max(abs(x) for x in f["samples"]) < SEED_BOUND[mode], stated
+        assert abs(f["mean"]) < MEAN_BOUND[mode], stated
+        assert f["max_gap_rel"] < GAP_BOUND, stated

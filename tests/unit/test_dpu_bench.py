@@ -68,15 +68,20 @@ def test_dpu_benchmark_tiny(tmp_path, capsys):
 def test_qstates_benchmark_tiny(tmp_path, capsys):
     out = tmp_path / "qstates.json"
     load("qstates").main(["--model", "tiny", "--steps", "4", "--batch", "1", "--seq", "8", "--tail", "2",
-                          "--eval-every", "3", "--eval-batch", "2",
+                          "--eval-every", "3", "--eval-batch", "2", "--seeds", "0,1", "--threads", "1",
                           "--bytes-steps", "1", "--json", str(out)])
     table = capsys.readouterr().out
-    for row in ("state_dtype", "largest gap", "o fp32", "NVMe bytes per parameter"):
+    for row in ("state_dtype", "largest gap", "o fp32", "over 2 seed(s)", "NVMe bytes per parameter"):
         assert row in table, row
     record = json.loads(out.read_text())
-    assert set(record["curves"]) == {"fp32", "bf16", "int8"}
-    assert all(len(c["train"]) == 4 and len(c["eval"]) == 2 for c in record["curves"].values())
-    assert record["figures"]["fp32"]["final_rel"] == 0.0
+    assert set(record["runs"]) == {"0", "1"}
+    assert set(record["runs"]["0"]) == {"fp32", "fp32~", "bf16", "int8"}
+    assert all(len(c["train"]) == 4 and len(c["eval"]) == 2 for r in record["runs"].values() for c in r.values())
+    assert record["runs"]["0"]["fp32"]["train"] != record["runs"]["1"]["fp32"]["train"]   # seeds differ
+    assert record["figures"]["1"]["fp32"]["final_rel"] == 0.0
+    assert len(record["summary"]["int8"]["samples"]) == 2 and record["summary"]["fp32"]["std"] == 0.0
+    assert record["settings"]["seeds"] == "0,1" and record["machine"]["threads"] == 1
+    assert [r["state_dtype"] for r in record["bytes"]] == ["fp32", "bf16", "int8"]   # no fp32~: same bytes as fp32
     stored = {r["state_dtype"]: r["stored_per_param"] for r in record["bytes"]}
     assert stored["int8"] < stored["bf16"] < stored["fp32"]
     for r in record["bytes"]:     # the plan's arithmetic is the measurement's

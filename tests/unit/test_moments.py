@@ -137,6 +137,50 @@ def test_compressed_step_follows_fp32_adam(dtype):
     assert (p[512:1024] != before[512:1024]).all()
 
 
+def _update_on_a_stream(dtype: str, beta2: float, steps: int = 300, n: int = 256 * 64) -> tuple[float, float, float]:
+    """Adam's update from moments stored as ``dtype`` against the update from fp32 moments fed the same
+    gradients, over ``steps`` steps: the largest relative error of the update (its norm) and the
+    smallest and largest ratio of the updates' magnitudes, after the first ten steps. The gradients
+    are noise around a mean, scaled over two decades inside each block, all falling tenfold over the
+    run (a training's gradients shrink): what makes a code's rounding bias v (one stuck while the
+    fp32 average decays) or m shows here, with no chaotic training in between."""
+    fmt = MomentFormat(dtype, 256)
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.exp(torch.rand(n, generator=gen) * math.log(100.0))
+    mean = torch.randn(n, generator=gen) * 0.3
+    m_raw, v_raw = torch.zeros(fmt.nbytes(n), dtype=torch.uint8), torch.zeros(fmt.nbytes(n), dtype=torch.uint8)
+    m32, v32, p = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    step = MomentStep(fmt)
+    worst, ratios = 0.0, []
+    for t in range(1, steps + 1):
+        g = scale * 10.0 ** (-(t - 1) / (steps - 1)) * (mean + torch.randn(n, generator=gen))
+        m32.mul_(0.9).add_(g, alpha=0.1)
+        v32.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        before = p.clone()
+        step(p, g, m_raw, v_raw, 0, n, AdamHyper(t, 1.0, 0.9, beta2, 1e-8, 0.0, True), step_seed(t, 0))
+        u = before - p                                   # lr 1, no weight decay: the update itself
+        u32 = (m32 / (1 - 0.9 ** t)) / ((v32 / (1 - beta2 ** t)).sqrt() + 1e-8)
+        if t > 10:
+            worst = max(worst, ((u - u32).norm() / u32.norm()).item())
+            ratios.append((u.abs().sum() / u32.abs().sum()).item())
+    return worst, min(ratios), max(ratios)
+
+
+@pytest.mark.parametrize("beta2", [0.95, 0.999])
+@pytest.mark.parametrize("dtype", ["int8", "bf16"])
+def test_compressed_moments_give_fp32_updates_over_a_long_stream(dtype, beta2):
+    """300 steps on one fixed stream of gradients: the update stays near fp32 moments' update, with no
+    drift in its size. Measured (C kernel): int8 error at most 5.6% (beta2 0.95) and 8.9% (0.999), size
+    ratio 0.995-1.002 and 1.000-1.019; bf16 0.7% and 1.5%, ratio within 0.9999-1.0005. The bounds fail
+    every broken int8 tried (through the torch twin): rounding toward zero (error 28%, size up to +25%),
+    scales stored 1% too large (error 29%, size down to -28%), m with 3 significant bits (error 19%,
+    size -8% to -16%), sqrt(v) under 1/16 of its block's largest read as 0 (the update blows up)."""
+    worst, low, high = _update_on_a_stream(dtype, beta2)
+    bound, size = (0.12, 0.03) if dtype == "int8" else (0.03, 0.005)
+    assert worst < bound, (worst, low, high)
+    assert 1 - size < low and high < 1 + size, (worst, low, high)
+
+
 def test_bf16_rounding_is_stochastic_and_unbiased():
     """A value a quarter of the way between two bfloat16 numbers is stored as the upper one about 1/4 of the time."""
     x = torch.full((65536,), 1.0 + 2 ** -9)        # 1/4 of a bf16 step (2^-7) above 1
