@@ -38,9 +38,13 @@ def _walk_after_steps(preset: str, layers: int, tmp_path, steps: int = 4) -> dic
 def test_a_steps_walks_look_at_each_slot_a_few_times_whatever_the_depth(preset, tmp_path):
     shallow = _walk_after_steps(preset, 4, tmp_path / "shallow")
     deep = _walk_after_steps(preset, 24, tmp_path / "deep")
+    # Host tiers visit each slot about 1.5 times; NVMe 4 to 7 times, since a group read ahead is gathered
+    # only once its read is done, and a walk that finds it not done looks at it again (more often on a
+    # loaded machine). A walk from the cursor over the whole trace visits 40 times the slots at 4 blocks.
     for walk in (shallow, deep):
-        assert walk["slots"] > 0 and walk["visits_last_step"] <= 5 * walk["slots"], walk
+        assert walk["slots"] > 0 and walk["visits_last_step"] <= 12 * walk["slots"], walk
     # Six times the depth: about six times the visits (a walk over the whole trace per request
-    # would give about thirty-six).
-    assert deep["visits_last_step"] / shallow["visits_last_step"] <= 1.5 * deep["slots"] / shallow["slots"]
+    # would give about thirty).
+    assert deep["visits_last_step"] / shallow["visits_last_step"] <= 2.5 * deep["slots"] / shallow["slots"], \
+        (shallow, deep)
     assert deep["hit_rate"] > 0.95 and shallow["hit_rate"] > 0.9
