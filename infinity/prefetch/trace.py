@@ -42,6 +42,12 @@ BACKWARD = "backward"
 PHASES = (FORWARD, BACKWARD)
 
 
+def starts_new_forward(entries: list["TraceEntry"], position: int) -> bool:
+    """Whether the entry at ``position`` is a forward right after a backward (the next micro-batch):
+    where a walk ahead ends, since the end of a backward releases every gathered group."""
+    return position > 0 and entries[position - 1].phase == BACKWARD and entries[position].phase == FORWARD
+
+
 class TraceMode(enum.Enum):
     RECORDING = "recording"
     FOLLOWING = "following"
@@ -221,13 +227,10 @@ class Trace:
         """
         if self.mode is not TraceMode.FOLLOWING:
             return
-        prev = self.entries[self.cursor - 1].phase if self.cursor > 0 else None
         for position in range(self.cursor, len(self.entries)):
-            entry = self.entries[position]
-            if stop_at_new_forward and prev == BACKWARD and entry.phase == FORWARD:
+            if stop_at_new_forward and starts_new_forward(self.entries, position):
                 return
-            prev = entry.phase
-            yield position, entry
+            yield position, self.entries[position]
 
     def next_use_distances(self, nbytes: Callable[[int], int]) -> list[dict[int, int | None]]:
         """For each entry and each of its groups: bytes fetched before that group's next use.
@@ -290,8 +293,7 @@ class TraceSlots:
             last[g] = s
         self.stop = [len(entries)] * (len(entries) + 1)
         for q in range(len(entries) - 1, -1, -1):
-            new_forward = q > 0 and entries[q - 1].phase == BACKWARD and entries[q].phase == FORWARD
-            self.stop[q] = q if new_forward else self.stop[q + 1]
+            self.stop[q] = q if starts_new_forward(entries, q) else self.stop[q + 1]
 
     def __len__(self) -> int:
         return len(self.group)
