@@ -122,7 +122,7 @@ class GatherMemory:
         device tier) the memory is that shard's own, and nothing is copied. ``kept``: the group
         stays gathered for the whole step (see [Note: long-lived and short-lived gathers]).
         """
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if flat is None:
             flat = torch.empty(0, dtype=dtype, device=self.device)
         if source is not None:

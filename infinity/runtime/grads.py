@@ -36,6 +36,8 @@ once per step, when the step (or a clip, or ``zero_grad``) first asks for the gr
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 from torch import nn
 
@@ -141,6 +143,7 @@ class GradReducer:
         self._position: dict[nn.Parameter, int] = {}
         self._expected: dict[ParamGroup, int] = {}
         self._sent: list[tuple] = []      # (group index, host loan, event, numel, dtype) waiting to be added
+        self._sent_groups: collections.Counter[int] = collections.Counter()     # group index -> entries in _sent
         self.book: GradientBook | None = None
         # Sets the ``.grad`` of parameters whose gradient is in the store (``GradFace.mark``), or None.
         self.mark_grads = None
@@ -261,7 +264,7 @@ class GradReducer:
         # non-finite check: it is inf or nan exactly when some element is (barring an
         # overflow past 3e38, which is no gradient to apply either). It stays on the device.
         self.book.norm_sq += torch.dot(shard.float(), shard.float())
-        if group.index in self.store.grad_written or any(s[0] == group.index for s in self._sent):
+        if group.index in self.store.grad_written or self._sent_groups[group.index]:
             self.book.exact = False     # a second micro-batch: the norm of the sum is not the sum of norms
         self._send(group, shard, memory)
 
@@ -281,6 +284,7 @@ class GradReducer:
                 done = self.datapath.download(target, shard[offset:offset + numel])
             self.datapath.when_done(done, device_memory.release)
             self._sent.append((group.index, None, done, 0, None))
+            self._sent_groups[group.index] += 1
             return done
         host = self.host_buckets.take(group.shard_nbytes, f"gradients {group.name}")
         if host is None:            # both buffers still in use: let their copies and writes finish
@@ -289,6 +293,7 @@ class GradReducer:
         done = self.datapath.download(host.tensor.view(group.dtype)[:group.shard_numel], shard)
         self.datapath.when_done(done, device_memory.release)
         self._sent.append((group.index, host, done, group.shard_numel, group.dtype))
+        self._sent_groups[group.index] += 1
         self.settle(wait=False)
         return done
 
@@ -320,6 +325,7 @@ class GradReducer:
             if host is not None:    # else written in place already
                 writes = self.store.accumulate_grad(index, host.tensor.view(dtype)[:numel])
                 self.datapath.when_done(_Landed(writes), host.release)   # NVMe writes still read it
+            self._sent_groups[index] -= 1
             if self.watcher is not None:
                 self.watcher.landed(index)
         self._sent = left
