@@ -154,7 +154,7 @@ class BackgroundUpdate:
         self._idle.set()
         self._progress = threading.Condition()
         self._done_sub = -1          # the running job has stepped every sub-group up to this one
-        self._copy_writes: dict[int, list] = {}   # sub-group -> its compute-copy write futures
+        self._copy_writes: dict[int, list] = {}   # group index -> its compute-copy write futures
         self._running: StepJob | None = None
         self._unpublished: StepJob | None = None
         self._failure: tuple[StepJob, BaseException] | None = None
@@ -170,18 +170,19 @@ class BackgroundUpdate:
         _WORKERS.add(self)
 
     # -- progress of the running job -------------------------------------------------------------
-    def sub_done(self, sub: int, copy_writes=()) -> None:
+    def sub_done(self, sub: int, copy_writes=None) -> None:
         """Called by the running job (worker thread): every sub-group up to ``sub`` is stepped, and
-        ``copy_writes`` are the futures of ``sub``'s compute-copy writes (the job need not wait for
-        them: a fetch waits for those of its own group's sub-groups)."""
+        ``copy_writes`` maps each group index to the futures of its compute-copy writes in ``sub``
+        (the job need not wait for them: a fetch of the group waits for its own, and only those,
+        so that the fetches of a sub-group's many groups stay linear in their number)."""
         with self._progress:
-            self._copy_writes[sub] = list(copy_writes)
+            for index, futures in (copy_writes or {}).items():
+                self._copy_writes.setdefault(index, []).extend(futures)
             self._done_sub = sub
             self._progress.notify_all()
 
     def _writes_of(self, group) -> list:
-        return [f for p in self.store.layout.pieces_of_group[group.index]
-                for f in self._copy_writes.get(p.sub_index, ())]
+        return self._copy_writes.get(group.index, [])
 
     def ready(self, group) -> bool:
         """Whether ``group``'s stored shard is final: no running job will still rewrite it.

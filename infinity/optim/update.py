@@ -137,6 +137,7 @@ class UpdatePass:
         passes = self.store.sub_groups(job.grad_keys, [bool(r) for r in spans], job.grads)
         chunk = chunk_numel()
         copies: list = []
+        by_group: dict[int, list] = {}
         try:
             for sub, st, writes in passes:
                 states = (st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"])
@@ -152,12 +153,13 @@ class UpdatePass:
                                 continue
                             kernel(*[[t[a:b] for a, b, _, _ in mine] for t in states], [],
                                    [step_t(k) for _, _, k, _ in mine], **_hyper_set(hyper, job, h))
-                        self._write_compute_copies(job, sub, st["master"], c0, c1, copies)
+                        self._write_compute_copies(job, sub, st["master"], c0, c1, copies, by_group)
                 if job.overlapped:
                     # The next forward may fetch this sub-group's groups: it waits for the host or NVMe
                     # writes, and orders its stream after the device copies (see [Note: device copies
                     # of an overlapped update] in infinity/optim/background.py).
-                    self.progress.sub_done(sub, [fut for fut, _ in copies])
+                    self.progress.sub_done(sub, by_group)
+                    by_group = {}
                 writes.extend(copies)
                 copies = []
                 self._give_back_staging()
@@ -179,8 +181,9 @@ class UpdatePass:
             self.moment_step(st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"], a, b, h, step_seed(step, sub))
 
     def _write_compute_copies(self, job: StepJob, sub: int, master: torch.Tensor, c0: int, c1: int,
-                              writes: list) -> None:
-        """Write elements [c0, c1) of ``sub``'s master weights into the job's compute-copy keys."""
+                              writes: list, by_group: dict) -> None:
+        """Write elements [c0, c1) of ``sub``'s master weights into the job's compute-copy keys;
+        the writes not done yet go to ``writes`` as ``(future, values)`` and by group index to ``by_group``."""
         dtype = self.shards.dtype
         for piece in self.store.layout.pieces_of_sub[sub]:
             key = job.param_keys[piece.group_index]
@@ -201,6 +204,7 @@ class UpdatePass:
                 self._staged.append((fut, loan))
             if not fut.done():
                 writes.append((fut, values))
+                by_group.setdefault(piece.group_index, []).append(fut)
 
     def _stage(self, nbytes: int):
         """A slice of the staging, giving back the oldest staged copies once written if it is full."""
