@@ -161,6 +161,8 @@ class Prefetcher:
 
     def on_request(self, module: nn.Module, groups) -> None:
         """A module asks for ``groups`` (forward or backward); called before they are gathered."""
+        if self.ignores(groups):
+            return
         self.telemetry.count_request(groups, self._ahead, self._kept)
         for g in groups:
             self.windows.take(g)
@@ -179,6 +181,11 @@ class Prefetcher:
             self._reuse(groups, self.trace.cursor - 1)
             self.windows.walk()
             self._note_peaks(self.windows.held_bytes["nvme"], self.windows.held_bytes["device"])
+
+    def ignores(self, groups) -> bool:
+        """Whether a request for ``groups`` means nothing to the prefetcher (a module without groups
+        in a followed step: see [Note: requests without groups] in trace.py)."""
+        return self.enabled and self.trace.ignores(groups)
 
     def on_dropped(self, group: ParamGroup) -> None:
         """The coordinator dropped ``group`` (NOT_AVAILABLE again): its next use ahead needs a fetch."""

@@ -30,6 +30,15 @@ entries once per recording into slots, one per (entry, group), with each slot's
 previous and next slot of the same group and where the walk ahead of each position
 must stop; the prefetcher then keeps frontiers in it and walks only forward from
 them (see [Note: frontiers] in windows.py).
+
+[Note: requests without groups]
+Every module asks, parameter-less containers too (a transformer block, its attention
+around the projections, an activation): about a third of the requests of a GPT. Once a
+recording is followed they carry nothing to fetch, so the followed entries keep only the
+requests with groups (a module's groups counted after the recorded step: one that adopted
+a group then keeps its entry), and a request without groups is ignored while following
+(``ignores``): the engine's per-module work for such a module is then a stack push and pop.
+A model with no groups at all follows its entries as recorded.
 """
 from __future__ import annotations
 
@@ -129,6 +138,7 @@ class Trace:
         self.divergences = 0
         self._live: list[TraceEntry] = []
         self._in_step = False
+        self._without_empty = False      # see [Note: requests without groups]
         # Changes whenever ``entries`` change (a recording adopted, an entry updated in place), so
         # that what was derived from them (``TraceSlots``) is known to be stale.
         self.revision = 0
@@ -145,6 +155,7 @@ class Trace:
         self._expect(TraceMode.FOLLOWING, TraceMode.DIVERGED, to="RECORDING")
         self.mode = TraceMode.RECORDING
         self.entries = []
+        self._without_empty = False
         self.cursor = 0
         self.revision += 1
 
@@ -177,6 +188,10 @@ class Trace:
         if self.mode is TraceMode.RECORDING and self.entries:
             if refresh is not None:
                 self.entries = [TraceEntry(e.phase, e.name, tuple(refresh(e))) for e in self.entries]
+            with_groups = [e for e in self.entries if e.groups]
+            self._without_empty = bool(with_groups)
+            if with_groups:
+                self.entries = with_groups
             self.recordings += 1
             self.to_following()
         elif self.mode is TraceMode.DIVERGED:
@@ -195,8 +210,14 @@ class Trace:
             return found
         return None
 
+    def ignores(self, groups) -> bool:
+        """Whether a request for ``groups`` is ignored (see [Note: requests without groups])."""
+        return not groups and self._without_empty and self.mode is TraceMode.FOLLOWING
+
     def observe(self, phase: str, name: str, groups: tuple[int, ...]) -> Divergence | None:
         """One live request; returns the divergence when it does not match the trace."""
+        if self.ignores(groups):
+            return None
         entry = TraceEntry(phase, name, tuple(groups))
         if self.mode is TraceMode.RECORDING:
             self.entries.append(entry)

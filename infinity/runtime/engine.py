@@ -200,14 +200,17 @@ class Engine:
         if self.activations is not None:
             self.activations.module_called(module, args, len(self._stack))
         self._stack.append(module)
-        self.coordinator.acquire(module)
-        self._arm(self.coordinator.module_groups.get(module, ()))
+        groups = self.coordinator.module_groups.get(module, ())
+        if groups or not self._quiet(groups):
+            self.coordinator.acquire(module)
+            self._arm(groups)
 
     def post_forward(self, module: nn.Module, output) -> None:
         self.coordinator.release(module)
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and (not self._stack or not self._quiet(
+                self.coordinator.module_groups.get(module, ()))):
             watch_backward(module, output, self.pre_backward)
             if not self._stack and self.loss_scaler is not None and not self._backward_active:
                 self.loss_scaler.watch_output(output)      # [Note: loss scaling] in infinity/optim/loss_scale.py
@@ -219,6 +222,12 @@ class Engine:
                 self.datapath.set_phase("idle")
             if self.prefetcher is not None:
                 self.prefetcher.end_forward()
+
+    def _quiet(self, groups) -> bool:
+        """Whether a module asking for ``groups`` needs no engine work in this step: none of its
+        own, followed trace (see [Note: requests without groups] in infinity/prefetch/trace.py).
+        Its backward needs none either: the outermost module's output starts the backward."""
+        return self.prefetcher is not None and self.prefetcher.ignores(groups)
 
     def on_foreign_use(self, group: ParamGroup) -> None:
         """A running module used a parameter it does not own (see [Note: foreign parameters] in
