@@ -224,8 +224,10 @@ class Partitioner:
         config = self.engine.config
         # Stages 1 and 2 keep whole parameters on every rank: each group is gathered once after an
         # update and kept (see [Note: ZeRO stages 1 and 2] in infinity/runtime/grads.py).
+        # A group gathered in place is its stored shard: keeping it gathered costs no memory, and
+        # releasing it after each use would cost host time per module for nothing ([Note: in-use counts]).
         threshold = config.partition.persistence_threshold
-        whole = config.partition.stage < 3
+        whole = config.partition.stage < 3 or self.coordinator.in_place
         for g in self.coordinator.groups:
             g.persistent = whole or g.numel < threshold
         self._check_budget()

@@ -15,8 +15,13 @@ group, so the aggregate read bandwidth grows with N.
 A group stays AVAILABLE while a module that needs it is running (nested modules,
 a module called several times, parameters shared between modules). ``acquire``
 and ``release`` count those users; the group is dropped when the count returns to
-zero, unless it is persistent (below ``partition.persistence_threshold``) or a
-prefetcher asked to keep it for an imminent reuse.
+zero, unless it is persistent or a prefetcher asked to keep it for an imminent
+reuse. Persistent groups stay gathered from their first use after an update to the
+next update: at stages 1 and 2 (whole parameters on every rank), below
+``partition.persistence_threshold``, and every group gathered in place (one rank,
+shards in the compute device's memory: the gathered group is its stored shard,
+so keeping it costs no memory, while releasing and gathering it again around each
+use would cost host time per module, which a GPU step cannot hide).
 """
 from __future__ import annotations
 
