@@ -38,11 +38,12 @@ def _walk_after_steps(preset: str, layers: int, tmp_path, steps: int = 4) -> dic
 def test_a_steps_walks_look_at_each_slot_a_few_times_whatever_the_depth(preset, tmp_path):
     shallow = _walk_after_steps(preset, 4, tmp_path / "shallow")
     deep = _walk_after_steps(preset, 24, tmp_path / "deep")
-    # Host tiers visit each slot about 1.5 times; NVMe 4 to 7 times, since a group read ahead is gathered
-    # only once its read is done, and a walk that finds it not done looks at it again (more often on a
-    # loaded machine). A walk from the cursor over the whole trace visits 40 times the slots at 4 blocks.
+    # Host tiers visit each slot about 1.5 times, NVMe about 3.5 (a walk looks at most at one slot per
+    # frontier it cannot serve yet: [Note: revisits] in windows.py; a set of them scanned whole at every
+    # walk gave up to 38 on a loaded machine). A walk from the cursor over the whole trace visits 40 times
+    # the slots at 4 blocks.
     for walk in (shallow, deep):
-        assert walk["slots"] > 0 and walk["visits_last_step"] <= 12 * walk["slots"], walk
+        assert walk["slots"] > 0 and walk["visits_last_step"] <= 6 * walk["slots"], walk
     # Six times the depth: about six times the visits (a walk over the whole trace per request
     # would give about thirty).
     assert deep["visits_last_step"] / shallow["visits_last_step"] <= 2.5 * deep["slots"] / shallow["slots"], \
