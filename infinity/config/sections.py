@@ -257,7 +257,10 @@ class PartitionConfig(Section):
 
     persistence_threshold: Numel = 0
     """Parameters with fewer elements than this stay gathered on the compute device after first use
-    instead of being released (biases, norms: saves many tiny fetches); 0 releases all."""
+    instead of being released (biases, norms: saves many tiny fetches); 0 releases all. With one rank and
+    `tiers.params = "device"` every group stays gathered whatever this is: a gathered group is then its
+    stored shard itself, so keeping it costs no memory, and releasing it would only cost host time per
+    module."""
 
     sub_group_size: Numel = 32 * _sizes.MiB
     """Elements per optimizer sub-group: the flat fp32 unit the optimizer reads, steps and writes back

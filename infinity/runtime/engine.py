@@ -201,7 +201,7 @@ class Engine:
             self.activations.module_called(module, args, len(self._stack))
         self._stack.append(module)
         groups = self.coordinator.module_groups.get(module, ())
-        if groups or not self._quiet(groups):
+        if groups or not _quiet(self.prefetcher, groups):
             self.coordinator.acquire(module)
             self._arm(groups)
 
@@ -209,8 +209,8 @@ class Engine:
         self.coordinator.release(module)
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
-        if torch.is_grad_enabled() and (not self._stack or not self._quiet(
-                self.coordinator.module_groups.get(module, ()))):
+        if torch.is_grad_enabled() and (not self._stack or not _quiet(
+                self.prefetcher, self.coordinator.module_groups.get(module, ()))):
             watch_backward(module, output, self.pre_backward)
             if not self._stack and self.loss_scaler is not None and not self._backward_active:
                 self.loss_scaler.watch_output(output)      # [Note: loss scaling] in infinity/optim/loss_scale.py
@@ -222,12 +222,6 @@ class Engine:
                 self.datapath.set_phase("idle")
             if self.prefetcher is not None:
                 self.prefetcher.end_forward()
-
-    def _quiet(self, groups) -> bool:
-        """Whether a module asking for ``groups`` needs no engine work in this step: none of its
-        own, followed trace (see [Note: requests without groups] in infinity/prefetch/trace.py).
-        Its backward needs none either: the outermost module's output starts the backward."""
-        return self.prefetcher is not None and self.prefetcher.ignores(groups)
 
     def on_foreign_use(self, group: ParamGroup) -> None:
         """A running module used a parameter it does not own (see [Note: foreign parameters] in
@@ -376,3 +370,10 @@ def _close_parts(activations, tiers) -> None:
     if activations is not None:
         activations.close()
     tiers.close()
+
+
+def _quiet(prefetcher, groups) -> bool:
+    """Whether a module asking for ``groups`` needs no engine work in this step: none of its own, followed
+    trace (see [Note: requests without groups] in infinity/prefetch/trace.py). Its backward needs none
+    either: the outermost module's output starts the backward."""
+    return prefetcher is not None and prefetcher.ignores(groups)
