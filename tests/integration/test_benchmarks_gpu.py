@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -66,3 +68,19 @@ def test_deepspeed_rows_offload_what_their_infinity_peers_offload():
     assert z2["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
     bench = _load("gpu.py")
     assert bench.PEER == {"offload-optimizer": "ds-zero2", "offload-host": "ds-zero3"}
+
+
+def test_deepspeed_infinity_row_offloads_both_to_nvme_in_infinity_sized_pieces(tmp_path):
+    ds = _load("deepspeed_gpt.py")
+    cfg = ds.ds_config(3, 1, "bfloat16", 1e-3, 0.0, nvme_dir=str(tmp_path), largest_param_numel=50304 * 2048)
+    zero = cfg["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
+    # max_in_cpu 0: no parameter kept in host memory for good, as with infinity's nvme preset; each
+    # buffer holds the largest parameter (GPT 1.3B's embedding), above DeepSpeed's default 1e8.
+    assert zero["offload_param"] == dict(zero["offload_optimizer"], max_in_cpu=0, buffer_size=50304 * 2048)
+    small = ds.ds_config(3, 1, "bfloat16", 1e-3, 0.0, nvme_dir=str(tmp_path), largest_param_numel=1000)
+    assert small["zero_optimization"]["offload_param"]["buffer_size"] == 10 ** 8
+    assert cfg["aio"]["block_size"] == 8 << 20 and cfg["aio"]["queue_depth"] == 32
+    assert zero["sub_group_size"] == 32 << 20
+    with pytest.raises(ValueError, match="--nvme-dir needs --stage 3"):
+        ds.ds_config(2, 1, "bfloat16", 1e-3, 0.0, nvme_dir=str(tmp_path))
