@@ -88,5 +88,8 @@ def test_deepspeed_infinity_row_offloads_both_to_nvme_in_infinity_sized_pieces(t
     assert small["zero_optimization"]["offload_param"]["buffer_size"] == 10 ** 8
     assert cfg["aio"]["block_size"] == 8 << 20 and cfg["aio"]["queue_depth"] == 32
     assert zero["sub_group_size"] == 32 << 20
+    # Parameters released after use, as infinity's prefetch.reuse_distance 0 does: DeepSpeed's default
+    # keeps a 350M model's parameters gathered into backward, one NVMe buffer each, and runs out.
+    assert zero["stage3_max_reuse_distance"] == 0
     with pytest.raises(ValueError, match="--nvme-dir needs --stage 3"):
         ds.ds_config(2, 1, "bfloat16", 1e-3, 0.0, nvme_dir=str(tmp_path))
