@@ -10,9 +10,13 @@ infinity/examples/runs.py), alternating within each repeat:
 - ``torch``: plain PyTorch on the GPU, fused AdamW, autocast to ``--dtype``;
 - ``device``, ``offload-optimizer``, ``offload-host``, ``nvme``: infinity's shipped presets
   (``infinity-config --preset NAME`` shows each);
+- ``nvme-int8``, ``nvme-int8-uib``: the ``nvme`` preset with int8 Adam moments, and with
+  them stepped during backward too (``MODES``: the ``--set`` keys each adds);
 - ``ds-zero2``: DeepSpeed ZeRO-2 with ``offload_optimizer`` on the CPU (the peer of
   ``offload-optimizer``); ``ds-zero3``: ZeRO-3 with params and optimizer offloaded to the CPU
-  (the peer of ``offload-host``); see benchmarks/deepspeed_gpt.py. They run with
+  (the peer of ``offload-host``); ``ds-infinity``: ZeRO-3 with both offloaded to NVMe, swap
+  files under ``--nvme-dir`` (ZeRO-Infinity, the peer of the NVMe rows); see
+  benchmarks/deepspeed_gpt.py. They run with
   ``--deepspeed-python`` (default: this interpreter) when it imports ``deepspeed``, else their
   rows say how to install it.
 
@@ -20,8 +24,11 @@ Per row: seconds per step (median of the steps after the first, median over repe
 achieved TFLOPS (6N + attention FLOPs per token), GPU peak memory allocated, host peak RSS,
 and for infinity rows the transfer ledger of the last step (``infinity.stats(model)["transfers"]``:
 bytes host->device, device->host, NVMe->host, host->NVMe; copies not from the pinned pools; host
-waits in forward/backward). Ratios: against ``torch``, and each preset against its DeepSpeed
-peer. Without a GPU everything runs on the CPU, which checks the benchmark itself.
+waits in forward/backward). NVMe rows add NVMe bytes read / written per parameter and step:
+infinity's from that ledger (``per_parameter``), DeepSpeed's from the bytes its process read from
+and wrote to storage (``/proc/self/io``), a mean over the steps after the first two. Ratios:
+against ``torch``, and each preset against its DeepSpeed peer. Without a GPU everything runs on
+the CPU, which checks the benchmark itself.
 """
 from __future__ import annotations
 
@@ -43,9 +50,16 @@ from infinity.examples.train_gpt import machine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-DEEPSPEED = {"ds-zero2": 2, "ds-zero3": 3}
-PEER = {"offload-optimizer": "ds-zero2", "offload-host": "ds-zero3"}
-CONFIGS = ["torch", *presets(), *DEEPSPEED]
+# DeepSpeed row: (ZeRO stage, where it offloads).
+DEEPSPEED = {"ds-zero2": (2, "cpu"), "ds-zero3": (3, "cpu"), "ds-infinity": (3, "nvme")}
+# infinity rows beyond the presets: (preset, --set flags added to it).
+MODES = {
+    "nvme-int8": ("nvme", ['optimizer.state_dtype="int8"']),
+    "nvme-int8-uib": ("nvme", ['optimizer.state_dtype="int8"', "optimizer.update_in_backward=true"]),
+}
+PEER = {"offload-optimizer": "ds-zero2", "offload-host": "ds-zero3",
+        "nvme": "ds-infinity", "nvme-int8": "ds-infinity", "nvme-int8-uib": "ds-infinity"}
+CONFIGS = ["torch", *presets(), *MODES, *DEEPSPEED]
 INSTALL_DEEPSPEED = ("deepspeed is not importable by {python}: pip install deepspeed==0.19.8 "
                      "(DS_BUILD_OPS=0 builds its CPU Adam at first use), or pass --deepspeed-python")
 
@@ -66,13 +80,17 @@ def _child_env() -> dict:
     return {**os.environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
 
 
-def run_deepspeed(size: str, config: str, args) -> dict:
+def run_deepspeed(size: str, config: str, args, nvme_dir: str) -> dict:
     """One DeepSpeed row: benchmarks/deepspeed_gpt.py in its own process, its report or its error."""
-    with tempfile.TemporaryDirectory(prefix="gpu-ds-") as tmp:
+    stage, offload = DEEPSPEED[config]
+    with tempfile.TemporaryDirectory(prefix="gpu-ds-") as tmp, \
+            tempfile.TemporaryDirectory(prefix=f"gpu-{size}-{config}-", dir=nvme_dir) as swap:
         report_path, log = os.path.join(tmp, "report.json"), os.path.join(tmp, "log.txt")
-        argv = [args.deepspeed_python, os.path.join(HERE, "deepspeed_gpt.py"), "--stage", str(DEEPSPEED[config]),
+        argv = [args.deepspeed_python, os.path.join(HERE, "deepspeed_gpt.py"), "--stage", str(stage),
                 "--model-size", size, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
                 "--dtype", args.dtype, "--json", report_path]
+        if offload == "nvme":
+            argv += ["--nvme-dir", swap]
         t0 = time.perf_counter()
         with open(log, "w") as out:
             try:
@@ -88,18 +106,28 @@ def run_deepspeed(size: str, config: str, args) -> dict:
         with open(report_path) as f:
             report = json.load(f)
     s = report["summary"]
+    n_params = report["model"]["n_params"]
+    nvme = None
+    if offload == "nvme":
+        nvme = {"read": s["disk_read_bytes_per_step"] / n_params, "written": s["disk_write_bytes_per_step"] / n_params}
     return {"error": None, "step_seconds": s["step_seconds_median"], "tokens_per_second": s["tokens_per_second"],
             "peak_rss_bytes": report["peak_rss_bytes"], "gpu_peak_bytes": report["gpu_peak_bytes"],
-            "flops_per_token": report["model"]["flops_per_token"], "transfers": None,
+            "flops_per_token": report["model"]["flops_per_token"], "transfers": None, "nvme_per_parameter": nvme,
             "first_loss": s["first_loss"], "last_loss": s["last_loss"], "device": report["machine"]["gpu"] or "cpu",
             "deepspeed_version": report["deepspeed_version"], "samples": [st["seconds"] for st in report["steps"]]}
 
 
 def run_infinity(size: str, config: str, args, nvme_dir: str) -> dict:
-    """One torch or preset row: train_gpt in its own process."""
+    """One torch, preset or mode row: train_gpt in its own process."""
     flags = ["--model-size", size, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
              "--data", "random", "--set", f'precision.dtype="{args.dtype}"']
-    flags += ["--engine", "torch"] if config == "torch" else ["--config", config]
+    if config == "torch":
+        flags += ["--engine", "torch"]
+    else:
+        config_name, extra = MODES.get(config, (config, []))
+        flags += ["--config", config_name]
+        for item in extra:
+            flags += ["--set", item]
     swap = tempfile.mkdtemp(prefix=f"gpu-{size}-{config}-", dir=nvme_dir)
     try:
         result = run_training([*flags, "--nvme-dir", swap], timeout=args.timeout)
@@ -109,10 +137,12 @@ def run_infinity(size: str, config: str, args, nvme_dir: str) -> dict:
         return {"error": result.error, "wall_seconds": result.wall_seconds}
     r = result.report
     s = r["summary"]
+    transfers = (r.get("engine_stats") or {}).get("transfers")
+    per = (transfers or {}).get("per_parameter") or {}
+    nvme = {"read": per["nvme_read"], "written": per["nvme_written"]} if per.get("stored_nvme") else None
     return {"error": None, "step_seconds": s["step_seconds_median"], "tokens_per_second": s["tokens_per_second"],
             "peak_rss_bytes": s["peak_rss_bytes"], "gpu_peak_bytes": r.get("gpu_peak_bytes"),
-            "flops_per_token": r["model"]["flops_per_token"],
-            "transfers": (r.get("engine_stats") or {}).get("transfers"),
+            "flops_per_token": r["model"]["flops_per_token"], "transfers": transfers, "nvme_per_parameter": nvme,
             "first_loss": s["first_loss"], "last_loss": s["last_loss"], "device": r["machine"]["gpu"] or "cpu",
             "samples": [st["seconds"] for st in r["steps"]]}
 
@@ -143,21 +173,28 @@ def _ledger(t: dict | None) -> tuple[str, str, str, str]:
             f"{t['unpooled']} / {waits['forward'] + waits['backward']}")
 
 
+def _nvme_per_parameter(nvme: dict | None) -> str:
+    """The "read/written" NVMe bytes per parameter and step of an NVMe row, "-" for the others."""
+    return f"{nvme['read']:.2f}/{nvme['written']:.2f}" if nvme else "-"
+
+
 def table(rows: list[dict]) -> str:
     head = ("size", "config", "s/step", "TFLOPS", "GPU peak", "host RSS", "vs torch", "vs peer",
-            "H->D", "D->H", "NVMe r/w", "unpooled / f+b waits")
+            "H->D", "D->H", "NVMe r/w", "NVMe B/param r/w", "unpooled / f+b waits")
     step = {(r["size"], r["config"]): r.get("step_seconds") for r in rows if not r.get("error")}
     lines = []
     for r in rows:
         if r.get("error"):
-            lines.append((r["size"], r["config"], f"- ({r['error'][:90]})", *[""] * 9))
+            lines.append((r["size"], r["config"], f"- ({r['error'][:90]})", *[""] * (len(head) - 3)))
             continue
         ref, peer = step.get((r["size"], "torch")), step.get((r["size"], PEER.get(r["config"])))
+        h2d, d2h, nvme_bytes, waits = _ledger(r.get("transfers"))
         lines.append((r["size"], r["config"], f"{r['step_seconds']:.3f}", f"{r['tflops']:.2f}",
                       format_bytes(r["gpu_peak_bytes"]) if r.get("gpu_peak_bytes") is not None else "-",
                       format_bytes(r["peak_rss_bytes"]),
                       f"{r['step_seconds'] / ref:.2f}x" if ref else "-",
-                      f"{r['step_seconds'] / peer:.2f}x" if peer else "-", *_ledger(r.get("transfers"))))
+                      f"{r['step_seconds'] / peer:.2f}x" if peer else "-",
+                      h2d, d2h, nvme_bytes, _nvme_per_parameter(r.get("nvme_per_parameter")), waits))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
 
     def fmt(row) -> str:
@@ -206,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                     if rep == 0:
                         raw.append({"size": size, "config": config, "repeat": rep, "error": no_deepspeed})
                     continue
-                row = (run_deepspeed(size, config, args) if config in DEEPSPEED
+                row = (run_deepspeed(size, config, args, nvme_dir) if config in DEEPSPEED
                        else run_infinity(size, config, args, nvme_dir))
                 row.update(size=size, config=config, repeat=rep, n_params=preset(size).n_params)
                 raw.append(row)

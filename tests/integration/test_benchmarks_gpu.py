@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -24,7 +26,7 @@ def _load(script: str):
 def test_gpu_benchmark_rows_ledger_and_missing_deepspeed(tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--sizes", "tiny",
-                           "--configs", "torch,device,offload-host,ds-zero3", "--steps", "3", "--batch", "2",
+                           "--configs", "torch,device,offload-host,nvme-int8-uib,ds-zero3", "--steps", "3", "--batch", "2",
                            "--seq", "16", "--dtype", "float32", "--nvme-dir", str(tmp_path / "nvme"),
                            "--deepspeed-python", "/bin/false", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -32,13 +34,18 @@ def test_gpu_benchmark_rows_ledger_and_missing_deepspeed(tmp_path):
     head = proc.stdout.splitlines()[0].split()
     assert head[:4] == ["size", "config", "s/step", "TFLOPS"] and "H->D" in head
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["torch", "device", "offload-host", "ds-zero3"]
-    for name in ("torch", "device", "offload-host"):
+    assert list(rows) == ["torch", "device", "offload-host", "nvme-int8-uib", "ds-zero3"]
+    for name in ("torch", "device", "offload-host", "nvme-int8-uib"):
         row = rows[name]
         assert row["error"] is None, row["error"]
         assert row["step_seconds"] > 0 and row["tflops"] > 0 and row["peak_rss_bytes"] > 0, row
         assert row["device"] == "cpu" and row["gpu_peak_bytes"] is None
     assert rows["torch"]["transfers"] is None
+    assert rows["offload-host"]["nvme_per_parameter"] is None
+    # fp32 here: the step writes the compute copy (4 B/param), the master (4) and int8 m and v (2.03);
+    # updated during backward, no fp32 gradient (4 more) goes to NVMe.
+    nvme = rows["nvme-int8-uib"]["nvme_per_parameter"]
+    assert 0 < nvme["written"] < 14 and nvme["read"] > 0, nvme
     device, host = rows["device"]["transfers"], rows["offload-host"]["transfers"]
     assert device["host_to_device"]["bytes"] == 0 and device["device_to_host"]["bytes"] == 0, device
     # offload-host gathers the compute copies in forward and again in backward; gradients leave once.
@@ -65,4 +72,24 @@ def test_deepspeed_rows_offload_what_their_infinity_peers_offload():
     assert z3["zero_optimization"]["offload_param"]["device"] == "cpu" and "bf16" not in z3
     assert z2["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
     bench = _load("gpu.py")
-    assert bench.PEER == {"offload-optimizer": "ds-zero2", "offload-host": "ds-zero3"}
+    assert bench.PEER == {"offload-optimizer": "ds-zero2", "offload-host": "ds-zero3", "nvme": "ds-infinity",
+                          "nvme-int8": "ds-infinity", "nvme-int8-uib": "ds-infinity"}
+
+
+def test_deepspeed_infinity_row_offloads_both_to_nvme_in_infinity_sized_pieces(tmp_path):
+    ds = _load("deepspeed_gpt.py")
+    cfg = ds.ds_config(3, 1, "bfloat16", 1e-3, 0.0, nvme_dir=str(tmp_path), largest_param_numel=50304 * 2048)
+    zero = cfg["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
+    # max_in_cpu 0: no parameter kept in host memory for good, as with infinity's nvme preset; each
+    # buffer holds the largest parameter (GPT 1.3B's embedding), above DeepSpeed's default 1e8.
+    assert zero["offload_param"] == dict(zero["offload_optimizer"], max_in_cpu=0, buffer_size=50304 * 2048)
+    small = ds.ds_config(3, 1, "bfloat16", 1e-3, 0.0, nvme_dir=str(tmp_path), largest_param_numel=1000)
+    assert small["zero_optimization"]["offload_param"]["buffer_size"] == 10 ** 8
+    assert cfg["aio"]["block_size"] == 8 << 20 and cfg["aio"]["queue_depth"] == 32
+    assert zero["sub_group_size"] == 32 << 20
+    # Parameters released after use, as infinity's prefetch.reuse_distance 0 does: DeepSpeed's default
+    # keeps a 350M model's parameters gathered into backward, one NVMe buffer each, and runs out.
+    assert zero["stage3_max_reuse_distance"] == 0
+    with pytest.raises(ValueError, match="--nvme-dir needs --stage 3"):
+        ds.ds_config(2, 1, "bfloat16", 1e-3, 0.0, nvme_dir=str(tmp_path))
