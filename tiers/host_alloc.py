@@ -159,10 +159,13 @@ class _Region:
         self._libc, self._cudart, self._on_release = libc, cudart, on_release
 
     def __del__(self) -> None:
+        # Out of the books before the kernel can hand the address out again: another thread's
+        # mapping made between munmap and this release would be booked at the same address, and
+        # this release would then remove its entry (a KeyError at its own release).
+        self._on_release.release(self.address, self.nbytes, pinned=self._cudart is not None)
         if self._cudart is not None:
             self._cudart.cudaHostUnregister(self.address)
         self._libc.munmap(self.address, self.length)
-        self._on_release.release(self.address, self.nbytes, pinned=self._cudart is not None)
 
 
 class _Accounting:

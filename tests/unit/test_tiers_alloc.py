@@ -140,3 +140,24 @@ def test_large_allocations_get_huge_pages():
     small = HostAllocator(pin="never", huge_pages=False).empty(8 << 20)
     small.fill_(1)
     assert _smaps_field(small.data_ptr(), "AnonHugePages:") == 0 or _thp_mode() == "always"
+
+
+def test_a_region_leaves_the_books_before_its_address_can_be_mapped_again():
+    """Another thread may map a new region at the address a dying region just unmapped; the dying one's
+    release must not remove the newcomer's entry (seen in CI as a KeyError in ``_Region.__del__``)."""
+    from tiers.host_alloc import _Accounting, _Region
+
+    books = _Accounting()
+    address, nbytes = 1 << 30, 1 << 20
+
+    class ReusingLibc:
+        def munmap(self, at, length):       # the kernel hands the address to another thread's mmap
+            books.take(at, nbytes, pinned=False)
+
+    books.take(address, nbytes, pinned=False)
+    dying = _Region(address, nbytes, nbytes, ReusingLibc(), None, books)
+    del dying
+    gc.collect()
+    assert books.allocations == 1 and books.contains(address, nbytes)
+    books.release(address, nbytes, pinned=False)        # the newcomer's own release finds its entry
+    assert books.allocations == 0 and not books.contains(address, 1)
