@@ -137,7 +137,7 @@ class UpdatePass:
         passes = self.store.sub_groups(job.grad_keys, [bool(r) for r in spans], job.grads)
         chunk = chunk_numel()
         copies: list = []
-        by_group: dict[int, list] = {}
+        by_group: dict[int, list] | None = {} if job.overlapped else None     # what a fetch waits for
         try:
             for sub, st, writes in passes:
                 states = (st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"])
@@ -181,9 +181,10 @@ class UpdatePass:
             self.moment_step(st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"], a, b, h, step_seed(step, sub))
 
     def _write_compute_copies(self, job: StepJob, sub: int, master: torch.Tensor, c0: int, c1: int,
-                              writes: list, by_group: dict) -> None:
+                              writes: list, by_group: dict | None) -> None:
         """Write elements [c0, c1) of ``sub``'s master weights into the job's compute-copy keys;
-        the writes not done yet go to ``writes`` as ``(future, values)`` and by group index to ``by_group``."""
+        the writes not done yet go to ``writes`` as ``(future, values)``, and by group index to
+        ``by_group`` when an overlapped job's fetches wait for them (else None)."""
         dtype = self.shards.dtype
         for piece in self.store.layout.pieces_of_sub[sub]:
             key = job.param_keys[piece.group_index]
@@ -204,7 +205,8 @@ class UpdatePass:
                 self._staged.append((fut, loan))
             if not fut.done():
                 writes.append((fut, values))
-                by_group.setdefault(piece.group_index, []).append(fut)
+                if by_group is not None:
+                    by_group.setdefault(piece.group_index, []).append(fut)
 
     def _stage(self, nbytes: int):
         """A slice of the staging, giving back the oldest staged copies once written if it is full."""

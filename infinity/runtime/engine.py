@@ -201,7 +201,7 @@ class Engine:
             self.activations.module_called(module, args, len(self._stack))
         self._stack.append(module)
         groups = self.coordinator.module_groups.get(module, ())
-        if groups or not _quiet(self.prefetcher, groups):
+        if not _quiet(self.prefetcher, groups):
             self.coordinator.acquire(module)
             self._arm(groups)
 

@@ -89,8 +89,7 @@ class Ranks:
     def _check(self, what: str, *tensors: torch.Tensor) -> None:
         """See [Note: what a collective may be given]."""
         for t in tensors:
-            if t.device != self.device and (t.device.type != self.device.type
-                                            or (t.device.index or 0) != (self.device.index or 0)):
+            if t.device.type != self.device.type or (t.device.index or 0) != (self.device.index or 0):
                 raise CollectiveError(
                     f"rank {self.rank}: {what} was given a tensor on {t.device} (shape {tuple(t.shape)}); "
                     f"collectives take tensors on the compute device {self.device} (NCCL refuses host "
