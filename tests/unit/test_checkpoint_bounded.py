@@ -8,6 +8,7 @@ elements, not multiples of 2048), as a Llama's norms do at most widths.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 
 import torch
@@ -70,11 +71,10 @@ def _swap_blocks(directory) -> int:
                for root, _, files in os.walk(directory) for f in files if f.endswith(".swap"))
 
 
-def test_a_load_stays_within_the_host_budget_and_the_swap_files_of_training(tmp_path):
+def _measure(tmp_path):
     cfg = _config(tmp_path, "train")
     model, opt = _build(cfg, seed=0)
     n_params = sum(p.numel() for p in model.parameters())
-    assert n_params * 16 >= 4 * HOST_BUDGET     # the states are several times the budget
     _step(model, opt)
     _step(model, opt)                           # the update of step 1 is done once step 2 starts
     infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
@@ -91,10 +91,21 @@ def test_a_load_stays_within_the_host_budget_and_the_swap_files_of_training(tmp_
         infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
     loaded = _nvme(model)
     loaded_blocks = _swap_blocks(cfg["tiers"]["nvme_path"])
+    return {"n_params": n_params, "growth": rss.growth, "start": rss.start, "peak": rss.peak,
+            "trained": trained, "loaded": loaded,
+            "trained_blocks": trained_blocks, "loaded_blocks": loaded_blocks}
+
+
+def test_a_load_stays_within_the_host_budget_and_the_swap_files_of_training(tmp_path):
+    # In a process of its own: what earlier tests left in this one's heap and caches moves the RSS a load
+    # starts from (a growth of 178 MB was once seen inside the whole suite, 50-97 MB alone).
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got = pool.apply(_measure, (tmp_path,))
+    assert got["n_params"] * 16 >= 4 * HOST_BUDGET     # the states are several times the budget
     # The fp32 moments of the whole model are 8 bytes per parameter, 192 MB here: the load that kept them
     # in host memory until its end grew by 248 MB (this one by 50-97 MB).
-    assert rss.growth <= HOST_BUDGET + LOAD_CONSTANT, (rss.growth, rss.start, rss.peak)
+    assert got["growth"] <= HOST_BUDGET + LOAD_CONSTANT, got
     # The swap files hold what training holds: no temporary keys beside the states, at any point (the
     # peak: 289 MB against 193 MB when split masters went through temporary keys).
-    assert loaded == trained, (loaded, trained)
-    assert loaded_blocks == trained_blocks, (loaded_blocks, trained_blocks)
+    assert got["loaded"] == got["trained"], got
+    assert got["loaded_blocks"] == got["trained_blocks"], got
