@@ -81,6 +81,25 @@ class FreeList:
         else:
             self._add_hole(offset, size)
 
+    def claim(self, slots: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Take the given ``(offset, nbytes)`` slots at once, on an empty list (a swap file adopted from a
+        checkpoint, whose keys already lie at those offsets); returns the holes left between them, as
+        ``(offset, size)``, which the caller may give back to the filesystem."""
+        if self.end != self.start:
+            raise ValueError("FreeList.claim: the list already holds slots; claim only into an empty one")
+        position, holes = self.start, []
+        for offset, nbytes in sorted(slots):
+            size = self.round_up(nbytes)
+            if offset % self.alignment or offset < position:
+                raise ValueError(f"FreeList.claim: slot [{offset}, {offset + size}) is not aligned to "
+                                 f"{self.alignment} or overlaps the one before (which ends at {position})")
+            if offset > position:
+                self._add_hole(position, offset - position)
+                holes.append((position, offset - position))
+            position = offset + size
+        self.end = position
+        return holes
+
     @property
     def hole_bytes(self) -> int:
         """Bytes inside ``[start, end)`` that are free for reuse."""

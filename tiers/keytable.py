@@ -61,6 +61,15 @@ class KeyTable(Generic[Place]):
             )
         return entry
 
+    def place(self, key: int, place: Place) -> Entry[Place]:
+        """Give ``key`` its place (a key allocated before its place was known); returns the new entry."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise KeyError(self._unknown(key))
+            self._entries[key] = entry = Entry(place, entry.nbytes, entry.tag)
+            return entry
+
     def items(self) -> list[tuple[int, Entry[Place]]]:
         with self._lock:
             return list(self._entries.items())

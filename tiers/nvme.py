@@ -3,6 +3,17 @@
 Where a key's bytes lie in the swap files is ``SwapSpace``'s business (tiers/swapspace.py,
 [Note: placement and striping]); this module moves the bytes and keeps the keys.
 
+[Note: adopting a checkpoint]
+A tier built with ``adopt=`` (a sealed swap file per directory: [Note: sealed swap files] in
+tiers/swapfile.py) takes over keys whose bytes are already in those files. Until ``settle``
+its keys are allocated without a place: no slot, no disk, and any read or write of them
+is refused. The owner then calls ``settle({key: placement})`` once: the named keys take
+their recorded placements (counted as written), every other key gets a new slot in the
+space left, and from then on the tier is an ordinary one. The first write renames the
+adopted files to this run's swap files; until then they are still the checkpoint.
+``seal(label)`` is the other end: once no transfer is in flight it flushes and renames
+the files, and the tier refuses any further write or key (reads still work).
+
 [Note: when a freed slot is reused]
 ``free`` forgets the key at once (any later use raises ``KeyError``), but if reads or
 writes of it are still in flight, its slots return to the free list only when the last
@@ -27,6 +38,10 @@ from tiers.pool import BufferPool
 from tiers.staging import Run, Staging, split_direct
 from tiers.swapspace import Placement, SwapSpace
 from tiers.telemetry import TierStats
+
+
+class SealedTierError(RuntimeError):
+    """A write or a new key on a tier whose swap files were sealed as a checkpoint."""
 
 
 class NVMeIOError(OSError):
@@ -62,6 +77,8 @@ class NVMeTier(Tier):
     verify : bool
         Keep the CRC-32 of every 64 KiB block written and check it on reads (see [Note: swap-file
         checksums] in tiers/checksums.py).
+    adopt : sequence of str | None
+        Per directory, a sealed swap file to take over (see [Note: adopting a checkpoint]).
 
     Examples
     --------
@@ -75,7 +92,7 @@ class NVMeTier(Tier):
 
     def __init__(self, paths: Sequence[str], handle: AioHandle, pool: BufferPool, name: str = "nvme", *,
                  stale: str = "remove", stripe_nbytes: int | None = None, workers: int | None = None,
-                 staging_depth: int = 4, verify: bool = False) -> None:
+                 staging_depth: int = 4, verify: bool = False, adopt: Sequence[str] | None = None) -> None:
         if isinstance(paths, str):
             paths = [paths]
         if not paths:
@@ -88,7 +105,7 @@ class NVMeTier(Tier):
         self.pool = pool
         self.run_id = uuid.uuid4().hex
         self.stripe_nbytes = stripe
-        self.swap = SwapSpace(paths, name, self.run_id, handle, stale, stripe)
+        self.swap = SwapSpace(paths, name, self.run_id, handle, stale, stripe, adopt=adopt)
         self._staging = Staging(handle, pool, depth=staging_depth)
         self._workers = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers or max(1, pool.count // 2), thread_name_prefix=f"{name}-staging")
@@ -100,18 +117,79 @@ class NVMeTier(Tier):
         self._written: set[int] = set()
         self._sums = BlockChecksums() if verify else None
         self._closed = False
+        # Keys allocated before ``settle`` (an adopting tier), and whether the adopted files are still the
+        # checkpoint; the label the files were sealed with ([Note: adopting a checkpoint]).
+        self._unplaced: set[int] | None = set() if adopt is not None else None
+        self._adopted_unwritten = adopt is not None
+        self.sealed: str | None = None
 
     # -- placement ---------------------------------------------------------------------------
     def allocate(self, nbytes: int, tag: str = "") -> int:
         nbytes = self._keys.validate_nbytes(nbytes, tag)
         if self._closed:
             raise RuntimeError(f"nvme tier {self.name!r} is closed")
-        placement = self.swap.place(nbytes, f"key tagged {tag!r}" if tag else "a new key")
+        self._refuse_if_sealed(f"allocate a key tagged {tag!r}")
+        if self._unplaced is not None:
+            with self._lock:
+                key = self._keys.add(None, nbytes, tag)
+                self._unplaced.add(key)
+        else:
+            placement = self.swap.place(nbytes, f"key tagged {tag!r}" if tag else "a new key")
+            key = self._keys.add(placement, nbytes, tag)
         self._stats.allocated(nbytes)
-        key = self._keys.add(placement, nbytes, tag)
         if self._sums is not None:
             self._sums.add(key, nbytes)
         return key
+
+    # -- checkpoints in the swap files (see [Note: adopting a checkpoint]) ---------------------
+    def placement(self, key: int) -> Placement:
+        """Where ``key``'s bytes lie (what a sealed checkpoint records)."""
+        place = self._keys.get(key).place
+        if place is None:
+            raise KeyError(f"{self.name} tier: key {key} has no place yet (settle the adopted keys first)")
+        return place
+
+    def settle(self, adopted: dict[int, Placement]) -> None:
+        """Give the keys of an adopting tier their places: ``adopted`` keys the recorded ones (their bytes
+        are the checkpoint's), every other key a new slot."""
+        if self._unplaced is None:
+            raise RuntimeError(f"nvme tier {self.name!r} adopts nothing, or has settled already")
+        with self._lock:
+            for key, placement in adopted.items():
+                entry = self._keys.get(key)
+                if key not in self._unplaced:
+                    raise ValueError(f"{self.name} tier: key {key} (tag {entry.tag!r}) is not an unplaced key")
+                if sum(placement.sizes) != entry.nbytes:
+                    raise ValueError(f"{self.name} tier: key {key} (tag {entry.tag!r}) holds {entry.nbytes} bytes, "
+                                     f"and the checkpoint's slot for it {sum(placement.sizes)}")
+            self.swap.claim(list(adopted.values()))
+            for key, placement in adopted.items():
+                self._keys.place(key, placement)
+                self._written.add(key)
+            rest = sorted(self._unplaced - set(adopted))
+            self._unplaced = None
+        for key in rest:
+            entry = self._keys.get(key)
+            self._keys.place(key, self.swap.place(entry.nbytes, f"key tagged {entry.tag!r}"))
+
+    def seal(self, label: str) -> list[str]:
+        """Flush the swap files and keep them as checkpoint ``label`` (renamed ``<name>.<label>.sealed``);
+        the tier refuses writes and new keys from now on. Returns the files' paths."""
+        self._refuse_if_sealed("seal it again")
+        with self._lock:
+            busy = sorted(self._inflight)
+        if busy:
+            raise RuntimeError(f"nvme tier {self.name!r}: cannot seal while transfers of keys {busy[:8]} are in "
+                               "flight; wait for them first")
+        paths = self.swap.seal(label)
+        self.sealed = label
+        return paths
+
+    def _refuse_if_sealed(self, what: str) -> None:
+        if self.sealed is not None:
+            raise SealedTierError(f"nvme tier {self.name!r}: cannot {what}: its swap files were sealed as "
+                                  f"checkpoint {self.sealed!r} and are kept unchanged; resume from that "
+                                  "checkpoint in a new model to go on training")
 
     # -- transfers ---------------------------------------------------------------------------
     def write(self, key: int, src: torch.Tensor, offset: int = 0) -> Future:
@@ -131,8 +209,16 @@ class NVMeTier(Tier):
     def _begin(self, key: int, offset: int, nbytes: int, verb: str) -> Entry[Placement]:
         if self._closed:
             raise RuntimeError(f"nvme tier {self.name!r} is closed")
+        if verb == "write":
+            self._refuse_if_sealed(f"write key {key}")
+            if self._adopted_unwritten:
+                self._consume()
         with self._lock:
             entry = self._keys.span(key, offset, nbytes, verb)
+            if entry.place is None:
+                raise UnwrittenKeyError(f"{self.name} tier: cannot {verb} key {key} (tag {entry.tag!r}) yet: the "
+                                        "tier is adopting a checkpoint's swap files and has not placed its keys "
+                                        "(settle)")
             if verb == "read" and key not in self._written:
                 raise UnwrittenKeyError(f"{self.name} tier: key {key} (tag {entry.tag!r}) was allocated but "
                                         "never written; its bytes are undefined")
@@ -140,6 +226,15 @@ class NVMeTier(Tier):
                 self._written.add(key)
             self._inflight[key] = self._inflight.get(key, 0) + 1
         return entry
+
+    def _consume(self) -> None:
+        with self._lock:
+            if not self._adopted_unwritten:
+                return
+            if self._unplaced is not None:
+                raise RuntimeError(f"nvme tier {self.name!r}: a write before the adopted keys were settled")
+            self._adopted_unwritten = False
+        self.swap.consume()
 
     def _end(self, key: int) -> None:
         with self._lock:
@@ -218,13 +313,15 @@ class NVMeTier(Tier):
         with self._lock:
             entry = self._keys.pop(key)
             self._written.discard(key)
+            if self._unplaced is not None:
+                self._unplaced.discard(key)
             if self._sums is not None:
                 self._sums.drop(key)
             busy = key in self._inflight
             if busy:
                 self._freed_busy[key] = entry
         self._stats.released(entry.nbytes)
-        if not busy:
+        if not busy and entry.place is not None:
             self.swap.release(entry.place)
 
     def nbytes(self, key: int) -> int:

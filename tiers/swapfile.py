@@ -27,6 +27,19 @@ file), and :meth:`SwapFile.check`, which the engine calls before each step's rea
 its header was overwritten. A file removed or replaced at its path only warns (once): the
 open descriptor still reaches this run's bytes, which live only as long as the run anyway.
 
+[Note: sealed swap files]
+A swap file can outlive its run as a checkpoint ("the swap files are the checkpoint", for a
+model whose states fill the disk so that no copy fits beside them). ``seal(label)`` flushes
+the file and renames it ``<tier>.<label>.sealed`` in its directory: a later run's stale-file
+check looks only at ``<tier>.swap``, so it never removes a sealed file, and closing the
+sealing tier leaves it. A later run *adopts* it (``adopt=`` the sealed path): it takes the
+directory's lock, checks the header, and opens the file where it lies, without writing
+anything; ``claim`` then marks the slots of the keys it takes over as used and gives the
+space between them back to the filesystem (bytes no key of the checkpoint holds). The file
+keeps its name, and so stays a valid checkpoint, until the first write into it:
+``consume`` renames it ``<tier>.swap`` and writes this run's header. A run that adopts and
+fails before writing (or is killed) leaves the checkpoint as it found it.
+
 [Note: disk blocks follow the live slots]
 A freed slot inside the file (not at its end) has its blocks handed back to the
 filesystem with ``fallocate(PUNCH_HOLE)``, and a slot that reuses a hole reserves its
@@ -100,6 +113,11 @@ class NVMeSpaceError(TierFullError):
     errno = errno.ENOSPC
 
 
+def sealed_name(tier_name: str, label: str) -> str:
+    """The file name a swap file of ``tier_name`` takes when sealed as checkpoint ``label``."""
+    return f"{tier_name}.{label}.sealed"
+
+
 def _read_header(path: str) -> str:
     """Who wrote the swap file at ``path``, in words (never trusted as data)."""
     try:
@@ -132,10 +150,13 @@ class SwapFile:
         Opens the file (with its ``direct`` setting) and writes the header.
     stale : {"remove", "refuse"}
         What to do with a swap file left by a crashed run; see [Note: stale swap files].
+    adopt : str | None
+        A sealed swap file in ``directory`` to take over instead of creating a new one (see
+        [Note: sealed swap files]); its slots are taken with :meth:`claim`.
     """
 
     def __init__(self, directory: str, tier_name: str, run_id: str, handle: AioHandle,
-                 stale: str = "remove") -> None:
+                 stale: str = "remove", adopt: str | None = None) -> None:
         if stale not in _STALE_CHOICES:
             raise ValueError(f"stale must be one of {_STALE_CHOICES}, got {stale!r}")
         self.directory = os.path.abspath(directory)
@@ -147,18 +168,48 @@ class SwapFile:
         self._lock = threading.Lock()
         self._can_punch = _fallocate is not None
         self._warned = False
+        # Whether the file at ``self.path`` is this run's to delete at close: not once sealed, nor while an
+        # adopted checkpoint has not been written to ([Note: sealed swap files]).
+        self._owned = adopt is None
         self._lock_fd = self._take_lock()
         try:
             self._clear_stale(stale)
-            self.file = handle.open(self.path, "rw", create=True)
-            self._identity = self._check_identity()
-            self._header = self._make_header()
-            handle.pwrite(self.file, self._header, 0).wait()
+            if adopt is None:
+                self.file = handle.open(self.path, "rw", create=True)
+                self._identity = self._check_identity()
+                self._header = self._make_header()
+                handle.pwrite(self.file, self._header, 0).wait()
+            else:
+                self.path = self._adoptable(adopt)
+                self.file = handle.open(self.path, "rw")
+                self._identity = self._check_identity()
+                self._header = self._file_header()
         except BaseException:
             self._drop_lock()
             raise
         self._slots = FreeList(start=_HEADER_NBYTES, alignment=ALIGNMENT)
         self._handle = handle
+
+    def _adoptable(self, path: str) -> str:
+        path = os.path.abspath(path)
+        if os.path.dirname(path) != self.directory:
+            raise ValueError(f"sealed swap file {path} is not in nvme_path directory {self.directory}; a swap "
+                             "file is adopted where it was sealed")
+        if not os.path.exists(path):
+            raise FileNotFoundError(errno.ENOENT, "sealed swap file of the checkpoint is missing (deleted, or "
+                                    "already consumed by a run that resumed from it and trained)", path)
+        whose = _read_header(path)
+        if whose.startswith(("not an", "unreadable", "an infinity swap header whose")):
+            raise SwapFileDamagedError(errno.EINVAL, f"sealed swap file cannot be adopted: {whose}", path)
+        return path
+
+    def _file_header(self) -> torch.Tensor:
+        header = aligned_empty(_HEADER_NBYTES)
+        with open(self.path, "rb") as handle:
+            raw = handle.read(_HEADER_NBYTES)
+        header.zero_()
+        header[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        return header
 
     def _check_directory(self) -> None:
         if not os.path.exists(self.directory):
@@ -264,6 +315,52 @@ class SwapFile:
                               self.path) from exc
             return offset
 
+    def claim(self, slots: list[tuple[int, int]]) -> None:
+        """Take the ``(offset, nbytes)`` slots of an adopted file's keys; the space between them and past
+        the last is given back to the filesystem (no key of the checkpoint holds it)."""
+        if self._owned:
+            raise RuntimeError(f"swap file {self.path}: claim is for an adopted sealed file")
+        with self._lock:
+            holes = self._slots.claim(slots)
+            for offset, size in holes:
+                self._punch(offset, size)
+            if os.fstat(self.file.fd).st_size > self._slots.end:
+                os.ftruncate(self.file.fd, self._slots.end)
+
+    def consume(self) -> None:
+        """Before the first write into an adopted file: it stops being a checkpoint and becomes this
+        run's ``<tier>.swap``, with this run's header ([Note: sealed swap files])."""
+        with self._lock:
+            if self._owned:
+                return
+            final = os.path.join(self.directory, f"{self.tier_name}.swap")
+            os.rename(self.path, final)
+            _fsync_dir(self.directory)
+            self.path = final
+            self._header = self._make_header()
+            self._handle.pwrite(self.file, self._header, 0).wait()
+            self._owned = True
+
+    def seal(self, label: str) -> str:
+        """Flush the file and rename it ``<tier>.<label>.sealed``; closing then leaves it (the caller
+        writes no more into it). Returns the new path ([Note: sealed swap files])."""
+        with self._lock:
+            if not self._owned:
+                raise RuntimeError(f"swap file {self.path} is already a checkpoint (sealed or adopted and not "
+                                   "written since); it cannot be sealed again")
+            os.fsync(self.file.fd)
+            sealed = os.path.join(self.directory, sealed_name(self.tier_name, label))
+            os.rename(self.path, sealed)
+            _fsync_dir(self.directory)
+            self.path = sealed
+            self._owned = False
+        return sealed
+
+    @property
+    def owned(self) -> bool:
+        """Whether the file is this run's own swap file (else a checkpoint: sealed, or adopted unwritten)."""
+        return self._owned
+
     def _reserve(self, offset: int, size: int, old_end: int) -> None:
         # posix_fallocate reserves the blocks now, so a full disk fails here, before any
         # data moves, rather than in the middle of a write; reads of reserved but unwritten
@@ -365,13 +462,14 @@ class SwapFile:
                           RuntimeWarning, stacklevel=2)
 
     def close(self) -> None:
-        """Close and delete the swap file, then release the directory lock."""
+        """Close and delete the swap file (not a checkpoint: sealed, or adopted and unwritten), then release
+        the directory lock."""
         if self.file.closed:
             return
         self.file.close()
         try:
             named = os.stat(self.path)
-            if (named.st_ino, named.st_dev) == self._identity:
+            if self._owned and (named.st_ino, named.st_dev) == self._identity:
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
@@ -391,3 +489,10 @@ class SwapFile:
     def __repr__(self) -> str:
         return f"SwapFile({self.path!r}, nbytes={self.file_nbytes})"
 
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

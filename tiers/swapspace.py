@@ -66,16 +66,23 @@ class SwapSpace:
         What to do with swap files left by a crashed run (tiers/swapfile.py).
     stripe_nbytes : int
         Stripe size of keys spread over several directories, a multiple of 4096.
+    adopt : sequence of str | None
+        Per directory, the sealed swap file to take over ([Note: sealed swap files] in tiers/swapfile.py).
     """
 
     def __init__(self, paths: Sequence[str], name: str, run_id: str, handle: AioHandle, stale: str,
-                 stripe_nbytes: int) -> None:
+                 stripe_nbytes: int, adopt: Sequence[str] | None = None) -> None:
         self.name = name
         self.stripe_nbytes = stripe_nbytes
         self.files: list[SwapFile] = []
+        paths = list(dict.fromkeys(str(p) for p in paths))
+        if adopt is not None and len(adopt) != len(paths):
+            raise ValueError(f"nvme tier {name!r}: {len(adopt)} sealed swap files to adopt for {len(paths)} "
+                             "directories; a checkpoint is adopted with the nvme_path it was saved with")
         try:
-            for path in dict.fromkeys(str(p) for p in paths):
-                self.files.append(SwapFile(path, name, run_id, handle, stale))
+            for i, path in enumerate(paths):
+                self.files.append(SwapFile(path, name, run_id, handle, stale,
+                                           adopt=None if adopt is None else adopt[i]))
         except BaseException:
             self.close()
             raise
@@ -139,6 +146,30 @@ class SwapSpace:
         """Give a key's slots back to their files."""
         for index, offset, size in zip(placement.files, placement.offsets, placement.sizes):
             self.files[index].release(offset, size)
+
+    def claim(self, placements: Sequence[Placement]) -> None:
+        """Take the slots of adopted keys in their files (every file adopted: those without keys end up empty)."""
+        slots: list[list[tuple[int, int]]] = [[] for _ in self.files]
+        for placement in placements:
+            if placement.stripe_nbytes != self.stripe_nbytes and len(placement.files) > 1:
+                raise ValueError(f"nvme tier {self.name!r}: a key striped in {placement.stripe_nbytes}-byte stripes "
+                                 f"cannot be adopted by a tier striping in {self.stripe_nbytes}")
+            for index, offset, size in zip(placement.files, placement.offsets, placement.sizes):
+                if not 0 <= index < len(self.files):
+                    raise ValueError(f"nvme tier {self.name!r}: an adopted key lies in swap file {index}, "
+                                     f"and the tier has {len(self.files)}")
+                slots[index].append((offset, size))
+        for swap, taken in zip(self.files, slots):
+            swap.claim(taken)
+
+    def consume(self) -> None:
+        """Before the first write: adopted files become this run's swap files."""
+        for swap in self.files:
+            swap.consume()
+
+    def seal(self, label: str) -> list[str]:
+        """Seal every swap file as checkpoint ``label``; their new paths, in directory order."""
+        return [swap.seal(label) for swap in self.files]
 
     def diagnose(self, placement: Placement | None = None) -> list[str]:
         """Problems found with the swap files (of one key's placement, or all): removed, replaced, truncated."""
