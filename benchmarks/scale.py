@@ -104,12 +104,15 @@ def _train_flags(cfg, args, swap: str, steps: int) -> list[str]:
             "--nvme-dir", swap, *args.extra]
 
 
-def _train(cfg, args, nvme_dir: str, label: str, steps: int, more: list[str]):
-    swap = tempfile.mkdtemp(prefix=f"scale-{label}-", dir=nvme_dir)
+def _train(cfg, args, nvme_dir: str, label: str, steps: int, more: list[str], swap: str | None = None):
+    """One training process; its swap files in ``swap`` (kept), or in a new directory removed after it."""
+    own = swap is None
+    swap = tempfile.mkdtemp(prefix=f"scale-{label}-", dir=nvme_dir) if own else swap
     try:
         return run_training([*_train_flags(cfg, args, swap, steps), *more], timeout=args.timeout, log_path=args.log)
     finally:
-        shutil.rmtree(swap, ignore_errors=True)
+        if own:
+            shutil.rmtree(swap, ignore_errors=True)
 
 
 def checkpoint_need(n_params: int, dtype_bytes: int, swap_bytes_per_param: float) -> dict:
@@ -119,12 +122,14 @@ def checkpoint_need(n_params: int, dtype_bytes: int, swap_bytes_per_param: float
     return {"checkpoint_bytes": ckpt, "swap_bytes": swap, "total_bytes": ckpt + swap}
 
 
-def _checkpoint_row(cfg, args, nvme_dir: str, label: str, first) -> dict:
-    """Resume the checkpoint ``first`` saved for one step in a new process (and the reference run)."""
+def _checkpoint_row(cfg, args, nvme_dir: str, label: str, first, swap: str | None = None) -> dict:
+    """Resume the checkpoint ``first`` saved for one step in a new process (and the reference run); a
+    checkpoint in place is resumed on its own swap directory ``swap``."""
     ck = first.report["checkpoint"]
     out = {"checkpoint_nbytes": ck["nbytes"], "checkpoint_seconds": ck["seconds"],
-           "checkpoint_bytes_per_param": ck["nbytes"] / cfg.n_params}
-    resumed = _train(cfg, args, nvme_dir, label + "-resume", 1, ["--resume", ck["path"]])
+           "checkpoint_bytes_per_param": ck["nbytes"] / cfg.n_params, "checkpoint_in_place": bool(ck.get("in_place")),
+           "checkpoint_sealed_nbytes": ck.get("sealed_nbytes", 0)}
+    resumed = _train(cfg, args, nvme_dir, label + "-resume", 1, ["--resume", ck["path"]], swap=swap)
     out.update(resume_error=resumed.error, resume_wall_seconds=resumed.wall_seconds,
                resume_peak_rss_sampled_bytes=resumed.peak_rss_sampled_bytes)
     if resumed.ok:
@@ -142,26 +147,30 @@ def _checkpoint_row(cfg, args, nvme_dir: str, label: str, first) -> dict:
 
 
 def run_size(cfg, args, nvme_dir: str, label: str) -> dict:
-    ck_dir, skip = None, None
+    ck_dir, skip, in_place = None, None, args.in_place
     if args.checkpoint:
         need = checkpoint_need(cfg.n_params, 2 if args.dtype != "float32" else 4, args.disk_bytes_per_param)
         free = shutil.disk_usage(nvme_dir).free
-        if need["total_bytes"] > free - DISK_HEADROOM_BYTES:
-            skip = (f"checkpoint not saved: it needs {format_bytes(need['checkpoint_bytes'])} beside "
-                    f"{format_bytes(need['swap_bytes'])} of swap files ({format_bytes(need['total_bytes'])} in all), "
-                    f"{format_bytes(free)} free on {nvme_dir}")
-            print(f"{label:>8}: {skip}", file=sys.stderr, flush=True)
-        else:
-            ck_dir = tempfile.mkdtemp(prefix=f"scale-{label}-ckpt-", dir=nvme_dir)
+        if not in_place and need["total_bytes"] > free - DISK_HEADROOM_BYTES:
+            # No room for a copy beside the swap files: the swap files become the checkpoint.
+            in_place = True
+            print(f"{label:>8}: a checkpoint needs {format_bytes(need['checkpoint_bytes'])} beside "
+                  f"{format_bytes(need['swap_bytes'])} of swap files ({format_bytes(need['total_bytes'])} in all), "
+                  f"{format_bytes(free)} free on {nvme_dir}: saving it in place", file=sys.stderr, flush=True)
+        ck_dir = tempfile.mkdtemp(prefix=f"scale-{label}-ckpt-", dir=nvme_dir)
+    # A checkpoint in place is resumed on the swap directory that holds it.
+    swap = tempfile.mkdtemp(prefix=f"scale-{label}-", dir=nvme_dir) if in_place and ck_dir else None
     try:
-        result = _train(cfg, args, nvme_dir, label, args.steps, ["--checkpoint", ck_dir] if ck_dir else [])
+        more = ["--checkpoint", ck_dir] + (["--checkpoint-in-place"] if swap else []) if ck_dir else []
+        result = _train(cfg, args, nvme_dir, label, args.steps, more, swap=swap)
         row = _row(cfg, label, result)
         row["checkpoint_skipped"] = skip
         if ck_dir and result.ok:
-            row.update(_checkpoint_row(cfg, args, nvme_dir, label, result))
+            row.update(_checkpoint_row(cfg, args, nvme_dir, label, result, swap))
     finally:
-        if ck_dir:
-            shutil.rmtree(ck_dir, ignore_errors=True)
+        for path in (ck_dir, swap):
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
     return row
 
 
@@ -291,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Adam moments' storage ([optimizer] state_dtype)")
     p.add_argument("--checkpoint", action="store_true",
                    help="save a checkpoint after the steps and resume it for one step (when it fits the disk)")
+    p.add_argument("--in-place", action="store_true",
+                   help="with --checkpoint: save it in place (the swap files become the checkpoint) even when a "
+                        "copy would fit; without this flag, only when it would not")
     p.add_argument("--reference", action="store_true",
                    help="with --checkpoint: also train steps + 1 uninterrupted, to compare the resumed loss")
     p.add_argument("--json", default=None)
@@ -309,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in fits:
         print(f"{f['state_dtype']:>5} moments: {f['stored_bytes_per_param']:.2f} B/param stored on NVMe, "
               f"{f['moved_bytes_per_param_step']:.2f} moved per step; largest that fits {nvme_dir}: "
-              f"{_label(f['largest_params'])} ({_label(f['largest_params_with_checkpoint'])} beside a checkpoint)",
+              f"{_label(f['largest_params'])} ({_label(f['largest_params_with_checkpoint'])} beside a copy checkpoint; one in place needs no room)",
               flush=True)
     if args.disk_bytes_per_param is None:
         args.disk_bytes_per_param = 1.02 * next(f["stored_bytes_per_param"] for f in fits
@@ -366,8 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("checkpoint_skipped"):
             print(f"{r['label']}: {r['checkpoint_skipped']}")
         elif "checkpoint_nbytes" in r:
-            print(f"{r['label']}: checkpoint {format_bytes(r['checkpoint_nbytes'])} "
-                  f"({r['checkpoint_bytes_per_param']:.2f} B/param) saved in {r['checkpoint_seconds']:.1f} s; "
+            kind = (f"in place (sealed swap files {format_bytes(r['checkpoint_sealed_nbytes'])}, no copy; "
+                    f"its own files {format_bytes(r['checkpoint_nbytes'])})" if r.get("checkpoint_in_place") else
+                    f"{format_bytes(r['checkpoint_nbytes'])} ({r['checkpoint_bytes_per_param']:.2f} B/param)")
+            print(f"{r['label']}: checkpoint {kind} saved in {r['checkpoint_seconds']:.1f} s; "
                   f"resumed step loss {r.get('resumed_loss', r.get('resume_error'))}"
                   + (f"; resumed process: peak RSS {format_bytes(r['resume_peak_rss_bytes'])}, NVMe peak "
                      f"{format_bytes(r['resume_nvme_peak_bytes'])} (training: {format_bytes(r['peak_rss_bytes'])}, "

@@ -113,6 +113,7 @@ class NVMeTier(Tier):
         self._stats = TierStats(name)
         self._lock = threading.Lock()
         self._inflight: dict[int, int] = {}
+        self._jobs: set[concurrent.futures.Future] = set()     # staged transfers running (a seal waits)
         self._freed_busy: dict[int, Entry[Placement]] = {}
         self._written: set[int] = set()
         self._sums = BlockChecksums() if verify else None
@@ -128,7 +129,7 @@ class NVMeTier(Tier):
         nbytes = self._keys.validate_nbytes(nbytes, tag)
         if self._closed:
             raise RuntimeError(f"nvme tier {self.name!r} is closed")
-        self._refuse_if_sealed(f"allocate a key tagged {tag!r}")
+        _refuse_if_sealed(self, f"allocate a key tagged {tag!r}")
         if self._unplaced is not None:
             with self._lock:
                 key = self._keys.add(None, nbytes, tag)
@@ -172,24 +173,23 @@ class NVMeTier(Tier):
             entry = self._keys.get(key)
             self._keys.place(key, self.swap.place(entry.nbytes, f"key tagged {entry.tag!r}"))
 
-    def seal(self, label: str) -> list[str]:
+    def seal(self, label: str | None) -> list[str]:
         """Flush the swap files and keep them as checkpoint ``label`` (renamed ``<name>.<label>.sealed``);
-        the tier refuses writes and new keys from now on. Returns the files' paths."""
-        self._refuse_if_sealed("seal it again")
-        with self._lock:
-            busy = sorted(self._inflight)
-        if busy:
-            raise RuntimeError(f"nvme tier {self.name!r}: cannot seal while transfers of keys {busy[:8]} are in "
-                               "flight; wait for them first")
+        the tier refuses writes and new keys from now on. Returns the files' paths. ``None`` undoes it (the
+        checkpoint failed): the files are this run's swap files again."""
+        if label is None:
+            if self.sealed is not None:
+                self.swap.unseal()
+                self.sealed = None
+            return [swap.path for swap in self.swap.files]
+        _refuse_if_sealed(self, "seal it again")
+        # Transfers their owners started and have not waited for yet (the engine overlaps them) land first:
+        # the staged ones, then every request of the handle.
+        concurrent.futures.wait(list(self._jobs))
+        self.handle.wait_all()
         paths = self.swap.seal(label)
         self.sealed = label
         return paths
-
-    def _refuse_if_sealed(self, what: str) -> None:
-        if self.sealed is not None:
-            raise SealedTierError(f"nvme tier {self.name!r}: cannot {what}: its swap files were sealed as "
-                                  f"checkpoint {self.sealed!r} and are kept unchanged; resume from that "
-                                  "checkpoint in a new model to go on training")
 
     # -- transfers ---------------------------------------------------------------------------
     def write(self, key: int, src: torch.Tensor, offset: int = 0) -> Future:
@@ -210,9 +210,15 @@ class NVMeTier(Tier):
         if self._closed:
             raise RuntimeError(f"nvme tier {self.name!r} is closed")
         if verb == "write":
-            self._refuse_if_sealed(f"write key {key}")
-            if self._adopted_unwritten:
-                self._consume()
+            _refuse_if_sealed(self, f"write key {key}")
+            consume = False
+            with self._lock:
+                if self._adopted_unwritten:
+                    if self._unplaced is not None:
+                        raise RuntimeError(f"nvme tier {self.name!r}: a write before the adopted keys were settled")
+                    self._adopted_unwritten, consume = False, True
+            if consume:     # the first write: the adopted files stop being the checkpoint
+                self.swap.consume()
         with self._lock:
             entry = self._keys.span(key, offset, nbytes, verb)
             if entry.place is None:
@@ -226,15 +232,6 @@ class NVMeTier(Tier):
                 self._written.add(key)
             self._inflight[key] = self._inflight.get(key, 0) + 1
         return entry
-
-    def _consume(self) -> None:
-        with self._lock:
-            if not self._adopted_unwritten:
-                return
-            if self._unplaced is not None:
-                raise RuntimeError(f"nvme tier {self.name!r}: a write before the adopted keys were settled")
-            self._adopted_unwritten = False
-        self.swap.consume()
 
     def _end(self, key: int) -> None:
         with self._lock:
@@ -258,10 +255,12 @@ class NVMeTier(Tier):
                 if not futures:
                     self._end(key)
                     return CompletedFuture(0)
-                wait, done = (lambda: self._wait_direct(futures, op, key, entry, offset),
+                wait, done = (lambda: _wait_direct(self, futures, op, key, entry, offset),
                               lambda: all(f.done() for f in futures))
             else:
                 job = self._workers.submit(self._staged_job, op, key, entry, offset, data, direct, staged)
+                self._jobs.add(job)
+                job.add_done_callback(self._jobs.discard)
                 wait, done = job.result, job.done
         except BaseException:
             self._end(key)
@@ -285,28 +284,9 @@ class NVMeTier(Tier):
             move(staged, data, owner)
         except OSError as exc:
             wait_quietly(futures)
-            raise self._error(exc, op, key, entry, offset, data.numel()) from exc
-        self._wait_direct(futures, op, key, entry, offset)
+            raise _io_error(self, exc, op, key, entry, offset, data.numel()) from exc
+        _wait_direct(self, futures, op, key, entry, offset)
         return data.numel()
-
-    def _wait_direct(self, futures: list[AioFuture], op: str, key: int, entry: Entry[Placement],
-                     offset: int) -> None:
-        first: OSError | None = None
-        for future in futures:
-            try:
-                future.wait()
-            except OSError as exc:
-                first = first or exc
-        if first is not None:
-            raise self._error(first, op, key, entry, offset, sum(f.nbytes for f in futures)) from first
-
-    def _error(self, exc: OSError, op: str, key: int, entry: Entry[Placement], offset: int,
-               nbytes: int) -> NVMeIOError:
-        causes = self.swap.diagnose(entry.place)
-        why = "; ".join(causes) if causes else "no damage to the swap files found"
-        message = (f"{self.name} tier: {op} of {nbytes} bytes at offset {offset} of key {key} "
-                   f"(tag {entry.tag!r}, {entry.nbytes} bytes) failed: {exc.strerror or exc}. {why}")
-        return NVMeIOError(exc.errno, message, exc.filename)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def free(self, key: int) -> None:
@@ -379,3 +359,32 @@ def _host_bytes(tensor: torch.Tensor, what: str) -> torch.Tensor:
         raise ValueError(f"{what} must be a CPU tensor (got one on {data.device}); "
                          "stage device tensors through a host buffer")
     return data
+
+
+def _wait_direct(tier: NVMeTier, futures: list[AioFuture], op: str, key: int, entry: Entry[Placement],
+                 offset: int) -> None:
+    first: OSError | None = None
+    for future in futures:
+        try:
+            future.wait()
+        except OSError as exc:
+            first = first or exc
+    if first is not None:
+        raise _io_error(tier, first, op, key, entry, offset, sum(f.nbytes for f in futures)) from first
+
+
+def _io_error(tier: NVMeTier, exc: OSError, op: str, key: int, entry: Entry[Placement], offset: int,
+              nbytes: int) -> NVMeIOError:
+    """The error of a failed transfer, naming the key, its tag, the bytes and what is wrong with the files."""
+    causes = tier.swap.diagnose(entry.place)
+    why = "; ".join(causes) if causes else "no damage to the swap files found"
+    message = (f"{tier.name} tier: {op} of {nbytes} bytes at offset {offset} of key {key} "
+               f"(tag {entry.tag!r}, {entry.nbytes} bytes) failed: {exc.strerror or exc}. {why}")
+    return NVMeIOError(exc.errno, message, exc.filename)
+
+
+def _refuse_if_sealed(tier: NVMeTier, what: str) -> None:
+    if tier.sealed is not None:
+        raise SealedTierError(f"nvme tier {tier.name!r}: cannot {what}: its swap files were sealed as checkpoint "
+                              f"{tier.sealed!r} and are kept unchanged; resume from that checkpoint in a new model "
+                              "to go on training")

@@ -135,6 +135,96 @@ def _read_header(path: str) -> str:
         return "an infinity swap header whose metadata is corrupted"
 
 
+def _new_header(run_id: str, tier_name: str) -> torch.Tensor:
+    """A header block naming this run (magic, run id, pid, host, time): never trusted as data."""
+    meta = {"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname(),
+            "created": time.time(), "tier": tier_name, "slot_alignment": ALIGNMENT}
+    raw = _MAGIC + json.dumps(meta).encode() + b"\n"
+    header = aligned_empty(_HEADER_NBYTES)
+    header.zero_()
+    header[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    return header
+
+
+def _adoptable(directory: str, path: str) -> str:
+    """``path``, absolute, once it is a sealed swap file in ``directory`` with an infinity header."""
+    path = os.path.abspath(path)
+    if os.path.dirname(path) != directory:
+        raise ValueError(f"sealed swap file {path} is not in nvme_path directory {directory}; a swap "
+                         "file is adopted where it was sealed")
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, "sealed swap file of the checkpoint is missing (deleted, or "
+                                "already consumed by a run that resumed from it and trained)", path)
+    whose = _read_header(path)
+    if whose.startswith(("not an", "unreadable", "an infinity swap header whose")):
+        raise SwapFileDamagedError(errno.EINVAL, f"sealed swap file cannot be adopted: {whose}", path)
+    return path
+
+
+def _header_of(path: str) -> torch.Tensor:
+    """The header block of the file at ``path`` (an adopted file keeps its own until consumed)."""
+    header = aligned_empty(_HEADER_NBYTES)
+    with open(path, "rb") as handle:
+        raw = handle.read(_HEADER_NBYTES)
+    header.zero_()
+    header[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    return header
+
+
+class DirectoryLock:
+    """The lock of one swap directory ([Note: one owner per directory]): taken at construction, ``release``d."""
+
+    def __init__(self, directory: str, tier_name: str, run_id: str) -> None:
+        self.directory, self.tier_name, self.run_id = directory, tier_name, run_id
+        self.path = os.path.join(directory, f".{tier_name}.lock")
+        self._fd = self._take()
+
+    def _take(self) -> int:
+        # The inode check guards against a holder unlinking the lock file between our
+        # open and our flock (we would then hold a lock nobody else can see).
+        for _attempt in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise SwapDirectoryLockedError(self._message(holder)) from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} run {self.run_id}\n".encode(), 0)
+                return fd
+            os.close(fd)
+        raise SwapDirectoryLockedError(f"nvme_path {self.directory}: lock file {self.path} keeps "
+                                       "being replaced by another process; cannot take the lock")
+
+    def _message(self, holder: str) -> str:
+        who = holder
+        fields = holder.split()
+        if len(fields) >= 2 and fields[0] == "pid" and fields[1] == str(os.getpid()):
+            who = f"this process ({holder}): another tier named {self.tier_name!r} is open on it; close it first"
+        else:
+            who = f"another process ({holder})"
+        return (f"nvme_path {self.directory} is locked by {who}; lock file {self.path}. "
+                "Two processes must not share swap files: give each process (rank) its own nvme_path "
+                "or tier name, or stop the other process")
+
+    def release(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = -1
+
+
 class SwapFile:
     """The swap file of one directory, locked for this process, with aligned slots.
 
@@ -162,54 +252,33 @@ class SwapFile:
         self.directory = os.path.abspath(directory)
         self._check_directory()
         self.path = os.path.join(self.directory, f"{tier_name}.swap")
-        self.lock_path = os.path.join(self.directory, f".{tier_name}.lock")
         self.tier_name = tier_name
         self.run_id = run_id
         self._lock = threading.Lock()
         self._can_punch = _fallocate is not None
         self._warned = False
-        # Whether the file at ``self.path`` is this run's to delete at close: not once sealed, nor while an
-        # adopted checkpoint has not been written to ([Note: sealed swap files]).
-        self._owned = adopt is None
-        self._lock_fd = self._take_lock()
+        # Whether the file at ``self.path`` is this run's own swap file, deleted at close; not once sealed,
+        # nor while an adopted checkpoint has not been written to ([Note: sealed swap files]).
+        self.owned = adopt is None
+        self._dir_lock = DirectoryLock(self.directory, tier_name, run_id)
+        self.lock_path = self._dir_lock.path
         try:
             self._clear_stale(stale)
             if adopt is None:
                 self.file = handle.open(self.path, "rw", create=True)
                 self._identity = self._check_identity()
-                self._header = self._make_header()
+                self._header = _new_header(run_id, tier_name)
                 handle.pwrite(self.file, self._header, 0).wait()
             else:
-                self.path = self._adoptable(adopt)
+                self.path = _adoptable(self.directory, adopt)
                 self.file = handle.open(self.path, "rw")
                 self._identity = self._check_identity()
-                self._header = self._file_header()
+                self._header = _header_of(self.path)
         except BaseException:
-            self._drop_lock()
+            self._dir_lock.release()
             raise
         self._slots = FreeList(start=_HEADER_NBYTES, alignment=ALIGNMENT)
         self._handle = handle
-
-    def _adoptable(self, path: str) -> str:
-        path = os.path.abspath(path)
-        if os.path.dirname(path) != self.directory:
-            raise ValueError(f"sealed swap file {path} is not in nvme_path directory {self.directory}; a swap "
-                             "file is adopted where it was sealed")
-        if not os.path.exists(path):
-            raise FileNotFoundError(errno.ENOENT, "sealed swap file of the checkpoint is missing (deleted, or "
-                                    "already consumed by a run that resumed from it and trained)", path)
-        whose = _read_header(path)
-        if whose.startswith(("not an", "unreadable", "an infinity swap header whose")):
-            raise SwapFileDamagedError(errno.EINVAL, f"sealed swap file cannot be adopted: {whose}", path)
-        return path
-
-    def _file_header(self) -> torch.Tensor:
-        header = aligned_empty(_HEADER_NBYTES)
-        with open(self.path, "rb") as handle:
-            raw = handle.read(_HEADER_NBYTES)
-        header.zero_()
-        header[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        return header
 
     def _check_directory(self) -> None:
         if not os.path.exists(self.directory):
@@ -235,40 +304,6 @@ class SwapFile:
                                        "this one opened it; is another job using this nvme_path?", self.path)
         return opened.st_ino, opened.st_dev
 
-    def _take_lock(self) -> int:
-        # The inode check guards against a holder unlinking the lock file between our
-        # open and our flock (we would then hold a lock nobody else can see).
-        for _attempt in range(100):
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise SwapDirectoryLockedError(self._locked_message(holder)) from None
-            try:
-                same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()} run {self.run_id}\n".encode(), 0)
-                return fd
-            os.close(fd)
-        raise SwapDirectoryLockedError(f"nvme_path {self.directory}: lock file {self.lock_path} keeps "
-                                       "being replaced by another process; cannot take the lock")
-
-    def _locked_message(self, holder: str) -> str:
-        who = holder
-        fields = holder.split()
-        if len(fields) >= 2 and fields[0] == "pid" and fields[1] == str(os.getpid()):
-            who = f"this process ({holder}): another tier named {self.tier_name!r} is open on it; close it first"
-        else:
-            who = f"another process ({holder})"
-        return (f"nvme_path {self.directory} is locked by {who}; lock file {self.lock_path}. "
-                "Two processes must not share swap files: give each process (rank) its own nvme_path "
-                "or tier name, or stop the other process")
-
     def _clear_stale(self, stale: str) -> None:
         if not os.path.lexists(self.path):
             return
@@ -281,15 +316,6 @@ class SwapFile:
         os.unlink(self.path)
         warnings.warn(f"removed stale swap file {self.path} left by {whose}; its contents are not reused",
                       RuntimeWarning, stacklevel=4)
-
-    def _make_header(self) -> torch.Tensor:
-        meta = {"run_id": self.run_id, "pid": os.getpid(), "host": socket.gethostname(),
-                "created": time.time(), "tier": self.tier_name, "slot_alignment": ALIGNMENT}
-        raw = _MAGIC + json.dumps(meta).encode() + b"\n"
-        header = aligned_empty(_HEADER_NBYTES)
-        header.zero_()
-        header[:len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        return header
 
     # -- slots --------------------------------------------------------------------------------
     def allocate(self, nbytes: int, what: str) -> int:
@@ -318,7 +344,7 @@ class SwapFile:
     def claim(self, slots: list[tuple[int, int]]) -> None:
         """Take the ``(offset, nbytes)`` slots of an adopted file's keys; the space between them and past
         the last is given back to the filesystem (no key of the checkpoint holds it)."""
-        if self._owned:
+        if self.owned:
             raise RuntimeError(f"swap file {self.path}: claim is for an adopted sealed file")
         with self._lock:
             holes = self._slots.claim(slots)
@@ -331,21 +357,21 @@ class SwapFile:
         """Before the first write into an adopted file: it stops being a checkpoint and becomes this
         run's ``<tier>.swap``, with this run's header ([Note: sealed swap files])."""
         with self._lock:
-            if self._owned:
+            if self.owned:
                 return
             final = os.path.join(self.directory, f"{self.tier_name}.swap")
             os.rename(self.path, final)
             _fsync_dir(self.directory)
             self.path = final
-            self._header = self._make_header()
+            self._header = _new_header(self.run_id, self.tier_name)
             self._handle.pwrite(self.file, self._header, 0).wait()
-            self._owned = True
+            self.owned = True
 
     def seal(self, label: str) -> str:
         """Flush the file and rename it ``<tier>.<label>.sealed``; closing then leaves it (the caller
         writes no more into it). Returns the new path ([Note: sealed swap files])."""
         with self._lock:
-            if not self._owned:
+            if not self.owned:
                 raise RuntimeError(f"swap file {self.path} is already a checkpoint (sealed or adopted and not "
                                    "written since); it cannot be sealed again")
             os.fsync(self.file.fd)
@@ -353,13 +379,17 @@ class SwapFile:
             os.rename(self.path, sealed)
             _fsync_dir(self.directory)
             self.path = sealed
-            self._owned = False
+            self.owned = False
         return sealed
 
-    @property
-    def owned(self) -> bool:
-        """Whether the file is this run's own swap file (else a checkpoint: sealed, or adopted unwritten)."""
-        return self._owned
+    def unseal(self) -> None:
+        """Undo :meth:`seal` (a save that failed after it): the file is this run's ``<tier>.swap`` again."""
+        with self._lock:
+            final = os.path.join(self.directory, f"{self.tier_name}.swap")
+            os.rename(self.path, final)
+            _fsync_dir(self.directory)
+            self.path = final
+            self.owned = True
 
     def _reserve(self, offset: int, size: int, old_end: int) -> None:
         # posix_fallocate reserves the blocks now, so a full disk fails here, before any
@@ -469,22 +499,11 @@ class SwapFile:
         self.file.close()
         try:
             named = os.stat(self.path)
-            if self._owned and (named.st_ino, named.st_dev) == self._identity:
+            if self.owned and (named.st_ino, named.st_dev) == self._identity:
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
-        self._drop_lock()
-
-    def _drop_lock(self) -> None:
-        if self._lock_fd < 0:
-            return
-        try:
-            if os.stat(self.lock_path).st_ino == os.fstat(self._lock_fd).st_ino:
-                os.unlink(self.lock_path)
-        except FileNotFoundError:
-            pass
-        os.close(self._lock_fd)
-        self._lock_fd = -1
+        self._dir_lock.release()
 
     def __repr__(self) -> str:
         return f"SwapFile({self.path!r}, nbytes={self.file_nbytes})"

@@ -171,6 +171,11 @@ class SwapSpace:
         """Seal every swap file as checkpoint ``label``; their new paths, in directory order."""
         return [swap.seal(label) for swap in self.files]
 
+    def unseal(self) -> None:
+        for swap in self.files:
+            if not swap.owned:
+                swap.unseal()
+
     def diagnose(self, placement: Placement | None = None) -> list[str]:
         """Problems found with the swap files (of one key's placement, or all): removed, replaced, truncated."""
         indices = range(len(self.files)) if placement is None else placement.files

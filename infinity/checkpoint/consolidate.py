@@ -190,6 +190,7 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
     if state not in _STATES:
         raise ValueError(f"consolidate: state must be one of {', '.join(_STATES)}, got {state!r}")
     saved = SavedCheckpoint(ckpt)
+    saved.refuse_in_place("infinity-consolidate")
     out = os.fspath(out)
     parent = os.path.dirname(os.path.abspath(saved.directory))    # the directory its save commits into
     _refuse_output_inside(out, [os.fspath(ckpt), saved.directory]

@@ -72,7 +72,7 @@ import zlib
 
 from infinity.checkpoint.disk import SaveSize, writing
 from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointLockedError,
-                                        CheckpointNotFoundError)
+                                        CheckpointMismatchError, CheckpointNotFoundError)
 from infinity.checkpoint.manifest import (COMMIT, FORMAT, LATEST, MANIFEST, VERSION, FileRecord, dump_json,
                                           fsync_dir, load_json, sync_files, write_bytes, write_durably)
 
@@ -336,6 +336,14 @@ class SavedCheckpoint:
         data = self.rank_manifest(rank).get("files", {}).get(name)
         where = os.path.join(self.directory, f"rank{rank}", MANIFEST)
         return None if data is None else FileRecord.from_json(data, where)
+
+    def refuse_in_place(self, what: str) -> None:
+        """Raise when this is a checkpoint in place, which only a model built from it can load."""
+        if self.manifest.get("in_place"):
+            raise CheckpointMismatchError(
+                f"{what}: {self.directory} is a checkpoint in place: its states are the sealed swap files of the "
+                "run that saved it, not files of its own. Build the model with infinity.Init(config, resume=<this "
+                "checkpoint>) and then call infinity.load_checkpoint; it cannot be resharded or consolidated")
 
     def path_of(self, record: FileRecord) -> str:
         return os.path.join(self.directory, record.path)

@@ -86,6 +86,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
     engine = registry.engine_of(model, "infinity.load_checkpoint")
     opt = check_ready(engine, opt, "infinity.load_checkpoint", damaged_ok=True)
     where = os.fspath(path)
+    resume = getattr(engine, "resume", None)
+    if resume is not None and engine.damaged and resume.id is not None:
+        return _load_in_place(engine, model, opt, resume, where)
     error, load = None, None
     undo = _Undo(opt)
     engine.coordinator.release_all(include_persistent=True)
@@ -109,8 +112,47 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
     except BaseException as exc:
         # On every rank, also those whose part went through: the model is one mixture.
         engine.damaged = (f"loading checkpoint {where} failed after its bytes began to reach the tiers "
-                          f"({exc}); the states are partly loaded")
+                          f"({exc}); the states are partly loaded: load a checkpoint (infinity.load_checkpoint) before "
+                          "training or saving")
         raise
+    engine.damaged = None
+    return extra
+
+
+def _load_in_place(engine, model: nn.Module, opt, resume, where: str):
+    """The rest of a checkpoint in place, into a model built from it ([Note: checkpoints in place])."""
+    error, extra = None, None
+    try:
+        saved = SavedCheckpoint(where)
+        if saved.manifest.get("id") != resume.id:
+            raise CheckpointMismatchError(
+                f"infinity.load_checkpoint({where!r}): this model was built from the checkpoint in place "
+                f"{resume.path} (id {resume.id}), which is the one it must load, not {saved.directory}")
+        resume.verify(engine)
+        buffers = model_buffers(model)
+        _check_buffers(saved.manifest, buffers)
+        values = _read_buffers(saved, saved.manifest)
+        rank = engine.ranks.rank
+        state = saved.rank_manifest(rank)
+        record = saved.file(rank, "extra")
+        if record is not None:
+            extra = torch.load(_io.BytesIO(read_small_file(saved.directory, record)), weights_only=False)
+        record = saved.file(rank, "exceptions")
+        if engine.store.split is not None:
+            if record is None:
+                raise CheckpointCorruptError(f"{saved.directory}: rank {rank} saved no split-master exceptions")
+            engine.store.split.exceptions.load(torch.load(_io.BytesIO(read_small_file(saved.directory, record))))
+        if opt is not None:
+            _restore_optimizer(opt, saved.manifest)
+        engine.store.moments_initialized = bool(saved.manifest.get("moments_initialized"))
+        with torch.no_grad():
+            for name, value in values.items():
+                buffers[name].copy_(value)
+        rng.restore(state["rng"])
+    except BaseException as exc:
+        error = exc
+    agree(engine.ranks, error, f"loading checkpoint in place {where} (the model stays untrainable until it loads)")
+    resume.id = None        # loaded: the model trains from here
     engine.damaged = None
     return extra
 
@@ -197,6 +239,7 @@ class _Verified:
     def __init__(self, engine, model: nn.Module, opt, saved: SavedCheckpoint) -> None:
         self.engine, self.opt, self.saved = engine, opt, saved
         manifest = saved.manifest
+        saved.refuse_in_place("infinity.load_checkpoint")
         # Split masters and compressed moments are rebuilt as their sub-groups complete
         # ([Note: staged sub-groups] in staging.py).
         self.staged = _staging(engine.store)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from infinity import registry
-from infinity.checkpoint import directory, rng
+from infinity.checkpoint import directory, in_place as swap_checkpoint, rng
 from infinity.checkpoint.agreement import agree, agree_id
 from infinity.checkpoint.disk import SaveSize, check_room, free_bytes, writing
 from infinity.checkpoint.errors import CheckpointError
@@ -25,7 +25,8 @@ from infinity.optim.split_master import MasterSource
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=None, *, keep: int = 1) -> str:
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=None, *, keep: int = 1,
+                    in_place: bool = False) -> str:
     """Save the sharded model and optimizer states to ``path``, crash-safely; call on every rank.
 
     Each rank streams its compute-copy, fp32 master and Adam moment shards from their
@@ -50,6 +51,12 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
         returned by ``load_checkpoint`` (it is pickled: load only checkpoints you trust).
     keep:
         Committed versions to keep in ``path``, the new one included (older ones are removed).
+    in_place:
+        Write no copy of the states: the swap files become the checkpoint, sealed where they lie
+        (parameters and optimizer states on NVMe; see [Note: checkpoints in place] in
+        ``infinity/checkpoint/in_place.py``). The model then stops training; resume with
+        ``infinity.Init(config, resume=path)`` and ``load_checkpoint``. For models whose states
+        leave no room on the disk for a copy.
 
     Returns
     -------
@@ -73,8 +80,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
     chunk = min(CHUNK_NBYTES, engine.config.checkpoint.buffer_size)
     error, lock, description = None, None, None
     try:
+        if in_place:
+            swap_checkpoint.check_can_save(engine)
         description = describe(engine, model)
-        size = SaveSize(root, _rank_nbytes(engine, description["buffer_tensors"]), ranks.rank)
+        size = SaveSize(root, _rank_nbytes(engine, description["buffer_tensors"], in_place), ranks.rank)
         if ranks.rank == 0:                         # [Note: one saver per directory]
             lock = directory.SaveLock(root, size)
             # Retired versions are normally deleted in the background; only a save short of room waits.
@@ -87,19 +96,21 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
             check_room(size)
             with writing(size, directory.rank_dir(tmp, ranks.rank), None, "creating"):
                 os.makedirs(directory.rank_dir(tmp, ranks.rank), exist_ok=True)
-            _write_rank(engine, tmp, chunk, extra, description["buffer_tensors"], size)
+            _write_rank(engine, tmp, chunk, extra, description["buffer_tensors"], size,
+                        save_id if in_place else None)
         except BaseException as exc:
             error = exc
         try:
             agree(ranks, error, f"writing their shards of checkpoint {root}")
         except BaseException:
+            swap_checkpoint.unseal_rank(engine)
             if ranks.rank == 0:                     # every rank has stopped writing: leave no debris
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         name = directory.version_name(step, save_id)
         if ranks.rank == 0:
             try:
-                manifest = dump_json(_global_manifest(engine, opt, description, save_id, step, chunk))
+                manifest = dump_json(_global_manifest(engine, opt, description, save_id, step, chunk, in_place))
                 with writing(size, os.path.join(tmp, MANIFEST), len(manifest), "global manifest"):
                     write_bytes(os.path.join(tmp, MANIFEST), manifest)
                 record = {"id": save_id, "step": step, "world_size": ranks.world_size}
@@ -107,7 +118,11 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
             except BaseException as exc:
                 error = exc
                 shutil.rmtree(tmp, ignore_errors=True)
-        agree(ranks, error, f"committing checkpoint {root}")
+        try:
+            agree(ranks, error, f"committing checkpoint {root}")
+        except BaseException:
+            swap_checkpoint.unseal_rank(engine)
+            raise
     finally:
         if lock is not None:
             lock.release()
@@ -201,11 +216,13 @@ def describe(engine, model: nn.Module) -> dict:
             "state_dict_keys": list(state_dict), "joins": tiled_joins(model)}
 
 
-def _rank_nbytes(engine, buffers: dict[str, torch.Tensor]) -> int:
+def _rank_nbytes(engine, buffers: dict[str, torch.Tensor], in_place: bool = False) -> int:
     """About the bytes this rank's save writes (data files and buffers; ``extra`` and manifests are small)."""
+    own_buffers = sum(t.numel() * t.element_size() for t in buffers.values()) if engine.ranks.rank == 0 else 0
+    if in_place:
+        return own_buffers
     params = sum(g.shard_numel for g in engine.coordinator.groups) * itemsize(engine.coordinator.dtype)
     states = 3 * 4 * sum(n for _, n in engine.layout.sub_ranges)
-    own_buffers = sum(t.numel() * t.element_size() for t in buffers.values()) if engine.ranks.rank == 0 else 0
     return params + states + own_buffers
 
 
@@ -229,15 +246,18 @@ def _rank_spans(engine) -> dict[str, list]:
     return files
 
 
-def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Tensor], size: SaveSize) -> None:
+def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Tensor], size: SaveSize,
+                seal_id: str | None = None) -> None:
+    """This rank's files; with ``seal_id``, no state files: its swap files are sealed as the checkpoint."""
     rank = engine.ranks.rank
     rdir = directory.rank_dir(tmp, rank)
     files = {}
-    with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
-        for name, spans in _rank_spans(engine).items():
-            relpath = f"rank{rank}/{name}.bin"
-            with writing(size, os.path.join(tmp, relpath), sum(s.nbytes for s in spans)):
-                files[name] = write_file(io, tmp, relpath, spans, chunk)
+    if seal_id is None:
+        with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
+            for name, spans in _rank_spans(engine).items():
+                relpath = f"rank{rank}/{name}.bin"
+                with writing(size, os.path.join(tmp, relpath), sum(s.nbytes for s in spans)):
+                    files[name] = write_file(io, tmp, relpath, spans, chunk)
     small = {}
     if rank == 0:
         small["buffers"] = (f"rank{rank}/buffers.bin", _buffer_bytes(buffers))
@@ -245,11 +265,17 @@ def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Te
         raw = _io.BytesIO()
         torch.save(extra, raw)
         small["extra"] = (f"rank{rank}/extra.pt", raw.getvalue())
+    exceptions = swap_checkpoint.exceptions_bytes(engine.store) if seal_id is not None else None
+    if exceptions is not None:
+        small["exceptions"] = (f"rank{rank}/exceptions.pt", exceptions)
     for name, (relpath, data) in small.items():
         with writing(size, os.path.join(tmp, relpath), len(data)):
             files[name] = write_small_file(tmp, relpath, data, chunk)
-    manifest = dump_json({"rank": rank, "world_size": engine.ranks.world_size,
-                          "files": {k: v.to_json() for k, v in files.items()}, "rng": rng.capture()})
+    record = {"rank": rank, "world_size": engine.ranks.world_size,
+              "files": {k: v.to_json() for k, v in files.items()}, "rng": rng.capture()}
+    if seal_id is not None:
+        record["swap"] = swap_checkpoint.seal_rank(engine, seal_id)
+    manifest = dump_json(record)
     with writing(size, os.path.join(rdir, MANIFEST), len(manifest), "manifest"):
         write_bytes(os.path.join(rdir, MANIFEST), manifest)
     with writing(size, rdir, None, "flushing (fsync) the files of"):
@@ -293,7 +319,8 @@ def _jsonable_hyper(group: dict) -> dict:
     return out
 
 
-def _global_manifest(engine, opt, description: dict, save_id: str, step: int, chunk: int) -> dict:
+def _global_manifest(engine, opt, description: dict, save_id: str, step: int, chunk: int,
+                     in_place: bool = False) -> dict:
     layout = engine.layout
     optimizer = None
     if opt is not None:
@@ -304,6 +331,7 @@ def _global_manifest(engine, opt, description: dict, save_id: str, step: int, ch
                      "loss_scale": engine.loss_scaler.as_dict() if engine.loss_scaler is not None else None}
     return {
         "format": FORMAT, "version": VERSION, "id": save_id, "step": step, "created": time.time(),
+        "in_place": in_place,
         "world_size": engine.ranks.world_size, "chunk_nbytes": chunk,
         "param_dtype": dtype_name(engine.coordinator.dtype),
         "moments_initialized": bool(engine.store.moments_initialized),

@@ -54,6 +54,9 @@ class TrainOptions:
         Swap directory (sets ``tiers.nvme_path``).
     json, checkpoint, resume:
         Where the report goes, where to save a checkpoint at the end, which to load first.
+    checkpoint_in_place:
+        Save that checkpoint in place: the swap files become it, no copy is written
+        (``save_checkpoint(..., in_place=True)``); resume it with the same ``nvme_dir``.
     data:
         ``random``, ``repeat`` or ``text`` (see ``data.py``).
     lr, weight_decay, seed:
@@ -77,6 +80,7 @@ class TrainOptions:
     nvme_dir: str | None = None
     json: str | None = None
     checkpoint: str | None = None
+    checkpoint_in_place: bool = False
     resume: str | None = None
     data: str = "random"
     lr: float = 3e-4
@@ -221,7 +225,11 @@ def _build(options: TrainOptions, model_cfg, config) -> _Run:
         return _Run(model, opt, device, None if dtype == torch.float32 else dtype)
     import infinity
 
-    with infinity.Init(config):
+    from infinity.checkpoint.in_place import saved_in_place
+
+    # A checkpoint in place is taken over while the model is built ([Note: checkpoints in place]).
+    resume = options.resume if options.resume and saved_in_place(options.resume) else None
+    with infinity.Init(config, resume=resume):
         model = build_model(model_cfg)
     opt = infinity.AdamW(model, lr=options.lr, weight_decay=options.weight_decay)
     from infinity import registry
@@ -264,8 +272,14 @@ def _save_checkpoint(run: _Run, options: TrainOptions, step: int) -> dict:
                                           "(infinity.save_checkpoint unavailable)"}
         import infinity
 
-        path = infinity.save_checkpoint(path, run.model, run.optimizer, extra={"step": step})
-    return {"path": os.path.abspath(path), "seconds": time.perf_counter() - t0, "nbytes": _tree_nbytes(path)}
+        path = infinity.save_checkpoint(path, run.model, run.optimizer, extra={"step": step},
+                                        in_place=options.checkpoint_in_place)
+    out = {"path": os.path.abspath(path), "seconds": time.perf_counter() - t0, "nbytes": _tree_nbytes(path)}
+    if options.checkpoint_in_place:     # the states are the sealed swap files: count them too
+        sealed = [os.path.join(d, f) for d, _, files in os.walk(options.nvme_dir or ".") for f in files
+                  if f.endswith(".sealed")]
+        out.update(in_place=True, sealed_nbytes=sum(os.stat(f).st_blocks * 512 for f in sealed))
+    return out
 
 
 def _tree_nbytes(path: str) -> int:
@@ -385,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-dir", default=None, help="directory for the NVMe swap files (tiers.nvme_path)")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--checkpoint", default=None, help="save a checkpoint into this directory at the end")
+    p.add_argument("--checkpoint-in-place", action="store_true",
+                   help="save it in place: the swap files become the checkpoint (no copy; training ends; "
+                        "resume it with --resume and the same --nvme-dir)")
     p.add_argument("--resume", default=None, help="load this checkpoint (a --checkpoint directory) first")
     p.add_argument("--data", default="random", choices=data.SOURCES)
     p.add_argument("--lr", type=float, default=3e-4)

@@ -147,6 +147,14 @@ class Exceptions:
     def count(self) -> int:
         return sum(i.numel() for i, _ in self._of.values())
 
+    def state(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Every sub-group's exceptions (what a checkpoint in place saves beside the swap files)."""
+        return dict(self._of)
+
+    def load(self, state: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Replace every exception with ``state`` (from ``state()``)."""
+        self._of = {int(sub): (index, values) for sub, (index, values) in state.items()}
+
 
 class CopyAccess:
     """Reads and writes of the compute copies by flat-layout piece (the parameter shards).

@@ -70,6 +70,9 @@ class Partitioner:
         # [Note: groups whose values come later].
         self._sources: dict[ParamGroup, Callable[[torch.Tensor], None] | None] = {}
         self._deferring = False
+        # A checkpoint in place the model is built from: every group waits for its values, which are
+        # already in the adopted swap files ([Note: checkpoints in place] in infinity/checkpoint/in_place.py).
+        self._resume = engine.resume
         # Host memory for the flat values of the module being partitioned, reused module after
         # module: construction allocates nothing per module beyond what the model's own code does
         # (else the C allocator's heap grows with every module built). Freed with the partitioner.
@@ -98,7 +101,7 @@ class Partitioner:
     def _partition(self, name: str, params: list[tuple[str, nn.Parameter]]) -> ParamGroup:
         group = self.coordinator.new_group(name, params)
         group.trainable = all(p.requires_grad for _, p in params)
-        if self._deferring:
+        if self._deferring or self._resume is not None:
             self.coordinator.partition(group, None)
             self._sources[group] = None
             return group
@@ -203,6 +206,9 @@ class Partitioner:
 
     def dematerialize(self, group: ParamGroup) -> None:
         """Re-shard a materialized group from its (possibly edited) values, rank 0's winning."""
+        if self._resume is not None:    # its values are the checkpoint's, whatever construction did
+            group.to_not_available()
+            return
         # In fp32, whatever the compute dtype: the master weights keep the values construction gave.
         full = group.flatten([s.param.data for s in group.slots], dtype=torch.float32)
         self.ranks.broadcast(full, src=0)
@@ -241,8 +247,13 @@ class Partitioner:
                                                               config.dpu.enabled),
                                     moment_format=MomentFormat(config.optimizer.state_dtype,
                                                                config.optimizer.state_block_size))
-        self._move_masters(store)
+        if self._resume is None:
+            self._move_masters(store)
+        else:
+            self._sources.clear()
         store.allocate_states()
+        if self._resume is not None:
+            self._resume.settle(self.engine, store)
         self._scratch = None    # its slabs go back to the system
         return store
 
@@ -336,8 +347,12 @@ class Partitioner:
         the_plan = plan(census, config, world_size=self.ranks.world_size, local_ranks=1, check_fit=False)
         paths = config.tiers.nvme_path or (None,)
         needs = []
+        if self._resume is not None:    # the adopted files hold the states already: only growth beyond them
+            beyond = sum(r.nbytes for r in the_plan.rows if r.tier == "nvme") - self._resume.adopted_nbytes()
+            needs += [Need("model states beyond the checkpoint's swap files", "nvme", max(0, beyond) // len(paths), p)
+                      for p in paths]
         for row in the_plan.rows:
-            if row.key not in _NOT_YET_ALLOCATED or row.nbytes == 0:
+            if row.key not in _NOT_YET_ALLOCATED or row.nbytes == 0 or (self._resume is not None and row.tier == "nvme"):
                 continue
             if row.tier == "nvme":
                 needs += [Need(row.what, "nvme", row.nbytes // len(paths), p) for p in paths]

@@ -48,14 +48,18 @@ class Engine:
         The loaded config.
     group:
         A ``torch.distributed`` process group (None: the default group, or one rank).
+    resume:
+        A checkpoint in place to build from (``infinity.checkpoint.in_place.Resume``), or None.
     """
 
-    def __init__(self, config: Config, group=None) -> None:
+    def __init__(self, config: Config, group=None, resume=None) -> None:
         self.config = config
         self.device = ComputeDevice(config.tiers.compute_device())
         self.ranks = Ranks(group, self.device.device)
         self.dtype = config.precision.torch_dtype
-        self.tiers = TierSet(config, self.device, self.ranks.rank)
+        self.resume = resume
+        adopt = None if resume is None else resume.files(config, self.ranks.rank, self.ranks.world_size)
+        self.tiers = TierSet(config, self.device, self.ranks.rank, adopt=adopt)
         try:   # everything above the tiers: when any of it fails, the tiers close again
             self.ranks.allocator = self.tiers.allocator     # see [Note: what a collective may be given]
             self.datapath = DataPath(self.device, self.tiers.allocator)
@@ -178,8 +182,7 @@ class Engine:
     def check_intact(self, what: str) -> None:
         """Refuse ``what`` while the states are damaged (a load failed half-way), saying how to recover."""
         if self.damaged:
-            raise EngineError(f"{what}: refused because {self.damaged}; load a checkpoint "
-                              "(infinity.load_checkpoint) before training or saving")
+            raise EngineError(f"{what}: refused because {self.damaged}")
 
     @property
     def backward_running(self) -> bool:

@@ -79,6 +79,10 @@ class Init:
     group:
         A ``torch.distributed`` process group; None uses the default group when one is
         initialized (torchrun), else runs as a single rank.
+    resume:
+        A checkpoint saved with ``save_checkpoint(..., in_place=True)``: the model built takes over its
+        sealed swap files instead of writing initial values (see [Note: checkpoints in place] in
+        infinity/checkpoint/in_place.py); call ``infinity.load_checkpoint(resume, model, opt)`` next.
 
     Examples
     --------
@@ -95,9 +99,14 @@ class Init:
     True
     """
 
-    def __init__(self, config: str | dict | Config | None = None, *, group=None) -> None:
+    def __init__(self, config: str | dict | Config | None = None, *, group=None, resume=None) -> None:
         self.config = load_config(config)
         self.group = group
+        self.resume = None
+        if resume is not None:
+            from infinity.checkpoint.in_place import Resume
+
+            self.resume = Resume(resume)
         self.engine: Engine | None = None
         self.partitioner: Partitioner | None = None
         self._patched: list[tuple[type, object]] = []
@@ -117,7 +126,7 @@ class Init:
         if getattr(nn.Module.__init__, "infinity_init", False) or any(
                 getattr(c.__dict__.get("__init__"), "infinity_init", False) for c in (nn.Linear,)):
             raise RuntimeError("infinity.Init is already active; nested Init contexts are not supported")
-        self.engine = Engine(self.config, self.group)
+        self.engine = Engine(self.config, self.group, resume=self.resume)
         try:
             self.partitioner = Partitioner(self.engine)
             for cls in _all_subclasses(nn.Module):

@@ -26,9 +26,11 @@ class TierSet:
         The compute device (infinity.runtime.device.ComputeDevice).
     rank:
         This rank, for the per-rank swap directories.
+    adopt:
+        Sealed swap files the NVMe tier takes over, one per directory (a checkpoint in place), or None.
     """
 
-    def __init__(self, config: Config, device, rank: int) -> None:
+    def __init__(self, config: Config, device, rank: int, adopt: list[str] | None = None) -> None:
         from tiers.device import DeviceTier
         from tiers.host import HostTier
         from tiers.host_alloc import HostAllocator
@@ -60,7 +62,7 @@ class TierSet:
             for d in dirs:
                 os.makedirs(d, exist_ok=True)
             try:
-                self.nvme_tier = NVMeTier(dirs, self.handle, self.pool, verify=t.verify)
+                self.nvme_tier = NVMeTier(dirs, self.handle, self.pool, verify=t.verify, adopt=adopt)
             except BaseException:
                 self.handle.close()
                 raise

@@ -1,0 +1,179 @@
+"""Checkpoints in place: the swap files sealed as the checkpoint, adopted by the run that resumes
+([Note: checkpoints in place] in infinity/checkpoint/in_place.py)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from infinity.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from infinity.errors import EngineError
+
+WIDTH, LAYERS = 96, 4
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(width)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.norm(x).float().pow(2).mean()
+
+
+def _config(nvme, dtype="float32", state_dtype="fp32", **partition):
+    return {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(nvme), "device": "cpu",
+                      "pool_buffer_size": "256KiB", "pool_buffers": 4},
+            "precision": {"dtype": dtype}, "optimizer": {"state_dtype": state_dtype},
+            "partition": {"sub_group_size": 4096, **partition}, "aio": {"engine": "threads"},
+            "checkpoint": {"buffer_size": "1MiB"}}
+
+
+def _build(cfg, resume=None, width=WIDTH):
+    torch.manual_seed(0)
+    with infinity.Init(cfg, resume=resume):
+        model = Stack(width)
+    return model, infinity.AdamW(model, lr=1e-2)
+
+
+def _step(model, opt, i, dtype):
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(i)).to(dtype)
+    loss = model(x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _swap_files(nvme):
+    return sorted(f for _, _, files in os.walk(nvme) for f in files if not f.startswith("."))
+
+
+@pytest.mark.parametrize("dtype,state_dtype", [("float32", "fp32"), ("bfloat16", "int8")])
+def test_a_run_resumed_from_its_sealed_swap_files_trains_on_exactly(tmp_path, dtype, state_dtype):
+    torch_dtype = getattr(torch, dtype)
+    (tmp_path / "ref").mkdir()
+    model, opt = _build(_config(tmp_path / "ref", dtype, state_dtype))
+    reference = [_step(model, opt, i, torch_dtype) for i in range(5)]
+    infinity.release(model)
+
+    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    nvme.mkdir()
+    cfg = _config(nvme, dtype, state_dtype)
+    model, opt = _build(cfg)
+    assert [_step(model, opt, i, torch_dtype) for i in range(3)] == reference[:3]
+    infinity.save_checkpoint(ckpt, model, opt, extra={"data": 3}, in_place=True)
+    assert _swap_files(nvme) == [next(n for n in _swap_files(nvme) if n.endswith(".sealed"))]
+    checkpoint_bytes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(ckpt) for f in fs)
+    assert checkpoint_bytes < 64 << 10         # no copy of the states: a few manifests and the buffers
+    with pytest.raises(EngineError, match="sealed as a checkpoint in place"):
+        _step(model, opt, 3, torch_dtype)
+    with pytest.raises(EngineError, match="sealed"):
+        infinity.save_checkpoint(tmp_path / "again", model, opt, in_place=True)
+    infinity.release(model)
+    assert any(n.endswith(".sealed") for n in _swap_files(nvme))
+
+    model, opt = _build(cfg, resume=ckpt)
+    with pytest.raises(EngineError, match="call infinity.load_checkpoint"):
+        _step(model, opt, 3, torch_dtype)
+    assert infinity.load_checkpoint(ckpt, model, opt) == {"data": 3}
+    assert opt.step_count == 3 and float(model.calls) == 3.0
+    assert any(n.endswith(".sealed") for n in _swap_files(nvme))     # not consumed until written
+    assert [_step(model, opt, i, torch_dtype) for i in (3, 4)] == reference[3:]
+    assert not any(n.endswith(".sealed") for n in _swap_files(nvme))
+    infinity.release(model)
+
+
+def test_a_resume_that_stops_before_training_leaves_the_checkpoint(tmp_path):
+    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    nvme.mkdir()
+    cfg = _config(nvme)
+    model, opt = _build(cfg)
+    _step(model, opt, 0, torch.float32)
+    infinity.save_checkpoint(ckpt, model, opt, in_place=True)
+    infinity.release(model)
+    for _ in range(2):
+        model, opt = _build(cfg, resume=ckpt)
+        infinity.load_checkpoint(ckpt, model, opt)
+        infinity.release(model)
+    model, opt = _build(cfg, resume=ckpt)
+    infinity.load_checkpoint(ckpt, model, opt)
+    assert opt.step_count == 1
+    _step(model, opt, 1, torch.float32)
+    infinity.release(model)
+    with pytest.raises(FileNotFoundError, match="consumed"):
+        _build(cfg, resume=ckpt)
+
+
+def test_what_cannot_resume_is_refused_by_name(tmp_path):
+    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    nvme.mkdir()
+    cfg = _config(nvme)
+    model, opt = _build(cfg)
+    _step(model, opt, 0, torch.float32)
+    infinity.save_checkpoint(ckpt, model, opt, in_place=True)
+    infinity.release(model)
+
+    with pytest.raises(CheckpointMismatchError, match="partition.sub_group_size"):
+        _build(_config(nvme, sub_group_size=8192), resume=ckpt)
+    with pytest.raises(CheckpointMismatchError, match="does not have the checkpoint's states|holds"):
+        _build(cfg, resume=ckpt, width=WIDTH + 32)
+    other = tmp_path / "other"
+    other.mkdir()
+    model, opt = _build(_config(other))
+    with pytest.raises(CheckpointMismatchError, match="checkpoint in place"):
+        infinity.load_checkpoint(ckpt, model, opt)     # built without resume=
+    with pytest.raises(CheckpointError, match="in_place=False"):
+        infinity.save_checkpoint(tmp_path / "x", *_build({"tiers": {"params": "host", "device": "cpu"}}),
+                                 in_place=True)
+    infinity.save_checkpoint(tmp_path / "plain", model, opt)
+    with pytest.raises(CheckpointError, match="ordinary checkpoint"):
+        infinity.Init(cfg, resume=tmp_path / "plain")
+    infinity.release(model)
+
+    # Bytes changed in the sealed file after the save: found before anything is restored.
+    with open(ckpt / "latest") as f:
+        swap = json.load(open(ckpt / f.read().strip() / "rank0" / "manifest.json"))["swap"]
+    with open(swap["files"][0], "r+b") as f:
+        f.seek(swap["roles"]["exp_avg:0"]["placement"]["offsets"][0] + 8)
+        f.write(b"\x7f" * 50)
+    model, opt = _build(cfg, resume=ckpt)
+    with pytest.raises(CheckpointCorruptError, match="changed since the save"):
+        infinity.load_checkpoint(ckpt, model, opt)
+    with pytest.raises(EngineError, match="call infinity.load_checkpoint"):
+        _step(model, opt, 1, torch.float32)
+    infinity.release(model)
+
+
+def test_a_save_in_place_that_fails_after_sealing_gives_the_files_back(tmp_path, monkeypatch):
+    from infinity.checkpoint import directory
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    model, opt = _build(_config(nvme))
+    first = _step(model, opt, 0, torch.float32)
+
+    def broken_commit(*args, **kwargs):
+        raise OSError(5, "commit failed (test)")
+
+    monkeypatch.setattr(directory, "commit", broken_commit)
+    with pytest.raises(OSError, match="commit failed"):
+        infinity.save_checkpoint(tmp_path / "ckpt", model, opt, in_place=True)
+    assert not any(n.endswith(".sealed") for n in _swap_files(nvme))
+    assert _step(model, opt, 1, torch.float32) != first      # trains on, on its own swap files
+    monkeypatch.undo()
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt, in_place=True)
+    infinity.release(model)
+    model, opt = _build(_config(nvme), resume=tmp_path / "ckpt")
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert opt.step_count == 2
+    infinity.release(model)
