@@ -177,3 +177,29 @@ def test_a_save_in_place_that_fails_after_sealing_gives_the_files_back(tmp_path,
     infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
     assert opt.step_count == 2
     infinity.release(model)
+
+
+def test_tiled_layers_and_delayed_updates_resume_in_place_as_from_an_ordinary_checkpoint(tmp_path):
+    """A tiled layer's groups are made at Init's exit and DPU keeps a second key per group: the roles the
+    resume adopts are the same, and it continues as a load of an ordinary checkpoint saved at that step."""
+    def config(nvme):
+        nvme.mkdir()
+        return _config(nvme) | {"tiling": {"modules": ["layers.1"], "tiles": 3},
+                                "dpu": {"enabled": True, "warmup_steps": 1}}
+
+    cfg, plain_cfg = config(tmp_path / "nvme"), config(tmp_path / "plain-nvme")
+    model, opt = _build(cfg)
+    for i in range(3):
+        _step(model, opt, i, torch.float32)
+    infinity.save_checkpoint(tmp_path / "plain", model, opt)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt, in_place=True)
+    infinity.release(model)
+
+    model, opt = _build(plain_cfg)
+    infinity.load_checkpoint(tmp_path / "plain", model, opt)
+    expected = [_step(model, opt, i, torch.float32) for i in (3, 4, 5)]
+    infinity.release(model)
+    model, opt = _build(cfg, resume=tmp_path / "ckpt")
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert [_step(model, opt, i, torch.float32) for i in (3, 4, 5)] == expected
+    infinity.release(model)
