@@ -142,6 +142,53 @@ def exceptions_bytes(store) -> bytes | None:
     return raw.getvalue()
 
 
+def _sealed_runs(record: dict, files: list[str]):
+    """``(file, offset, nbytes)`` of a state's bytes in the sealed files, in key order ([Note: placement and
+    striping] in tiers/swapspace.py)."""
+    p = record["placement"]
+    names = [files[i] for i in p["files"]]
+    if len(names) == 1:
+        yield names[0], p["offsets"][0], record["nbytes"]
+        return
+    stripe, ways, position = p["stripe_nbytes"], len(names), 0
+    while position < record["nbytes"]:
+        chunk = position // stripe
+        length = min(stripe, record["nbytes"] - position)
+        yield names[chunk % ways], p["offsets"][chunk % ways] + (chunk // ways) * stripe, length
+        position += length
+
+
+def verify_sealed(saved: SavedCheckpoint, rank: int, chunk: int = 8 << 20) -> int:
+    """Check every state in rank ``rank``'s sealed files against its CRC-32, without a model; returns the
+    bytes checked (raises ``CheckpointCorruptError`` naming the state and the file)."""
+    swap = saved.rank_manifest(rank)["swap"]
+    total = 0
+    for role, record in swap["roles"].items():
+        crc = 0
+        for name, offset, nbytes in _sealed_runs(record, swap["files"]):
+            try:
+                fd = os.open(name, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"checkpoint in place {saved.directory}: rank {rank}'s sealed swap file "
+                                             f"{name} is missing (deleted, or consumed by a run that resumed from "
+                                             "it and trained)") from None
+            try:
+                for start in range(0, nbytes, chunk):
+                    data = os.pread(fd, min(chunk, nbytes - start), offset + start)
+                    if len(data) != min(chunk, nbytes - start):
+                        raise CheckpointCorruptError(f"checkpoint in place {saved.directory}: {name} ends before "
+                                                     f"the bytes of {role} (truncated)")
+                    crc = zlib.crc32(data, crc)
+            finally:
+                os.close(fd)
+        if crc != record["crc32"]:
+            raise CheckpointCorruptError(f"checkpoint in place {saved.directory}: the bytes of {role} in rank "
+                                         f"{rank}'s sealed swap files changed since the save (CRC-32 {crc:#010x}, "
+                                         f"saved {record['crc32']:#010x})")
+        total += record["nbytes"]
+    return total
+
+
 class Resume:
     """A checkpoint in place opened for ``infinity.Init(config, resume=path)``: which sealed files each rank
     adopts, and where each state key lies in them."""

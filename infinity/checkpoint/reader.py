@@ -42,6 +42,7 @@ from infinity.checkpoint import rng
 from infinity.checkpoint.agreement import agree
 from infinity.checkpoint.directory import SavedCheckpoint
 from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from infinity.checkpoint.in_place import verify_sealed
 from infinity.checkpoint.manifest import STATE_FILES, dtype_of, itemsize, read_small_file
 from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, plan_shards
 from infinity.checkpoint.staging import StagedSubGroups
@@ -449,7 +450,8 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     """Check a checkpoint without loading it: commit record, manifests, sizes and every chunk's CRC-32.
 
     Returns a summary (``directory``, ``step``, ``world_size``, ``files``, ``nbytes``); raises
-    ``CheckpointCorruptError`` naming the first bad file.
+    ``CheckpointCorruptError`` naming the first bad file. A checkpoint in place has its sealed swap
+    files checked too, state by state.
 
     Examples
     --------
@@ -469,5 +471,8 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     config = load_config(None)
     with StreamIO(config.aio, config.checkpoint.buffer_size) as io:
         read_runs(io, files, runs)
+    nbytes = sum(r.nbytes for _, r in files.values())
+    if saved.manifest.get("in_place"):      # the states are in the sealed swap files
+        nbytes += sum(verify_sealed(saved, rank) for rank in range(saved.world_size))
     return {"directory": saved.directory, "step": saved.step, "world_size": saved.world_size,
-            "files": len(files), "nbytes": sum(r.nbytes for _, r in files.values())}
+            "files": len(files), "nbytes": nbytes}

@@ -72,6 +72,8 @@ def test_a_run_resumed_from_its_sealed_swap_files_trains_on_exactly(tmp_path, dt
     model, opt = _build(cfg)
     assert [_step(model, opt, i, torch_dtype) for i in range(3)] == reference[:3]
     infinity.save_checkpoint(ckpt, model, opt, extra={"data": 3}, in_place=True)
+    summary = infinity.checkpoint.verify_checkpoint(ckpt)      # the sealed files, state by state
+    assert summary["nbytes"] > sum(p.numel() for p in model.parameters()) * (2 if dtype == "bfloat16" else 8)
     assert _swap_files(nvme) == [next(n for n in _swap_files(nvme) if n.endswith(".sealed"))]
     checkpoint_bytes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(ckpt) for f in fs)
     assert checkpoint_bytes < 64 << 10         # no copy of the states: a few manifests and the buffers
@@ -146,6 +148,8 @@ def test_what_cannot_resume_is_refused_by_name(tmp_path):
     with open(swap["files"][0], "r+b") as f:
         f.seek(swap["roles"]["exp_avg:0"]["placement"]["offsets"][0] + 8)
         f.write(b"\x7f" * 50)
+    with pytest.raises(CheckpointCorruptError, match="exp_avg:0 in rank 0's sealed swap files changed"):
+        infinity.checkpoint.verify_checkpoint(ckpt)
     model, opt = _build(cfg, resume=ckpt)
     with pytest.raises(CheckpointCorruptError, match="changed since the save"):
         infinity.load_checkpoint(ckpt, model, opt)
@@ -202,4 +206,82 @@ def test_tiled_layers_and_delayed_updates_resume_in_place_as_from_an_ordinary_ch
     model, opt = _build(cfg, resume=tmp_path / "ckpt")
     infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
     assert [_step(model, opt, i, torch.float32) for i in (3, 4, 5)] == expected
+    infinity.release(model)
+
+
+def test_states_striped_over_two_directories_are_verified_and_adopted(tmp_path):
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    cfg = _config(dirs[0])
+    cfg["tiers"]["nvme_path"] = [str(d) for d in dirs]      # 256 KiB stripes; a 400 x 400 weight is 640 KB
+    cfg["partition"]["sub_group_size"] = 1 << 18
+
+    def build(resume=None):
+        torch.manual_seed(0)
+        with infinity.Init(cfg, resume=resume):
+            model = nn.Sequential(nn.Linear(400, 400), nn.Tanh(), nn.Linear(400, 1))
+        return model, infinity.AdamW(model, lr=1e-2)
+
+    def step(model, opt, i):
+        loss = model(torch.randn(4, 400, generator=torch.Generator().manual_seed(i))).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    model, opt = build()
+    reference = [step(model, opt, i) for i in range(4)]
+    infinity.release(model)
+    for d in dirs:
+        for root, _, files in os.walk(d):
+            assert not files
+    model, opt = build()
+    for i in range(2):
+        step(model, opt, i)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt, in_place=True)
+    infinity.release(model)
+    assert all(any(f.endswith(".sealed") for f in _swap_files(d)) for d in dirs)
+    assert infinity.checkpoint.verify_checkpoint(tmp_path / "ckpt")["nbytes"] > 400 * 400 * 12
+    model, opt = build(resume=tmp_path / "ckpt")
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert [step(model, opt, i) for i in (2, 3)] == reference[2:]
+    infinity.release(model)
+
+
+_KILLED_RESUME = """
+import os, signal, sys, torch, infinity
+from tests.integration.test_checkpoint_in_place import _build, _config
+model, opt = _build(_config(sys.argv[1]), resume=sys.argv[2])
+infinity.load_checkpoint(sys.argv[2], model, opt)
+with torch.no_grad():
+    model(torch.randn(4, 96))                  # reads the adopted files; writes nothing
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_resume_killed_before_its_first_backward_leaves_the_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    nvme.mkdir()
+    model, opt = _build(_config(nvme))
+    reference = [_step(model, opt, i, torch.float32) for i in range(3)]
+    infinity.release(model)
+    nvme2 = tmp_path / "nvme2"
+    nvme2.mkdir()
+    model, opt = _build(_config(nvme2))
+    for i in range(2):
+        _step(model, opt, i, torch.float32)
+    infinity.save_checkpoint(ckpt, model, opt, in_place=True)
+    infinity.release(model)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _KILLED_RESUME, str(nvme2), str(ckpt)], cwd=root,
+                          env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-2000:]
+    infinity.checkpoint.verify_checkpoint(ckpt)
+    model, opt = _build(_config(nvme2), resume=ckpt)
+    infinity.load_checkpoint(ckpt, model, opt)
+    assert _step(model, opt, 2, torch.float32) == reference[2]
     infinity.release(model)
