@@ -23,8 +23,10 @@ the token embedding) stays the same size while the model grows. Llama shapes
 
 ``--state-dtype int8`` stores Adam's moments in int8 (``[optimizer] state_dtype``).
 ``--checkpoint`` saves a checkpoint after each size's steps and resumes it in a new
-process for one more step, when the swap files and the checkpoint fit the free disk
-together (the bytes are checked first; a size that cannot is reported with them);
+process for one more step. When the swap files and a copy of the states do not fit the
+free disk together (the bytes are checked first), or with ``--in-place``, the checkpoint is
+saved in place: the swap files are sealed as the checkpoint and the resumed process adopts
+them on the same swap directory ([Note: checkpoints in place] in infinity/checkpoint/in_place.py);
 ``--reference`` also trains ``steps + 1`` steps uninterrupted, whose last loss the
 resumed step must equal. The resumed process's peak RSS and NVMe bytes are reported beside the
 training run's: a load adds neither. Before the ladder, the largest model that fits this disk is
@@ -39,9 +41,9 @@ llama-6.7B (6,738,415,616 parameters), batch 1 x 128, built in 124 s; losses 11.
 ~70 s waiting for NVMe reads (the host Adam step runs behind the next forward, so its time is
 inside those two); peak RSS 6.3 GiB; swap files 54.1 GB allocated (8.03 B/param, the plan's
 50.40 GiB); NVMe 9.0 B/param read + 8.0 written per step (the median of steps 2 and 3, the first
-update, which reads no moments, included: about 10.0 steady, the plan's 10.03). The checkpoint was refused by the
-arithmetic: it stores fp32 master and moments (14 B/param, 94.3 GB), more than the free disk
-even without the 54 GB of swap beside it. Saved and resumed instead at llama-2B (2.07B,
+update, which reads no moments, included: about 10.0 steady, the plan's 10.03). A copied checkpoint does not
+fit: it stores fp32 master and moments (14 B/param, 94.3 GB), more than the free disk even without the
+54 GB of swap beside it; the README's 6.7B section has the run saved and resumed in place. Saved and resumed instead at llama-2B (2.07B,
 ``--sizes llama-2B``): a 28.9 GB checkpoint (14.00 B/param) in 166 s; the resumed step's loss
 10.347456932067871 equals the uninterrupted run's fourth (the same at llama-1B with
 ``--reference``: 5.609546184539795).
