@@ -132,6 +132,8 @@ def test_what_cannot_resume_is_refused_by_name(tmp_path):
         _build(cfg, resume=ckpt, width=WIDTH + 32)
     other = tmp_path / "other"
     other.mkdir()
+    with pytest.raises(CheckpointMismatchError, match="give the same tiers.nvme_path"):
+        _build(_config(other), resume=ckpt)
     model, opt = _build(_config(other))
     with pytest.raises(CheckpointMismatchError, match="checkpoint in place"):
         infinity.load_checkpoint(ckpt, model, opt)     # built without resume=
