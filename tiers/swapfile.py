@@ -361,7 +361,7 @@ class SwapFile:
                 return
             final = os.path.join(self.directory, f"{self.tier_name}.swap")
             os.rename(self.path, final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self.path = final
             self._header = _new_header(self.run_id, self.tier_name)
             self._handle.pwrite(self.file, self._header, 0).wait()
@@ -377,7 +377,7 @@ class SwapFile:
             os.fsync(self.file.fd)
             sealed = os.path.join(self.directory, sealed_name(self.tier_name, label))
             os.rename(self.path, sealed)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self.path = sealed
             self.owned = False
         return sealed
@@ -387,7 +387,7 @@ class SwapFile:
         with self._lock:
             final = os.path.join(self.directory, f"{self.tier_name}.swap")
             os.rename(self.path, final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self.path = final
             self.owned = True
 
@@ -509,7 +509,8 @@ class SwapFile:
         return f"SwapFile({self.path!r}, nbytes={self.file_nbytes})"
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (new files, renames) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

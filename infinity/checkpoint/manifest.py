@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.checkpoint.errors import CheckpointCorruptError
+from tiers.swapfile import fsync_dir  # noqa: F401  (the checkpoint's files and renames use the tiers' own)
 
 FORMAT = "infinity-checkpoint"
 VERSION = 1
@@ -116,15 +117,6 @@ class ChunkChecksum:
             self.crcs.append(self._crc)
             self._crc, self._filled = 0, 0
         return tuple(self.crcs)
-
-
-def fsync_dir(path: str) -> None:
-    """Make a directory's entries (new files, renames) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_bytes(path: str, data: bytes) -> None:
