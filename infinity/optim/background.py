@@ -64,19 +64,32 @@ import torch
 from infinity.optim.job import StepJob, UpdateStats
 
 _STOP = object()
-# Every worker still alive: at exit each finishes its running job before the interpreter
-# tears down (a daemon thread stopped in the middle of a write would leave a half-written
-# state and can abort the interpreter's shutdown).
+# Every worker still alive: at exit each finishes its running job and its thread is stopped and
+# joined before the interpreter tears down. A daemon thread left alive is killed by finalization
+# as soon as it next takes the GIL; one inside a torch call that released the GIL (a copy, a
+# stream synchronize) then unwinds through C++ that may not be unwound, and the process aborts
+# ("terminate called without an active exception", exit status -6: seen on an H100, at the end
+# of every run whose last step overlapped its update). A stopped thread is only half the cure
+# for a job still writing: that one is finished first.
 # The drain is registered when the first worker is made, after the engine's weakref.finalize
 # (which closes the tiers at exit): exit handlers run last-registered first, so the drain runs
 # before the tiers close.
-_WORKERS: "weakref.WeakSet[BackgroundUpdate]" = weakref.WeakSet()
+_WORKERS: "weakref.WeakSet" = weakref.WeakSet()
 _drain_registered = False
+
+
+def close_at_exit(worker) -> None:
+    """Have ``worker.close()`` (finish the running job, stop and join the thread) run at exit."""
+    global _drain_registered
+    if not _drain_registered:
+        atexit.register(_drain_at_exit)
+        _drain_registered = True
+    _WORKERS.add(worker)
 
 
 def _drain_at_exit() -> None:
     for worker in list(_WORKERS):
-        worker.wait_idle()
+        worker.close()
 
 
 class UpdateWorkerError(RuntimeError):
@@ -163,11 +176,7 @@ class BackgroundUpdate:
         self._last_sub = [max((p.sub_index for p in pieces), default=-1)
                           for pieces in store.layout.pieces_of_group]
         weakref.finalize(self, self._queue.put, _STOP)
-        global _drain_registered
-        if not _drain_registered:
-            atexit.register(_drain_at_exit)
-            _drain_registered = True
-        _WORKERS.add(self)
+        close_at_exit(self)
 
     # -- progress of the running job -------------------------------------------------------------
     def sub_done(self, sub: int, copy_writes=None) -> None:

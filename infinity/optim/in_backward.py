@@ -47,7 +47,7 @@ import torch
 
 from infinity.errors import EngineError
 from infinity.optim import param_groups
-from infinity.optim.background import bound_this_thread
+from infinity.optim.background import bound_this_thread, close_at_exit
 from infinity.optim.job import StepJob
 
 KEY = "optimizer.update_in_backward"
@@ -189,6 +189,7 @@ class InBackwardUpdate:
             self._thread = threading.Thread(target=self._loop, name="infinity-update-in-backward", daemon=True,
                                             args=(self._queue, weakref.ref(self)))
             self._thread.start()
+            close_at_exit(self)
         self._queue.put((job, ready))
 
     @staticmethod

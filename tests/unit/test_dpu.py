@@ -349,3 +349,26 @@ def test_update_pass_chunks_only_on_one_thread():
     finally:
         torch.set_num_threads(threads)
     assert infinity.optim.update.CHUNK_NUMEL % 2048 == 0  # compute-copy writes stay block-aligned
+
+
+
+def test_worker_threads_are_stopped_and_joined_at_exit(tmp_path):
+    # A daemon worker left alive is killed by finalization the next time it takes the GIL; inside a
+    # torch call that released it (a CUDA copy, a stream synchronize) that aborts the process
+    # ("terminate called without an active exception", exit status -6: every offload run on an H100).
+    # So the exit handler finishes the running update and joins the thread, before finalization.
+    from infinity.optim import background
+
+    model, _ = make(tmp_path, warmup=0)
+    opt = infinity.AdamW(model, lr=1e-3)
+    for idx, tgt in batches(3):
+        model(idx, tgt).backward()
+        opt.step()          # the last update is still running or just done: nothing waited for it
+        opt.zero_grad()
+    workers = [t for t in threading.enumerate() if t.name == "infinity-dpu"]
+    assert workers, "the updates were expected on the worker thread"
+    background._drain_at_exit()
+    assert not [t for t in workers if t.is_alive()]
+    model(*batches(1)[0]).backward()    # a later step starts a new worker
+    opt.step()
+    opt.synchronize()
