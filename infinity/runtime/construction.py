@@ -135,9 +135,17 @@ class Partitioner:
             return
         shard = torch.empty(group.shard_numel, dtype=torch.float32)
         self._values(group, shard)
-        device = self.engine.device.device
-        full = torch.empty(group.padded_numel, dtype=torch.float32, device=device)
-        self.ranks.all_gather(full, shard.to(device))
+        # On the host, where the model's own code built it: an edit that draws random numbers
+        # (``nn.init.normal_`` in a parent's ``apply``) then draws from the CPU generator, as it
+        # does without Init. Materialized on a GPU it drew from the GPU's generator instead, and
+        # the same seed gave other weights than plain torch (seen on an H100).
+        if self.ranks.world_size == 1:
+            full = shard
+        else:
+            device = self.engine.device.device      # collectives take device tensors
+            gathered = torch.empty(group.padded_numel, dtype=torch.float32, device=device)
+            self.ranks.all_gather(gathered, shard.to(device))
+            full = gathered.to("cpu")
         group.to_inflight(None)
         group.to_available(full)
 
@@ -211,7 +219,9 @@ class Partitioner:
             return
         # In fp32, whatever the compute dtype: the master weights keep the values construction gave.
         full = group.flatten([s.param.data for s in group.slots], dtype=torch.float32)
-        self.ranks.broadcast(full, src=0)
+        if self.ranks.world_size > 1:
+            full = full.to(self.engine.device.device)       # collectives take device tensors
+            self.ranks.broadcast(full, src=0)
         shard = group.shard_of(full).to("cpu").contiguous()
         if self._sources.pop(group, False) is not False:     # values of its own from now on
             self._master_keys[group] = self.tiers.optimizer.allocate(4 * group.shard_numel,
