@@ -11,12 +11,17 @@
 # 4. when wheels are in .whl/ (benchmarks/gpu_wheels.sh downloads them; pass .whl in the call's
 #    carry), DeepSpeed 0.19.8 is installed into /tmp/site and its ZeRO-2 / ZeRO-3 CPU-offload rows
 #    run beside ours at the same size.
+# 5. benchmarks/gpu_profile.py: one steady step at 350M per preset in PROFILE_CONFIGS (offload-host), forward/backward/step times
+#    and the profiler's top operators.
 # Each phase has its own time bound, so one that hangs leaves the others their time; what each
-# printed is in OUT_DIR (log-*.txt, gpu-350M.json).
+# printed is in OUT_DIR (log-*.txt, gpu-350M.json). The environment narrows a session:
+# PHASES (default "build tests ds bench profile"), CONFIGS (the infinity rows of the benchmark),
+# PROFILE_CONFIGS, DIAG (a command run after the build), STEPS, REPEAT, RUN_TIMEOUT (seconds per benchmark run), and BOUND_<PHASE> for each phase's bound.
 set -uo pipefail
 out=${1:-${OUT:-out}}
 mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# faulthandler: a process that aborts prints every Python thread's stack.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 phase() {   # phase NAME SECONDS COMMAND...: run it bounded, keep its output, say how it ended
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -27,15 +32,23 @@ phase() {   # phase NAME SECONDS COMMAND...: run it bounded, keep its output, sa
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-phase build 120 python3 setup.py build_ext --inplace -q
-phase tests-gpu 180 python3 -m pytest -q -p no:cacheprovider tests/gpu
+phases=" ${PHASES:-build tests ds bench profile} "
+want() { [[ $phases == *" $1 "* ]]; }
+want build && phase build "${BOUND_BUILD:-120}" python3 setup.py build_ext --inplace -q
+[[ -n ${DIAG:-} ]] && phase diag "${BOUND_DIAG:-60}" bash -c "$DIAG"
+want tests && phase tests-gpu "${BOUND_TESTS:-180}" python3 -m pytest -q -p no:cacheprovider tests/gpu
 ds=""
-if ls .whl/deepspeed-* >/dev/null 2>&1; then
-  if phase deepspeed-install 120 env DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps \
+if want ds && ls .whl/deepspeed-* >/dev/null 2>&1; then
+  if phase deepspeed-install "${BOUND_DS:-120}" env DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps \
       --no-build-isolation --target /tmp/site .whl/*; then
     export PYTHONPATH=$PYTHONPATH:/tmp/site
     ds=",ds-zero2,ds-zero3"
   fi
 fi
-phase gpu-350M 420 python3 benchmarks/gpu.py --sizes 350M --configs "torch,device,offload-optimizer,offload-host$ds" \
-  --steps 6 --repeat 2 --batch 8 --seq 1024 --dtype bfloat16 --timeout 200 --json "$out/gpu-350M.json"
+want bench && phase gpu-350M "${BOUND_BENCH:-420}" python3 benchmarks/gpu.py --sizes 350M \
+  --configs "${CONFIGS:-torch,device,offload-optimizer,offload-host}$ds" --steps "${STEPS:-6}" --repeat "${REPEAT:-2}" \
+  --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT:-200}" --json "$out/gpu-350M.json"
+for config in ${PROFILE_CONFIGS:-offload-host}; do
+  want profile && phase "profile-$config" "${BOUND_PROFILE:-90}" python3 benchmarks/gpu_profile.py --model-size 350M \
+    --config "$config" --batch 8 --seq 1024 --dtype bfloat16
+done
