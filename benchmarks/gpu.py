@@ -217,11 +217,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interpreter for the DeepSpeed rows (one that imports deepspeed)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
     p.add_argument("--json", default=None, help="write settings, machine, rows and raw runs here")
+    p.add_argument("--mode", action="append", default=[], metavar="NAME=PRESET:SECTION.KEY=VALUE[,...]",
+                   help="an extra row: a preset with config keys set, e.g. "
+                        "oo-sync=offload-optimizer:dpu.overlap=false (repeatable; name it in --configs)")
     return p
+
+
+def add_modes(specs: list[str]) -> None:
+    """Register each ``--mode`` as a row (``MODES``, ``CONFIGS``, its preset's DeepSpeed peer)."""
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        base, colon, keys = rest.partition(":")
+        if not eq or not name or base not in presets():
+            raise ValueError(f"--mode {spec!r}: expected NAME=PRESET:SECTION.KEY=VALUE[,...] with PRESET one of "
+                             f"{', '.join(presets())}")
+        MODES[name] = (base, [k for k in keys.split(",") if k] if colon else [])
+        if name not in CONFIGS:
+            CONFIGS.append(name)
+        if base in PEER:
+            PEER[name] = PEER[base]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        add_modes(args.mode)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for names, known, what in ((sizes, PRESETS, "size"), (configs, CONFIGS, "config")):

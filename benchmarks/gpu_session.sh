@@ -47,7 +47,7 @@ if want ds && ls .whl/deepspeed-* >/dev/null 2>&1; then
 fi
 want bench && phase gpu-350M "${BOUND_BENCH:-420}" python3 benchmarks/gpu.py --sizes 350M \
   --configs "${CONFIGS:-torch,device,offload-optimizer,offload-host}$ds" --steps "${STEPS:-6}" --repeat "${REPEAT:-2}" \
-  --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT:-200}" --json "$out/gpu-350M.json"
+  --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT:-200}" --json "$out/gpu-350M.json" ${BENCH_ARGS:-}
 for config in ${PROFILE_CONFIGS:-offload-host}; do
   want profile && phase "profile-$config" "${BOUND_PROFILE:-90}" python3 benchmarks/gpu_profile.py --model-size 350M \
     --config "$config" --batch 8 --seq 1024 --dtype bfloat16

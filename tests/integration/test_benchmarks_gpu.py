@@ -93,3 +93,13 @@ def test_deepspeed_infinity_row_offloads_both_to_nvme_in_infinity_sized_pieces(t
     assert zero["stage3_max_reuse_distance"] == 0
     with pytest.raises(ValueError, match="--nvme-dir needs --stage 3"):
         ds.ds_config(2, 1, "bfloat16", 1e-3, 0.0, nvme_dir=str(tmp_path))
+
+
+def test_gpu_benchmark_mode_rows_set_config_keys():
+    gpu = _load("gpu.py")
+    gpu.add_modes(["oo-sync=offload-optimizer:dpu.overlap=false,dpu.threads=3"])
+    assert gpu.MODES["oo-sync"] == ("offload-optimizer", ["dpu.overlap=false", "dpu.threads=3"])
+    assert "oo-sync" in gpu.CONFIGS and gpu.PEER["oo-sync"] == "ds-zero2"
+    for bad in ("oo", "oo=no-such-preset:dpu.threads=1", "=offload-host:dpu.threads=1"):
+        with pytest.raises(ValueError, match="--mode"):
+            gpu.add_modes([bad])
