@@ -161,7 +161,7 @@ class UpdateScheduler:
             t0 = time.perf_counter()
             self.update.run(job)
             self.stats.add_sync(time.perf_counter() - t0)
-            self._after_update()
+            self._after_update(synchronous=True)
 
     def after_load(self) -> None:
         """States were loaded: gathered copies are stale."""
@@ -172,9 +172,15 @@ class UpdateScheduler:
             self.delay.publish(job)
             self._after_update()
 
-    def _after_update(self) -> None:
-        """Gathered copies (persistent groups too) are stale after an update: drop them."""
-        self.coordinator.release_all(include_persistent=True)
+    def _after_update(self, synchronous: bool = False) -> None:
+        """Gathered copies (persistent groups too) are stale after an update: drop them.
+
+        Except, after a ``synchronous`` update, groups gathered in place (one rank, shards in the
+        compute device's memory): each is its stored shard, which the update rewrote and whose
+        writes it waited for, so nothing is stale; gathering all of them again before every
+        forward cost host time per group for nothing (the ``device`` preset, every step).
+        """
+        self.coordinator.release_all(include_persistent=not (synchronous and self.coordinator.in_place))
 
     def as_dict(self) -> dict:
         """Update counts and times, the mode, and whether a delayed update is unpublished."""
