@@ -28,7 +28,7 @@ from infinity.runtime.datapath import DataPath, with_per_parameter
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
 from infinity.runtime.grads import GradReducer
-from infinity.runtime.hooks import install_hooks, install_released_guard, watch_backward, watch_group_grads
+from infinity.runtime.hooks import GradArrivals, install_hooks, install_released_guard, watch_backward
 from infinity.runtime.ranks import Ranks
 from infinity.runtime.shards import DemandStaging, ParamShards
 from infinity.runtime.tier_set import TierSet
@@ -87,7 +87,7 @@ class Engine:
             # nothing] in infinity/checkpoint/reader.py); check_intact refuses while it is set.
             self.damaged: str | None = None
             self._foreign = ForeignParamWatch(self.coordinator.group_of, self.on_foreign_use)
-            self._grad_hooks: dict[ParamGroup, object] = {}     # armed for the coming backward
+            self._arrivals = GradArrivals(self)     # gradients of the groups armed for the coming backward
             self.step_stats: list[dict] = []
             self.grad_face: GradFace | None = None      # what torch sees as .grad (made in finalize)
             self.loss_scaler = LossScaler.for_precision(config.precision)     # fp16 only
@@ -176,7 +176,7 @@ class Engine:
         self.released = True
         self.store = self.prefetcher = self._updates = self.optimizer = self.grad_face = None
         self.coordinator = self.reducer = self.datapath = self.tiers = self.activations = None
-        self._grad_hooks = {}
+        self._arrivals.remove()
         self.step_stats = []
 
     def check_intact(self, what: str) -> None:
@@ -271,8 +271,7 @@ class Engine:
         if not torch.is_grad_enabled():
             return
         for g in groups:
-            if g not in self._grad_hooks and any(s.param.requires_grad for s in g.slots):
-                self._grad_hooks[g] = watch_group_grads(self, g)
+            self._arrivals.arm(g)
 
     def on_group_grads(self, group: ParamGroup, params: list, grads) -> None:
         """Every parameter of ``group`` taking part in this backward has its gradient (``grads``)."""
@@ -300,10 +299,8 @@ class Engine:
             self._end_backward()
 
     def _end_backward(self) -> None:
+        self._arrivals.flush()      # groups short of a gradient (a parameter unused in this backward)
         self.reducer.finish_backward()
-        hooks, self._grad_hooks = self._grad_hooks, {}
-        for handle in hooks.values():
-            handle.remove()
         self.coordinator.end_backward()
         if self.activations is not None:
             self.activations.end_backward()
