@@ -102,7 +102,9 @@ def _within(prof, region: str) -> list[str]:
     that cudaDeviceSynchronize is in its events too, after the region, and is not the engine's.
     """
     events = prof.events()
-    (span,) = [e.time_range for e in events if e.name == region]
+    # The range shows twice: the host's, and its annotation on the GPU's timeline (which ends when the
+    # device finishes, after the host's, and could take in the profiler's own exit synchronize).
+    (span,) = [e.time_range for e in events if e.name == region and e.device_type == torch.autograd.DeviceType.CPU]
     return [e.name for e in events if e.name != region and span.start <= e.time_range.start <= span.end]
 
 
