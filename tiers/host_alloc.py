@@ -348,8 +348,8 @@ class HostAllocator:
         The data path counts a host<->device copy whose host side is not such memory as
         ``unpooled`` (pageable on a GPU). An empty tensor is owned by nobody.
         """
-        nbytes = tensor.numel() * tensor.element_size()
-        return nbytes > 0 and tensor.device.type == "cpu" and self._accounting.contains(tensor.data_ptr(), nbytes)
+        nbytes = tensor.nbytes      # (``is_cpu`` and ``nbytes``: the data path asks this for every copy)
+        return nbytes > 0 and tensor.is_cpu and self._accounting.contains(tensor.data_ptr(), nbytes)
 
     def stats(self) -> dict:
         """``allocations``, ``bytes_allocated``, ``peak_bytes``, ``pinned_bytes``, ``pinned``, ``numa_node``."""
