@@ -49,7 +49,7 @@ class GradArrivals:
     def __init__(self, lifecycle) -> None:
         self.engine = weakref.ref(lifecycle)
         self.armed: dict = {}       # group -> [params, their gradients so far, arrivals]
-        self._hooked: dict = {}     # parameter -> its hook's handle (weakly keyed by the tensor's id)
+        self._hooked: dict = {}     # id(parameter) -> its hook's handle (the model holds the parameters)
 
     def arm(self, group) -> None:
         """Count ``group``'s gradients in the coming backward."""
