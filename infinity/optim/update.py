@@ -124,10 +124,10 @@ class UpdatePass:
 
         def step_t(step: int) -> torch.Tensor:
             if step not in step_ts:
-                step_ts[step] = torch.tensor(float(step), device=device)
+                step_ts[step] = torch.full((), float(step), device=device)   # a fill: no host->device copy
             return step_ts[step]
 
-        grad_scale = None if job.clip_coef is None else torch.tensor(1.0 / job.clip_coef, device=device)
+        grad_scale = None if job.clip_coef is None else torch.full((), 1.0 / job.clip_coef, device=device)
         hyper = dict(amsgrad=False, lr=job.lr, beta1=job.beta1, beta2=job.beta2, weight_decay=job.weight_decay,
                      eps=job.eps, maximize=False, grad_scale=grad_scale, found_inf=None)
         num_subs = self.store.layout.num_subs

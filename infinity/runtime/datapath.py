@@ -167,8 +167,10 @@ class DataPath:
     def upload(self, dst: torch.Tensor, src: torch.Tensor, after=None):
         """Copy host ``src`` into device ``dst``; returns the event that marks its end.
 
-        ``after``: an event the copy must wait for first (the compute stream's last use of
-        ``dst``'s memory). The compute stream does not wait for the copy until ``use(event)``.
+        ``after``: an event, or a tuple of events, the copy must wait for first (the compute stream's
+        last use of ``dst``'s memory: ``mark()`` when ``dst`` was just allocated on the compute stream,
+        whose freed blocks may still be read by its queued kernels). The compute stream does not wait
+        for the copy until ``use(event)``.
         """
         self.ledger.copy("host_to_device", src.numel() * src.element_size(), self.allocator.owns(src))
         return self._copy(self.h2d if self.is_cuda else None, dst, src, after)
@@ -187,14 +189,23 @@ class DataPath:
             dst.copy_(src)
             return DONE
         with torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)
+            for event in (after if isinstance(after, tuple) else (after,)):
+                if event is not None and event is not DONE:
+                    stream.wait_event(event)
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         for tensor in (dst, src):
             if tensor.is_cuda:
                 tensor.record_stream(stream)
+        return event
+
+    def mark(self):
+        """An event at the compute stream's work enqueued so far (``DONE`` on the CPU)."""
+        if not self.is_cuda:
+            return DONE
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def use(self, event) -> None:
@@ -238,13 +249,31 @@ class DataPath:
 
     def scalar(self, tensor: torch.Tensor) -> float:
         """``float(tensor)`` of a device scalar: a host wait (counted)."""
-        self.ledger.host_wait(self.phase)
-        return float(tensor)
+        return float(self._read_back(tensor))
 
     def values(self, tensor: torch.Tensor) -> list:
         """``tensor.tolist()`` of a device tensor: a host wait (counted)."""
+        return self._read_back(tensor).tolist()
+
+    def _read_back(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s values in host memory, valid until this thread's next read back (a counted host wait).
+
+        On CUDA they come through a pinned buffer of this thread's (allocated once, grown when too small),
+        not through the pageable memory ``.item()`` / ``.tolist()`` would copy into. Not booked as a
+        transfer: a few bytes, read to decide, not to move data (``host_waits`` counts them)."""
         self.ledger.host_wait(self.phase)
-        return tensor.tolist()
+        if not tensor.is_cuda:
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        buffer = getattr(self._local, "read_back", None)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._local.read_back = self.allocator.empty(max(4096, nbytes))
+        host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
+        host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        done.synchronize()
+        return host
 
     # -- tiers ------------------------------------------------------------------------------------------
     def read(self, tier, key: int, dst: torch.Tensor, offset: int = 0, into: str = "host"):
