@@ -43,10 +43,13 @@ With parameters on the device and states on the host (``offload-optimizer`` on a
 a sub-group's new compute copies go host->device on the device tier's copy stream, each
 write a future carrying its CUDA event. The job reports the sub-group as soon as the
 kernel stepped it and the copies are enqueued; it does not wait for them. A fetch of one
-of its groups needs the host side only (the kernel has run: ``ready``), then makes the
-compute stream wait for the copies' events (``order_after``, through the data path's
-``use``), so neither the worker nor the compute thread blocks on the device. Host and
-NVMe writes have no event and are waited for as before.
+of its groups needs the host side only (the kernel has run: ``ready``), then orders its
+read of the shard after the copies' events (``device_copies``): the compute stream waits
+for them (through the data path's ``use``) when it copies a shard in device memory, the
+host->device stream when it uploads a shard in host memory (states on the device,
+parameters in host RAM: the copies go device->host), so neither the worker nor the
+compute thread blocks on the device. Host and NVMe writes have no event and are waited
+for as before.
 """
 from __future__ import annotations
 
@@ -221,21 +224,18 @@ class BackgroundUpdate:
         for fut in writes:
             if not _on_device(fut):
                 fut.wait()      # a host or NVMe write of the new compute copy
-        self.order_after(group)
         waited = time.perf_counter() - t0
         self.stats.exposed_seconds += waited
         self.raise_if_failed()
         return waited
 
-    def order_after(self, group) -> None:
-        """The compute stream waits (the host does not) for the device copies of ``group``'s new
-        compute copy: a fetch calls this once :meth:`ready` holds. See [Note: device copies of an
-        overlapped update]."""
+    def device_copies(self, group) -> tuple:
+        """The events of the device copies of ``group``'s new compute copy still in flight: whatever
+        reads the shard next waits for them on its stream (the host does not). A fetch asks once
+        :meth:`ready` holds. See [Note: device copies of an overlapped update]."""
         with self._progress:    # kept after the job ends: the copies may still be in flight
             writes = self._writes_of(group)
-        for fut in writes:
-            if _on_device(fut) and not fut.done():
-                self.coordinator.datapath.use(fut.event)
+        return tuple(fut.event for fut in writes if _on_device(fut) and not fut.done())
 
     @property
     def pending(self) -> bool:

@@ -133,12 +133,13 @@ class ActivationTier:
     def fetch(self, place, nbytes: int):
         """Start bringing ``nbytes`` of ``place`` back to the compute device; ``wait`` gives the tensor."""
         dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        allocated = self.datapath.mark()    # dst may be a block the compute stream's queued kernels still read
         if self.kind == "host":
-            place.event = self.datapath.upload(dst, place.loan.tensor[:nbytes], after=place.event)
+            place.event = self.datapath.upload(dst, place.loan.tensor[:nbytes], after=(place.event, allocated))
             return dst, place.event
-        return self._submit(self._read, place.key, dst)
+        return self._submit(self._read, place.key, dst, allocated)
 
-    def _read(self, key: int, dst: torch.Tensor) -> torch.Tensor:
+    def _read(self, key: int, dst: torch.Tensor, allocated) -> torch.Tensor:
         nbytes = dst.numel()
         for offset in range(0, nbytes, self.chunk):
             size = min(self.chunk, nbytes - offset)
@@ -147,7 +148,7 @@ class ActivationTier:
                 raise EngineError("activations: the staging buffer is held while backward reads activations "
                                   "back; a forward and a backward of one model ran at the same time")
             self.datapath.read(self.nvme, key, loan.tensor[:_round(size)], offset).wait()
-            event = self.datapath.upload(dst[offset:offset + size], loan.tensor[:size])
+            event = self.datapath.upload(dst[offset:offset + size], loan.tensor[:size], after=allocated)
             if event is not DONE:
                 self.datapath.host_wait(event)
             loan.release()

@@ -41,14 +41,15 @@ class _PendingFetch:
     """A shard on its way to the compute device: where it is (``source``, in host or device memory),
     the read that fills it (NVMe), and how to give its host buffer back once copied."""
 
-    __slots__ = ("future", "source", "source_on", "release_staging", "issued_at")
+    __slots__ = ("future", "source", "source_on", "release_staging", "issued_at", "after")
 
-    def __init__(self, future, source: torch.Tensor, source_on: str, release_staging) -> None:
+    def __init__(self, future, source: torch.Tensor, source_on: str, release_staging, after: tuple = ()) -> None:
         self.future = future
         self.source = source
         self.source_on = source_on
         self.release_staging = release_staging
         self.issued_at = time.perf_counter()
+        self.after = after      # device copies that write ``source`` (an overlapped update's): read after them
 
 
 class FetchStats:
@@ -114,7 +115,7 @@ class Coordinator:
         self.ranks = ranks
         self.device = device
         self.dtype = shards.dtype
-        self.memory = GatherMemory(device.device, gather_buffer_bytes)
+        self.memory = GatherMemory(device.device, gather_buffer_bytes, mark=self.datapath.mark)
         # World size 1 and shards in the compute device's own memory: a gathered group is its
         # stored shard itself, lent to the group's tensor (no copy; see [Note: lending memory to a group]).
         self.in_place = ranks.world_size == 1 and shards.kind == "device" and self.memory.lending
@@ -176,8 +177,6 @@ class Coordinator:
             self.stats.update_wait_seconds += waited
             self.stats.stall_seconds += waited
             fresh = shards.take_fresh(group)   # completed while we waited
-        elif fresh is None:
-            shards.order_after_update(group)
         if fresh is not None:
             if staging is not None:
                 staging.release()
@@ -192,7 +191,7 @@ class Coordinator:
                 staging.release()
             source_on = "device" if shards.kind == "device" else "host"
             group.to_inflight(_PendingFetch(CompletedFuture(group.shard_nbytes), shards.stored(group), source_on,
-                                            None))
+                                            None, shards.update_events(group)))
             group.prefetched = prefetch
             return True
         if staging is not None:
@@ -223,6 +222,8 @@ class Coordinator:
         pending.future.wait()      # the NVMe read, if any (I/O, not a wait for the device)
         self.stats.read_wait_seconds += time.perf_counter() - t0
         if self.in_place:
+            for event in pending.after:
+                self.datapath.use(event)
             full = group.flat_buffer(pending.source)
         else:
             full = group.flat_buffer()
@@ -236,11 +237,15 @@ class Coordinator:
         """This rank's shard into its slice of ``full`` (host->device, or device-local), then the all-gather."""
         mine = group.shard_of(full)
         if pending.source_on == "host":
-            done = self.datapath.upload(mine, pending.source, after=self.memory.reuse_event)
+            # After the last compute-stream use of ``mine``'s memory, and after the device copies that
+            # wrote the source (states on the device, parameters in host RAM).
+            done = self.datapath.upload(mine, pending.source, after=(self.memory.reuse_event, *pending.after))
             self.datapath.use(done)
             if pending.release_staging is not None:
                 self.datapath.when_done(done, pending.release_staging)
         else:
+            for event in pending.after:
+                self.datapath.use(event)
             mine.copy_(pending.source)
         self.ranks.all_gather(full, mine)
 

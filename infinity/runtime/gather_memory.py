@@ -19,10 +19,19 @@ zero bytes, as before.
 
 On CUDA a released slice may still be read by kernels the compute stream has not run
 yet, so each release records an event there, and whoever fills a slice next makes
-its copy stream wait for the latest one (``reuse_event``).
+its copy stream wait for the latest one (``reuse_event``). Memory fresh from the
+caching allocator is such memory too: the allocator hands the compute stream blocks it
+freed with kernels still queued to read or write them (stream order makes that safe
+on that stream alone), so a new slab, and a storage resized for a gather (below),
+record the event as well.
 
 With a torch that lacks the storage calls this needs (``UntypedStorage._swap_data_ptr_``
-and ``torch._C._construct_storage_from_data_pointer``), it resizes storages as before.
+and ``torch._C._construct_storage_from_data_pointer``), it resizes storages as before
+(``stats()["lending"]`` is False). That was the case on the lent H100 (torch 2.11): there
+the resized memory's upload did not wait for the compute stream, and an ``offload-host``
+run in bf16 lost the race now and then, its losses 0.01-0.1% off from the third step,
+different from run to run, and exact with ``CUDA_LAUNCH_BLOCKING=1`` or with the host
+waiting for every gradient download (which kept it in step with the GPU).
 
 [Note: long-lived and short-lived gathers]
 Most gathered groups live for one module's forward or backward; groups kept gathered for the
@@ -64,8 +73,10 @@ class GatherMemory:
         of ``slab_nbytes`` to the most it lent at once (see [Note: long-lived and short-lived gathers]).
     """
 
-    def __init__(self, device: torch.device, capacity: int = 0, slab_nbytes: int = 64 << 20) -> None:
+    def __init__(self, device: torch.device, capacity: int = 0, slab_nbytes: int = 64 << 20,
+                 mark=None) -> None:
         self.device = torch.device(device)
+        self._mark = mark or _cuda_mark(self.device)
         self.lending = _CAN_LEND
         self.arena = Arena(self._allocate, capacity or None, slab_nbytes, name=f"gather-{self.device.type}")
         self.kept = Arena(self._allocate, None, slab_nbytes, name=f"gather-kept-{self.device.type}")
@@ -76,7 +87,14 @@ class GatherMemory:
         self.reserve = 0        # room gathers ahead leave free for a gather on demand (size_for)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        memory = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._mark_reuse()      # fresh from the allocator: see [Note: lending memory to a group]
+        return memory
+
+    def _mark_reuse(self) -> None:
+        """The next fill of gathered memory waits for the compute stream's work enqueued so far."""
+        if self._mark is not None:
+            self.reuse_event = self._mark()
 
     def size_for(self, groups, in_place: bool = False) -> None:
         """The groups are final: the kept ones' arena becomes one slab of exactly their bytes (made at the
@@ -133,6 +151,7 @@ class GatherMemory:
             storage = flat.untyped_storage()
             if storage.nbytes() < nbytes:
                 storage.resize_(nbytes)
+                self._mark_reuse()      # fresh from the allocator, as a new slab
         else:
             loan = self._take(nbytes, owner, kept)
             piece = torch._C._construct_storage_from_data_pointer(loan.tensor.data_ptr(), self.device, loan.nbytes)
@@ -158,9 +177,7 @@ class GatherMemory:
         On CUDA the next writer of any slice waits for this point of the compute stream
         (``reuse_event``); slices are then safe to fill from another stream.
         """
-        if self.device.type == "cuda":
-            self.reuse_event = torch.cuda.Event()
-            self.reuse_event.record(torch.cuda.current_stream(self.device))
+        self._mark_reuse()
         loan.release()
 
     def stats(self) -> dict:
@@ -169,6 +186,18 @@ class GatherMemory:
         out.update(lending=self.lending, kept=self.kept.stats(), overflows=self.overflows,
                    overflow_bytes=self.overflow_bytes)
         return out
+
+
+def _cuda_mark(device: torch.device):
+    """Without a data path (tests): CUDA events on the current stream, or None off CUDA."""
+    if device.type != "cuda":
+        return None
+
+    def mark():
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+    return mark
 
 
 class _OwnMemory:

@@ -155,11 +155,13 @@ class ParamShards:
         """Whether the group's stored shard is current (no overlapped optimizer step still rewrites it)."""
         return self.update_gate is None or self.update_gate.ready(group)
 
-    def order_after_update(self, group: ParamGroup) -> None:
-        """The compute stream waits for the overlapped update's device copies of the group's shard
-        (no host wait; a no-op without an overlapped update or off CUDA)."""
-        if self.update_gate is not None:
-            self.update_gate.order_after(group)
+    def update_events(self, group: ParamGroup) -> tuple:
+        """The overlapped update's device copies of the group's shard still in flight (CUDA events):
+        a read of the shard waits for them on its own stream, the host does not. Empty without an
+        overlapped update or off CUDA."""
+        if self.update_gate is None:
+            return ()
+        return self.update_gate.device_copies(group)
 
     def wait_update(self, group: ParamGroup) -> float:
         """Block until the overlapped update has rewritten the group's shard; returns the seconds waited."""
