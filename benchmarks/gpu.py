@@ -114,7 +114,8 @@ def run_deepspeed(size: str, config: str, args, nvme_dir: str) -> dict:
             "peak_rss_bytes": report["peak_rss_bytes"], "gpu_peak_bytes": report["gpu_peak_bytes"],
             "flops_per_token": report["model"]["flops_per_token"], "transfers": None, "nvme_per_parameter": nvme,
             "first_loss": s["first_loss"], "last_loss": s["last_loss"], "device": report["machine"]["gpu"] or "cpu",
-            "deepspeed_version": report["deepspeed_version"], "samples": [st["seconds"] for st in report["steps"]]}
+            "deepspeed_version": report["deepspeed_version"], "samples": [st["seconds"] for st in report["steps"]],
+            "losses": [st.get("loss") for st in report["steps"]]}
 
 
 def run_infinity(size: str, config: str, args, nvme_dir: str) -> dict:
@@ -144,7 +145,7 @@ def run_infinity(size: str, config: str, args, nvme_dir: str) -> dict:
             "peak_rss_bytes": s["peak_rss_bytes"], "gpu_peak_bytes": r.get("gpu_peak_bytes"),
             "flops_per_token": r["model"]["flops_per_token"], "transfers": transfers, "nvme_per_parameter": nvme,
             "first_loss": s["first_loss"], "last_loss": s["last_loss"], "device": r["machine"]["gpu"] or "cpu",
-            "samples": [st["seconds"] for st in r["steps"]]}
+            "samples": [st["seconds"] for st in r["steps"]], "losses": [st["loss"] for st in r["steps"]]}
 
 
 def median_row(rows: list[dict]) -> dict:
