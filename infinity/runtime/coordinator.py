@@ -118,7 +118,7 @@ class Coordinator:
         self.memory = GatherMemory(device.device, gather_buffer_bytes, mark=self.datapath.mark)
         # World size 1 and shards in the compute device's own memory: a gathered group is its
         # stored shard itself, lent to the group's tensor (no copy; see [Note: lending memory to a group]).
-        self.in_place = ranks.world_size == 1 and shards.kind == "device" and self.memory.lending
+        self.in_place = ranks.world_size == 1 and shards.kind == "device"
         self.groups: list[ParamGroup] = []
         self.group_of: dict[nn.Parameter, ParamGroup] = {}
         self.module_groups: dict[nn.Module, list[ParamGroup]] = {}

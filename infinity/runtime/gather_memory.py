@@ -143,7 +143,13 @@ class GatherMemory:
         nbytes = numel * dtype.itemsize
         if flat is None:
             flat = torch.empty(0, dtype=dtype, device=self.device)
-        if source is not None:
+        if source is not None and not self.lending:
+            # The flat tensor takes the shard's storage itself (a release gives it an empty one back):
+            # the identity of its storage changes, which only matters to a group released and gathered
+            # again, and a group gathered in place stays gathered (see [Note: in-use counts]).
+            flat.set_(source.untyped_storage(), source.storage_offset(), (numel,))
+            self._lent[id(flat)] = (None, None)
+        elif source is not None:
             piece = torch._C._construct_storage_from_data_pointer(source.data_ptr(), self.device, nbytes)
             flat.untyped_storage()._swap_data_ptr_(piece)
             self._lent[id(flat)] = (None, piece)
@@ -164,7 +170,10 @@ class GatherMemory:
     def detach(self, flat: torch.Tensor) -> None:
         """Take the memory back from a released group's flat tensor (its storage keeps zero bytes)."""
         if not self.lending:
-            flat.untyped_storage().resize_(0)
+            if self._lent.pop(id(flat), False) is False:
+                flat.untyped_storage().resize_(0)
+            else:
+                flat.set_()     # the storage was the group's stored shard: it keeps its memory
             return
         loan, piece = self._lent.pop(id(flat))
         flat.untyped_storage()._swap_data_ptr_(piece)

@@ -174,3 +174,39 @@ def test_a_fetch_reads_a_shard_after_the_updates_device_copies_of_it(tmp_path, m
     monkeypatch.setattr(datapath.DataPath, "use", use_of)
     _train(tmp_path, name)
     assert copies and set(map(id, copies.values())) <= set(map(id, waited)), "a shard was read before its copies"
+
+
+def _losses(tmp_path, name: str) -> tuple[list[float], dict]:
+    shape = preset("tiny", n_layer=2)
+    torch.manual_seed(0)
+    cfg = load_config(name, overrides={"tiers": {"device": "cpu", "nvme_path": str(tmp_path)},
+                                       "precision": {"dtype": "bfloat16"}})
+    with infinity.Init(cfg):
+        model = GPT(shape)
+    opt = infinity.AdamW(model, lr=1e-3)
+    data = batches("random", 2, 32, shape.vocab_size, seed=0)
+    losses = []
+    for _ in range(3):
+        x, y = next(data)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    opt.synchronize()
+    return losses, infinity.stats(model)
+
+
+@pytest.mark.parametrize("name", ["device", "offload-host"])
+def test_without_storage_lending_every_preset_trains_alike(tmp_path, monkeypatch, name):
+    # A torch without UntypedStorage._swap_data_ptr_ (2.11 on the lent H100) resizes storages instead of
+    # lending them memory; the device preset's groups are then their stored shards through set_().
+    if not gather_memory._CAN_LEND:
+        pytest.skip("this torch cannot lend memory to storages: there is nothing to compare with")
+    lent, lent_stats = _losses(tmp_path / "lent", name)
+    monkeypatch.setattr(gather_memory, "_CAN_LEND", False)
+    resized, stats = _losses(tmp_path / "resized", name)
+    assert stats["gather_memory"]["lending"] is False
+    assert resized == lent
+    if name == "device":    # in place: nothing copied into gathered memory, before or after
+        assert stats["fetch"]["bytes_gathered"] == lent_stats["fetch"]["bytes_gathered"]
