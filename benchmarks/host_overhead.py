@@ -61,8 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per configuration (after 3 warm-up)")
     ap.add_argument("--configs", default="torch," + ",".join(presets()))
     ap.add_argument("--nvme-dir", default=None, help="swap directory for the nvme preset (default: temp dir)")
+    ap.add_argument("--no-lending", action="store_true",
+                    help="gather by resizing storages, as a torch without UntypedStorage._swap_data_ptr_ does "
+                         "(2.11 on the lent H100)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.no_lending:
+        from infinity.runtime import gather_memory
+        gather_memory._CAN_LEND = False
     swap = tempfile.TemporaryDirectory(prefix="host-overhead-") if args.nvme_dir is None else None
     nvme_dir = swap.name if swap is not None else args.nvme_dir
     torch.set_num_threads(1)
