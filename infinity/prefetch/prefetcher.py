@@ -110,6 +110,10 @@ class Prefetcher:
         self.windows = Windows(self.coordinator, self.trace, self.arena, cfg.nvme_bytes, cfg.device_bytes,
                                ordered_gathers=engine.ranks.world_size > 1, reads_ahead=self.reads_ahead)
         self._ahead = self.windows.ahead     # read or gathered ahead, not yet asked for (in order)
+        # Groups gathered in place (one rank, shards in the compute device's memory) are their stored
+        # shards and stay gathered: nothing is ever worth fetching ahead or keeping, so a followed
+        # request only checks the trace (which the foreign-parameter watch relies on).
+        self._walks = not self.coordinator.in_place
         self._kept: set[ParamGroup] = set()
         self._distances: list[dict[int, int | None]] = []
         self._in_backward = False
@@ -176,7 +180,7 @@ class Prefetcher:
         if found is not None:
             self._diverged(found)
             return
-        if self.trace.mode is TraceMode.FOLLOWING:
+        if self.trace.mode is TraceMode.FOLLOWING and self._walks:
             self.windows.passed(self.trace.cursor - 1)
             self._reuse(groups, self.trace.cursor - 1)
             self.windows.walk()
