@@ -31,7 +31,8 @@ phase() {   # phase NAME SECONDS COMMAND...: run it bounded, keep its output, sa
   tail -n 15 "$out/log-$name.txt"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| storage lending:',
+  hasattr(torch.UntypedStorage, '_swap_data_ptr_') and hasattr(torch._C, '_construct_storage_from_data_pointer'))"
 phases=" ${PHASES:-build tests ds bench profile} "
 want() { [[ $phases == *" $1 "* ]]; }
 want build && phase build "${BOUND_BUILD:-120}" python3 setup.py build_ext --inplace -q
