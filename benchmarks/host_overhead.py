@@ -31,14 +31,15 @@ from infinity.config import load_config, presets
 from infinity.examples.gpt import GPT, GPTConfig
 
 
-def build(name: str, shape: GPTConfig, nvme_dir: str):
-    """(model, optimizer) for ``torch`` or a preset, fp32 on the CPU."""
+def build(name: str, shape: GPTConfig, nvme_dir: str, units: tuple = ()):
+    """(model, optimizer) for ``torch`` or a preset, fp32 on the CPU (``units``: ``partition.units``)."""
     torch.manual_seed(0)
     if name == "torch":
         model = GPT(shape)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tiers = {"device": "cpu", "nvme_path": nvme_dir}
-    with infinity.Init(load_config(name, overrides={"tiers": tiers, "precision": {"dtype": "float32"}})):
+    overrides = {"tiers": tiers, "precision": {"dtype": "float32"}, "partition": {"units": list(units)}}
+    with infinity.Init(load_config(name, overrides=overrides)):
         model = GPT(shape)
     return model, infinity.AdamW(model, lr=1e-4)
 
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per configuration (after 3 warm-up)")
     ap.add_argument("--configs", default="torch," + ",".join(presets()))
     ap.add_argument("--nvme-dir", default=None, help="swap directory for the nvme preset (default: temp dir)")
+    ap.add_argument("--units", default="", help="partition.units for the presets, comma-separated "
+                    "(\"auto\": the model's _no_split_modules, the GPT's Block)")
     ap.add_argument("--no-lending", action="store_true",
                     help="gather by resizing storages, as a torch without UntypedStorage._swap_data_ptr_ does "
                          "(2.11 on the lent H100)")
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     idx = torch.randint(0, shape.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(1))
     runs = {}
     for name in names:
-        model, opt = build(name, shape, nvme_dir)
+        model, opt = build(name, shape, nvme_dir, tuple(u for u in args.units.split(",") if u))
 
         def step(model=model, opt=opt):
             model(idx, idx).backward()
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                      "calls_per_module_call": r["calls"] / r["module_calls"],
                      "calls_per_group": r["calls"] / r["groups"] if r["groups"] else None})
     head = f"{'config':<18} {'ms/step':>8} {'extra ms':>9} {'vs torch':>8} {'py calls':>9} {'/module call':>12} {'/group':>7}"
-    print(f"GPT {args.layers} x {args.width}, batch 1 x {args.seq}, fp32, CPU, 1 thread; "
+    print(f"GPT {args.layers} x {args.width}, batch 1 x {args.seq}, fp32, CPU, 1 thread"
+          f"{', partition.units = ' + args.units if args.units else ''}{', no lending' if args.no_lending else ''}; "
           f"median of {args.steps} alternated steps; module calls per forward: {rows[0]['module_calls']}")
     print(head)
     print("-" * len(head))

@@ -288,6 +288,16 @@ class PartitionConfig(Section):
     refuses less, naming the group); a bucket that finds it full waits for an earlier one's download.
     0 makes it twice the largest, so one bucket fills while the last one's shard leaves the device."""
 
+    units: Patterns = ()
+    """Module classes whose instances are each partitioned as one group of all the parameters under
+    them, gathered and released with the module's own forward and backward (FSDP's wrap policy; the
+    transformer block is the usual choice): fnmatch patterns over class names, for example
+    ["Block"] or ["*DecoderLayer"], or "auto" for the model's `_no_split_modules` (Hugging Face
+    models list their decoder layer there). A unit inside a unit belongs to the outer one. Fewer,
+    larger groups cost less host time per step (on a GPU the host must stay ahead of the kernels)
+    and gather a whole unit at once. Empty: one group per module with parameters of its own. A
+    layer that `[tiling]` selects may not sit inside a unit (`infinity.Init` says which)."""
+
     def _check(self) -> None:
         self._within("stage", 1, 3, "ZeRO stage 1 partitions the optimizer states, 2 the gradients too, 3 the "
                      "parameters too")

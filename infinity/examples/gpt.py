@@ -251,6 +251,9 @@ class GPT(nn.Module):
     >>> loss = model(idx, targets); loss.backward()     # doctest: +SKIP
     """
 
+    # The module a device map keeps whole (transformers' convention; partition.units = "auto" reads it).
+    _no_split_modules = ["Block"]
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg

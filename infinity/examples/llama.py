@@ -197,6 +197,9 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """A Llama-shaped decoder-only language model; ``forward(idx, targets)`` as ``GPT``'s."""
 
+    # The module a device map keeps whole (transformers' convention; partition.units = "auto" reads it).
+    _no_split_modules = ["Block"]
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg

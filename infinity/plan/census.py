@@ -178,6 +178,7 @@ def census_of_module(
     tiling_modules: Sequence[str] = (),
     param_bytes: int = 4,
     source: str | None = None,
+    units: Sequence[str] = (),
 ) -> ModelCensus:
     """The partition groups of ``model`` (see [Note: partition groups]).
 
@@ -194,6 +195,10 @@ def census_of_module(
         Bytes per element of the compute copy, used to derive the tile count.
     source : str, optional
         How to name the model in reports (default: its class name).
+    units : sequence of str
+        ``partition.units``: modules of these classes are one group of every parameter under them
+        (``"auto"``: the model's ``_no_split_modules``), as the engine forms them ([Note: units] in
+        infinity/runtime/construction.py).
 
     Returns
     -------
@@ -205,8 +210,20 @@ def census_of_module(
     for module in model.modules(remove_duplicate=False):
         for param in module.parameters(recurse=False):
             holders[id(param)] = holders.get(id(param), 0) + 1
+    patterns = [u for u in units if u != "auto"]
+    if "auto" in units:
+        patterns += list(getattr(type(model), "_no_split_modules", None) or ())
+    covered: set[int] = set()      # modules inside a unit: the unit's group holds their parameters
     for name, module in model.named_modules():
         qualified = name or ROOT_NAME
+        if id(module) in covered:
+            continue
+        if patterns and any(fnmatch.fnmatchcase(type(module).__name__, p) for p in patterns):
+            covered.update(id(m) for m in module.modules())
+            whole = [p for p in module.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in whole)
+            groups.extend(_split_by_trainable(qualified, whole, holders))
+            continue
         direct = []
         for param in module.parameters(recurse=False):
             if id(param) in seen:

@@ -480,6 +480,7 @@ def take_census(
             tiling_modules=tuple(tiling.modules),
             param_bytes=param_bytes,
             source=source,
+            units=tuple(cfg.partition.units),
         )
     if isinstance(model, str) and re.search(r"[A-Za-z_]{2,}", model):
         # Words, not a count such as "1.3B": a callable spec missing its ":callable".

@@ -25,11 +25,24 @@ source's values; a group touched before it has a source reads zeros (its values 
 undefined until the loader writes them, as transformers' own ``no_init_weights`` build
 leaves them), and from then on it is an ordinary group with a temporary master key.
 
+[Note: units]
+With ``partition.units`` a module whose class matches is partitioned as one group of every
+parameter under it, and it alone gathers and releases that group: its children get no group
+of their own (``_index_modules``), so their forward hooks find nothing to do and the engine's
+host work per step follows the number of units, not of layers (a GPT block's six modules with
+parameters become one group). Its parameters are partitioned when the unit's outermost
+``__init__`` returns: the layers built inside it wait for it (``Init._on_built``), whole, as
+the unit's own code builds them. A parameter of a unit that a module outside it uses (a tied
+weight) is gathered by that module too. ``"auto"`` takes the class names the model lists in
+``_no_split_modules`` (the Hugging Face convention for "keep this module on one device").
+
 What the room may touch: the coordinator (partition, groups), the tiers, the ranks'
 broadcast and all-gather, and the plan's arithmetic for the budget check.
 """
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Callable
 
@@ -49,6 +62,33 @@ from tiers.host_alloc import trim_c_heap
 _NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_subgroup_buffers", "optimizer_scratch",
                                 "nvme_staging", "prefetch_arena", "grad_staging", "compute_copy_staging",
                                 "activations", "activation_staging", "activation_prefetch"})
+
+
+class Units:
+    """Which modules are partitioned whole: ``partition.units`` (see [Note: units])."""
+
+    def __init__(self, patterns: Sequence[str]) -> None:
+        self.patterns = tuple(p for p in patterns if p != "auto")
+        self.auto = "auto" in patterns
+
+    def __bool__(self) -> bool:
+        return bool(self.patterns) or self.auto
+
+    def is_unit(self, module: nn.Module, building: Sequence[nn.Module] = ()) -> bool:
+        """Whether ``module`` is a unit; ``building``: the modules being built around it, outermost
+        first (the outermost one's ``_no_split_modules`` serves ``"auto"``)."""
+        if not self:
+            return False
+        patterns = self.patterns
+        if self.auto:
+            root = building[0] if building else module
+            patterns += tuple(getattr(type(root), "_no_split_modules", None) or ())
+        name = type(module).__name__
+        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    def within(self, building: Sequence[nn.Module]) -> bool:
+        """Whether one of the modules being built (around the one just built) is a unit."""
+        return bool(self) and any(self.is_unit(m, building) for m in building)
 
 
 class Partitioner:
@@ -77,10 +117,16 @@ class Partitioner:
         # module: construction allocates nothing per module beyond what the model's own code does
         # (else the C allocator's heap grows with every module built). Freed with the partitioner.
         self._scratch = Arena(engine.tiers.allocator.empty, None, 1 << 20, name="partition-scratch")
+        self.units = Units(engine.config.partition.units)
+        self.unit_of: dict[ParamGroup, nn.Module] = {}     # a unit's groups -> the unit (see [Note: units])
 
     # -- while modules are built -----------------------------------------------------------------
-    def partition_module(self, module: nn.Module) -> None:
-        """Shard every parameter under ``module`` not yet managed, one group per owning module."""
+    def partition_module(self, module: nn.Module, unit: bool = False) -> None:
+        """Shard every parameter under ``module`` not yet managed, one group per owning module, or with
+        ``unit`` one group of all of them (see [Note: units])."""
+        if unit:
+            self._partition_unit(module)
+            return
         partitioned = False
         for owner in module.modules():
             fresh = [(n, p) for n, p in owner.named_parameters(recurse=False)
@@ -97,6 +143,20 @@ class Partitioner:
                     setattr(owner, name, buf.to(self.engine.device.device))
         if partitioned:
             trim_c_heap()   # the module's own tensors just freed (see [Note: the C heap] in tiers/host_alloc.py)
+
+    def _partition_unit(self, unit: nn.Module) -> None:
+        fresh = [(n, p) for n, p in unit.named_parameters()
+                 if p not in self.coordinator.group_of and p.device.type != "meta"]
+        for trainable in (True, False):
+            chosen = [(n, p) for n, p in fresh if p.requires_grad == trainable]
+            if chosen:
+                self.unit_of[self._partition(type(unit).__name__, chosen)] = unit
+        if self.engine.device.is_cuda:
+            for owner in unit.modules():
+                for name, buf in owner.named_buffers(recurse=False):
+                    setattr(owner, name, buf.to(self.engine.device.device))
+        if fresh:
+            trim_c_heap()
 
     def _partition(self, name: str, params: list[tuple[str, nn.Parameter]]) -> ParamGroup:
         group = self.coordinator.new_group(name, params)
@@ -312,6 +372,8 @@ class Partitioner:
                 for s, v in zip(alive, values):
                     s.param.data = v
                 new = self._partition(g.name, [(s.name, s.param) for s in alive])
+                if g in self.unit_of:
+                    self.unit_of[new] = self.unit_of.pop(g)
                 coordinator.groups.remove(new)
                 kept.append(new)
         for i, g in enumerate(kept):
@@ -320,9 +382,16 @@ class Partitioner:
 
     def _index_modules(self, roots: list[nn.Module]) -> None:
         named = {}
+        units: dict[nn.Module, list[ParamGroup]] = {}
+        for g in self.coordinator.groups:
+            if g in self.unit_of:
+                units.setdefault(self.unit_of[g], []).append(g)
+        inside = {id(m): unit for unit in units for m in unit.modules()}     # gathered by their unit
         for root in roots:
             for qualname, module in root.named_modules(remove_duplicate=False):
-                groups = []
+                groups = list(units.get(module, ()))
+                for g in groups:
+                    named.setdefault(g, qualname or type(root).__name__)
                 for pname, p in module.named_parameters(recurse=False):
                     g = self.coordinator.group_of.get(p)
                     if g is None:
@@ -331,6 +400,8 @@ class Partitioner:
                             f"module {qualname or type(root).__name__!r} has parameter {pname!r} on the "
                             f"{p.device.type} device, which infinity cannot shard; build the model on a real "
                             "device inside infinity.Init, or give the parameter values before the context exits")
+                    if g in self.unit_of and inside.get(id(module)) is self.unit_of[g]:
+                        continue        # its unit gathers it
                     if g not in groups:
                         groups.append(g)
                     named.setdefault(g, qualname or type(root).__name__)

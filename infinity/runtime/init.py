@@ -115,6 +115,7 @@ class Init:
         self._had_init_subclass = False
         self._old_init_subclass = None
         self._depth: dict[int, int] = {}
+        self._building: list[nn.Module] = []     # modules whose outermost __init__ is running, outermost first
         self._built: list[nn.Module] = []
         self._children: set[int] = set()
         self._open_groups: OrderedDict = OrderedDict()
@@ -194,6 +195,7 @@ class Init:
         self._children.clear()
         self._open_groups.clear()
         self._depth.clear()
+        self._building.clear()
         if engine is not None:
             engine.release()
 
@@ -224,6 +226,8 @@ class Init:
             key = id(module)
             depth = self._depth.get(key, 0)
             self._depth[key] = depth + 1
+            if depth == 0:
+                self._building.append(module)
             try:
                 orig(module, *args, **kwargs)
             finally:
@@ -231,6 +235,7 @@ class Init:
                     self._depth[key] = depth
                 else:
                     self._depth.pop(key, None)
+                    self._building.pop()
             if depth == 0:
                 self._on_built(module)
 
@@ -243,7 +248,10 @@ class Init:
             for child in module.children():
                 self._children.add(id(child))
             self._built.append(module)
-            self.partitioner.partition_module(module)
+            units = self.partitioner.units
+            if units.within(self._building):
+                return      # partitioned with the unit being built around it (partition.units)
+            self.partitioner.partition_module(module, unit=units.is_unit(module, self._building))
 
     def _roots(self) -> list[nn.Module]:
         roots, seen = [], set()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from infinity.config import TilingConfig
+from infinity.errors import EngineError
 from infinity.tiling.layers import COLUMNS, ROWS, tile_, tile_count
 from infinity.tiling.weight import TilingError
 
@@ -154,6 +155,11 @@ def apply_tiling(partitioner, roots: Sequence[nn.Module]) -> list[TiledLayer]:
         params = [p for m in choice.modules for p in m.parameters(recurse=False)]
         groups = sorted({coordinator.group_of[p] for p in params if p in coordinator.group_of},
                         key=lambda g: g.index)
+        units = [partitioner.unit_of[g] for g in groups if g in partitioner.unit_of]
+        if units:
+            raise EngineError(f"[tiling] selects {choice.layer.describe()}, which sits inside a "
+                              f"{type(units[0]).__name__} that partition.units partitions whole; tile only layers "
+                              "outside the units (tiling.modules), or leave that class out of partition.units")
         for g in groups:
             partitioner.materialize(g)
         tile_(list(choice.modules), choice.layer.tiles, split=choice.layer.split,

@@ -27,7 +27,7 @@ CONTRACT_DEFAULTS = {
     "precision": {"dtype": "float32", "max_nonfinite_steps": 5, "loss_scale": "dynamic", "initial_scale": 2.0 ** 16,
                   "growth_interval": 2000, "hysteresis": 2, "min_scale": 1.0},
     "partition": {"stage": 3, "persistence_threshold": 0, "sub_group_size": 32 * MiB, "max_live_parameters": 0,
-                  "gather_buffer_bytes": 0, "reduce_bucket_bytes": 0},
+                  "gather_buffer_bytes": 0, "reduce_bucket_bytes": 0, "units": ()},
     "prefetch": {"enabled": True, "nvme_bytes": 256 * MiB, "device_bytes": 128 * MiB, "reuse_distance": 0,
                  "log_every": 0},
     "tiling": {"enabled": True, "threshold": 2**30, "tiles": 0, "max_tile_bytes": 256 * MiB, "modules": ()},
