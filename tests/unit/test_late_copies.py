@@ -96,5 +96,5 @@ def test_every_preset_trains_alike_with_copies_as_late_as_a_gpu_runs_them(tmp_pa
     ref = _losses(tmp_path / "ref", "device")           # nothing moves between host and device
     state.update(k=k, on=True)
     got = _losses(tmp_path, name)
-    assert len(made) > 50, "the preset's copies were expected to go through the data path"
+    assert len(made) >= 25, "the preset's copies were expected to go through the data path"
     assert got == ref, (name, k, got, ref)

@@ -48,4 +48,6 @@ def test_a_steps_walks_look_at_each_slot_a_few_times_whatever_the_depth(preset, 
     # would give about thirty).
     assert deep["visits_last_step"] / shallow["visits_last_step"] <= 2.5 * deep["slots"] / shallow["slots"], \
         (shallow, deep)
-    assert deep["hit_rate"] > 0.95 and shallow["hit_rate"] > 0.9
+    # The step's first gather in forward and in backward find nothing ahead: at 4 blocks (one group
+    # each, 7 groups, 15 requests a step) that is 2 misses, 0.87.
+    assert deep["hit_rate"] > 0.95 and shallow["hit_rate"] > 0.85
