@@ -23,9 +23,7 @@ import infinity
 import infinity.runtime.datapath as datapath
 import infinity.runtime.engine as engine_module
 import infinity.runtime.gather_memory as gather_memory
-from infinity.config import load_config
-from infinity.examples.data import batches
-from infinity.examples.gpt import GPT, preset
+from tests.support import gpt_runs
 from tiers.arena import Arena
 
 
@@ -111,21 +109,8 @@ def clock(monkeypatch):
     return state
 
 
-def _train(tmp_path, name: str) -> None:
-    shape = preset("tiny", n_layer=2)
-    torch.manual_seed(0)
-    cfg = load_config(name, overrides={"tiers": {"device": "cpu", "nvme_path": str(tmp_path)},
-                                       "precision": {"dtype": "bfloat16"}})
-    with infinity.Init(cfg):
-        model = GPT(shape)
-    opt = infinity.AdamW(model, lr=1e-3)
-    data = batches("random", 2, 32, shape.vocab_size, seed=0)
-    for _ in range(3):
-        x, y = next(data)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    opt.synchronize()
+def _train(tmp_path, name: str) -> list[float]:
+    return gpt_runs.losses(*gpt_runs.build(tmp_path, name, n_layer=2), steps=3, batch=2, weight_decay=0.0)
 
 
 @pytest.mark.parametrize("lending", [True, False], ids=["lent-slices", "resized-storages"])
@@ -177,24 +162,8 @@ def test_a_fetch_reads_a_shard_after_the_updates_device_copies_of_it(tmp_path, m
 
 
 def _losses(tmp_path, name: str) -> tuple[list[float], dict]:
-    shape = preset("tiny", n_layer=2)
-    torch.manual_seed(0)
-    cfg = load_config(name, overrides={"tiers": {"device": "cpu", "nvme_path": str(tmp_path)},
-                                       "precision": {"dtype": "bfloat16"}})
-    with infinity.Init(cfg):
-        model = GPT(shape)
-    opt = infinity.AdamW(model, lr=1e-3)
-    data = batches("random", 2, 32, shape.vocab_size, seed=0)
-    losses = []
-    for _ in range(3):
-        x, y = next(data)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    opt.synchronize()
-    return losses, infinity.stats(model)
+    model, shape = gpt_runs.build(tmp_path, name, n_layer=2)
+    return gpt_runs.losses(model, shape, steps=3, batch=2, weight_decay=0.0), infinity.stats(model)
 
 
 @pytest.mark.parametrize("name", ["device", "offload-host"])

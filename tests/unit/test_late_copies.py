@@ -13,11 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import infinity
 import infinity.runtime.datapath as datapath
-from infinity.config import load_config
-from infinity.examples.data import batches
-from infinity.examples.gpt import GPT, preset
+from tests.support import gpt_runs
 
 
 class LateCopy:
@@ -68,25 +65,7 @@ def late_copies(monkeypatch):
 
 
 def _losses(tmp_path, name: str) -> list[float]:
-    shape = preset("tiny", n_layer=3)
-    torch.manual_seed(0)
-    (tmp_path / name).mkdir(parents=True)
-    cfg = load_config(name, overrides={"tiers": {"device": "cpu", "nvme_path": str(tmp_path / name)},
-                                       "precision": {"dtype": "bfloat16"}})
-    with infinity.Init(cfg):
-        model = GPT(shape)
-    opt = infinity.AdamW(model, lr=1e-3, weight_decay=0.1)
-    data = batches("random", 4, 32, shape.vocab_size, seed=0)
-    losses = []
-    for _ in range(5):
-        x, y = next(data)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    opt.synchronize()
-    return losses
+    return gpt_runs.losses(*gpt_runs.build(tmp_path / name, name), steps=5)
 
 
 @pytest.mark.parametrize("k", [0, 3])

@@ -12,32 +12,15 @@ from infinity.errors import EngineError
 from infinity.examples.data import batches
 from infinity.examples.gpt import GPT, Block, preset
 from infinity.plan.census import census_of_module
+from tests.support import gpt_runs
 
 
 def _build(tmp_path, name: str, units, n_layer: int = 3, **sections):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    shape = preset("tiny", n_layer=n_layer)
-    torch.manual_seed(0)
-    overrides = {"tiers": {"device": "cpu", "nvme_path": str(tmp_path)}, "precision": {"dtype": "bfloat16"},
-                 "partition": {"units": units}, **sections}
-    with infinity.Init(load_config(name, overrides=overrides)):
-        model = GPT(shape)
-    return model, shape
+    return gpt_runs.build(tmp_path, name, n_layer, partition={"units": units}, **sections)
 
 
 def _train(model, shape, steps: int = 4) -> list[float]:
-    opt = infinity.AdamW(model, lr=1e-3, weight_decay=0.1)
-    data = batches("random", 4, 32, shape.vocab_size, seed=0)
-    losses = []
-    for _ in range(steps):
-        x, y = next(data)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    opt.synchronize()
-    return losses
+    return gpt_runs.losses(model, shape, steps)
 
 
 @pytest.mark.parametrize("units", ["auto", ["Block"], ["Bl*"]])
