@@ -210,15 +210,13 @@ def census_of_module(
     for module in model.modules(remove_duplicate=False):
         for param in module.parameters(recurse=False):
             holders[id(param)] = holders.get(id(param), 0) + 1
-    patterns = [u for u in units if u != "auto"]
-    if "auto" in units:
-        patterns += list(getattr(type(model), "_no_split_modules", None) or ())
+    patterns = unit_patterns(units, model)
     covered: set[int] = set()      # modules inside a unit: the unit's group holds their parameters
     for name, module in model.named_modules():
         qualified = name or ROOT_NAME
         if id(module) in covered:
             continue
-        if patterns and any(fnmatch.fnmatchcase(type(module).__name__, p) for p in patterns):
+        if is_unit(module, patterns):
             covered.update(id(m) for m in module.modules())
             whole = [p for p in module.parameters() if id(p) not in seen]
             seen.update(id(p) for p in whole)
@@ -246,6 +244,21 @@ def census_of_module(
         else:
             groups.extend(_split_by_trainable(qualified, direct, holders))
     return ModelCensus(source=source or type(model).__name__, groups=tuple(groups))
+
+
+def unit_patterns(units: Sequence[str], root: nn.Module) -> tuple[str, ...]:
+    """``partition.units`` as class-name patterns for a model whose outermost module is ``root``:
+    ``"auto"`` stands for the class names ``root`` lists in ``_no_split_modules``."""
+    patterns = tuple(u for u in units if u != "auto")
+    if "auto" in units:
+        patterns += tuple(getattr(type(root), "_no_split_modules", None) or ())
+    return patterns
+
+
+def is_unit(module: nn.Module, patterns: Sequence[str]) -> bool:
+    """Whether ``module``'s class matches one of the unit ``patterns`` (fnmatch, case-sensitive)."""
+    name = type(module).__name__
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def _is_tiled(name: str, module: nn.Module, threshold: int, patterns: Sequence[str]) -> bool:

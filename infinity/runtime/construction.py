@@ -41,7 +41,6 @@ broadcast and all-gather, and the plan's arithmetic for the budget check.
 """
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Callable
@@ -55,6 +54,7 @@ from infinity.optim.flat_state import FlatLayout, OptimizerStateStore
 from infinity.optim.split_master import CopyAccess, use_split_master
 from infinity.optim.moments import MomentFormat
 from infinity.param_group import ParamGroup, ParamState
+from infinity.plan.census import is_unit, unit_patterns
 from tiers.arena import Arena
 from tiers.host_alloc import trim_c_heap
 
@@ -64,31 +64,27 @@ _NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_s
                                 "activations", "activation_staging", "activation_prefetch"})
 
 
+def _move_buffers(owner: nn.Module, device) -> None:
+    """``owner``'s own buffers onto a CUDA compute device (``ComputeDevice``); they are not partitioned."""
+    if device.is_cuda:
+        for name, buf in owner.named_buffers(recurse=False):
+            setattr(owner, name, buf.to(device.device))
+
+
 class Units:
     """Which modules are partitioned whole: ``partition.units`` (see [Note: units])."""
 
-    def __init__(self, patterns: Sequence[str]) -> None:
-        self.patterns = tuple(p for p in patterns if p != "auto")
-        self.auto = "auto" in patterns
-
-    def __bool__(self) -> bool:
-        return bool(self.patterns) or self.auto
+    def __init__(self, units: Sequence[str]) -> None:
+        self.units = tuple(units)
 
     def is_unit(self, module: nn.Module, building: Sequence[nn.Module] = ()) -> bool:
         """Whether ``module`` is a unit; ``building``: the modules being built around it, outermost
         first (the outermost one's ``_no_split_modules`` serves ``"auto"``)."""
-        if not self:
-            return False
-        patterns = self.patterns
-        if self.auto:
-            root = building[0] if building else module
-            patterns += tuple(getattr(type(root), "_no_split_modules", None) or ())
-        name = type(module).__name__
-        return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        return bool(self.units) and is_unit(module, unit_patterns(self.units, building[0] if building else module))
 
     def within(self, building: Sequence[nn.Module]) -> bool:
         """Whether one of the modules being built (around the one just built) is a unit."""
-        return bool(self) and any(self.is_unit(m, building) for m in building)
+        return bool(self.units) and any(self.is_unit(m, building) for m in building)
 
 
 class Partitioner:
@@ -138,9 +134,7 @@ class Partitioner:
                 chosen = [(n, p) for n, p in fresh if p.requires_grad == trainable]
                 if chosen:
                     self._partition(type(owner).__name__, chosen)
-            if self.engine.device.is_cuda:
-                for name, buf in owner.named_buffers(recurse=False):
-                    setattr(owner, name, buf.to(self.engine.device.device))
+            _move_buffers(owner, self.engine.device)
         if partitioned:
             trim_c_heap()   # the module's own tensors just freed (see [Note: the C heap] in tiers/host_alloc.py)
 
@@ -151,10 +145,8 @@ class Partitioner:
             chosen = [(n, p) for n, p in fresh if p.requires_grad == trainable]
             if chosen:
                 self.unit_of[self._partition(type(unit).__name__, chosen)] = unit
-        if self.engine.device.is_cuda:
-            for owner in unit.modules():
-                for name, buf in owner.named_buffers(recurse=False):
-                    setattr(owner, name, buf.to(self.engine.device.device))
+        for owner in unit.modules():
+            _move_buffers(owner, self.engine.device)
         if fresh:
             trim_c_heap()
 

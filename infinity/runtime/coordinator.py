@@ -115,7 +115,7 @@ class Coordinator:
         self.ranks = ranks
         self.device = device
         self.dtype = shards.dtype
-        self.memory = GatherMemory(device.device, gather_buffer_bytes, mark=self.datapath.mark)
+        self.memory = GatherMemory(device.device, self.datapath.mark, gather_buffer_bytes)
         # World size 1 and shards in the compute device's own memory: a gathered group is its
         # stored shard itself, lent to the group's tensor (no copy; see [Note: lending memory to a group]).
         self.in_place = ranks.world_size == 1 and shards.kind == "device"

@@ -270,9 +270,7 @@ class DataPath:
             buffer = self._local.read_back = self.allocator.empty(max(4096, nbytes))
         host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
         host.copy_(tensor, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        done.synchronize()
+        self.mark().synchronize()
         return host
 
     # -- tiers ------------------------------------------------------------------------------------------

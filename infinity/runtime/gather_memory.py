@@ -68,15 +68,17 @@ class GatherMemory:
     ----------
     device:
         The compute device.
+    mark:
+        ``DataPath.mark``: an event at the compute stream's work enqueued so far (``DONE`` on the CPU),
+        which the next fill of gathered memory waits for.
     capacity:
         ``partition.gather_buffer_bytes``: the recycled arena's one buffer; 0 grows it by slabs
         of ``slab_nbytes`` to the most it lent at once (see [Note: long-lived and short-lived gathers]).
     """
 
-    def __init__(self, device: torch.device, capacity: int = 0, slab_nbytes: int = 64 << 20,
-                 mark=None) -> None:
+    def __init__(self, device: torch.device, mark, capacity: int = 0, slab_nbytes: int = 64 << 20) -> None:
         self.device = torch.device(device)
-        self._mark = mark or _cuda_mark(self.device)
+        self._mark = mark
         self.lending = _CAN_LEND
         self.arena = Arena(self._allocate, capacity or None, slab_nbytes, name=f"gather-{self.device.type}")
         self.kept = Arena(self._allocate, None, slab_nbytes, name=f"gather-kept-{self.device.type}")
@@ -93,8 +95,7 @@ class GatherMemory:
 
     def _mark_reuse(self) -> None:
         """The next fill of gathered memory waits for the compute stream's work enqueued so far."""
-        if self._mark is not None:
-            self.reuse_event = self._mark()
+        self.reuse_event = self._mark()
 
     def size_for(self, groups, in_place: bool = False) -> None:
         """The groups are final: the kept ones' arena becomes one slab of exactly their bytes (made at the
@@ -195,18 +196,6 @@ class GatherMemory:
         out.update(lending=self.lending, kept=self.kept.stats(), overflows=self.overflows,
                    overflow_bytes=self.overflow_bytes)
         return out
-
-
-def _cuda_mark(device: torch.device):
-    """Without a data path (tests): CUDA events on the current stream, or None off CUDA."""
-    if device.type != "cuda":
-        return None
-
-    def mark():
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        return event
-    return mark
 
 
 class _OwnMemory:
