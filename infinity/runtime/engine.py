@@ -28,7 +28,7 @@ from infinity.runtime.datapath import DataPath, with_per_parameter
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
 from infinity.runtime.grads import GradReducer
-from infinity.runtime.hooks import GradArrivals, install_hooks, install_released_guard, watch_backward
+from infinity.runtime.hooks import GradArrivals, install_hooks, install_released_guard, unhook_idle, watch_backward
 from infinity.runtime.ranks import Ranks
 from infinity.runtime.shards import DemandStaging, ParamShards
 from infinity.runtime.tier_set import TierSet
@@ -81,6 +81,7 @@ class Engine:
             self.prefetcher: Prefetcher | None = None
             self._updates = None
             self._stack: list[nn.Module] = []
+            self._unhooked = False      # the idle modules' forward hooks are gone (hooks.unhook_idle)
             self._backward_active = False
             self._step_started = None
             # Why the states are a mixture no step may train on, or None ([Note: a load is all or
@@ -245,6 +246,9 @@ class Engine:
             self._step_started = time.perf_counter()
         if self.prefetcher is not None:
             self.prefetcher.begin_forward(module)
+            if self.prefetcher.following and not self._unhooked and self.activations is None:
+                unhook_idle(self.roots, self.hooks, self.coordinator.module_groups)
+                self._unhooked = True
         # See [Note: foreign parameters]: once a step follows the recorded trace, the groups each
         # module uses (adopted ones included) are known, and no torch call needs to be watched.
         if self.prefetcher is None or not self.prefetcher.following:

@@ -138,7 +138,8 @@ class GradReducer:
         self.allocator = allocator
         self.host_buckets: Arena | None = None
         self._stale: list[tuple[ParamGroup, list]] = []     # taken; .grad and the group let go next
-        self._slot_of: dict[nn.Parameter, tuple[int, object]] = {}
+        self._slot_of: dict[int, tuple[int, object]] = {}       # id(parameter) -> (its index, its slot)
+        self._packed: dict[ParamGroup, list[int] | None] = {}   # group -> its slots' sizes, when packed from 0
         self._group_positions: dict[ParamGroup, torch.Tensor] = {}
         self._position: dict[nn.Parameter, int] = {}
         self._expected: dict[ParamGroup, int] = {}
@@ -155,11 +156,15 @@ class GradReducer:
         """The groups are final and ``store`` accumulates their gradients from now on."""
         self.store = store
         self._slot_of.clear()
+        self._packed.clear()
         self._expected.clear()
         for g in self.coordinator.groups:
+            end = 0
             for i, slot in enumerate(g.slots):
-                self._slot_of[slot.param] = (i, slot)
+                self._slot_of[id(slot.param)] = (i, slot)
                 self._position[slot.param] = 1 + len(self._position)
+                end = end + slot.numel if slot.offset == end else -1
+            self._packed[g] = [s.numel for s in g.slots] if end >= 0 else None
             self._expected[g] = sum(1 for s in g.slots if s.param.requires_grad)
             self._group_positions[g] = torch.tensor([self._position[s.param] for s in g.slots if s.param.requires_grad],
                                                     dtype=torch.long, device=self.device)
@@ -208,12 +213,17 @@ class GradReducer:
         if flat is None:
             loan = self.device_buckets.take(group.full_nbytes, f"gradients {group.name}")
             flat = loan.tensor.view(group.dtype)[:group.padded_numel]
-        for param, grad in zip(params, grads):
-            slot = self._slot_of[param][1]
-            part = flat[slot.offset:slot.offset + slot.numel]
-            part.zero_() if grad is None else part.copy_(grad.reshape(-1))   # converts into an fp32 accumulator
-        end = max(slot.offset + slot.numel for slot in group.slots)
-        flat[end:].zero_()      # padding: reused memory, zero as at partitioning
+        sizes = self._packed.get(group)
+        if sizes is not None and arrived == len(group.slots):
+            # Every slot, packed from 0 in order, has its gradient: one call (one multi-tensor
+            # kernel on a GPU where the dtypes agree), not a copy per parameter.
+            torch._foreach_copy_(flat[:group.numel].split(sizes), [grad.reshape(-1) for grad in grads])
+        else:
+            for param, grad in zip(params, grads):
+                slot = self._slot_of[id(param)][1]
+                part = flat[slot.offset:slot.offset + slot.numel]
+                part.zero_() if grad is None else part.copy_(grad.reshape(-1))   # converts into an fp32 accumulator
+        flat[group.slots[-1].offset + group.slots[-1].numel:].zero_()   # padding: reused memory, zero as at partitioning
         if arrived == len(params):
             self.book.arrived.index_fill_(0, self._group_positions[group], 1.0)
         else:

@@ -50,6 +50,7 @@ class GradArrivals:
         self.engine = weakref.ref(lifecycle)
         self.armed: dict = {}       # group -> [params, their gradients so far, arrivals]
         self._hooked: dict = {}     # id(parameter) -> its hook's handle (the model holds the parameters)
+        self._slot: dict = {}       # id(parameter) -> (its group, its place in the group's armed list)
 
     def arm(self, group) -> None:
         """Count ``group``'s gradients in the coming backward."""
@@ -58,28 +59,27 @@ class GradArrivals:
         params = [s.param for s in group.slots if s.param.requires_grad]
         if not params:
             return
-        for p in params:
+        for i, p in enumerate(params):
             if id(p) not in self._hooked:   # once per parameter (and again if it becomes trainable)
                 self._hooked[id(p)] = p.register_post_accumulate_grad_hook(self)
+            self._slot[id(p)] = (group, i)
         self.armed[group] = [params, [None] * len(params), 0]
 
     def __call__(self, param) -> None:
-        engine = self.engine()
-        if engine is None:
-            return
-        group = engine.coordinator.group_of.get(param)
+        # Once per parameter and backward: dict lookups by id only (a tensor's __hash__ is Python).
+        group, i = self._slot.get(id(param), (None, 0))
         entry = self.armed.get(group)
         if entry is None:
             return          # not armed: autograd keeps the gradient in .grad, as without the engine
-        params, grads, arrived = entry
-        i = next(i for i, p in enumerate(params) if p is param)
+        grads = entry[1]
         if grads[i] is None:
-            arrived += 1
+            entry[2] += 1
         grads[i] = param.grad
-        entry[2] = arrived
-        if arrived == len(params):
+        if entry[2] == len(grads):
             del self.armed[group]
-            engine.on_group_grads(group, params, grads)
+            engine = self.engine()
+            if engine is not None:
+                engine.on_group_grads(group, entry[0], grads)
 
     def flush(self) -> None:
         """The backward is over: hand over the groups some of whose parameters had no gradient."""
@@ -95,6 +95,7 @@ class GradArrivals:
         for handle in self._hooked.values():
             handle.remove()
         self._hooked = {}
+        self._slot = {}
         self.armed = {}
 
 
@@ -118,13 +119,28 @@ def watch_backward(module: nn.Module, output, pre_backward) -> None:
 class HookHandles:
     """The handles of every hook installed on one model; ``remove()`` undoes all of them."""
 
-    def __init__(self, handles: list[RemovableHandle]) -> None:
+    def __init__(self, handles: list[RemovableHandle], forward: dict | None = None) -> None:
         self._handles = handles
+        self._forward = forward or {}       # module -> the handles of its forward hooks
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._forward = {}
+
+    def unhook(self, keep) -> int:
+        """Remove the forward hooks of every module ``keep(module)`` is false for; returns how many
+        modules lost theirs (see [Note: which modules stay hooked])."""
+        gone = [m for m in self._forward if not keep(m)]
+        for m in gone:
+            for h in self._forward.pop(m):
+                h.remove()
+        return len(gone)
+
+    def hooked(self, module) -> bool:
+        """Whether ``module`` has the engine's forward hooks."""
+        return module in self._forward
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -140,18 +156,50 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
     lifecycle:
         An object with ``pre_forward(module, args)``, ``post_forward(module, output)`` and
         ``before_state_dict(module, prefix, keep_vars)`` (the engine).
+
+    [Note: which modules stay hooked]
+    A forward hook costs the module its call's fast path in torch (``_call_impl`` runs
+    its hook loop) and the engine a pre- and a post-forward call, each wrapped to stay
+    out of ``torch.compile``: about 50 Python calls per module call on the CPU, 9,700 a
+    step for GPT 350M's 221 modules, where plain torch's forward makes 2,200. Every
+    module is hooked at first: the first step records the trace and watches for
+    parameters used by modules that do not own them ([Note: foreign parameters] in
+    infinity/runtime/foreign.py), and those are adopted by the innermost running module.
+    Once a step follows the recorded trace, only a module with parameter groups (its
+    own, its ``partition.units`` block's, or adopted ones) has work: gather before,
+    release after, its backward held. So then the engine removes the forward hooks of
+    every other module (``unhook_idle``): containers, activations, and the
+    norms and projections inside a unit run as in plain torch. What follows: a
+    parameter a module starts to use without owning it in a later step (a diverged
+    trace, where the watch runs again) is adopted by the innermost *hooked* module
+    running, an ancestor; and a module without groups called by itself, outside the
+    model's forward, computes with released placeholders and so raises their error
+    naming ``infinity.gathered``, as any use of a released parameter outside a forward
+    does. Activation offload needs every module's entry (a checkpoint's inputs are named
+    there), so with it every module stays hooked; so it does with ``prefetch.enabled =
+    false``, where no step follows a trace.
     """
     handles: list[RemovableHandle] = []
+    forward: dict = {}
     pre_forward = torch.compiler.disable(lambda m, args: lifecycle.pre_forward(m, args))
     post_forward = torch.compiler.disable(lambda m, args, out: lifecycle.post_forward(m, out))
     for module in root.modules():
-        handles.append(module.register_forward_pre_hook(pre_forward, prepend=True))
-        # always_call: a forward that raises still releases what its pre-hook acquired; a
-        # group left in use would stay gathered and never be refreshed by an optimizer step.
-        handles.append(module.register_forward_hook(post_forward, always_call=True))
+        forward[module] = [
+            module.register_forward_pre_hook(pre_forward, prepend=True),
+            # always_call: a forward that raises still releases what its pre-hook acquired; a
+            # group left in use would stay gathered and never be refreshed by an optimizer step.
+            module.register_forward_hook(post_forward, always_call=True)]
+        handles.extend(forward[module])
         handles.append(module.register_state_dict_pre_hook(
             lambda m, prefix, keep_vars: lifecycle.before_state_dict(m, prefix, keep_vars)))
-    return HookHandles(handles)
+    return HookHandles(handles, forward)
+
+
+def unhook_idle(roots, hooks: list[HookHandles], module_groups: dict) -> None:
+    """The trace is followed: drop the forward hooks of the modules under ``roots`` (hooked by ``hooks``,
+    in the same order) that have no parameter groups (see [Note: which modules stay hooked])."""
+    for root, handles in zip(roots, hooks):
+        handles.unhook(lambda m, root=root: m is root or bool(module_groups.get(m)))
 
 
 def install_released_guard(root: nn.Module) -> HookHandles:

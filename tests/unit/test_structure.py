@@ -138,6 +138,9 @@ _FOREIGN_PRIVATE = {
     # What nn.Module._apply (model.to(device)) asks of each parameter: a released placeholder lets it
     # through (infinity/runtime/placeholder.py).
     "_has_compatible_shallow_copy_type",
+    # One multi-tensor copy of a group's gradients into its flat bucket (infinity/runtime/grads.py): the
+    # foreach ops torch.optim itself runs on, with no public name.
+    "_foreach_copy_",
 }
 
 
