@@ -1,5 +1,5 @@
-"""Build of the two C extensions: asynchronous I/O (aio_csrc/ -> tiers._aio) and Adam over
-compressed moments (optim_csrc/ -> infinity.optim._qadam).
+"""Build of the two C extensions: asynchronous I/O (aio_csrc/ -> tiers._aio) and the host Adam
+kernels, over compressed moments and the fused fp32 step (optim_csrc/ -> infinity.optim._qadam).
 
 Everything else about the package lives in pyproject.toml; setuptools needs this
 file only to describe the C extensions. They link nothing but libc (and libm): io_uring is
@@ -22,8 +22,9 @@ setup(
             "infinity.optim._qadam",
             sources=["optim_csrc/qadam.c"],
             depends=["optim_csrc/kernels.h"],
-            # -ffp-contract=off: no fused multiply-adds, so the codes it writes equal the torch
-            # twin's (infinity/optim/moments.py) bit for bit on every machine.
+            # -ffp-contract=off: no fused multiply-adds but the ones written out (fmaf), so the codes
+            # it writes equal the torch twin's (infinity/optim/moments.py), and the fused fp32 step
+            # torch's kernel, bit for bit on every machine.
             extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno",
                                 "-fno-trapping-math", "-Wall", "-Wextra",
                                 "-Wno-unused-parameter"],

@@ -19,7 +19,12 @@ together, ours runs in a second phase against its own triad:
 - ``ours (engine step, bf16 states)``, ``ours (engine step, int8 states)``: the same with
   ``[optimizer] state_dtype`` "bf16" / "int8" (same sub-group size), stepped by the compressed
   kernel (``infinity.optim.moments``); their rows give the bytes they move (bf16 24, int8 about 20
-  with the compute copy) and their rate against the fp32 engine step's (``x fp32 ours``).
+  with the compute copy) and their rate against the fp32 engine step's (``x fp32 ours``);
+- ``ours (engine step, bf16 compute)``: fp32 states, bf16 compute copies (``[precision] dtype``
+  "bfloat16", as GPU training runs), stepped by the fused C pass that reads the bf16 gradient and
+  writes the bf16 copy in the same pass; ``..., torch kernel``: the same model stepped by torch's
+  fused kernel with the gradient widened before and the copy converted after (what the engine did
+  before the C pass; [Note: the fused fp32 step] in optim_csrc/qadam.c).
 
 An Adam step moves 28 bytes per parameter (read parameter, gradient, m, v; write parameter,
 m, v); ours also writes the compute copy (32). The bound is triad bandwidth / 28 bytes. The
@@ -104,29 +109,46 @@ class _Stack(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(layers)])
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
 
 # Bytes an engine step moves per parameter with each state dtype: master and gradient read, master
 # written (12), m and v read and written, and the fp32 compute copy written (4).
-OURS_BYTES = {"fp32": 32, "bf16": 24, "int8": 16 + 4 + 4 * 4 / 256}
+OURS_BYTES = {"fp32": 32, "bf16": 24, "int8": 16 + 4 + 4 * 4 / 256,
+              # fp32 states, bf16 gradient read (2) and bf16 copy written (2) and put in place (2 + 2)
+              "bf16 compute": 32}
 
 
-def ours_step(n: int, workdir: str, state_dtype: str = "fp32"):
-    """``infinity.AdamW.step`` on Linear layers of about ``n`` parameters, all states on the host."""
+def ours_step(n: int, workdir: str, state_dtype: str = "fp32", compute: str = "float32", c_pass: bool = True):
+    """``infinity.AdamW.step`` on Linear layers of about ``n`` parameters, all states on the host, the
+    compute copies in ``compute``; ``c_pass`` False steps bf16 copies with torch's kernel and a
+    conversion instead of the fused C pass ([Note: the fused fp32 step] in optim_csrc/qadam.c)."""
     import infinity
 
     d = max(64, min(4096, int(n ** 0.5) // 64 * 64))
     layers = max(1, round(n / (d * d + d)))
     cfg = {"tiers": {"params": "device", "optimizer": "host", "device": "cpu", "nvme_path": workdir},
-           "optimizer": {"state_dtype": state_dtype}}
+           "optimizer": {"state_dtype": state_dtype}, "precision": {"dtype": compute},
+           "dpu": {"overlap": False}}
     with infinity.Init(cfg):
         model = _Stack(d, layers)
     opt = infinity.AdamW(model, **KW)
-    for g in opt.engine.coordinator.groups:
-        opt.store.accumulate_grad(g.index, torch.rand(g.shard_numel) * 1e-2)
+    opt._updates.update.fused = opt._updates.update.fused and c_pass
+    # One real backward, so that every parameter has its gradient (as the step sees it: arrived through
+    # the engine, in the compute dtype); each timed step then updates every parameter with it (no
+    # zero_grad between them).
+    model(torch.randn(2, d, dtype=getattr(torch, compute))).float().square().mean().backward()
     return opt.step, sum(g.numel for g in opt.engine.coordinator.groups), (model, opt)
 
 
 def ours_name(state_dtype: str) -> str:
+    if state_dtype == "bf16-compute":
+        return "ours (engine step, bf16 compute)"
+    if state_dtype == "bf16-compute-torch":
+        return "ours (engine step, bf16 compute, torch kernel)"
     return "ours (engine step)" if state_dtype == "fp32" else f"ours (engine step, {state_dtype} states)"
 
 
@@ -160,8 +182,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--skip", default="", help="comma-separated variants to leave out (foreach, deepspeed, ours, "
                     "torch: every torch-side one)")
-    ap.add_argument("--state-dtypes", default="fp32,bf16,int8",
-                    help="[optimizer] state_dtype of the engine-step rows (fp32 is the engine's default)")
+    ap.add_argument("--state-dtypes", default="fp32,bf16,int8,bf16-compute,bf16-compute-torch",
+                    help="[optimizer] state_dtype of the engine-step rows (fp32 is the engine's default); "
+                         "bf16-compute: fp32 states, bf16 compute copies, stepped by the fused C pass; "
+                         "bf16-compute-torch: the same by torch's kernel and a conversion")
     ap.add_argument("--json", help="write settings, machine and raw samples here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -178,7 +202,7 @@ def main(argv=None) -> dict:
             # (20 B/param with fp32 moments, 16 with bf16, 14 with int8). Together in one phase when
             # that fits in half the free memory.
             dtypes = [d for d in args.state_dtypes.split(",") if d] if "ours" not in skip else []
-            ours_nbytes = sum({"fp32": 20, "bf16": 16}.get(d, 14) for d in dtypes)
+            ours_nbytes = sum({"fp32": 20, "bf16": 16, "int8": 14}.get(d, 20) for d in dtypes)
             together = (16 + ours_nbytes) * n < psutil.virtual_memory().available // 2
             for _ in range(args.rounds):
                 triad, counts["triad"] = triad_step(n)
@@ -203,7 +227,11 @@ def main(argv=None) -> dict:
                 keep = []
                 for dtype in dtypes:
                     name = ours_name(dtype)
-                    phase[name], counts["ours"], kept = ours_step(n, workdir, dtype)
+                    if dtype.startswith("bf16-compute"):
+                        phase[name], counts["ours"], kept = ours_step(n, workdir, "fp32", "bfloat16",
+                                                                      c_pass=dtype == "bf16-compute")
+                    else:
+                        phase[name], counts["ours"], kept = ours_step(n, workdir, dtype)
                     keep.append(kept)
                 run_phase(phase, args.repeats, raw)
                 del phase, keep, triad
@@ -235,7 +263,8 @@ def print_table(n: int, raw: dict, notes: dict, counts: dict, together: bool) ->
         mine = name.startswith("ours")
         _, b = bound_of("triad" if together or not mine else "triad (ours' phase)")
         count = counts["ours"] if mine else n
-        dtype = next((d for d in OURS_BYTES if d != "fp32" and f"{d} states" in name), "fp32")
+        dtype = next((d for d in OURS_BYTES if d != "fp32" and (f"{d} states" in name or d == name[19:31])),
+                     "fp32")
         nbytes = OURS_BYTES[dtype] if mine else ADAM_BYTES
         med = statistics.median(samples)
         rate = count / med

@@ -115,3 +115,86 @@ KERNEL_ATTR static void KERNEL(run_int8)(const Job *j) {
     }
 }
 
+
+/* MODE_FP32 (see [Note: the fused fp32 step] in qadam.c): elements [lo, hi) in chunks that stay in
+ * the L1/L2: the gradient widened (and unscaled) into a float chunk when it is bf16 or scaled, the
+ * step, the copy narrowed. Each variant of the arithmetic is a loop of its own, without branches, so
+ * that gcc vectorizes it. */
+KERNEL_ATTR static void KERNEL(fp32_span)(const Job *j, int64_t len, float *restrict p, const float *restrict g,
+                                          float *restrict m, float *restrict v) {
+    const float b1c = j->T.b1c, b2 = j->T.b2, b2c = j->T.b2c, eps = j->T.eps, decay = j->T.decay, wd = j->T.wd;
+    const float step_size = j->T.step_size, bc2_sqrt = j->T.bc2_sqrt;
+    /* torch's lerp(m, g, w): fma(w, g - m, m) when |w| < 0.5, else fma(w - 1, g - m, g) */
+    if (fabsf(b1c) >= 0.5f) {
+        const float coeff = b1c - 1.0f;
+        for (int64_t t = 0; t < len; t++) {
+            float gi = g[t], pi = p[t];
+            if (j->wd != 0.0f) {
+                if (j->decoupled) pi = pi * decay;
+                else gi = fmaf(pi, wd, gi);
+            }
+            float mi = fmaf(coeff, gi - m[t], gi);
+            float vi = fmaf(b2c * gi, gi, v[t] * b2);
+            m[t] = mi;
+            v[t] = vi;
+            p[t] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+        }
+        return;
+    }
+    if (j->decoupled || j->wd == 0.0f) {
+        /* AdamW, or no decay at all (then decay is exactly 1 and p * 1 is p) */
+        const float d = j->decoupled ? decay : 1.0f;
+        for (int64_t t = 0; t < len; t++) {
+            float gi = g[t], pi = p[t] * d, mo = m[t];
+            float mi = fmaf(b1c, gi - mo, mo);
+            float vi = fmaf(b2c * gi, gi, v[t] * b2);
+            m[t] = mi;
+            v[t] = vi;
+            p[t] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+        }
+    } else {
+        for (int64_t t = 0; t < len; t++) {
+            float pi = p[t], gi = fmaf(pi, wd, g[t]), mo = m[t];
+            float mi = fmaf(b1c, gi - mo, mo);
+            float vi = fmaf(b2c * gi, gi, v[t] * b2);
+            m[t] = mi;
+            v[t] = vi;
+            p[t] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+        }
+    }
+}
+
+KERNEL_ATTR static void KERNEL(run_fp32)(const Job *j) {
+    int64_t a = j->first_block * j->block, b = j->last_block * j->block;
+    if (a < j->lo) a = j->lo;
+    if (b > j->hi) b = j->hi;
+    const float scale = j->T.scale;
+    float gbuf[CHUNK];
+    uint32_t obuf[CHUNK];
+    for (int64_t c0 = a; c0 < b; c0 += CHUNK) {
+        int64_t len = b - c0 < CHUNK ? b - c0 : CHUNK;
+        float *restrict p = j->p + c0;
+        const float *g = j->g + c0;
+        if (j->g16 != NULL) {
+            const uint16_t *restrict g16 = j->g16 + c0;
+            for (int64_t t = 0; t < len; t++) gbuf[t] = as_float((int32_t)((uint32_t)g16[t] << 16));
+            if (j->T.has_scale)
+                for (int64_t t = 0; t < len; t++) gbuf[t] = gbuf[t] / scale;
+            g = gbuf;
+        } else if (j->T.has_scale) {
+            for (int64_t t = 0; t < len; t++) gbuf[t] = g[t] / scale;
+            g = gbuf;
+        }
+        KERNEL(fp32_span)(j, len, p, g, (float *)j->m + c0, (float *)j->v + c0);
+        if (j->out16 != NULL) {
+            /* round to nearest even; a NaN becomes 0xFFFF, a NaN, as torch's vector conversion makes it */
+            for (int64_t t = 0; t < len; t++) {
+                uint32_t u = (uint32_t)as_int(p[t]);
+                uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+                obuf[t] = (p[t] != p[t]) ? 0xFFFFu : r;
+            }
+            uint16_t *restrict o = j->out16 + c0;
+            for (int64_t t = 0; t < len; t++) o[t] = (uint16_t)obuf[t];
+        }
+    }
+}

@@ -1,4 +1,5 @@
-"""Adam over compressed moments (optim_csrc/qadam.c); see [Note: the compressed step] in moments.py."""
+"""Host Adam kernels (optim_csrc/qadam.c): over compressed moments ([Note: the compressed step] in moments.py),
+and the fused fp32 step ([Note: the fused fp32 step] in qadam.c)."""
 
 def step(mode: int, n: int, lo: int, hi: int, block: int, p: int, g: int, m: int, v: int, m_scales: int,
          v_scales: int, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -10,3 +11,12 @@ def step(mode: int, n: int, lo: int, hi: int, block: int, p: int, g: int, m: int
     ``g`` are the addresses of the fp32 master weights and gradients. Raises ``ValueError`` on a bad
     mode, range or block. Releases the GIL; runs on up to ``threads`` threads.
     """
+
+
+def step_fp32(lo: int, hi: int, p: int, g: int, g_bf16: bool, m: int, v: int, out: int, step: int, lr: float,
+              beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float, decoupled: bool,
+              threads: int) -> None:
+    """torch's fused Adam(W) over elements [lo, hi) of fp32 states at addresses ``p``, ``m``, ``v``, the
+    gradient at ``g`` (bf16 words with ``g_bf16``, else fp32) divided by ``grad_scale`` (0: none), the new
+    weights' bf16 copy written at ``out`` (0: none). Releases the GIL; runs on up to ``threads`` threads.
+    Raises ``ValueError`` on a bad range or step."""

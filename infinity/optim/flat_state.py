@@ -388,10 +388,11 @@ class OptimizerStateStore:
         self.moments_initialized = True
 
     # -- the sub-group pipeline (see [Note: pipelined sub-groups]) ----------------------------------
-    def sub_groups(self, grad_keys: Sequence[int], changed: Sequence[bool], grads: dict | None = None
-                   ) -> Iterator[tuple]:
+    def sub_groups(self, grad_keys: Sequence[int], changed: Sequence[bool], grads: dict | None = None,
+                   compact: bool = False) -> Iterator[tuple]:
         """Yield ``(sub, {state: tensor}, writes)`` for each sub-group an update must visit (fp32
-        tensors; compressed moments as their raw bytes).
+        tensors; compressed moments as their raw bytes; with ``compact``, a compact gradient as it
+        is stored, in the compute dtype, for a kernel that widens it itself).
 
         ``grad_keys`` are the gradient keys of the update (DPU's may be the second set);
         ``changed[sub]`` says whether the update changes anything in ``sub``. ``grads``: the
@@ -404,18 +405,18 @@ class OptimizerStateStore:
         none outlives it (into buffers or keys the next pass, a fetch or a load uses).
         """
         if self.in_place:
-            yield from self._in_place(grad_keys, [sub for sub, c in enumerate(changed) if c])
+            yield from self._in_place(grad_keys, [sub for sub, c in enumerate(changed) if c], compact)
         else:
-            yield from self._streamed(grad_keys, changed, grads)
+            yield from self._streamed(grad_keys, changed, grads, compact)
 
-    def _in_place(self, grad_keys, subs: list[int]):
+    def _in_place(self, grad_keys, subs: list[int], compact: bool = False):
         writes: list = []
         try:
             for sub in subs:
                 st = {s: self.view(s, sub) for s in MOMENTS}
                 numel = self.layout.sub_ranges[sub][1]
                 st["grad"] = self.tier.view(grad_keys[sub]).view(self.grad_dtype)[:numel]
-                if self.grad_dtype != torch.float32:
+                if self.grad_dtype != torch.float32 and not compact:
                     st["grad"] = self._buffers[0]["grad"][:numel].copy_(st["grad"])
                 if self.split is None:
                     st["master"] = self.view("master", sub)
@@ -437,7 +438,7 @@ class OptimizerStateStore:
         for fut, _ in writes:
             fut.wait()
 
-    def _streamed(self, grad_keys, changed: Sequence[bool], grads: dict | None = None):
+    def _streamed(self, grad_keys, changed: Sequence[bool], grads: dict | None = None, compact: bool = False):
         tier, io, layout, bufs = self.tier, self.io, self.layout, self._buffers
         moments_known = self.moments_initialized
         subs = [sub for sub, c in enumerate(changed) if c or not moments_known]
@@ -480,7 +481,10 @@ class OptimizerStateStore:
                 if grads is not None and changed[sub]:
                     st["grad"].copy_(grads.pop(sub))    # KeyError: a changed sub-group without a held gradient
                 elif self.grad_dtype != torch.float32 and changed[sub]:
-                    st["grad"].copy_(bufs[slot]["grad_compact"][:numel])
+                    if compact:
+                        st["grad"] = bufs[slot]["grad_compact"][:numel]
+                    else:
+                        st["grad"].copy_(bufs[slot]["grad_compact"][:numel])
                 if self.split is not None:
                     copy, remainder = bufs[slot]["copy"][:numel], bufs[slot]["remainder"][:numel]
                     split_master.join(copy, remainder, self.split.exceptions.get(sub), st["master"])

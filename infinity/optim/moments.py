@@ -71,6 +71,21 @@ def native() -> bool:
     return _qadam is not None
 
 
+def fused_native() -> bool:
+    """Whether the C kernel has the fused fp32 step (a build older than it has not)."""
+    return _qadam is not None and hasattr(_qadam, "step_fp32")
+
+
+def fused_fp32_step(n: int, p: int, g: int, g_bf16: bool, m: int, v: int, out: int, step: int, lr: float,
+                    beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float,
+                    decoupled: bool, threads: int) -> None:
+    """Adam(W) over ``n`` fp32 states at addresses ``p``, ``m``, ``v`` with torch's fused CPU arithmetic,
+    the gradient at ``g`` (bf16 with ``g_bf16``, else fp32) divided by ``grad_scale`` (0: none), the new
+    weights' bf16 copy written at ``out`` (0: none). See [Note: the fused fp32 step] in optim_csrc/qadam.c."""
+    _qadam.step_fp32(0, n, p, g, g_bf16, m, v, out, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
+                     decoupled, threads)
+
+
 @dataclass(frozen=True)
 class MomentFormat:
     """How m and v are stored: ``dtype`` one of ``STATE_DTYPES``; ``block_size`` elements per int8 scale.

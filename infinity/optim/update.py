@@ -15,6 +15,16 @@ Gradient clipping is folded into the kernel's ``grad_scale`` (it divides by
 multiplication by at most one rounding. The kernel releases the GIL, so a background
 step (DPU) runs beside compute.
 
+With bf16 compute (how a GPU trains) torch's kernel, which takes one dtype, made the
+update three passes: the bf16 gradient widened into an fp32 buffer, the step, the
+master narrowed into the compute copy's staging. The C pass of optim_csrc/qadam.c
+([Note: the fused fp32 step] there) does all three in one, with torch's arithmetic bit
+for bit: each part's last ``numel % 16`` elements, which torch's kernel steps with its
+scalar code, still go through torch (``UpdatePass._fused_step``), so an engine
+stepping with it trains exactly as one stepping with torch's kernel
+(tests/unit/test_fused_fp32_step.py). Without the built extension, or with fp16 compute
+copies, torch's kernel and the conversion run as before.
+
 [Note: the update pass]
 Every update, synchronous, overlapped or delayed, is one :class:`StepJob` run by
 :class:`UpdatePass`: one pass over the sub-groups (the state store's pipeline, see
@@ -34,6 +44,7 @@ import collections
 
 import torch
 
+from infinity.optim import moments
 from infinity.optim.job import StepJob
 from infinity.optim.moments import AdamHyper, MomentStep, step_seed
 from infinity.optim.ranges import UpdateRanges
@@ -44,6 +55,9 @@ from tiers.base import wait_quietly
 # write starts on a 4096-byte block: the NVMe tier writes a partial block by read-modify-write,
 # and two such writes in flight to one block would race.
 CHUNK_NUMEL = 4 << 20
+# The last (numel % 16) elements of a tensor torch's fused CPU kernel steps with its scalar code,
+# whose roundings differ from its vector code's (16: a vector of AVX-512, two of AVX2).
+_TORCH_TAIL = 16
 _WHOLE = 1 << 62
 
 
@@ -107,6 +121,10 @@ class UpdatePass:
         # Compressed moments are stepped by their own kernel (see [Note: the compressed step] in
         # infinity/optim/moments.py); fp32 ones by torch's fused kernel.
         self.moment_step = MomentStep(store.moment_format) if store.moment_format.compressed else None
+        # bf16 compute copies of fp32 states in host memory: one C pass steps and narrows (see
+        # [Note: the fused fp32 step] in optim_csrc/qadam.c); else torch's kernel, then a conversion.
+        self.fused = (moments.fused_native() and self.moment_step is None and self.staging is not None
+                      and self.shards.dtype == torch.bfloat16)
         # Told ``sub_done(sub, futures)`` after each sub-group of an overlapped job (the
         # ``BackgroundUpdate`` running it), so the next forward may fetch its groups.
         self.progress = None
@@ -134,7 +152,7 @@ class UpdatePass:
         runs = job.runs or self.ranges.runs(job.updated, job.step)
         spans = [self.ranges.spans(sub, job.updated) if job.subs is None or sub in job.subs else []
                  for sub in range(num_subs)]
-        passes = self.store.sub_groups(job.grad_keys, [bool(r) for r in spans], job.grads)
+        passes = self.store.sub_groups(job.grad_keys, [bool(r) for r in spans], job.grads, compact=self.fused)
         chunk = chunk_numel()
         copies: list = []
         by_group: dict[int, list] | None = {} if job.overlapped else None     # what a fetch waits for
@@ -146,6 +164,11 @@ class UpdatePass:
                         c1 = min(c0 + chunk, start + numel)
                         parts = [(max(o, c0), min(o + n, c1), k, h) for o, n, k, h in runs[sub]
                                  if o < c1 and o + n > c0]
+                        if self.fused:
+                            staged = self._stage_copies(job, sub, c0, c1)
+                            self._fused_step(st, parts, staged, job, hyper, step_t)
+                            self._issue_copies(job, staged, copies, by_group)
+                            continue
                         for h in sorted({h for *_, h in parts}):   # one kernel call per set of hyper-parameters
                             mine = [part for part in parts if part[3] == h]
                             if self.moment_step is not None:
@@ -185,19 +208,37 @@ class UpdatePass:
         """Write elements [c0, c1) of ``sub``'s master weights into the job's compute-copy keys;
         the writes not done yet go to ``writes`` as ``(future, values)``, and by group index to
         ``by_group`` when an overlapped job's fetches wait for them (else None)."""
+        staged = self._stage_copies(job, sub, c0, c1, master)
+        for _, a, b, _, values, loan in staged:
+            if loan is not None:
+                values.copy_(master[a:b])
+        self._issue_copies(job, staged, writes, by_group)
+
+    def _stage_copies(self, job: StepJob, sub: int, c0: int, c1: int, master: torch.Tensor | None = None) -> list:
+        """The compute copies of elements [c0, c1) of ``sub`` the job writes, in sub-group order:
+        ``(piece, a, b, key, values, loan)`` with ``values`` to hold elements [a, b) in the compute
+        dtype: a staging slice (``loan``), or with ``master`` given and no conversion to make, its
+        own elements (``loan`` None)."""
         dtype = self.shards.dtype
+        staged = []
         for piece in self.store.layout.pieces_of_sub[sub]:
             key = job.param_keys[piece.group_index]
             a, b = max(piece.sub_offset, c0), min(piece.sub_offset + piece.numel, c1)
             if key is None or a >= b:
                 continue
             loan = None
-            if master.dtype == dtype or self.staging is None:
+            if master is not None and (master.dtype == dtype or self.staging is None):
                 values = master[a:b].to(dtype)     # the master itself (fp32), or on the device
             else:
                 loan = self._stage((b - a) * self._itemsize)
                 values = loan.tensor.view(dtype)[:b - a]
-                values.copy_(master[a:b])
+            staged.append((piece, a, b, key, values, loan))
+        staged.sort(key=lambda entry: entry[1])
+        return staged
+
+    def _issue_copies(self, job: StepJob, staged: list, writes: list, by_group: dict | None) -> None:
+        """Start writing the filled ``staged`` compute copies into their keys (see ``_write_compute_copies``)."""
+        for piece, a, _, key, values, loan in staged:
             fut = self.shards.write_updated(self.groups[piece.group_index], key, values,
                                             piece.group_offset + a - piece.sub_offset, source=self.states_on,
                                             offer_fresh=job.offer_fresh)
@@ -207,6 +248,58 @@ class UpdatePass:
                 writes.append((fut, values))
                 if by_group is not None:
                     by_group.setdefault(piece.group_index, []).append(fut)
+
+    def _fused_step(self, st: dict, parts: list, staged: list, job: StepJob, hyper: dict, step_t) -> None:
+        """Adam over ``parts`` of a sub-group by the C pass that also fills the ``staged`` compute
+        copies; then the copies' other elements (not stepped, or a part's last < 16 elements, which
+        torch's kernel steps as its own scalar tail does) converted from the master weights.
+
+        Bit for bit what ``torch._fused_adam(w)_`` on each part and a conversion give: the C pass
+        does torch's vector arithmetic, and a part's tail goes through torch itself."""
+        master, grad, m, v = st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"]
+        g_bf16 = grad.dtype == torch.bfloat16
+        kernel = torch._fused_adamw_ if job.decoupled else torch._fused_adam_
+        threads = torch.get_num_threads()
+        filled = [[] for _ in staged]       # per staged copy, the [x, y) the C pass wrote
+        scale = 0.0 if job.clip_coef is None else 1.0 / job.clip_coef    # the C pass rounds it as torch.full
+        for a, b, step, h in parts:
+            hp = _hyper_set(hyper, job, h)
+            body = a + (b - a) // _TORCH_TAIL * _TORCH_TAIL
+            x = a
+            for i, (_, sa, sb, _, values, _) in enumerate(staged):
+                if sb <= x or sa >= body:
+                    continue
+                if sa > x:
+                    self._step_c(x, sa, master, grad, g_bf16, m, v, 0, step, hp, scale, job, threads)
+                    x = sa
+                y = min(sb, body)
+                out = values.data_ptr() + (x - sa) * values.element_size()
+                self._step_c(x, y, master, grad, g_bf16, m, v, out, step, hp, scale, job, threads)
+                filled[i].append((x, y))
+                x = y
+            if x < body:
+                self._step_c(x, body, master, grad, g_bf16, m, v, 0, step, hp, scale, job, threads)
+            if body < b:
+                g = grad[body:b].float() if g_bf16 else grad[body:b]
+                kernel([master[body:b]], [g], [m[body:b]], [v[body:b]], [], [step_t(step)], **hp)
+        for (_, sa, sb, _, values, _), done in zip(staged, filled):
+            x = sa
+            for y0, y1 in done + [(sb, sb)]:
+                if x < y0:
+                    values[x - sa:y0 - sa].copy_(master[x:y0])
+                x = y1
+
+    @staticmethod
+    def _step_c(x: int, y: int, master, grad, g_bf16: bool, m, v, out: int, step: int, hp: dict, scale: float,
+                job: StepJob, threads: int) -> None:
+        """The C pass over elements [x, y) of a sub-group's states; ``out`` the address of element x's
+        compute copy (0: none)."""
+        if x >= y:
+            return
+        moments.fused_fp32_step(
+            y - x, master.data_ptr() + 4 * x, grad.data_ptr() + grad.element_size() * x, g_bf16,
+            m.data_ptr() + 4 * x, v.data_ptr() + 4 * x, out, step, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"],
+            hp["weight_decay"], scale, job.decoupled, threads)
 
     def _stage(self, nbytes: int):
         """A slice of the staging, giving back the oldest staged copies once written if it is full."""

@@ -1,0 +1,99 @@
+"""The fused fp32 host step (optim_csrc/qadam.c, [Note: the fused fp32 step]): torch's fused CPU
+Adam/AdamW bit for bit, with the gradient read as bf16 and the bf16 compute copy written in the
+same pass; and an engine that steps with it trains exactly as one that steps with torch's kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infinity
+from infinity.optim import moments
+from infinity.optim.update import UpdatePass
+from tests.support.gpt_runs import build, losses
+
+pytestmark = pytest.mark.skipif(not moments.fused_native(), reason="the C kernel is not built")
+
+
+def _states(n: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * 1e-2
+    m = torch.randn(n, generator=gen) * 1e-3
+    v = torch.rand(n, generator=gen) * 1e-5
+    return p, g, m, v
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("clip", [None, 0.37])
+@pytest.mark.parametrize("g_bf16", [False, True])
+@pytest.mark.parametrize("beta1", [0.9, 0.3])
+def test_the_c_pass_is_torchs_fused_kernel_bit_for_bit(decoupled, weight_decay, clip, g_bf16, beta1):
+    n = 16 * 6151        # a multiple of 16: torch's kernel runs only its vector code on it
+    p, g, m, v = _states(n, seed=int(decoupled) + 2 * int(g_bf16))
+    if g_bf16:
+        g = g.bfloat16().float()
+    ours = [t.clone() for t in (p, g, m, v)]
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    for step in (1, 2, 9):
+        kernel([p], [g], [m], [v], [], [torch.full((), float(step))], lr=1e-3, beta1=beta1, beta2=0.999,
+               weight_decay=weight_decay, eps=1e-8, amsgrad=False, maximize=False,
+               grad_scale=None if clip is None else torch.full((), 1.0 / clip), found_inf=None)
+        if clip is not None:
+            g.copy_(ours[1])        # torch writes the unscaled gradient back; the C pass does not
+        grad = ours[1].bfloat16() if g_bf16 else ours[1]
+        out = torch.zeros(n, dtype=torch.bfloat16)
+        moments.fused_fp32_step(n, ours[0].data_ptr(), grad.data_ptr(), g_bf16, ours[2].data_ptr(), ours[3].data_ptr(),
+                                out.data_ptr(), step, 1e-3, beta1, 0.999, 1e-8, weight_decay,
+                                0.0 if clip is None else 1.0 / clip, decoupled, 2)
+        assert torch.equal(ours[0], p) and torch.equal(ours[2], m) and torch.equal(ours[3], v), f"step {step}"
+        assert torch.equal(out, p.bfloat16()), "the copy is round-to-nearest-even, as .to(torch.bfloat16)"
+
+
+def test_a_nan_weight_stays_nan_in_its_copy():
+    n = 64
+    p = torch.zeros(n)
+    g = torch.zeros(n)
+    g[:8] = float("nan")
+    g[8:16] = float("inf")
+    m, v = torch.zeros(n), torch.zeros(n)
+    out = torch.zeros(n, dtype=torch.bfloat16)
+    moments.fused_fp32_step(n, p.data_ptr(), g.data_ptr(), False, m.data_ptr(), v.data_ptr(), out.data_ptr(), 1,
+                            1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0, True, 1)
+    assert p[:16].isnan().all() and out[:16].isnan().all()
+    assert torch.equal(out[16:], p[16:].bfloat16())
+
+
+def _train(tmp_path, monkeypatch, preset: str, fused: bool, sections: dict):
+    """Losses and final weights of the tiny GPT over 3 steps, the C pass allowed or not; and its calls."""
+    calls = [0]
+    c_pass = moments.fused_fp32_step
+
+    def counting(*args):
+        calls[0] += 1
+        c_pass(*args)
+
+    monkeypatch.setattr(moments, "fused_fp32_step", counting)
+    monkeypatch.setattr(moments, "fused_native", lambda: fused)
+    model, shape = build(tmp_path / f"nvme-{fused}", preset, **sections)
+    out = losses(model, shape, steps=3)
+    with infinity.gathered(model):
+        params = [p.detach().clone() for p in model.parameters()]
+    return out, params, calls[0]
+
+
+@pytest.mark.parametrize("preset, sections", [
+    ("offload-optimizer", {"dpu": {"overlap": False}}),     # compact bf16 gradients
+    ("offload-host", {}),                                   # the preset as it is
+    ("offload-host", {"partition": {"sub_group_size": 6144}}),  # groups cut across sub-groups
+    ("nvme", {"dpu": {"overlap": False}}),                  # streamed sub-groups, compact gradients read
+])
+def test_an_engine_stepping_with_the_c_pass_trains_exactly_as_with_torchs_kernel(tmp_path, monkeypatch, preset,
+                                                                                 sections):
+    """bf16 compute, states in host memory: the compute copies staged per group, the parts' tails
+    stepped by torch, the other elements converted; the same losses and weights, bit for bit."""
+    fused = _train(tmp_path, monkeypatch, preset, True, sections)
+    plain = _train(tmp_path, monkeypatch, preset, False, sections)
+    assert fused[2] > 0 and plain[2] == 0, "the first run steps with the C pass, the second without"
+    assert fused[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(fused[1], plain[1]))
