@@ -334,19 +334,26 @@ def test_device_copies_of_an_overlapped_update_order_the_stream_not_the_host(tmp
 
     monkeypatch.setattr(UpdateScheduler, "overlap_wanted", staticmethod(lambda engine: True))
     issued, used = set(), []
+    alive = []      # every event seen stays alive: an id is an object's only while it lives
     write_updated = ParamShards.write_updated
 
     def as_device_copy(self, *args, **kwargs):
         fut = _DeviceCopy(write_updated(self, *args, **kwargs))
         issued.add(id(fut.event))
+        alive.append(fut.event)
         return fut
 
+    def use(self, event):
+        used.append(id(event))
+        alive.append(event)
+
     monkeypatch.setattr(ParamShards, "write_updated", as_device_copy)
-    monkeypatch.setattr(DataPath, "use", lambda self, event: used.append(id(event)))
+    monkeypatch.setattr(DataPath, "use", use)
     model, ref = make(tmp_path, "device", "host")
     opt, _, out, _ = run_schedule(model, ref, 4, warmup=10 ** 6, lr_at=lambda k: 1e-2)
     assert all(d <= TOL and l <= 1e-5 for d, l in out), out
     assert opt.stats()["overlapped_steps"] == 4
+    model(*batches(1)[0])       # the last update's copies are ordered at the next forward's fetches
     assert issued and set(used) == issued      # every copy ordered on the stream, each group's at its fetch
     waits = infinity.stats(model)["transfers"]["host_waits"]
     assert waits["forward"] == 0 and waits["backward"] == 0, waits
