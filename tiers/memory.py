@@ -126,6 +126,13 @@ class MemoryTier(Tier):
         self._stats.read(data.numel())
         return copy_bytes(data, entry.place[offset:offset + data.numel()], self._stats, self._copy_stream)
 
+    def place(self, key: int, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes [offset, offset + nbytes) of ``key`` for the caller to compute into, in place: a write
+        without the copy, counted as one (checked as ``write`` checks its span)."""
+        entry = self._keys.span(key, offset, nbytes, "write")
+        self._stats.wrote(nbytes)
+        return entry.place[offset:offset + nbytes]
+
     def view(self, key: int) -> torch.Tensor:
         """The ``uint8`` tensor holding ``key``'s bytes (aliases them: writes to it are stored)."""
         return self._keys.get(key).place

@@ -58,6 +58,8 @@ CHUNK_NUMEL = 4 << 20
 # The last (numel % 16) elements of a tensor torch's fused CPU kernel steps with its scalar code,
 # whose roundings differ from its vector code's (16: a vector of AVX-512, two of AVX2).
 _TORCH_TAIL = 16
+# A compute copy the C pass writes straight into the parameter tier's host memory (UpdatePass._stage_copies).
+_IN_PLACE = object()
 _WHOLE = 1 << 62
 
 
@@ -218,7 +220,8 @@ class UpdatePass:
         """The compute copies of elements [c0, c1) of ``sub`` the job writes, in sub-group order:
         ``(piece, a, b, key, values, loan)`` with ``values`` to hold elements [a, b) in the compute
         dtype: a staging slice (``loan``), or with ``master`` given and no conversion to make, its
-        own elements (``loan`` None)."""
+        own elements (``loan`` None), or without ``master`` (the C pass fills them), the key's own host
+        memory when the shards live there (``loan`` is ``_IN_PLACE``: nothing to write afterwards)."""
         dtype = self.shards.dtype
         staged = []
         for piece in self.store.layout.pieces_of_sub[sub]:
@@ -227,7 +230,11 @@ class UpdatePass:
             if key is None or a >= b:
                 continue
             loan = None
-            if master is not None and (master.dtype == dtype or self.staging is None):
+            place = None if master is not None else self.shards.update_place(
+                key, piece.group_offset + a - piece.sub_offset, b - a)
+            if place is not None:
+                values, loan = place, _IN_PLACE
+            elif master is not None and (master.dtype == dtype or self.staging is None):
                 values = master[a:b].to(dtype)     # the master itself (fp32), or on the device
             else:
                 loan = self._stage((b - a) * self._itemsize)
@@ -239,6 +246,10 @@ class UpdatePass:
     def _issue_copies(self, job: StepJob, staged: list, writes: list, by_group: dict | None) -> None:
         """Start writing the filled ``staged`` compute copies into their keys (see ``_write_compute_copies``)."""
         for piece, a, _, key, values, loan in staged:
+            if loan is _IN_PLACE:
+                self.shards.updated_in_place(self.groups[piece.group_index], piece.group_offset + a - piece.sub_offset,
+                                             values, offer_fresh=job.offer_fresh)
+                continue
             fut = self.shards.write_updated(self.groups[piece.group_index], key, values,
                                             piece.group_offset + a - piece.sub_offset, source=self.states_on,
                                             offer_fresh=job.offer_fresh)

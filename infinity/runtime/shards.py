@@ -181,6 +181,22 @@ class ParamShards:
             self.fresh.offer(group, offset_numel, values)
         return fut
 
+    def update_place(self, key: int, offset_numel: int, numel: int) -> torch.Tensor | None:
+        """Where an update may compute elements [offset, offset + numel) of a new compute copy for ``key``
+        itself: the key's host memory when the shards live there (counted as written), else None (the
+        copy is staged and written with ``write_updated``). Runs on the update's thread."""
+        if self.kind != "host":
+            return None
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return self.tier.place(key, offset_numel * size, numel * size).view(self.dtype)
+
+    def updated_in_place(self, group: ParamGroup, offset_numel: int, values: torch.Tensor,
+                         offer_fresh: bool = False) -> None:
+        """An update computed ``values`` in the place ``update_place`` gave; with ``offer_fresh`` they are
+        also kept in host memory for the group's next fetch, as ``write_updated`` keeps them."""
+        if offer_fresh and self.fresh is not None:
+            self.fresh.offer(group, offset_numel, values)
+
     def take_fresh(self, group: ParamGroup):
         """The group's fresh shard (an arena slice the caller releases), or None."""
         return self.fresh.take(group) if self.fresh is not None else None

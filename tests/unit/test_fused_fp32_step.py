@@ -87,6 +87,8 @@ def _train(tmp_path, monkeypatch, preset: str, fused: bool, sections: dict):
     ("offload-host", {}),                                   # the preset as it is
     ("offload-host", {"partition": {"sub_group_size": 6144}}),  # groups cut across sub-groups
     ("nvme", {"dpu": {"overlap": False}}),                  # streamed sub-groups, compact gradients read
+    ("nvme", {}),                                           # the update overlapped with the next forward
+    ("offload-optimizer", {"dpu": {"enabled": True, "warmup_steps": 1}}),   # DPU: fp32 gradient keys
 ])
 def test_an_engine_stepping_with_the_c_pass_trains_exactly_as_with_torchs_kernel(tmp_path, monkeypatch, preset,
                                                                                  sections):
