@@ -22,8 +22,11 @@ master narrowed into the compute copy's staging. The C pass of optim_csrc/qadam.
 for bit: each part's last ``numel % 16`` elements, which torch's kernel steps with its
 scalar code, still go through torch (``UpdatePass._fused_step``), so an engine
 stepping with it trains exactly as one stepping with torch's kernel
-(tests/unit/test_fused_fp32_step.py). Without the built extension, or with fp16 compute
-copies, torch's kernel and the conversion run as before.
+(tests/unit/test_fused_fp32_step.py). When the parameter tier is host memory
+(``offload-host``) the pass writes each copy straight into the shard's key
+(``ParamShards.update_place``) instead of a staging slice copied there afterwards. Without
+the built extension, or with fp16 compute copies, torch's kernel and the conversion run
+as before.
 
 [Note: the update pass]
 Every update, synchronous, overlapped or delayed, is one :class:`StepJob` run by
