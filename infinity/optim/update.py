@@ -298,7 +298,7 @@ class UpdatePass:
                 kernel([master[body:b]], [g], [m[body:b]], [v[body:b]], [], [step_t(step)], **hp)
         for (_, sa, sb, _, values, _), done in zip(staged, filled):
             x = sa
-            for y0, y1 in done + [(sb, sb)]:
+            for y0, y1 in sorted(done) + [(sb, sb)]:
                 if x < y0:
                     values[x - sa:y0 - sa].copy_(master[x:y0])
                 x = y1
