@@ -249,14 +249,10 @@ class UpdatePass:
     def _issue_copies(self, job: StepJob, staged: list, writes: list, by_group: dict | None) -> None:
         """Start writing the filled ``staged`` compute copies into their keys (see ``_write_compute_copies``)."""
         for piece, a, _, key, values, loan in staged:
-            if loan is _IN_PLACE:
-                self.shards.updated_in_place(self.groups[piece.group_index], piece.group_offset + a - piece.sub_offset,
-                                             values, offer_fresh=job.offer_fresh)
-                continue
             fut = self.shards.write_updated(self.groups[piece.group_index], key, values,
                                             piece.group_offset + a - piece.sub_offset, source=self.states_on,
-                                            offer_fresh=job.offer_fresh)
-            if loan is not None:
+                                            offer_fresh=job.offer_fresh, in_place=loan is _IN_PLACE)
+            if loan is not None and loan is not _IN_PLACE:
                 self._staged.append((fut, loan))
             if not fut.done():
                 writes.append((fut, values))

@@ -29,6 +29,7 @@ import torch
 
 from infinity.param_group import ParamGroup
 from infinity.prefetch.fresh_shards import FreshShards
+from tiers.base import CompletedFuture
 
 DEMAND_STAGING_BUFFERS = 3
 
@@ -85,6 +86,7 @@ class ParamShards:
 
     def __init__(self, tier, dtype: torch.dtype, datapath, staging: DemandStaging | None = None) -> None:
         self.tier = tier
+        self.kind = tier.kind       # where the shards live: "device", "host" or "nvme"
         self.dtype = dtype
         self.datapath = datapath
         self.staging = staging
@@ -94,11 +96,6 @@ class ParamShards:
         self.fresh: FreshShards | None = None
 
     # -- whole shards ------------------------------------------------------------------------------
-    @property
-    def kind(self) -> str:
-        """Where the shards live: "device", "host" or "nvme"."""
-        return self.tier.kind
-
     def put(self, group: ParamGroup, shard: torch.Tensor | None) -> None:
         """Store the group's first shard (partitioning; ``shard`` is in host memory, any float dtype).
 
@@ -168,15 +165,19 @@ class ParamShards:
         return self.update_gate.wait_ready(group)
 
     def write_updated(self, group: ParamGroup, key: int, values: torch.Tensor, offset_numel: int,
-                      source: str = "host", offer_fresh: bool = False):
+                      source: str = "host", offer_fresh: bool = False, in_place: bool = False):
         """Start writing an update's new compute copy ``values`` into ``key`` at an element offset.
 
         ``key`` is a group's shard key, or DPU's second key of it; ``values`` live on ``source``
         (where the optimizer's states are: "host", or "device" for a device optimizer tier).
         Runs on the update's thread; with ``offer_fresh`` the values are also kept in host
-        memory for the group's next fetch.
+        memory for the group's next fetch. ``in_place``: the update computed ``values`` in the
+        place ``update_place`` gave, so they are stored already.
         """
-        fut = self.datapath.write(self.tier, key, values, offset_numel * values.element_size(), source=source)
+        if in_place:
+            fut = CompletedFuture(values.numel() * values.element_size())
+        else:
+            fut = self.datapath.write(self.tier, key, values, offset_numel * values.element_size(), source=source)
         if offer_fresh and self.fresh is not None:
             self.fresh.offer(group, offset_numel, values)
         return fut
@@ -189,13 +190,6 @@ class ParamShards:
             return None
         size = torch.empty((), dtype=self.dtype).element_size()
         return self.tier.place(key, offset_numel * size, numel * size).view(self.dtype)
-
-    def updated_in_place(self, group: ParamGroup, offset_numel: int, values: torch.Tensor,
-                         offer_fresh: bool = False) -> None:
-        """An update computed ``values`` in the place ``update_place`` gave; with ``offer_fresh`` they are
-        also kept in host memory for the group's next fetch, as ``write_updated`` keeps them."""
-        if offer_fresh and self.fresh is not None:
-            self.fresh.offer(group, offset_numel, values)
 
     def take_fresh(self, group: ParamGroup):
         """The group's fresh shard (an arena slice the caller releases), or None."""
