@@ -15,7 +15,7 @@
 #    and the profiler's top operators.
 # Each phase has its own time bound, so one that hangs leaves the others their time; what each
 # printed is in OUT_DIR (log-*.txt, gpu-350M.json). The environment narrows a session:
-# PHASES (default "build tests ds bench profile"), CONFIGS (the infinity rows of the benchmark),
+# PHASES (default "build tests ds bench profile"; "adam" adds the host Adam benchmark), CONFIGS (the infinity rows of the benchmark),
 # PROFILE_CONFIGS, DIAG (a command run after the build), STEPS, REPEAT, RUN_TIMEOUT (seconds per benchmark run), and BOUND_<PHASE> for each phase's bound.
 set -uo pipefail
 out=${1:-${OUT:-out}}
@@ -49,6 +49,10 @@ fi
 want bench && phase gpu-350M "${BOUND_BENCH:-420}" python3 benchmarks/gpu.py --sizes 350M \
   --configs "${CONFIGS:-torch,device,offload-optimizer,offload-host}$ds" --steps "${STEPS:-6}" --repeat "${REPEAT:-2}" \
   --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT:-200}" --json "$out/gpu-350M.json" ${BENCH_ARGS:-}
+# The host Adam on this machine's cores: the engine step with bf16 compute copies by the C pass and by
+# torch's kernel with two conversions (the update the offload presets' forward waits for).
+want adam && phase adam "${BOUND_ADAM:-150}" python3 benchmarks/adam.py --sizes 350M --repeats 3 --rounds 1 \
+  --skip foreach,deepspeed --state-dtypes fp32,bf16-compute,bf16-compute-torch --json "$out/adam-350M.json"
 for config in ${PROFILE_CONFIGS:-offload-host}; do
   want profile && phase "profile-$config" "${BOUND_PROFILE:-90}" python3 benchmarks/gpu_profile.py --model-size 350M \
     --config "$config" --batch 8 --seq 1024 --dtype bfloat16
