@@ -118,18 +118,20 @@ class UpdatePass:
         # (two sub-groups' worth, reused; infinity-plan's "compute_copy_staging" row), never into
         # memory allocated per write: on a GPU that would be a pageable host->device copy.
         self.staging = None
-        if self.states_on == "host" and self.shards.dtype != torch.float32:
-            nbytes = 2 * store.layout.sub_group_size * torch.empty((), dtype=self.shards.dtype).element_size()
-            self.staging = Arena(allocator.empty, nbytes, name="compute-copy-staging")
-        self._staged: collections.deque = collections.deque()    # (write future, loan) not yet given back
-        self._itemsize = torch.empty((), dtype=self.shards.dtype).element_size()
+        converts = self.states_on == "host" and self.shards.dtype != torch.float32
         # Compressed moments are stepped by their own kernel (see [Note: the compressed step] in
         # infinity/optim/moments.py); fp32 ones by torch's fused kernel.
         self.moment_step = MomentStep(store.moment_format) if store.moment_format.compressed else None
         # bf16 compute copies of fp32 states in host memory: one C pass steps and narrows (see
         # [Note: the fused fp32 step] in optim_csrc/qadam.c); else torch's kernel, then a conversion.
-        self.fused = (moments.fused_native() and self.moment_step is None and self.staging is not None
+        self.fused = (converts and moments.fused_native() and self.moment_step is None
                       and self.shards.dtype == torch.bfloat16)
+        # The C pass writes copies of parameters in host memory in place (``ParamShards.update_place``).
+        if converts and not (self.fused and self.shards.kind == "host"):
+            nbytes = 2 * store.layout.sub_group_size * torch.empty((), dtype=self.shards.dtype).element_size()
+            self.staging = Arena(allocator.empty, nbytes, name="compute-copy-staging")
+        self._staged: collections.deque = collections.deque()    # (write future, loan) not yet given back
+        self._itemsize = torch.empty((), dtype=self.shards.dtype).element_size()
         # Told ``sub_done(sub, futures)`` after each sub-group of an overlapped job (the
         # ``BackgroundUpdate`` running it), so the next forward may fetch its groups.
         self.progress = None

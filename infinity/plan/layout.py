@@ -283,7 +283,10 @@ class Layout:
                     f"2 x the largest, {self.largest_trainable_numel:,} elements, {dtype}")
             yield PlanRow("working_set_grad", f"gradient buckets before reduce-scatter ({what})", "device",
                           buckets or 2 * round_up(self.largest_trainable_numel * pb, NVME_ALIGN_BYTES))
-        if self.opt_tier != "device" and t and dtype != "float32":
+        # bf16 copies of parameters in host memory are written in place by the C pass ([Note: the fused
+        # fp32 step] in optim_csrc/qadam.c): no staging. (A build without the C extension stages them.)
+        in_place = self.params_tier == "host" and dtype == "bfloat16"
+        if self.opt_tier != "device" and t and dtype != "float32" and not in_place:
             sub = min(max(SHARD_ALIGN_NUMEL, round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL)),
                       max(self.shard_numel, SHARD_ALIGN_NUMEL))
             yield PlanRow("compute_copy_staging", f"new compute copies converted from the fp32 master "

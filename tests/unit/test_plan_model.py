@@ -60,14 +60,14 @@ def test_host_params_nvme_optimizer_bf16(tmp_path):
         # Two host buffers for gradient shards on their way to the fp32 accumulator on NVMe: fc1's
         # shard is 16,384 bf16 elements, 32 KiB.
         "grad_staging": ("host", 2 * 2 * 16_384),
-        # The update converts new bf16 compute copies from the fp32 masters through two sub-groups'
-        # worth of host staging (the whole shard, 20,480 elements, is one sub-group).
-        "compute_copy_staging": ("host", 2 * 2 * 20_480),
+        # No compute-copy staging: the update's C pass writes the new bf16 compute copies straight
+        # into the host tier (with parameters on NVMe or the device they go through two sub-groups'
+        # worth of it).
         "device_prefetch": ("device", 128 * MiB),
         # norm (600 elements < 1000) stays gathered: 4,096 padded elements in bf16.
         "persistent_params": ("device", 2 * 4_096),
     }
-    assert p.tier_bytes("host") == 40_960 + 8 * 64 * MiB + 737_280 + 65_536 + 81_920
+    assert p.tier_bytes("host") == 40_960 + 8 * 64 * MiB + 737_280 + 65_536   # no compute-copy staging
     assert p.tier_bytes("nvme") == 14 * 20_480
     # Optimizer pass: read master, m, v (4 + 8) and the bf16 grad (2); write grad (backward, 2) + master, m, v.
     assert p.nvme_read_bytes == 14 * 20_480
