@@ -188,7 +188,7 @@ class ParamShards:
         copy is staged and written with ``write_updated``). Runs on the update's thread."""
         if self.kind != "host":
             return None
-        size = torch.empty((), dtype=self.dtype).element_size()
+        size = self.dtype.itemsize
         return self.tier.place(key, offset_numel * size, numel * size).view(self.dtype)
 
     def take_fresh(self, group: ParamGroup):
