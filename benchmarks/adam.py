@@ -119,7 +119,9 @@ class _Stack(nn.Module):
 # written (12), m and v read and written, and the fp32 compute copy written (4).
 OURS_BYTES = {"fp32": 32, "bf16": 24, "int8": 16 + 4 + 4 * 4 / 256,
               # fp32 states, bf16 gradient read (2) and bf16 copy written (2) and put in place (2 + 2)
-              "bf16 compute": 32}
+              "bf16 compute": 32,
+              # the same with int8 moments: 1 + 1 read and written, and their scales
+              "int8 states, bf16 compute": 20 + 4 * 4 / 256}
 
 
 def ours_step(n: int, workdir: str, state_dtype: str = "fp32", compute: str = "float32", c_pass: bool = True):
@@ -149,7 +151,22 @@ def ours_name(state_dtype: str) -> str:
         return "ours (engine step, bf16 compute)"
     if state_dtype == "bf16-compute-torch":
         return "ours (engine step, bf16 compute, torch kernel)"
+    if state_dtype == "int8-bf16-compute":
+        return "ours (engine step, int8 states, bf16 compute)"
+    if state_dtype == "int8-bf16-compute-passes":
+        return "ours (engine step, int8 states, bf16 compute, 3 passes)"
     return "ours (engine step)" if state_dtype == "fp32" else f"ours (engine step, {state_dtype} states)"
+
+
+def ours_bytes(name: str) -> float:
+    """Bytes per parameter the engine-step row ``name`` moves (OURS_BYTES)."""
+    inner = name[len("ours (engine step"):].strip(", )").replace(", 3 passes", "").replace(", torch kernel", "")
+    return OURS_BYTES.get(inner.replace(" states", "") if inner in ("bf16 states", "int8 states") else inner or "fp32")
+
+
+def ours_reference(name: str) -> str:
+    """The row an engine-step row is compared with: fp32 states with the same compute dtype."""
+    return ours_name("bf16-compute" if "bf16 compute" in name else "fp32")
 
 
 def run_phase(variants: dict, repeats: int, raw: dict) -> None:
@@ -185,7 +202,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--state-dtypes", default="fp32,bf16,int8,bf16-compute,bf16-compute-torch",
                     help="[optimizer] state_dtype of the engine-step rows (fp32 is the engine's default); "
                          "bf16-compute: fp32 states, bf16 compute copies, stepped by the fused C pass; "
-                         "bf16-compute-torch: the same by torch's kernel and a conversion")
+                         "bf16-compute-torch: the same by torch's kernel and a conversion; int8-bf16-compute: "
+                         "int8 states, bf16 compute copies, the kernel reading the bf16 gradient and writing "
+                         "the copies; int8-bf16-compute-passes: the same with the gradient widened before "
+                         "and the copies converted after")
     ap.add_argument("--json", help="write settings, machine and raw samples here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -202,7 +222,7 @@ def main(argv=None) -> dict:
             # (20 B/param with fp32 moments, 16 with bf16, 14 with int8). Together in one phase when
             # that fits in half the free memory.
             dtypes = [d for d in args.state_dtypes.split(",") if d] if "ours" not in skip else []
-            ours_nbytes = sum({"fp32": 20, "bf16": 16, "int8": 14}.get(d, 20) for d in dtypes)
+            ours_nbytes = sum({"fp32": 20, "bf16": 16, "int8": 14}.get(d.split("-")[0], 20) for d in dtypes)
             together = (16 + ours_nbytes) * n < psutil.virtual_memory().available // 2
             for _ in range(args.rounds):
                 triad, counts["triad"] = triad_step(n)
@@ -230,6 +250,9 @@ def main(argv=None) -> dict:
                     if dtype.startswith("bf16-compute"):
                         phase[name], counts["ours"], kept = ours_step(n, workdir, "fp32", "bfloat16",
                                                                       c_pass=dtype == "bf16-compute")
+                    elif dtype.startswith("int8-bf16-compute"):
+                        phase[name], counts["ours"], kept = ours_step(n, workdir, "int8", "bfloat16",
+                                                                      c_pass=dtype == "int8-bf16-compute")
                     else:
                         phase[name], counts["ours"], kept = ours_step(n, workdir, dtype)
                     keep.append(kept)
@@ -255,22 +278,21 @@ def print_table(n: int, raw: dict, notes: dict, counts: dict, together: bool) ->
           f"(STREAM count; {bw * 16 / 12 / 1e9:.1f} GB/s with write-allocate); "
           f"bound {bound / 1e9:.2f} G params/s at {ADAM_BYTES} B/param"
           + ("" if together else "; ours measured in its own phase, against its own triad"))
-    print(f"{'variant':38} {'median s':>9} {'G params/s':>11} {'GB/s moved':>11} {'x bound':>8} {'x fp32 ours':>12}")
-    fp32_ours = raw.get(ours_name("fp32"))
+    print(f"{'variant':56} {'median s':>9} {'G params/s':>11} {'GB/s moved':>11} {'x bound':>8} {'x fp32 ours':>12}")
     for name, samples in raw.items():
         if name.startswith("triad"):
             continue
         mine = name.startswith("ours")
         _, b = bound_of("triad" if together or not mine else "triad (ours' phase)")
         count = counts["ours"] if mine else n
-        dtype = next((d for d in OURS_BYTES if d != "fp32" and (f"{d} states" in name or d == name[19:31])),
-                     "fp32")
-        nbytes = OURS_BYTES[dtype] if mine else ADAM_BYTES
+        nbytes = ours_bytes(name) if mine else ADAM_BYTES
         med = statistics.median(samples)
         rate = count / med
-        # Side by side in the same phase: the ratio of medians to the fp32 engine step's.
-        ratio = f"{statistics.median(fp32_ours) / med:12.2f}" if mine and fp32_ours else ""
-        print(f"{name:38} {med:9.4f} {rate / 1e9:11.2f} {rate * nbytes / 1e9:11.1f} {b / rate:8.2f} {ratio}")
+        # Side by side in the same phase: the ratio of medians to the engine step's with fp32 states
+        # and the same compute dtype.
+        ref = raw.get(ours_reference(name))
+        ratio = f"{statistics.median(ref) / med:12.2f}" if mine and ref else ""
+        print(f"{name:56} {med:9.4f} {rate / 1e9:11.2f} {rate * nbytes / 1e9:11.1f} {b / rate:8.2f} {ratio}")
     for name, why in notes.items():
         print(f"{name:30} {why}")
 

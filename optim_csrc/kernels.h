@@ -2,6 +2,33 @@
  * KERNEL(name) and KERNEL_ATTR defined (see there). Plain C loops that gcc vectorizes; each
  * mixes no byte or 16-bit stores with float arithmetic (those are widened or narrowed in loops
  * of their own), or gcc would vectorize at the narrow width. */
+/* bf16 words of p[0, len): round to nearest even; a NaN becomes 0xFFFF, a NaN, as torch's vector
+ * conversion makes it. Through an int32 buffer: a loop that mixes float arithmetic with 16-bit
+ * stores is vectorized at the narrow width. */
+KERNEL_ATTR static void KERNEL(to_bf16)(const float *restrict p, uint16_t *restrict o, int64_t len) {
+    uint32_t obuf[CHUNK];
+    for (int64_t c0 = 0; c0 < len; c0 += CHUNK) {
+        int64_t n = len - c0 < CHUNK ? len - c0 : CHUNK;
+        for (int64_t t = 0; t < n; t++) {
+            uint32_t u = (uint32_t)as_int(p[c0 + t]);
+            uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+            obuf[t] = (p[c0 + t] != p[c0 + t]) ? 0xFFFFu : r;
+        }
+        for (int64_t t = 0; t < n; t++) o[c0 + t] = (uint16_t)obuf[t];
+    }
+}
+
+/* The bf16 copies of the stepped elements [x, y) of the sub-group (p its master) into the job's
+ * output segments that hold them; *cur is the first segment not wholly before x (this worker's
+ * calls come in increasing x). */
+KERNEL_ATTR static void KERNEL(write_copies)(const Job *j, int64_t x, int64_t y, int *cur) {
+    while (*cur < j->nsegs && j->segs[*cur].end <= x) (*cur)++;
+    for (int s = *cur; s < j->nsegs && j->segs[s].start < y; s++) {
+        int64_t a = j->segs[s].start > x ? j->segs[s].start : x, b = j->segs[s].end < y ? j->segs[s].end : y;
+        if (a < b) KERNEL(to_bf16)(j->p + a, j->segs[s].out + (a - j->segs[s].start), b - a);
+    }
+}
+
 KERNEL_ATTR static void KERNEL(run_bf16)(const Job *j) {
     Hyper h = hyper_of(j);
     uint16_t *restrict m16 = (uint16_t *)j->m, *restrict v16 = (uint16_t *)j->v;
@@ -9,8 +36,9 @@ KERNEL_ATTR static void KERNEL(run_bf16)(const Job *j) {
     if (a < j->lo) a = j->lo;
     if (b > j->hi) b = j->hi;
     uint32_t sm = j->seed, sv = j->seed ^ 0x5BD1E995u;
-    float fm[CHUNK], fv[CHUNK], fw[CHUNK];
+    float fm[CHUNK], fv[CHUNK], fw[CHUNK], fg[CHUNK];
     uint32_t cm[CHUNK], cv[CHUNK];
+    int cur = 0;
     for (int64_t c0 = a; c0 < b; c0 += CHUNK) {
         int64_t len = b - c0 < CHUNK ? b - c0 : CHUNK;
         for (int64_t t = 0; t < len; t++) {
@@ -21,7 +49,10 @@ KERNEL_ATTR static void KERNEL(run_bf16)(const Job *j) {
             fm[t] = as_float((int32_t)(cm[t] << 16));
             fv[t] = as_float((int32_t)(cv[t] << 16));
         }
-        adam_span(h, len, j->p + c0, j->g + c0, fm, fv, fw);
+        if (j->g16 != NULL)
+            for (int64_t t = 0; t < len; t++) fg[t] = as_float((int32_t)((uint32_t)j->g16[c0 + t] << 16));
+        adam_span(h, len, j->p + c0, j->g16 != NULL ? fg : j->g + c0, fm, fv, fw);
+        if (j->nsegs) KERNEL(write_copies)(j, c0, c0 + len, &cur);
         for (int64_t t = 0; t < len; t++) {
             cm[t] = bf16_sr(fm[t], sm, (uint32_t)(c0 + t));
             cv[t] = bf16_sr(fv[t], sv, (uint32_t)(c0 + t));
@@ -33,86 +64,98 @@ KERNEL_ATTR static void KERNEL(run_bf16)(const Job *j) {
     }
 }
 
-KERNEL_ATTR static void KERNEL(run_int8)(const Job *j) {
-    Hyper h = hyper_of(j);
-    float fm[MAX_BLOCK], fw[MAX_BLOCK];
-    int32_t cm[MAX_BLOCK], cv[MAX_BLOCK];
+/* Scratch of one int8 block: its decoded moments, widened gradient and codes. */
+typedef struct { float fm[MAX_BLOCK], fw[MAX_BLOCK], fg[MAX_BLOCK]; int32_t cm[MAX_BLOCK], cv[MAX_BLOCK]; } KERNEL(Scratch);
+
+/* Block k of an int8 job: decode, Adam on its elements in [lo, hi), the copies, re-encode. */
+KERNEL_ATTR static void KERNEL(int8_block)(const Job *j, Hyper h, int64_t k, int *cur, KERNEL(Scratch) *sc) {
+    float *restrict fm = sc->fm, *restrict fw = sc->fw, *restrict fg = sc->fg;
+    int32_t *restrict cm = sc->cm, *restrict cv = sc->cv;
     const float inv_top = 1.0f / CODE_TOP;
-    for (int64_t k = j->first_block; k < j->last_block; k++) {
-        int64_t b0 = k * j->block, b1 = b0 + j->block;
-        if (b1 > j->n) b1 = j->n;
-        int64_t len = b1 - b0;
-        uint8_t *restrict mc = j->m + b0;
-        uint8_t *restrict vc = j->v + b0;
-        float dm = j->ms[k] * inv_top, dw = j->vs[k] * inv_top;
-        for (int64_t t = 0; t < len; t++) {     /* widened first, as the codes are narrowed last */
-            cm[t] = mc[t];
-            cv[t] = vc[t];
-        }
-        for (int64_t t = 0; t < len; t++) {
-            int32_t c = cm[t];
-            /* the sign bit goes straight to the float's: no negation, no select */
-            fm[t] = as_float(as_int(decode_mag(c & 0x7F, 4, 7)) | (c & 0x80) << 24) * dm;
-            fw[t] = decode_mag(cv[t], 4, 15) * dw;
-        }
-        int64_t u0 = j->lo > b0 ? j->lo - b0 : 0, u1 = j->hi < b1 ? j->hi - b0 : len;
-        float *restrict p = j->p + b0;
-        const float *restrict g = j->g + b0;
-        float c1 = 1.0f - h.b1, c2 = 1.0f - h.b2;
-        /* Adam on the block's elements in [lo, hi), v from w = sqrt(v) as stored; the new largest
-         * magnitudes as integers on the way (non-negative floats order like their bit patterns, and an
-         * integer max reduction vectorizes without -ffast-math). */
-        int32_t im = 0, iw = 0;
-        if (h.decoupled) {
-            for (int64_t t = u0; t < u1; t++) {
-                float gi = g[t] * h.gmul, pi = p[t] * h.decay, wo = fw[t];
-                float mi = h.b1 * fm[t] + c1 * gi;
-                float vi = h.b2 * (wo * wo) + c2 * gi * gi;
-                float wi = sqrtf(vi);
-                p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
-                fm[t] = mi; fw[t] = wi;
-                int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi);
-                im = a > im ? a : im;
-                iw = b > iw ? b : iw;
-            }
-        } else {
-            for (int64_t t = u0; t < u1; t++) {
-                float pi = p[t], gi = g[t] * h.gmul + h.wd * p[t], wo = fw[t];
-                float mi = h.b1 * fm[t] + c1 * gi;
-                float vi = h.b2 * (wo * wo) + c2 * gi * gi;
-                float wi = sqrtf(vi);
-                p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
-                fm[t] = mi; fw[t] = wi;
-                int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi);
-                im = a > im ? a : im;
-                iw = b > iw ? b : iw;
-            }
-        }
-        if (u0 > 0 || u1 < len) {   /* a block partly outside [lo, hi): its other elements count too */
-            for (int64_t t = 0; t < len; t++) {
-                int32_t a = as_int(fm[t]) & 0x7FFFFFFF, b = as_int(fw[t]);
-                im = a > im ? a : im;
-                iw = b > iw ? b : iw;
-            }
-        }
-        float am = as_float(im), aw = as_float(iw);
-        float qm = am > 0.0f ? CODE_TOP / am : 0.0f, qw = aw > 0.0f ? CODE_TOP / aw : 0.0f;
-        /* Codes as int32 first, then narrowed in a loop of their own: a loop that mixes float
-         * arithmetic with byte stores is vectorized at the byte width (4 floats a vector). */
-        for (int64_t t = 0; t < len; t++) {
-            float x = fm[t];
-            int32_t c = encode_mag(fabsf(x) * qm, 4, 7, 0x7F);
-            cm[t] = c | ((x < 0.0f) & (c != 0)) << 7;   /* one zero: a -0 code would not re-encode alike */
-            int32_t cw = encode_mag(fw[t] * qw, 4, 15, 0xFF);
-            cv[t] = cw + ((cw == 0) & (fw[t] > 0.0f));   /* a positive w never becomes 0 */
-        }
-        for (int64_t t = 0; t < len; t++) {
-            mc[t] = (uint8_t)cm[t];
-            vc[t] = (uint8_t)cv[t];
-        }
-        j->ms[k] = am;
-        j->vs[k] = aw;
+    int64_t b0 = k * j->block, b1 = b0 + j->block;
+    if (b1 > j->n) b1 = j->n;
+    int64_t len = b1 - b0;
+    uint8_t *restrict mc = j->m + b0;
+    uint8_t *restrict vc = j->v + b0;
+    float dm = j->ms[k] * inv_top, dw = j->vs[k] * inv_top;
+    for (int64_t t = 0; t < len; t++) {     /* widened first, as the codes are narrowed last */
+        cm[t] = mc[t];
+        cv[t] = vc[t];
     }
+    for (int64_t t = 0; t < len; t++) {
+        int32_t c = cm[t];
+        /* the sign bit goes straight to the float's: no negation, no select */
+        fm[t] = as_float(as_int(decode_mag(c & 0x7F, 4, 7)) | (c & 0x80) << 24) * dm;
+        fw[t] = decode_mag(cv[t], 4, 15) * dw;
+    }
+    int64_t u0 = j->lo > b0 ? j->lo - b0 : 0, u1 = j->hi < b1 ? j->hi - b0 : len;
+    float *restrict p = j->p + b0;
+    if (j->g16 != NULL)     /* bf16 words, widened exactly */
+        for (int64_t t = u0; t < u1; t++) fg[t] = as_float((int32_t)((uint32_t)j->g16[b0 + t] << 16));
+    const float *restrict g = j->g16 != NULL ? fg : j->g + b0;
+    float c1 = 1.0f - h.b1, c2 = 1.0f - h.b2;
+    /* Adam on the block's elements in [lo, hi), v from w = sqrt(v) as stored; the new largest
+     * magnitudes as integers on the way (non-negative floats order like their bit patterns, and an
+     * integer max reduction vectorizes without -ffast-math). */
+    int32_t im = 0, iw = 0;
+    if (h.decoupled) {
+        for (int64_t t = u0; t < u1; t++) {
+            float gi = g[t] * h.gmul, pi = p[t] * h.decay, wo = fw[t];
+            float mi = h.b1 * fm[t] + c1 * gi;
+            float vi = h.b2 * (wo * wo) + c2 * gi * gi;
+            float wi = sqrtf(vi);
+            p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
+            fm[t] = mi; fw[t] = wi;
+            int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi);
+            im = a > im ? a : im;
+            iw = b > iw ? b : iw;
+        }
+    } else {
+        for (int64_t t = u0; t < u1; t++) {
+            float pi = p[t], gi = g[t] * h.gmul + h.wd * p[t], wo = fw[t];
+            float mi = h.b1 * fm[t] + c1 * gi;
+            float vi = h.b2 * (wo * wo) + c2 * gi * gi;
+            float wi = sqrtf(vi);
+            p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
+            fm[t] = mi; fw[t] = wi;
+            int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi);
+            im = a > im ? a : im;
+            iw = b > iw ? b : iw;
+        }
+    }
+    if (j->nsegs) KERNEL(write_copies)(j, b0 + u0, b0 + u1, cur);
+    if (u0 > 0 || u1 < len) {   /* a block partly outside [lo, hi): its other elements count too */
+        for (int64_t t = 0; t < len; t++) {
+            int32_t a = as_int(fm[t]) & 0x7FFFFFFF, b = as_int(fw[t]);
+            im = a > im ? a : im;
+            iw = b > iw ? b : iw;
+        }
+    }
+    float am = as_float(im), aw = as_float(iw);
+    float qm = am > 0.0f ? CODE_TOP / am : 0.0f, qw = aw > 0.0f ? CODE_TOP / aw : 0.0f;
+    /* Codes as int32 first, then narrowed in a loop of their own: a loop that mixes float
+     * arithmetic with byte stores is vectorized at the byte width (4 floats a vector). */
+    for (int64_t t = 0; t < len; t++) {
+        float x = fm[t];
+        int32_t c = encode_mag(fabsf(x) * qm, 4, 7, 0x7F);
+        cm[t] = c | ((x < 0.0f) & (c != 0)) << 7;   /* one zero: a -0 code would not re-encode alike */
+        int32_t cw = encode_mag(fw[t] * qw, 4, 15, 0xFF);
+        cv[t] = cw + ((cw == 0) & (fw[t] > 0.0f));   /* a positive w never becomes 0 */
+    }
+    for (int64_t t = 0; t < len; t++) {
+        mc[t] = (uint8_t)cm[t];
+        vc[t] = (uint8_t)cv[t];
+    }
+    j->ms[k] = am;
+    j->vs[k] = aw;
+}
+
+/* (AVX2 runs run_int8_fast_avx2 instead, see [Note: the int8 block in AVX2] in qadam.c.) */
+KERNEL_ATTR __attribute__((unused)) static void KERNEL(run_int8)(const Job *j) {
+    Hyper h = hyper_of(j);
+    KERNEL(Scratch) sc;
+    int cur = 0;
+    for (int64_t k = j->first_block; k < j->last_block; k++) KERNEL(int8_block)(j, h, k, &cur, &sc);
 }
 
 
@@ -170,7 +213,6 @@ KERNEL_ATTR static void KERNEL(run_fp32)(const Job *j) {
     if (b > j->hi) b = j->hi;
     const float scale = j->T.scale;
     float gbuf[CHUNK];
-    uint32_t obuf[CHUNK];
     for (int64_t c0 = a; c0 < b; c0 += CHUNK) {
         int64_t len = b - c0 < CHUNK ? b - c0 : CHUNK;
         float *restrict p = j->p + c0;
@@ -186,15 +228,6 @@ KERNEL_ATTR static void KERNEL(run_fp32)(const Job *j) {
             g = gbuf;
         }
         KERNEL(fp32_span)(j, len, p, g, (float *)j->m + c0, (float *)j->v + c0);
-        if (j->out16 != NULL) {
-            /* round to nearest even; a NaN becomes 0xFFFF, a NaN, as torch's vector conversion makes it */
-            for (int64_t t = 0; t < len; t++) {
-                uint32_t u = (uint32_t)as_int(p[t]);
-                uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-                obuf[t] = (p[t] != p[t]) ? 0xFFFFu : r;
-            }
-            uint16_t *restrict o = j->out16 + c0;
-            for (int64_t t = 0; t < len; t++) o[t] = (uint16_t)obuf[t];
-        }
+        if (j->out16 != NULL) KERNEL(to_bf16)(p, j->out16 + c0, len);
     }
 }

@@ -42,11 +42,19 @@ gradient, find the new absmax, encode. The C kernel (optim_csrc/qadam.c, ``infin
 does this on ``torch.get_num_threads()`` threads; ``step_torch`` is its twin in torch ops, used when
 the extension is not built, and tested against it. A block only partly inside [lo, hi) is decoded
 and re-encoded whole, its other elements unchanged up to the new scale.
+
+With bf16 compute the kernel also reads the gradient as it is stored (bf16, widened in registers) and
+writes the stepped elements' bf16 compute copies while the block is in cache (``copies``); the update
+pass ([Note: the update pass] in infinity/optim/update.py) would otherwise widen the gradient into an
+fp32 buffer first and convert the masters into the copies after, two more passes over memory. On AVX2
+the int8 blocks are hand-written ([Note: the int8 block in AVX2] in optim_csrc/qadam.c), with the
+portable loops' bits.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -74,6 +82,12 @@ def native() -> bool:
 def fused_native() -> bool:
     """Whether the C kernel has the fused fp32 step (a build older than it has not)."""
     return _qadam is not None and hasattr(_qadam, "step_fp32")
+
+
+def copies_native() -> bool:
+    """Whether the C kernel's compressed step reads bf16 gradients and writes bf16 copies (a build
+    older than that has not)."""
+    return _qadam is not None and getattr(_qadam, "STEP_COPIES", 0) >= 1
 
 
 def fused_fp32_step(n: int, p: int, g: int, g_bf16: bool, m: int, v: int, out: int, step: int, lr: float,
@@ -310,12 +324,23 @@ class MomentStep:
                                "`python setup.py build_ext --inplace` or `pip install -e .`)")
         self.fmt = fmt
         self.native = native() if use_native is None else use_native
+        # Whether calls may pass bf16 gradients and copies to write (the torch twin converts them).
+        self.copies = copies_native() or not self.native
 
     def __call__(self, master: torch.Tensor, grad: torch.Tensor, m_raw: torch.Tensor, v_raw: torch.Tensor,
-                 lo: int, hi: int, hyper: AdamHyper, seed: int) -> None:
-        """Step elements [lo, hi) of a sub-group: ``master``/``grad`` its fp32 tensors (at least ``hi``
-        long; ``master``'s length is the sub-group's), ``m_raw``/``v_raw`` its moments' raw bytes."""
+                 lo: int, hi: int, hyper: AdamHyper, seed: int, copies: Sequence[tuple] = ()) -> None:
+        """Step elements [lo, hi) of a sub-group: ``master`` its fp32 master weights (the sub-group's
+        length), ``grad`` its gradient (fp32, or bf16 read as it is; at least ``hi`` long),
+        ``m_raw``/``v_raw`` its moments' raw bytes. ``copies``: ``(start, end, out)`` with ``out`` a
+        contiguous bf16 tensor of ``end - start`` elements, sorted, disjoint and within [lo, hi): each
+        receives the new weights of [start, end) in bf16 (rounded to nearest even), written while the
+        kernel has them in cache."""
         numel = master.numel()
+        if grad.dtype not in (torch.float32, torch.bfloat16) or (grad.dtype == torch.bfloat16 and not self.copies):
+            raise TypeError(f"MomentStep: a {grad.dtype} gradient (fp32, or bf16 with a kernel that reads it)")
+        if copies and not self.copies:
+            raise RuntimeError("MomentStep: this build of infinity.optim._qadam writes no copies (rebuild it: "
+                               "`python setup.py build_ext --inplace`)")
         if self.native:
             fmt = self.fmt
             if fmt.dtype == "int8":
@@ -324,12 +349,23 @@ class MomentStep:
                 block = fmt.block_size
             else:
                 addrs, block = (m_raw.data_ptr(), v_raw.data_ptr(), 0, 0), _BF16_WORK_BLOCK
-            _qadam.step(_MODES[fmt.dtype], numel, lo, hi, block, master.data_ptr(), grad.data_ptr(),
-                        addrs[0], addrs[1], addrs[2], addrs[3], hyper.step, hyper.lr, hyper.beta1, hyper.beta2,
-                        hyper.eps, hyper.weight_decay, hyper.grad_mul, hyper.decoupled, seed,
-                        torch.get_num_threads())
+            args = (_MODES[fmt.dtype], numel, lo, hi, block, master.data_ptr(), grad.data_ptr(),
+                    addrs[0], addrs[1], addrs[2], addrs[3], hyper.step, hyper.lr, hyper.beta1, hyper.beta2,
+                    hyper.eps, hyper.weight_decay, hyper.grad_mul, hyper.decoupled, seed, torch.get_num_threads())
+            if not copies and grad.dtype == torch.float32:
+                _qadam.step(*args)
+                return
+            outs = []
+            for a, b, out in copies:
+                if out.dtype != torch.bfloat16 or out.numel() != b - a or not out.is_contiguous():
+                    raise ValueError(f"MomentStep: the copy of [{a}, {b}) must be {b - a} contiguous bf16 "
+                                     f"elements, not {out.dtype} {tuple(out.shape)}")
+                outs.append((a, b, out.data_ptr()))
+            _qadam.step(*args, grad.dtype == torch.bfloat16, outs)
         else:
-            step_torch(self.fmt, master, grad, m_raw, v_raw, lo, hi, hyper, seed)
+            step_torch(self.fmt, master, grad.float(), m_raw, v_raw, lo, hi, hyper, seed)
+            for a, b, out in copies:
+                out.copy_(master[a:b])
 
 
 def _adam(p, g, m, v, h: AdamHyper):

@@ -24,9 +24,11 @@ scalar code, still go through torch (``UpdatePass._fused_step``), so an engine
 stepping with it trains exactly as one stepping with torch's kernel
 (tests/unit/test_fused_fp32_step.py). When the parameter tier is host memory
 (``offload-host``) the pass writes each copy straight into the shard's key
-(``ParamShards.update_place``) instead of a staging slice copied there afterwards. Without
-the built extension, or with fp16 compute copies, torch's kernel and the conversion run
-as before.
+(``ParamShards.update_place``) instead of a staging slice copied there afterwards. Compressed
+moments get the same from their own kernel ([Note: the compressed step] in
+infinity/optim/moments.py): bf16 gradient read, copies written in the pass. Without the built
+extension, or with fp16 compute copies, torch's kernel (or the compressed one) and the
+conversion run as before.
 
 [Note: the update pass]
 Every update, synchronous, overlapped or delayed, is one :class:`StepJob` run by
@@ -122,10 +124,15 @@ class UpdatePass:
         # Compressed moments are stepped by their own kernel (see [Note: the compressed step] in
         # infinity/optim/moments.py); fp32 ones by torch's fused kernel.
         self.moment_step = MomentStep(store.moment_format) if store.moment_format.compressed else None
-        # bf16 compute copies of fp32 states in host memory: one C pass steps and narrows (see
-        # [Note: the fused fp32 step] in optim_csrc/qadam.c); else torch's kernel, then a conversion.
-        self.fused = (converts and moments.fused_native() and self.moment_step is None
-                      and self.shards.dtype == torch.bfloat16)
+        # bf16 compute copies of states in host memory: one C pass steps and narrows (fp32 states: see
+        # [Note: the fused fp32 step] in optim_csrc/qadam.c; compressed ones: the compressed kernel
+        # writes them, [Note: the compressed step] in infinity/optim/moments.py); else torch's kernel
+        # (or the compressed one), then a conversion.
+        if self.moment_step is None:
+            native = moments.fused_native()
+        else:
+            native = self.moment_step.native and moments.copies_native()
+        self.fused = converts and native and self.shards.dtype == torch.bfloat16
         # The C pass writes copies of parameters in host memory in place (``ParamShards.update_place``).
         if converts and not (self.fused and self.shards.kind == "host"):
             nbytes = 2 * store.layout.sub_group_size * torch.empty((), dtype=self.shards.dtype).element_size()
@@ -173,7 +180,14 @@ class UpdatePass:
                                  if o < c1 and o + n > c0]
                         if self.fused:
                             staged = self._stage_copies(job, sub, c0, c1)
-                            self._fused_step(st, parts, staged, job, hyper, step_t)
+                            if self.moment_step is None:
+                                filled = self._fused_step(st, parts, staged, job, hyper, step_t)
+                            else:
+                                filled = [[] for _ in staged]
+                                for h in sorted({h for *_, h in parts}):
+                                    self._step_compressed(st, sub, [part for part in parts if part[3] == h], job,
+                                                          _hyper_set(hyper, job, h), staged, filled)
+                            self._fill_unstepped(staged, filled, st["master"])
                             self._issue_copies(job, staged, copies, by_group)
                             continue
                         for h in sorted({h for *_, h in parts}):   # one kernel call per set of hyper-parameters
@@ -202,13 +216,23 @@ class UpdatePass:
             raise
         self._give_back_staging()
 
-    def _step_compressed(self, st: dict, sub: int, parts: list, job: StepJob, hyper: dict) -> None:
-        """Adam over ``parts`` (``(start, end, step, hyper index)`` in ``sub``) with compressed moments."""
+    def _step_compressed(self, st: dict, sub: int, parts: list, job: StepJob, hyper: dict,
+                         staged: list = (), filled: list | None = None) -> None:
+        """Adam over ``parts`` (``(start, end, step, hyper index)`` in ``sub``) with compressed moments;
+        the kernel also writes the new weights of the ``staged`` compute copies it steps (see
+        ``_stage_copies``), appending each ``[x, y)`` it wrote to ``filled[i]``."""
         grad_mul = 1.0 if job.clip_coef is None else job.clip_coef
         for a, b, step, _ in parts:
             h = AdamHyper(step=step, lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"], eps=hyper["eps"],
                           weight_decay=hyper["weight_decay"], decoupled=job.decoupled, grad_mul=grad_mul)
-            self.moment_step(st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"], a, b, h, step_seed(step, sub))
+            outs = []
+            for i, (_, sa, sb, _, values, _) in enumerate(staged):
+                x, y = max(a, sa), min(b, sb)
+                if x < y:
+                    outs.append((x, y, values[x - sa:y - sa]))
+                    filled[i].append((x, y))
+            self.moment_step(st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"], a, b, h, step_seed(step, sub),
+                             outs)
 
     def _write_compute_copies(self, job: StepJob, sub: int, master: torch.Tensor, c0: int, c1: int,
                               writes: list, by_group: dict | None) -> None:
@@ -261,10 +285,10 @@ class UpdatePass:
                 if by_group is not None:
                     by_group.setdefault(piece.group_index, []).append(fut)
 
-    def _fused_step(self, st: dict, parts: list, staged: list, job: StepJob, hyper: dict, step_t) -> None:
+    def _fused_step(self, st: dict, parts: list, staged: list, job: StepJob, hyper: dict, step_t) -> list:
         """Adam over ``parts`` of a sub-group by the C pass that also fills the ``staged`` compute
-        copies; then the copies' other elements (not stepped, or a part's last < 16 elements, which
-        torch's kernel steps as its own scalar tail does) converted from the master weights.
+        copies; returns, per staged copy, the ``[x, y)`` it wrote (not a part's last < 16 elements,
+        which torch's kernel steps as its own scalar tail does).
 
         Bit for bit what ``torch._fused_adam(w)_`` on each part and a conversion give: the C pass
         does torch's vector arithmetic, and a part's tail goes through torch itself."""
@@ -294,6 +318,12 @@ class UpdatePass:
             if body < b:
                 g = grad[body:b].float() if g_bf16 else grad[body:b]
                 kernel([master[body:b]], [g], [m[body:b]], [v[body:b]], [], [step_t(step)], **hp)
+        return filled
+
+    @staticmethod
+    def _fill_unstepped(staged: list, filled: list, master: torch.Tensor) -> None:
+        """The elements of the ``staged`` compute copies the kernel did not write (``filled[i]``: the
+        ``[x, y)`` it did), converted from the master weights."""
         for (_, sa, sb, _, values, _), done in zip(staged, filled):
             x = sa
             for y0, y1 in sorted(done) + [(sb, sb)]:
