@@ -43,7 +43,7 @@ class DeviceTier(MemoryTier):
         copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         super().__init__(name, capacity, copy_stream)
 
-    def _new_storage(self, nbytes: int) -> torch.Tensor:
+    def _new_storage(self, nbytes: int, stagger: int = 0) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _limit(self) -> str:

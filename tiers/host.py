@@ -43,8 +43,8 @@ class HostTier(MemoryTier):
             raise ValueError(f"{name} tier: capacity must be None or an int >= 0, got {capacity!r}")
         super().__init__(name, capacity)
 
-    def _new_storage(self, nbytes: int) -> torch.Tensor:
-        return self.allocator.empty(nbytes)
+    def _new_storage(self, nbytes: int, stagger: int = 0) -> torch.Tensor:
+        return self.allocator.empty(nbytes, stagger=stagger)
 
     def _limit(self) -> str:
         return f"host budget {format_nbytes(self._capacity)}"

@@ -89,15 +89,18 @@ class MemoryTier(Tier):
         self._alloc_lock = threading.Lock()
         self._copy_stream = copy_stream
 
-    def _new_storage(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of fresh ``uint8`` memory for one key."""
+    def _new_storage(self, nbytes: int, stagger: int = 0) -> torch.Tensor:
+        """``nbytes`` of fresh ``uint8`` memory for one key (``stagger``: see ``allocate``)."""
         raise NotImplementedError
 
     def _limit(self) -> str:
         """How the capacity is named in the message of a full tier."""
         return f"capacity {format_nbytes(self._capacity)}"
 
-    def allocate(self, nbytes: int, tag: str = "") -> int:
+    def allocate(self, nbytes: int, tag: str = "", stagger: int = 0) -> int:
+        """A new key of ``nbytes``. ``stagger``: keys a kernel streams side by side get different
+        ones, so that host memory starts them at different addresses modulo the huge page (see
+        [Note: staggered starts] in tiers/host_alloc.py); ignored on the device."""
         nbytes = self._keys.validate_nbytes(nbytes, tag)
         with self._alloc_lock:
             in_use = self._stats.bytes_in_use
@@ -108,7 +111,7 @@ class MemoryTier(Tier):
                 )
             self._stats.allocated(nbytes)
         try:
-            storage = self._new_storage(nbytes)
+            storage = self._new_storage(nbytes, stagger)
         except BaseException:
             self._stats.released(nbytes)
             raise

@@ -40,6 +40,9 @@ from tiers.base import wait_quietly
 
 STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# The arrays the update streams side by side start apart in host memory ([Note: staggered starts] in
+# tiers/host_alloc.py): 2x on torch's fused AdamW over 128 MiB sub-groups here.
+_STAGGER = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2, "grad": 3, "grad_compact": 4, "copy": 5, "remainder": 6}
 _F32 = 4
 _MAX_PENDING_BYTES = 64 * 2**20
 
@@ -173,32 +176,38 @@ class OptimizerStateStore:
         self._pending_writes: list = []
         self._buffers = None
         n = layout.sub_group_size
-        empty = allocator.empty if allocator is not None else (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+        def empty(nbytes: int, state: str) -> torch.Tensor:
+            if allocator is None:
+                return torch.empty(nbytes, dtype=torch.uint8)
+            return allocator.empty(nbytes, stagger=_STAGGER[state])
+
         if not self.in_place:
             fmt = self.moment_format
-            self._buffers = [{s: empty(fmt.stored_nbytes(s, n)).view(fmt.stored_dtype(s)) for s in STATES}
+            self._buffers = [{s: empty(fmt.stored_nbytes(s, n), s).view(fmt.stored_dtype(s)) for s in STATES}
                              for _ in range(2)]
         elif copies is not None:    # the joined masters of the sub-group being stepped
-            self._buffers = [{"master": empty(n * _F32).view(torch.float32)}]
+            self._buffers = [{"master": empty(n * _F32, "master").view(torch.float32)}]
         if copies is not None:
             for bufs in self._buffers:
-                bufs["copy"] = empty(n * 2).view(torch.bfloat16)
-                bufs["remainder"] = empty(n * 2).view(torch.int16)
+                bufs["copy"] = empty(n * 2, "copy").view(torch.bfloat16)
+                bufs["remainder"] = empty(n * 2, "remainder").view(torch.int16)
         if grad_dtype != torch.float32:     # a compact gradient sub-group, widened into "grad"
             if self._buffers is None:
                 self._buffers = [{}]
             if self.in_place:
-                self._buffers[0]["grad"] = empty(n * _F32).view(torch.float32)
+                self._buffers[0]["grad"] = empty(n * _F32, "grad_compact").view(torch.float32)
             else:
                 for bufs in self._buffers:
-                    bufs["grad_compact"] = empty(n * compact_grads.itemsize(grad_dtype)).view(grad_dtype)
+                    bufs["grad_compact"] = empty(n * compact_grads.itemsize(grad_dtype),
+                                                 "grad_compact").view(grad_dtype)
         if not defer_states:
             self.allocate_states()
 
     def _allocate(self, state: str, itemsize: int | None = None) -> list[int]:
         """One key per sub-group: ``itemsize`` bytes per element, or the state's stored size."""
+        stagger = {"stagger": _STAGGER[state]} if self.in_place else {}    # host memory (or the device)
         return [self.tier.allocate(n * itemsize if itemsize is not None
-                                   else self.moment_format.stored_nbytes(state, n), tag=f"{state}:sub{i}")
+                                   else self.moment_format.stored_nbytes(state, n), tag=f"{state}:sub{i}", **stagger)
                 for i, (_, n) in enumerate(self.layout.sub_ranges)]
 
     def allocate_states(self) -> None:

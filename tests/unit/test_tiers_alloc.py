@@ -163,9 +163,32 @@ def test_a_region_leaves_the_books_before_its_address_can_be_mapped_again():
             books.take(at, nbytes, pinned=False)
 
     books.take(address, nbytes, pinned=False)
-    dying = _Region(address, nbytes, nbytes, ReusingLibc(), None, books)
+    dying = _Region(address, nbytes, address, nbytes, ReusingLibc(), None, books)
     del dying
     gc.collect()
     assert books.allocations == 1 and books.contains(address, nbytes)
     books.release(address, nbytes, pinned=False)        # the newcomer's own release finds its entry
     assert books.allocations == 0 and not books.contains(address, 1)
+
+
+def test_staggered_large_tensors_start_apart_and_are_booked_as_their_bytes():
+    from tiers.host_alloc import STAGGER_BYTES, STAGGER_MIN_BYTES
+    alloc = HostAllocator(pin="never")
+    nbytes = STAGGER_MIN_BYTES + 4096
+    arrays = [alloc.empty(nbytes, stagger=k) for k in range(4)]
+    starts = {t.data_ptr() % (2 << 20) for t in arrays}
+    assert starts == {k * STAGGER_BYTES % (2 << 20) for k in range(4)}, "four different starts modulo 2 MiB"
+    assert all(t.data_ptr() % 4096 == 0 and t.numel() == nbytes for t in arrays)
+    for k, t in enumerate(arrays):
+        t.fill_(k + 1)                       # every byte writable, none shared
+    assert [int(t[0]) + int(t[-1]) for t in arrays] == [2, 4, 6, 8]
+    stats = alloc.stats()
+    assert stats["bytes_allocated"] == 4 * nbytes and stats["allocations"] == 4
+    assert all(alloc.owns(t) for t in arrays) and alloc.owns(arrays[2][-100:])
+    small = alloc.empty(STAGGER_MIN_BYTES - 4096, stagger=3)
+    assert small.data_ptr() % (2 << 20) == 0, "small tensors are not staggered"
+    del arrays, small, t
+    gc.collect()
+    assert alloc.stats()["bytes_allocated"] == 0 and alloc.stats()["allocations"] == 0
+    with pytest.raises(ValueError, match="stagger must be an int in"):
+        alloc.empty(10, stagger=-1)
