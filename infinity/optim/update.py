@@ -6,9 +6,12 @@ the flat fp32 sub-groups, one tensor per run of trainable groups (usually one pe
 sub-group). On these machines it streams the 28 bytes a parameter needs (read
 master, grad, m, v; write master, m, v) at memory speed: 100M parameters, 2 threads,
 1.74 G params/s, as fast as DeepSpeed's CPUAdam (1.57) and above a STREAM-triad bound
-(1.22); the foreach path is 12x slower (benchmarks/adam.py). The engine's step also
-writes each compute copy (4 bytes, plus the line's write-allocate read), which costs
-it about half that rate when synchronous; with DPU it is off the critical path. The
+(1.22); the foreach path is 12x slower (benchmarks/adam.py). It gets there only if the
+sub-group's arrays do not start at the same address modulo the huge page (half the
+rate when they do: the store staggers them, [Note: staggered starts] in
+tiers/host_alloc.py). The engine's step also writes each compute copy (4 bytes, plus
+the line's write-allocate read): 0.90 G params/s for the whole step, synchronous, in the
+run where torch's kernel alone did 1.47; with DPU it is off the critical path. The
 kernel's math is ``torch.optim.AdamW``'s, so results match plain PyTorch to rounding.
 Gradient clipping is folded into the kernel's ``grad_scale`` (it divides by
 ``1 / clip_coef``), which saves a pass over the gradients and differs from a separate

@@ -67,3 +67,15 @@ def test_host_tier_reads_into_a_gpu_tensor():
     gpu = torch.empty(1000, dtype=torch.float32, device="cuda")
     tier.read(key, gpu).wait()
     assert torch.equal(gpu.cpu(), src)
+
+
+def test_large_cpu_keys_streamed_together_start_apart():
+    from tiers.host_alloc import STAGGER_BYTES, STAGGER_MIN_BYTES
+    tier = DeviceTier("cpu")
+    keys = [tier.allocate(STAGGER_MIN_BYTES, f"state{k}", stagger=k) for k in range(3)]
+    views = [tier.view(key) for key in keys]
+    assert [v.data_ptr() % (2 << 20) for v in views] == [k * STAGGER_BYTES for k in range(3)]
+    for k, key in enumerate(keys):
+        tier.write(key, torch.full((STAGGER_MIN_BYTES,), k + 1, dtype=torch.uint8)).wait()
+    assert [int(v[0]) + int(v[-1]) for v in views] == [2, 4, 6]
+    assert tier.bytes_in_use() == 3 * STAGGER_MIN_BYTES
