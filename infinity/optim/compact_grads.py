@@ -36,15 +36,16 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def widen(store) -> None:
-    """Move ``store``'s gradient keys to fp32 for good (a second micro-batch arrived); exact."""
+def widen(store, allocate) -> None:
+    """Move ``store``'s gradient keys to fp32 for good (a second micro-batch arrived); exact.
+    ``allocate(nbytes, tag)``: a new gradient key in the store's tier."""
     if store.grad_dtype == torch.float32:
         return
     store.flush()
     old_dtype, old_keys = store.grad_dtype, list(store.keys["grad"])
     new_keys = []
     for sub, (_, numel) in enumerate(store.layout.sub_ranges):
-        key = store.tier.allocate(numel * 4, tag=f"grad:sub{sub}")
+        key = allocate(numel * 4, f"grad:sub{sub}")
         if store.in_place:
             store.tier.view(key).view(torch.float32)[:numel].copy_(
                 store.tier.view(old_keys[sub]).view(old_dtype)[:numel])

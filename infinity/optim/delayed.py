@@ -56,6 +56,7 @@ from typing import Callable
 import torch
 
 from infinity.optim.background import BackgroundUpdate, UpdateWorkerError
+from infinity.optim.flat_state import allocate_key
 from infinity.optim.job import StepJob, UpdateStats
 
 
@@ -74,7 +75,7 @@ class DelayedUpdate(BackgroundUpdate):
         tier = store.tier
         self._spare_grad_keys = []
         for i, (_, numel) in enumerate(store.layout.sub_ranges):
-            key = tier.allocate(numel * 4, tag=f"grad-next:sub{i}")
+            key = allocate_key(store, "grad", numel * 4, f"grad-next:sub{i}")
             tier.write(key, torch.zeros(numel, dtype=torch.float32)).wait()
             self._spare_grad_keys.append(key)
         self._spare_param_keys = {g.index: coordinator.shards.copy(g, tag=f"param-next:{g.name}")

@@ -28,6 +28,7 @@ allocator for the streaming buffers; it knows nothing of modules or the coordina
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -50,6 +51,14 @@ _MAX_PENDING_BYTES = 64 * 2**20
 def _stored_len(fmt: MomentFormat, state: str, numel: int) -> int:
     """Length, in the elements of its buffer's dtype, of one state of a sub-group of ``numel``."""
     return fmt.stored_nbytes(state, numel) // torch.empty((), dtype=fmt.stored_dtype(state)).element_size()
+
+
+def allocate_key(store, state: str, nbytes: int, tag: str) -> int:
+    """A key of ``nbytes`` in ``store``'s tier for one sub-group's ``state`` (also a second or
+    widened gradient key), in host memory started apart from the other states' ([Note: staggered
+    starts] in tiers/host_alloc.py)."""
+    stagger = {"stagger": _STAGGER[state]} if store.in_place else {}
+    return store.tier.allocate(nbytes, tag=tag, **stagger)
 
 
 class _Unbooked:
@@ -205,9 +214,8 @@ class OptimizerStateStore:
 
     def _allocate(self, state: str, itemsize: int | None = None) -> list[int]:
         """One key per sub-group: ``itemsize`` bytes per element, or the state's stored size."""
-        stagger = {"stagger": _STAGGER[state]} if self.in_place else {}    # host memory (or the device)
-        return [self.tier.allocate(n * itemsize if itemsize is not None
-                                   else self.moment_format.stored_nbytes(state, n), tag=f"{state}:sub{i}", **stagger)
+        return [allocate_key(self, state, n * itemsize if itemsize is not None
+                             else self.moment_format.stored_nbytes(state, n), f"{state}:sub{i}")
                 for i, (_, n) in enumerate(self.layout.sub_ranges)]
 
     def allocate_states(self) -> None:
@@ -279,7 +287,8 @@ class OptimizerStateStore:
             raise EngineError("gradient shards cannot be edited with optimizer.update_in_backward = true (each "
                               "sub-group is stepped as soon as its gradients are in); set the key to false")
         if state == "grad":
-            compact_grads.widen(self)   # edited gradients (clip_grad_value_) need not fit the compute dtype
+            # edited gradients (clip_grad_value_) need not fit the compute dtype
+            compact_grads.widen(self, functools.partial(allocate_key, self, "grad"))
         for piece in self.layout.pieces_of_group[group_index]:
             src = values[piece.group_offset:piece.group_offset + piece.numel]
             if state in MOMENTS and self.moment_format.compressed:
@@ -326,7 +335,7 @@ class OptimizerStateStore:
             self.grad_written.add(group_index)
             return []
         if not first:
-            compact_grads.widen(self)   # micro-batches accumulate: in fp32 from now on
+            compact_grads.widen(self, functools.partial(allocate_key, self, "grad"))   # micro-batches accumulate: in fp32 from now on
         futures = []
         for piece in self.layout.pieces_of_group[group_index]:
             src = shard_grad[piece.group_offset:piece.group_offset + piece.numel]
