@@ -112,6 +112,9 @@ class ParamGroup:
         # set by the coordinator that owns the group.
         self.memory = None
         self._flat: torch.Tensor | None = None
+        # (flat, views): the parameters' views of the gathered flat tensor, made once while its memory is
+        # lent (the storage object stays; only its data pointer moves, see infinity/runtime/gather_memory.py).
+        self._views: tuple | None = None
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -166,11 +169,17 @@ class ParamGroup:
         self._expect(ParamState.INFLIGHT, to="AVAILABLE")
         self.full = full
         self.pending = None
-        for slot in self.slots:
+        if self._views is not None and self._views[0] is full:
+            views = self._views[1]
+        else:
+            views = [full[slot.offset:slot.offset + slot.numel].view(slot.shape) for slot in self.slots]
+            lent = full is self._flat and self.memory is not None and self.memory.lending
+            self._views = (full, views) if lent else None
+        for slot, view in zip(self.slots, views):
             param = slot.param
             if type(param) is ReleasedParameter:    # a plain Parameter again before .data is set
                 param.__class__ = nn.Parameter
-            param.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            param.data = view
         self.state = ParamState.AVAILABLE
 
     def to_not_available(self, keep_views: bool = False) -> None:
