@@ -115,13 +115,27 @@ class _Stack(nn.Module):
         return x
 
 
-# Bytes an engine step moves per parameter with each state dtype: master and gradient read, master
-# written (12), m and v read and written, and the fp32 compute copy written (4).
-OURS_BYTES = {"fp32": 32, "bf16": 24, "int8": 16 + 4 + 4 * 4 / 256,
-              # fp32 states, bf16 gradient read (2) and bf16 copy written (2) and put in place (2 + 2)
-              "bf16 compute": 32,
-              # the same with int8 moments: 1 + 1 read and written, and their scales
-              "int8 states, bf16 compute": 20 + 4 * 4 / 256}
+# The engine-step rows, by their --state-dtypes key: (row name, [optimizer] state_dtype, compute dtype,
+# one pass (the C kernel reads the bf16 gradient and writes the bf16 copies; False: torch's kernel or the
+# compressed one with the gradient widened before and the copies converted after), bytes a parameter the
+# step moves: master and gradient read, master written (12), m and v read and written (16 fp32, 8 bf16,
+# 4 and their scales int8), the compute copy written (4; with bf16 compute the gradient read is 2 and
+# the copy 2, put in place 2 + 2)).
+_INT8_MV = 4 + 4 * 4 / 256
+OURS_ROWS = {
+    "fp32": ("ours (engine step)", "fp32", "float32", True, 32),
+    "bf16": ("ours (engine step, bf16 states)", "bf16", "float32", True, 24),
+    "int8": ("ours (engine step, int8 states)", "int8", "float32", True, 16 + _INT8_MV),
+    "bf16-compute": ("ours (engine step, bf16 compute)", "fp32", "bfloat16", True, 32),
+    "bf16-compute-torch": ("ours (engine step, bf16 compute, torch kernel)", "fp32", "bfloat16", False, 32),
+    "int8-bf16-compute": ("ours (engine step, int8 states, bf16 compute)", "int8", "bfloat16", True, 16 + _INT8_MV),
+    "int8-bf16-compute-passes": ("ours (engine step, int8 states, bf16 compute, 3 passes)", "int8", "bfloat16",
+                                 False, 16 + _INT8_MV),
+}
+_BYTES_OF = {row[0]: row[4] for row in OURS_ROWS.values()}
+# The row each engine-step row is compared with: fp32 states with the same compute dtype.
+_REFERENCE_OF = {row[0]: OURS_ROWS["bf16-compute" if row[2] == "bfloat16" else "fp32"][0]
+                 for row in OURS_ROWS.values()}
 
 
 def ours_step(n: int, workdir: str, state_dtype: str = "fp32", compute: str = "float32", c_pass: bool = True):
@@ -147,26 +161,7 @@ def ours_step(n: int, workdir: str, state_dtype: str = "fp32", compute: str = "f
 
 
 def ours_name(state_dtype: str) -> str:
-    if state_dtype == "bf16-compute":
-        return "ours (engine step, bf16 compute)"
-    if state_dtype == "bf16-compute-torch":
-        return "ours (engine step, bf16 compute, torch kernel)"
-    if state_dtype == "int8-bf16-compute":
-        return "ours (engine step, int8 states, bf16 compute)"
-    if state_dtype == "int8-bf16-compute-passes":
-        return "ours (engine step, int8 states, bf16 compute, 3 passes)"
-    return "ours (engine step)" if state_dtype == "fp32" else f"ours (engine step, {state_dtype} states)"
-
-
-def ours_bytes(name: str) -> float:
-    """Bytes per parameter the engine-step row ``name`` moves (OURS_BYTES)."""
-    inner = name[len("ours (engine step"):].strip(", )").replace(", 3 passes", "").replace(", torch kernel", "")
-    return OURS_BYTES.get(inner.replace(" states", "") if inner in ("bf16 states", "int8 states") else inner or "fp32")
-
-
-def ours_reference(name: str) -> str:
-    """The row an engine-step row is compared with: fp32 states with the same compute dtype."""
-    return ours_name("bf16-compute" if "bf16 compute" in name else "fp32")
+    return OURS_ROWS[state_dtype][0]
 
 
 def run_phase(variants: dict, repeats: int, raw: dict) -> None:
@@ -208,6 +203,9 @@ def main(argv=None) -> dict:
                          "and the copies converted after")
     ap.add_argument("--json", help="write settings, machine and raw samples here")
     args = ap.parse_args(argv)
+    unknown = [d for d in args.state_dtypes.split(",") if d and d not in OURS_ROWS]
+    if unknown:
+        ap.error(f"--state-dtypes: {unknown[0]!r} is not one of {', '.join(OURS_ROWS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
@@ -222,7 +220,7 @@ def main(argv=None) -> dict:
             # (20 B/param with fp32 moments, 16 with bf16, 14 with int8). Together in one phase when
             # that fits in half the free memory.
             dtypes = [d for d in args.state_dtypes.split(",") if d] if "ours" not in skip else []
-            ours_nbytes = sum({"fp32": 20, "bf16": 16, "int8": 14}.get(d.split("-")[0], 20) for d in dtypes)
+            ours_nbytes = sum({"fp32": 20, "bf16": 16, "int8": 14}[OURS_ROWS[d][1]] for d in dtypes)
             together = (16 + ours_nbytes) * n < psutil.virtual_memory().available // 2
             for _ in range(args.rounds):
                 triad, counts["triad"] = triad_step(n)
@@ -246,15 +244,8 @@ def main(argv=None) -> dict:
                     gc.collect()
                 keep = []
                 for dtype in dtypes:
-                    name = ours_name(dtype)
-                    if dtype.startswith("bf16-compute"):
-                        phase[name], counts["ours"], kept = ours_step(n, workdir, "fp32", "bfloat16",
-                                                                      c_pass=dtype == "bf16-compute")
-                    elif dtype.startswith("int8-bf16-compute"):
-                        phase[name], counts["ours"], kept = ours_step(n, workdir, "int8", "bfloat16",
-                                                                      c_pass=dtype == "int8-bf16-compute")
-                    else:
-                        phase[name], counts["ours"], kept = ours_step(n, workdir, dtype)
+                    name, state_dtype, compute, one_pass, _ = OURS_ROWS[dtype]
+                    phase[name], counts["ours"], kept = ours_step(n, workdir, state_dtype, compute, c_pass=one_pass)
                     keep.append(kept)
                 run_phase(phase, args.repeats, raw)
                 del phase, keep, triad
@@ -285,12 +276,12 @@ def print_table(n: int, raw: dict, notes: dict, counts: dict, together: bool) ->
         mine = name.startswith("ours")
         _, b = bound_of("triad" if together or not mine else "triad (ours' phase)")
         count = counts["ours"] if mine else n
-        nbytes = ours_bytes(name) if mine else ADAM_BYTES
+        nbytes = _BYTES_OF[name] if mine else ADAM_BYTES
         med = statistics.median(samples)
         rate = count / med
         # Side by side in the same phase: the ratio of medians to the engine step's with fp32 states
         # and the same compute dtype.
-        ref = raw.get(ours_reference(name))
+        ref = raw.get(_REFERENCE_OF[name]) if mine else None
         ratio = f"{statistics.median(ref) / med:12.2f}" if mine and ref else ""
         print(f"{name:56} {med:9.4f} {rate / 1e9:11.2f} {rate * nbytes / 1e9:11.1f} {b / rate:8.2f} {ratio}")
     for name, why in notes.items():
