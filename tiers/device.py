@@ -8,10 +8,8 @@ from __future__ import annotations
 import torch
 
 from tiers.base import format_nbytes
-from tiers.host_alloc import STAGGER_BYTES, STAGGER_MIN_BYTES
+from tiers.host_alloc import STAGGER_MIN_BYTES, HostAllocator
 from tiers.memory import MemoryTier
-
-_ALIGN = 2 << 20
 
 
 class DeviceTier(MemoryTier):
@@ -44,17 +42,16 @@ class DeviceTier(MemoryTier):
         if capacity is None and self.device.type == "cuda":
             capacity = torch.cuda.get_device_properties(self.device).total_memory
         copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # The CPU as the device: large keys come from the host allocator, whose starts can be staggered
+        # ([Note: staggered starts] in tiers/host_alloc.py); torch's allocator maps large tensors
+        # page-aligned one after the other, at addresses that make arrays streamed together alias.
+        self._large = HostAllocator(pin="never") if self.device.type == "cpu" else None
         super().__init__(name, capacity, copy_stream)
 
     def _new_storage(self, nbytes: int, stagger: int = 0) -> torch.Tensor:
-        if self.device.type != "cpu" or nbytes < STAGGER_MIN_BYTES:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        # The CPU as the device: torch's allocator maps large tensors page-aligned one after the
-        # other, at addresses that make arrays streamed together alias ([Note: staggered starts]);
-        # these start stagger * STAGGER_BYTES past a 2 MiB boundary, as the host tier's do.
-        raw = torch.empty(nbytes + _ALIGN + stagger * STAGGER_BYTES, dtype=torch.uint8)
-        start = -raw.data_ptr() % _ALIGN + stagger * STAGGER_BYTES
-        return raw[start:start + nbytes]
+        if self._large is not None and nbytes >= STAGGER_MIN_BYTES:
+            return self._large.empty(nbytes, stagger=stagger)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _limit(self) -> str:
         return f"capacity {format_nbytes(self._capacity)} on {self.device}"
