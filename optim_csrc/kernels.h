@@ -96,7 +96,8 @@ KERNEL_ATTR static void KERNEL(int8_block)(const Job *j, Hyper h, int64_t k, int
     float c1 = 1.0f - h.b1, c2 = 1.0f - h.b2;
     /* Adam on the block's elements in [lo, hi), v from w = sqrt(v) as stored; the new largest
      * magnitudes as integers on the way (non-negative floats order like their bit patterns, and an
-     * integer max reduction vectorizes without -ffast-math). */
+     * integer max reduction vectorizes without -ffast-math; a NaN of either sign is the largest, as
+     * torch's amax in the twin makes it). */
     int32_t im = 0, iw = 0;
     if (h.decoupled) {
         for (int64_t t = u0; t < u1; t++) {
@@ -106,7 +107,7 @@ KERNEL_ATTR static void KERNEL(int8_block)(const Job *j, Hyper h, int64_t k, int
             float wi = sqrtf(vi);
             p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
             fm[t] = mi; fw[t] = wi;
-            int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi);
+            int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi) & 0x7FFFFFFF;
             im = a > im ? a : im;
             iw = b > iw ? b : iw;
         }
@@ -118,7 +119,7 @@ KERNEL_ATTR static void KERNEL(int8_block)(const Job *j, Hyper h, int64_t k, int
             float wi = sqrtf(vi);
             p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
             fm[t] = mi; fw[t] = wi;
-            int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi);
+            int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi) & 0x7FFFFFFF;
             im = a > im ? a : im;
             iw = b > iw ? b : iw;
         }
@@ -126,7 +127,7 @@ KERNEL_ATTR static void KERNEL(int8_block)(const Job *j, Hyper h, int64_t k, int
     if (j->nsegs) KERNEL(write_copies)(j, b0 + u0, b0 + u1, cur);
     if (u0 > 0 || u1 < len) {   /* a block partly outside [lo, hi): its other elements count too */
         for (int64_t t = 0; t < len; t++) {
-            int32_t a = as_int(fm[t]) & 0x7FFFFFFF, b = as_int(fw[t]);
+            int32_t a = as_int(fm[t]) & 0x7FFFFFFF, b = as_int(fw[t]) & 0x7FFFFFFF;
             im = a > im ? a : im;
             iw = b > iw ? b : iw;
         }
@@ -137,9 +138,10 @@ KERNEL_ATTR static void KERNEL(int8_block)(const Job *j, Hyper h, int64_t k, int
      * arithmetic with byte stores is vectorized at the byte width (4 floats a vector). */
     for (int64_t t = 0; t < len; t++) {
         float x = fm[t];
-        int32_t c = encode_mag(fabsf(x) * qm, 4, 7, 0x7F);
-        cm[t] = c | ((x < 0.0f) & (c != 0)) << 7;   /* one zero: a -0 code would not re-encode alike */
-        int32_t cw = encode_mag(fw[t] * qw, 4, 15, 0xFF);
+        int32_t c = encode_mag(fabsf(x * qm), 4, 7, 0x7F);     /* |.| after: 0 * inf is a NaN with its sign set */
+        /* x's sign bit; one zero: a -0 code would not re-encode alike */
+        cm[t] = c | ((int32_t)((uint32_t)as_int(x) >> 31) & (c != 0)) << 7;
+        int32_t cw = encode_mag(fabsf(fw[t] * qw), 4, 15, 0xFF);   /* |.|: a NaN of either sign codes top */
         cv[t] = cw + ((cw == 0) & (fw[t] > 0.0f));   /* a positive w never becomes 0 */
     }
     for (int64_t t = 0; t < len; t++) {

@@ -75,7 +75,10 @@ static inline __attribute__((always_inline)) uint32_t bf16_sr(float x, uint32_t 
 static inline __attribute__((always_inline)) int32_t encode_mag(float u, int mbits, int bias, int32_t top) {
     float threshold = as_float((127 + 1 - bias) << 23);
     float sub_mul = as_float((127 + bias - 1 + mbits) << 23);
-    int32_t sub = (int32_t)(u * sub_mul + 0.5f);
+    /* round half up, exactly: x - floor(x) is exact, where x + 0.5f could round up a fraction under 1/2 */
+    float x = u * sub_mul;
+    int32_t whole = (int32_t)x;
+    int32_t sub = whole + (x - (float)whole >= 0.5f);
     int32_t normal = ((as_int(u) + (1 << (22 - mbits))) >> (23 - mbits)) - ((127 - bias) << mbits);
     int32_t c = u < threshold ? sub : normal;
     return c > top ? top : c;
@@ -146,80 +149,179 @@ static inline __attribute__((always_inline)) void adam_span(Hyper h, int64_t len
 
 #if defined(__x86_64__) && defined(__GNUC__)
 /* [Note: the int8 block in AVX2]
- * With 256-bit vectors the int8 step is compute-bound (on the Zen 3 here, taking the division out of
- * it, as an experiment, cut its time by 40%), and gcc's five loops a block (widen the codes, decode,
- * Adam, encode, narrow) each store their result for the next to load: 5-25% of its time. This one does
- * the same arithmetic, operation for operation and in the same order (no fused multiply-adds:
- * the same bits as int8_block_*, tests/unit/test_compressed_copies.py compares them), in two
- * loops over 8 elements at a time: decode + Adam + the block's largest magnitudes, then encode +
- * narrow. Full blocks only, whose length is a multiple of 8; the others go to int8_block_avx2. */
+ * With 256-bit vectors the int8 step is compute-bound. This block does the portable loops' arithmetic
+ * with their bits (no fused multiply-adds; tests/unit/test_compressed_copies.py and test_int8_codes.py
+ * compare them) in two loops: (1) decode, the new m and w = sqrt(v), their largest magnitudes; (2) the
+ * weights' update and bf16 copies (from the registers), encode, narrow. Full blocks only, whose length
+ * is a multiple of 16; the others go to int8_block_avx2.
+ *
+ * Why two loops split there: on the Zen 3 here the loop is bound by the floating-point scheduler (64
+ * entries), not by its arithmetic. An element's chain (decode, square, sqrt, divide, round to bf16) is
+ * about 60 cycles long, and operations waiting on it fill the scheduler: with the update and the
+ * copies in loop 1 it ran 25 cycles per 8 elements against a throughput bound of 8 (llvm-mca
+ * -mcpu=znver3). With the square root and the division in different loops, nothing waiting on the
+ * latter but a store and the copy, they take 9.3 and 12 (loop 2 runs 16 elements at a time).
+ *
+ * The codes are small floats, and F16C converts them in one instruction each way. v's code (4
+ * exponent bits, bias 15, 4 mantissa bits, subnormals) is an fp16 value's top 10 bits: code << 6 is
+ * the fp16 of its value; m's (3 exponent bits, bias 7) is too once scaled by 2^-8, fp16's subnormals
+ * then being the code's. Encoding converts u (times 2^-8 for m) to fp16 rounding toward zero, then
+ * rounds half up at the code's last bit: (h + 32) >> 6, the carry running into the exponent. Rounding
+ * half up looks at no bit below the half, so truncating those first changes nothing: the codes are
+ * encode_mag's, subnormals included (checked for every float in [0, 2], and at every midpoint by
+ * test_int8_codes.py). Blocks whose scales are plain (nearly all) encode 16 elements at a time with
+ * cheaper checks (encode_plain_avx2 says why they give the same codes).
+ *
+ * Kernel alone, 1 thread, 16Ki elements in cache (ns per element, min of 25 alternated runs): 1.60
+ * before this note's changes, 1.24 after. */
 #define V8(x) _mm256_set1_ps(x)
-__attribute__((target("avx2,fma"))) static inline __m256 decode_mag_v(__m256i c, int mbits, int bias) {
-    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_castsi256_ps(_mm256_set1_epi32((127 + 1 - bias - mbits) << 23)));
-    __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32((127 - bias) << mbits)),
-                                                          23 - mbits));
-    __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << mbits), c);
-    return _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(is_sub));
+/* The bf16 words of x (round to nearest even, a NaN as 0xFFFF: to_bf16's). */
+__attribute__((target("avx2,fma"))) static inline __m128i to_bf16_v(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                                   _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))),
+                                  16);
+    r = _mm256_and_si256(_mm256_or_si256(r, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))),
+                         _mm256_set1_epi32(0xFFFF));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-__attribute__((target("avx2,fma"))) static inline __m256i encode_mag_v(__m256 u, int mbits, int bias, int32_t top) {
-    __m256 threshold = _mm256_castsi256_ps(_mm256_set1_epi32((127 + 1 - bias) << 23));
-    __m256 sub_mul = _mm256_castsi256_ps(_mm256_set1_epi32((127 + bias - 1 + mbits) << 23));
-    __m256i sub = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(u, sub_mul), V8(0.5f)));
-    __m256i normal = _mm256_sub_epi32(_mm256_srai_epi32(_mm256_add_epi32(_mm256_castps_si256(u),
-                                                                          _mm256_set1_epi32(1 << (22 - mbits))),
-                                                         23 - mbits),
-                                      _mm256_set1_epi32((127 - bias) << mbits));
-    __m256i c = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub),
-                                                     _mm256_cmp_ps(u, threshold, _CMP_LT_OQ)));
-    return _mm256_min_epi32(c, _mm256_set1_epi32(top));
+/* Where the bf16 copies of block [b0, b0 + len) go when one output segment holds it whole; NULL when
+ * there are none or write_copies must split it. Advances *cur as write_copies does. */
+static inline uint16_t *block_out(const Job *j, int64_t b0, int64_t len, int *cur) {
+    if (!j->nsegs) return NULL;
+    while (*cur < j->nsegs && j->segs[*cur].end <= b0) (*cur)++;
+    if (*cur < j->nsegs && j->segs[*cur].start <= b0 && b0 + len <= j->segs[*cur].end)
+        return j->segs[*cur].out + (b0 - j->segs[*cur].start);
+    return NULL;
+}
+
+/* Codes of 8 magnitudes scaled into fp16's range (u >= 0, or its sign bit ignored), as 16-bit words:
+ * the fp16 rounded toward zero, then half up at the code's last bit; at most top. */
+__attribute__((target("avx2,f16c"))) static inline __m128i encode_f16(__m256 u, __m128i top) {
+    __m128i h = _mm_and_si128(_mm256_cvtps_ph(u, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC), _mm_set1_epi16(0x7FFF));
+    return _mm_min_epu16(_mm_srli_epi16(_mm_add_epi16(h, _mm_set1_epi16(32)), 6), top);
+}
+
+/* Loop 2 of a block whose scales are plain (see int8_block_fast_avx2), 16 elements at a time. Where the
+ * scales are plain the general loop's checks reduce to cheaper ones, with the same codes:
+ * - qm * 2^-8 is exact (am <= 2^118), and |x| qm 2^-8 is |x| (qm 2^-8) but where it is under 2^-126,
+ *   which codes 0 either way;
+ * - x * qm has x's sign (x and qm finite, qm > 0; am = 0 makes every code 0);
+ * - a w > 0 stepped here is at least 2^-74.5 (sqrt of a float), and aw at most 2^64, so w qw is at
+ *   least 2^-137.6: raising it to min(w qw 2^126, 2^-18), the smallest code's value, makes the
+ *   positive ones code at least 1 and leaves the others. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void encode_plain_avx2(
+        const Job *j, Hyper h, int64_t b0, int64_t len, const float *fm, const float *fw, uint16_t *out,
+        float qm8, float qw, const int decoupled) {
+    uint8_t *restrict mc = j->m + b0, *restrict vc = j->v + b0;
+    float *restrict p = j->p + b0;
+    const __m256 decay = V8(h.decay), step_size = V8(h.step_size), inv = V8(h.inv_bc2_sqrt), eps = V8(h.eps);
+    const __m256 qm = V8(qm8), qwv = V8(qw), up = V8(0x1p126f), smallest = V8(0x1p-18f);
+    const __m256i low15 = _mm256_set1_epi16(0x7FFF), half = _mm256_set1_epi16(32), k7f = _mm256_set1_epi16(0x7F);
+    const __m256i top_w = _mm256_set1_epi16(0xFF), bit7 = _mm256_set1_epi16(0x80);
+    for (int64_t t = 0; t < len; t += 16) {
+        __m128i hm[2], hw[2];
+        for (int k = 0; k < 2; k++) {
+            __m256 x = _mm256_load_ps(fm + t + 8 * k), w = _mm256_load_ps(fw + t + 8 * k);
+            __m256 pv = _mm256_loadu_ps(p + t + 8 * k);
+            __m256 pi = decoupled ? _mm256_mul_ps(pv, decay) : pv;
+            __m256 pn = _mm256_sub_ps(pi, _mm256_div_ps(_mm256_mul_ps(step_size, x),
+                                                        _mm256_add_ps(_mm256_mul_ps(w, inv), eps)));
+            _mm256_storeu_ps(p + t + 8 * k, pn);
+            if (out != NULL) _mm_storeu_si128((__m128i *)(out + t + 8 * k), to_bf16_v(pn));
+            hm[k] = _mm256_cvtps_ph(_mm256_mul_ps(x, qm), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __m256 u = _mm256_mul_ps(w, qwv);
+            hw[k] = _mm256_cvtps_ph(_mm256_max_ps(u, _mm256_min_ps(_mm256_mul_ps(u, up), smallest)),
+                                    _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        }
+        __m256i fm16 = _mm256_set_m128i(hm[1], hm[0]), fw16 = _mm256_set_m128i(hw[1], hw[0]);
+        __m256i cm = _mm256_min_epu16(_mm256_srli_epi16(_mm256_add_epi16(_mm256_and_si256(fm16, low15), half), 6), k7f);
+        /* the fp16's sign, kept where the code is not 0 (c + 0x7F has bit 7 then) */
+        cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_and_si256(_mm256_srli_epi16(fm16, 8),
+                                                                   _mm256_add_epi16(cm, k7f)), bit7));
+        __m256i cw = _mm256_min_epu16(_mm256_srli_epi16(_mm256_add_epi16(fw16, half), 6), top_w);
+        /* bytes per 128-bit lane: m0-7 v0-7 | m8-15 v8-15 -> m0-15 | v0-15 */
+        __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(cm, cw), 0xD8);
+        _mm_storeu_si128((__m128i *)(mc + t), _mm256_castsi256_si128(bytes));
+        _mm_storeu_si128((__m128i *)(vc + t), _mm256_extracti128_si256(bytes, 1));
+    }
+}
+
+/* Loop 2 of any other block, 8 elements at a time: encode_mag's arithmetic whatever the scales. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void encode_any_avx2(
+        const Job *j, Hyper h, int64_t b0, int64_t len, const float *fm, const float *fw, uint16_t *out,
+        float am, float aw, const int decoupled) {
+    uint8_t *restrict mc = j->m + b0, *restrict vc = j->v + b0;
+    float *restrict p = j->p + b0;
+    const __m256 decay = V8(h.decay), step_size = V8(h.step_size), inv = V8(h.inv_bc2_sqrt), eps = V8(h.eps);
+    const __m256 qm = V8(am > 0.0f ? CODE_TOP / am : 0.0f), qw = V8(aw > 0.0f ? CODE_TOP / aw : 0.0f);
+    const __m256 down8 = V8(1.0f / 256.0f);
+    const __m128i top_m = _mm_set1_epi16(0x7F), top_w = _mm_set1_epi16(0xFF), k7f = _mm_set1_epi16(0x7F);
+    const __m128i bit7 = _mm_set1_epi16(0x80), zero = _mm_setzero_si128();
+    for (int64_t t = 0; t < len; t += 8) {
+        __m256 x = _mm256_load_ps(fm + t), w = _mm256_load_ps(fw + t), pv = _mm256_loadu_ps(p + t);
+        __m256 pi = decoupled ? _mm256_mul_ps(pv, decay) : pv;
+        __m256 pn = _mm256_sub_ps(pi, _mm256_div_ps(_mm256_mul_ps(step_size, x), _mm256_add_ps(_mm256_mul_ps(w, inv), eps)));
+        _mm256_storeu_ps(p + t, pn);
+        if (out != NULL) _mm_storeu_si128((__m128i *)(out + t), to_bf16_v(pn));
+        /* x qm as encode_mag gets it (encode_f16 drops the sign), then scaled exactly (a product under
+         * 2^-126 codes 0 either way) */
+        __m128i c = encode_f16(_mm256_mul_ps(_mm256_mul_ps(x, qm), down8), top_m);
+        /* x's sign bit (x's top 16 bits, narrowed), kept where the code is not 0: c + 0x7F has bit 7 then */
+        __m256i xh = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+        __m128i sign = _mm_srli_epi16(_mm_packus_epi32(_mm256_castsi256_si128(xh), _mm256_extracti128_si256(xh, 1)), 8);
+        __m128i cmo = _mm_or_si128(c, _mm_and_si128(_mm_and_si128(sign, _mm_add_epi16(c, k7f)), bit7));
+        __m128i cw = encode_f16(_mm256_mul_ps(w, qw), top_w);
+        /* a positive w never codes 0: code - (-1) there */
+        __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(w, _mm256_setzero_ps(), _CMP_GT_OQ));
+        __m128i pos16 = _mm_packs_epi32(_mm256_castsi256_si128(pos), _mm256_extracti128_si256(pos, 1));
+        __m128i cvo = _mm_sub_epi16(cw, _mm_and_si128(_mm_cmpeq_epi16(cw, zero), pos16));
+        __m128i b = _mm_packus_epi16(cmo, cvo);     /* m0-7 v0-7 */
+        _mm_storel_epi64((__m128i *)(mc + t), b);
+        _mm_storel_epi64((__m128i *)(vc + t), _mm_unpackhi_epi64(b, b));
+    }
 }
 
 /* g16 and decoupled are constants where run_int8_fast_avx2 calls it: one loop without branches each. */
-__attribute__((target("avx2,fma"), always_inline)) static inline void int8_block_fast_avx2(
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void int8_block_fast_avx2(
         const Job *j, Hyper h, int64_t k, int *cur, Scratch_avx2 *sc, const int g16, const int decoupled) {
     const int64_t b0 = k * j->block, len = j->block;
     float *restrict fm = sc->fm, *restrict fw = sc->fw;
-    uint8_t *restrict mc = j->m + b0, *restrict vc = j->v + b0;
-    float *restrict p = j->p + b0;
+    const uint8_t *restrict mc = j->m + b0, *restrict vc = j->v + b0;
+    const float *restrict p = j->p + b0;
+    uint16_t *restrict out = block_out(j, b0, len, cur);
     const float inv_top = 1.0f / CODE_TOP;
     const __m256 dm = V8(j->ms[k] * inv_top), dw = V8(j->vs[k] * inv_top);
     const __m256 b1 = V8(h.b1), b2 = V8(h.b2), c1 = V8(1.0f - h.b1), c2 = V8(1.0f - h.b2), gmul = V8(h.gmul);
-    const __m256 decay = V8(h.decay), wd = V8(h.wd), step_size = V8(h.step_size), inv = V8(h.inv_bc2_sqrt);
-    const __m256 eps = V8(h.eps);
-    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), low7 = _mm256_set1_epi32(0x7F);
+    const __m256 wd = V8(h.wd), up8 = V8(256.0f);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    /* m's code sign-extended and shifted: the sign at fp16's bit 15, two copies of it at 14-13 cleared */
+    const __m128i m_bits = _mm_set1_epi16((short)0x9FFF);
     __m256i im = _mm256_setzero_si256(), iw = _mm256_setzero_si256();
+    /* Loop 1: decode, the new m and w = sqrt(v) into the scratch, their largest magnitudes. */
     for (int64_t t = 0; t < len; t += 8) {
-        __m256i cmv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mc + t)));
-        __m256i cvv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(vc + t)));
-        __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_andnot_si256(low7, cmv), 24));
-        __m256 m = _mm256_mul_ps(_mm256_or_ps(decode_mag_v(_mm256_and_si256(cmv, low7), 4, 7), sign), dm);
-        __m256 wo = _mm256_mul_ps(decode_mag_v(cvv, 4, 15), dw);
+        __m128i hm = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(mc + t))), 6),
+                                   m_bits);
+        __m128i hw = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(vc + t))), 6);
+        __m256 m = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(hm), up8), dm);
+        __m256 wo = _mm256_mul_ps(_mm256_cvtph_ps(hw), dw);
         __m256 g;
         if (g16)
             g = _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(j->g16 + b0 + t))), 16));
         else
             g = _mm256_loadu_ps(j->g + b0 + t);
-        __m256 pv = _mm256_loadu_ps(p + t), gi, pi;
-        if (decoupled) {
-            gi = _mm256_mul_ps(g, gmul);
-            pi = _mm256_mul_ps(pv, decay);
-        } else {
-            pi = pv;
-            gi = _mm256_add_ps(_mm256_mul_ps(g, gmul), _mm256_mul_ps(wd, pv));
-        }
+        __m256 gi = decoupled ? _mm256_mul_ps(g, gmul)
+                              : _mm256_add_ps(_mm256_mul_ps(g, gmul), _mm256_mul_ps(wd, _mm256_loadu_ps(p + t)));
         __m256 mi = _mm256_add_ps(_mm256_mul_ps(b1, m), _mm256_mul_ps(c1, gi));
         __m256 vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_mul_ps(wo, wo)), _mm256_mul_ps(_mm256_mul_ps(c2, gi), gi));
         __m256 wi = _mm256_sqrt_ps(vi);
-        __m256 den = _mm256_add_ps(_mm256_mul_ps(wi, inv), eps);
-        _mm256_storeu_ps(p + t, _mm256_sub_ps(pi, _mm256_div_ps(_mm256_mul_ps(step_size, mi), den)));
         _mm256_store_ps(fm + t, mi);
         _mm256_store_ps(fw + t, wi);
         im = _mm256_max_epi32(im, _mm256_and_si256(_mm256_castps_si256(mi), abs_mask));
-        iw = _mm256_max_epi32(iw, _mm256_castps_si256(wi));
+        iw = _mm256_max_epi32(iw, _mm256_and_si256(_mm256_castps_si256(wi), abs_mask));
     }
-    if (j->nsegs) write_copies_avx2(j, b0, b0 + len, cur);
     int32_t lm[8], lw[8], am_i = 0, aw_i = 0;
     _mm256_storeu_si256((__m256i *)lm, im);
     _mm256_storeu_si256((__m256i *)lw, iw);
@@ -228,37 +330,25 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void int8_block
         aw_i = lw[t] > aw_i ? lw[t] : aw_i;
     }
     float am = as_float(am_i), aw = as_float(aw_i);
-    const __m256 qm = V8(am > 0.0f ? CODE_TOP / am : 0.0f), qw = V8(aw > 0.0f ? CODE_TOP / aw : 0.0f);
-    const __m256i bit7 = _mm256_set1_epi32(0x80), zero = _mm256_setzero_si256(), low8 = _mm256_set1_epi32(0xFF);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t t = 0; t < len; t += 8) {
-        __m256 x = _mm256_load_ps(fm + t), w = _mm256_load_ps(fw + t);
-        __m256i c = encode_mag_v(_mm256_mul_ps(_mm256_and_ps(x, _mm256_castsi256_ps(abs_mask)), qm), 4, 7, 0x7F);
-        /* masks are all ones: the sign bit is 0x80 & (x < 0 and c != 0); w's code + 1 is code - (-1) */
-        __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
-        __m256i cmo = _mm256_or_si256(c, _mm256_and_si256(_mm256_andnot_si256(_mm256_cmpeq_epi32(c, zero), neg), bit7));
-        __m256i cw = encode_mag_v(_mm256_mul_ps(w, qw), 4, 15, 0xFF);
-        __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(w, _mm256_setzero_ps(), _CMP_GT_OQ));
-        __m256i cvo = _mm256_sub_epi32(cw, _mm256_and_si256(_mm256_cmpeq_epi32(cw, zero), pos));
-        /* 16-bit per 128-bit lane: [m0-3 v0-3 | m4-7 v4-7]; bytes: dword 0 m, dword 1 v of each lane */
-        __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(_mm256_and_si256(cmo, low8), _mm256_and_si256(cvo, low8)),
-                                        zero);   /* the low byte, as the (uint8_t) cast keeps it */
-        b = _mm256_permutevar8x32_epi32(b, order);     /* m0-3 m4-7 v0-3 v4-7 ... */
-        __m128i lo = _mm256_castsi256_si128(b);
-        _mm_storel_epi64((__m128i *)(mc + t), lo);
-        _mm_storel_epi64((__m128i *)(vc + t), _mm_unpackhi_epi64(lo, lo));
-    }
+    /* Loop 2: the weights' update and copies, the codes. Plain scales: finite, am 0 or in [2^-126, 2^118]
+     * (a NaN or an infinity anywhere in the block makes its scale one). */
+    if (am_i <= 0x7A800000 && (am_i == 0 || am_i >= 0x00800000) && aw_i < 0x7F800000)
+        encode_plain_avx2(j, h, b0, len, fm, fw, out, (am > 0.0f ? CODE_TOP / am : 0.0f) * (1.0f / 256.0f),
+                          aw > 0.0f ? CODE_TOP / aw : 0.0f, decoupled);
+    else
+        encode_any_avx2(j, h, b0, len, fm, fw, out, am, aw, decoupled);
+    if (j->nsegs && out == NULL) write_copies_avx2(j, b0, b0 + len, cur);
     j->ms[k] = am;
     j->vs[k] = aw;
 }
 
-__attribute__((target("avx2,fma"))) static void run_int8_fast_avx2(const Job *j) {
+__attribute__((target("avx2,fma,f16c"))) static void run_int8_fast_avx2(const Job *j) {
     Hyper h = hyper_of(j);
     Scratch_avx2 sc __attribute__((aligned(32)));
     int cur = 0;
     for (int64_t k = j->first_block; k < j->last_block; k++) {
         int64_t b0 = k * j->block;
-        if (!(j->block % 8 == 0 && b0 >= j->lo && b0 + j->block <= j->hi && b0 + j->block <= j->n))
+        if (!(j->block % 16 == 0 && b0 >= j->lo && b0 + j->block <= j->hi && b0 + j->block <= j->n))
             int8_block_avx2(j, h, k, &cur, &sc);
         else if (j->g16 != NULL && h.decoupled)
             int8_block_fast_avx2(j, h, k, &cur, &sc, 1, 1);
@@ -283,7 +373,8 @@ static int isa_supported(int isa) {
     if (isa == ISA_AVX512)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == ISA_AVX2)   /* F16C: the int8 block (every AVX2 CPU has it) */
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
     return isa == ISA_BASE;
 }

@@ -29,8 +29,9 @@ of rounding to zero (a dynamic, non-linear code):
   rounds to zero (it becomes the smallest code): a zero denominator would turn a small m into an
   update of m / eps, rounding up only makes the step smaller.
 
-Rounding is to nearest (ties away from zero): stochastic rounding with 4-bit steps would add noise
-that the 0.999 average accumulates (its standard deviation grows by 1 / sqrt(1 - beta2^2), about 22x).
+Rounding is to nearest, ties away from zero, exactly (tests/unit/test_int8_codes.py checks every
+midpoint); m's sign is the value's sign bit, kept on nonzero codes; a NaN codes the top. Stochastic
+rounding with 4-bit steps would add noise that the 0.999 average accumulates (its standard deviation grows by 1 / sqrt(1 - beta2^2), about 22x).
 The step uses the fresh fp32 m and v for the update and stores their rounding, so the rounding
 error never reaches the parameters directly. A block's bytes and scales are ``n`` codes followed by
 ``n / block`` fp32 scales in the sub-group's key (``MomentFormat.regions``).
@@ -214,7 +215,9 @@ def write_moments(store, state: str, sub: int, a: int, values: torch.Tensor) -> 
 def _encode_mag(u: torch.Tensor, bits: int, bias: int, top: int) -> torch.Tensor:
     """The float-like code of ``u`` in [0, CODE_TOP] (see [Note: compressed moments]); int32."""
     threshold = 2.0 ** (1 - bias)
-    sub = torch.floor(u * 2.0 ** (bias - 1 + bits) + 0.5).to(torch.int32)
+    x = u * 2.0 ** (bias - 1 + bits)     # exact: a power of two
+    whole = torch.floor(x)
+    sub = (whole + (x - whole >= 0.5)).to(torch.int32)     # half up, exactly (x + 0.5 could round up)
     normal = ((u.view(torch.int32) + (1 << (22 - bits))) >> (23 - bits)) - ((127 - bias) << bits)
     return torch.where(u < threshold, sub, normal).clamp_(max=top)
 
@@ -248,13 +251,13 @@ def _encode_int8_parts(fm: torch.Tensor | None, fw: torch.Tensor | None, block: 
     if fm is not None:
         am = _block_max(fm.abs(), block)
         q = torch.where(am > 0, CODE_TOP / am, torch.zeros_like(am)).repeat_interleave(block)[:fm.numel()]
-        c = _encode_mag(fm.abs() * q, _M_BITS, _M_BIAS, _M_TOP)
-        c = c | torch.where((fm < 0) & (c != 0), 0x80, 0)     # one zero code: -0 would not re-encode alike
+        c = _encode_mag((fm * q).abs(), _M_BITS, _M_BIAS, _M_TOP)     # |.| after: 0 * inf is a NaN, sign set
+        c = c | torch.where(torch.signbit(fm) & (c != 0), 0x80, 0)     # one zero code: -0 would not re-encode alike
         out.append((c.to(torch.uint8), am))
     if fw is not None:
         aw = _block_max(fw, block)
         q = torch.where(aw > 0, CODE_TOP / aw, torch.zeros_like(aw)).repeat_interleave(block)[:fw.numel()]
-        c = _encode_mag(fw * q, _W_BITS, _W_BIAS, _W_TOP)
+        c = _encode_mag((fw * q).abs(), _W_BITS, _W_BIAS, _W_TOP)     # a NaN of either sign codes top
         c = torch.where((c == 0) & (fw > 0), 1, c)
         out.append((c.to(torch.uint8), aw))
     return out
