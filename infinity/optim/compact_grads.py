@@ -15,8 +15,13 @@ micro-batches are rounded once per addition in fp32, as they always were. The
 update reads a compact sub-group into its own buffer and widens it into the fp32
 buffer the host Adam kernel takes (the fused kernel takes one dtype).
 
-Not used with DPU (its second set of gradient keys is fp32) nor with the states on the
-compute device (autograd's gradients are added there in place).
+With DPU both sets of gradient keys (the one backward accumulates into and the one the
+background step reads, see [Note: delayed parameter update] in infinity/optim/delayed.py) are
+compact, and widening widens both: the store asks its owner first (``before_widen``), which
+waits for the running job (it reads its set with the store's dtype) and replaces the spare set by
+fp32 keys. That wait is a host wait in backward, once per run, at the first accumulation.
+
+Not used with the states on the compute device (autograd's gradients are added there in place).
 """
 from __future__ import annotations
 
@@ -25,9 +30,9 @@ import torch
 _COMPACT = (torch.bfloat16, torch.float16)
 
 
-def grad_dtype_for(dtype: torch.dtype, optimizer_kind: str, delayed: bool) -> torch.dtype:
+def grad_dtype_for(dtype: torch.dtype, optimizer_kind: str) -> torch.dtype:
     """The dtype a store starts its gradient keys in (see [Note: compact gradients])."""
-    if dtype in _COMPACT and optimizer_kind in ("host", "nvme") and not delayed:
+    if dtype in _COMPACT and optimizer_kind in ("host", "nvme"):
         return dtype
     return torch.float32
 
@@ -41,6 +46,8 @@ def widen(store, allocate) -> None:
     ``allocate(nbytes, tag)``: a new gradient key in the store's tier."""
     if store.grad_dtype == torch.float32:
         return
+    if store.before_widen is not None:
+        store.before_widen()
     store.flush()
     old_dtype, old_keys = store.grad_dtype, list(store.keys["grad"])
     new_keys = []

@@ -22,8 +22,9 @@ Two things would be shared between the worker and compute, and both are double-b
 
 - the gradient accumulator: the job reads the gradient sub-groups of iteration t while
   the next backward accumulates into a second set of keys in the optimizer tier. The
-  store's ``keys["grad"]`` list is swapped at hand-off (4 bytes per parameter more in
-  the optimizer tier);
+  store's ``keys["grad"]`` list is swapped at hand-off (a second gradient per parameter in
+  the optimizer tier: 2 bytes with bf16 or fp16 compute until micro-batches accumulate, see
+  [Note: compact gradients] in infinity/optim/compact_grads.py, else 4);
 - the compute copies in the parameter tier: see
 
 [Note: publishing by swapping keys].
@@ -72,14 +73,29 @@ class DelayedUpdate(BackgroundUpdate):
     def __init__(self, store, coordinator, run: Callable[[StepJob], None], threads: int, device,
                  trainable: set[int], stats: UpdateStats | None = None) -> None:
         super().__init__(store, coordinator, run, threads, device, stats)
-        tier = store.tier
-        self._spare_grad_keys = []
-        for i, (_, numel) in enumerate(store.layout.sub_ranges):
-            key = allocate_key(store, "grad", numel * 4, f"grad-next:sub{i}")
-            tier.write(key, torch.zeros(numel, dtype=torch.float32)).wait()
-            self._spare_grad_keys.append(key)
+        self._spare_grad_keys = self._grad_keys(store.grad_dtype)
         self._spare_param_keys = {g.index: coordinator.shards.copy(g, tag=f"param-next:{g.name}")
                                   for g in coordinator.groups if g.index in trainable}
+        store.before_widen = self._widen_spare
+
+    def _grad_keys(self, dtype: torch.dtype) -> list[int]:
+        """A set of zeroed gradient keys in ``dtype``, one per sub-group."""
+        keys = []
+        for i, (_, numel) in enumerate(self.store.layout.sub_ranges):
+            zeros = torch.zeros(numel, dtype=dtype)
+            key = allocate_key(self.store, "grad", zeros.numel() * zeros.element_size(), f"grad-next:sub{i}")
+            self.store.tier.write(key, zeros).wait()
+            keys.append(key)
+        return keys
+
+    def _widen_spare(self) -> None:
+        """The store's gradient keys widen to fp32 (micro-batches accumulate): so does the spare set,
+        once the running job, which reads it with the store's dtype, is done (see [Note: compact
+        gradients] in infinity/optim/compact_grads.py). Its contents are a finished step's: not kept."""
+        self.wait()
+        old, self._spare_grad_keys = self._spare_grad_keys, self._grad_keys(torch.float32)
+        for key in old:
+            self.store.tier.free(key)
 
     # -- the buffers ---------------------------------------------------------------------------
     def target_param_keys(self, updated: frozenset[int]) -> tuple[int | None, ...]:

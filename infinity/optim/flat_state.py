@@ -182,6 +182,9 @@ class OptimizerStateStore:
         self.held = None
         self.refuse_second_grad = None
         self.before_zero_grad = None
+        # Called before the gradient keys widen to fp32 (DPU's second set widens too: see
+        # [Note: compact gradients] in infinity/optim/compact_grads.py).
+        self.before_widen = None
         self._pending_writes: list = []
         self._buffers = None
         n = layout.sub_group_size

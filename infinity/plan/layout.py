@@ -7,16 +7,16 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   stores it apart from the fp32 master even in fp32 with params and optimizer in the same tier
   (shared/DESIGN.md would keep one copy there; until the engine does, the plan counts what is
   stored, so its fit check never promises room the run will not find).
-* with delayed parameter update (``dpu.enabled``): a second fp32 gradient accumulator in
-  ``tiers.optimizer`` and a second compute copy of every trainable group in ``tiers.params``
+* with delayed parameter update (``dpu.enabled``): a second gradient accumulator (at the
+  gradients' stored size, below) in ``tiers.optimizer`` and a second compute copy of every trainable group in ``tiers.params``
   (the background step writes them while the next iteration uses the published set,
   ``infinity/optim/background.py``).
 * fp32 master, Adam m and v, fp32 gradient accumulator of the trainable shards:
   ``tiers.optimizer``; m and v at their stored size (``optimizer.state_dtype``: 4, 2 or
   1 + 4 / ``state_block_size`` bytes each per element). In bf16 with params and optimizer both on
   NVMe the master is stored as the compute copy plus a 2-byte remainder ([Note: split master] in
-  infinity/optim/split_master.py); in bf16/fp16 with the optimizer in host memory or on NVMe and
-  no DPU the gradients are stored in the compute dtype ([Note: compact gradients] in
+  infinity/optim/split_master.py); in bf16/fp16 with the optimizer in host memory or on NVMe
+  the gradients are stored in the compute dtype ([Note: compact gradients] in
   infinity/optim/compact_grads.py; the plan assumes one micro-batch per step).
 * when anything is on NVMe: the I/O buffer pool (``tiers.pool_buffers`` x
   ``tiers.pool_buffer_size``) in host memory.
@@ -192,7 +192,7 @@ class Layout:
         # in infinity/optim/compact_grads.py: the engine's own rules, so plan and run agree.
         self.split_master = cfg.precision.dtype == "bfloat16" and self.params_tier == self.opt_tier == "nvme"
         self.grad_bytes = (param_bytes if cfg.precision.dtype in ("bfloat16", "float16")
-                           and self.opt_tier in ("host", "nvme") and not cfg.dpu.enabled else FP32_BYTES)
+                           and self.opt_tier in ("host", "nvme") else FP32_BYTES)
         self.master_bytes = 2 if self.split_master else FP32_BYTES
         # [Note: update during backward] in infinity/optim/in_backward.py: gradients held in host memory.
         self.grads_held = cfg.optimizer.update_in_backward and self.opt_tier == "nvme"
@@ -231,8 +231,9 @@ class Layout:
             yield PlanRow("grad_accumulator", f"gradient shards ({dtype}; fp32, 4 bytes, once micro-batches "
                           "accumulate)", self.opt_tier, self.grad_bytes * t)
         if cfg.dpu.enabled and t:
-            yield PlanRow("dpu_grad_accumulator", "second fp32 gradient accumulator (DPU)",
-                          self.opt_tier, FP32_BYTES * t)
+            yield PlanRow("dpu_grad_accumulator", "second gradient accumulator (DPU; "
+                          + ("fp32)" if self.grad_bytes == FP32_BYTES else f"{dtype} until micro-batches accumulate)"),
+                          self.opt_tier, self.grad_bytes * t)
             spare = self.rewrite_nvme if self.params_tier == "nvme" else t * pb
             yield PlanRow("dpu_compute_copy", f"second compute copy of trainable params ({dtype}, "
                           "DPU)", self.params_tier, spare)

@@ -305,8 +305,7 @@ class Partitioner:
             copies = CopyAccess(self.coordinator.shards, self.coordinator.groups)
         store = OptimizerStateStore(self.tiers.optimizer, layout, self.tiers.allocator, defer_states=True,
                                     datapath=self.engine.datapath, copies=copies,
-                                    grad_dtype=grad_dtype_for(self.coordinator.dtype, self.tiers.optimizer.kind,
-                                                              config.dpu.enabled),
+                                    grad_dtype=grad_dtype_for(self.coordinator.dtype, self.tiers.optimizer.kind),
                                     moment_format=MomentFormat(config.optimizer.state_dtype,
                                                                config.optimizer.state_block_size))
         if self._resume is None:
