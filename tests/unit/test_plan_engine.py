@@ -133,3 +133,16 @@ def test_bytes_per_parameter_planned_and_measured_agree(tmp_path, params, optimi
     assert measured["nvme_written"] == pytest.approx(planned["nvme_written"], rel=0.05)
     # bf16 compute, one micro-batch: compute copy 2 + master 2 (remainder, on NVMe) or 4 + m, v 8 + gradient 2
     assert planned["stored"] == pytest.approx(stored, rel=0.05)
+
+
+def test_delayed_updates_move_the_planned_bytes_per_parameter(tmp_path):
+    """With DPU running (one warm-up step, then delayed jobs) both gradient sets are compact: NVMe stores
+    18 bytes per parameter (14, a second compute copy and a second bf16 gradient), and a step moves
+    what the plan says."""
+    cfg = _config(tmp_path, "nvme", "nvme", "bfloat16", dpu=True)
+    cfg["dpu"]["warmup_steps"] = 1
+    measured, planned, stats = per_parameter_after_steps(cfg, steps=4)
+    assert stats["delayed_steps"] >= 2, "the steps measured ran in the background"
+    for key in ("stored", "stored_nvme", "nvme_read", "nvme_written"):
+        assert measured[key] == pytest.approx(planned[key], rel=0.05), key
+    assert planned["stored_nvme"] == pytest.approx(18, rel=0.05)
