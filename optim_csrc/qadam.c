@@ -203,6 +203,18 @@ __attribute__((target("avx2,f16c"))) static inline __m128i encode_f16(__m256 u, 
     return _mm_min_epu16(_mm_srli_epi16(_mm_add_epi16(h, _mm_set1_epi16(32)), 6), top);
 }
 
+/* The weights' update of 8 elements at p from their new m (x) and w, and their bf16 copies (out, or none). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void update_8(float *p, __m256 x, __m256 w,
+                                                                              uint16_t *out, Hyper h,
+                                                                              const int decoupled) {
+    __m256 pv = _mm256_loadu_ps(p);
+    __m256 pi = decoupled ? _mm256_mul_ps(pv, V8(h.decay)) : pv;
+    __m256 pn = _mm256_sub_ps(pi, _mm256_div_ps(_mm256_mul_ps(V8(h.step_size), x),
+                                                _mm256_add_ps(_mm256_mul_ps(w, V8(h.inv_bc2_sqrt)), V8(h.eps))));
+    _mm256_storeu_ps(p, pn);
+    if (out != NULL) _mm_storeu_si128((__m128i *)out, to_bf16_v(pn));
+}
+
 /* Loop 2 of a block whose scales are plain (see int8_block_fast_avx2), 16 elements at a time. Where the
  * scales are plain the general loop's checks reduce to cheaper ones, with the same codes:
  * - qm * 2^-8 is exact (am <= 2^118), and |x| qm 2^-8 is |x| (qm 2^-8) but where it is under 2^-126,
@@ -216,7 +228,6 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void encod
         float qm8, float qw, const int decoupled) {
     uint8_t *restrict mc = j->m + b0, *restrict vc = j->v + b0;
     float *restrict p = j->p + b0;
-    const __m256 decay = V8(h.decay), step_size = V8(h.step_size), inv = V8(h.inv_bc2_sqrt), eps = V8(h.eps);
     const __m256 qm = V8(qm8), qwv = V8(qw), up = V8(0x1p126f), smallest = V8(0x1p-18f);
     const __m256i low15 = _mm256_set1_epi16(0x7FFF), half = _mm256_set1_epi16(32), k7f = _mm256_set1_epi16(0x7F);
     const __m256i top_w = _mm256_set1_epi16(0xFF), bit7 = _mm256_set1_epi16(0x80);
@@ -224,12 +235,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void encod
         __m128i hm[2], hw[2];
         for (int k = 0; k < 2; k++) {
             __m256 x = _mm256_load_ps(fm + t + 8 * k), w = _mm256_load_ps(fw + t + 8 * k);
-            __m256 pv = _mm256_loadu_ps(p + t + 8 * k);
-            __m256 pi = decoupled ? _mm256_mul_ps(pv, decay) : pv;
-            __m256 pn = _mm256_sub_ps(pi, _mm256_div_ps(_mm256_mul_ps(step_size, x),
-                                                        _mm256_add_ps(_mm256_mul_ps(w, inv), eps)));
-            _mm256_storeu_ps(p + t + 8 * k, pn);
-            if (out != NULL) _mm_storeu_si128((__m128i *)(out + t + 8 * k), to_bf16_v(pn));
+            update_8(p + t + 8 * k, x, w, out != NULL ? out + t + 8 * k : NULL, h, decoupled);
             hm[k] = _mm256_cvtps_ph(_mm256_mul_ps(x, qm), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
             __m256 u = _mm256_mul_ps(w, qwv);
             hw[k] = _mm256_cvtps_ph(_mm256_max_ps(u, _mm256_min_ps(_mm256_mul_ps(u, up), smallest)),
@@ -254,17 +260,13 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void encod
         float am, float aw, const int decoupled) {
     uint8_t *restrict mc = j->m + b0, *restrict vc = j->v + b0;
     float *restrict p = j->p + b0;
-    const __m256 decay = V8(h.decay), step_size = V8(h.step_size), inv = V8(h.inv_bc2_sqrt), eps = V8(h.eps);
     const __m256 qm = V8(am > 0.0f ? CODE_TOP / am : 0.0f), qw = V8(aw > 0.0f ? CODE_TOP / aw : 0.0f);
     const __m256 down8 = V8(1.0f / 256.0f);
     const __m128i top_m = _mm_set1_epi16(0x7F), top_w = _mm_set1_epi16(0xFF), k7f = _mm_set1_epi16(0x7F);
     const __m128i bit7 = _mm_set1_epi16(0x80), zero = _mm_setzero_si128();
     for (int64_t t = 0; t < len; t += 8) {
-        __m256 x = _mm256_load_ps(fm + t), w = _mm256_load_ps(fw + t), pv = _mm256_loadu_ps(p + t);
-        __m256 pi = decoupled ? _mm256_mul_ps(pv, decay) : pv;
-        __m256 pn = _mm256_sub_ps(pi, _mm256_div_ps(_mm256_mul_ps(step_size, x), _mm256_add_ps(_mm256_mul_ps(w, inv), eps)));
-        _mm256_storeu_ps(p + t, pn);
-        if (out != NULL) _mm_storeu_si128((__m128i *)(out + t), to_bf16_v(pn));
+        __m256 x = _mm256_load_ps(fm + t), w = _mm256_load_ps(fw + t);
+        update_8(p + t, x, w, out != NULL ? out + t : NULL, h, decoupled);
         /* x qm as encode_mag gets it (encode_f16 drops the sign), then scaled exactly (a product under
          * 2^-126 codes 0 either way) */
         __m128i c = encode_f16(_mm256_mul_ps(_mm256_mul_ps(x, qm), down8), top_m);
