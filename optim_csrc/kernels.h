@@ -231,5 +231,6 @@ KERNEL_ATTR static void KERNEL(run_fp32)(const Job *j) {
         }
         KERNEL(fp32_span)(j, len, p, g, (float *)j->m + c0, (float *)j->v + c0);
         if (j->out16 != NULL) KERNEL(to_bf16)(p, j->out16 + c0, len);
+        if (j->out32 != NULL) memcpy(j->out32 + c0, p, (size_t)len * sizeof(float));   /* still in cache */
     }
 }

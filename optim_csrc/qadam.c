@@ -46,11 +46,12 @@ typedef struct {
     float lr, b1, b2, eps, wd, gmul, step_size, inv_bc2_sqrt;
     uint32_t seed;
     int64_t first_block, last_block;  /* [first, last) this worker steps */
-    /* The gradient as bf16 words (g16, else g). MODE_FP32: the bf16 copy of the new weights (out16, or
+    /* The gradient as bf16 words (g16, else g). MODE_FP32: the bf16 or fp32 copy of the new weights (out16, out32,
      * none), the constants as torch's fused kernel rounds them from double (T). Compressed modes: the
      * bf16 copies of the stepped elements, into nsegs sorted, disjoint segments (segs). */
     const uint16_t *g16;
     uint16_t *out16;
+    float *out32;
     const Seg *segs;
     int nsegs;
     struct { float b1c, b2, b2c, eps, decay, wd, step_size, bc2_sqrt, scale; int has_scale; } T;
@@ -515,7 +516,7 @@ static PyObject *qadam_step(PyObject *self, PyObject *args) {
 }
 
 /* step_fp32(lo, hi, p, g, g_bf16, m, v, out, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
- *           decoupled, threads)
+ *           decoupled, threads, out_fp32=False)
  *
  * [Note: the fused fp32 step]
  * Adam(W) over elements [lo, hi) of fp32 master weights p and fp32 moments m, v, in one pass that
@@ -524,7 +525,9 @@ static PyObject *qadam_step(PyObject *self, PyObject *args) {
  * copy (out, round to nearest even, as torch's .to(torch.bfloat16); 0 for none). torch's fused
  * kernel takes one dtype, so without this the update made three passes over memory: widen the
  * gradient into an fp32 buffer, step, narrow the weights into the compute copy (46 bytes a
- * parameter moved against 28).
+ * parameter moved against 28). With out_fp32 the copy is the new weights themselves, in fp32 (fp32
+ * compute with the parameters in host memory: written into their shards while in cache, where a
+ * copy afterwards read and wrote them again).
  * The arithmetic is torch's CPU _fused_adam(w)_ kernel's, operation for operation and with its
  * constants rounded from double the same way, so the results are its bit for bit
  * (tests/unit/test_fused_fp32_step.py checks that against the torch installed): the gradient
@@ -534,10 +537,10 @@ static PyObject *qadam_step(PyObject *self, PyObject *args) {
 static PyObject *qadam_step_fp32(PyObject *self, PyObject *args) {
     long long lo, hi, step;
     unsigned long long p, g, m, v, out;
-    int g_bf16, decoupled, threads;
+    int g_bf16, decoupled, threads, out_fp32 = 0;
     double lr, b1, b2, eps, wd, grad_scale;
-    if (!PyArg_ParseTuple(args, "LLKKpKKKLddddddpi", &lo, &hi, &p, &g, &g_bf16, &m, &v, &out, &step, &lr, &b1,
-                          &b2, &eps, &wd, &grad_scale, &decoupled, &threads))
+    if (!PyArg_ParseTuple(args, "LLKKpKKKLddddddpi|p", &lo, &hi, &p, &g, &g_bf16, &m, &v, &out, &step, &lr, &b1,
+                          &b2, &eps, &wd, &grad_scale, &decoupled, &threads, &out_fp32))
         return NULL;
     if (lo < 0 || lo > hi || step < 1) {
         PyErr_Format(PyExc_ValueError, "qadam.step_fp32: bad range or step (lo=%lld hi=%lld step=%lld)", lo, hi, step);
@@ -548,7 +551,7 @@ static PyObject *qadam_step_fp32(PyObject *self, PyObject *args) {
     base.p = (float *)(uintptr_t)p;
     if (g_bf16) base.g16 = (const uint16_t *)(uintptr_t)g; else base.g = (const float *)(uintptr_t)g;
     base.m = (uint8_t *)(uintptr_t)m; base.v = (uint8_t *)(uintptr_t)v;
-    base.out16 = (uint16_t *)(uintptr_t)out;
+    if (out_fp32) base.out32 = (float *)(uintptr_t)out; else base.out16 = (uint16_t *)(uintptr_t)out;
     double bc1 = 1.0 - pow(b1, (double)step), bc2 = 1.0 - pow(b2, (double)step);
     base.T.b1c = (float)(1.0 - b1);
     base.T.b2 = (float)b2;
@@ -598,7 +601,8 @@ static PyMethodDef methods[] = {
      "(start, end, address) segments"},
     {"step_fp32", qadam_step_fp32, METH_VARARGS,
      "step_fp32(lo, hi, p, g, g_bf16, m, v, out, step, lr, beta1, beta2, eps, weight_decay, grad_scale, decoupled, "
-     "threads): torch's fused Adam(W) over fp32 states, the gradient read as fp32 or bf16 and the bf16 copy written"},
+     "threads, out_fp32=False): torch's fused Adam(W) over fp32 states, the gradient read as fp32 or bf16 and the "
+     "copy written (bf16, or fp32 with out_fp32)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -609,5 +613,7 @@ PyMODINIT_FUNC PyInit__qadam(void) {
     PyObject *mod = PyModule_Create(&module);
     /* 1: step() takes g_bf16 and outs (an older build refuses them). */
     if (mod != NULL && PyModule_AddIntConstant(mod, "STEP_COPIES", 1) < 0) { Py_DECREF(mod); return NULL; }
+    /* 1: step_fp32() takes out_fp32 (the copy in fp32). */
+    if (mod != NULL && PyModule_AddIntConstant(mod, "STEP_FP32_COPIES", 1) < 0) { Py_DECREF(mod); return NULL; }
     return mod;
 }

@@ -91,14 +91,20 @@ def copies_native() -> bool:
     return _qadam is not None and getattr(_qadam, "STEP_COPIES", 0) >= 1
 
 
+def fused_fp32_copies_native() -> bool:
+    """Whether the fused fp32 step can write its copy in fp32 (a build older than that cannot)."""
+    return _qadam is not None and getattr(_qadam, "STEP_FP32_COPIES", 0) >= 1
+
+
 def fused_fp32_step(n: int, p: int, g: int, g_bf16: bool, m: int, v: int, out: int, step: int, lr: float,
                     beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float,
-                    decoupled: bool, threads: int) -> None:
+                    decoupled: bool, threads: int, out_fp32: bool = False) -> None:
     """Adam(W) over ``n`` fp32 states at addresses ``p``, ``m``, ``v`` with torch's fused CPU arithmetic,
     the gradient at ``g`` (bf16 with ``g_bf16``, else fp32) divided by ``grad_scale`` (0: none), the new
-    weights' bf16 copy written at ``out`` (0: none). See [Note: the fused fp32 step] in optim_csrc/qadam.c."""
+    weights' copy written at ``out`` (0: none; bf16, or fp32 with ``out_fp32``). See [Note: the fused
+    fp32 step] in optim_csrc/qadam.c."""
     _qadam.step_fp32(0, n, p, g, g_bf16, m, v, out, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-                     decoupled, threads)
+                     decoupled, threads, *((True,) if out_fp32 else ()))     # (a build before out_fp32 takes 17)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,9 @@ scalar code, still go through torch (``UpdatePass._fused_step``), so an engine
 stepping with it trains exactly as one stepping with torch's kernel
 (tests/unit/test_fused_fp32_step.py). When the parameter tier is host memory
 (``offload-host``) the pass writes each copy straight into the shard's key
-(``ParamShards.update_place``) instead of a staging slice copied there afterwards. Compressed
+(``ParamShards.update_place``) instead of a staging slice copied there afterwards; with fp32 compute
+and the parameters in host memory it writes them there in fp32, where a copy of the masters after the
+kernel read and wrote 8 more bytes a parameter. Compressed
 moments get the same from their own kernel ([Note: the compressed step] in
 infinity/optim/moments.py): bf16 gradient read, copies written in the pass. Without the built
 extension, or with fp16 compute copies, torch's kernel (or the compressed one) and the
@@ -135,7 +137,11 @@ class UpdatePass:
             native = moments.fused_native()
         else:
             native = self.moment_step.native and moments.copies_native()
-        self.fused = converts and native and self.shards.dtype == torch.bfloat16
+        # fp32 compute with the parameters in host memory: the C pass writes the new weights into their
+        # shards too, while in cache, instead of a copy of the masters afterwards (fp32 states).
+        fp32_in_place = (self.states_on == "host" and self.shards.kind == "host" and self.moment_step is None
+                         and self.shards.dtype == torch.float32 and native and moments.fused_fp32_copies_native())
+        self.fused = (converts and native and self.shards.dtype == torch.bfloat16) or fp32_in_place
         # The C pass writes copies of parameters in host memory in place (``ParamShards.update_place``).
         if converts and not (self.fused and self.shards.kind == "host"):
             nbytes = 2 * store.layout.sub_group_size * torch.empty((), dtype=self.shards.dtype).element_size()
@@ -313,7 +319,8 @@ class UpdatePass:
                     x = sa
                 y = min(sb, body)
                 out = values.data_ptr() + (x - sa) * values.element_size()
-                self._step_c(x, y, master, grad, g_bf16, m, v, out, step, hp, scale, job, threads)
+                self._step_c(x, y, master, grad, g_bf16, m, v, out, step, hp, scale, job, threads,
+                             values.dtype == torch.float32)
                 filled[i].append((x, y))
                 x = y
             if x < body:
@@ -336,15 +343,15 @@ class UpdatePass:
 
     @staticmethod
     def _step_c(x: int, y: int, master, grad, g_bf16: bool, m, v, out: int, step: int, hp: dict, scale: float,
-                job: StepJob, threads: int) -> None:
+                job: StepJob, threads: int, out_fp32: bool = False) -> None:
         """The C pass over elements [x, y) of a sub-group's states; ``out`` the address of element x's
-        compute copy (0: none)."""
+        compute copy (0: none; bf16, or fp32 with ``out_fp32``)."""
         if x >= y:
             return
         moments.fused_fp32_step(
             y - x, master.data_ptr() + 4 * x, grad.data_ptr() + grad.element_size() * x, g_bf16,
             m.data_ptr() + 4 * x, v.data_ptr() + 4 * x, out, step, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"],
-            hp["weight_decay"], scale, job.decoupled, threads)
+            hp["weight_decay"], scale, job.decoupled, threads, out_fp32)
 
     def _stage(self, nbytes: int):
         """A slice of the staging, giving back the oldest staged copies once written if it is full."""

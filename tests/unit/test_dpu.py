@@ -300,6 +300,7 @@ def test_worker_failure_is_raised_on_the_main_thread(tmp_path, monkeypatch):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(torch, "_fused_adamw_", broken)
+    monkeypatch.setattr(infinity.optim.moments, "fused_fp32_step", broken)     # the C pass, where it steps
     opt.step()  # handed over: returns at once
     with pytest.raises(UpdateWorkerError, match=r"background optimizer step 1 .*kernel exploded"):
         opt.synchronize()

@@ -88,12 +88,15 @@ def _train(tmp_path, monkeypatch, preset: str, fused: bool, sections: dict):
     ("offload-host", {"partition": {"sub_group_size": 6144}}),  # groups cut across sub-groups
     ("nvme", {"dpu": {"overlap": False}}),                  # streamed sub-groups, compact gradients read
     ("nvme", {}),                                           # the update overlapped with the next forward
-    ("offload-optimizer", {"dpu": {"enabled": True, "warmup_steps": 1}}),   # DPU: fp32 gradient keys
+    ("offload-optimizer", {"dpu": {"enabled": True, "warmup_steps": 1}}),   # DPU: both gradient sets compact
+    ("offload-host", {"precision": {"dtype": "float32"}}),  # fp32 copies written into the host shards
+    ("offload-host", {"precision": {"dtype": "float32"}, "dpu": {"enabled": True, "warmup_steps": 1}}),
 ])
 def test_an_engine_stepping_with_the_c_pass_trains_exactly_as_with_torchs_kernel(tmp_path, monkeypatch, preset,
                                                                                  sections):
     """bf16 compute, states in host memory: the compute copies staged per group, the parts' tails
-    stepped by torch, the other elements converted; the same losses and weights, bit for bit."""
+    stepped by torch, the other elements converted; the same losses and weights, bit for bit. fp32
+    compute with host parameters: the copies written into the shards (DPU: the spare ones)."""
     fused = _train(tmp_path, monkeypatch, preset, True, sections)
     plain = _train(tmp_path, monkeypatch, preset, False, sections)
     assert fused[2] > 0 and plain[2] == 0, "the first run steps with the C pass, the second without"
