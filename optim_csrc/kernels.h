@@ -67,6 +67,30 @@ KERNEL_ATTR static void KERNEL(run_bf16)(const Job *j) {
 /* Scratch of one int8 block: its decoded moments, widened gradient and codes. */
 typedef struct { float fm[MAX_BLOCK], fw[MAX_BLOCK], fg[MAX_BLOCK]; int32_t cm[MAX_BLOCK], cv[MAX_BLOCK]; } KERNEL(Scratch);
 
+/* Adam on elements [u0, u1) of an int8 block (fm, fw its decoded m and w = sqrt(v), replaced by the new
+ * ones); the largest magnitudes into *im, *iw. decoupled is a constant where int8_block calls it: one
+ * loop without branches each. */
+__attribute__((always_inline)) KERNEL_ATTR static inline void KERNEL(int8_adam)(
+        Hyper h, int64_t u0, int64_t u1, float *restrict p, const float *restrict g, float *restrict fm,
+        float *restrict fw, int32_t *im_out, int32_t *iw_out, const int decoupled) {
+    float c1 = 1.0f - h.b1, c2 = 1.0f - h.b2;
+    int32_t im = *im_out, iw = *iw_out;
+    for (int64_t t = u0; t < u1; t++) {
+        float pi = decoupled ? p[t] * h.decay : p[t];
+        float gi = decoupled ? g[t] * h.gmul : g[t] * h.gmul + h.wd * p[t], wo = fw[t];
+        float mi = h.b1 * fm[t] + c1 * gi;
+        float vi = h.b2 * (wo * wo) + c2 * gi * gi;
+        float wi = sqrtf(vi);
+        p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
+        fm[t] = mi; fw[t] = wi;
+        int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi) & 0x7FFFFFFF;
+        im = a > im ? a : im;
+        iw = b > iw ? b : iw;
+    }
+    *im_out = im;
+    *iw_out = iw;
+}
+
 /* Block k of an int8 job: decode, Adam on its elements in [lo, hi), the copies, re-encode. */
 KERNEL_ATTR static void KERNEL(int8_block)(const Job *j, Hyper h, int64_t k, int *cur, KERNEL(Scratch) *sc) {
     float *restrict fm = sc->fm, *restrict fw = sc->fw, *restrict fg = sc->fg;
@@ -93,37 +117,13 @@ KERNEL_ATTR static void KERNEL(int8_block)(const Job *j, Hyper h, int64_t k, int
     if (j->g16 != NULL)     /* bf16 words, widened exactly */
         for (int64_t t = u0; t < u1; t++) fg[t] = as_float((int32_t)((uint32_t)j->g16[b0 + t] << 16));
     const float *restrict g = j->g16 != NULL ? fg : j->g + b0;
-    float c1 = 1.0f - h.b1, c2 = 1.0f - h.b2;
     /* Adam on the block's elements in [lo, hi), v from w = sqrt(v) as stored; the new largest
      * magnitudes as integers on the way (non-negative floats order like their bit patterns, and an
      * integer max reduction vectorizes without -ffast-math; a NaN of either sign is the largest, as
      * torch's amax in the twin makes it). */
     int32_t im = 0, iw = 0;
-    if (h.decoupled) {
-        for (int64_t t = u0; t < u1; t++) {
-            float gi = g[t] * h.gmul, pi = p[t] * h.decay, wo = fw[t];
-            float mi = h.b1 * fm[t] + c1 * gi;
-            float vi = h.b2 * (wo * wo) + c2 * gi * gi;
-            float wi = sqrtf(vi);
-            p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
-            fm[t] = mi; fw[t] = wi;
-            int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi) & 0x7FFFFFFF;
-            im = a > im ? a : im;
-            iw = b > iw ? b : iw;
-        }
-    } else {
-        for (int64_t t = u0; t < u1; t++) {
-            float pi = p[t], gi = g[t] * h.gmul + h.wd * p[t], wo = fw[t];
-            float mi = h.b1 * fm[t] + c1 * gi;
-            float vi = h.b2 * (wo * wo) + c2 * gi * gi;
-            float wi = sqrtf(vi);
-            p[t] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
-            fm[t] = mi; fw[t] = wi;
-            int32_t a = as_int(mi) & 0x7FFFFFFF, b = as_int(wi) & 0x7FFFFFFF;
-            im = a > im ? a : im;
-            iw = b > iw ? b : iw;
-        }
-    }
+    if (h.decoupled) KERNEL(int8_adam)(h, u0, u1, p, g, fm, fw, &im, &iw, 1);
+    else KERNEL(int8_adam)(h, u0, u1, p, g, fm, fw, &im, &iw, 0);
     if (j->nsegs) KERNEL(write_copies)(j, b0 + u0, b0 + u1, cur);
     if (u0 > 0 || u1 < len) {   /* a block partly outside [lo, hi): its other elements count too */
         for (int64_t t = 0; t < len; t++) {
