@@ -36,3 +36,13 @@ def losses(model, shape, steps: int = 4, batch: int = 4, weight_decay: float = 0
         out.append(loss.item())
     opt.synchronize()
     return out
+
+
+def trained(nvme_dir, name: str, steps: int = 3, **sections) -> tuple[list[float], list[torch.Tensor]]:
+    """The tiny GPT under preset ``name`` (``build``) trained ``steps`` steps: its losses and its final
+    parameters, gathered."""
+    model, shape = build(nvme_dir, name, **sections)
+    out = losses(model, shape, steps=steps)
+    with infinity.gathered(model):
+        params = [p.detach().clone() for p in model.parameters()]
+    return out, params

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import infinity
 from infinity.optim import moments
 from infinity.optim.moments import AdamHyper, MomentFormat, MomentStep
-from tests.support.gpt_runs import build, losses
+from tests.support.gpt_runs import trained
 
 pytestmark = pytest.mark.skipif(not moments.copies_native(), reason="the C kernel is not built")
 
@@ -107,10 +106,7 @@ def _train(tmp_path, monkeypatch, preset: str, fused: bool, sections: dict):
     counting = _Counting(moments._qadam)
     monkeypatch.setattr(moments, "_qadam", counting)
     monkeypatch.setattr(moments, "copies_native", lambda: fused)
-    model, shape = build(tmp_path / f"nvme-{fused}", preset, **sections)
-    out = losses(model, shape, steps=3)
-    with infinity.gathered(model):
-        params = [p.detach().clone() for p in model.parameters()]
+    out, params = trained(tmp_path / f"nvme-{fused}", preset, **sections)
     return out, params, counting.with_copies
 
 

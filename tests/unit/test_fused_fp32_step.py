@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import infinity
 from infinity.optim import moments
 from infinity.optim.update import UpdatePass
-from tests.support.gpt_runs import build, losses
+from tests.support.gpt_runs import trained
 
 pytestmark = pytest.mark.skipif(not moments.fused_native(), reason="the C kernel is not built")
 
@@ -75,10 +74,7 @@ def _train(tmp_path, monkeypatch, preset: str, fused: bool, sections: dict):
 
     monkeypatch.setattr(moments, "fused_fp32_step", counting)
     monkeypatch.setattr(moments, "fused_native", lambda: fused)
-    model, shape = build(tmp_path / f"nvme-{fused}", preset, **sections)
-    out = losses(model, shape, steps=3)
-    with infinity.gathered(model):
-        params = [p.detach().clone() for p in model.parameters()]
+    out, params = trained(tmp_path / f"nvme-{fused}", preset, **sections)
     return out, params, calls[0]
 
 
