@@ -193,6 +193,14 @@ class PrecisionConfig(Section):
     """Dtype of the parameters' compute copy in forward and backward. Master weights, gradients and
     optimizer states are always float32."""
 
+    cpu_linear: Literal["native", "float32"] = "native"
+    """How linear layers multiply in bfloat16 or float16 when the compute device is the CPU. "native":
+    torch's kernel for the dtype (bit for bit what plain PyTorch computes; on a CPU without AVX-512 its
+    layouts run at 0.3-20 GFLOP/s, against ~90 in float32 on the same cores, and Init says so once).
+    "float32": `nn.Linear` layers (and linear tiles) widen input and weight exactly to float32, multiply
+    there and round the output and the gradients to the compute dtype once: fp32 accumulation, as
+    torch's kernels do, in another order (not bit-identical to "native"). Ignored in float32 or on a GPU."""
+
     max_nonfinite_steps: int = 5
     """In float32 and bfloat16, `opt.step()` raises once this many steps in a row had an inf/NaN
     gradient, naming the groups whose gradients, parameters or states are not finite and their

@@ -40,6 +40,7 @@ from infinity.runtime.construction import Partitioner
 from infinity.runtime.engine import Engine
 from infinity.runtime.pretrained import FromPretrainedRoute, is_pretrained_base
 from infinity.tiling.policy import apply_tiling
+from infinity.tiling.widened import apply_cpu_linear
 
 _MAX_OPEN_GROUPS = 4
 
@@ -170,6 +171,9 @@ class Init:
                 if not roots:
                     raise RuntimeError("infinity.Init: no module with parameters was built inside the context")
                 apply_tiling(self.partitioner, roots)   # [Note: when layers are tiled] in infinity/tiling/layers.py
+                # [Note: widened linear layers] in infinity/tiling/widened.py
+                apply_cpu_linear(self.engine.config.precision.cpu_linear, self.engine.device.device,
+                                 self.engine.dtype, roots)
                 self.engine.finalize(roots, self.partitioner.finish(roots))
         except BaseException:
             self._abandon()

@@ -24,7 +24,7 @@ CONTRACT_DEFAULTS = {
               "numa_node": None, "pin_memory": "auto", "pool_buffer_size": 64 * MiB, "pool_buffers": 8,
               "verify": False},
     "aio": {"block_size": 8 * MiB, "queue_depth": 32, "threads": 4, "engine": "auto", "direct": True},
-    "precision": {"dtype": "float32", "max_nonfinite_steps": 5, "loss_scale": "dynamic", "initial_scale": 2.0 ** 16,
+    "precision": {"dtype": "float32", "cpu_linear": "native", "max_nonfinite_steps": 5, "loss_scale": "dynamic", "initial_scale": 2.0 ** 16,
                   "growth_interval": 2000, "hysteresis": 2, "min_scale": 1.0},
     "partition": {"stage": 3, "persistence_threshold": 0, "sub_group_size": 32 * MiB, "max_live_parameters": 0,
                   "gather_buffer_bytes": 0, "reduce_bucket_bytes": 0, "units": ()},
