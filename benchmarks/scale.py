@@ -35,7 +35,7 @@ printed per moment dtype, from ``infinity.plan``'s stored bytes per parameter.
     python benchmarks/scale.py --nvme-dir /tmp/nvme --sizes llama-6.7B --dtype bfloat16 \
         --state-dtype int8 --seq 128 --steps 3 --lr 1e-4 --checkpoint
 
-Measured on the 2-core, 24 GiB CPU machine (ext4 virtual disk, ~75 GiB free), that command:
+Measured on the 2-core, 24 GiB CPU machine of 2026-11-25 (ext4 virtual disk, ~75 GiB free), that command:
 llama-6.7B (6,738,415,616 parameters), batch 1 x 128, built in 124 s; losses 11.07 > 5.10 > 1.58
 (the same batch each step); steps 53 / 145 / 152 s, the last two split ~75-82 s compute and
 ~70 s waiting for NVMe reads (the host Adam step runs behind the next forward, so its time is
@@ -47,6 +47,9 @@ fit: it stores fp32 master and moments (14 B/param, 94.3 GB), more than the free
 ``--sizes llama-2B``): a 28.9 GB checkpoint (14.00 B/param) in 166 s; the resumed step's loss
 10.347456932067871 equals the uninterrupted run's fourth (the same at llama-1B with
 ``--reference``: 5.609546184539795).
+On a CPU without AVX-512, torch's bf16 matmul runs 0.3-20 GFLOP/s: add
+``-- --set 'precision.cpu_linear="float32"'`` (linear layers multiplied in fp32; the README's 6.7B
+section has that run, saved and resumed, on a 2-core AMD EPYC).
 """
 from __future__ import annotations
 
