@@ -46,6 +46,9 @@ from infinity.runtime.reduce_buckets import ReduceBuckets
 from tiers.arena import Arena
 
 
+_NORM_CHUNK = 1 << 20      # fp32 elements widened at a time for a CPU shard's norm (GradReducer._add_norm)
+
+
 class GradientBook:
     """What arrived since ``zero_grad``, kept on the compute device: no host wait to update it.
 
@@ -53,7 +56,7 @@ class GradientBook:
     order) arrived on this rank (torch's ``.grad is not None``; see [Note: parameters without
     a gradient] in infinity/optim/ranges.py); ``arrived[0]`` is left for the non-finite flag
     of the step's single all-reduce. ``norm_sq`` is the running sum of the shards' squared
-    norms, in float64 (exact per shard, as the fp32 dot products are); ``exact`` turns False
+    norms (fp32 dot products of at most 1Mi elements on the CPU), in float64; ``exact`` turns False
     when a group received gradients twice (accumulation), where only the stored sum knows
     the norm.
     """
@@ -145,6 +148,7 @@ class GradReducer:
         self._expected: dict[ParamGroup, int] = {}
         self._sent: list[tuple] = []      # (group index, host loan, event, numel, dtype) waiting to be added
         self._sent_groups: collections.Counter[int] = collections.Counter()     # group index -> entries in _sent
+        self._norm_scratch: torch.Tensor | None = None     # _add_norm's fp32 piece of a 2-byte CPU shard
         self.book: GradientBook | None = None
         # Sets the ``.grad`` of parameters whose gradient is in the store (``GradFace.mark``), or None.
         self.mark_grads = None
@@ -270,13 +274,28 @@ class GradReducer:
     def _reduce(self, group: ParamGroup, flat: torch.Tensor, memory) -> None:
         shard = group.shard_of(flat)
         self.ranks.reduce_scatter_mean(shard, flat)
-        # One fp32 dot product gives both the shard's squared norm (for clipping) and the
-        # non-finite check: it is inf or nan exactly when some element is (barring an
-        # overflow past 3e38, which is no gradient to apply either). It stays on the device.
-        self.book.norm_sq += torch.dot(shard.float(), shard.float())
+        self._add_norm(shard)
         if group.index in self.store.grad_written or self._sent_groups[group.index]:
             self.book.exact = False     # a second micro-batch: the norm of the sum is not the sum of norms
         self._send(group, shard, memory)
+
+    def _add_norm(self, shard: torch.Tensor) -> None:
+        """Add the shard's squared norm (for clipping) to the book; it is also the non-finite check:
+        inf or nan exactly when some element is (barring an overflow past 3e38, which is no gradient
+        to apply either). It stays on the device.
+
+        fp32 dot products, summed in float64. A 2-byte shard on the CPU is widened 1Mi elements at a
+        time into a reused buffer: ``shard.float()`` of a 135M-element shard is a fresh 540 MB tensor,
+        page-faulted on every step (0.8 s against 0.12), and one fp32 dot over that many elements was
+        0.4% off (MKL's sdot: 134.52e6 for 135.04e6 in chunks)."""
+        if shard.dtype == torch.float32 or shard.device.type != "cpu" or shard.numel() <= _NORM_CHUNK:
+            self.book.norm_sq += torch.dot(shard.float(), shard.float())
+            return
+        if self._norm_scratch is None:
+            self._norm_scratch = torch.empty(_NORM_CHUNK, dtype=torch.float32)
+        for lo in range(0, shard.numel(), _NORM_CHUNK):
+            piece = self._norm_scratch[:min(_NORM_CHUNK, shard.numel() - lo)].copy_(shard[lo:lo + _NORM_CHUNK])
+            self.book.norm_sq += torch.dot(piece, piece)
 
     def _send(self, group: ParamGroup, shard: torch.Tensor, device_memory):
         """The shard to the optimizer's accumulator: in place on the device, or downloaded to the host.
@@ -315,7 +334,7 @@ class GradReducer:
             whole = self._whole[group]
             shard = group.shard_of(whole)
             self.ranks.reduce_scatter_mean(shard, whole)
-            self.book.norm_sq += torch.dot(shard.float(), shard.float())
+            self._add_norm(shard)
             self._read_until[group] = self._send(group, shard, _Kept())
         self.settle(wait=False, reduce=False)
 
