@@ -26,6 +26,7 @@ is ``F.linear`` itself.
 from __future__ import annotations
 
 import logging
+import platform
 import threading
 
 import torch
@@ -121,6 +122,11 @@ def widen_linears(roots) -> int:
     return count
 
 
+def _slow_narrow_matmul() -> bool:
+    """Whether torch's CPU kernels here lack AVX-512, which its fast bf16/fp16 matmul path needs on x86."""
+    return platform.machine().lower() in ("x86_64", "amd64") and "AVX512" not in torch.backends.cpu.get_cpu_capability()
+
+
 def apply_cpu_linear(setting: str, device: torch.device, dtype: torch.dtype, roots) -> int:
     """At ``infinity.Init``'s exit: convert the linear layers when ``[precision] cpu_linear`` asks and
     they compute on the CPU in a 2-byte dtype; with "native" on a CPU without AVX-512 (whose bf16 and
@@ -130,7 +136,7 @@ def apply_cpu_linear(setting: str, device: torch.device, dtype: torch.dtype, roo
         return 0
     if setting == "float32":
         return widen_linears(roots)
-    if not _advised and not torch.cpu._is_avx512_supported():
+    if not _advised and _slow_narrow_matmul():
         _advised = True
         logger.warning("infinity: %s linear layers on this CPU (no AVX-512) run torch's slow path for the dtype "
                        "(0.3-20 GFLOP/s, against ~90 in float32 here); [precision] cpu_linear = \"float32\" "
