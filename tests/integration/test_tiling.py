@@ -13,6 +13,7 @@ from torch import nn
 import infinity
 from infinity import registry
 from infinity.tiling import TiledEmbedding, TiledLinear, TilingError
+from tests.support.parity import stored_grad
 
 TOL = 1e-6
 
@@ -27,15 +28,6 @@ def _cfg(tmp_path, tier, tiling, **extra):
     for section, values in extra.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
-
-
-def _engine_grad(model, p):
-    """The accumulated fp32 gradient of ``p`` in the optimizer tier (one rank)."""
-    engine = registry.engine_of(model)
-    engine.store.flush()
-    group = engine.coordinator.group_of[p]
-    slot = next(s for s in group.slots if s.param is p)
-    return engine.store.read_state_shard("grad", group.index)[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
 
 def _diff(a, b) -> float:
@@ -59,8 +51,8 @@ def test_tiled_linear_equals_untiled_inside_init(tmp_path, tier):
             y = model(xi)
             (y * r).sum().backward()
             params = list(layer.tiles) if tiled else [layer]
-            dw = torch.cat([_engine_grad(model, m.weight) for m in params])
-            db = torch.cat([_engine_grad(model, m.bias) for m in params])
+            dw = torch.cat([stored_grad(model, m.weight) for m in params])
+            db = torch.cat([stored_grad(model, m.bias) for m in params])
             with infinity.gathered(model):
                 w = layer.weight.detach().clone()
             results[tiled] = (y.detach(), xi.grad, dw, db, w)
@@ -227,7 +219,7 @@ def test_explicit_tiled_layers_in_model_code_are_built_tile_by_tile(tmp_path):
     with torch.no_grad():
         assert _diff(ref(idx), model(idx)) <= TOL
     for tile in model.fc.tiles:
-        assert _diff(_engine_grad(model, tile.weight), dict(ref.named_parameters())[
+        assert _diff(stored_grad(model, tile.weight), dict(ref.named_parameters())[
             next(n for n, p in model.named_parameters() if p is tile.weight)].grad) <= TOL
 
 

@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import infinity
-from infinity import registry
 from infinity.tiling import TiledLinear
 from infinity.tiling.widened import widen_linears, widened_linear
+from tests.support.parity import stored_grad
 
 
 def _case(dtype, shape=(3, 5, 24), out=40, bias=True, seed=0):
@@ -127,14 +127,6 @@ def _cfg(tmp_path, dtype, cpu_linear, tiling=None):
             "tiling": tiling or {"enabled": False}}
 
 
-def _engine_grad(model, p):
-    engine = registry.engine_of(model)
-    engine.store.flush()
-    group = engine.coordinator.group_of[p]
-    slot = next(s for s in group.slots if s.param is p)
-    return engine.store.read_state_shard("grad", group.index)[slot.offset:slot.offset + slot.numel].view(slot.shape)
-
-
 def test_init_converts_linear_layers_and_equals_a_plain_replica(tmp_path):
     torch.manual_seed(0)
     with infinity.Init(_cfg(tmp_path, "bfloat16", "float32")):
@@ -162,7 +154,7 @@ def test_init_converts_linear_layers_and_equals_a_plain_replica(tmp_path):
         outs.append((y.detach(), xi.grad))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     for (name, p), q in zip(model.named_parameters(), replica.parameters()):
-        assert torch.equal(_engine_grad(model, p).float(), q.grad.float()), name
+        assert torch.equal(stored_grad(model, p).float(), q.grad.float()), name
 
 
 @pytest.mark.parametrize("dtype, cpu_linear", [("bfloat16", "native"), ("float32", "float32")])

@@ -1,5 +1,6 @@
 """Training a model built in ``infinity.Init`` and its plain-PyTorch twin side by side."""
 import infinity
+from infinity import registry
 
 
 def train_side_by_side(model, opt, ref, ref_opt, data, after_step=None):
@@ -21,3 +22,12 @@ def train_side_by_side(model, opt, ref, ref_opt, data, after_step=None):
         param_diffs = {name: float((p - q).detach().abs().max())
                        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
     return loss_diffs, param_diffs
+
+
+def stored_grad(model, p):
+    """The gradient of ``p`` as the engine's optimizer tier holds it (one rank): its slot of the group's shard."""
+    engine = registry.engine_of(model)
+    engine.store.flush()
+    group = engine.coordinator.group_of[p]
+    slot = next(s for s in group.slots if s.param is p)
+    return engine.store.read_state_shard("grad", group.index)[slot.offset:slot.offset + slot.numel].view(slot.shape)
