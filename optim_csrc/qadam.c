@@ -572,6 +572,55 @@ static PyObject *qadam_step_fp32(PyObject *self, PyObject *args) {
 
 static const char *const isa_names[] = {"auto", "avx512", "avx2", "base"};
 
+/* split_bf16(n, master, copy, remainder, index, cap) -> count
+ *
+ * The split master's one pass (infinity/optim/split_master.py, [Note: split master]): for each of the n
+ * fp32 masters, its bf16 rounding (round to nearest even, a NaN as 0xFFFF, as the kernels' copies) into
+ * copy and its low 16 bits into remainder; the elements that (copy << 16) + remainder (the remainder
+ * sign-extended, wrapping) does not restore (ties rounded down, most NaNs) are the exceptions: their
+ * indices, ascending, go to index while fewer than cap, and their count is returned (more than cap:
+ * call again with room for all). Blocks of 64 are converted without branches and rescanned only
+ * when one of them does not restore. */
+#define SPLIT_BLOCK 64
+static PyObject *qadam_split_bf16(PyObject *self, PyObject *args) {
+    long long n, cap;
+    unsigned long long pm, pc, pr, pi;
+    if (!PyArg_ParseTuple(args, "LKKKKL", &n, &pm, &pc, &pr, &pi, &cap)) return NULL;
+    if (n < 0 || cap < 0) {
+        PyErr_Format(PyExc_ValueError, "qadam.split_bf16: n=%lld and cap=%lld must be >= 0", n, cap);
+        return NULL;
+    }
+    const uint32_t *restrict master = (const uint32_t *)(uintptr_t)pm;
+    uint16_t *restrict copy = (uint16_t *)(uintptr_t)pc;
+    int16_t *restrict rem = (int16_t *)(uintptr_t)pr;
+    int64_t *restrict index = (int64_t *)(uintptr_t)pi;
+    long long count = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (long long b0 = 0; b0 < n; b0 += SPLIT_BLOCK) {
+        long long len = n - b0 < SPLIT_BLOCK ? n - b0 : SPLIT_BLOCK;
+        uint32_t bad = 0;
+        for (long long i = 0; i < len; i++) {
+            uint32_t u = master[b0 + i];
+            uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+            uint32_t h = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0xFFFFu : rounded;
+            int16_t r = (int16_t)(uint16_t)u;
+            copy[b0 + i] = (uint16_t)h;
+            rem[b0 + i] = r;
+            bad |= ((h << 16) + (uint32_t)(int32_t)r) ^ u;
+        }
+        if (bad == 0) continue;
+        for (long long i = 0; i < len; i++) {
+            uint32_t u = master[b0 + i];
+            if (((uint32_t)copy[b0 + i] << 16) + (uint32_t)(int32_t)rem[b0 + i] != u) {
+                if (count < cap) index[count] = b0 + i;
+                count++;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(count);
+}
+
 /* isa(name=None): the variant in use ("avx512", "avx2" or "base"); with a name, use that one from now
  * on ("auto": the best the CPU supports). For tests that compare the variants' bits. */
 static PyObject *qadam_isa(PyObject *self, PyObject *args) {
@@ -603,6 +652,9 @@ static PyMethodDef methods[] = {
      "step_fp32(lo, hi, p, g, g_bf16, m, v, out, step, lr, beta1, beta2, eps, weight_decay, grad_scale, decoupled, "
      "threads, out_fp32=False): torch's fused Adam(W) over fp32 states, the gradient read as fp32 or bf16 and the "
      "copy written (bf16, or fp32 with out_fp32)"},
+    {"split_bf16", qadam_split_bf16, METH_VARARGS,
+     "split_bf16(n, master, copy, remainder, index, cap) -> count: the split master's bf16 copies, int16 "
+     "remainders and exception indices (at most cap written) in one pass"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,3 +20,10 @@ def step_fp32(lo: int, hi: int, p: int, g: int, g_bf16: bool, m: int, v: int, ou
     gradient at ``g`` (bf16 words with ``g_bf16``, else fp32) divided by ``grad_scale`` (0: none), the new
     weights' bf16 copy written at ``out`` (0: none). Releases the GIL; runs on up to ``threads`` threads.
     Raises ``ValueError`` on a bad range or step."""
+
+
+def split_bf16(n: int, master: int, copy: int, remainder: int, index: int, cap: int) -> int:
+    """The split master of ``n`` fp32 masters at ``master``: their bf16 rounding (nearest even, a NaN as
+    0xFFFF) at ``copy``, their low 16 bits at ``remainder`` (int16), and the indices (ascending, at most
+    ``cap``, int64 at ``index``) of the elements those two do not restore; returns how many there are.
+    Releases the GIL."""

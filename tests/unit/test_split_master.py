@@ -60,6 +60,33 @@ def test_all_masters_on_ties():
     assert torch.equal(back, master) and found[0].numel() == master.numel()
 
 
+@pytest.mark.skipif(split_master._qadam is None, reason="the C extension is not built")
+def test_the_c_pass_equals_torch_passes(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    random_bits = torch.randint(-2**31, 2**31 - 1, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32)
+    ties = torch.full((80_000,), 1 + 2**-8, dtype=torch.float32)     # more exceptions than one call has room for
+    ties[::7] = 1 + 3 * 2**-8
+    special = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 3.4028235e38, -3.4028235e38, 1e-45, 1.0])
+    for master in (random_bits.view(torch.float32), ties, special, torch.randn(1000)):
+        results = []
+        for native in (True, False):
+            if not native:
+                monkeypatch.setattr(split_master, "_qadam", None)
+            back, found = _roundtrip(master)
+            assert torch.equal(_bits(back), _bits(master)), native
+            results.append(found)
+        monkeypatch.undo()
+        nan = torch.isnan(master)
+        kept = [set() if f is None else {i for i in f[0].tolist() if not nan[i]} for f in results]
+        assert kept[0] == kept[1]
+        if results[0] is not None:
+            assert torch.equal(results[0][0], torch.sort(results[0][0]).values)     # ascending
+    # a non-contiguous master takes torch's passes
+    master = torch.randn(2000)[::2]
+    back, _ = _roundtrip(master)
+    assert torch.equal(_bits(back), _bits(master))
+
+
 def test_split_by_default_in_bf16_with_both_tiers_on_nvme_only():
     assert split_master.use_split_master(torch.bfloat16, "nvme", "nvme")
     assert not split_master.use_split_master(torch.bfloat16, "host", "host")
