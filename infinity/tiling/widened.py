@@ -1,8 +1,8 @@
 """Linear layers in bf16/fp16 on the CPU, multiplied in fp32 (``[precision] cpu_linear = "float32"``).
 
 [Note: widened linear layers]
-With the CPU as compute device and a 2-byte compute dtype, torch's matmul is the bottleneck on a CPU
-without bf16 matrix instructions (AVX512-BF16, AMX): on the AVX2 EPYC here, a 128 x 4096 by 4096 x
+With the CPU as compute device and a 2-byte compute dtype, torch's matmul is the bottleneck on an x86
+CPU without AVX-512 (which torch's fast bf16 path needs): on the AVX2 EPYC here, a 128 x 4096 by 4096 x
 11008 product runs 21.6 GFLOP/s in bf16 for forward (``x @ W.T``), 0.3 for the input's gradient
 (``g @ W``) and 5.4 for the weight's (``g.T @ x``), against 95 / 93 / 73 in fp32 (2 threads). A 6.7B
 model's backward at 128 tokens would take hours.
@@ -11,8 +11,9 @@ So with the key set, each linear layer computes in fp32: input and weight widene
 product (fp32 accumulation, which torch's bf16 kernels use too, in another order), the output rounded
 to the compute dtype once; backward widens the incoming gradient and the weight again and rounds the
 input's and the weight's gradients once. Nothing fp32 is saved for backward (the input and the
-weight are, as ``F.linear`` saves them), so memory is as before plus one layer's fp32 operands while
-it multiplies. Results differ from "native" in rounding only; "native" stays the default because it
+weight are, as ``F.linear`` saves them); the widened weight and the weight's fp32 gradient go into two
+buffers per thread, kept for reuse at the largest layer's size (``_fp32``: 2 x 524 MB for a 6.7B
+Llama's head), so memory is as before plus those. Results differ from "native" in rounding only; "native" stays the default because it
 is bit for bit plain PyTorch.
 
 Which layers: every module whose ``forward`` is ``nn.Linear``'s or a linear tile's (subclasses that
