@@ -311,7 +311,7 @@ class GradReducer:
         if direct is not None:     # fp32 into a host accumulator: no staging on the host
             for offset, numel, target in direct:
                 done = self.datapath.download(target, shard[offset:offset + numel])
-            self.datapath.when_done(done, device_memory.release)
+            self._release_after(device_memory, done)
             self._sent.append((group.index, None, done, 0, None))
             self._sent_groups[group.index] += 1
             return done
@@ -320,11 +320,16 @@ class GradReducer:
             self.settle()
             host = self.host_buckets.take(group.shard_nbytes, f"gradients {group.name}")
         done = self.datapath.download(host.tensor.view(group.dtype)[:group.shard_numel], shard)
-        self.datapath.when_done(done, device_memory.release)
+        self._release_after(device_memory, done)
         self._sent.append((group.index, host, done, group.shard_numel, group.dtype))
         self._sent_groups[group.index] += 1
         self.settle(wait=False)
         return done
+
+    def _release_after(self, device_memory, done) -> None:
+        """The bucket goes back to its buffer once its download ``done`` is (stage 1's kept memory stays)."""
+        if not isinstance(device_memory, _Kept):
+            self.device_buckets.release_after(device_memory, done)
 
     def reduce_whole(self) -> None:
         """Stage 1: reduce-scatter the whole gradients added up since the last step and send each
