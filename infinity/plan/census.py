@@ -82,11 +82,17 @@ class ModelCensus:
     structured : bool
         False when only a parameter count was given: then there is one group, and the
         largest working set is not known.
+    widened_numel : int
+        Elements of the largest weight a linear layer multiplies with (``nn.Linear``'s forward, or
+        one tile of a tiled layer): with ``[precision] cpu_linear = "float32"`` the compute thread
+        keeps two fp32 buffers of that size ([Note: widened linear layers] in
+        infinity/tiling/widened.py). 0 when unknown or there is none.
     """
 
     source: str
     groups: tuple[CensusGroup, ...]
     structured: bool = True
+    widened_numel: int = 0
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -212,6 +218,7 @@ def census_of_module(
             holders[id(param)] = holders.get(id(param), 0) + 1
     patterns = unit_patterns(units, model)
     covered: set[int] = set()      # modules inside a unit: the unit's group holds their parameters
+    tiled: dict[int, int] = {}      # id(module) -> its largest tile's elements
     for name, module in model.named_modules():
         qualified = name or ROOT_NAME
         if id(module) in covered:
@@ -240,10 +247,21 @@ def census_of_module(
         ):
             tile_count = _tile_count(qualified, module.weight, tiles, max_tile_bytes, param_bytes)
         if tile_count > 1:
+            tiled[id(module)] = -(-module.weight.shape[0] // tile_count) * module.weight.shape[1]
             groups.extend(_tile_groups(qualified, module, direct, tile_count))
         else:
             groups.extend(_split_by_trainable(qualified, direct, holders))
-    return ModelCensus(source=source or type(model).__name__, groups=tuple(groups))
+    widened = max((tiled.get(id(m)) or _widened_numel(m) for m in model.modules()), default=0)
+    return ModelCensus(source=source or type(model).__name__, groups=tuple(groups), widened_numel=widened)
+
+
+def _widened_numel(module: nn.Module) -> int:
+    """Elements of the fp32 weight buffer ``[precision] cpu_linear = "float32"`` would need for an
+    untiled ``module`` (its weight, also one tied elsewhere: the layer multiplies with it), 0 for a
+    module whose forward is not ``nn.Linear``'s."""
+    if type(module).forward is not nn.Linear.forward or getattr(module, "weight", None) is None:
+        return 0
+    return module.weight.numel()
 
 
 def unit_patterns(units: Sequence[str], root: nn.Module) -> tuple[str, ...]:

@@ -144,6 +144,7 @@ class Layout:
         self.pb = param_bytes
         self.world_size = world_size
         self.structured = census.structured
+        self.widened_numel = census.widened_numel
         self.params_tier = cfg.tiers.params
         self.opt_tier = cfg.tiers.optimizer
         # Adam m and v as stored (see [Note: compressed moments] in infinity/optim/moments.py).
@@ -292,6 +293,12 @@ class Layout:
                       max(self.shard_numel, SHARD_ALIGN_NUMEL))
             yield PlanRow("compute_copy_staging", f"new compute copies converted from the fp32 master "
                           f"(2 sub-groups x {sub:,} elements, {dtype})", "host", 2 * sub * pb)
+        widened = self.widened_numel
+        if (widened and cfg.precision.cpu_linear == "float32" and dtype != "float32"
+                and cfg.tiers.compute_device() == "cpu"):
+            yield PlanRow("widened_linear", f"fp32 weight and weight gradient of the largest linear layer "
+                          f"(precision.cpu_linear = \"float32\": 2 x {widened:,} elements)", "device",
+                          2 * FP32_BYTES * widened)
         if self.grad_staging_nbytes:
             yield PlanRow("grad_staging", f"gradient shards downloaded to the host (2 x the largest, "
                           f"{dtype})", "host", self.grad_staging_nbytes)

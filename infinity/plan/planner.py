@@ -51,6 +51,7 @@ NEED_LABELS = {
     "working_set_grad": "gradient buckets",
     "gather_buffer": "gather buffer",
     "grad_staging": "gradient downloads",
+    "widened_linear": "fp32 linear-layer buffers",
     "compute_copy_staging": "compute-copy staging",
     "device_prefetch": "device prefetch",
     "persistent_params": "persistent params",

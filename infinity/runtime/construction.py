@@ -55,13 +55,14 @@ from infinity.optim.split_master import CopyAccess, use_split_master
 from infinity.optim.moments import MomentFormat
 from infinity.param_group import ParamGroup, ParamState
 from infinity.plan.census import is_unit, unit_patterns
+from infinity.tiling.widened import widened_numel
 from tiers.arena import Arena
 from tiers.host_alloc import trim_c_heap
 
 # Plan rows (infinity/plan/layout.py) that ``Partitioner.finish`` has yet to allocate.
 _NOT_YET_ALLOCATED = frozenset({"adam_moments", "grad_accumulator", "optimizer_subgroup_buffers", "optimizer_scratch",
                                 "nvme_staging", "prefetch_arena", "grad_staging", "compute_copy_staging",
-                                "activations", "activation_staging", "activation_prefetch"})
+                                "activations", "activation_staging", "activation_prefetch", "widened_linear"})
 
 
 def _move_buffers(owner: nn.Module, device) -> None:
@@ -298,7 +299,7 @@ class Partitioner:
         whole = config.partition.stage < 3 or self.coordinator.in_place
         for g in self.coordinator.groups:
             g.persistent = whole or g.numel < threshold
-        self._check_budget()
+        self._check_budget(roots)
         layout = FlatLayout([g.shard_numel for g in self.coordinator.groups], config.partition.sub_group_size)
         copies = None
         if use_split_master(self.coordinator.dtype, self.tiers.params.kind, self.tiers.optimizer.kind):
@@ -400,7 +401,7 @@ class Partitioner:
         for g, qualname in named.items():
             g.name = qualname
 
-    def _check_budget(self) -> None:
+    def _check_budget(self, roots: list[nn.Module]) -> None:
         """Check, with infinity-plan's arithmetic, that what ``finish`` is about to allocate fits.
 
         The shards already exist; what is left is the optimizer states (Adam m and v,
@@ -413,9 +414,10 @@ class Partitioner:
         from tiers.budget import BudgetError, Need, check_budget
 
         config = self.engine.config
+        numel = {id(s.param): s.numel for g in self.coordinator.groups for s in g.slots}
         census = ModelCensus("model", tuple(
             CensusGroup(g.name, tuple(s.numel for s in g.slots), bool(g.trainable))
-            for g in self.coordinator.groups))
+            for g in self.coordinator.groups), widened_numel=widened_numel(roots, lambda w: numel.get(id(w), w.numel())))
         the_plan = plan(census, config, world_size=self.ranks.world_size, local_ranks=1, check_fit=False)
         paths = config.tiers.nvme_path or (None,)
         needs = []

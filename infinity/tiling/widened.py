@@ -13,7 +13,8 @@ to the compute dtype once; backward widens the incoming gradient and the weight 
 input's and the weight's gradients once. Nothing fp32 is saved for backward (the input and the
 weight are, as ``F.linear`` saves them); the widened weight and the weight's fp32 gradient go into two
 buffers per thread, kept for reuse at the largest layer's size (``_fp32``: 2 x 524 MB for a 6.7B
-Llama's head), so memory is as before plus those. Results differ from "native" in rounding only; "native" stays the default because it
+Llama's head), so memory is as before plus those (infinity-plan's "widened_linear" row, and
+``infinity.Init``'s budget check, count them: ``widened_numel``). Results differ from "native" in rounding only; "native" stays the default because it
 is bit for bit plain PyTorch.
 
 Which layers: every module whose ``forward`` is ``nn.Linear``'s or a linear tile's (subclasses that
@@ -121,6 +122,14 @@ def widen_linears(roots) -> int:
             m.__class__ = _widened_class(cls)
             count += 1
     return count
+
+
+def widened_numel(roots, numel=torch.Tensor.numel) -> int:
+    """Elements of the largest weight among the converted layers under ``roots``: the size of this
+    thread's two fp32 buffers once they have all run (infinity-plan's "widened_linear" row).
+    ``numel(weight)``: its element count (a partitioned weight's is its slot's, not its placeholder's)."""
+    return max((numel(m.weight) for root in roots for m in root.modules() if getattr(type(m), "_widened", False)),
+               default=0)
 
 
 def _slow_narrow_matmul() -> bool:

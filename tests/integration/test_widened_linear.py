@@ -198,3 +198,40 @@ def test_native_on_a_cpu_without_avx512_says_once_which_key_helps(tmp_path, monk
             _model()
     said = [r.getMessage() for r in caplog.records if "cpu_linear" in r.getMessage()]
     assert len(said) == 1 and 'cpu_linear = "float32"' in said[0] and "bfloat16" in said[0]
+
+
+def test_the_plan_counts_two_fp32_buffers_of_the_largest_converted_layer(tmp_path):
+    from infinity.config import load_config
+    from infinity.plan import plan
+    from infinity.plan.census import census_of_module
+
+    # Linear 40 x 24, _Bare 32 x 40, _Own 48 x 32 (a forward of its own: not converted), Linear 64 x 48
+    census = census_of_module(_model())
+    assert census.widened_numel == 64 * 48
+    # The last layer in 3 tiles of at most 22 rows: _Bare's weight is then the largest
+    tiled = census_of_module(_model(), tiling_enabled=True, tiling_threshold=1, tiles=3, tiling_modules=["4"])
+    assert tiled.widened_numel == 32 * 40
+
+    def row(dtype, cpu_linear):
+        rows = plan(census, load_config(_cfg(tmp_path, dtype, cpu_linear)), check_fit=False).rows
+        return [(r.tier, r.nbytes) for r in rows if r.key == "widened_linear"]
+
+    assert row("bfloat16", "float32") == [("device", 2 * 4 * 64 * 48)]
+    assert row("bfloat16", "native") == row("float32", "float32") == []
+
+
+def test_init_checks_the_buffers_against_the_budget(tmp_path, monkeypatch):
+    """Init's budget check counts them with the weights' sizes, not their released placeholders'."""
+    import tiers.budget
+
+    checked = []
+    check = tiers.budget.check_budget
+
+    def spy(needs, **kwargs):
+        checked.extend(needs)
+        return check(needs, **kwargs)
+
+    monkeypatch.setattr(tiers.budget, "check_budget", spy)
+    with infinity.Init(_cfg(tmp_path, "bfloat16", "float32")):
+        _model()
+    assert [(n.tier, n.nbytes) for n in checked if "largest linear layer" in n.what] == [("device", 2 * 4 * 64 * 48)]
