@@ -128,8 +128,10 @@ static inline __attribute__((always_inline)) void adam_span(Hyper h, int64_t len
 #define CHUNK 1024
 
 /* [Note: one kernel per instruction set] The loops are compiled three times: for AVX-512 with
- * 512-bit vectors (gcc prefers 256-bit ones unless told; on the Xeon here 512 makes the int8
- * step 1.3x faster), for AVX2, and for any x86-64; the first the CPU supports runs. */
+ * 512-bit vectors (gcc prefers 256-bit ones unless told), for AVX2, and for any x86-64; the first the
+ * CPU supports runs. Whole int8 blocks are stepped by hand-written blocks instead ([Note: the int8
+ * block in AVX2], [Note: the int8 block in AVX-512]): on a Zen 4 the compiled AVX-512 loops took 3.9 ns
+ * per element (1 thread, in cache), the AVX2 block 1.5, the AVX-512 block 1.28. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KERNEL(name) name##_avx512
 #define KERNEL_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")))
@@ -364,6 +366,133 @@ __attribute__((target("avx2,fma,f16c"))) static void run_int8_fast_avx2(const Jo
     }
 }
 #undef V8
+
+/* [Note: the int8 block in AVX-512]
+ * The AVX2 block's arithmetic, 16 elements to a vector: the same operations in the same order on the same
+ * values (no fused multiply-adds), so the same bits (tests/unit/test_compressed_copies.py compares every
+ * variant with the portable C). Loop 1 decodes 16 codes at a time (F16C on a 512-bit register); loop 2
+ * narrows the codes with vpmovwb (each at most 0xFF) instead of packing pairs. Blocks whose scales are
+ * not plain take the AVX2 block's loop 2 (encode_any_avx2) on the same scratch. On a Zen 4 (AMD EPYC,
+ * family 25 model 17), whose 512-bit operations take one scheduler entry each, issued in two halves:
+ * 1.28 ns per element against the AVX2 block's 1.49 (1 thread, 16Ki elements in cache, min of 7
+ * alternated runs), and in the engine step at 100M on 2 threads 1.11-1.37 G params/s against
+ * 0.98-1.25. */
+#define V16(x) _mm512_set1_ps(x)
+#define AVX512_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+typedef struct { float fm[MAX_BLOCK], fw[MAX_BLOCK]; } Scratch512;
+
+/* The bf16 words of 16 floats (round to nearest even, a NaN as 0xFFFF: to_bf16's). */
+AVX512_ATTR static inline __m256i to_bf16_v16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+                                  16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* Loop 2 of a block with plain scales (encode_plain_avx2's arithmetic and checks), 16 elements at a time. */
+__attribute__((always_inline)) AVX512_ATTR static inline void encode_plain_avx512(
+        const Job *j, Hyper h, int64_t b0, int64_t len, const float *fm, const float *fw, uint16_t *out,
+        float qm8, float qw, const int decoupled) {
+    uint8_t *restrict mc = j->m + b0, *restrict vc = j->v + b0;
+    float *restrict p = j->p + b0;
+    const __m512 qm = V16(qm8), qwv = V16(qw), up = V16(0x1p126f), smallest = V16(0x1p-18f);
+    const __m512 decay = V16(h.decay), step_size = V16(h.step_size), inv_bc2 = V16(h.inv_bc2_sqrt), eps = V16(h.eps);
+    const __m256i low15 = _mm256_set1_epi16(0x7FFF), half = _mm256_set1_epi16(32), k7f = _mm256_set1_epi16(0x7F);
+    const __m256i top_w = _mm256_set1_epi16(0xFF), bit7 = _mm256_set1_epi16(0x80);
+    for (int64_t t = 0; t < len; t += 16) {
+        __m512 x = _mm512_load_ps(fm + t), w = _mm512_load_ps(fw + t);
+        __m512 pv = _mm512_loadu_ps(p + t);
+        __m512 pi = decoupled ? _mm512_mul_ps(pv, decay) : pv;
+        __m512 pn = _mm512_sub_ps(pi, _mm512_div_ps(_mm512_mul_ps(step_size, x),
+                                                    _mm512_add_ps(_mm512_mul_ps(w, inv_bc2), eps)));
+        _mm512_storeu_ps(p + t, pn);
+        if (out != NULL) _mm256_storeu_si256((__m256i *)(out + t), to_bf16_v16(pn));
+        __m256i fm16 = _mm512_cvtps_ph(_mm512_mul_ps(x, qm), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m512 u = _mm512_mul_ps(w, qwv);
+        __m256i fw16 = _mm512_cvtps_ph(_mm512_max_ps(u, _mm512_min_ps(_mm512_mul_ps(u, up), smallest)),
+                                       _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256i cm = _mm256_min_epu16(_mm256_srli_epi16(_mm256_add_epi16(_mm256_and_si256(fm16, low15), half), 6), k7f);
+        cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_and_si256(_mm256_srli_epi16(fm16, 8),
+                                                                   _mm256_add_epi16(cm, k7f)), bit7));
+        __m256i cw = _mm256_min_epu16(_mm256_srli_epi16(_mm256_add_epi16(fw16, half), 6), top_w);
+        _mm_storeu_si128((__m128i *)(mc + t), _mm256_cvtepi16_epi8(cm));
+        _mm_storeu_si128((__m128i *)(vc + t), _mm256_cvtepi16_epi8(cw));
+    }
+}
+
+/* int8_block_fast_avx2 with 16-element vectors (see [Note: the int8 block in AVX-512]); full blocks whose
+ * length is a multiple of 16. */
+__attribute__((always_inline)) AVX512_ATTR static inline void int8_block_fast_avx512(
+        const Job *j, Hyper h, int64_t k, int *cur, Scratch512 *sc, const int g16, const int decoupled) {
+    const int64_t b0 = k * j->block, len = j->block;
+    float *restrict fm = sc->fm, *restrict fw = sc->fw;
+    const uint8_t *restrict mc = j->m + b0, *restrict vc = j->v + b0;
+    const float *restrict p = j->p + b0;
+    uint16_t *restrict out = block_out(j, b0, len, cur);
+    const float inv_top = 1.0f / CODE_TOP;
+    const __m512 dm = V16(j->ms[k] * inv_top), dw = V16(j->vs[k] * inv_top);
+    const __m512 b1 = V16(h.b1), b2 = V16(h.b2), c1 = V16(1.0f - h.b1), c2 = V16(1.0f - h.b2), gmul = V16(h.gmul);
+    const __m512 wd = V16(h.wd), up8 = V16(256.0f);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m256i m_bits = _mm256_set1_epi16((short)0x9FFF);
+    __m512i im = _mm512_setzero_si512(), iw = _mm512_setzero_si512();
+    for (int64_t t = 0; t < len; t += 16) {
+        __m256i hm = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(mc + t))), 6),
+                                      m_bits);
+        __m256i hw = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(vc + t))), 6);
+        __m512 m = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtph_ps(hm), up8), dm);
+        __m512 wo = _mm512_mul_ps(_mm512_cvtph_ps(hw), dw);
+        __m512 g;
+        if (g16)
+            g = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(j->g16 + b0 + t))), 16));
+        else
+            g = _mm512_loadu_ps(j->g + b0 + t);
+        __m512 gi = decoupled ? _mm512_mul_ps(g, gmul)
+                              : _mm512_add_ps(_mm512_mul_ps(g, gmul), _mm512_mul_ps(wd, _mm512_loadu_ps(p + t)));
+        __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, m), _mm512_mul_ps(c1, gi));
+        __m512 vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_mul_ps(wo, wo)), _mm512_mul_ps(_mm512_mul_ps(c2, gi), gi));
+        __m512 wi = _mm512_sqrt_ps(vi);
+        _mm512_store_ps(fm + t, mi);
+        _mm512_store_ps(fw + t, wi);
+        im = _mm512_max_epi32(im, _mm512_and_si512(_mm512_castps_si512(mi), abs_mask));
+        iw = _mm512_max_epi32(iw, _mm512_and_si512(_mm512_castps_si512(wi), abs_mask));
+    }
+    int32_t am_i = _mm512_reduce_max_epi32(im), aw_i = _mm512_reduce_max_epi32(iw);     /* >= 0: from 0 */
+    float am = as_float(am_i), aw = as_float(aw_i);
+    if (am_i <= 0x7A800000 && (am_i == 0 || am_i >= 0x00800000) && aw_i < 0x7F800000)
+        encode_plain_avx512(j, h, b0, len, fm, fw, out, (am > 0.0f ? CODE_TOP / am : 0.0f) * (1.0f / 256.0f),
+                            aw > 0.0f ? CODE_TOP / aw : 0.0f, decoupled);
+    else
+        encode_any_avx2(j, h, b0, len, fm, fw, out, am, aw, decoupled);
+    if (j->nsegs && out == NULL) write_copies_avx512(j, b0, b0 + len, cur);
+    j->ms[k] = am;
+    j->vs[k] = aw;
+}
+
+AVX512_ATTR static void run_int8_fast_avx512(const Job *j) {
+    Hyper h = hyper_of(j);
+    Scratch512 sc __attribute__((aligned(64)));
+    Scratch_avx512 portable __attribute__((aligned(64)));
+    int cur = 0;
+    for (int64_t k = j->first_block; k < j->last_block; k++) {
+        int64_t b0 = k * j->block;
+        if (!(j->block % 16 == 0 && b0 >= j->lo && b0 + j->block <= j->hi && b0 + j->block <= j->n))
+            int8_block_avx512(j, h, k, &cur, &portable);
+        else if (j->g16 != NULL && h.decoupled)
+            int8_block_fast_avx512(j, h, k, &cur, &sc, 1, 1);
+        else if (j->g16 != NULL)
+            int8_block_fast_avx512(j, h, k, &cur, &sc, 1, 0);
+        else if (h.decoupled)
+            int8_block_fast_avx512(j, h, k, &cur, &sc, 0, 1);
+        else
+            int8_block_fast_avx512(j, h, k, &cur, &sc, 0, 0);
+    }
+}
+#undef V16
 #endif
 
 /* Which compiled variant runs (see [Note: one kernel per instruction set]): the best the CPU
@@ -387,21 +516,11 @@ static int isa_in_use(void) {
     return isa_supported(ISA_AVX512) ? ISA_AVX512 : isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_BASE;
 }
 
-/* [Note: which variant steps int8 moments]
- * Left to choose (isa "auto"), int8 moments are stepped by the hand-written AVX2 block ([Note: the int8
- * block in AVX2]) on a CPU with AVX-512 too: the AVX-512 variant is the compiler's vectorization of the
- * portable loops, and on a Zen 4 (AMD EPYC, family 25 model 17; 512-bit operations issued as two
- * 256-bit halves) it stepped 0.45-0.48 G params/s where the block stepped 0.98-1.25 (benchmarks/adam.py
- * --sizes 100M, 2 threads, alternated). Every variant gives the same bits; a test choosing avx512 still
- * gets the AVX-512 loops. fp32 and bf16 moments keep the widest variant (the same speed or faster). */
 static void run(const Job *j) {
-    int isa = isa_in_use();
-    if (j->mode == MODE_INT8 && isa == ISA_AVX512 && isa_choice == ISA_AUTO && isa_supported(ISA_AVX2))
-        isa = ISA_AVX2;
-    switch (isa) {
+    switch (isa_in_use()) {
 #if defined(__x86_64__) && defined(__GNUC__)
     case ISA_AVX512:
-        if (j->mode == MODE_FP32) run_fp32_avx512(j); else if (j->mode == MODE_INT8) run_int8_avx512(j);
+        if (j->mode == MODE_FP32) run_fp32_avx512(j); else if (j->mode == MODE_INT8) run_int8_fast_avx512(j);
         else run_bf16_avx512(j);
         return;
     case ISA_AVX2:
