@@ -14,8 +14,8 @@ input's and the weight's gradients once. Nothing fp32 is saved for backward (the
 weight are, as ``F.linear`` saves them); the widened weight and the weight's fp32 gradient go into two
 buffers per thread, kept for reuse at the largest layer's size (``_fp32``: 2 x 524 MB for a 6.7B
 Llama's head), so memory is as before plus those (infinity-plan's "widened_linear" row, and
-``infinity.Init``'s budget check, count them: ``widened_numel``). Results differ from "native" in rounding only; "native" stays the default because it
-is bit for bit plain PyTorch.
+``infinity.Init``'s budget check, count them: ``widened_numel``). Results differ from "native" in
+rounding only; "native" stays the default because it is bit for bit plain PyTorch.
 
 Which layers: every module whose ``forward`` is ``nn.Linear``'s or a linear tile's (subclasses that
 keep ``forward``, such as a bias-free ``nn.Linear`` subclass, included). Each is converted in place
