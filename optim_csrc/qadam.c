@@ -534,9 +534,69 @@ static void run(const Job *j) {
     }
 }
 
-static void *worker(void *arg) {
-    run((const Job *)arg);
+/* [Note: the kernels' worker threads]
+ * A call steps its range on up to `threads` threads: the calling one and workers that outlive the
+ * call. Starting threads per call cost more than the work at the sizes the engine passes (a
+ * sub-group's piece of a few million elements is ~0.1 ms on 16 cores; 15 pthread_create/join
+ * pairs are several times that, and a fresh thread runs cold): on 2 cores of a Zen 4, a 1M-element
+ * fp32 step on 2 fresh threads took as long as on one. The workers start the first time a call
+ * needs them and then sleep on a condition variable between calls. One call at a time has them
+ * (`dispatch`): two Python threads stepping at once take turns instead of oversubscribing the
+ * cores. A forked child has none of the parent's threads, so it starts from an empty pool. */
+typedef struct {
+    pthread_mutex_t dispatch;  /* held by the call using the workers */
+    pthread_mutex_t lock;      /* guards the fields below */
+    pthread_cond_t start, done;
+    int size;                  /* workers 1..size started */
+    uint64_t generation;       /* bumped when a call hands out jobs */
+    int active;                /* workers 1..active-1 have jobs[worker] this generation */
+    int pending;               /* of those, not yet finished */
+    const Job *jobs;
+    uint64_t born[MAX_THREADS];  /* the generation a worker started in: it waits for the next one */
+} Pool;
+
+static Pool pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                    PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL, {0}};
+
+static void *pool_worker(void *arg) {
+    int me = (int)(intptr_t)arg;
+    pthread_mutex_lock(&pool.lock);
+    uint64_t seen = pool.born[me];
+    for (;;) {
+        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.lock);
+        seen = pool.generation;
+        if (me >= pool.active) continue;
+        const Job *job = &pool.jobs[me];
+        pthread_mutex_unlock(&pool.lock);
+        run(job);
+        pthread_mutex_lock(&pool.lock);
+        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
+    }
     return NULL;
+}
+
+/* Starts workers until `want` run (or the system refuses one); returns how many run. pool.lock held. */
+static int pool_grow(int want) {
+    pthread_attr_t attr;
+    if (pool.size >= want || pthread_attr_init(&attr) != 0) return pool.size;
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    while (pool.size < want) {
+        int me = pool.size + 1;
+        pthread_t tid;
+        pool.born[me] = pool.generation;
+        if (pthread_create(&tid, &attr, pool_worker, (void *)(intptr_t)me) != 0) break;
+        pool.size = me;
+    }
+    pthread_attr_destroy(&attr);
+    return pool.size;
+}
+
+static void pool_after_fork_in_child(void) {
+    pthread_mutex_init(&pool.dispatch, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.start, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.size = 0; pool.active = 0; pool.pending = 0; pool.jobs = NULL;
 }
 
 /* Steps base's [lo, hi) in blocks of base->block elements on up to `threads` threads, the GIL released. */
@@ -548,22 +608,30 @@ static void run_threaded(const Job *base, int threads) {
     int64_t most = nblocks / 64 > 0 ? nblocks / 64 : 1;
     if (threads > most) threads = (int)most;
     Job jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started = 0, failed = 0;
-    Py_BEGIN_ALLOW_THREADS
     for (int t = 0; t < threads; t++) {
         jobs[t] = *base;
         jobs[t].first_block = first + nblocks * t / threads;
         jobs[t].last_block = first + nblocks * (t + 1) / threads;
     }
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tids[t], NULL, worker, &jobs[t]) != 0) { failed = 1; break; }
-        started = t;
+    Py_BEGIN_ALLOW_THREADS
+    if (threads == 1) {
+        run(&jobs[0]);
+    } else {
+        pthread_mutex_lock(&pool.dispatch);
+        pthread_mutex_lock(&pool.lock);
+        int helpers = pool_grow(threads - 1);
+        if (helpers > threads - 1) helpers = threads - 1;
+        pool.jobs = jobs; pool.active = helpers + 1; pool.pending = helpers; pool.generation++;
+        pthread_cond_broadcast(&pool.start);
+        pthread_mutex_unlock(&pool.lock);
+        run(&jobs[0]);
+        for (int t = helpers + 1; t < threads; t++) run(&jobs[t]);  /* the jobs of workers that did not start */
+        pthread_mutex_lock(&pool.lock);
+        while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
+        pool.jobs = NULL;
+        pthread_mutex_unlock(&pool.lock);
+        pthread_mutex_unlock(&pool.dispatch);
     }
-    worker(&jobs[0]);
-    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
-    if (failed)  /* the blocks of threads that did not start, on this one */
-        for (int t = started + 1; t < threads; t++) worker(&jobs[t]);
     Py_END_ALLOW_THREADS
 }
 
@@ -791,6 +859,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qadam", "Host Adam 
                                     NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__qadam(void) {
+    if (pthread_atfork(NULL, NULL, pool_after_fork_in_child) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "_qadam: pthread_atfork failed");
+        return NULL;
+    }
     PyObject *mod = PyModule_Create(&module);
     /* 1: step() takes g_bf16 and outs (an older build refuses them). */
     if (mod != NULL && PyModule_AddIntConstant(mod, "STEP_COPIES", 1) < 0) { Py_DECREF(mod); return NULL; }
