@@ -42,8 +42,22 @@ want build && phase build "${BOUND_BUILD:-120}" python3 setup.py build_ext --inp
 want tests && phase tests-gpu "${BOUND_TESTS:-180}" python3 -m pytest -q -p no:cacheprovider tests/gpu
 ds=""
 if want ds && ls .whl/deepspeed-* >/dev/null 2>&1; then
+  # DeepSpeed's async_io op (the ds-infinity rows) links -laio: without the machine's own, the .deb files
+  # gpu_wheels.sh fetched are unpacked, and the compiler, DeepSpeed's check (CFLAGS, LDFLAGS) and the loader
+  # are pointed at them.
+  if [[ ! -e /usr/include/libaio.h ]] && ls .whl/libaio*.deb >/dev/null 2>&1; then
+    mkdir -p /tmp/libaio
+    for deb in .whl/libaio*.deb; do   # dpkg-deb, or binutils' ar and tar where there is no dpkg
+      dpkg-deb -x "$deb" /tmp/libaio 2>/dev/null ||
+        (d=$(mktemp -d) && cd "$d" && ar x "$OLDPWD/$deb" && tar -xf data.tar.* -C /tmp/libaio)
+    done
+    inc=/tmp/libaio/usr/include lib=$(dirname "$(find /tmp/libaio -name 'libaio.so*' | head -n 1)")
+    export CPATH=$inc${CPATH:+:$CPATH} LIBRARY_PATH=$lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+    export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} CFLAGS="-I$inc" LDFLAGS="-L$lib"
+    echo "libaio unpacked from .whl/: $lib"
+  fi
   if phase deepspeed-install "${BOUND_DS:-120}" env DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps \
-      --no-build-isolation --target /tmp/site .whl/*; then
+      --no-build-isolation --target /tmp/site .whl/*.whl .whl/*.tar.gz; then
     export PYTHONPATH=$PYTHONPATH:/tmp/site
     ds=",ds-zero2,ds-zero3"
   fi
