@@ -66,10 +66,11 @@ want bench && phase gpu-350M "${BOUND_BENCH:-420}" python3 benchmarks/gpu.py --s
   --configs "${CONFIGS:-torch,device,offload-optimizer,offload-host}$ds" --steps "${STEPS:-6}" --repeat "${REPEAT:-2}" \
   --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT:-200}" --json "$out/gpu-350M.json" ${BENCH_ARGS:-}
 # Issue 23's GPU figure: GPT 1.3B with everything on NVMe (fp32 and int8 states) beside DeepSpeed ZeRO-Infinity
-# (offload_param and offload_optimizer on nvme) on the machine's disk; each step is 20-30 s, so 3 steps a row.
+# (offload_param and offload_optimizer on nvme) on the machine's disk; each step is 20-30 s, so 3 steps a row. DeepSpeed
+# JIT-builds its async_io op first (238 s on 2 cores of a CPU machine with the unpacked libaio; its CPU Adam too).
 want nvme13 && phase gpu-1.3B-nvme "${BOUND_NVME13:-420}" python3 benchmarks/gpu.py --sizes 1.3B \
   --configs "${NVME_CONFIGS:-nvme,nvme-int8}${ds:+,ds-infinity}" --steps 3 --repeat 1 \
-  --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT_NVME:-200}" --json "$out/gpu-1.3B-nvme.json"
+  --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT_NVME:-240}" --json "$out/gpu-1.3B-nvme.json"
 # The host Adam on this machine's cores: the engine step with bf16 compute copies by the C pass and by
 # torch's kernel with two conversions (the update the offload presets' forward waits for), and with int8
 # states (issue 23: at least fp32's rate; on 2 cores of a Zen 3 (AVX2) 0.90-1.0x, of a Zen 4 (AVX-512 block) 1.02-1.15x with
