@@ -18,7 +18,8 @@
 # PHASES (default "build tests ds bench profile"; "adam" adds the host Adam benchmark, "nvme13" the NVMe rows at 1.3B
 # beside ZeRO-Infinity), CONFIGS (the infinity rows of the benchmark; BENCH_ARGS can add --mode rows, e.g.
 # "--mode oo-uib=offload-optimizer:optimizer.update_in_backward=true" with oo-uib in CONFIGS),
-# PROFILE_CONFIGS, DIAG (a command run after the build), STEPS, REPEAT, RUN_TIMEOUT (seconds per benchmark run), and BOUND_<PHASE> for each phase's bound.
+# PROFILE_CONFIGS, DIAG (a command run after the build), STEPS, REPEAT, RUN_TIMEOUT (seconds per benchmark run), NVME_CONFIGS,
+# NVME_STEPS, RUN_TIMEOUT_NVME (the nvme13 rows), and BOUND_<PHASE> for each phase's bound.
 set -uo pipefail
 out=${1:-${OUT:-out}}
 mkdir -p "$out"
@@ -66,10 +67,12 @@ want bench && phase gpu-350M "${BOUND_BENCH:-420}" python3 benchmarks/gpu.py --s
   --configs "${CONFIGS:-torch,device,offload-optimizer,offload-host}$ds" --steps "${STEPS:-6}" --repeat "${REPEAT:-2}" \
   --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT:-200}" --json "$out/gpu-350M.json" ${BENCH_ARGS:-}
 # Issue 23's GPU figure: GPT 1.3B with everything on NVMe (fp32 and int8 states) beside DeepSpeed ZeRO-Infinity
-# (offload_param and offload_optimizer on nvme) on the machine's disk; each step is 20-30 s, so 3 steps a row. DeepSpeed
+# (offload_param and offload_optimizer on nvme) on the machine's disk; each step is 20-30 s, so 4 steps a row (the
+# s/step is the median of steps 2-4: step 2 also first-touches the update's host buffers where they are not pinned,
+# 2.5x a steady step at 20M and 125M on a CPU machine, which a median of two would average in). DeepSpeed
 # JIT-builds its async_io op first (238 s on 2 cores of a CPU machine with the unpacked libaio; its CPU Adam too).
-want nvme13 && phase gpu-1.3B-nvme "${BOUND_NVME13:-420}" python3 benchmarks/gpu.py --sizes 1.3B \
-  --configs "${NVME_CONFIGS:-nvme,nvme-int8}${ds:+,ds-infinity}" --steps 3 --repeat 1 \
+want nvme13 && phase gpu-1.3B-nvme "${BOUND_NVME13:-480}" python3 benchmarks/gpu.py --sizes 1.3B \
+  --configs "${NVME_CONFIGS:-nvme,nvme-int8}${ds:+,ds-infinity}" --steps "${NVME_STEPS:-4}" --repeat 1 \
   --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT_NVME:-240}" --json "$out/gpu-1.3B-nvme.json"
 # The host Adam on this machine's cores: the engine step with bf16 compute copies by the C pass and by
 # torch's kernel with two conversions (the update the offload presets' forward waits for), and with int8
