@@ -28,7 +28,7 @@ setup(
             extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-fno-math-errno",
                                 "-fno-trapping-math", "-Wall", "-Wextra",
                                 "-Wno-unused-parameter"],
-            libraries=["pthread", "m"],
+            libraries=["pthread", "m", "dl"],
         ),
     ]
 )

@@ -83,8 +83,8 @@ want nvme13 && phase gpu-1.3B-nvme "${BOUND_NVME13:-480}" python3 benchmarks/gpu
 # torch's kernel with two conversions (the update the offload presets' forward waits for), and with int8
 # states (issue 23: at least fp32's rate; on 2 cores of a Zen 3 (AVX2) 0.90-1.0x, of a Zen 4 (AVX-512 block) 1.02-1.15x with
 # bf16 compute). On the H100 box's 16-core Xeon (2026-11-28, a27579a, threads started per C call) the C pass
-# took 0.275 s against torch's kernel's 0.176, int8 1.13x fp32 with bf16 compute: rerun since the kernels keep
-# their threads between calls (0a9ddac).
+# took 0.275 s against torch's kernel's 0.176, int8 1.13x fp32 with bf16 compute: rerun since the kernels run on
+# the calling thread's OpenMP team instead of threads started per call.
 want adam && phase adam "${BOUND_ADAM:-150}" python3 benchmarks/adam.py --sizes 350M --repeats 3 --rounds 1 \
   --skip foreach,deepspeed --state-dtypes fp32,int8,bf16-compute,bf16-compute-torch,int8-bf16-compute --json "$out/adam-350M.json"
 for config in ${PROFILE_CONFIGS:-offload-host}; do

@@ -18,7 +18,9 @@
  *            bias 15, subnormals) of w * 1.9375 / max(w); a positive w never rounds to 0.
  */
 #define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE     /* RTLD_DEFAULT */
 #include <Python.h>
+#include <dlfcn.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -535,14 +537,46 @@ static void run(const Job *j) {
 }
 
 /* [Note: the kernels' worker threads]
- * A call steps its range on up to `threads` threads: the calling one and workers that outlive the
- * call. Starting threads per call cost more than the work at the sizes the engine passes (a
- * sub-group's piece of a few million elements is ~0.1 ms on 16 cores; 15 pthread_create/join
- * pairs are several times that, and a fresh thread runs cold): on 2 cores of a Zen 4, a 1M-element
- * fp32 step on 2 fresh threads took as long as on one. The workers start the first time a call
- * needs them and then sleep on a condition variable between calls. One call at a time has them
- * (`dispatch`): two Python threads stepping at once take turns instead of oversubscribing the
- * cores. A forked child has none of the parent's threads, so it starts from an empty pool. */
+ * A call steps its range on up to `threads` threads, and starting threads per call cost more than the
+ * work at the sizes the engine passes (a sub-group's piece of a few million elements is ~0.1 ms on 16
+ * cores; 15 pthread_create/join pairs are several times that, ~47 us each on a 2-core Zen 4, and a
+ * fresh thread runs cold). Nor may the kernel's threads compete with torch's: after each parallel
+ * torch operation its OpenMP workers spin for a while (libgomp's GOMP_SPINCOUNT), and the update
+ * pass interleaves torch operations (copies, tails) with these calls, so threads of our own ran
+ * beside spinning ones (the one-pass bf16 step: 0.087 s per 100M against 0.068 for torch's kernel
+ * with two conversions on 2 cores; 0.077 against 0.108 with OMP_WAIT_POLICY=passive, which slows
+ * torch instead). So a call runs on the calling thread's OpenMP team, torch's own runtime found with
+ * dlsym (GOMP_parallel: libgomp's entry point, which LLVM's and Intel's runtimes export too): the
+ * threads torch's last operation left spinning take the jobs at once, and nothing else competes.
+ * Without such a runtime in the process, and in a forked child (an OpenMP runtime is not fork-safe
+ * once its threads exist: a child's first parallel region hung here), a pool of our own serves: workers started the first time a call needs
+ * them, asleep on a condition variable between calls, one call at a time having them (`dispatch`).
+ * A forked child starts with an empty pool. `workers(name)` picks one for tests. */
+typedef void (*OmpParallel)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*OmpInt)(void);
+static OmpParallel omp_parallel;   /* NULL: none found, or a forked child */
+static OmpInt omp_thread_num, omp_num_threads;
+static int use_omp = -1;           /* -1: look up at the first call; 0: own pool; 1: OpenMP */
+
+static int omp_ready(void) {
+    if (use_omp < 0) {
+        omp_parallel = (OmpParallel)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+        omp_thread_num = (OmpInt)dlsym(RTLD_DEFAULT, "omp_get_thread_num");
+        omp_num_threads = (OmpInt)dlsym(RTLD_DEFAULT, "omp_get_num_threads");
+        use_omp = omp_parallel != NULL && omp_thread_num != NULL && omp_num_threads != NULL;
+    }
+    return use_omp;
+}
+
+typedef struct { const Job *jobs; int count; } OmpWork;
+
+/* Each member of the team takes jobs member, member + team size, ...: all run even with a smaller team. */
+static void omp_body(void *arg) {
+    const OmpWork *w = arg;
+    int size = omp_num_threads();
+    for (int t = omp_thread_num(); t < w->count; t += size > 0 ? size : 1) run(&w->jobs[t]);
+}
+
 typedef struct {
     pthread_mutex_t dispatch;  /* held by the call using the workers */
     pthread_mutex_t lock;      /* guards the fields below */
@@ -597,6 +631,7 @@ static void pool_after_fork_in_child(void) {
     pthread_cond_init(&pool.start, NULL);
     pthread_cond_init(&pool.done, NULL);
     pool.size = 0; pool.active = 0; pool.pending = 0; pool.jobs = NULL;
+    use_omp = 0;
 }
 
 /* Steps base's [lo, hi) in blocks of base->block elements on up to `threads` threads, the GIL released. */
@@ -616,6 +651,9 @@ static void run_threaded(const Job *base, int threads) {
     Py_BEGIN_ALLOW_THREADS
     if (threads == 1) {
         run(&jobs[0]);
+    } else if (omp_ready()) {
+        OmpWork work = {jobs, threads};
+        omp_parallel(omp_body, &work, (unsigned)threads, 0);
     } else {
         pthread_mutex_lock(&pool.dispatch);
         pthread_mutex_lock(&pool.lock);
@@ -837,9 +875,32 @@ static PyObject *qadam_isa(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(isa_names[isa_in_use()]);
 }
 
+/* workers(name=None): what runs a call's threads ("openmp": the calling thread's OpenMP team; "threads": the
+ * kernel's own pool); with a name, use that from now on ("openmp" only where a runtime was found). For tests. */
+static PyObject *qadam_workers(PyObject *self, PyObject *args) {
+    const char *name = NULL;
+    if (!PyArg_ParseTuple(args, "|z", &name)) return NULL;
+    int found = omp_ready();
+    if (name != NULL) {
+        if (strcmp(name, "threads") == 0) {
+            use_omp = 0;
+        } else if (strcmp(name, "openmp") == 0 && (found || omp_parallel != NULL)) {
+            use_omp = 1;
+        } else {
+            PyErr_Format(PyExc_ValueError, "qadam.workers: %s is %s (openmp or threads)", name,
+                         strcmp(name, "openmp") == 0 ? "not in this process (no OpenMP runtime found)" : "unknown");
+            return NULL;
+        }
+    }
+    return PyUnicode_FromString(use_omp ? "openmp" : "threads");
+}
+
 static PyMethodDef methods[] = {
     {"isa", qadam_isa, METH_VARARGS,
      "isa(name=None): the compiled variant in use; with a name (auto, avx512, avx2, base), choose it (tests)"},
+    {"workers", qadam_workers, METH_VARARGS,
+     "workers(name=None): what runs a call's threads (openmp: the calling thread's OpenMP team; threads: the "
+     "kernel's own pool); with a name, use it (tests)"},
     {"step", qadam_step, METH_VARARGS,
      "step(mode, n, lo, hi, block, p, g, m, v, m_scales, v_scales, step, lr, beta1, beta2, eps, weight_decay, "
      "grad_mul, decoupled, seed, threads, g_bf16=False, outs=None): Adam over elements [lo, hi) of a sub-group "
