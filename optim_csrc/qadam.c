@@ -549,22 +549,28 @@ static void run(const Job *j) {
  * dlsym (GOMP_parallel: libgomp's entry point, which LLVM's and Intel's runtimes export too): the
  * threads torch's last operation left spinning take the jobs at once, and nothing else competes.
  * Without such a runtime in the process, and in a forked child (an OpenMP runtime is not fork-safe
- * once its threads exist: a child's first parallel region hung here), a pool of our own serves: workers started the first time a call needs
- * them, asleep on a condition variable between calls, one call at a time having them (`dispatch`).
- * A forked child starts with an empty pool. `workers(name)` picks one for tests. */
+ * once its threads exist: a child's first parallel region hung here), a pool of our own serves:
+ * workers started the first time a call needs them, asleep on a condition variable between calls,
+ * one call at a time having them (`dispatch`). A forked child starts with an empty pool.
+ * `workers(name)` picks one for tests. */
 typedef void (*OmpParallel)(void (*)(void *), void *, unsigned, unsigned);
 typedef int (*OmpInt)(void);
-static OmpParallel omp_parallel;   /* NULL: none found, or a forked child */
+static OmpParallel omp_parallel;   /* all three NULL: no runtime in the process */
 static OmpInt omp_thread_num, omp_num_threads;
-static int use_omp = -1;           /* -1: look up at the first call; 0: own pool; 1: OpenMP */
+static int use_omp = -1;           /* -1: not looked up yet; 0: own pool; 1: OpenMP */
+static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
+
+/* Looked up at the first call, not at import: torch (and its runtime) may load after this module. */
+static void omp_lookup(void) {
+    omp_parallel = (OmpParallel)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+    omp_thread_num = (OmpInt)dlsym(RTLD_DEFAULT, "omp_get_thread_num");
+    omp_num_threads = (OmpInt)dlsym(RTLD_DEFAULT, "omp_get_num_threads");
+    if (omp_parallel == NULL || omp_thread_num == NULL || omp_num_threads == NULL) omp_parallel = NULL;
+    if (use_omp < 0) use_omp = omp_parallel != NULL;    /* a forked child has set 0 already */
+}
 
 static int omp_ready(void) {
-    if (use_omp < 0) {
-        omp_parallel = (OmpParallel)dlsym(RTLD_DEFAULT, "GOMP_parallel");
-        omp_thread_num = (OmpInt)dlsym(RTLD_DEFAULT, "omp_get_thread_num");
-        omp_num_threads = (OmpInt)dlsym(RTLD_DEFAULT, "omp_get_num_threads");
-        use_omp = omp_parallel != NULL && omp_thread_num != NULL && omp_num_threads != NULL;
-    }
+    pthread_once(&omp_once, omp_lookup);
     return use_omp;
 }
 
@@ -880,11 +886,11 @@ static PyObject *qadam_isa(PyObject *self, PyObject *args) {
 static PyObject *qadam_workers(PyObject *self, PyObject *args) {
     const char *name = NULL;
     if (!PyArg_ParseTuple(args, "|z", &name)) return NULL;
-    int found = omp_ready();
+    omp_ready();
     if (name != NULL) {
         if (strcmp(name, "threads") == 0) {
             use_omp = 0;
-        } else if (strcmp(name, "openmp") == 0 && (found || omp_parallel != NULL)) {
+        } else if (strcmp(name, "openmp") == 0 && omp_parallel != NULL) {
             use_omp = 1;
         } else {
             PyErr_Format(PyExc_ValueError, "qadam.workers: %s is %s (openmp or threads)", name,
