@@ -16,7 +16,7 @@
 # Each phase has its own time bound, so one that hangs leaves the others their time; what each
 # printed is in OUT_DIR (log-*.txt, gpu-350M.json). The environment narrows a session:
 # PHASES (default "build tests ds bench profile"; "adam" adds the host Adam benchmark, "nvme13" the NVMe rows at 1.3B
-# beside ZeRO-Infinity, "suite" the whole test suite), CONFIGS (the infinity rows of the benchmark; BENCH_ARGS can add --mode rows, e.g.
+# beside ZeRO-Infinity and the disk's bandwidth ("disk" alone), "suite" the whole test suite), CONFIGS (the infinity rows of the benchmark; BENCH_ARGS can add --mode rows, e.g.
 # "--mode oo-uib=offload-optimizer:optimizer.update_in_backward=true" with oo-uib in CONFIGS),
 # PROFILE_CONFIGS, DIAG (a command run after the build), STEPS, REPEAT, RUN_TIMEOUT (seconds per benchmark run), NVME_CONFIGS,
 # NVME_STEPS, RUN_TIMEOUT_NVME (the nvme13 rows), and BOUND_<PHASE> for each phase's bound.
@@ -76,8 +76,14 @@ want bench && phase gpu-350M "${BOUND_BENCH:-420}" python3 benchmarks/gpu.py --s
 # s/step is the median of steps 2-4: step 2 also first-touches the update's host buffers where they are not pinned,
 # 2.5x a steady step at 20M and 125M on a CPU machine, which a median of two would average in). DeepSpeed
 # JIT-builds its async_io op first (238 s on 2 cores of a CPU machine with the unpacked libaio; its CPU Adam too).
+# The issue's bound is max(GPU compute, NVMe bytes / the disk's bandwidth): plain torch's row gives the first (in
+# the same command), the disk's read and write bandwidth with the engine's own I/O (8 MiB blocks, where the
+# swap directories go: the system temp dir) the second; the bytes are each row's ledger. 22 s on a CPU machine.
+{ want disk || want nvme13; } && phase disk "${BOUND_DISK:-90}" python3 -m infinity.cli.bench nvme \
+  --path "${TMPDIR:-/tmp}" --size 4GiB --block-sizes 8MiB --queue-depths 32 --threads 4 --no-baselines --repeats 3 \
+  --no-progress --json "$out/disk.json"
 want nvme13 && phase gpu-1.3B-nvme "${BOUND_NVME13:-480}" python3 benchmarks/gpu.py --sizes 1.3B \
-  --configs "${NVME_CONFIGS:-nvme,nvme-int8}${ds:+,ds-infinity}" --steps "${NVME_STEPS:-4}" --repeat 1 \
+  --configs "${NVME_CONFIGS:-torch,nvme,nvme-int8}${ds:+,ds-infinity}" --steps "${NVME_STEPS:-4}" --repeat 1 \
   --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT_NVME:-240}" --json "$out/gpu-1.3B-nvme.json"
 # The host Adam on this machine's cores: the engine step with bf16 compute copies by the C pass and by
 # torch's kernel with two conversions (the update the offload presets' forward waits for), and with int8
