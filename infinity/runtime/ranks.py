@@ -34,6 +34,11 @@ import torch.distributed as dist
 
 from infinity.runtime.datapath import StepLedger
 
+# torch 2.13 renamed the flat collectives (``all_gather_into_tensor`` and ``reduce_scatter_tensor``
+# warn on every call there); earlier releases have only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CollectiveError(RuntimeError):
     """A collective was given a tensor its backend would refuse (an engine bug: the message says which)."""
@@ -114,7 +119,7 @@ class Ranks:
                 full.copy_(shard)
             return
         self.comm.sent("all_gather", _nbytes(shard) * (self.world_size - 1))
-        dist.all_gather_into_tensor(full, shard, group=self.group)
+        _all_gather_flat(full, shard, group=self.group)
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """``shard`` = this rank's slice of the mean of ``full`` over ranks.
@@ -127,7 +132,7 @@ class Ranks:
                 shard.copy_(full)
             return
         self.comm.sent("reduce_scatter", _ring_share(full, self.world_size))
-        dist.reduce_scatter_tensor(shard, full, group=self.group)
+        _reduce_scatter_flat(shard, full, group=self.group)
         shard.div_(self.world_size)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
