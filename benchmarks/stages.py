@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import infinity
+from infinity import Init  # before any process group: [Note: torch._dynamo and the default process group]
 from infinity.config import load_config
 from infinity.examples.gpt import GPT, GPTConfig
 from infinity.plan import comm_per_rank, plan
@@ -68,7 +69,7 @@ def rank_main(rank: int, world: int, workdir: str, args) -> None:
             nvme = os.path.join(workdir, f"nvme-{stage}-{rank}")
             os.makedirs(nvme, exist_ok=True)
             torch.manual_seed(0)
-            with infinity.Init(config(args, stage, nvme)):
+            with Init(config(args, stage, nvme)):
                 model = GPT(gpt)
             models[stage] = (model, infinity.AdamW(model, lr=1e-4))
         g = torch.Generator().manual_seed(rank)

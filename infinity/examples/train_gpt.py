@@ -175,6 +175,9 @@ def _distributed(device: str) -> tuple[int, int]:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        # The engine is imported before the group, so that torch keeps no hold on it and
+        # main() can destroy it: [Note: torch._dynamo and the default process group].
+        from infinity import Init  # noqa: F401
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
@@ -441,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     report = train(options, progress)
     if report["rank"] == 0 and not options.quiet:
         print(summary_table(report), flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        # Its worker threads stop here, not in the interpreter's teardown (pytorch/pytorch#190489).
+        dist.destroy_process_group()
     return 0
 
 

@@ -9,6 +9,7 @@ found from the model through the registry.
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 
 import torch
@@ -28,7 +29,8 @@ from infinity.runtime.datapath import DataPath, with_per_parameter
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
 from infinity.runtime.grads import GradReducer
-from infinity.runtime.hooks import GradArrivals, install_hooks, install_released_guard, unhook_idle, watch_backward
+from infinity.runtime.hooks import (GradArrivals, install_hooks, install_released_guard, pinned_group_warning,
+                                    unhook_idle, watch_backward)
 from infinity.runtime.ranks import Ranks
 from infinity.runtime.shards import DemandStaging, ParamShards
 from infinity.runtime.tier_set import TierSet
@@ -56,6 +58,8 @@ class Engine:
         self.config = config
         self.device = ComputeDevice(config.tiers.compute_device())
         self.ranks = Ranks(group, self.device.device)
+        if self.ranks.world_size > 1 and (pinned := pinned_group_warning()):
+            warnings.warn(pinned, stacklevel=3)
         self.dtype = config.precision.torch_dtype
         self.resume = resume
         adopt = None if resume is None else resume.files(config, self.ranks.rank, self.ranks.world_size)

@@ -25,14 +25,53 @@ gather: ``.data`` swaps keep a tensor's hooks.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from infinity.errors import EngineError, released_message
+
+# [Note: torch._dynamo and the default process group]
+# The module hooks are wrapped by torch.compiler.disable, which needs torch._dynamo; importing
+# that imports torch.distributed.nn, whose functions take ``group=group.WORLD`` as a default
+# argument, evaluated once, at that import. Imported after init_process_group, those defaults
+# hold the default process group for the rest of the process: dist.destroy_process_group()
+# unregisters it but cannot free it, and its backend's worker threads live on into the
+# interpreter's teardown. A gloo worker that drops its last collective's tensors there needs
+# the GIL, is stopped mid-C++ by the finalizing interpreter, and the process aborts
+# ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489). Seen in 8
+# of 67 runs of a two-rank benchmark/stages.py that exits right after its last step.
+# So torch._dynamo is imported with this module: a script that imports the engine before it
+# makes the group (``from infinity import Init``) leaves the group free to go. An engine over
+# several ranks built where the import came after the group says so (``pinned_group_warning``).
+
+
+def _import_dynamo() -> bool:
+    """Import torch._dynamo; True when that import is what made torch.distributed.nn hold the default group."""
+    before = dist.is_available() and dist.is_initialized() and "torch.distributed.nn" not in sys.modules
+    import torch._dynamo  # noqa: F401
+
+    return before and "torch.distributed.nn" in sys.modules
+
+
+_DYNAMO_HOLDS_DEFAULT_GROUP = _import_dynamo()
+
+
+def pinned_group_warning() -> str | None:
+    """What to tell a multi-rank run whose default group torch keeps alive (see the note above); None if not."""
+    if not _DYNAMO_HOLDS_DEFAULT_GROUP:
+        return None
+    return ("infinity.Init was first imported after dist.init_process_group(): the import of torch._dynamo it "
+            "needs (for torch.compiler.disable on its hooks) made torch.distributed.nn keep the default process "
+            "group as a default argument, so dist.destroy_process_group() cannot stop the group's worker threads "
+            "and a rank that exits right after a collective can abort in interpreter teardown (SIGABRT, "
+            "pytorch/pytorch#190489). Import it before making the group: `from infinity import Init` (or "
+            "`import torch._dynamo`) at the top of the script.")
 
 
 class GradArrivals:

@@ -10,6 +10,9 @@ import torch.multiprocessing as mp
 
 def _entry(rank: int, fn, world_size: int, workdir: str, args, hard_exit: bool = False) -> None:
     torch.set_num_threads(1)
+    # Before the group, as a script would: see [Note: torch._dynamo and the default process group].
+    from infinity import Init  # noqa: F401
+
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
     out = os.path.join(workdir, f"result{rank}.pkl")
     try:
