@@ -96,5 +96,5 @@ def _on_rank(rank, world, workdir):
 
 
 def test_trainer_on_two_ranks(tmp_path):
-    for result in run_ranks(_on_rank, 2, tmp_path, hard_exit=True):
+    for result in run_ranks(_on_rank, 2, tmp_path):
         _check(result)

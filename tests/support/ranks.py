@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn, world_size: int, workdir: str, args, hard_exit: bool = False) -> None:
+def _entry(rank: int, fn, world_size: int, workdir: str, args) -> None:
     torch.set_num_threads(1)
     # Before the group, as a script would: see [Note: torch._dynamo and the default process group].
     from infinity import Init  # noqa: F401
@@ -26,22 +26,16 @@ def _entry(rank: int, fn, world_size: int, workdir: str, args, hard_exit: bool =
             pass
     with open(out, "wb") as f:
         pickle.dump(result, f)
-    if hard_exit:
-        # The result is on disk: skip the interpreter's teardown (see run_ranks).
-        os._exit(0)
 
 
-def run_ranks(fn, world_size: int, workdir, *args, hard_exit: bool = False):
+def run_ranks(fn, world_size: int, workdir, *args):
     """Spawn ``world_size`` ranks running ``fn(rank, world_size, workdir, *args)``; returns the results.
 
-    ``hard_exit``: each rank ends with ``os._exit(0)`` once its result is written. Only for the Hugging
-    Face Trainer test, whose ranks abort in interpreter teardown about one run in three ("terminate called
-    without an active exception", a C++ thread still joinable at exit; which library's is not found yet):
-    what the test checks is written before it. Every other test exits normally, so an abort there fails it.
+    Every rank exits normally, through the interpreter's teardown: an abort there fails the test.
     """
     workdir = str(workdir)
     os.makedirs(workdir, exist_ok=True)
-    mp.start_processes(_entry, args=(fn, world_size, workdir, args, hard_exit), nprocs=world_size,
+    mp.start_processes(_entry, args=(fn, world_size, workdir, args), nprocs=world_size,
                        start_method="spawn", join=True)
     results = []
     for r in range(world_size):
