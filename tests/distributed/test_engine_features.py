@@ -57,7 +57,7 @@ def _features(rank, world, workdir, params_tier, opt_tier):
         ref_opt.step()
         ref_opt.zero_grad()
         ref_sched.step()
-        worst_loss = max(worst_loss, abs(total - float(ref_loss)))
+        worst_loss = max(worst_loss, abs(total - ref_loss.item()))
         worst_norm = max(worst_norm, abs(norm - ref_norm))
     out["accumulate_clip_schedule"] = (worst_loss, worst_norm, opt.param_groups[0]["lr"], ref_opt.param_groups[0]["lr"])
 
