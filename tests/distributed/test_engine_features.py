@@ -82,7 +82,7 @@ def _features(rank, world, workdir, params_tier, opt_tier):
             o.step()
             o.zero_grad()
             if m is model:
-                a = float(loss)
+                a = loss.item()
             else:
                 worst_resume = max(worst_resume, abs(a - float(loss)))
     out["resume"] = worst_resume
