@@ -549,15 +549,14 @@ static void run(const Job *j) {
  * dlsym (GOMP_parallel: libgomp's entry point, which LLVM's and Intel's runtimes export too): the
  * threads torch's last operation left spinning take the jobs at once, and nothing else competes.
  * Without such a runtime in the process, and in a forked child (an OpenMP runtime is not fork-safe
- * once its threads exist: a child's first parallel region hung here), a pool of our own serves:
- * workers started the first time a call needs them, asleep on a condition variable between calls,
- * one call at a time having them (`dispatch`). A forked child starts with an empty pool.
+ * once its threads exist: a child's first parallel region hung here), threads of the call's own
+ * serve, started and joined per call: slower, but only that rare process pays it.
  * `workers(name)` picks one for tests. */
 typedef void (*OmpParallel)(void (*)(void *), void *, unsigned, unsigned);
 typedef int (*OmpInt)(void);
 static OmpParallel omp_parallel;   /* all three NULL: no runtime in the process */
 static OmpInt omp_thread_num, omp_num_threads;
-static int use_omp = -1;           /* -1: not looked up yet; 0: own pool; 1: OpenMP */
+static int use_omp = -1;           /* -1: not looked up yet; 0: threads of the call's own; 1: OpenMP */
 static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
 
 /* Looked up at the first call, not at import: torch (and its runtime) may load after this module. */
@@ -583,62 +582,12 @@ static void omp_body(void *arg) {
     for (int t = omp_thread_num(); t < w->count; t += size > 0 ? size : 1) run(&w->jobs[t]);
 }
 
-typedef struct {
-    pthread_mutex_t dispatch;  /* held by the call using the workers */
-    pthread_mutex_t lock;      /* guards the fields below */
-    pthread_cond_t start, done;
-    int size;                  /* workers 1..size started */
-    uint64_t generation;       /* bumped when a call hands out jobs */
-    int active;                /* workers 1..active-1 have jobs[worker] this generation */
-    int pending;               /* of those, not yet finished */
-    const Job *jobs;
-    uint64_t born[MAX_THREADS];  /* the generation a worker started in: it waits for the next one */
-} Pool;
-
-static Pool pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                    PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL, {0}};
-
-static void *pool_worker(void *arg) {
-    int me = (int)(intptr_t)arg;
-    pthread_mutex_lock(&pool.lock);
-    uint64_t seen = pool.born[me];
-    for (;;) {
-        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.lock);
-        seen = pool.generation;
-        if (me >= pool.active) continue;
-        const Job *job = &pool.jobs[me];
-        pthread_mutex_unlock(&pool.lock);
-        run(job);
-        pthread_mutex_lock(&pool.lock);
-        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
-    }
+static void *thread_body(void *arg) {
+    run((const Job *)arg);
     return NULL;
 }
 
-/* Starts workers until `want` run (or the system refuses one); returns how many run. pool.lock held. */
-static int pool_grow(int want) {
-    pthread_attr_t attr;
-    if (pool.size >= want || pthread_attr_init(&attr) != 0) return pool.size;
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    while (pool.size < want) {
-        int me = pool.size + 1;
-        pthread_t tid;
-        pool.born[me] = pool.generation;
-        if (pthread_create(&tid, &attr, pool_worker, (void *)(intptr_t)me) != 0) break;
-        pool.size = me;
-    }
-    pthread_attr_destroy(&attr);
-    return pool.size;
-}
-
-static void pool_after_fork_in_child(void) {
-    pthread_mutex_init(&pool.dispatch, NULL);
-    pthread_mutex_init(&pool.lock, NULL);
-    pthread_cond_init(&pool.start, NULL);
-    pthread_cond_init(&pool.done, NULL);
-    pool.size = 0; pool.active = 0; pool.pending = 0; pool.jobs = NULL;
-    use_omp = 0;
-}
+static void after_fork_in_child(void) { use_omp = 0; }
 
 /* Steps base's [lo, hi) in blocks of base->block elements on up to `threads` threads, the GIL released. */
 static void run_threaded(const Job *base, int threads) {
@@ -661,20 +610,14 @@ static void run_threaded(const Job *base, int threads) {
         OmpWork work = {jobs, threads};
         omp_parallel(omp_body, &work, (unsigned)threads, 0);
     } else {
-        pthread_mutex_lock(&pool.dispatch);
-        pthread_mutex_lock(&pool.lock);
-        int helpers = pool_grow(threads - 1);
-        if (helpers > threads - 1) helpers = threads - 1;
-        pool.jobs = jobs; pool.active = helpers + 1; pool.pending = helpers; pool.generation++;
-        pthread_cond_broadcast(&pool.start);
-        pthread_mutex_unlock(&pool.lock);
+        pthread_t helper[MAX_THREADS];
+        int started = 0;   /* helpers 1..started run jobs 1..started */
+        while (started + 1 < threads && pthread_create(&helper[started + 1], NULL, thread_body,
+                                                       (void *)&jobs[started + 1]) == 0)
+            started++;
         run(&jobs[0]);
-        for (int t = helpers + 1; t < threads; t++) run(&jobs[t]);  /* the jobs of workers that did not start */
-        pthread_mutex_lock(&pool.lock);
-        while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
-        pool.jobs = NULL;
-        pthread_mutex_unlock(&pool.lock);
-        pthread_mutex_unlock(&pool.dispatch);
+        for (int t = started + 1; t < threads; t++) run(&jobs[t]);  /* the jobs of threads that did not start */
+        for (int t = 1; t <= started; t++) pthread_join(helper[t], NULL);
     }
     Py_END_ALLOW_THREADS
 }
@@ -881,8 +824,8 @@ static PyObject *qadam_isa(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(isa_names[isa_in_use()]);
 }
 
-/* workers(name=None): what runs a call's threads ("openmp": the calling thread's OpenMP team; "threads": the
- * kernel's own pool); with a name, use that from now on ("openmp" only where a runtime was found). For tests. */
+/* workers(name=None): what runs a call's threads ("openmp": the calling thread's OpenMP team; "threads":
+ * threads the call starts and joins); with a name, use that from now on ("openmp" only where a runtime was found). For tests. */
 static PyObject *qadam_workers(PyObject *self, PyObject *args) {
     const char *name = NULL;
     if (!PyArg_ParseTuple(args, "|z", &name)) return NULL;
@@ -905,8 +848,8 @@ static PyMethodDef methods[] = {
     {"isa", qadam_isa, METH_VARARGS,
      "isa(name=None): the compiled variant in use; with a name (auto, avx512, avx2, base), choose it (tests)"},
     {"workers", qadam_workers, METH_VARARGS,
-     "workers(name=None): what runs a call's threads (openmp: the calling thread's OpenMP team; threads: the "
-     "kernel's own pool); with a name, use it (tests)"},
+     "workers(name=None): what runs a call's threads (openmp: the calling thread's OpenMP team; threads: "
+     "threads the call starts and joins); with a name, use it (tests)"},
     {"step", qadam_step, METH_VARARGS,
      "step(mode, n, lo, hi, block, p, g, m, v, m_scales, v_scales, step, lr, beta1, beta2, eps, weight_decay, "
      "grad_mul, decoupled, seed, threads, g_bf16=False, outs=None): Adam over elements [lo, hi) of a sub-group "
@@ -926,7 +869,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qadam", "Host Adam 
                                     NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__qadam(void) {
-    if (pthread_atfork(NULL, NULL, pool_after_fork_in_child) != 0) {
+    if (pthread_atfork(NULL, NULL, after_fork_in_child) != 0) {
         PyErr_SetString(PyExc_RuntimeError, "_qadam: pthread_atfork failed");
         return NULL;
     }

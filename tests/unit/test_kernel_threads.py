@@ -1,6 +1,6 @@
 """The host Adam kernels' worker threads (optim_csrc/qadam.c, [Note: the kernels' worker threads]): a
-step splits its range over the calling thread's OpenMP team (torch's runtime) or, without one, over a
-pool of the kernel's own, so the bits must not depend on which, on how many threads step it, on two
+step splits its range over the calling thread's OpenMP team (torch's runtime) or, without one, over
+threads it starts itself, so the bits must not depend on which, on how many threads step it, on two
 Python threads stepping at once, or on a fork after the workers started."""
 from __future__ import annotations
 
