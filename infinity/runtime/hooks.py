@@ -45,7 +45,7 @@ from infinity.errors import EngineError, released_message
 # interpreter's teardown. A gloo worker that drops its last collective's tensors there needs
 # the GIL, is stopped mid-C++ by the finalizing interpreter, and the process aborts
 # ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489). Seen in 8
-# of 67 runs of a two-rank benchmark/stages.py that exits right after its last step.
+# of 67 runs of a two-rank benchmarks/stages.py that exits right after its last step.
 # So torch._dynamo is imported with this module: a script that imports the engine before it
 # makes the group (``from infinity import Init``) leaves the group free to go. An engine over
 # several ranks built where the import came after the group says so (``pinned_group_warning``).
