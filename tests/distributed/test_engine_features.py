@@ -84,7 +84,7 @@ def _features(rank, world, workdir, params_tier, opt_tier):
             if m is model:
                 a = loss.item()
             else:
-                worst_resume = max(worst_resume, abs(a - float(loss)))
+                worst_resume = max(worst_resume, abs(a - loss.item()))
     out["resume"] = worst_resume
     return out
 
