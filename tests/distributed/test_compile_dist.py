@@ -39,7 +39,7 @@ def _train(rank, world, workdir):
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        worst = max(worst, abs(float(mean) / world - float(ref_loss)))
+        worst = max(worst, abs(float(mean) / world - ref_loss.item()))
     with infinity.gathered(compiled):
         param_diff = max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
     infinity.release(compiled)

@@ -54,7 +54,7 @@ def _train(rank, world, workdir, tiers):
             half.zero_grad()
             ref_opt.step()
             ref_opt.zero_grad()
-        loss_diff = abs(float(mean) / world - float(ref_loss)) if step != POISONED else 0.0
+        loss_diff = abs(float(mean) / world - ref_loss.item()) if step != POISONED else 0.0
         records.append((scale, taken, loss_diff))
     with infinity.gathered(model):
         param_diff = max(float((p.float() - q.detach().half().float()).abs().max())

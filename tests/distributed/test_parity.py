@@ -53,11 +53,11 @@ def _train(rank, world, workdir, params_tier, opt_tier, split, steps):
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        worst = max(worst, abs(float(mean_loss) - float(ref_loss)))
+        worst = max(worst, abs(mean_loss.item() - ref_loss.item()))
     param_diff = 0.0
     with infinity.gathered(model):
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            param_diff = max(param_diff, float((p - q).abs().max()))
+            param_diff = max(param_diff, (p - q).abs().max().item())
     return {"loss_diff": worst, "param_diff": param_diff}
 
 

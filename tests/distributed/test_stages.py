@@ -55,11 +55,11 @@ def _train(rank, world, workdir, stage, opt_tier, micro):
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_opt.step()
         ref_opt.zero_grad()
-        worst = max(worst, abs(float(mean_loss) - ref_loss.item()))
+        worst = max(worst, abs(mean_loss.item() - ref_loss.item()))
     param_diff = 0.0
     with infinity.gathered(model):
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            param_diff = max(param_diff, float((p - q).abs().max()))
+            param_diff = max(param_diff, (p - q).abs().max().item())
     return {"loss_diff": worst, "param_diff": param_diff, "comm": infinity.stats(model)["comm"]}
 
 

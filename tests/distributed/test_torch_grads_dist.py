@@ -49,7 +49,7 @@ def _train(rank, world, workdir, params_tier, opt_tier):
         ref.zero_grad()
         for sched in scheds:
             sched.step()
-        worst_loss = max(worst_loss, abs(float(mean) / world - float(ref_loss)))
+        worst_loss = max(worst_loss, abs(float(mean) / world - ref_loss.item()))
         worst_norm = max(worst_norm, abs(float(norm) - float(ref_norm)) / float(ref_norm))
     with infinity.gathered(model):
         param_diff = max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), ref.parameters()))

@@ -32,7 +32,7 @@ def test_bf16_tracks_autocast_reference(tmp_path):
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        worst = max(worst, abs(float(loss) - float(ref_loss)) / float(ref_loss))
+        worst = max(worst, abs(loss.item() - ref_loss.item()) / ref_loss.item())
     print(f"bf16 worst relative loss difference {worst:.4%}")
     assert worst <= TOLERANCE, f"bf16 loss drifted {worst:.2%} from the autocast reference"
     engine = registry.engine_of(model)

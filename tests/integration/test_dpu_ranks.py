@@ -43,7 +43,7 @@ def _train(rank, world, workdir, params, optimizer):
         dist.all_reduce(mean)
         ref_loss = ref(idx[:LOCAL * world], tgt[:LOCAL * world])
         ref_loss.backward()
-        worst_loss = max(worst_loss, abs(float(mean) / world - float(ref_loss)))
+        worst_loss = max(worst_loss, abs(float(mean) / world - ref_loss.item()))
         infinity.clip_grad_norm_(model, 0.5)
         torch.nn.utils.clip_grad_norm_(reference.params, 0.5)
         opt.step()

@@ -74,7 +74,7 @@ def measure(tmp_path) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss))
+            losses.append(loss.item())
     engine = registry.engine_of(model)
     numel = sum(g.numel for g in engine.coordinator.groups)
     states = 16 * numel

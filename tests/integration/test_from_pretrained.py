@@ -52,7 +52,7 @@ def _compare(model, ref) -> dict:
     with torch.no_grad():
         loss, ref_loss = _loss(model), _loss(ref)
     return {"names": names == [n for n, _ in ref.named_parameters()], "equal": equal,
-            "loss": float(loss), "ref_loss": float(ref_loss), "training": model.training}
+            "loss": loss.item(), "ref_loss": ref_loss.item(), "training": model.training}
 
 
 def _load_both(checkpoint: str, workdir: str, how: str) -> dict:
