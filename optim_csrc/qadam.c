@@ -825,7 +825,8 @@ static PyObject *qadam_isa(PyObject *self, PyObject *args) {
 }
 
 /* workers(name=None): what runs a call's threads ("openmp": the calling thread's OpenMP team; "threads":
- * threads the call starts and joins); with a name, use that from now on ("openmp" only where a runtime was found). For tests. */
+ * threads the call starts and joins); with a name, use that from now on ("openmp" only where a runtime
+ * was found). For tests. */
 static PyObject *qadam_workers(PyObject *self, PyObject *args) {
     const char *name = NULL;
     if (!PyArg_ParseTuple(args, "|z", &name)) return NULL;
