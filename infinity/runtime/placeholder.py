@@ -117,7 +117,7 @@ class ReleasedParameter(nn.Parameter):
             if func in _DESCRIBING_METHODS:
                 return func(*args, **kwargs)
             param = _released_among(args, kwargs)
-            if param is None or torch.compiler.is_compiling():
+            if param is None or _compiling():
                 # Not released itself, or torch.compile's tracer looking at the tensor (it makes a fake
                 # of every tensor a traced frame reaches, the foreign watch's keys included).
                 return func(*args, **kwargs)
@@ -134,6 +134,16 @@ class ReleasedParameter(nn.Parameter):
                     return out
                 raise EngineError(refusal(param, _name(func, attribute), _CONVERSION_REASON))
         raise EngineError(refusal(param, _name(func, attribute)))
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is at work: tracing a frame, or its tracer looking at a tensor.
+
+    ``torch.compiler.is_compiling()`` says so for the whole compile session since torch 2.13; before,
+    only inside the traced code, not in the tracer's own look at a tensor (``_is_view()`` as it makes
+    a fake), which those versions do inside a tracing context.
+    """
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
 def _attribute_of(func) -> str | None:

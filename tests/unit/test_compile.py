@@ -4,6 +4,8 @@ The engine's forward hooks are kept out of the compiled graphs (each is a graph 
 they move bytes between tiers and are no tensor program. What lies between them, the
 modules' own forward, is compiled.
 """
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -54,3 +56,36 @@ def test_module_compile_in_place(tmp_path):
                                         [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)])
     assert max(losses) < 1e-5 and max(params.values()) < 1e-5, (losses, params)
     infinity.release(model)
+
+
+class _ForeignUse(nn.Module):
+    """Uses ``b``'s parameters without calling ``b`` (as ``nn.MultiheadAttention`` uses ``out_proj``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        h = nn.functional.linear(torch.relu(self.a(x)), self.b.weight) + self.b.bias
+        return nn.functional.mse_loss(h, y)
+
+
+@pytest.mark.parametrize("net", [_Net, _ForeignUse])
+def test_compiled_on_a_torch_whose_tracer_does_not_say_it_is_compiling(tmp_path, monkeypatch, net):
+    """Before torch 2.13, ``torch.compiler.is_compiling()`` was False while the tracer itself made a fake
+    of a tensor it met (the foreign watch's keys, a released parameter): the placeholder refused the
+    tracer's ``_is_view()`` on the lent GPU machine's torch 2.11. Here without 2.13's compile-session flag."""
+    monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = net()
+    with infinity.Init({"tiers": {"params": "host"}}):
+        model = net()
+    with infinity.gathered(model):
+        model.load_state_dict(ref.state_dict())
+    losses, params = train_side_by_side(torch.compile(model, backend="aot_eager"), infinity.AdamW(model, lr=1e-2),
+                                        ref, torch.optim.AdamW(ref.parameters(), lr=1e-2),
+                                        [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)])
+    assert max(losses) < 1e-5 and max(params.values()) < 1e-5, (losses, params)
+    infinity.release(model)
+    torch._dynamo.reset()
