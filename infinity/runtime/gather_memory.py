@@ -27,7 +27,8 @@ record the event as well.
 
 With a torch that lacks the storage calls this needs (``UntypedStorage._swap_data_ptr_``
 and ``torch._C._construct_storage_from_data_pointer``), it resizes storages as before
-(``stats()["lending"]`` is False). That was the case on the lent H100 (torch 2.11): there
+(``stats()["lending"]`` is False; its byte counters then count the resized storages, and a
+``partition.gather_buffer_bytes``, which only an arena can hold to, warns that it has no effect). That was the case on the lent H100 (torch 2.11): there
 the resized memory's upload did not wait for the compute stream, and an ``offload-host``
 run in bf16 lost the race now and then, its losses 0.01-0.1% off from the third step,
 different from run to run, and exact with ``CUDA_LAUNCH_BLOCKING=1`` or with the host
@@ -87,6 +88,14 @@ class GatherMemory:
         self.overflows = 0
         self.overflow_bytes = 0
         self.reserve = 0        # room gathers ahead leave free for a gather on demand (size_for)
+        self._resized = 0       # without lending: bytes in storages resized for gathers, and their peak
+        self._resized_peak = 0
+        if capacity and not self.lending:
+            warnings.warn(f"partition.gather_buffer_bytes = {capacity} has no effect with this torch "
+                          f"({torch.__version__}): a bounded gather buffer lends its memory to the groups' "
+                          "storages (UntypedStorage._swap_data_ptr_, torch 2.13), so each gathered group gets "
+                          "memory of its own (infinity.stats(model)['gather_memory'] counts it)",
+                          RuntimeWarning, stacklevel=3)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         memory = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -156,9 +165,12 @@ class GatherMemory:
             self._lent[id(flat)] = (None, piece)
         elif not self.lending:
             storage = flat.untyped_storage()
-            if storage.nbytes() < nbytes:
+            held = storage.nbytes()
+            if held < nbytes:
                 storage.resize_(nbytes)
                 self._mark_reuse()      # fresh from the allocator, as a new slab
+                self._resized += nbytes - held
+                self._resized_peak = max(self._resized_peak, self._resized)
         else:
             loan = self._take(nbytes, owner, kept)
             piece = torch._C._construct_storage_from_data_pointer(loan.tensor.data_ptr(), self.device, loan.nbytes)
@@ -172,6 +184,7 @@ class GatherMemory:
         """Take the memory back from a released group's flat tensor (its storage keeps zero bytes)."""
         if not self.lending:
             if self._lent.pop(id(flat), False) is False:
+                self._resized -= flat.untyped_storage().nbytes()
                 flat.untyped_storage().resize_(0)
             else:
                 flat.set_()     # the storage was the group's stored shard: it keeps its memory
@@ -191,8 +204,15 @@ class GatherMemory:
         loan.release()
 
     def stats(self) -> dict:
-        """The recycled arena's counters, the kept arena's (``kept``), and the gathers that overflowed."""
+        """The recycled arena's counters, the kept arena's (``kept``), and the gathers that overflowed.
+
+        Without lending the arenas stay empty: ``nbytes``, ``bytes_in_use`` and ``peak_bytes`` then count
+        the storages resized for gathers, kept groups' included.
+        """
         out = self.arena.stats()
+        if not self.lending:
+            out.update(nbytes=self._resized, bytes_in_use=self._resized, peak_bytes=self._resized_peak,
+                       allocated=self._resized_peak > 0)
         out.update(lending=self.lending, kept=self.kept.stats(), overflows=self.overflows,
                    overflow_bytes=self.overflow_bytes)
         return out
