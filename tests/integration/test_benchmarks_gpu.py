@@ -29,7 +29,8 @@ def test_gpu_benchmark_rows_ledger_and_missing_deepspeed(tmp_path):
                            "--configs", "torch,device,offload-host,nvme-int8-uib,ds-zero3", "--steps", "3", "--batch", "2",
                            "--seq", "16", "--dtype", "float32", "--nvme-dir", str(tmp_path / "nvme"),
                            "--deepspeed-python", "/bin/false", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})     # on the CPU on a GPU machine too
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     head = proc.stdout.splitlines()[0].split()
     assert head[:4] == ["size", "config", "s/step", "TFLOPS"] and "H->D" in head
