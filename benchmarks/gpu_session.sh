@@ -15,7 +15,7 @@
 #    and the profiler's top operators.
 # Each phase has its own time bound, so one that hangs leaves the others their time; what each
 # printed is in OUT_DIR (log-*.txt, gpu-350M.json). The environment narrows a session:
-# PHASES (default "build tests ds bench profile"; "adam" adds the host Adam benchmark, "nvme13" the NVMe rows at 1.3B
+# PHASES (default "build tests ds bench profile"; "bench13" adds the benchmark at 1.3B (CONFIGS13), "adam" adds the host Adam benchmark, "nvme13" the NVMe rows at 1.3B
 # beside ZeRO-Infinity and the disk's bandwidth ("disk" alone), "suite" the whole test suite), CONFIGS (the infinity rows of the benchmark; BENCH_ARGS can add --mode rows, e.g.
 # "--mode oo-uib=offload-optimizer:optimizer.update_in_backward=true" with oo-uib in CONFIGS),
 # PROFILE_CONFIGS, DIAG (a command run after the build), STEPS, REPEAT, RUN_TIMEOUT (seconds per benchmark run), NVME_CONFIGS,
@@ -44,8 +44,13 @@ want tests && phase tests-gpu "${BOUND_TESTS:-180}" python3 -m pytest -q -p no:c
 # The whole suite on a GPU machine (issue 22: `make test` passes there as on a CPU machine; the tests choose
 # their device, tests/conftest.py sets INFINITY_DEVICE=cpu). make test itself would create .venv and pip-install
 # torch, which a machine without a package index cannot: this runs its pytest with the machine's torch. On 2
-# cores the suite takes 11-13 minutes; every failure and error is listed at the end of log-suite.txt.
-want suite && phase suite "${BOUND_SUITE:-560}" python3 -m pytest -q -rfE -p no:cacheprovider tests --ignore=tests/gpu
+# cores the suite takes 11-13 minutes, so where pytest-xdist is installed (the CUDA image has it) it runs on
+# SUITE_WORKERS processes (default 12) of OMP_NUM_THREADS=2 threads each, a CI machine's 2 cores apiece; tests/gpu
+# runs in it too, as under `make test`. Every failure and error is listed at the end of log-suite.txt.
+suite_workers=()
+python3 -c "import xdist" 2>/dev/null && suite_workers=(-n "${SUITE_WORKERS:-12}")
+want suite && phase suite "${BOUND_SUITE:-560}" env OMP_NUM_THREADS=2 python3 -m pytest -q -rfE -p no:cacheprovider \
+  "${suite_workers[@]}" --durations=10 tests
 ds=""
 if want ds && ls .whl/deepspeed-* >/dev/null 2>&1; then
   # DeepSpeed's async_io op (the ds-infinity rows) links -laio: without the machine's own, the .deb files
@@ -71,6 +76,10 @@ fi
 want bench && phase gpu-350M "${BOUND_BENCH:-420}" python3 benchmarks/gpu.py --sizes 350M \
   --configs "${CONFIGS:-torch,device,offload-optimizer,offload-host}$ds" --steps "${STEPS:-6}" --repeat "${REPEAT:-2}" \
   --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT:-200}" --json "$out/gpu-350M.json" ${BENCH_ARGS:-}
+# The same at GPT 1.3B (issue 22's second size), rows in CONFIGS13 (default plain torch and the `device` preset).
+want bench13 && phase gpu-1.3B "${BOUND_BENCH13:-240}" python3 benchmarks/gpu.py --sizes 1.3B \
+  --configs "${CONFIGS13:-torch,device}" --steps "${STEPS:-6}" --repeat 1 \
+  --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT:-200}" --json "$out/gpu-1.3B.json" ${BENCH_ARGS:-}
 # Issue 23's GPU figure: GPT 1.3B with everything on NVMe (fp32 and int8 states) beside DeepSpeed ZeRO-Infinity
 # (offload_param and offload_optimizer on nvme) on the machine's disk; each step is 20-30 s, so 4 steps a row (the
 # s/step is the median of steps 2-4: step 2 also first-touches the update's host buffers where they are not pinned,
