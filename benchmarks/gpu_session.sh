@@ -45,11 +45,13 @@ want tests && phase tests-gpu "${BOUND_TESTS:-180}" python3 -m pytest -q -p no:c
 # their device, tests/conftest.py sets INFINITY_DEVICE=cpu). make test itself would create .venv and pip-install
 # torch, which a machine without a package index cannot: this runs its pytest with the machine's torch. On 2
 # cores the suite takes 11-13 minutes, so where pytest-xdist is installed (the CUDA image has it) it runs on
-# SUITE_WORKERS processes (default 12) of OMP_NUM_THREADS=2 threads each, a CI machine's 2 cores apiece; tests/gpu
-# runs in it too, as under `make test`. Every failure and error is listed at the end of log-suite.txt.
+# SUITE_WORKERS processes (default 14) of OMP_NUM_THREADS=2 threads each, a CI machine's 2 cores apiece, and
+# pytest-timeout stops a test that hangs after 140 s; tests/gpu runs in it too, as under `make test`. On the H200
+# (16 cores, 2026-11-28) that took 226 s. Every failure and error is listed at the end of log-suite.txt.
 suite_workers=()
-python3 -c "import xdist" 2>/dev/null && suite_workers=(-n "${SUITE_WORKERS:-12}")
-want suite && phase suite "${BOUND_SUITE:-560}" env OMP_NUM_THREADS=2 python3 -m pytest -q -rfE -p no:cacheprovider \
+python3 -c "import xdist" 2>/dev/null && suite_workers=(-n "${SUITE_WORKERS:-14}")
+python3 -c "import pytest_timeout" 2>/dev/null && suite_workers+=(--timeout=140)
+want suite && phase suite "${BOUND_SUITE:-300}" env OMP_NUM_THREADS=2 python3 -m pytest -q -rfE -p no:cacheprovider \
   "${suite_workers[@]}" --durations=10 tests
 ds=""
 if want ds && ls .whl/deepspeed-* >/dev/null 2>&1; then
