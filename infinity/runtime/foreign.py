@@ -16,15 +16,23 @@ calls cost nothing extra. A module that begins to use another's parameter only i
 along the same trace (a data-dependent branch inside one module), gets the released,
 zero-element placeholder: its op raises a shape error rather than computing with a wrong value.
 
+Under ``torch.compile`` the tracer inlines the watch into every graph of such a step. It looks
+only at the arguments' types there (a released parameter's class is ``ReleasedParameter``, see
+[Note: released placeholders]) and fetches in a call the tracer does not trace, a graph break
+where a foreign parameter is used: traced, the map of every managed parameter became an input
+and a guard of every graph (a 12-layer GPT's first compiled step took 6.8 s to compile, 3.2 without).
+
 What the room may touch: nothing but the engine's ``on_foreign_use`` and the
 coordinator's parameter -> group map (read only).
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from infinity.param_group import ParamState
+from infinity.runtime.placeholder import ReleasedParameter
 
 
 class ForeignParamWatch(TorchFunctionMode):
@@ -56,11 +64,23 @@ class ForeignParamWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not torch.compiler.is_compiling():
+            self._fetch_released(args, kwargs)
+        elif any(type(a) is ReleasedParameter for a in _param_args(args, kwargs)):
+            self._fetch_outside_the_graph(args, kwargs)
+        return func(*args, **kwargs)
+
+    def _fetch_released(self, args, kwargs) -> None:
         for a in _param_args(args, kwargs):
             group = self.group_of.get(a)
             if group is not None and group.state is ParamState.NOT_AVAILABLE:
                 self.on_foreign_use(group)
-        return func(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _fetch_outside_the_graph(self, args, kwargs) -> None:
+        """The same, a call torch.compile's tracer does not trace (a graph break): a fetch moves bytes
+        between tiers, and the map of every managed parameter is no input of a graph."""
+        self._fetch_released(args, kwargs)
 
 
 def _param_args(args, kwargs):

@@ -89,3 +89,27 @@ def test_compiled_on_a_torch_whose_tracer_does_not_say_it_is_compiling(tmp_path,
     assert max(losses) < 1e-5 and max(params.values()) < 1e-5, (losses, params)
     infinity.release(model)
     torch._dynamo.reset()
+
+
+def test_the_foreign_watch_stays_out_of_the_graphs_and_their_guards(tmp_path):
+    """The first step's graphs (traced with the foreign watch on) neither guard on the watch's map of every
+    managed parameter nor trace the fetch a foreign use makes (both did: 26 guards on the map in one
+    nn.Linear frame of this two-layer model), and the foreign use still fetches the parameter it needs."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = _ForeignUse()
+    with infinity.Init({"tiers": {"params": "host"}}):
+        model = _ForeignUse()
+    with infinity.gathered(model):
+        model.load_state_dict(ref.state_dict())
+    losses, params = train_side_by_side(torch.compile(model, backend="aot_eager"), infinity.AdamW(model, lr=1e-2),
+                                        ref, torch.optim.AdamW(ref.parameters(), lr=1e-2),
+                                        [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)])
+    assert max(losses) < 1e-5 and max(params.values()) < 1e-5, (losses, params)
+    guards = [str(entry.guard_manager) for code in (_ForeignUse.forward.__code__, nn.Linear.forward.__code__)
+              for entry in _debug_get_cache_entry_list(code)]
+    assert guards and not [g for g in guards if "group_of" in g], [g for g in guards if "group_of" in g][0][:2000]
+    infinity.release(model)
+    torch._dynamo.reset()
