@@ -16,6 +16,15 @@ STEPS, WARMUP = 50, 3
 lending = pytest.mark.skipif(not gather_memory._CAN_LEND, reason="this torch cannot lend memory to a storage")
 
 
+def _train(model, shape, steps: int) -> None:
+    opt = infinity.AdamW(model, lr=1e-3)
+    for _ in range(steps):
+        idx = torch.randint(0, shape.vocab_size, (2, shape.seq_len))
+        model(idx, idx).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _tracked(stats: dict) -> dict:
     gather = stats["gather_memory"]
     host = stats["tiers"]["host_allocator"]
@@ -120,12 +129,7 @@ def test_gathers_ahead_stop_where_the_gather_buffer_is_full():
     torch.manual_seed(0)
     with infinity.Init(cfg):
         model = GPT(shape)
-    opt = infinity.AdamW(model, lr=1e-3)
-    for _ in range(4):
-        idx = torch.randint(0, shape.vocab_size, (2, shape.seq_len))
-        model(idx, idx).backward()
-        opt.step()
-        opt.zero_grad()
+    _train(model, shape, steps=4)
     stats = infinity.stats(model)
     assert stats["gather_memory"]["overflows"] == 0 and stats["gather_memory"]["nbytes"] == 256 << 10
     assert stats["fetch"]["prefetch_hits"] > 0
@@ -141,12 +145,7 @@ def test_without_lending_the_resized_storages_are_counted(monkeypatch):
         with infinity.Init({"tiers": {"device": "cpu", "params": "host"},
                             "partition": {"gather_buffer_bytes": "1MiB"}}):
             model = GPT(shape)
-    opt = infinity.AdamW(model, lr=1e-3)
-    for _ in range(3):
-        idx = torch.randint(0, shape.vocab_size, (2, shape.seq_len))
-        model(idx, idx).backward()
-        opt.step()
-        opt.zero_grad()
+    _train(model, shape, steps=3)
     stats = infinity.stats(model)["gather_memory"]
     assert stats["lending"] is False and stats["slabs"] == 0
     whole = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -70,12 +70,9 @@ class _ForeignUse(nn.Module):
         return nn.functional.mse_loss(h, y)
 
 
-@pytest.mark.parametrize("net", [_Net, _ForeignUse])
-def test_compiled_on_a_torch_whose_tracer_does_not_say_it_is_compiling(tmp_path, monkeypatch, net):
-    """Before torch 2.13, ``torch.compiler.is_compiling()`` was False while the tracer itself made a fake
-    of a tensor it met (the foreign watch's keys, a released parameter): the placeholder refused the
-    tracer's ``_is_view()`` on the lent GPU machine's torch 2.11. Here without 2.13's compile-session flag."""
-    monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
+def _train_compiled_aot_eager(net) -> None:
+    """An engine model of class ``net`` compiled with the aot_eager backend trains as the plain model does;
+    torch.compile's caches are emptied before and after (the tests look at what one run compiled)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     ref = net()
@@ -88,28 +85,26 @@ def test_compiled_on_a_torch_whose_tracer_does_not_say_it_is_compiling(tmp_path,
                                         [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)])
     assert max(losses) < 1e-5 and max(params.values()) < 1e-5, (losses, params)
     infinity.release(model)
+
+
+@pytest.mark.parametrize("net", [_Net, _ForeignUse])
+def test_compiled_on_a_torch_whose_tracer_does_not_say_it_is_compiling(monkeypatch, net):
+    """Before torch 2.13, ``torch.compiler.is_compiling()`` was False while the tracer itself made a fake
+    of a tensor it met (the foreign watch's keys, a released parameter): the placeholder refused the
+    tracer's ``_is_view()`` on the lent GPU machine's torch 2.11. Here without 2.13's compile-session flag."""
+    monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
+    _train_compiled_aot_eager(net)
     torch._dynamo.reset()
 
 
-def test_the_foreign_watch_stays_out_of_the_graphs_and_their_guards(tmp_path):
+def test_the_foreign_watch_stays_out_of_the_graphs_and_their_guards():
     """The first step's graphs (traced with the foreign watch on) neither guard on the watch's map of every
     managed parameter nor trace the fetch a foreign use makes (both did: 26 guards on the map in one
     nn.Linear frame of this two-layer model), and the foreign use still fetches the parameter it needs."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    ref = _ForeignUse()
-    with infinity.Init({"tiers": {"params": "host"}}):
-        model = _ForeignUse()
-    with infinity.gathered(model):
-        model.load_state_dict(ref.state_dict())
-    losses, params = train_side_by_side(torch.compile(model, backend="aot_eager"), infinity.AdamW(model, lr=1e-2),
-                                        ref, torch.optim.AdamW(ref.parameters(), lr=1e-2),
-                                        [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)])
-    assert max(losses) < 1e-5 and max(params.values()) < 1e-5, (losses, params)
+    _train_compiled_aot_eager(_ForeignUse)
     guards = [str(entry.guard_manager) for code in (_ForeignUse.forward.__code__, nn.Linear.forward.__code__)
               for entry in _debug_get_cache_entry_list(code)]
-    assert guards and not [g for g in guards if "group_of" in g], [g for g in guards if "group_of" in g][0][:2000]
-    infinity.release(model)
     torch._dynamo.reset()
+    assert guards and not [g for g in guards if "group_of" in g], [g for g in guards if "group_of" in g][0][:2000]
