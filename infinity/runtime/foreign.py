@@ -51,6 +51,11 @@ class ForeignParamWatch(TorchFunctionMode):
         self.group_of = group_of
         self.on_foreign_use = on_foreign_use
         self.active = False
+        # The same lookup, as a call torch.compile's tracer does not trace (a graph break): a fetch moves
+        # bytes between tiers, and the map of every managed parameter is no input of a graph. Wrapped
+        # here, not at import: torch.compiler.disable imports torch._dynamo, which infinity/runtime/hooks.py
+        # imports first on purpose (see [Note: torch._dynamo and the default process group]).
+        self._fetch_outside_the_graph = torch.compiler.disable(self._fetch_released)
 
     def start(self) -> None:
         if not self.active:
@@ -75,12 +80,6 @@ class ForeignParamWatch(TorchFunctionMode):
             group = self.group_of.get(a)
             if group is not None and group.state is ParamState.NOT_AVAILABLE:
                 self.on_foreign_use(group)
-
-    @torch.compiler.disable
-    def _fetch_outside_the_graph(self, args, kwargs) -> None:
-        """The same, a call torch.compile's tracer does not trace (a graph break): a fetch moves bytes
-        between tiers, and the map of every managed parameter is no input of a graph."""
-        self._fetch_released(args, kwargs)
 
 
 def _param_args(args, kwargs):
