@@ -287,7 +287,9 @@ class PartitionConfig(Section):
     about once. 0 grows it by 64 MiB slabs to the most gathered at once, reached in the first steps.
     Groups kept gathered all step (stages 1 and 2, `persistence_threshold`) have a buffer of their own,
     exactly their size. DeepSpeed has no equivalent (`allgather_bucket_size` cuts stage 1/2's
-    all-gathers into pieces; infinity gathers each group whole)."""
+    all-gathers into pieces; infinity gathers each group whole). With a torch that cannot lend memory
+    to a storage (2.13 can, 2.11 cannot: `infinity.stats(model)["gather_memory"]["lending"]`) each
+    gathered group gets memory of its own, and a nonzero value warns that it has no effect."""
 
     reduce_bucket_bytes: Bytes = 0
     """Compute-device memory that each group's gradients are collected in before their reduce-scatter
