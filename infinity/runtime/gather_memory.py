@@ -28,11 +28,12 @@ record the event as well.
 With a torch that lacks the storage calls this needs (``UntypedStorage._swap_data_ptr_``
 and ``torch._C._construct_storage_from_data_pointer``), it resizes storages as before
 (``stats()["lending"]`` is False; its byte counters then count the resized storages, and a
-``partition.gather_buffer_bytes``, which only an arena can hold to, warns that it has no effect). That was the case on the lent H100 (torch 2.11): there
-the resized memory's upload did not wait for the compute stream, and an ``offload-host``
-run in bf16 lost the race now and then, its losses 0.01-0.1% off from the third step,
-different from run to run, and exact with ``CUDA_LAUNCH_BLOCKING=1`` or with the host
-waiting for every gradient download (which kept it in step with the GPU).
+``partition.gather_buffer_bytes``, which only an arena can hold to, warns that it has no
+effect). That was the case on the lent H100 (torch 2.11): there the resized memory's upload
+did not wait for the compute stream, and an ``offload-host`` run in bf16 lost the race now
+and then, its losses 0.01-0.1% off from the third step, different from run to run, and exact
+with ``CUDA_LAUNCH_BLOCKING=1`` or with the host waiting for every gradient download (which
+kept it in step with the GPU).
 
 [Note: long-lived and short-lived gathers]
 Most gathered groups live for one module's forward or backward; groups kept gathered for the

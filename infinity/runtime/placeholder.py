@@ -36,7 +36,7 @@ Not caught: parameters of a subclass of ``nn.Parameter`` keep their class (and t
 silent empty placeholder); ``Tensor`` methods reached without torch's dispatch (the
 C++ of custom extensions) see the ``(0,)`` tensor; while ``torch.compile`` traces a
 frame every call passes (its tracer makes a fake of every tensor the frame reaches,
-the foreign watch's dictionary keys included, and must see the tensor as it is).
+and must see the tensor as it is).
 
 What the room may touch: the registry (which engine holds a parameter, for its name);
 nothing else of the engine.
@@ -119,7 +119,7 @@ class ReleasedParameter(nn.Parameter):
             param = _released_among(args, kwargs)
             if param is None or _compiling():
                 # Not released itself, or torch.compile's tracer looking at the tensor (it makes a fake
-                # of every tensor a traced frame reaches, the foreign watch's keys included).
+                # of every tensor a traced frame reaches).
                 return func(*args, **kwargs)
             if attribute in _SHAPE_ATTRIBUTES and func.__name__ == "__get__":
                 shape = _whole_shape(param)
