@@ -18,8 +18,9 @@ zero-element placeholder: its op raises a shape error rather than computing with
 
 Under ``torch.compile`` the tracer inlines the watch into every graph of such a step. It looks
 only at the arguments' types there (a released parameter's class is ``ReleasedParameter``, see
-[Note: released placeholders]) and fetches in a call the tracer does not trace, a graph break
-where a foreign parameter is used: traced, the map of every managed parameter became an input
+[Note: released placeholders]; a subclass of ``nn.Parameter`` keeps its own, so any class but
+``nn.Parameter`` itself counts) and looks the parameter up in a call the tracer does not trace,
+a graph break where a foreign parameter may be used: traced, the map of every managed parameter became an input
 and a guard of every graph (a 12-layer GPT's first compiled step took 6.8 s to compile, 3.2 without).
 
 What the room may touch: nothing but the engine's ``on_foreign_use`` and the
@@ -32,7 +33,6 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from infinity.param_group import ParamState
-from infinity.runtime.placeholder import ReleasedParameter
 
 
 class ForeignParamWatch(TorchFunctionMode):
@@ -71,7 +71,7 @@ class ForeignParamWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         if not torch.compiler.is_compiling():
             self._fetch_released(args, kwargs)
-        elif any(type(a) is ReleasedParameter for a in _param_args(args, kwargs)):
+        elif any(type(a) is not nn.Parameter for a in _param_args(args, kwargs)):
             self._fetch_outside_the_graph(args, kwargs)
         return func(*args, **kwargs)
 

@@ -82,7 +82,9 @@ class GatherMemory:
         self.device = torch.device(device)
         self._mark = mark
         self.lending = _CAN_LEND
-        self.arena = Arena(self._allocate, capacity or None, slab_nbytes, name=f"gather-{self.device.type}")
+        # Without lending no arena lends anything: a bounded one would only hold prefetching back.
+        bound = capacity if self.lending else 0
+        self.arena = Arena(self._allocate, bound or None, slab_nbytes, name=f"gather-{self.device.type}")
         self.kept = Arena(self._allocate, None, slab_nbytes, name=f"gather-kept-{self.device.type}")
         self._lent: dict[int, tuple] = {}      # id(flat) -> (loan, the storage holding the group's old pointer)
         self.reuse_event = None
@@ -96,7 +98,7 @@ class GatherMemory:
                           f"({torch.__version__}): a bounded gather buffer lends its memory to the groups' "
                           "storages (UntypedStorage._swap_data_ptr_, torch 2.13), so each gathered group gets "
                           "memory of its own (infinity.stats(model)['gather_memory'] counts it)",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=5)     # the user's Init (-> Engine -> Coordinator)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         memory = torch.empty(nbytes, dtype=torch.uint8, device=self.device)

@@ -137,17 +137,20 @@ def test_gathers_ahead_stop_where_the_gather_buffer_is_full():
 
 def test_without_lending_the_resized_storages_are_counted(monkeypatch):
     """A torch that cannot lend (forced here): gathers resize the groups' storages, the stats count them
-    (what is held now, its peak), and a gather buffer, which nothing can hold to, says it has no effect."""
+    (what is held now, its peak), and a gather buffer, which nothing can hold to, says it has no effect
+    and has none (it held prefetching back when it bounded nothing)."""
     monkeypatch.setattr(gather_memory, "_CAN_LEND", False)
     shape = preset("tiny")
     torch.manual_seed(0)
-    with pytest.warns(RuntimeWarning, match=r"partition.gather_buffer_bytes = 1048576 has no effect with this torch"):
-        with infinity.Init({"tiers": {"device": "cpu", "params": "host"},
-                            "partition": {"gather_buffer_bytes": "1MiB"}}):
+    # 128 KiB: the largest group alone, which as a bound would leave no room to gather ahead.
+    with pytest.warns(RuntimeWarning, match=r"partition.gather_buffer_bytes = 131072 has no effect with this torch"):
+        with infinity.Init({"tiers": {"device": "cpu", "params": "host"}, "prefetch": {"device_bytes": "1MiB"},
+                            "partition": {"gather_buffer_bytes": "128KiB"}}):
             model = GPT(shape)
     _train(model, shape, steps=3)
+    assert infinity.stats(model)["fetch"]["prefetch_hits"] > 0     # the key holds nothing back either
     stats = infinity.stats(model)["gather_memory"]
-    assert stats["lending"] is False and stats["slabs"] == 0
+    assert stats["lending"] is False and stats["slabs"] == 0 and stats["capacity"] is None
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     with infinity.gathered(model):      # every group's storage at its padded size
         all_gathered = infinity.stats(model)["gather_memory"]["bytes_in_use"]

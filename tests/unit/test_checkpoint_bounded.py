@@ -84,7 +84,7 @@ def _pin_mmap_threshold() -> None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:         # not glibc: no such threshold
         return
-    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    assert libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20) == 1, "glibc refused M_MMAP_THRESHOLD = 1 MiB"
 
 
 def _measure(tmp_path):
