@@ -20,8 +20,9 @@ Under ``torch.compile`` the tracer inlines the watch into every graph of such a 
 only at the arguments' types there (a released parameter's class is ``ReleasedParameter``, see
 [Note: released placeholders]; a subclass of ``nn.Parameter`` keeps its own, so any class but
 ``nn.Parameter`` itself counts) and looks the parameter up in a call the tracer does not trace,
-a graph break where a foreign parameter may be used: traced, the map of every managed parameter became an input
-and a guard of every graph (a 12-layer GPT's first compiled step took 6.8 s to compile, 3.2 without).
+a graph break where a foreign parameter may be used. Traced, the map of every managed parameter
+became an input and a guard of every graph (a 12-layer GPT's first compiled step took 6.8 s to
+compile, 3.2 without).
 
 What the room may touch: nothing but the engine's ``on_foreign_use`` and the
 coordinator's parameter -> group map (read only).
