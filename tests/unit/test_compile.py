@@ -44,18 +44,11 @@ def test_compiled_engine_model_trains_as_the_plain_model(tmp_path, backend, tier
 
 
 def test_module_compile_in_place(tmp_path):
-    torch.manual_seed(0)
-    ref = _Net()
-    with infinity.Init({"tiers": {"params": "host"}}):
-        model = _Net()
-    with infinity.gathered(model):
-        model.load_state_dict(ref.state_dict())
-    model.compile()
-    losses, params = train_side_by_side(model, infinity.AdamW(model, lr=1e-2), ref,
-                                        torch.optim.AdamW(ref.parameters(), lr=1e-2),
-                                        [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)])
-    assert max(losses) < 1e-5 and max(params.values()) < 1e-5, (losses, params)
-    infinity.release(model)
+    def in_place(model):
+        model.compile()
+        return model
+
+    _train_compiled(_Net, in_place)
 
 
 class _ForeignUse(nn.Module):
@@ -80,9 +73,9 @@ class _ForeignUseOfASubclass(_ForeignUse):
         self.b.weight = _OwnParameter(self.b.weight.detach().clone())
 
 
-def _train_compiled_aot_eager(net) -> None:
-    """An engine model of class ``net`` compiled with the aot_eager backend trains as the plain model does;
-    torch.compile's caches are emptied before and after (the tests look at what one run compiled)."""
+def _train_compiled(net, compile=lambda model: torch.compile(model, backend="aot_eager")) -> None:
+    """An engine model of class ``net``, compiled by ``compile`` (aot_eager by default), trains as the plain
+    model does; torch.compile's caches are emptied first (the tests look at what one run compiled)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     ref = net()
@@ -90,7 +83,7 @@ def _train_compiled_aot_eager(net) -> None:
         model = net()
     with infinity.gathered(model):
         model.load_state_dict(ref.state_dict())
-    losses, params = train_side_by_side(torch.compile(model, backend="aot_eager"), infinity.AdamW(model, lr=1e-2),
+    losses, params = train_side_by_side(compile(model), infinity.AdamW(model, lr=1e-2),
                                         ref, torch.optim.AdamW(ref.parameters(), lr=1e-2),
                                         [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)])
     assert max(losses) < 1e-5 and max(params.values()) < 1e-5, (losses, params)
@@ -105,7 +98,7 @@ def test_compiled_on_a_torch_whose_tracer_does_not_say_it_is_compiling(monkeypat
     # torch 2.13's flag for the whole compile session; a torch that renamed it would make this test 2.13's.
     assert hasattr(torch.compiler, "_compile_session_context") or torch.__version__ < "2.13"
     monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
-    _train_compiled_aot_eager(net)
+    _train_compiled(net)
     torch._dynamo.reset()
 
 
@@ -116,7 +109,7 @@ def test_the_foreign_watch_stays_out_of_the_graphs_and_their_guards(net):
     nn.Linear frame of this two-layer model), and the foreign use still fetches the parameter it needs."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    _train_compiled_aot_eager(net)
+    _train_compiled(net)
     guards = [str(entry.guard_manager) for code in (_ForeignUse.forward.__code__, nn.Linear.forward.__code__)
               for entry in _debug_get_cache_entry_list(code)]
     torch._dynamo.reset()
