@@ -223,8 +223,12 @@ class GradReducer:
             # kernel on a GPU where the dtypes agree), not a copy per parameter.
             torch._foreach_copy_(flat[:group.numel].split(sizes), [grad.reshape(-1) for grad in grads])
         else:
-            for param, grad in zip(params, grads):
-                slot = self._slot_of[id(param)][1]
+            # Every slot is written: a gradient, or zeros for a parameter without one in this backward, or
+            # frozen (requires_grad False, so not among ``params``). The memory is reused: a slot left
+            # alone would hand the last group's values to the norm, the non-finite check and the update.
+            given = {id(param): grad for param, grad in zip(params, grads)}
+            for slot in group.slots:
+                grad = given.get(id(slot.param))
                 part = flat[slot.offset:slot.offset + slot.numel]
                 part.zero_() if grad is None else part.copy_(grad.reshape(-1))   # converts into an fp32 accumulator
         flat[group.slots[-1].offset + group.slots[-1].numel:].zero_()   # padding: reused memory, zero as at partitioning

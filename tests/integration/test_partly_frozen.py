@@ -1,0 +1,71 @@
+"""Groups that mix frozen and trainable parameters (BitFit, adapters inside a block) train as plain torch.
+
+The presets make each transformer block one parameter group (``partition.units = "auto"``). Freezing
+some of its parameters (the weights, training the biases and norms: BitFit; or a block's base weights
+beside trainable adapters) leaves their slots of the group's gradient without a gradient. The gradient
+buckets are reused memory, so those slots must be written (zeros) in every backward: left alone they
+carried another group's gradients into the global norm, ``clip_grad_norm_`` and the non-finite check
+(a step skipped for a NaN no parameter had).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infinity
+from infinity.config import load_config
+from infinity.examples.data import batches
+from infinity.examples.gpt import GPT, preset
+
+
+def _bitfit(model) -> None:
+    """Train biases and norms only."""
+    for p in model.parameters():
+        if p.dim() > 1:
+            p.requires_grad_(False)
+
+
+def _run(model, shape, make_opt, steps: int):
+    """(losses, gradient norms before clipping), optimizer: ``steps`` clipped AdamW steps on random tokens."""
+    opt = make_opt(model)
+    data = batches("random", 4, 32, shape.vocab_size, seed=0)
+    losses, norms = [], []
+    for _ in range(steps):
+        x, y = next(data)
+        loss = model(x, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return (losses, norms), opt
+
+
+@pytest.mark.parametrize("name", ["device", "offload-optimizer", "offload-host"])
+def test_a_partly_frozen_block_trains_as_plain_torch(tmp_path, name):
+    shape = preset("tiny", n_layer=3)
+    torch.manual_seed(0)
+    ref = GPT(shape)
+    _bitfit(ref)
+    overrides = {"tiers": {"device": "cpu", "nvme_path": str(tmp_path)}, "precision": {"dtype": "float32"}}
+    torch.manual_seed(0)
+    with infinity.Init(load_config(name, overrides=overrides)):
+        model = GPT(shape)
+    _bitfit(model)
+    frozen = {}
+    with infinity.gathered(model):
+        for n, p in model.named_parameters():
+            if not p.requires_grad:
+                frozen[n] = p.detach().clone()
+    assert frozen
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    want, _ = _run(ref, shape, lambda m: torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1), steps=4)
+    got, opt = _run(model, shape, lambda m: infinity.AdamW(m, lr=1e-2, weight_decay=0.1), steps=4)
+    assert opt.skipped_steps == 0
+    for what, a, b in zip(("loss", "gradient norm"), got, want):
+        assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-4, (what, a, b)
+    with infinity.gathered(model):
+        for n, p in model.named_parameters():
+            if n in frozen:
+                assert torch.equal(p, frozen[n]), f"frozen {n} changed"
+    infinity.release(model)
