@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from infinity.runtime.placeholder import ReleasedParameter
+from infinity.runtime.placeholder import ORIGINAL_OF, RELEASED_OF, released_class
 
 ALIGN_NUMEL = 2048
 
@@ -177,8 +177,9 @@ class ParamGroup:
             self._views = (full, views) if lent else None
         for slot, view in zip(self.slots, views):
             param = slot.param
-            if type(param) is ReleasedParameter:    # a plain Parameter again before .data is set
-                param.__class__ = nn.Parameter
+            cls = type(param)
+            if cls in ORIGINAL_OF:              # its own class again before .data is set
+                param.__class__ = ORIGINAL_OF[cls]
             param.data = view
         self.state = ParamState.AVAILABLE
 
@@ -204,5 +205,7 @@ class ParamGroup:
         for slot in self.slots:
             param = slot.param
             param.data = empty
-            if type(param) is nn.Parameter:     # subclasses keep their class (and no guard)
-                param.__class__ = ReleasedParameter
+            cls = type(param)
+            released = RELEASED_OF[cls] if cls in RELEASED_OF else released_class(cls)
+            if released is not None:
+                param.__class__ = released

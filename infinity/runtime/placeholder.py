@@ -32,16 +32,32 @@ engine runs (infinity.Init's construction mode, the foreign-parameter watch) com
 before a subclass in torch's dispatch, so they still gather a released parameter a
 call receives before this class sees the call.
 
-Not caught: parameters of a subclass of ``nn.Parameter`` keep their class (and the
-silent empty placeholder); ``Tensor`` methods reached without torch's dispatch (the
-C++ of custom extensions) see the ``(0,)`` tensor; while ``torch.compile`` traces a
-frame every call passes (its tracer makes a fake of every tensor the frame reaches,
+A parameter of a subclass of ``nn.Parameter`` becomes an instance of a class made
+for it once, a subclass of both ``ReleasedParameter`` and its own class
+(``released_class``), so ``isinstance`` checks against its own class hold too; a
+subclass with a ``__torch_function__`` of its own (a tensor subclass with its own
+dispatch, which a second handler would fight) keeps its class and the silent
+placeholder. Not caught either: ``Tensor`` methods reached without torch's dispatch
+(the C++ of custom extensions) see the ``(0,)`` tensor; while ``torch.compile`` traces
+a frame every call passes (its tracer makes a fake of every tensor the frame reaches,
 and must see the tensor as it is).
 
+[Note: released joins]
+A tiled layer's ``weight`` (and ``bias``) is the concatenation of its tiles' parameters,
+made at each access (see [Note: the tiled weight] in infinity/tiling/weight.py). While a
+tile is released there is nothing to concatenate, and the join is a ``ReleasedJoin``: a
+released placeholder of the untiled shape, dtype and device, refusing reads as a
+released parameter does (the message names the untiled name, ``head.weight``). What the
+plain layer's parameter would do to the model does it to the tiles: setting
+``requires_grad`` (or ``requires_grad_``) freezes or unfreezes every tile. ``.grad``
+refuses: the gradients are the tiles' (``layer.tiles[i].weight.grad``).
+
 What the room may touch: the registry (which engine holds a parameter, for its name);
-nothing else of the engine.
+the parameters a join is made of; nothing else of the engine.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
@@ -102,7 +118,7 @@ class ReleasedParameter(nn.Parameter):
             _REQUIRES_GRAD.__set__(self, value)
 
     def __repr__(self) -> str:
-        return (f"ReleasedParameter(shape={tuple(_whole_shape(self))}, dtype={self.dtype}: released by infinity; "
+        return (f"{type(self).__name__}(shape={tuple(_whole_shape(self))}, dtype={self.dtype}: released by infinity; "
                 "its values exist inside `with infinity.gathered(model):`)")
 
     @classmethod
@@ -146,6 +162,16 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
+def requires_grad_set(func, args, kwargs) -> bool | None:
+    """The value a torch call on ``args[0]`` sets its ``requires_grad`` to (``t.requires_grad = v``,
+    ``t.requires_grad_(v)``); None for any other call."""
+    if func is _T.requires_grad_:
+        return bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+    if _attribute_of(func) == "requires_grad" and func.__name__ == "__set__":
+        return bool(args[1])
+    return None
+
+
 def _attribute_of(func) -> str | None:
     """The attribute name of a descriptor's ``__get__``/``__set__``/``__delete__`` (None for a function)."""
     owner = getattr(func, "__self__", None)
@@ -154,11 +180,11 @@ def _attribute_of(func) -> str | None:
 
 def _released_among(args, kwargs):
     for a in (*args, *kwargs.values()):
-        if type(a) is ReleasedParameter:
+        if type(a) in _RELEASED_TYPES:
             return a
         if type(a) in (list, tuple):
             for b in a:
-                if type(b) is ReleasedParameter:
+                if type(b) in _RELEASED_TYPES:
                     return b
     return None
 
@@ -195,6 +221,8 @@ def _holder(param):
 
 
 def _whole_shape(param) -> torch.Size:
+    if type(param) is ReleasedJoin:
+        return param.joined_shape
     held = _holder(param)
     if held is None:
         with torch._C.DisableTorchFunctionSubclass():
@@ -212,6 +240,8 @@ _CONVERSION_REASON = ("infinity keeps parameters in the dtype and on the device 
 
 def refusal(param, what: str, reason: str = _RELEASED_REASON) -> str:
     """The message refusing ``what`` on the released ``param``: its name, why, and what to do instead."""
+    if type(param) is ReleasedJoin:
+        return f"{what} on {param.describe()}: {reason}"
     held = _holder(param)
     if held is None:
         return (f"{what} on a released infinity parameter (of a model whose engine was released by "
@@ -220,3 +250,100 @@ def refusal(param, what: str, reason: str = _RELEASED_REASON) -> str:
     name = engine.param_names.get(param) or f"{group.name}.{slot.name}"
     return f"{what} on parameter {name!r}: {reason}"
 
+
+
+class ReleasedJoin(ReleasedParameter):
+    """A tiled layer's joined ``weight`` or ``bias`` while a tile is released (see [Note: released joins])."""
+
+    joined_tiles: list
+    """The tiles' parameters, in order."""
+
+    joined_shape: torch.Size
+    """The untiled shape."""
+
+    joined_attribute: str
+    """The untiled name within the layer ("weight" or "bias")."""
+
+    @classmethod
+    def over(cls, tiles: list, shape, attribute: str) -> "ReleasedJoin":
+        """The placeholder for the join of ``tiles`` (the ``attribute`` parameters of a tiled layer's tiles)."""
+        with _NO_SUBCLASS():
+            first = tiles[0]
+            trainable = any(_REQUIRES_GRAD.__get__(t) for t in tiles)
+            out = nn.Parameter(torch.empty(0, dtype=first.dtype, device=first.device), requires_grad=trainable)
+        out.__class__ = cls
+        out.joined_tiles, out.joined_shape, out.joined_attribute = list(tiles), torch.Size(shape), attribute
+        return out
+
+    @property
+    def requires_grad(self) -> bool:
+        with _NO_SUBCLASS():
+            return _REQUIRES_GRAD.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        for tile in self.joined_tiles:      # what freezing the untiled parameter does: every tile
+            tile.requires_grad = value
+        with _NO_SUBCLASS():
+            _REQUIRES_GRAD.__set__(self, value)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "ReleasedJoin":
+        self.requires_grad = requires_grad
+        return self
+
+    @property
+    def grad(self):
+        raise EngineError(f".grad on {self.describe()}: a join has no gradient of its own; the gradients are "
+                          f"the tiles' (layer.tiles[i].{self.joined_attribute}.grad, or model.named_parameters())")
+
+    @grad.setter
+    def grad(self, value) -> None:
+        raise EngineError(f"setting .grad on {self.describe()}: set the tiles' "
+                          f"(layer.tiles[i].{self.joined_attribute}.grad) instead")
+
+    def describe(self) -> str:
+        """The join's untiled name (from its first tile's, ``head.tiles.0.weight``) and what it is."""
+        held = _holder(self.joined_tiles[0])
+        name = None
+        if held is not None:
+            engine, group, slot = held
+            first = engine.param_names.get(self.joined_tiles[0]) or f"{group.name}.{slot.name}"
+            prefix, found, _ = first.rpartition(f"tiles.0.{self.joined_attribute}")
+            name = prefix + self.joined_attribute if found else first
+        what = f"the joined {self.joined_attribute!r} of a tiled layer ({len(self.joined_tiles)} tiles, not all gathered)"
+        return what if name is None else f"{name!r}, {what}"
+
+
+def released_class(cls: type) -> type | None:
+    """The class a parameter of class ``cls`` has while released (see [Note: released placeholders]).
+
+    ``ReleasedParameter`` for ``nn.Parameter``; for a subclass, a class made once that derives from both;
+    None for a subclass with its own ``__torch_function__``, or one no class can derive from together
+    with ``ReleasedParameter`` (its layout), which keep their class. ``cls`` released already: itself.
+    The answers are kept in ``RELEASED_OF`` (the engine looks there first: no call per parameter).
+    """
+    with _MAKING:
+        if cls in RELEASED_OF:
+            return RELEASED_OF[cls]
+        made = None
+        if issubclass(cls, nn.Parameter) and cls.__torch_function__ is nn.Parameter.__torch_function__:
+            try:
+                made = type(f"Released{cls.__name__}", (ReleasedParameter, cls),
+                            {"__module__": __name__, "__qualname__": f"Released{cls.__qualname__}"})
+            except Exception:       # its layout, or its own __init_subclass__: it keeps its class
+                made = None
+        if made is not None:
+            ORIGINAL_OF[made] = cls
+            RELEASED_OF[made] = made
+            _RELEASED_TYPES.add(made)
+        RELEASED_OF[cls] = made
+        return made
+
+
+# Each parameter class met -> its class while released (itself for a released class; None: it keeps its own).
+RELEASED_OF: dict = {nn.Parameter: ReleasedParameter, ReleasedParameter: ReleasedParameter}
+# Each released class of a parameter -> the parameter's own class.
+ORIGINAL_OF: dict = {ReleasedParameter: nn.Parameter}
+# Every class whose instances are released placeholders.
+_RELEASED_TYPES: set = {ReleasedParameter, ReleasedJoin}
+_MAKING = threading.Lock()
