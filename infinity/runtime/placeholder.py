@@ -251,7 +251,6 @@ def refusal(param, what: str, reason: str = _RELEASED_REASON) -> str:
     return f"{what} on parameter {name!r}: {reason}"
 
 
-
 class ReleasedJoin(ReleasedParameter):
     """A tiled layer's joined ``weight`` or ``bias`` while a tile is released (see [Note: released joins])."""
 
@@ -275,12 +274,7 @@ class ReleasedJoin(ReleasedParameter):
         out.joined_tiles, out.joined_shape, out.joined_attribute = list(tiles), torch.Size(shape), attribute
         return out
 
-    @property
-    def requires_grad(self) -> bool:
-        with _NO_SUBCLASS():
-            return _REQUIRES_GRAD.__get__(self)
-
-    @requires_grad.setter
+    @ReleasedParameter.requires_grad.setter
     def requires_grad(self, value: bool) -> None:
         for tile in self.joined_tiles:      # what freezing the untiled parameter does: every tile
             tile.requires_grad = value
@@ -310,7 +304,8 @@ class ReleasedJoin(ReleasedParameter):
             first = engine.param_names.get(self.joined_tiles[0]) or f"{group.name}.{slot.name}"
             prefix, found, _ = first.rpartition(f"tiles.0.{self.joined_attribute}")
             name = prefix + self.joined_attribute if found else first
-        what = f"the joined {self.joined_attribute!r} of a tiled layer ({len(self.joined_tiles)} tiles, not all gathered)"
+        tiles = len(self.joined_tiles)
+        what = f"the joined {self.joined_attribute!r} of a tiled layer ({tiles} tiles, not all gathered)"
         return what if name is None else f"{name!r}, {what}"
 
 
