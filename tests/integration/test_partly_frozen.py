@@ -41,7 +41,7 @@ def _run(model, shape, make_opt, steps: int):
     return (losses, norms), opt
 
 
-@pytest.mark.parametrize("name", ["device", "offload-optimizer", "offload-host"])
+@pytest.mark.parametrize("name", ["device", "offload-optimizer", "offload-host", "nvme"])
 def test_a_partly_frozen_block_trains_as_plain_torch(tmp_path, name):
     shape = preset("tiny", n_layer=3)
     torch.manual_seed(0)
