@@ -170,7 +170,7 @@ class GradReducer:
                 end = end + slot.numel if slot.offset == end else -1
             self._packed[g] = [s.numel for s in g.slots] if end >= 0 else None
             self._expected[g] = sum(1 for s in g.slots if s.param.requires_grad)
-            self._group_positions[g] = torch.tensor([self._position[s.param] for s in g.slots if s.param.requires_grad],
+            self._group_positions[g] = torch.tensor([self._position[s.param] for s in g.slots],
                                                     dtype=torch.long, device=self.device)
         self.book = store.book = GradientBook(len(self._position), self.device)
         trainable = [g for g in self.coordinator.groups if self._expected[g]]
@@ -232,9 +232,9 @@ class GradReducer:
                 part = flat[slot.offset:slot.offset + slot.numel]
                 part.zero_() if grad is None else part.copy_(grad.reshape(-1))   # converts into an fp32 accumulator
         flat[group.slots[-1].offset + group.slots[-1].numel:].zero_()   # padding: reused memory, zero as at partitioning
-        if arrived == len(params):
+        if arrived == len(group.slots):
             self.book.arrived.index_fill_(0, self._group_positions[group], 1.0)
-        else:
+        else:   # only the parameters with a gradient: one frozen since the optimizer was built has none
             for param, grad in zip(params, grads):
                 if grad is not None:
                     self.book.arrived[self._position[param]] = 1.0
