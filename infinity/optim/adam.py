@@ -64,7 +64,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._select()
         self._nonfinite = NonFiniteSteps(engine, self._name)
         update = UpdatePass(self.store, engine.coordinator, self._ranges, engine.device, engine.tiers.allocator)
-        self._updates = UpdateScheduler(engine, update, self._ranges.trainable, self._name)
+        # DPU's second compute copies: for the groups training now (a group frozen now is refused by _job later).
+        self._updates = UpdateScheduler(engine, update, self._ranges.training, self._name)
         self._in_backward = None    # [Note: update during backward] in infinity/optim/in_backward.py
         if engine.config.optimizer.update_in_backward:
             self._in_backward = InBackwardUpdate(self, engine, update.run, self._job_in_backward,
@@ -89,13 +90,15 @@ class _OffloadAdam(torch.optim.Optimizer):
         """Which parameters the update changes, in which groups (the constructor, ``add_param_group``)."""
         engine = self.engine
         groups = engine.coordinator.groups
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        # Every parameter it holds, frozen or not, as torch.optim: one without a gradient is left alone
+        # (see [Note: parameters without a gradient]), one unfrozen later is stepped from then on.
+        params = [p for g in self.param_groups for p in g["params"]]
         chosen = {id(p) for p in params}
         slots = [(g, s) for g in groups for s in g.slots if id(s.param) in chosen]
         self._hyper_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         ranges = UpdateRanges(groups, self.store.layout, params)
         if self._ranges is not None:
-            if self._updates.delay is not None and ranges.trainable - self._ranges.trainable:
+            if self._updates.delay is not None and ranges.training - self._updates.delay.trainable:
                 raise EngineError(f"{self._name}.add_param_group: with dpu.enabled the parameters an optimizer "
                                   "steps are fixed at its construction; pass every group to the constructor")
             self._updates.update.ranges = ranges
@@ -186,6 +189,12 @@ class _OffloadAdam(torch.optim.Optimizer):
         uniform = len(set(hypers)) == 1
         self.store.flush()  # gradient writes the backward issued to the tier must land before the pass reads
         updated = frozenset(self._ranges.trainable & self.store.grad_written)
+        if self._updates.delay is not None and not updated <= self._updates.delay.trainable:
+            groups = self.engine.coordinator.groups
+            names = sorted(groups[gi].name for gi in updated - self._updates.delay.trainable)
+            raise EngineError(f"{self._name}.step(): with dpu.enabled the parameters an optimizer steps are fixed at "
+                              f"its construction, and group(s) {names} were frozen then; set requires_grad before "
+                              "building the optimizer, or turn dpu.enabled off")
         self._param_steps.count_missing(with_grad)
         runs = None
         if self._param_steps.lagging or not uniform:

@@ -67,13 +67,15 @@ class DelayedUpdate(BackgroundUpdate):
     Parameters are those of :class:`BackgroundUpdate`, and
 
     trainable:
-        Indices of the groups with parameters in the optimizer (they get a second key).
+        Indices of the groups with parameters in the optimizer that require grad at its construction
+        (they get a second key; the optimizer refuses to step any other group with DPU).
     """
 
     def __init__(self, store, coordinator, run: Callable[[StepJob], None], threads: int, device,
                  trainable: set[int], stats: UpdateStats | None = None) -> None:
         super().__init__(store, coordinator, run, threads, device, stats)
         self._spare_grad_keys = self._grad_keys(store.grad_dtype)
+        self.trainable = frozenset(trainable)
         self._spare_param_keys = {g.index: coordinator.shards.copy(g, tag=f"param-next:{g.name}")
                                   for g in coordinator.groups if g.index in trainable}
         store.before_widen = self._widen_spare

@@ -110,7 +110,9 @@ class GradFace:
     def __init__(self, engine, names: dict) -> None:
         self._engine = weakref.ref(engine)
         groups = engine.coordinator.groups
-        self.slots = [(g, s) for g in groups for s in g.slots if s.param.requires_grad]
+        # Every parameter, trainable now or not: one frozen when the engine was built may be trained later
+        # (requires_grad can change at any time, as in torch), and only those with a gradient get a token.
+        self.slots = [(g, s) for g in groups for s in g.slots]
         self.index = {id(s.param): i for i, (_, s) in enumerate(self.slots)}
         self.names = [names.get(s.param, s.name) for _, s in self.slots]
         # One token per parameter, made once: making them during backward, between the freed

@@ -140,14 +140,33 @@ class InBackwardUpdate:
         weakref.finalize(self, self._queue.put, None)
 
     def refresh(self, trainable) -> None:
-        """Which groups each sub-group waits for (the optimizer's trainable groups)."""
-        layout = self.store.layout
-        self.waits = [frozenset(p.group_index for p in pieces if p.group_index in trainable)
-                      for pieces in layout.pieces_of_sub]
+        """The groups with parameters in the optimizer (``trainable``) changed (``add_param_group``)."""
+        self._held = frozenset(trainable)
+        self._training = None
+        self._watch_training()
+
+    def _watch_training(self) -> None:
+        """Which groups each sub-group waits for: the optimizer's groups with a parameter that requires grad.
+
+        Read again at the first gradient of each backward (``requires_grad`` may change between steps, as
+        in torch): a frozen group would keep its sub-groups waiting for a gradient that never comes, and a
+        group unfrozen since must be waited for, or its sub-groups would be stepped without it."""
+        groups = self.coordinator.groups
+        training = frozenset(gi for gi in self._held if any(s.param.requires_grad for s in groups[gi].slots))
+        if training == self._training:
+            return
+        self._training = training
+        self.waits = [frozenset(p.group_index for p in pieces if p.group_index in training)
+                      for pieces in self.store.layout.pieces_of_sub]
 
     # -- called by the gradient reducer (main thread) --------------------------------------------
     def taken(self, group_index: int, complete: bool) -> None:
-        """A group's gradient is about to be reduced and sent; a second one before the step is refused."""
+        """A group's gradient is about to be reduced and sent; a second one before the step is refused.
+
+        ``complete``: every parameter of the group had a gradient (else its sub-groups wait for ``opt.step()``,
+        whose flags say exactly which parameters to step)."""
+        if not self._taken:     # the first gradient of this backward
+            self._watch_training()
         if group_index in self._taken:
             self._refuse_second(group_index)
         self._taken.add(group_index)

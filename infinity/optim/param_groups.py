@@ -39,7 +39,7 @@ def resolve(params, what: str):
                     f"{what}: parameter {name!r} of {type(params).__name__} is not managed by infinity "
                     "(added after infinity.Init exited?), so it would never be updated; build the whole "
                     "model inside infinity.Init")
-        return engine, [{"params": [p for p in params.parameters() if p.requires_grad]}]
+        return engine, [{"params": list(params.parameters())}]     # as torch.optim.AdamW(model.parameters())
     if isinstance(params, nn.Parameter):
         params = [params]
     groups = list(params)

@@ -3,7 +3,9 @@
 [Note: parameters without a gradient]
 As in ``torch.optim``, a parameter whose gradient did not arrive since the last
 ``zero_grad`` (on any rank: the flags travel with the non-finite check's all-reduce) is
-left alone: no weight decay, its moments and step count unchanged. Each parameter keeps
+left alone: no weight decay, its moments and step count unchanged. Frozen parameters
+(``requires_grad`` False) are such parameters: the optimizer holds them as torch's does,
+and steps them again from the first gradient after they are unfrozen. Each parameter keeps
 its own step count for Adam's bias correction as torch's ``state["step"]`` does; they
 are stored as a lag behind the optimizer's ``step_count`` (parameters with lag 0 not
 listed), saved in ``state_dict`` and checkpoints as ``param_steps`` by name. When every
@@ -42,7 +44,8 @@ class UpdateRanges:
 
     A group whose parameters are all in the optimizer is one range, padding included
     (padding stays exactly zero under Adam), so the kernel sees long runs. Parameters
-    frozen before the optimizer was built are left out, as in ``torch.optim``.
+    frozen (``requires_grad`` False) are in the optimizer as in ``torch.optim``: without a
+    gradient they are left alone, and once trainable again they are stepped.
 
     Parameters
     ----------
@@ -58,12 +61,16 @@ class UpdateRanges:
         chosen = {id(p) for p in params}
         self.layout = layout
         self.trainable: set[int] = set()
+        # Those of them with a parameter that requires grad now (the rest are frozen, for now).
+        self.training: set[int] = set()
         self._ranges: list[list[tuple[int, int, int]]] = [[] for _ in range(layout.num_subs)]
         for g in groups:
             mine = [s for s in g.slots if id(s.param) in chosen]
             if not mine:
                 continue
             self.trainable.add(g.index)
+            if any(s.param.requires_grad for s in mine):
+                self.training.add(g.index)
             if len(mine) == len(g.slots):
                 spans = [(0, g.shard_numel)]
             else:

@@ -140,6 +140,7 @@ class GradReducer:
         self.device_buckets = ReduceBuckets(self.device, datapath, bucket_nbytes)
         self.allocator = allocator
         self.host_buckets: Arena | None = None
+        self._bucket_nbytes = self._host_nbytes = 0     # what the buckets hold at most (``_size_buckets``)
         self._stale: list[tuple[ParamGroup, list]] = []     # taken; .grad and the group let go next
         self._slot_of: dict[int, tuple[int, object]] = {}       # id(parameter) -> (its index, its slot)
         self._packed: dict[ParamGroup, list[int] | None] = {}   # group -> its slots' sizes, when packed from 0
@@ -175,11 +176,24 @@ class GradReducer:
         self.book = store.book = GradientBook(len(self._position), self.device)
         trainable = [g for g in self.coordinator.groups if self._expected[g]]
         biggest = max(trainable, key=lambda g: g.full_nbytes, default=None)
-        self.device_buckets.size_for(biggest.full_nbytes if biggest else 0, biggest.name if biggest else None)
-        # Two buffers of the largest trainable shard (infinity-plan's "grad_staging" row); made at first use.
-        largest = max((-(-g.shard_nbytes // 4096) * 4096 for g in self.coordinator.groups if self._expected[g]),
-                      default=4096)
-        self.host_buckets = Arena(self.allocator.empty, 2 * largest, name="gradient-host")
+        self._size_buckets(biggest.full_nbytes if biggest else 0, biggest.name if biggest else None,
+                           max((g.shard_nbytes for g in trainable), default=0))
+
+    def _size_buckets(self, full_nbytes: int, name: str | None, shard_nbytes: int) -> None:
+        """Buckets for gradients of groups up to ``full_nbytes`` (the largest: ``name``) on the device and
+        shards up to ``shard_nbytes`` on the host: two of the largest shard (infinity-plan's "grad_staging"
+        row), made at first use."""
+        self.device_buckets.size_for(full_nbytes, name)
+        self._bucket_nbytes = full_nbytes
+        self._host_nbytes = max(4096, -(-shard_nbytes // 4096) * 4096)
+        self.host_buckets = Arena(self.allocator.empty, 2 * self._host_nbytes, name="gradient-host")
+
+    def _grow_buckets(self, group: ParamGroup) -> None:
+        """``group`` has gradients and is larger than every group trainable when the buckets were sized (its
+        parameters were frozen then: requires_grad may change at any time, as in torch): size them for it.
+        Buckets still lent keep the old buffers alive until they come back."""
+        self._size_buckets(max(self._bucket_nbytes, group.full_nbytes), group.name,
+                           max(self._host_nbytes, group.shard_nbytes))
 
     @property
     def whole_nbytes(self) -> int:
@@ -201,9 +215,11 @@ class GradReducer:
         at the next group or at the end of the backward, once autograd is done with them.
         """
         self._let_go()
+        if group.full_nbytes > self._bucket_nbytes or group.shard_nbytes > self._host_nbytes:
+            self._grow_buckets(group)
         arrived = sum(grad is not None for grad in grads)
         if self.watcher is not None:    # may refuse the gradient: before anything is taken for it
-            self.watcher.taken(group.index, arrived == len(params))
+            self.watcher.taken(group.index, arrived == len(group.slots))     # a frozen one: not complete
         flat = self._accumulator(group)
         loan = None
         first_whole = self.defer and group not in self._waiting

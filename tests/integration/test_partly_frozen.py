@@ -1,4 +1,4 @@
-"""Groups that mix frozen and trainable parameters (BitFit, adapters inside a block) train as plain torch.
+"""Freezing and unfreezing (``requires_grad``) at any time trains as plain torch does.
 
 The presets make each transformer block one parameter group (``partition.units = "auto"``). Freezing
 some of its parameters (the weights, training the biases and norms: BitFit; or a block's base weights
@@ -10,7 +10,10 @@ carried another group's gradients into the global norm, ``clip_grad_norm_`` and 
 Freezing a parameter after the optimizer was built leaves it alone from then on in ``torch.optim``
 (no gradient: no weight decay, no moment update) until it is trainable again; the engine's record of
 which gradients arrived used to mark every parameter trainable when the optimizer was built, so a
-parameter frozen later was still decayed and moved by its old moments.
+parameter frozen later was still decayed and moved by its old moments. And a parameter frozen when
+the engine and the optimizer were built (gradual unfreezing) was never stepped once unfrozen, had no
+``.grad`` (so ``clip_grad_norm_`` left it out of the norm), and a group larger than every group
+trainable then found no gradient bucket to fit in.
 """
 from __future__ import annotations
 
@@ -19,8 +22,52 @@ import torch
 
 import infinity
 from infinity.config import load_config
+from infinity.errors import EngineError
 from infinity.examples.data import batches
 from infinity.examples.gpt import GPT, preset
+
+PRESETS = ["device", "offload-optimizer", "offload-host", "nvme"]
+
+
+def _build(tmp_path, name: str, frozen=None, **sections):
+    """(model, plain model, shape): the tiny GPT under preset ``name`` (fp32, CPU) and the same plain GPT,
+    both with ``frozen(model)`` applied as they are built (inside ``infinity.Init``: the engine is built
+    with those parameters frozen)."""
+    shape = preset("tiny", n_layer=3)
+    torch.manual_seed(0)
+    ref = GPT(shape)
+    overrides = {"tiers": {"device": "cpu", "nvme_path": str(tmp_path)}, "precision": {"dtype": "float32"},
+                 **sections}
+    torch.manual_seed(0)
+    with infinity.Init(load_config(name, overrides=overrides)):
+        model = GPT(shape)
+        if frozen is not None:
+            frozen(model)
+    if frozen is not None:
+        frozen(ref)
+    return model, ref, shape
+
+
+def _steps(pairs, shape, steps: int, before=lambda step: None, clip: float | None = None):
+    """Train each (model, optimizer) of ``pairs`` ``steps`` steps on the same random tokens, calling
+    ``before(step)`` first; yields, per step, each pair's (loss, gradient norm before clipping or None)."""
+    data = batches("random", 4, 32, shape.vocab_size, seed=0)
+    for step in range(steps):
+        before(step)
+        x, y = next(data)
+        out = []
+        for net, opt in pairs:
+            loss = net(x, y)
+            loss.backward()
+            norm = None if clip is None else float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip))
+            opt.step()
+            opt.zero_grad()
+            out.append((loss.item(), norm))
+        yield step, out
+
+
+def _close(got, want, rel: float) -> bool:
+    return all(a is None or abs(a - b) <= rel * abs(b) for a, b in zip(got, want))
 
 
 def _bitfit(model) -> None:
@@ -30,89 +77,102 @@ def _bitfit(model) -> None:
             p.requires_grad_(False)
 
 
-def _run(model, shape, make_opt, steps: int):
-    """(losses, gradient norms before clipping), optimizer: ``steps`` clipped AdamW steps on random tokens."""
-    opt = make_opt(model)
-    data = batches("random", 4, 32, shape.vocab_size, seed=0)
-    losses, norms = [], []
-    for _ in range(steps):
-        x, y = next(data)
-        loss = model(x, y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return (losses, norms), opt
+def _gathered_copies(model, names) -> dict:
+    with infinity.gathered(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
 
 
-@pytest.mark.parametrize("name", ["device", "offload-optimizer", "offload-host", "nvme"])
+@pytest.mark.parametrize("name", PRESETS)
 def test_a_partly_frozen_block_trains_as_plain_torch(tmp_path, name):
-    shape = preset("tiny", n_layer=3)
-    torch.manual_seed(0)
-    ref = GPT(shape)
-    _bitfit(ref)
-    overrides = {"tiers": {"device": "cpu", "nvme_path": str(tmp_path)}, "precision": {"dtype": "float32"}}
-    torch.manual_seed(0)
-    with infinity.Init(load_config(name, overrides=overrides)):
-        model = GPT(shape)
+    model, ref, shape = _build(tmp_path, name)
     _bitfit(model)
-    frozen = {}
-    with infinity.gathered(model):
-        for n, p in model.named_parameters():
-            if not p.requires_grad:
-                frozen[n] = p.detach().clone()
-    assert frozen
-    trainable = [p for p in ref.parameters() if p.requires_grad]
-    want, _ = _run(ref, shape, lambda m: torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1), steps=4)
-    got, opt = _run(model, shape, lambda m: infinity.AdamW(m, lr=1e-2, weight_decay=0.1), steps=4)
+    _bitfit(ref)
+    frozen = _gathered_copies(model, {n for n, p in model.named_parameters() if not p.requires_grad})
+    opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+    pairs = [(model, opt), (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1))]
+    for step, (got, want) in _steps(pairs, shape, 4, clip=0.05):
+        assert _close(got, want, 1e-4), (step, got, want)
     assert opt.skipped_steps == 0
-    for what, a, b in zip(("loss", "gradient norm"), got, want):
-        assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-4, (what, a, b)
-    with infinity.gathered(model):
-        for n, p in model.named_parameters():
-            if n in frozen:
-                assert torch.equal(p, frozen[n]), f"frozen {n} changed"
+    for n, p in _gathered_copies(model, frozen).items():
+        assert torch.equal(p, frozen[n]), f"frozen {n} changed"
     infinity.release(model)
 
 
-@pytest.mark.parametrize("name", ["device", "offload-optimizer", "offload-host", "nvme"])
+@pytest.mark.parametrize("name", PRESETS)
 def test_freezing_and_unfreezing_during_training_matches_plain_torch(tmp_path, name):
-    shape = preset("tiny", n_layer=3)
-    torch.manual_seed(0)
-    ref = GPT(shape)
-    overrides = {"tiers": {"device": "cpu", "nvme_path": str(tmp_path)}, "precision": {"dtype": "float32"}}
-    torch.manual_seed(0)
-    with infinity.Init(load_config(name, overrides=overrides)):
-        model = GPT(shape)
-    opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    data = batches("random", 4, 32, shape.vocab_size, seed=0)
-    matrices = [n for n, p in model.blocks[1].named_parameters() if p.dim() > 1]
-    for step in range(6):
+    model, ref, shape = _build(tmp_path, name)
+    matrices = {f"blocks.1.{n}" for n, p in model.blocks[1].named_parameters() if p.dim() > 1}
+    at_freeze = {}
+
+    def before(step: int) -> None:
         if step in (2, 4):      # block 1's matrices (its group keeps its vectors trainable), then back
             for net in (model, ref):
-                for n, p in net.blocks[1].named_parameters():
+                for n, p in net.named_parameters():
                     if n in matrices:
                         p.requires_grad_(step == 4)
         if step == 2:
-            with infinity.gathered(model):
-                at_freeze = {n: p.detach().clone() for n, p in model.blocks[1].named_parameters() if n in matrices}
-        x, y = next(data)
-        losses = []
-        for net, o in ((model, opt), (ref, ref_opt)):
-            loss = net(x, y)
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1]), (step, losses)
-        if step == 3:           # frozen for two steps: not decayed, not moved by their moments
-            with infinity.gathered(model):
-                for n, p in model.blocks[1].named_parameters():
-                    if n in matrices:
-                        assert torch.equal(p, at_freeze[n]), n
-    with infinity.gathered(model):
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert float((p - q).detach().abs().max()) <= 1e-3, n
+            at_freeze.update(_gathered_copies(model, matrices))
+        if step == 4:           # frozen for two steps: not decayed, not moved by their moments
+            for n, p in _gathered_copies(model, matrices).items():
+                assert torch.equal(p, at_freeze[n]), n
+
+    pairs = [(model, infinity.AdamW(model, lr=1e-2, weight_decay=0.1)),
+             (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1))]
+    for step, (got, want) in _steps(pairs, shape, 6, before):
+        assert _close(got, want, 1e-5), (step, got, want)
+    infinity.release(model)
+
+
+def _freeze_blocks(model) -> None:
+    model.blocks.requires_grad_(False)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_blocks_frozen_when_the_engine_was_built_train_once_unfrozen(tmp_path, name):
+    """Train the embeddings first, then everything (gradual unfreezing): the blocks' groups, frozen when the
+    engine and the optimizer were built and larger than any group trainable then, get gradients, ``.grad``
+    and updates as in torch from the step they are unfrozen."""
+    model, ref, shape = _build(tmp_path, name, _freeze_blocks)
+
+    def before(step: int) -> None:
+        if step == 2:
+            for net in (model, ref):
+                net.blocks.requires_grad_(True)
+
+    pairs = [(model, infinity.AdamW(model, lr=1e-2, weight_decay=0.1)),
+             (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1))]
+    for step, (got, want) in _steps(pairs, shape, 5, before, clip=1e9):
+        assert _close(got, want, 1e-4), (step, got, want)
+    infinity.release(model)
+
+
+def test_unfreezing_with_the_update_during_backward_matches_plain_torch(tmp_path):
+    """With the update during backward, a sub-group waits for the groups training at this backward: those
+    unfrozen since the last one too (else it would be stepped without their gradients)."""
+    model, ref, shape = _build(tmp_path, "offload-optimizer", _freeze_blocks,
+                               optimizer={"update_in_backward": True}, partition={"sub_group_size": 4096})
+
+    def before(step: int) -> None:
+        if step in (2, 4):
+            for net in (model, ref):
+                net.blocks[1].requires_grad_(step == 2)
+                net.blocks[2].requires_grad_(True)
+
+    pairs = [(model, infinity.AdamW(model, lr=1e-2)), (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))]
+    for step, (got, want) in _steps(pairs, shape, 5, before):
+        assert _close(got, want, 1e-5), (step, got, want)
+    infinity.release(model)
+
+
+def test_unfreezing_a_group_frozen_at_construction_with_dpu_is_refused_naming_it(tmp_path):
+    model, _, shape = _build(tmp_path, "offload-optimizer", _freeze_blocks, dpu={"enabled": True, "warmup_steps": 1})
+    opt = infinity.AdamW(model, lr=1e-2)
+    x, y = next(batches("random", 4, 32, shape.vocab_size, seed=0))
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    model.blocks.requires_grad_(True)
+    model(x, y).backward()
+    with pytest.raises(EngineError, match=r"dpu\.enabled.*'blocks\.0'"):
+        opt.step()
     infinity.release(model)
