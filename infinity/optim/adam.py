@@ -157,6 +157,9 @@ class _OffloadAdam(torch.optim.Optimizer):
             if not self.store.has_grad:
                 raise EngineError(f"{self._name}.step() called before backward(): there are no gradients "
                                   "to apply (call loss.backward() first)")
+            if self._updates.delay is not None:
+                self._updates.delay.refuse_untracked(self._ranges.trainable & self.store.grad_written,
+                                                     f"{self._name}.step()")
             clip_coef = self._clip_coef()
             self._calls += 1
             self._updates.begin_step()
@@ -189,12 +192,6 @@ class _OffloadAdam(torch.optim.Optimizer):
         uniform = len(set(hypers)) == 1
         self.store.flush()  # gradient writes the backward issued to the tier must land before the pass reads
         updated = frozenset(self._ranges.trainable & self.store.grad_written)
-        if self._updates.delay is not None and not updated <= self._updates.delay.trainable:
-            groups = self.engine.coordinator.groups
-            names = sorted(groups[gi].name for gi in updated - self._updates.delay.trainable)
-            raise EngineError(f"{self._name}.step(): with dpu.enabled the parameters an optimizer steps are fixed at "
-                              f"its construction, and group(s) {names} were frozen then; set requires_grad before "
-                              "building the optimizer, or turn dpu.enabled off")
         self._param_steps.count_missing(with_grad)
         runs = None
         if self._param_steps.lagging or not uniform:

@@ -56,6 +56,7 @@ from typing import Callable
 
 import torch
 
+from infinity.errors import EngineError
 from infinity.optim.background import BackgroundUpdate, UpdateWorkerError
 from infinity.optim.flat_state import allocate_key
 from infinity.optim.job import StepJob, UpdateStats
@@ -79,6 +80,16 @@ class DelayedUpdate(BackgroundUpdate):
         self._spare_param_keys = {g.index: coordinator.shards.copy(g, tag=f"param-next:{g.name}")
                                   for g in coordinator.groups if g.index in trainable}
         store.before_widen = self._widen_spare
+
+    def refuse_untracked(self, with_grads: set[int], what: str) -> None:
+        """Raise when a group with gradients (``with_grads``, indices) has no second compute copy: it was
+        frozen when the optimizer was built, and the delay cannot step it."""
+        late = set(with_grads) - self.trainable
+        if late:
+            names = sorted(self.coordinator.groups[gi].name for gi in late)
+            raise EngineError(f"{what}: with dpu.enabled the parameters an optimizer steps are fixed at its "
+                              f"construction, and group(s) {names} were frozen then; set requires_grad before "
+                              "building the optimizer, or turn dpu.enabled off")
 
     def _grad_keys(self, dtype: torch.dtype) -> list[int]:
         """A set of zeroed gradient keys in ``dtype``, one per sub-group."""

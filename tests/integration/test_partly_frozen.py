@@ -175,4 +175,10 @@ def test_unfreezing_a_group_frozen_at_construction_with_dpu_is_refused_naming_it
     model(x, y).backward()
     with pytest.raises(EngineError, match=r"dpu\.enabled.*'blocks\.0'"):
         opt.step()
+    assert opt.step_count == 1          # refused before anything changed
+    opt.zero_grad()
+    model.blocks.requires_grad_(False)
+    model(x, y).backward()
+    opt.step()
+    assert opt.step_count == 2
     infinity.release(model)
