@@ -208,17 +208,6 @@ class _ParamDest:
         return self.coordinator.shards.write(self.group, values, self.elem + dest_offset // self.src_itemsize)
 
 
-def _sub_pieces(layout, flat: int, numel: int):
-    """``(sub, offset_in_sub, n, rel)`` for elements ``[flat, flat + numel)`` of the rank's flat space."""
-    size = layout.sub_group_size
-    done = 0
-    while done < numel:
-        sub, within = divmod(flat + done, size)
-        take = min(size - within, numel - done)
-        yield sub, within, take, done
-        done += take
-
-
 def target_groups(engine, model: nn.Module) -> list[TargetGroup]:
     names = names_by_param(model)
     groups = []
@@ -351,7 +340,7 @@ def _plan(engine, model: nn.Module, saved: SavedCheckpoint, staged: StagedSubGro
         flat = layout.group_starts[m.group] + m.dst_elem
         for state in STATE_FILES[1:]:
             src = source(m.src_rank, state)
-            for sub, within, n, rel in _sub_pieces(layout, flat, m.numel):
+            for sub, within, n, rel in layout.sub_pieces(flat, m.numel):
                 states.append(Run(src, (m.src_elem + rel) * _F32, n * _F32,
                                   _state_dest(store, staged, state, sub, within, n * _F32)))
     return fills, files, params + states
@@ -376,7 +365,7 @@ def _fill_zeros(io, coordinator, store, layout, fills, staged: StagedSubGroups |
                                                    fill.dst_elem + start))
             flat = layout.group_starts[fill.group] + fill.dst_elem + start
             for state in STATE_FILES[1:]:
-                for sub, within, m, rel in _sub_pieces(layout, flat, n):
+                for sub, within, m, rel in layout.sub_pieces(flat, n):
                     if staged is not None and staged.handles(state):
                         staged.pad(state, sub)      # the staged buffer is zeros already
                     else:

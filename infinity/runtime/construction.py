@@ -300,7 +300,12 @@ class Partitioner:
         for g in self.coordinator.groups:
             g.persistent = whole or g.numel < threshold
         self._check_budget(roots)
-        layout = FlatLayout([g.shard_numel for g in self.coordinator.groups], config.partition.sub_group_size)
+        groups = self.coordinator.groups
+        # No sub-group mixes trainable and frozen groups ([Note: sub-groups apart for frozen groups]), as they
+        # are now: a module frozen after it was built (in the Init block) is frozen here.
+        training = [any(s.param.requires_grad for s in g.slots) for g in groups]
+        breaks = [i for i in range(1, len(groups)) if training[i] != training[i - 1]]
+        layout = FlatLayout([g.shard_numel for g in groups], config.partition.sub_group_size, breaks)
         copies = None
         if use_split_master(self.coordinator.dtype, self.tiers.params.kind, self.tiers.optimizer.kind):
             copies = CopyAccess(self.coordinator.shards, self.coordinator.groups)

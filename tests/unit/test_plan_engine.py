@@ -49,11 +49,19 @@ def _config(tmp_path, params: str, optimizer: str, dtype: str, dpu: bool = False
     }
 
 
-def _train_two_steps(cfg: dict) -> tuple[dict, dict]:
+def _small(frozen: bool = False) -> Small:
+    """``Small``; ``frozen``: its first block frozen (fine-tuning the rest)."""
+    model = Small()
+    if frozen:
+        model.blocks[0].requires_grad_(False)
+    return model
+
+
+def _train_two_steps(cfg: dict, frozen: bool = False) -> tuple[dict, dict]:
     """Tier statistics after step 1 and after step 2."""
     torch.manual_seed(0)
     with infinity.Init(cfg):
-        model = Small()
+        model = _small(frozen)
     opt = infinity.AdamW(model, lr=1e-3)
     after = []
     for _ in range(2):
@@ -71,23 +79,26 @@ def _stored(p, tier: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "params, optimizer, dtype, dpu",
+    "params, optimizer, dtype, dpu, frozen",
     [
-        ("nvme", "nvme", "bfloat16", False),
-        ("host", "nvme", "bfloat16", False),
-        ("host", "host", "bfloat16", False),
-        ("device", "nvme", "float32", False),
+        ("nvme", "nvme", "bfloat16", False, False),
+        ("host", "nvme", "bfloat16", False, False),
+        ("host", "host", "bfloat16", False, False),
+        ("device", "nvme", "float32", False, False),
         # fp32 with params and optimizer in one tier: the compute copy is stored apart from the master.
-        ("nvme", "nvme", "float32", False),
-        ("host", "host", "float32", False),
-        ("nvme", "nvme", "bfloat16", True),
-        ("host", "host", "float32", True),
+        ("nvme", "nvme", "float32", False, False),
+        ("host", "host", "float32", False, False),
+        ("nvme", "nvme", "bfloat16", True, False),
+        ("host", "host", "float32", True, False),
+        # A frozen block: its states are held (it may be unfrozen later), its bytes do not move.
+        ("nvme", "nvme", "bfloat16", False, True),
+        ("host", "host", "float32", True, True),
     ],
 )
-def test_plan_matches_the_tiers_after_training(tmp_path, params, optimizer, dtype, dpu):
+def test_plan_matches_the_tiers_after_training(tmp_path, params, optimizer, dtype, dpu, frozen):
     cfg = _config(tmp_path, params, optimizer, dtype, dpu)
-    first, second = _train_two_steps(cfg)
-    p = plan(Small(), cfg, check_fit=False)
+    first, second = _train_two_steps(cfg, frozen)
+    p = plan(_small(frozen), cfg, check_fit=False)
     for tier in ("device", "host", "nvme"):
         if tier in second:
             assert second[tier]["bytes_in_use"] == pytest.approx(_stored(p, tier), rel=REL), tier
