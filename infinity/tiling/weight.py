@@ -86,9 +86,10 @@ class TiledWeight(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         trainable = requires_grad_set(func, args, kwargs)
-        if trainable is not None and isinstance(args[0], TiledWeight):
+        if trainable is not None and isinstance(args[0], TiledWeight) and args[0] is args[0].tiled_base:
             # Freezing (or unfreezing) the untiled parameter: every tile. The join itself, a result of the
-            # tiles (not a leaf where they require grad), keeps what it was made with.
+            # tiles (not a leaf where they require grad), keeps what it was made with. (A tensor made from
+            # it, ``detach()`` or a view, is not the parameter: its own flag, as torch sets it.)
             for tile, _, _ in tile_ranges(args[0].tiled_owner):
                 getattr(tile, args[0].tiled_name).requires_grad_(trainable)
             return args[0] if func is torch.Tensor.requires_grad_ else None
@@ -99,7 +100,7 @@ class TiledWeight(torch.Tensor):
             for view, before in zip(views, versions):
                 if view._version != before:
                     view.write_back()
-            if views:
+            if views and not torch.compiler.is_compiling():     # traced, the result is what the graph makes
                 out = tree_map(lambda t: _sharing(t, views), out)
         return out
 
@@ -133,9 +134,11 @@ class TiledWeight(torch.Tensor):
 def _sharing(result, joins: list):
     """``result`` as a TiledWeight of the join among ``joins`` whose memory it shares (a view, ``.data``,
     ``detach()``); else as it is. Called with torch functions of subclasses disabled."""
-    if type(result) is not torch.Tensor or result.numel() == 0:
+    if type(result) is not torch.Tensor or result.numel() == 0 or result.is_meta:
         return result
     ptr = result.untyped_storage().data_ptr()
+    if ptr == 0:
+        return result
     for join in joins:
         if join.untyped_storage().data_ptr() == ptr:
             return TiledWeight.over(result, join.tiled_owner, join.tiled_name, join.tiled_dim, join.tiled_base)

@@ -186,6 +186,44 @@ def test_head_computed_from_tiled_embedding_weight_gets_gradients():
     assert _max_diff(emb.weight.grad, _tile_grads(tiled, "weight", 1)) <= TOL
 
 
+def test_edits_through_what_shares_the_joined_weight_reach_the_tiles_and_only_the_join_freezes_them():
+    ref, _, _ = _linear_case(6, 8, True)
+    tiled = TiledLinear.from_linear(ref, 3)
+    with torch.no_grad():
+        tiled.weight.data[2].zero_()                # .data, then a view of it
+        tiled.weight.detach()[5].fill_(3.0)
+        tiled.weight.view(-1)[:6].fill_(-1.0)
+        ref.weight.data[2].zero_()
+        ref.weight.detach()[5].fill_(3.0)
+        ref.weight.view(-1)[:6].fill_(-1.0)
+    assert torch.equal(torch.cat([t.weight for t in tiled.tiles]), ref.weight)
+    copy = tiled.weight.detach().requires_grad_()   # a tensor of its own, as detach() of a parameter is
+    assert copy.requires_grad and all(t.weight.requires_grad for t in tiled.tiles)
+    tiled.weight.detach().requires_grad_(False)
+    assert all(t.weight.requires_grad for t in tiled.tiles)
+    tiled.weight.requires_grad_(False)              # the untiled parameter's flag: every tile's
+    assert not any(t.weight.requires_grad for t in tiled.tiles) and all(t.bias.requires_grad for t in tiled.tiles)
+    meta = TiledLinear(6, 8, tiles=2, device="meta")
+    assert type(meta.weight * 2) is torch.Tensor    # no memory to share on the meta device
+
+
+def test_a_compiled_function_of_a_tiled_weight_computes_and_differentiates_as_eager():
+    emb = TiledEmbedding(20, 4, tiles=3)
+    h = torch.randn(5, 4)
+
+    def head(h):
+        return (h @ emb.weight.T).pow(2).sum() + emb.weight[3].sum()
+
+    head(h).backward()
+    want = torch.cat([t.weight.grad for t in emb.tiles], dim=1)
+    for t in emb.tiles:
+        t.weight.grad = None
+    torch._dynamo.reset()
+    torch.compile(head, backend="aot_eager")(h).backward()
+    assert _max_diff(torch.cat([t.weight.grad for t in emb.tiles], dim=1), want) <= TOL
+    torch._dynamo.reset()
+
+
 def test_constructors_match_the_untiled_initialisation():
     torch.manual_seed(0)
     layer = TiledLinear(256, 300, tiles=5)
