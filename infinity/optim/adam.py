@@ -216,7 +216,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         hyper-parameters ``hypers`` read from ``param_groups`` at the step's first sub-group."""
         uniform = len(set(hypers)) == 1
         groups = self.engine.coordinator.groups
-        with_grad = {id(s.param) for gi in updated for s in groups[gi].slots}
+        # Every trainable parameter of ``updated`` had its gradient (the watcher's "complete"); frozen ones none.
+        with_grad = {id(s.param) for gi in updated for s in groups[gi].slots if s.param.requires_grad}
         step = self.step_count + 1
         runs = self._param_steps.runs(updated, with_grad, step, None if uniform else self._hyper_of)
         lr, beta1, beta2, eps, weight_decay = hypers[0]

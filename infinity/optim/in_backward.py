@@ -163,8 +163,8 @@ class InBackwardUpdate:
     def taken(self, group_index: int, complete: bool) -> None:
         """A group's gradient is about to be reduced and sent; a second one before the step is refused.
 
-        ``complete``: every parameter of the group had a gradient (else its sub-groups wait for ``opt.step()``,
-        whose flags say exactly which parameters to step)."""
+        ``complete``: every trainable parameter of the group had a gradient (else its sub-groups wait for
+        ``opt.step()``, whose flags say exactly which parameters to step); frozen ones are not stepped."""
         if not self._taken:     # the first gradient of this backward
             self._watch_training()
         if group_index in self._taken:

@@ -145,6 +145,8 @@ class GradReducer:
         self._slot_of: dict[int, tuple[int, object]] = {}       # id(parameter) -> (its index, its slot)
         self._packed: dict[ParamGroup, list[int] | None] = {}   # group -> its slots' sizes, when packed from 0
         self._group_positions: dict[ParamGroup, torch.Tensor] = {}
+        # (group index, positions of the parameters that had a gradient) -> those positions on the device.
+        self._partial_positions: dict[tuple, torch.Tensor] = {}
         self._position: dict[nn.Parameter, int] = {}
         self._expected: dict[ParamGroup, int] = {}
         self._sent: list[tuple] = []      # (group index, host loan, event, numel, dtype) waiting to be added
@@ -163,6 +165,7 @@ class GradReducer:
         self._slot_of.clear()
         self._packed.clear()
         self._expected.clear()
+        self._partial_positions.clear()
         for g in self.coordinator.groups:
             end = 0
             for i, slot in enumerate(g.slots):
@@ -185,8 +188,10 @@ class GradReducer:
         row), made at first use."""
         self.device_buckets.size_for(full_nbytes, name)
         self._bucket_nbytes = full_nbytes
-        self._host_nbytes = max(4096, -(-shard_nbytes // 4096) * 4096)
-        self.host_buckets = Arena(self.allocator.empty, 2 * self._host_nbytes, name="gradient-host")
+        host_nbytes = max(4096, -(-shard_nbytes // 4096) * 4096)
+        if self.host_buckets is None or host_nbytes > self._host_nbytes:
+            self.host_buckets = Arena(self.allocator.empty, 2 * host_nbytes, name="gradient-host")
+        self._host_nbytes = max(self._host_nbytes, host_nbytes)
 
     def _grow_buckets(self, group: ParamGroup) -> None:
         """``group`` has gradients and is larger than every group trainable when the buckets were sized (its
@@ -219,7 +224,7 @@ class GradReducer:
             self._grow_buckets(group)
         arrived = sum(grad is not None for grad in grads)
         if self.watcher is not None:    # may refuse the gradient: before anything is taken for it
-            self.watcher.taken(group.index, arrived == len(group.slots))     # a frozen one: not complete
+            self.watcher.taken(group.index, arrived == len(params))     # every trainable one (frozen: not among them)
         flat = self._accumulator(group)
         loan = None
         first_whole = self.defer and group not in self._waiting
@@ -250,10 +255,13 @@ class GradReducer:
         flat[group.slots[-1].offset + group.slots[-1].numel:].zero_()   # padding: reused memory, zero as at partitioning
         if arrived == len(group.slots):
             self.book.arrived.index_fill_(0, self._group_positions[group], 1.0)
-        else:   # only the parameters with a gradient: one frozen since the optimizer was built has none
-            for param, grad in zip(params, grads):
-                if grad is not None:
-                    self.book.arrived[self._position[param]] = 1.0
+        elif arrived:   # only the parameters with a gradient (a frozen one has none): one fill per pattern met
+            present = tuple(self._position[param] for param, grad in zip(params, grads) if grad is not None)
+            positions = self._partial_positions.get((group.index, present))
+            if positions is None:
+                positions = torch.tensor(present, dtype=torch.long, device=self.device)
+                self._partial_positions[(group.index, present)] = positions
+            self.book.arrived.index_fill_(0, positions, 1.0)
         if first_whole:
             self._waiting.append(group)         # reduced once per step (reduce_whole)
         elif self.defer:

@@ -66,6 +66,8 @@ class ReduceBuckets:
                               f"group {largest_name!r} ({largest_nbytes} bytes, reduce-scattered whole); set it to at "
                               f"least {largest}, or 0 for twice the largest bucket")
         capacity = self.configured or 2 * largest
+        if self.arena is not None and self.arena.capacity >= capacity:
+            return      # sized again for a group trainable since (see GradientReducer._grow_buckets): it fits
         self.arena = Arena(lambda n: torch.empty(n, dtype=torch.uint8, device=self.device), capacity,
                            name=f"reduce-buckets-{self.device.type}")
 

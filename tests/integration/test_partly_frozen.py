@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import infinity
+from infinity import registry
 from infinity.config import load_config
 from infinity.errors import EngineError
 from infinity.examples.data import batches
@@ -181,4 +182,45 @@ def test_unfreezing_a_group_frozen_at_construction_with_dpu_is_refused_naming_it
     model(x, y).backward()
     opt.step()
     assert opt.step_count == 2
+    infinity.release(model)
+
+
+def test_a_partly_frozen_block_is_stepped_during_backward_as_plain_torch(tmp_path):
+    """BitFit under the update during backward: a group whose trainable parameters all have their gradients
+    is complete (its frozen ones are not stepped), so its sub-groups are stepped while backward runs."""
+    model, ref, shape = _build(tmp_path, "offload-optimizer", _bitfit,
+                               optimizer={"update_in_backward": True}, partition={"sub_group_size": 4096})
+    opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+    pairs = [(model, opt), (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1))]
+    for step, (got, want) in _steps(pairs, shape, 4):
+        assert _close(got, want, 1e-5), (step, got, want)
+    assert opt.stats()["in_backward_subs"] >= 4 * 3, opt.stats()["in_backward_subs"]    # the blocks, each step
+    infinity.release(model)
+
+
+def _bucket_buffer(model):
+    return registry.engine_of(model).reducer.device_buckets.arena
+
+
+def test_a_configured_bucket_buffer_is_kept_or_refused_for_a_group_unfrozen_later(tmp_path):
+    """``partition.reduce_bucket_bytes`` set: a group unfrozen later that fits uses the same buffer; one that
+    does not makes its backward raise, naming the key and the group."""
+    model, ref, shape = _build(tmp_path, "offload-optimizer", _freeze_blocks,
+                               partition={"reduce_bucket_bytes": "1MiB"})
+    opt = infinity.AdamW(model, lr=1e-2)
+    x, y = next(batches("random", 4, 32, shape.vocab_size, seed=0))
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    arena = _bucket_buffer(model)
+    model.blocks.requires_grad_(True)
+    model(x, y).backward()
+    opt.step()
+    assert _bucket_buffer(model) is arena
+    infinity.release(model)
+    model, _, _ = _build(tmp_path / "small", "offload-optimizer", _freeze_blocks,
+                         partition={"reduce_bucket_bytes": 150_000})
+    model.blocks.requires_grad_(True)
+    with pytest.raises(EngineError, match=r"partition\.reduce_bucket_bytes = 150000 cannot hold .*'blocks\.2'"):
+        model(x, y).backward()
     infinity.release(model)
