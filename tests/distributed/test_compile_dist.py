@@ -3,10 +3,9 @@ whole batch: the hooks that gather and reduce over the ranks stay out of the com
 import os
 
 import torch
-import torch.distributed as dist
 
 import infinity
-from tests.support.ranks import run_ranks
+from tests.support.ranks import run_ranks, step_beside
 from tests.unit.test_compile import _Net
 
 LOCAL = 2
@@ -28,18 +27,8 @@ def _train(rank, world, workdir):
     worst = 0.0
     for _ in range(4):
         x, y = torch.randn(LOCAL * world, 8, generator=gen), torch.randn(LOCAL * world, 4, generator=gen)
-        lo, hi = rank * LOCAL, (rank + 1) * LOCAL
-        loss = compiled(x[lo:hi], y[lo:hi])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        worst = max(worst, abs(float(mean) / world - ref_loss.item()))
+        loss, ref_loss, _, _ = step_beside(compiled, opt, ref, ref_opt, x, y, rank, world, LOCAL)
+        worst = max(worst, abs(loss - ref_loss))
     with infinity.gathered(compiled):
         param_diff = max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
     infinity.release(compiled)

@@ -12,13 +12,12 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import infinity
 from infinity.config import load_config
 from infinity.examples.data import batches
 from infinity.examples.gpt import GPT, preset
-from tests.support.ranks import run_ranks
+from tests.support.ranks import run_ranks, step_beside
 
 LOCAL_BATCH = 2
 
@@ -56,21 +55,8 @@ def _train(rank, world, workdir, name):
         _set(model, step)
         _set(ref, step)
         x, y = next(data)
-        lo = rank * LOCAL_BATCH
-        loss = model(x[lo:lo + LOCAL_BATCH], y[lo:lo + LOCAL_BATCH])
-        loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
-        ref_opt.step()
-        ref_opt.zero_grad()
-        worst = max(worst, abs(mean.item() / world - ref_loss.item()) / ref_loss.item(),
-                    abs(norm - ref_norm) / ref_norm)
+        loss, ref_loss, norm, ref_norm = step_beside(model, opt, ref, ref_opt, x, y, rank, world, LOCAL_BATCH, 0.5)
+        worst = max(worst, abs(loss - ref_loss) / ref_loss, abs(norm - ref_norm) / ref_norm)
     infinity.release(model)
     return worst
 

@@ -45,3 +45,23 @@ def run_ranks(fn, world_size: int, workdir, *args):
             raise AssertionError(f"rank {r} failed:\n{value}")
         results.append(value)
     return results
+
+
+def step_beside(run, opt, ref, ref_opt, x, y, rank: int, world: int, local: int, clip: float | None = None):
+    """One step of ``run`` (this rank's ``local`` rows of the global batch ``x``, ``y``) and one of the plain
+    ``ref`` on the whole batch, each with its optimizer and, with ``clip``, ``clip_grad_norm_`` first.
+
+    Returns (the ranks' mean loss, the reference's loss, the two gradient norms before clipping or None)."""
+    def one(net, xs, ys, o):
+        loss = net(xs, ys)
+        loss.backward()
+        norm = None if clip is None else float(torch.nn.utils.clip_grad_norm_(net.parameters(), clip))
+        o.step()
+        o.zero_grad()
+        return loss.detach().clone(), norm
+
+    lo = rank * local
+    loss, norm = one(run, x[lo:lo + local], y[lo:lo + local], opt)
+    dist.all_reduce(loss)
+    ref_loss, ref_norm = one(ref, x, y, ref_opt)
+    return loss.item() / world, ref_loss.item(), norm, ref_norm
