@@ -64,7 +64,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._select()
         self._nonfinite = NonFiniteSteps(engine, self._name)
         update = UpdatePass(self.store, engine.coordinator, self._ranges, engine.device, engine.tiers.allocator)
-        # DPU's second compute copies: for the groups training now (a group frozen now is refused by _job later).
+        # DPU's second compute copies: for the groups training now (one unfrozen later is refused at step()).
         self._updates = UpdateScheduler(engine, update, self._ranges.training, self._name)
         self._in_backward = None    # [Note: update during backward] in infinity/optim/in_backward.py
         if engine.config.optimizer.update_in_backward:

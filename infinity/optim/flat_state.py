@@ -29,7 +29,6 @@ allocator for the streaming buffers; it knows nothing of modules or the coordina
 from __future__ import annotations
 
 import bisect
-
 import functools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -92,7 +91,7 @@ class FlatLayout:
     [Note: sub-groups apart for frozen groups]
     Sub-groups are consecutive runs of at most ``sub_group_size`` elements, and a new one starts at
     each group of ``breaks``: the engine breaks where the groups change between trainable and frozen
-    (as built), so no sub-group mixes them. The update streams and steps whole sub-groups that hold a
+    when ``infinity.Init`` exits, so no sub-group mixes them. The update streams and steps whole sub-groups that hold a
     group with gradients; a frozen group sharing one with trainable groups had its states read and
     written at every step for nothing (with adapters trained on a frozen base: most of the bytes).
 
