@@ -120,6 +120,11 @@ class ParamGroup:
     def params(self) -> list[nn.Parameter]:
         return [s.param for s in self.slots]
 
+    @property
+    def has_trainable(self) -> bool:
+        """Whether a parameter of the group requires grad now (``trainable``: all of them, as built)."""
+        return any(s.param.requires_grad for s in self.slots)
+
     def __repr__(self) -> str:
         return f"ParamGroup({self.index}, {self.name!r}, numel={self.numel}, {self.state.name})"
 

@@ -152,7 +152,7 @@ class InBackwardUpdate:
         in torch): a frozen group would keep its sub-groups waiting for a gradient that never comes, and a
         group unfrozen since must be waited for, or its sub-groups would be stepped without it."""
         groups = self.coordinator.groups
-        training = frozenset(gi for gi in self._held if any(s.param.requires_grad for s in groups[gi].slots))
+        training = frozenset(gi for gi in self._held if groups[gi].has_trainable)
         if training == self._training:
             return
         self._training = training

@@ -303,7 +303,7 @@ class Partitioner:
         groups = self.coordinator.groups
         # No sub-group mixes trainable and frozen groups ([Note: sub-groups apart for frozen groups]), as they
         # are now: a module frozen after it was built (in the Init block) is frozen here.
-        training = [any(s.param.requires_grad for s in g.slots) for g in groups]
+        training = [g.has_trainable for g in groups]
         breaks = [i for i in range(1, len(groups)) if training[i] != training[i - 1]]
         layout = FlatLayout([g.shard_numel for g in groups], config.partition.sub_group_size, breaks)
         copies = None

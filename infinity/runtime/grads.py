@@ -142,13 +142,11 @@ class GradReducer:
         self.host_buckets: Arena | None = None
         self._bucket_nbytes = self._host_nbytes = 0     # what the buckets hold at most (``_size_buckets``)
         self._stale: list[tuple[ParamGroup, list]] = []     # taken; .grad and the group let go next
-        self._slot_of: dict[int, tuple[int, object]] = {}       # id(parameter) -> (its index, its slot)
         self._packed: dict[ParamGroup, list[int] | None] = {}   # group -> its slots' sizes, when packed from 0
         self._group_positions: dict[ParamGroup, torch.Tensor] = {}
         # (group index, positions of the parameters that had a gradient) -> those positions on the device.
         self._partial_positions: dict[tuple, torch.Tensor] = {}
         self._position: dict[nn.Parameter, int] = {}
-        self._expected: dict[ParamGroup, int] = {}
         self._sent: list[tuple] = []      # (group index, host loan, event, numel, dtype) waiting to be added
         self._sent_groups: collections.Counter[int] = collections.Counter()     # group index -> entries in _sent
         self._norm_scratch: torch.Tensor | None = None     # _add_norm's fp32 piece of a 2-byte CPU shard
@@ -162,22 +160,18 @@ class GradReducer:
     def attach(self, store) -> None:
         """The groups are final and ``store`` accumulates their gradients from now on."""
         self.store = store
-        self._slot_of.clear()
         self._packed.clear()
-        self._expected.clear()
         self._partial_positions.clear()
         for g in self.coordinator.groups:
             end = 0
-            for i, slot in enumerate(g.slots):
-                self._slot_of[id(slot.param)] = (i, slot)
+            for slot in g.slots:
                 self._position[slot.param] = 1 + len(self._position)
                 end = end + slot.numel if slot.offset == end else -1
             self._packed[g] = [s.numel for s in g.slots] if end >= 0 else None
-            self._expected[g] = sum(1 for s in g.slots if s.param.requires_grad)
             self._group_positions[g] = torch.tensor([self._position[s.param] for s in g.slots],
                                                     dtype=torch.long, device=self.device)
         self.book = store.book = GradientBook(len(self._position), self.device)
-        trainable = [g for g in self.coordinator.groups if self._expected[g]]
+        trainable = [g for g in self.coordinator.groups if g.has_trainable]
         biggest = max(trainable, key=lambda g: g.full_nbytes, default=None)
         self._size_buckets(biggest.full_nbytes if biggest else 0, biggest.name if biggest else None,
                            max((g.shard_nbytes for g in trainable), default=0))
