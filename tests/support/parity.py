@@ -1,6 +1,20 @@
 """Training a model built in ``infinity.Init`` and its plain-PyTorch twin side by side."""
+import torch
+
 import infinity
 from infinity import registry
+
+
+def engine_twin(net, config: dict):
+    """(plain model, engine model): ``net()`` twice (seed 0), the second inside ``infinity.Init(config)``
+    and loaded with the first's values."""
+    torch.manual_seed(0)
+    ref = net()
+    with infinity.Init(config):
+        model = net()
+    with infinity.gathered(model):
+        model.load_state_dict(ref.state_dict())
+    return ref, model
 
 
 def train_side_by_side(model, opt, ref, ref_opt, data, after_step=None):

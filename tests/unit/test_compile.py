@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import infinity
-from tests.support.parity import train_side_by_side
+from tests.support.parity import engine_twin, train_side_by_side
 
 
 class _Net(nn.Module):
@@ -77,12 +77,7 @@ def _train_compiled(net, compile=lambda model: torch.compile(model, backend="aot
     """An engine model of class ``net``, compiled by ``compile`` (aot_eager by default), trains as the plain
     model does; torch.compile's caches are emptied first (the tests look at what one run compiled)."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    ref = net()
-    with infinity.Init({"tiers": {"params": "host"}}):
-        model = net()
-    with infinity.gathered(model):
-        model.load_state_dict(ref.state_dict())
+    ref, model = engine_twin(net, {"tiers": {"params": "host"}})
     losses, params = train_side_by_side(compile(model), infinity.AdamW(model, lr=1e-2),
                                         ref, torch.optim.AdamW(ref.parameters(), lr=1e-2),
                                         [(torch.randn(5, 8), torch.randn(5, 4)) for _ in range(3)])

@@ -18,7 +18,7 @@ import infinity
 from infinity.errors import EngineError
 from infinity.runtime.placeholder import ReleasedJoin, ReleasedParameter, released_class
 from infinity.tiling import TiledLinear
-from tests.support.parity import train_side_by_side
+from tests.support.parity import engine_twin, train_side_by_side
 
 
 class _OwnParameter(nn.Parameter):
@@ -59,12 +59,8 @@ def _refusals(p) -> dict:
 
 
 def test_a_parameter_subclass_is_released_as_a_subclass_of_its_own_class():
-    torch.manual_seed(0)
-    ref = _Net()
-    with infinity.Init({"tiers": {"params": "host"}}):
-        model = _Net()
+    ref, model = engine_twin(_Net, {"tiers": {"params": "host"}})
     with infinity.gathered(model):
-        model.load_state_dict(ref.state_dict())
         assert type(model.a.weight) is _OwnParameter
     p = model.a.weight
     assert isinstance(p, _OwnParameter) and isinstance(p, ReleasedParameter) and type(p) is not _OwnParameter
