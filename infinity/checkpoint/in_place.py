@@ -85,7 +85,8 @@ def state_keys(coordinator, store, with_moments: bool) -> dict[str, int]:
         if state == "grad" or (state in ("exp_avg", "exp_avg_sq") and not with_moments):
             continue
         for sub, key in enumerate(per_sub):
-            keys[f"{state}:{sub}"] = key
+            if key is not None:     # a dormant sub-group's moments are zero ([Note: dormant sub-groups])
+                keys[f"{state}:{sub}"] = key
     return keys
 
 
@@ -234,13 +235,19 @@ class Resume:
         """Give the state keys of the model just built their places in the adopted files (``NVMeTier.settle``);
         the model refuses to train until ``load_checkpoint`` has run."""
         roles = self.saved.rank_manifest(self.rank)["swap"]["roles"]
+        # Sub-groups the saving run had woken (a group unfrozen after Init): their moments are adopted too.
+        store.wake((int(r.split(":")[1]) for r in roles if r.startswith("exp_avg:")), zero=False)
         keys = state_keys(engine.coordinator, store, bool(self.saved.manifest.get("moments_initialized")))
         missing, unknown = sorted(set(roles) - set(keys)), sorted(set(keys) - set(roles))
         if missing or unknown:
+            why = "another model, or another grouping of it"
+            if unknown and all(r.startswith("exp_avg") for r in unknown):
+                why = ("groups trainable at this model's Init exit were frozen, and never unfrozen, in the saving "
+                       "run: freeze the same parameters inside infinity.Init, or resume from an ordinary checkpoint")
             raise CheckpointMismatchError(
                 f"infinity.Init(resume={self.path!r}): the model built does not have the checkpoint's states: in the "
                 f"checkpoint only: {missing[:6]}{' ...' if len(missing) > 6 else ''}; in the model only: "
-                f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''} (another model, or another grouping of it)")
+                f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''} ({why})")
         try:
             store.tier.settle({keys[r]: Placement(**{k: tuple(v) if isinstance(v, list) else v
                                                      for k, v in roles[r]["placement"].items()}) for r in roles})

@@ -46,7 +46,7 @@ from infinity.checkpoint.in_place import verify_sealed
 from infinity.checkpoint.manifest import STATE_FILES, dtype_of, itemsize, read_small_file
 from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, plan_shards
 from infinity.checkpoint.staging import StagedSubGroups
-from infinity.checkpoint.stream import Run, StreamIO, read_runs
+from infinity.checkpoint.stream import Run, StreamIO, _Done, read_runs
 from infinity.checkpoint.writer import check_ready, model_buffers, names_by_param
 from infinity.optim.moments import write_moments
 
@@ -196,6 +196,20 @@ class _StateDest:
         return self.tier.write(self.key, data, self.base + dest_offset)
 
 
+class _WakingDest:
+    """Bytes of fp32 moments into a dormant sub-group ([Note: dormant sub-groups] in
+    infinity/optim/flat_state.py): zeros are what it holds already; the first nonzero bytes wake it."""
+
+    def __init__(self, store, state: str, sub: int, base: int) -> None:
+        self.store, self.state, self.sub, self.base = store, state, sub, base
+
+    def write(self, dest_offset: int, data: torch.Tensor):
+        if self.sub in self.store.dormant and not data.any():
+            return _Done()
+        self.store.wake([self.sub])
+        return self.store.tier.write(self.store.keys[self.state][self.sub], data, self.base + dest_offset)
+
+
 class _ParamDest:
     """Bytes of ``src_dtype`` values into a group's compute-copy shard (converted when dtypes differ)."""
 
@@ -299,7 +313,11 @@ _ENCODE_NUMEL = 1 << 22
 
 def _encode(store, state: str, sub: int, values: torch.Tensor) -> None:
     """Compressed moments of a complete sub-group, encoded in whole blocks of ``_ENCODE_NUMEL`` elements
-    (the int8 scales are per block, so the codes are those of one pass over the sub-group)."""
+    (the int8 scales are per block, so the codes are those of one pass over the sub-group); zeros leave a
+    dormant sub-group dormant."""
+    if sub in store.dormant and not values.any():
+        return
+    store.wake([sub])
     block = store.moment_format.block_size
     step = max(block, _ENCODE_NUMEL // block * block)
     for a in range(0, values.numel(), step):
@@ -350,6 +368,8 @@ def _state_dest(store, staged: StagedSubGroups | None, state: str, sub: int, wit
     """Where ``nbytes`` fp32 bytes of ``state`` for elements from ``within`` of sub-group ``sub`` land."""
     if staged is not None and staged.handles(state):
         return staged.dest(state, sub, within * _F32, nbytes)
+    if state != "master" and sub in store.dormant:
+        return _WakingDest(store, state, sub, within * _F32)
     return _StateDest(store.tier, store.keys[state][sub], within * _F32)
 
 
@@ -368,7 +388,7 @@ def _fill_zeros(io, coordinator, store, layout, fills, staged: StagedSubGroups |
                 for sub, within, m, rel in layout.sub_pieces(flat, n):
                     if staged is not None and staged.handles(state):
                         staged.pad(state, sub)      # the staged buffer is zeros already
-                    else:
+                    elif state == "master" or sub not in store.dormant:     # a dormant one's moments are zero
                         futures.append(_StateDest(store.tier, store.keys[state][sub], within * _F32)
                                        .write(0, zeros[:m * _F32]))
         if len(futures) > 64:

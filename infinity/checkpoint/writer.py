@@ -232,17 +232,19 @@ def _rank_spans(engine) -> dict[str, list]:
     nbytes = itemsize(coordinator.dtype)
     files = {"params": [TierSpan(coordinator.shards.tier, g.param_key, 0, g.shard_numel * nbytes)
                         for g in coordinator.groups]}
+    source = MasterSource(store.split) if store.split is not None else None
+
+    def span(state: str, sub: int, n: int):
+        if state in _MOMENTS and (not store.moments_initialized or sub in store.dormant):
+            return ZeroSpan(n * 4)      # never stepped, or dormant ([Note: dormant sub-groups] in flat_state.py)
+        if state == "master" and source is not None:     # joined from compute copy and remainder
+            return TierSpan(source, sub, 0, n * 4)
+        if state in _MOMENTS and store.moment_format.compressed:    # [Note: moments in checkpoints]
+            return DecodedMoments(store, state, sub, n * 4)
+        return TierSpan(store.tier, store.keys[state][sub], 0, n * 4)
+
     for state in STATE_FILES[1:]:
-        if state in _MOMENTS and not store.moments_initialized:
-            files[state] = [ZeroSpan(n * 4) for _, n in layout.sub_ranges]
-        elif state == "master" and store.split is not None:     # joined from compute copy and remainder
-            source = MasterSource(store.split)
-            files[state] = [TierSpan(source, sub, 0, n * 4) for sub, (_, n) in enumerate(layout.sub_ranges)]
-        elif state in _MOMENTS and store.moment_format.compressed:    # [Note: moments in checkpoints]
-            files[state] = [DecodedMoments(store, state, sub, n * 4) for sub, (_, n) in enumerate(layout.sub_ranges)]
-        else:
-            files[state] = [TierSpan(store.tier, store.keys[state][sub], 0, n * 4)
-                            for sub, (_, n) in enumerate(layout.sub_ranges)]
+        files[state] = [span(state, sub, n) for sub, (_, n) in enumerate(layout.sub_ranges)]
     return files
 
 

@@ -50,13 +50,19 @@ def widen(store, allocate) -> None:
         store.before_widen()
     store.flush()
     old_dtype, old_keys = store.grad_dtype, list(store.keys["grad"])
+    # Sub-groups of groups frozen since Init hold no gradient: nothing to carry over (on NVMe their
+    # keys were never written).
+    filled = {piece.sub_index for gi in store.grad_written for piece in store.layout.pieces_of_group[gi]}
     new_keys = []
     for sub, (_, numel) in enumerate(store.layout.sub_ranges):
+        if old_keys[sub] is None:   # dormant: gets an fp32 key when it wakes
+            new_keys.append(None)
+            continue
         key = allocate(numel * 4, f"grad:sub{sub}")
         if store.in_place:
             store.tier.view(key).view(torch.float32)[:numel].copy_(
                 store.tier.view(old_keys[sub]).view(old_dtype)[:numel])
-        else:
+        elif sub in filled:
             compact = torch.empty(numel, dtype=old_dtype)
             store.io.read(store.tier, old_keys[sub], compact).wait()
             store.io.write(store.tier, key, compact.float()).wait()

@@ -80,6 +80,7 @@ class DelayedUpdate(BackgroundUpdate):
         self._spare_param_keys = {g.index: coordinator.shards.copy(g, tag=f"param-next:{g.name}")
                                   for g in coordinator.groups if g.index in trainable}
         store.before_widen = self._widen_spare
+        store.on_wake.append(self._wake_spare)
 
     def refuse_untracked(self, with_grads: set[int], what: str) -> None:
         """Raise when a group with gradients (``with_grads``, indices) has no second compute copy: it was
@@ -91,15 +92,21 @@ class DelayedUpdate(BackgroundUpdate):
                               f"construction, and group(s) {names} were frozen then; set requires_grad before "
                               "building the optimizer, or turn dpu.enabled off")
 
-    def _grad_keys(self, dtype: torch.dtype) -> list[int]:
-        """A set of zeroed gradient keys in ``dtype``, one per sub-group."""
-        keys = []
-        for i, (_, numel) in enumerate(self.store.layout.sub_ranges):
-            zeros = torch.zeros(numel, dtype=dtype)
-            key = allocate_key(self.store, "grad", zeros.numel() * zeros.element_size(), f"grad-next:sub{i}")
-            self.store.tier.write(key, zeros).wait()
-            keys.append(key)
-        return keys
+    def _grad_keys(self, dtype: torch.dtype) -> list[int | None]:
+        """A set of zeroed gradient keys in ``dtype``, one per sub-group (None for a dormant one: see
+        [Note: dormant sub-groups] in infinity/optim/flat_state.py)."""
+        return [None if i in self.store.dormant else self._grad_key(i, dtype)
+                for i in range(self.store.layout.num_subs)]
+
+    def _grad_key(self, sub: int, dtype: torch.dtype) -> int:
+        zeros = torch.zeros(self.store.layout.sub_ranges[sub][1], dtype=dtype)
+        key = allocate_key(self.store, "grad", zeros.numel() * zeros.element_size(), f"grad-next:sub{sub}")
+        self.store.tier.write(key, zeros).wait()
+        return key
+
+    def _wake_spare(self, sub: int) -> None:
+        """A dormant sub-group got its keys in the store: the spare set gets one too."""
+        self._spare_grad_keys[sub] = self._grad_key(sub, self.store.grad_dtype)
 
     def _widen_spare(self) -> None:
         """The store's gradient keys widen to fp32 (micro-batches accumulate): so does the spare set,
@@ -108,7 +115,8 @@ class DelayedUpdate(BackgroundUpdate):
         self.wait()
         old, self._spare_grad_keys = self._spare_grad_keys, self._grad_keys(torch.float32)
         for key in old:
-            self.store.tier.free(key)
+            if key is not None:
+                self.store.tier.free(key)
 
     # -- the buffers ---------------------------------------------------------------------------
     def target_param_keys(self, updated: frozenset[int]) -> tuple[int | None, ...]:
@@ -132,7 +140,8 @@ class DelayedUpdate(BackgroundUpdate):
     def reading_grads(self, keys) -> bool:
         """True when the running job reads the gradient ``keys`` (a backward must not write them)."""
         job = self._running
-        return job is not None and bool(keys) and keys[0] == job.grad_keys[0]
+        held = [i for i, key in enumerate(keys) if key is not None]
+        return job is not None and bool(held) and keys[held[0]] == job.grad_keys[held[0]]
 
     def ready(self, group) -> bool:
         """A delayed job writes keys nothing reads until it is published: every group is ready."""

@@ -13,6 +13,13 @@ kernel: the master as the compute copy plus a 16-bit remainder ([Note: split
 master] in infinity/optim/split_master.py) and the gradient in the compute dtype
 ([Note: compact gradients] in infinity/optim/compact_grads.py).
 
+[Note: dormant sub-groups]
+A sub-group holding only groups that were frozen at ``infinity.Init``'s exit ([Note: sub-groups apart
+for frozen groups]) is dormant: it has master weights but no moment or gradient keys, so a frozen
+base under trained adapters holds 4 (or, split, 2) bytes per parameter in the optimizer tier instead
+of 16. Its first gradient (a group unfrozen later) or a load bringing it nonzero moments wakes it:
+its keys are allocated then, zero, as at the start. Until then its moments read as zeros.
+
 [Note: pipelined sub-groups]
 ``OptimizerStateStore.sub_groups`` is the one pass over the sub-groups that every
 update runs. On the host (or device) tier it yields the stored states themselves.
@@ -21,7 +28,7 @@ steps sub-group i in one set, sub-group i+1 is being read into the other, and
 sub-group i-1's write-back is still in flight. The host holds at most two
 sub-groups of states, whatever the model size. Sub-groups an update does not
 change are neither read nor written, except in the first pass, which writes every
-sub-group's (zero) moments so that their keys hold data.
+sub-group's (zero) moments so that their keys hold data (dormant ones have none).
 
 What the room may touch: the optimizer tier (keys, reads, writes) and the host
 allocator for the streaming buffers; it knows nothing of modules or the coordinator.
@@ -197,6 +204,10 @@ class OptimizerStateStore:
         else:
             self.keys = {"master": self._allocate("master")}
         self.moments_initialized = False
+        # Sub-groups without moment and gradient keys yet ([Note: dormant sub-groups]); ``on_wake``:
+        # called with each sub-group that gets them (DPU gives it a second gradient key).
+        self.dormant: set[int] = set()
+        self.on_wake: list = []
         self.grad_written: set[int] = set()
         # What arrived since zero_grad, and the running norm (``GradientBook``, kept on the compute
         # device by the gradient reducer); zero_grad resets it with the accumulator.
@@ -246,22 +257,49 @@ class OptimizerStateStore:
                              else self.moment_format.stored_nbytes(state, n), f"{state}:sub{i}")
                 for i, (_, n) in enumerate(self.layout.sub_ranges)]
 
-    def allocate_states(self) -> None:
-        """Allocate Adam's moments and the gradient accumulator (zero on in-place tiers).
+    def allocate_states(self, dormant=()) -> None:
+        """Allocate Adam's moments and the gradient accumulator (zero on in-place tiers), except for
+        the ``dormant`` sub-groups' ([Note: dormant sub-groups]).
 
         [Note: allocation order] The engine allocates the master weights first, moves the
         initial masters in and frees their temporary keys, and only then calls this: the
         freed space is reused for the moments instead of leaving holes the size of the
         masters in the swap files.
         """
-        for s in MOMENTS:
-            self.keys[s] = self._allocate(s)
-        self.keys["grad"] = self._allocate("grad", compact_grads.itemsize(self.grad_dtype))
-        if self.in_place:
-            for s in (*MOMENTS, "grad"):
-                for i in range(self.layout.num_subs):
-                    self.view(s, i).zero_()
-            self.moments_initialized = True
+        num_subs = self.layout.num_subs
+        for s in (*MOMENTS, "grad"):
+            self.keys[s] = [None] * num_subs
+        self.dormant = set(range(num_subs))
+        # On NVMe the first pass over the sub-groups writes their zero moments.
+        self.wake([sub for sub in range(num_subs) if sub not in set(dormant)], zero=False)
+        self.moments_initialized = self.in_place
+
+    def wake(self, subs, zero: bool = True) -> None:
+        """Give the dormant sub-groups among ``subs`` their moment and gradient keys, moments zero (on
+        NVMe only with ``zero``: a caller that fills them itself passes False)."""
+        subs = sorted(self.dormant.intersection(subs))
+        if not subs:
+            return
+        for s in (*MOMENTS, "grad"):
+            for sub in subs:
+                n = self.layout.sub_ranges[sub][1]
+                nbytes = (n * compact_grads.itemsize(self.grad_dtype) if s == "grad"
+                          else self.moment_format.stored_nbytes(s, n))
+                self.keys[s][sub] = allocate_key(self, s, nbytes, f"{s}:sub{sub}")
+        self.dormant.difference_update(subs)
+        for sub in subs:
+            if self.in_place:
+                for s in (*MOMENTS, "grad"):
+                    self.view(s, sub).zero_()
+            elif zero:
+                zeros = torch.zeros(min(_MAX_PENDING_BYTES, self.moment_format.stored_nbytes("exp_avg_sq",
+                                        self.layout.sub_ranges[sub][1])), dtype=torch.uint8)
+                for s in MOMENTS:
+                    size = self.moment_format.stored_nbytes(s, self.layout.sub_ranges[sub][1])
+                    for at in range(0, size, zeros.numel()):
+                        self.io.write(self.tier, self.keys[s][sub], zeros[:size - at], offset=at).wait()
+            for hook in self.on_wake:
+                hook(sub)
 
     # -- access ---------------------------------------------------------------------------------
     def view(self, state: str, sub: int) -> torch.Tensor:
@@ -289,7 +327,7 @@ class OptimizerStateStore:
             dst = out[piece.group_offset:piece.group_offset + piece.numel]
             if state == "master" and self.split is not None:
                 self.split.read_piece(piece, dst)
-            elif state in MOMENTS and not self.moments_initialized:
+            elif state in MOMENTS and (not self.moments_initialized or piece.sub_index in self.dormant):
                 dst.zero_()
             elif state == "grad" and group_index not in self.grad_written:
                 dst.zero_()
@@ -314,6 +352,7 @@ class OptimizerStateStore:
         if state == "grad" and self.refuse_second_grad is not None:
             raise EngineError("gradient shards cannot be edited with optimizer.update_in_backward = true (each "
                               "sub-group is stepped as soon as its gradients are in); set the key to false")
+        self.wake(p.sub_index for p in self.layout.pieces_of_group[group_index])
         if state == "grad":
             # edited gradients (clip_grad_value_) need not fit the compute dtype
             compact_grads.widen(self, functools.partial(allocate_key, self, "grad"))
@@ -356,6 +395,8 @@ class OptimizerStateStore:
         it unchanged until they are done.
         """
         first = group_index not in self.grad_written
+        if self.dormant:    # a group frozen at Init's exit, unfrozen since
+            self.wake(p.sub_index for p in self.layout.pieces_of_group[group_index])
         if not first and self.refuse_second_grad is not None:
             self.refuse_second_grad(group_index)
         if self.held is not None:
@@ -397,6 +438,8 @@ class OptimizerStateStore:
         as written from here on."""
         if not self.in_place or group_index in self.grad_written:
             return None
+        if self.dormant:
+            self.wake(p.sub_index for p in self.layout.pieces_of_group[group_index])
         self.grad_written.add(group_index)
         return [(piece.group_offset, piece.numel,
                  self.view("grad", piece.sub_index)[piece.sub_offset:piece.sub_offset + piece.numel])
@@ -428,10 +471,6 @@ class OptimizerStateStore:
         filled = tuple(self.keys["grad"])
         self.keys["grad"] = list(keys)
         return filled
-
-    def mark_moments_written(self) -> None:
-        """Every sub-group's moments hold data (a checkpoint load wrote them)."""
-        self.moments_initialized = True
 
     # -- the sub-group pipeline (see [Note: pipelined sub-groups]) ----------------------------------
     def sub_groups(self, grad_keys: Sequence[int], changed: Sequence[bool], grads: dict | None = None,
@@ -487,7 +526,7 @@ class OptimizerStateStore:
     def _streamed(self, grad_keys, changed: Sequence[bool], grads: dict | None = None, compact: bool = False):
         tier, io, layout, bufs = self.tier, self.io, self.layout, self._buffers
         moments_known = self.moments_initialized
-        subs = [sub for sub, c in enumerate(changed) if c or not moments_known]
+        subs = [sub for sub, c in enumerate(changed) if c or not (moments_known or sub in self.dormant)]
         reads: list[list] = [[], []]
         writes: list[list] = [[], []]
 

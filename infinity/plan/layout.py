@@ -11,9 +11,10 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   gradients' stored size, below) in ``tiers.optimizer`` and a second compute copy of every trainable group in ``tiers.params``
   (the background step writes them while the next iteration uses the published set,
   ``infinity/optim/background.py``).
-* fp32 master, Adam m and v, fp32 gradient accumulator of every shard, frozen groups' too (the
-  engine allocates them for the whole flat space, so that a parameter unfrozen later trains as
-  in torch): ``tiers.optimizer``; m and v at their stored size (``optimizer.state_dtype``: 4, 2 or
+* fp32 master of every shard, frozen groups' too (a parameter unfrozen later trains from it), and
+  Adam m and v and the gradient accumulator of the trainable groups' shards (a frozen group's are
+  allocated when it is unfrozen: [Note: dormant sub-groups] in infinity/optim/flat_state.py):
+  ``tiers.optimizer``; m and v at their stored size (``optimizer.state_dtype``: 4, 2 or
   1 + 4 / ``state_block_size`` bytes each per element). In bf16 with params and optimizer both on
   NVMe the master is stored as the compute copy plus a 2-byte remainder ([Note: split master] in
   infinity/optim/split_master.py); in bf16/fp16 with the optimizer in host memory or on NVMe
@@ -220,24 +221,25 @@ class Layout:
         yield PlanRow("compute_copy", f"compute copy of params ({dtype}, "
                       f"{self.shard_numel:,} elements)", self.params_tier, nbytes)
         t = self.trainable_numel
-        # States of every element, frozen ones too (see [Note: where each byte lives]).
+        # Masters of every element, frozen ones too; the other states of trainable ones (see [Note: where
+        # each byte lives]).
         n, which = self.shard_numel, f"{self.shard_numel:,} elements, {t:,} trainable"
         if self.split_master:
             yield PlanRow("master", f"fp32 master params: 16-bit remainders beside the compute copy ({which})",
                           self.opt_tier, self.master_bytes * n)
         else:
             yield PlanRow("master", f"fp32 master params ({which})", self.opt_tier, FP32_BYTES * n)
-        yield PlanRow("adam_moments", f"Adam m and v ({self.moments.dtype})", self.opt_tier,
-                      self.moment_nbytes(stored=True))
+        yield PlanRow("adam_moments", f"Adam m and v ({self.moments.dtype}, {t:,} trainable elements)",
+                      self.opt_tier, self.moment_nbytes())
         if self.grad_bytes == FP32_BYTES:
-            yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier, FP32_BYTES * n)
+            yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier, FP32_BYTES * t)
         else:
             yield PlanRow("grad_accumulator", f"gradient shards ({dtype}; fp32, 4 bytes, once micro-batches "
-                          "accumulate)", self.opt_tier, self.grad_bytes * n)
+                          "accumulate)", self.opt_tier, self.grad_bytes * t)
         if cfg.dpu.enabled and t:
             yield PlanRow("dpu_grad_accumulator", "second gradient accumulator (DPU; "
                           + ("fp32)" if self.grad_bytes == FP32_BYTES else f"{dtype} until micro-batches accumulate)"),
-                          self.opt_tier, self.grad_bytes * n)
+                          self.opt_tier, self.grad_bytes * t)
             spare = self.rewrite_nvme if self.params_tier == "nvme" else t * pb
             yield PlanRow("dpu_compute_copy", f"second compute copy of trainable params ({dtype}, "
                           "DPU)", self.params_tier, spare)
@@ -318,11 +320,10 @@ class Layout:
                           f"reduce-scatter (stage 1, {self.trainable_padded_numel:,} elements, {dtype})", "device",
                           self.trainable_padded_numel * pb)
 
-    def moment_nbytes(self, stored: bool = False) -> int:
-        """Bytes of Adam's m and v of this rank's trainable elements (``stored``: of all its elements, as
-        allocated), as stored (blocks tile the 2048-element aligned shards, so the int8 scales add exactly
-        4 bytes per block)."""
-        return 2 * self.moments.nbytes(self.shard_numel if stored else self.trainable_numel)
+    def moment_nbytes(self) -> int:
+        """Bytes of Adam's m and v of this rank's trainable elements, as stored (blocks tile the 2048-element
+        aligned shards, so the int8 scales add exactly 4 bytes per block)."""
+        return 2 * self.moments.nbytes(self.trainable_numel)
 
     def host_to_device_bytes(self) -> int:
         """Bytes one rank copies from host memory to the compute device per step (see [Note: PCIe

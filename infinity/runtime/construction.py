@@ -318,7 +318,10 @@ class Partitioner:
             self._move_masters(store)
         else:
             self._sources.clear()
-        store.allocate_states()
+        # Sub-groups of frozen groups get moments and gradients when they first need them ([Note: dormant
+        # sub-groups] in infinity/optim/flat_state.py).
+        store.allocate_states(dormant=[sub for sub, pieces in enumerate(layout.pieces_of_sub)
+                                       if not any(training[p.group_index] for p in pieces)])
         if self._resume is not None:
             self._resume.settle(self.engine, store)
         self._scratch = None    # its slabs go back to the system
