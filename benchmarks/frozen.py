@@ -1,0 +1,129 @@
+"""A frozen base under trained layers: what the optimizer's tier holds when the base is frozen inside
+``infinity.Init`` (its sub-groups dormant: masters only) against frozen just after it (every state held).
+
+Two engines over the same GPT (same initial weights, same batches) in one process; only the last
+``--train-blocks`` blocks and the final norm train. Their steps alternate, so both see the same
+machine load. The report gives, per engine, the optimizer tier's bytes in use, the bytes per frozen
+parameter it saves, the median step time and whether the losses were equal at every step; then the
+base is unfrozen in both for ``--unfrozen-steps`` steps (the dormant one wakes) and the tiers compared
+again (see [Note: dormant sub-groups] in infinity/optim/flat_state.py).
+
+    python benchmarks/frozen.py --model 125M --preset nvme --steps 6
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+import infinity
+from infinity.config import load_config
+from infinity.examples.data import batches
+from infinity.examples.gpt import GPT, preset
+
+
+def _freeze_base(model, train_blocks: int) -> None:
+    model.requires_grad_(False)
+    for block in model.blocks[len(model.blocks) - train_blocks:]:
+        block.requires_grad_(True)
+    model.ln_f.requires_grad_(True)
+
+
+def build(args, dormant: bool, workdir: str):
+    cfg = load_config(args.preset, overrides={"tiers": {"device": "cpu", "nvme_path": tempfile.mkdtemp(dir=workdir)},
+                                              "precision": {"dtype": args.dtype}})
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = GPT(preset(args.model, seq_len=args.seq))
+        if dormant:
+            _freeze_base(model, args.train_blocks)
+    if not dormant:
+        _freeze_base(model, args.train_blocks)
+    return model, infinity.AdamW(model, lr=1e-4)
+
+
+def _tier_bytes(model, tier: str) -> int:
+    return infinity.stats(model)["tiers"][tier]["bytes_in_use"]
+
+
+def _steps(runs, count: int, data) -> tuple[dict, bool]:
+    times = {name: [] for name in runs}
+    equal = True
+    for _ in range(count):
+        x, y = next(data)
+        losses = []
+        for name, (model, opt) in runs.items():
+            start = time.perf_counter()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            opt.synchronize()
+            times[name].append(time.perf_counter() - start)
+            losses.append(loss.item())
+        equal = equal and losses[0] == losses[1]
+    return times, equal
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="125M")
+    ap.add_argument("--preset", default="nvme", help="a preset with the optimizer off the device")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--train-blocks", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--unfrozen-steps", type=int, default=2)
+    ap.add_argument("--workdir", default=None, help="where the swap files go (default: the system's temp dir)")
+    ap.add_argument("--json", default=None, help="write the report here")
+    args = ap.parse_args(argv)
+    if args.steps < 2 or args.unfrozen_steps < 1:
+        ap.error("--steps must be at least 2 and --unfrozen-steps at least 1")
+
+    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
+        runs = {"frozen in Init": build(args, True, workdir), "frozen after Init": build(args, False, workdir)}
+        model = runs["frozen in Init"][0]
+        tier = load_config(args.preset).tiers.optimizer
+        params = sum(p.numel() for p in model.parameters())
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        data = batches("random", args.batch, args.seq, preset(args.model).vocab_size, seed=0)
+        times, equal = _steps(runs, args.steps, data)
+        held = {name: _tier_bytes(m, tier) for name, (m, _) in runs.items()}
+        for m, _ in runs.values():
+            m.requires_grad_(True)
+        _, equal_after = _steps(runs, args.unfrozen_steps, data)
+        unfrozen = {name: _tier_bytes(m, tier) for name, (m, _) in runs.items()}
+        for m, _ in runs.values():
+            infinity.release(m)
+
+    names = list(runs)
+    ratios = [a / b for a, b in zip(times[names[0]][1:], times[names[1]][1:])]
+    report = {
+        "model": args.model, "preset": args.preset, "dtype": args.dtype, "optimizer_tier": tier,
+        "params": params, "frozen_params": frozen,
+        "rows": [{"run": name, "tier_bytes": held[name], "tier_bytes_unfrozen": unfrozen[name],
+                  "step_s": statistics.median(times[name][1:])} for name in names],
+        "saved_bytes_per_frozen_param": (held[names[1]] - held[names[0]]) / max(frozen, 1),
+        "step_ratio": statistics.median(ratios),
+        "losses_equal": equal, "losses_equal_unfrozen": equal_after,
+    }
+    print(f"GPT {args.model}, {args.preset}, {args.dtype}: {params:,} parameters, {frozen:,} frozen; "
+          f"optimizer tier: {tier}")
+    print(f"{'run':<20}{'tier bytes':>16}{'after unfreezing':>18}{'step s':>10}")
+    for row in report["rows"]:
+        print(f"{row['run']:<20}{row['tier_bytes']:>16,}{row['tier_bytes_unfrozen']:>18,}{row['step_s']:>10.3f}")
+    print(f"saved: {report['saved_bytes_per_frozen_param']:.2f} bytes per frozen parameter; step time ratio "
+          f"{report['step_ratio']:.2f}x (median of pairs); losses equal: {equal} (frozen), {equal_after} (unfrozen)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()
