@@ -300,10 +300,21 @@ def _staging(store) -> StagedSubGroups | None:
     sinks = {}
     if store.split is not None:
         sinks["master"] = store.split.write_sub     # writes the compute copies too
+    elif store.resting is not None:                 # dormant sub-groups' masters are split meanwhile
+        sinks["master"] = lambda sub, values: _write_masters(store, sub, values)
     if store.moment_format.compressed:
         for state in STATE_FILES[2:]:
             sinks[state] = lambda sub, values, state=state: _encode(store, state, sub, values)
     return StagedSubGroups([n for _, n in store.layout.sub_ranges], sinks) if sinks else None
+
+
+def _write_masters(store, sub: int, values: torch.Tensor) -> None:
+    """A complete sub-group's fp32 masters: split while it is dormant and stores them so ([Note: dormant
+    sub-groups] in infinity/optim/flat_state.py), else into its master key."""
+    if store.resting.keys[sub] is not None:
+        store.resting.write_sub(sub, values)
+    else:
+        store.tier.write(store.keys["master"][sub], values).wait()
 
 
 # Elements of a gathered sub-group encoded at a time: the encoding's temporaries are several times

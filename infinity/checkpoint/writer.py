@@ -233,12 +233,15 @@ def _rank_spans(engine) -> dict[str, list]:
     files = {"params": [TierSpan(coordinator.shards.tier, g.param_key, 0, g.shard_numel * nbytes)
                         for g in coordinator.groups]}
     source = MasterSource(store.split) if store.split is not None else None
+    resting = MasterSource(store.resting) if store.resting is not None else None
 
     def span(state: str, sub: int, n: int):
         if state in _MOMENTS and (not store.moments_initialized or sub in store.dormant):
             return ZeroSpan(n * 4)      # never stepped, or dormant ([Note: dormant sub-groups] in flat_state.py)
         if state == "master" and source is not None:     # joined from compute copy and remainder
             return TierSpan(source, sub, 0, n * 4)
+        if state == "master" and resting is not None and store.resting.keys[sub] is not None:
+            return TierSpan(resting, sub, 0, n * 4)     # a dormant sub-group's, split meanwhile
         if state in _MOMENTS and store.moment_format.compressed:    # [Note: moments in checkpoints]
             return DecodedMoments(store, state, sub, n * 4)
         return TierSpan(store.tier, store.keys[state][sub], 0, n * 4)

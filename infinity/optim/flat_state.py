@@ -1,24 +1,22 @@
 """Each rank's fp32 master weights, Adam moments and gradient accumulator, flat per sub-group.
 
-[Note: flat layout]
-On each rank the fp32 shards of all parameter groups are placed back to back
-into one flat space (group order, each shard a multiple of ALIGN_NUMEL long).
-That space is cut into sub-groups of ``partition.sub_group_size`` elements; a
-group may straddle two sub-groups. Master weights, ``exp_avg``, ``exp_avg_sq`` and
-the gradient accumulator each live as one flat tensor per sub-group in the
-optimizer tier, so the host Adam kernel runs on a few large flat tensors (about
-35% faster than on many small ones) and the NVMe traffic is a few large
-sequential transfers. Two of them may be stored narrower and widened for the
-kernel: the master as the compute copy plus a 16-bit remainder ([Note: split
-master] in infinity/optim/split_master.py) and the gradient in the compute dtype
-([Note: compact gradients] in infinity/optim/compact_grads.py).
+The flat space and its sub-groups are ``FlatLayout``'s ([Note: flat layout] in
+infinity/optim/flat_layout.py). Two states may be stored narrower and widened for the
+kernel: the master as the compute copy plus a 16-bit remainder ([Note: split master] in
+infinity/optim/split_master.py) and the gradient in the compute dtype ([Note: compact
+gradients] in infinity/optim/compact_grads.py).
 
 [Note: dormant sub-groups]
-A sub-group holding only groups that were frozen at ``infinity.Init``'s exit ([Note: sub-groups apart
-for frozen groups]) is dormant: it has master weights but no moment or gradient keys, so a frozen
-base under trained adapters holds 4 (or, split, 2) bytes per parameter in the optimizer tier instead
-of 16. Its first gradient (a group unfrozen later) or a load bringing it nonzero moments wakes it:
+A sub-group holding only groups that were frozen at ``infinity.Init``'s exit ([Note: sub-groups
+apart for frozen groups] in infinity/optim/flat_layout.py) is dormant: it has master weights but
+no moment or gradient keys, so a frozen base under trained adapters holds 4 (or, split, 2) bytes
+per parameter in the optimizer tier instead of 16. Its first gradient (a group unfrozen later) or a load bringing it nonzero moments wakes it:
 its keys are allocated then, zero, as at the start. Until then its moments read as zeros.
+With bf16 compute copies in host memory or on NVMe and a separate fp32 master (states in host
+memory), a dormant sub-group's masters are stored split meanwhile, as its compute copy plus a
+16-bit remainder ([Note: split master] in infinity/optim/split_master.py): 2 bytes per parameter
+instead of 4, exact. The join and split that make split masters slow to step cost nothing here,
+since a dormant sub-group is never stepped; it is joined into an fp32 master once, when it wakes.
 
 [Note: pipelined sub-groups]
 ``OptimizerStateStore.sub_groups`` is the one pass over the sub-groups that every
@@ -35,15 +33,14 @@ allocator for the streaming buffers; it knows nothing of modules or the coordina
 """
 from __future__ import annotations
 
-import bisect
 import functools
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
 from infinity.errors import EngineError
 from infinity.optim import compact_grads, split_master
+from infinity.optim.flat_layout import FlatLayout
 from infinity.optim.moments import MomentFormat, read_moments, write_moments
 from tiers.base import wait_quietly
 
@@ -81,79 +78,13 @@ class _Unbooked:
         return tier.write(key, src, offset)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A run of elements shared by one group's shard and one sub-group."""
-
-    group_index: int
-    sub_index: int
-    group_offset: int
-    sub_offset: int
-    numel: int
-
-
-class FlatLayout:
-    """Where every group's shard sits in the rank's flat fp32 space and in the sub-groups.
-
-    [Note: sub-groups apart for frozen groups]
-    Sub-groups are consecutive runs of at most ``sub_group_size`` elements, and a new one starts at
-    each group of ``breaks``: the engine breaks where the groups change between trainable and frozen
-    when ``infinity.Init`` exits, so no sub-group mixes them. The update streams and steps whole sub-groups that hold a
-    group with gradients; a frozen group sharing one with trainable groups had its states read and
-    written at every step for nothing (with adapters trained on a frozen base: most of the bytes).
-
-    Parameters
-    ----------
-    shard_numels:
-        Shard length of each group, in group order.
-    sub_group_size:
-        Sub-group length in elements (rounded up to the groups' alignment).
-    breaks:
-        Indices of groups that start a sub-group.
-    """
-
-    def __init__(self, shard_numels: list[int], sub_group_size: int, breaks=()) -> None:
-        self.group_starts, start = [], 0
-        for n in shard_numels:
-            self.group_starts.append(start)
-            start += n
-        self.shard_numels = list(shard_numels)
-        self.total_numel = start
-        size = max(2048, -(-sub_group_size // 2048) * 2048)
-        self.sub_group_size = min(size, max(start, 2048))
-        edges = sorted({0, start} | {self.group_starts[g] for g in breaks if 0 < g < len(shard_numels)})
-        self.sub_ranges = [(s, min(self.sub_group_size, b - s))
-                           for a, b in zip(edges, edges[1:]) for s in range(a, b, self.sub_group_size)]
-        self.pieces_of_group: list[list[Piece]] = [[] for _ in shard_numels]
-        self.pieces_of_sub: list[list[Piece]] = [[] for _ in self.sub_ranges]
-        si = 0
-        for gi, (g0, n) in enumerate(zip(self.group_starts, shard_numels)):
-            pos = g0
-            while pos < g0 + n:
-                while pos >= sum(self.sub_ranges[si]):
-                    si += 1
-                s0, sn = self.sub_ranges[si]
-                take = min(g0 + n, s0 + sn) - pos
-                piece = Piece(gi, si, pos - g0, pos - s0, take)
-                self.pieces_of_group[gi].append(piece)
-                self.pieces_of_sub[si].append(piece)
-                pos += take
-
-    def sub_pieces(self, flat: int, numel: int):
-        """``(sub, offset in it, n, offset from flat)`` of elements ``[flat, flat + numel)`` of the flat space."""
-        si = bisect.bisect_right([s for s, _ in self.sub_ranges], flat) - 1
-        done = 0
-        while done < numel:
-            s0, sn = self.sub_ranges[si]
-            within = flat + done - s0
-            take = min(sn - within, numel - done)
-            yield si, within, take, done
-            done += take
-            si += 1
-
-    @property
-    def num_subs(self) -> int:
-        return len(self.sub_ranges)
+def _master_split(store, sub: int):
+    """The ``SplitMasters`` holding sub-group ``sub``'s masters, or None (an fp32 master key)."""
+    if store.split is not None:
+        return store.split
+    if store.resting is not None and store.resting.keys[sub] is not None:
+        return store.resting
+    return None
 
 
 class OptimizerStateStore:
@@ -183,11 +114,15 @@ class OptimizerStateStore:
         Compressed moments are raw bytes in their keys and buffers (see [Note: compressed
         moments] in infinity/optim/moments.py); ``read_state_shard`` and ``write_state_shard``
         decode and encode them.
+    dormant:
+        Sub-groups without moments and gradient until they wake ([Note: dormant sub-groups]).
+    dormant_copies:
+        ``CopyAccess`` to store the dormant sub-groups' masters split while they sleep, or None.
     """
 
     def __init__(self, tier, layout: FlatLayout, allocator=None, *, defer_states: bool = False,
                  datapath=None, copies=None, grad_dtype: torch.dtype = torch.float32,
-                 moment_format: MomentFormat | None = None) -> None:
+                 moment_format: MomentFormat | None = None, dormant=(), dormant_copies=None) -> None:
         self.tier = tier
         self.moment_format = moment_format or MomentFormat()
         self.io = datapath if datapath is not None else _Unbooked()
@@ -198,16 +133,25 @@ class OptimizerStateStore:
         self.device = getattr(tier, "device", torch.device("cpu"))
         # The masters split into compute copy and remainder (see [Note: split master]), or None.
         self.split = None
+        # Sub-groups without moment and gradient keys yet ([Note: dormant sub-groups]); ``on_wake``:
+        # called with each sub-group that gets them (DPU gives it a second gradient key).
+        self.dormant: set[int] = set(dormant)
+        self.on_wake: list = []
+        # The dormant sub-groups' masters stored split meanwhile (their remainder keys), or None.
+        self.resting = None
         if copies is not None:
             self.keys = {"remainder": self._allocate("remainder", split_master.REMAINDER_ITEMSIZE)}
             self.split = split_master.SplitMasters(copies, layout, tier, self.io, self.keys["remainder"])
         else:
-            self.keys = {"master": self._allocate("master")}
+            resting = self.dormant if dormant_copies is not None else set()
+            self.keys = {"master": self._allocate("master", skip=resting)}
+            if resting:
+                self.resting = split_master.SplitMasters(dormant_copies, layout, tier, self.io, self._allocate(
+                    "remainder", split_master.REMAINDER_ITEMSIZE, skip=set(range(layout.num_subs)) - resting))
+        # Groups whose compute copy this store writes with their masters (split masters).
+        self.copy_writers = {p.group_index for sub in range(layout.num_subs) for p in layout.pieces_of_sub[sub]
+                             if _master_split(self, sub) is not None}
         self.moments_initialized = False
-        # Sub-groups without moment and gradient keys yet ([Note: dormant sub-groups]); ``on_wake``:
-        # called with each sub-group that gets them (DPU gives it a second gradient key).
-        self.dormant: set[int] = set()
-        self.on_wake: list = []
         self.grad_written: set[int] = set()
         # What arrived since zero_grad, and the running norm (``GradientBook``, kept on the compute
         # device by the gradient reducer); zero_grad resets it with the accumulator.
@@ -251,27 +195,28 @@ class OptimizerStateStore:
         if not defer_states:
             self.allocate_states()
 
-    def _allocate(self, state: str, itemsize: int | None = None) -> list[int]:
-        """One key per sub-group: ``itemsize`` bytes per element, or the state's stored size."""
-        return [allocate_key(self, state, n * itemsize if itemsize is not None
-                             else self.moment_format.stored_nbytes(state, n), f"{state}:sub{i}")
+    def _allocate(self, state: str, itemsize: int | None = None, skip=()) -> list[int | None]:
+        """One key per sub-group but those in ``skip`` (None): ``itemsize`` bytes per element, or the
+        state's stored size."""
+        return [None if i in skip else allocate_key(self, state, n * itemsize if itemsize is not None
+                                                    else self.moment_format.stored_nbytes(state, n), f"{state}:sub{i}")
                 for i, (_, n) in enumerate(self.layout.sub_ranges)]
 
-    def allocate_states(self, dormant=()) -> None:
+    def allocate_states(self) -> None:
         """Allocate Adam's moments and the gradient accumulator (zero on in-place tiers), except for
-        the ``dormant`` sub-groups' ([Note: dormant sub-groups]).
+        the dormant sub-groups' ([Note: dormant sub-groups]).
 
         [Note: allocation order] The engine allocates the master weights first, moves the
         initial masters in and frees their temporary keys, and only then calls this: the
         freed space is reused for the moments instead of leaving holes the size of the
         masters in the swap files.
         """
-        num_subs = self.layout.num_subs
+        num_subs, asleep = self.layout.num_subs, set(self.dormant)
         for s in (*MOMENTS, "grad"):
             self.keys[s] = [None] * num_subs
         self.dormant = set(range(num_subs))
         # On NVMe the first pass over the sub-groups writes their zero moments.
-        self.wake([sub for sub in range(num_subs) if sub not in set(dormant)], zero=False)
+        self.wake([sub for sub in range(num_subs) if sub not in asleep], zero=False)
         self.moments_initialized = self.in_place
 
     def wake(self, subs, zero: bool = True) -> None:
@@ -288,6 +233,14 @@ class OptimizerStateStore:
                 self.keys[s][sub] = allocate_key(self, s, nbytes, f"{s}:sub{sub}")
         self.dormant.difference_update(subs)
         for sub in subs:
+            if self.resting is not None and self.resting.keys[sub] is not None:    # joined once
+                masters = self.resting.read_sub(sub)
+                self.keys["master"][sub] = allocate_key(self, "master", masters.numel() * _F32, f"master:sub{sub}")
+                self.io.write(self.tier, self.keys["master"][sub], masters).wait()
+                self.tier.free(self.resting.keys[sub])
+                self.resting.keys[sub] = None
+                self.resting.exceptions.set(sub, None)
+                self.copy_writers.difference_update(p.group_index for p in self.layout.pieces_of_sub[sub])
             if self.in_place:
                 for s in (*MOMENTS, "grad"):
                     self.view(s, sub).zero_()
@@ -313,10 +266,11 @@ class OptimizerStateStore:
         also write the group's compute copy, their rounding."""
         for piece in self.layout.pieces_of_group[group_index]:
             src = fp32_shard[piece.group_offset:piece.group_offset + piece.numel]
-            if self.split is None:
+            split = _master_split(self, piece.sub_index)
+            if split is None:
                 self._write(("master", piece), src)
             else:
-                self._pending_writes.extend(self.split.write_piece(piece, src))
+                self._pending_writes.extend(split.write_piece(piece, src))
         self.flush()
 
     def read_state_shard(self, state: str, group_index: int) -> torch.Tensor:
@@ -325,8 +279,8 @@ class OptimizerStateStore:
         out = torch.empty(self.layout.shard_numels[group_index], dtype=torch.float32)
         for piece in self.layout.pieces_of_group[group_index]:
             dst = out[piece.group_offset:piece.group_offset + piece.numel]
-            if state == "master" and self.split is not None:
-                self.split.read_piece(piece, dst)
+            if state == "master" and _master_split(self, piece.sub_index) is not None:
+                _master_split(self, piece.sub_index).read_piece(piece, dst)
             elif state in MOMENTS and (not self.moments_initialized or piece.sub_index in self.dormant):
                 dst.zero_()
             elif state == "grad" and group_index not in self.grad_written:

@@ -66,6 +66,14 @@ def use_split_master(dtype: torch.dtype, params_kind: str, optimizer_kind: str) 
     return dtype == torch.bfloat16 and params_kind == optimizer_kind == "nvme"
 
 
+def rest_split(dtype: torch.dtype, params_kind: str, optimizer_kind: str) -> bool:
+    """Whether the masters of dormant sub-groups are stored split while they sleep ([Note: dormant
+    sub-groups] in infinity/optim/flat_state.py): bf16 copies in host memory or on NVMe, and a separate
+    fp32 master in host memory or on NVMe (not already split)."""
+    return (dtype == torch.bfloat16 and params_kind in ("host", "nvme") and optimizer_kind in ("host", "nvme")
+            and not use_split_master(dtype, params_kind, optimizer_kind))
+
+
 def _host_flag(flag: torch.Tensor) -> bool:
     """The value of a 0-dim bool computed from host memory. Split masters exist only with both tiers
     in host memory or on NVMe (``use_split_master``), so this reads host memory and never waits

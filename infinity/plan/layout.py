@@ -11,7 +11,8 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   gradients' stored size, below) in ``tiers.optimizer`` and a second compute copy of every trainable group in ``tiers.params``
   (the background step writes them while the next iteration uses the published set,
   ``infinity/optim/background.py``).
-* fp32 master of every shard, frozen groups' too (a parameter unfrozen later trains from it), and
+* fp32 master of every shard, frozen groups' too (a parameter unfrozen later trains from it; with
+  bf16 copies and states off the device, as the copy plus a 2-byte remainder until then), and
   Adam m and v and the gradient accumulator of the trainable groups' shards (a frozen group's are
   allocated when it is unfrozen: [Note: dormant sub-groups] in infinity/optim/flat_state.py):
   ``tiers.optimizer``; m and v at their stored size (``optimizer.state_dtype``: 4, 2 or
@@ -197,6 +198,10 @@ class Layout:
         self.grad_bytes = (param_bytes if cfg.precision.dtype in ("bfloat16", "float16")
                            and self.opt_tier in ("host", "nvme") else FP32_BYTES)
         self.master_bytes = 2 if self.split_master else FP32_BYTES
+        # Frozen groups' masters are split while their sub-groups are dormant ([Note: dormant sub-groups]
+        # in infinity/optim/flat_state.py; ``rest_split`` in infinity/optim/split_master.py).
+        self.frozen_master_bytes = (2 if cfg.precision.dtype == "bfloat16" and self.params_tier in ("host", "nvme")
+                                    and self.opt_tier in ("host", "nvme") else self.master_bytes)
         # [Note: update during backward] in infinity/optim/in_backward.py: gradients held in host memory.
         self.grads_held = cfg.optimizer.update_in_backward and self.opt_tier == "nvme"
 
@@ -227,6 +232,9 @@ class Layout:
         if self.split_master:
             yield PlanRow("master", f"fp32 master params: 16-bit remainders beside the compute copy ({which})",
                           self.opt_tier, self.master_bytes * n)
+        elif self.frozen_master_bytes != self.master_bytes:
+            yield PlanRow("master", f"fp32 master params ({which}; frozen ones as 16-bit remainders beside the "
+                          "compute copy)", self.opt_tier, FP32_BYTES * t + self.frozen_master_bytes * (n - t))
         else:
             yield PlanRow("master", f"fp32 master params ({which})", self.opt_tier, FP32_BYTES * n)
         yield PlanRow("adam_moments", f"Adam m and v ({self.moments.dtype}, {t:,} trainable elements)",

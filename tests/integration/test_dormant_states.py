@@ -35,10 +35,10 @@ class Stack(nn.Module):
         return self.norm(x).float().pow(2).mean()
 
 
-def _config(nvme, optimizer="nvme", state_dtype="fp32", **sections):
+def _config(nvme, optimizer="nvme", state_dtype="fp32", dtype="float32", **sections):
     return {"tiers": {"params": "nvme" if optimizer == "nvme" else "host", "optimizer": optimizer,
                       "nvme_path": str(nvme), "device": "cpu", "pool_buffer_size": "256KiB", "pool_buffers": 4},
-            "precision": {"dtype": "float32"}, "optimizer": {"state_dtype": state_dtype},
+            "precision": {"dtype": dtype}, "optimizer": {"state_dtype": state_dtype},
             "partition": {"sub_group_size": 4096}, "aio": {"engine": "threads"},
             "checkpoint": {"buffer_size": "1MiB"}, **sections}
 
@@ -60,7 +60,8 @@ def _plain(frozen: int = 2):
 
 
 def _step(model, opt, i: int) -> float:
-    loss = model(torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(i)))
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(i))
+    loss = model(x.to(model.layers[0].weight.dtype))
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -80,32 +81,42 @@ def _run(model, opt, steps, unfreeze_at=None) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("optimizer", ["host", "nvme"])
-def test_frozen_groups_hold_no_moments_or_gradients_until_unfrozen(tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer, dtype, saved", [
+    ("host", "float32", 4 + 4 + 4),     # m, v, an fp32 gradient
+    ("nvme", "float32", 4 + 4 + 4),
+    ("host", "bfloat16", 2 + 4 + 4 + 2),    # half the master (split while dormant), m, v, a bf16 gradient
+    ("nvme", "bfloat16", 4 + 4 + 2),        # the masters are split anyway
+])
+def test_frozen_groups_hold_no_moments_or_gradients_until_unfrozen(tmp_path, optimizer, dtype, saved):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    whole, whole_opt = _build(_config(tmp_path / "a", optimizer), frozen=0)
+    whole, whole_opt = _build(_config(tmp_path / "a", optimizer, dtype=dtype), frozen=0)
     _step(whole, whole_opt, 0)
-    model, opt = _build(_config(tmp_path / "b", optimizer))
+    model, opt = _build(_config(tmp_path / "b", optimizer, dtype=dtype))
     plain, plain_opt = _plain()
-    assert _step(model, opt, 0) == pytest.approx(_step(plain, plain_opt, 0), rel=1e-6)
-    # m, v and an fp32 gradient: 12 bytes per element of the two frozen layers' shards.
-    assert _held(whole, optimizer) - _held(model, optimizer) == 12 * 2 * SHARD
+    got, want = _step(model, opt, 0), _step(plain, plain_opt, 0)
+    if dtype == "float32":
+        assert got == pytest.approx(want, rel=1e-6)
+    # bytes per element of the two frozen layers' shards
+    assert _held(whole, optimizer) - _held(model, optimizer) == saved * 2 * SHARD
     for net in (model, plain):
         net.requires_grad_(True)
     for i in (1, 2, 3):
-        assert _step(model, opt, i) == pytest.approx(_step(plain, plain_opt, i), rel=1e-5), i
+        got, want = _step(model, opt, i), _step(plain, plain_opt, i)
+        if dtype == "float32":
+            assert got == pytest.approx(want, rel=1e-5), i
     assert _held(model, optimizer) == _held(whole, optimizer)
     infinity.release(model)
     infinity.release(whole)
 
 
-@pytest.mark.parametrize("optimizer, state_dtype", [("nvme", "fp32"), ("nvme", "int8"), ("host", "fp32")])
-def test_checkpoints_are_exact_across_runs_that_froze_different_groups(tmp_path, optimizer, state_dtype):
+@pytest.mark.parametrize("optimizer, state_dtype, dtype", [("nvme", "fp32", "float32"), ("nvme", "int8", "float32"),
+                                                           ("host", "fp32", "float32"), ("host", "fp32", "bfloat16")])
+def test_checkpoints_are_exact_across_runs_that_froze_different_groups(tmp_path, optimizer, state_dtype, dtype):
     """A run that unfroze its base saves moments a model built with the base frozen takes (it wakes);
     a run that never did saves zeros, which a model built with the base trainable takes and a model
-    built with it frozen leaves dormant."""
-    cfg = lambda name: _config(tmp_path / name, optimizer, state_dtype)  # noqa: E731
+    built with it frozen leaves dormant (in bf16 with its masters split meanwhile)."""
+    cfg = lambda name: _config(tmp_path / name, optimizer, state_dtype, dtype)  # noqa: E731
     # int8 moments are encoded again on load: each block's scale within a rounding of the saved one
     # ([Note: moments in checkpoints] in infinity/checkpoint/moments.py).
     same = (lambda got, want: got == want) if state_dtype == "fp32" else (  # noqa: E731

@@ -1,6 +1,6 @@
 """The flat layout of a rank's optimizer states: groups in sub-groups, and sub-groups kept apart at breaks.
 
-See [Note: sub-groups apart for frozen groups] in infinity/optim/flat_state.py: the engine starts a sub-group
+See [Note: sub-groups apart for frozen groups] in infinity/optim/flat_layout.py: the engine starts a sub-group
 wherever the groups change between trainable and frozen, so the update, which streams whole sub-groups,
 never moves a frozen group's states beside a trainable one's.
 """
@@ -11,7 +11,7 @@ from torch import nn
 
 import infinity
 from infinity import registry
-from infinity.optim.flat_state import FlatLayout
+from infinity.optim.flat_layout import FlatLayout
 
 
 def _check_tiling(layout: FlatLayout) -> None:

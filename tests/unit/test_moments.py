@@ -12,7 +12,8 @@ from torch import nn
 import infinity
 from infinity.config import Config, ConfigError
 from infinity.optim import moments
-from infinity.optim.flat_state import FlatLayout, OptimizerStateStore
+from infinity.optim.flat_layout import FlatLayout
+from infinity.optim.flat_state import OptimizerStateStore
 from infinity.optim.moments import AdamHyper, MomentFormat, MomentStep, step_seed
 from tiers import HostTier, NVMeTier
 

@@ -90,9 +90,12 @@ def _stored(p, tier: str) -> int:
         ("host", "host", "float32", False, False),
         ("nvme", "nvme", "bfloat16", True, False),
         ("host", "host", "float32", True, False),
-        # A frozen block: its states are held (it may be unfrozen later), its bytes do not move.
+        # A frozen block: its master is held (it may be unfrozen later; in bf16 split while it sleeps), its
+        # moments and gradient are not, and its bytes do not move.
         ("nvme", "nvme", "bfloat16", False, True),
         ("host", "host", "float32", True, True),
+        ("host", "host", "bfloat16", False, True),
+        ("host", "nvme", "bfloat16", False, True),
     ],
 )
 def test_plan_matches_the_tiers_after_training(tmp_path, params, optimizer, dtype, dpu, frozen):

@@ -131,8 +131,12 @@ def test_nvme_params_host_optimizer_with_frozen_group(tmp_path):
     trainable = 16_384 + 2_048
     assert p.shards.trainable_shard_numel == trainable
     assert rows["compute_copy"] == ("nvme", 2 * 20_480)
-    # Every element's master, the frozen group's too (the engine allocates them: it may be unfrozen).
-    assert rows["master"] == ("host", 4 * 20_480)
+    # Every element's master, the frozen group's too (it may be unfrozen): as a 2-byte remainder beside its
+    # bf16 copy while it is frozen ([Note: dormant sub-groups] in infinity/optim/flat_state.py).
+    assert rows["master"] == ("host", 4 * trainable + 2 * (20_480 - trainable))
+    # Moments and a bf16 gradient for the trainable elements only.
+    assert rows["adam_moments"] == ("host", 8 * trainable)
+    assert rows["grad_accumulator"] == ("host", 2 * trainable)
     assert "device_prefetch" not in rows and "optimizer_subgroup_buffers" not in rows
     # Demand staging is there whether or not prefetching is on (3 x 32 KiB shards); no arena.
     assert rows["nvme_staging"] == ("host", 3 * 32_768)
