@@ -10,8 +10,9 @@ gradients] in infinity/optim/compact_grads.py).
 A sub-group holding only groups that were frozen at ``infinity.Init``'s exit ([Note: sub-groups
 apart for frozen groups] in infinity/optim/flat_layout.py) is dormant: it has master weights but
 no moment or gradient keys, so a frozen base under trained adapters holds 4 (or, split, 2) bytes
-per parameter in the optimizer tier instead of 16. Its first gradient (a group unfrozen later) or a load bringing it nonzero moments wakes it:
-its keys are allocated then, zero, as at the start. Until then its moments read as zeros.
+per parameter in the optimizer tier instead of 16. Its first gradient (a group unfrozen later) or
+a load bringing it nonzero moments wakes it: its keys are allocated then, zero, as at the start.
+Until then its moments read as zeros.
 With bf16 compute copies in host memory or on NVMe and a separate fp32 master (states in host
 memory), a dormant sub-group's masters are stored split meanwhile, as its compute copy plus a
 16-bit remainder ([Note: split master] in infinity/optim/split_master.py): 2 bytes per parameter
