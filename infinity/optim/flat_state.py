@@ -226,17 +226,32 @@ class OptimizerStateStore:
         subs = sorted(self.dormant.intersection(subs))
         if not subs:
             return
-        for s in (*MOMENTS, "grad"):
-            for sub in subs:
-                n = self.layout.sub_ranges[sub][1]
-                nbytes = (n * compact_grads.itemsize(self.grad_dtype) if s == "grad"
-                          else self.moment_format.stored_nbytes(s, n))
-                self.keys[s][sub] = allocate_key(self, s, nbytes, f"{s}:sub{sub}")
+        fresh: dict[tuple[str, int], int] = {}
+        try:    # all of them or none: a tier too full to take them loses nothing
+            for s in (*MOMENTS, "grad", "master"):
+                for sub in subs:
+                    n = self.layout.sub_ranges[sub][1]
+                    if s == "master" and (self.resting is None or self.resting.keys[sub] is None):
+                        continue
+                    nbytes = (n * compact_grads.itemsize(self.grad_dtype) if s == "grad" else n * _F32
+                              if s == "master" else self.moment_format.stored_nbytes(s, n))
+                    fresh[s, sub] = allocate_key(self, s, nbytes, f"{s}:sub{sub}")
+        except BaseException as exc:
+            for key in fresh.values():
+                self.tier.free(key)
+            exc.add_note(f"infinity: while allocating the optimizer states of sub-group(s) {subs} (nothing kept): "
+                         "groups frozen when infinity.Init exited get their Adam moments and gradients when they "
+                         "first train or a checkpoint brings them moments, beyond what infinity-plan and Init's "
+                         "budget check counted")
+            raise
+        for (s, sub), key in fresh.items():
+            if s != "master":
+                self.keys[s][sub] = key
         self.dormant.difference_update(subs)
         for sub in subs:
-            if self.resting is not None and self.resting.keys[sub] is not None:    # joined once
+            if ("master", sub) in fresh:    # the resting masters, joined once
                 masters = self.resting.read_sub(sub)
-                self.keys["master"][sub] = allocate_key(self, "master", masters.numel() * _F32, f"master:sub{sub}")
+                self.keys["master"][sub] = fresh["master", sub]
                 self.io.write(self.tier, self.keys["master"][sub], masters).wait()
                 self.tier.free(self.resting.keys[sub])
                 self.resting.keys[sub] = None

@@ -232,3 +232,27 @@ def test_a_dormant_base_trains_bit_for_bit_as_one_frozen_after_init(tmp_path, op
         losses.append(out)
         infinity.release(model)
     assert losses[0] == losses[1]
+
+
+def test_unfreezing_past_the_host_budget_raises_naming_why_and_loses_nothing(tmp_path):
+    """The frozen base's moments were not counted when the model was built: a host budget that fits the
+    model as built refuses them at the first gradient after unfreezing, says why, and keeps the model
+    as it was (frozen again, it trains on)."""
+    probe, probe_opt = _build(_config(tmp_path, "host"))
+    _step(probe, probe_opt, 0)
+    held = _held(probe, "host")
+    infinity.release(probe)
+    model, opt = _build(_config(tmp_path, "host", tiers={"params": "host", "optimizer": "host",
+                                                          "device": "cpu", "host_budget": held + 4096}))
+    _step(model, opt, 0)
+    model.requires_grad_(True)
+    with pytest.raises(Exception, match="would hold") as raised:
+        _step(model, opt, 1)
+    assert any("frozen when infinity.Init exited" in note for note in getattr(raised.value, "__notes__", []))
+    assert _held(model, "host") == held
+    opt.zero_grad()
+    model.layers[:2].requires_grad_(False)
+    plain, plain_opt = _plain()
+    _step(plain, plain_opt, 0)
+    assert _step(model, opt, 2) == pytest.approx(_step(plain, plain_opt, 2), rel=1e-5)
+    infinity.release(model)
