@@ -104,9 +104,15 @@ class DelayedUpdate(BackgroundUpdate):
         self.store.tier.write(key, zeros).wait()
         return key
 
-    def _wake_spare(self, sub: int) -> None:
-        """A dormant sub-group got its keys in the store: the spare set gets one too."""
+    def _wake_spare(self, sub: int):
+        """A dormant sub-group gets its keys in the store: the spare set gets one too. Returns what
+        gives it back (the store's wake failed)."""
         self._spare_grad_keys[sub] = self._grad_key(sub, self.store.grad_dtype)
+
+        def undo() -> None:
+            self.store.tier.free(self._spare_grad_keys[sub])
+            self._spare_grad_keys[sub] = None
+        return undo
 
     def _widen_spare(self) -> None:
         """The store's gradient keys widen to fp32 (micro-batches accumulate): so does the spare set,

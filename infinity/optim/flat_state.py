@@ -137,7 +137,7 @@ class OptimizerStateStore:
         # Sub-groups without moment and gradient keys yet ([Note: dormant sub-groups]); ``on_wake``:
         # called with each sub-group that gets them (DPU gives it a second gradient key).
         self.dormant: set[int] = set(dormant)
-        self.on_wake: list = []
+        self.on_wake: list = []     # each returns what undoes it
         # The dormant sub-groups' masters stored split meanwhile (their remainder keys), or None.
         self.resting = None
         if copies is not None:
@@ -227,6 +227,7 @@ class OptimizerStateStore:
         if not subs:
             return
         fresh: dict[tuple[str, int], int] = {}
+        undo: list = []
         try:    # all of them or none: a tier too full to take them loses nothing
             for s in (*MOMENTS, "grad", "master"):
                 for sub in subs:
@@ -236,7 +237,11 @@ class OptimizerStateStore:
                     nbytes = (n * compact_grads.itemsize(self.grad_dtype) if s == "grad" else n * _F32
                               if s == "master" else self.moment_format.stored_nbytes(s, n))
                     fresh[s, sub] = allocate_key(self, s, nbytes, f"{s}:sub{sub}")
+            for sub in subs:
+                undo.extend(hook(sub) for hook in self.on_wake)
         except BaseException as exc:
+            for step_back in reversed(undo):
+                step_back()
             for key in fresh.values():
                 self.tier.free(key)
             exc.add_note(f"infinity: while allocating the optimizer states of sub-group(s) {subs} (nothing kept): "
@@ -247,12 +252,11 @@ class OptimizerStateStore:
         for (s, sub), key in fresh.items():
             if s != "master":
                 self.keys[s][sub] = key
-        self.dormant.difference_update(subs)
         for sub in subs:
             if ("master", sub) in fresh:    # the resting masters, joined once
                 masters = self.resting.read_sub(sub)
+                self.io.write(self.tier, fresh["master", sub], masters).wait()
                 self.keys["master"][sub] = fresh["master", sub]
-                self.io.write(self.tier, self.keys["master"][sub], masters).wait()
                 self.tier.free(self.resting.keys[sub])
                 self.resting.keys[sub] = None
                 self.resting.exceptions.set(sub, None)
@@ -267,8 +271,8 @@ class OptimizerStateStore:
                     size = self.moment_format.stored_nbytes(s, self.layout.sub_ranges[sub][1])
                     for at in range(0, size, zeros.numel()):
                         self.io.write(self.tier, self.keys[s][sub], zeros[:size - at], offset=at).wait()
-            for hook in self.on_wake:
-                hook(sub)
+        # Last: an update on another thread (during backward) streams the sub-groups not dormant.
+        self.dormant.difference_update(subs)
 
     # -- access ---------------------------------------------------------------------------------
     def view(self, state: str, sub: int) -> torch.Tensor:
@@ -322,11 +326,14 @@ class OptimizerStateStore:
         if state == "grad" and self.refuse_second_grad is not None:
             raise EngineError("gradient shards cannot be edited with optimizer.update_in_backward = true (each "
                               "sub-group is stepped as soon as its gradients are in); set the key to false")
-        self.wake(p.sub_index for p in self.layout.pieces_of_group[group_index])
+        # Zeros leave a dormant sub-group dormant (they are what it holds).
+        pieces = [p for p in self.layout.pieces_of_group[group_index]
+                  if p.sub_index not in self.dormant or values[p.group_offset:p.group_offset + p.numel].any()]
+        self.wake(p.sub_index for p in pieces)
         if state == "grad":
             # edited gradients (clip_grad_value_) need not fit the compute dtype
             compact_grads.widen(self, functools.partial(allocate_key, self, "grad"))
-        for piece in self.layout.pieces_of_group[group_index]:
+        for piece in pieces:
             src = values[piece.group_offset:piece.group_offset + piece.numel]
             if state in MOMENTS and self.moment_format.compressed:
                 write_moments(self, state, piece.sub_index, piece.sub_offset, src)

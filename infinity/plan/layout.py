@@ -13,8 +13,10 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   ``infinity/optim/background.py``).
 * fp32 master of every shard, frozen groups' too (a parameter unfrozen later trains from it; with
   bf16 copies and states off the device, as the copy plus a 2-byte remainder until then), and
-  Adam m and v and the gradient accumulator of the trainable groups' shards (a frozen group's are
-  allocated when it is unfrozen: [Note: dormant sub-groups] in infinity/optim/flat_state.py):
+  Adam m and v and the gradient accumulator of the groups that train (``CensusGroup.states``: the
+  frozen parameters of a module that has trainable ones too, since the engine groups them together
+  when they were frozen after the module was built; a group frozen whole gets them when it is
+  unfrozen: [Note: dormant sub-groups] in infinity/optim/flat_state.py):
   ``tiers.optimizer``; m and v at their stored size (``optimizer.state_dtype``: 4, 2 or
   1 + 4 / ``state_block_size`` bytes each per element). In bf16 with params and optimizer both on
   NVMe the master is stored as the compute copy plus a 2-byte remainder ([Note: split master] in
@@ -155,6 +157,7 @@ class Layout:
         threshold = int(cfg.partition.persistence_threshold)
         self.shard_numel = 0
         self.trainable_numel = 0
+        self.states_numel = 0   # elements with Adam moments and a gradient accumulator (CensusGroup.states)
         self.persistent_padded_numel = 0
         self.compute_nvme = 0  # compute-copy bytes as stored on NVMe (block aligned)
         self.read_nvme = 0  # compute-copy bytes read per step (forward + backward)
@@ -181,6 +184,8 @@ class Layout:
             self.largest_shard = max(self.largest_shard, shard)
             if persistent:
                 self.persistent_padded_numel += padded
+            if group.states:
+                self.states_numel += shard
             if group.trainable:
                 self.trainable_numel += shard
                 self.trainable_padded_numel += padded
@@ -225,29 +230,29 @@ class Layout:
         nbytes = self.compute_nvme if self.params_tier == "nvme" else self.shard_numel * pb
         yield PlanRow("compute_copy", f"compute copy of params ({dtype}, "
                       f"{self.shard_numel:,} elements)", self.params_tier, nbytes)
-        t = self.trainable_numel
-        # Masters of every element, frozen ones too; the other states of trainable ones (see [Note: where
-        # each byte lives]).
+        t, held = self.trainable_numel, self.states_numel
+        # Masters of every element, frozen ones too; the other states of the groups that train (see [Note:
+        # where each byte lives]).
         n, which = self.shard_numel, f"{self.shard_numel:,} elements, {t:,} trainable"
         if self.split_master:
             yield PlanRow("master", f"fp32 master params: 16-bit remainders beside the compute copy ({which})",
                           self.opt_tier, self.master_bytes * n)
         elif self.frozen_master_bytes != self.master_bytes:
             yield PlanRow("master", f"fp32 master params ({which}; frozen ones as 16-bit remainders beside the "
-                          "compute copy)", self.opt_tier, FP32_BYTES * t + self.frozen_master_bytes * (n - t))
+                          "compute copy)", self.opt_tier, FP32_BYTES * held + self.frozen_master_bytes * (n - held))
         else:
             yield PlanRow("master", f"fp32 master params ({which})", self.opt_tier, FP32_BYTES * n)
-        yield PlanRow("adam_moments", f"Adam m and v ({self.moments.dtype}, {t:,} trainable elements)",
-                      self.opt_tier, self.moment_nbytes())
+        yield PlanRow("adam_moments", f"Adam m and v ({self.moments.dtype}, {held:,} elements of groups that "
+                      "train)", self.opt_tier, self.moment_nbytes(held))
         if self.grad_bytes == FP32_BYTES:
-            yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier, FP32_BYTES * t)
+            yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier, FP32_BYTES * held)
         else:
             yield PlanRow("grad_accumulator", f"gradient shards ({dtype}; fp32, 4 bytes, once micro-batches "
-                          "accumulate)", self.opt_tier, self.grad_bytes * t)
+                          "accumulate)", self.opt_tier, self.grad_bytes * held)
         if cfg.dpu.enabled and t:
             yield PlanRow("dpu_grad_accumulator", "second gradient accumulator (DPU; "
                           + ("fp32)" if self.grad_bytes == FP32_BYTES else f"{dtype} until micro-batches accumulate)"),
-                          self.opt_tier, self.grad_bytes * t)
+                          self.opt_tier, self.grad_bytes * held)
             spare = self.rewrite_nvme if self.params_tier == "nvme" else t * pb
             yield PlanRow("dpu_compute_copy", f"second compute copy of trainable params ({dtype}, "
                           "DPU)", self.params_tier, spare)
@@ -328,10 +333,10 @@ class Layout:
                           f"reduce-scatter (stage 1, {self.trainable_padded_numel:,} elements, {dtype})", "device",
                           self.trainable_padded_numel * pb)
 
-    def moment_nbytes(self) -> int:
-        """Bytes of Adam's m and v of this rank's trainable elements, as stored (blocks tile the 2048-element
-        aligned shards, so the int8 scales add exactly 4 bytes per block)."""
-        return 2 * self.moments.nbytes(self.trainable_numel)
+    def moment_nbytes(self, numel: int | None = None) -> int:
+        """Bytes of Adam's m and v of ``numel`` elements (default: this rank's trainable ones), as stored
+        (blocks tile the 2048-element aligned shards, so the int8 scales add exactly 4 bytes per block)."""
+        return 2 * self.moments.nbytes(self.trainable_numel if numel is None else numel)
 
     def host_to_device_bytes(self) -> int:
         """Bytes one rank copies from host memory to the compute device per step (see [Note: PCIe

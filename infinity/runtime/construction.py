@@ -430,7 +430,7 @@ class Partitioner:
         config = self.engine.config
         numel = {id(s.param): s.numel for g in self.coordinator.groups for s in g.slots}   # not the placeholders'
         census = ModelCensus("model", tuple(
-            CensusGroup(g.name, tuple(s.numel for s in g.slots), bool(g.trainable))
+            CensusGroup(g.name, tuple(s.numel for s in g.slots), g.has_trainable)
             for g in self.coordinator.groups),
             widened_numel=widened_numel(roots, lambda w: numel.get(id(w), w.numel())))
         the_plan = plan(census, config, world_size=self.ranks.world_size, local_ranks=1, check_fit=False)

@@ -8,6 +8,7 @@ checkpoints stay exact whichever way the frozen sets of the saving and the resum
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -255,4 +256,82 @@ def test_unfreezing_past_the_host_budget_raises_naming_why_and_loses_nothing(tmp
     plain, plain_opt = _plain()
     _step(plain, plain_opt, 0)
     assert _step(model, opt, 2) == pytest.approx(_step(plain, plain_opt, 2), rel=1e-5)
+    infinity.release(model)
+
+
+def test_a_base_woken_while_the_update_during_backward_runs_trains_as_one_awake(tmp_path, monkeypatch):
+    """States on NVMe, bf16 copies in host memory (the base's masters rest split), the update during
+    backward: the first step's update streams every sub-group not dormant on a worker thread while the
+    main thread wakes the base. A sub-group leaves ``dormant`` only once its keys are whole (it used to
+    leave first: the worker read a master key of None). Delays widen the window."""
+    import infinity.optim.split_master
+    import infinity.optim.update
+
+    def slow(fn, seconds, times=None):
+        calls = []
+
+        def run(*args, **kwargs):
+            calls.append(None)
+            if times is None or len(calls) <= times:
+                time.sleep(seconds)
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(infinity.optim.split_master.SplitMasters, "read_sub",
+                        slow(infinity.optim.split_master.SplitMasters.read_sub, 0.5, times=1))
+    monkeypatch.setattr(infinity.optim.update.UpdatePass, "run", slow(infinity.optim.update.UpdatePass.run, 0.03))
+
+    def run(name: str, dormant: bool) -> list[float]:
+        (tmp_path / name).mkdir()
+        cfg = _config(tmp_path / name, "nvme", dtype="bfloat16")
+        cfg["tiers"]["params"] = "host"
+        cfg["optimizer"]["update_in_backward"] = True
+        model, opt = _build(cfg, frozen=2 if dormant else 0)
+        if not dormant:
+            model.layers[:2].requires_grad_(False)
+        model.requires_grad_(True)
+        losses = _run(model, opt, range(2))
+        infinity.release(model)
+        return losses
+
+    assert run("dormant", True) == run("awake", False)
+
+
+@pytest.mark.parametrize("optimizer, dtype", [("host", "float32"), ("host", "bfloat16"), ("nvme", "float32")])
+def test_an_optimizer_state_dict_round_trip_leaves_a_frozen_base_dormant(tmp_path, optimizer, dtype):
+    """``opt.load_state_dict`` of a saved state writes the base's moments: zeros, which it holds already."""
+    model, opt = _build(_config(tmp_path, optimizer, dtype=dtype))
+    _step(model, opt, 0)
+    held = _held(model, optimizer)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert _held(model, optimizer) == held
+    infinity.release(model)
+
+
+def test_a_dpu_spare_key_that_does_not_fit_leaves_the_base_dormant(tmp_path):
+    """With DPU a woken sub-group also gets a second gradient key: when only the store's keys fit the
+    budget, neither is kept (the spare set used to keep None for an awake sub-group: a crash later)."""
+    def build(budget=None):
+        cfg = _config(tmp_path, "host", dpu={"enabled": True, "warmup_steps": 1})
+        if budget is not None:
+            cfg["tiers"]["host_budget"] = budget
+        model, opt = _build(cfg)
+        return model, opt
+
+    model, opt = build()
+    _run(model, opt, range(2))
+    opt.synchronize()
+    held = _held(model, "host")
+    infinity.release(model)
+    model, opt = build(held + 3 * 4096 * 12 + 2048)     # layer 1's 3 sub-groups: m, v, an fp32 gradient
+    _run(model, opt, range(2))
+    opt.synchronize()
+    model.layers[1].requires_grad_(True)
+    with pytest.raises(Exception, match="grad-next") as raised:
+        _step(model, opt, 2)
+    assert any("frozen when infinity.Init exited" in note for note in getattr(raised.value, "__notes__", []))
+    assert _held(model, "host") == held
+    opt.zero_grad()
+    model.layers[1].requires_grad_(False)
+    assert all(torch.isfinite(torch.tensor(_run(model, opt, range(3, 6)))))
     infinity.release(model)
