@@ -1,16 +1,12 @@
 """Smoke run of benchmarks/activations.py at a tiny size: each setting in its own process, identical
 losses, its table printed and its JSON written."""
-import importlib.util
 import json
-import os
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "activations.py")
+from tests.support.benchmarks import load_benchmark
 
 
 def test_activations_benchmark_tiny(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("benchmark_activations", _PATH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("activations")
     out = tmp_path / "activations.json"
     rc = bench.main(["--path", str(tmp_path), "--layers", "2", "--d-model", "64", "--batch", "2", "--seq", "256",
                      "--vocab", "128", "--steps", "2", "--threads", "1", "--buffer-bytes", "64KiB",

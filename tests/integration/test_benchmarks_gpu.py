@@ -5,7 +5,6 @@ DeepSpeed is not installed here: its rows must say how to install it, not vanish
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,14 +12,14 @@ import sys
 
 import pytest
 
+from tests.support.benchmarks import load_benchmark
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load(script: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}", os.path.join(ROOT, "benchmarks", script))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(script[:-3])
 
 
 def test_gpu_benchmark_rows_ledger_and_missing_deepspeed(tmp_path):

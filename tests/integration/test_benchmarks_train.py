@@ -1,11 +1,13 @@
 """benchmarks/train.py and benchmarks/scale.py smoke-run at a tiny size, each config in its own process."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
+
+from tests.support.benchmarks import load_benchmark
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,10 +40,7 @@ def test_train_benchmark_table_json_and_plot(tmp_path):
 
 
 def _load(script: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}", os.path.join(ROOT, "benchmarks", script))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(script[:-3])
 
 
 def test_train_benchmark_rejects_an_unknown_config_or_size(capsys):

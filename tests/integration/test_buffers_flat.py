@@ -10,6 +10,9 @@ from infinity.errors import EngineError
 from infinity.examples.gpt import GPT, preset
 from infinity.runtime import gather_memory
 
+from tests.support.benchmarks import load_benchmark
+
+
 STEPS, WARMUP = 50, 3
 # The arenas lend memory to the groups' storages: a torch without the storage calls for it (2.11 on the
 # lent GPU machines) resizes storages instead, checked by test_without_lending_the_resized_storages_are_counted.
@@ -98,14 +101,9 @@ def test_a_full_gather_buffer_lends_memory_of_its_own_and_counts_it():
 
 @lending
 def test_buffers_benchmark_tiny(tmp_path, capsys):
-    import importlib.util
     import json
-    import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "buffers.py")
-    spec = importlib.util.spec_from_file_location("benchmark_buffers", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("buffers")
     out = tmp_path / "buffers.json"
     rc = bench.main(["--path", str(tmp_path), "--params", "nvme", "--buffered", "--layers", "2", "--d-model", "64",
                      "--batch", "2", "--seq", "64", "--vocab", "256", "--steps", "6", "--threads", "1",

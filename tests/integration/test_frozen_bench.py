@@ -1,21 +1,16 @@
 """Smoke run of benchmarks/frozen.py at a tiny size: a base frozen inside Init saves its moments and
 gradients (10 bytes per frozen parameter in bf16 on NVMe: m 4, v 4, gradient 2), trains to the same losses
 as one frozen after Init, and holds the same bytes once unfrozen."""
-import importlib.util
 import json
-import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "frozen.py")
+from tests.support.benchmarks import load_benchmark
 
 
 @pytest.fixture
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_frozen", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("frozen")
 
 
 def test_frozen_benchmark_tiny(bench, tmp_path):

@@ -1,20 +1,15 @@
 """Smoke run of benchmarks/in_backward.py at a tiny size: equal losses, the update during backward moving
 fewer NVMe bytes than the ordinary step, and the plan (with the tied head's holders) agreeing."""
-import importlib.util
 import json
-import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "in_backward.py")
+from tests.support.benchmarks import load_benchmark
 
 
 @pytest.fixture
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_in_backward", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("in_backward")
 
 
 def test_in_backward_benchmark_tiny(bench, tmp_path):

@@ -1,20 +1,16 @@
 """Smoke run of benchmarks/prefetch.py at a tiny size: it runs, prints its table, writes its JSON."""
-import importlib.util
 import json
 import os
 
 import pytest
 import torch
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "prefetch.py")
+from tests.support.benchmarks import load_benchmark
 
 
 @pytest.fixture
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_prefetch", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("prefetch")
 
 
 def test_prefetch_benchmark_tiny(bench, tmp_path, capsys):

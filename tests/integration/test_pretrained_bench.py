@@ -1,18 +1,16 @@
 """Smoke run of benchmarks/pretrained.py at a tiny size: each load in its own process, the table and JSON."""
-import importlib.util
 import json
-import os
 
 import pytest
 
+from tests.support.benchmarks import load_benchmark
+
+
 pytest.importorskip("transformers")
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "pretrained.py")
 
 
 def test_pretrained_benchmark_tiny(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("benchmark_pretrained", _PATH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("pretrained")
     (tmp_path / "nvme").mkdir()
     out = tmp_path / "pretrained.json"
     bench.main(["--dir", str(tmp_path / "ckpt"), "--path", str(tmp_path / "nvme"), "--write", "--hidden", "32",

@@ -19,13 +19,13 @@ for those. Nine runs of one thread each: 2 minutes on a busy two-core machine (2
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.benchmarks import load_benchmark
+
+
 SEEDS, STEPS, BATCH, SEQ, LR, TAIL, EVERY, EVAL_BATCH = (0, 1, 2), 300, 2, 32, 1e-3, 30, 10, 32
 SEED_BOUND = {"bf16": 0.005, "int8": 0.02}     # one seed's final loss against fp32's
 MEAN_BOUND = {"bf16": 0.002, "int8": 0.01}     # the mean over the seeds
@@ -33,10 +33,7 @@ GAP_BOUND = 0.08                               # the curves on the way
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("qstates_bench", os.path.join(ROOT, "benchmarks", "qstates.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("qstates")
 
 
 @pytest.mark.slow

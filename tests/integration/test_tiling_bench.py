@@ -1,15 +1,11 @@
 """Smoke run of benchmarks/tiling.py at a tiny size: it runs its modes, prints its table, writes its JSON."""
-import importlib.util
 import json
-import os
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "tiling.py")
+from tests.support.benchmarks import load_benchmark
 
 
 def test_tiling_benchmark_tiny(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("benchmark_tiling", _PATH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("tiling")
     out = tmp_path / "tiling.json"
     rc = bench.main(["--in-features", "255", "--out-features", "512", "--batch", "2", "--tiles", "4",
                      "--optimizer", "host", "--path", str(tmp_path), "--iters", "1", "--warmup", "1",

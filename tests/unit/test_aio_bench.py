@@ -11,6 +11,8 @@ from infinity.cli import bench
 from infinity.cli import bench_nvme as nv
 from tiers import aio
 
+from tests.support.benchmarks import load_benchmark
+
 
 def test_smoke_run_writes_json_config_and_plot(tmp_path, capsys) -> None:
     out_json, out_toml, out_png = tmp_path / "r.json", tmp_path / "aio.toml", tmp_path / "r.png"
@@ -91,13 +93,8 @@ def test_unparseable_size(tmp_path) -> None:
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (apt-get install fio)")
 def test_vs_fio_pairs_tool_smoke(tmp_path, capsys) -> None:
-    import importlib.util
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(
-        "benchmarks_nvme", Path(__file__).resolve().parents[2] / "benchmarks" / "nvme.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_benchmark("nvme")
     out = tmp_path / "pairs.json"
     assert tool.main(["--path", str(tmp_path), "--size", "8MiB", "--pairs", "2", "--block-sizes", "1MiB",
                       "--queue-depth", "4", "--json", str(out)]) == 0

@@ -2,21 +2,16 @@
 printed, JSON written."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
 import torch
 
-_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+from tests.support.benchmarks import load_benchmark
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", os.path.join(_BENCH, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+load = load_benchmark
 
 
 @pytest.fixture(autouse=True)
