@@ -49,11 +49,11 @@ class CensusGroup:
         How many modules hold the group's parameters (2 for a weight tied between an
         embedding and an output head): each gathers it in forward.
     states : bool
-        Whether the engine holds Adam moments and a gradient accumulator for the group (default:
-        ``trainable``). Frozen parameters of a module that has trainable ones count: frozen after
-        the module was built (BitFit: the usual way), they share its group in the engine, which
-        trains. A group frozen whole holds its master only ([Note: dormant sub-groups] in
-        infinity/optim/flat_state.py).
+        Whether the group trains in the engine (default: ``trainable``): its Adam moments and gradient
+        accumulator are held, its gradient shard leaves the device, the update streams and rewrites it.
+        Frozen parameters of a module that has trainable ones count: frozen after the module was
+        built (BitFit: the usual way), they share its group in the engine. A group frozen whole holds
+        its master only ([Note: dormant sub-groups] in infinity/optim/flat_state.py).
     """
 
     name: str

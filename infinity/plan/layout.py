@@ -157,7 +157,6 @@ class Layout:
         threshold = int(cfg.partition.persistence_threshold)
         self.shard_numel = 0
         self.trainable_numel = 0
-        self.states_numel = 0   # elements with Adam moments and a gradient accumulator (CensusGroup.states)
         self.persistent_padded_numel = 0
         self.compute_nvme = 0  # compute-copy bytes as stored on NVMe (block aligned)
         self.read_nvme = 0  # compute-copy bytes read per step (forward + backward)
@@ -184,9 +183,9 @@ class Layout:
             self.largest_shard = max(self.largest_shard, shard)
             if persistent:
                 self.persistent_padded_numel += padded
+            # A group that trains (``CensusGroup.states``: a module's frozen parameters with its trainable
+            # ones): the engine streams, steps and rewrites it whole, and holds its moments and gradient.
             if group.states:
-                self.states_numel += shard
-            if group.trainable:
                 self.trainable_numel += shard
                 self.trainable_padded_numel += padded
                 self.rewrite_nvme += on_disk
@@ -230,29 +229,29 @@ class Layout:
         nbytes = self.compute_nvme if self.params_tier == "nvme" else self.shard_numel * pb
         yield PlanRow("compute_copy", f"compute copy of params ({dtype}, "
                       f"{self.shard_numel:,} elements)", self.params_tier, nbytes)
-        t, held = self.trainable_numel, self.states_numel
+        t = self.trainable_numel
         # Masters of every element, frozen ones too; the other states of the groups that train (see [Note:
         # where each byte lives]).
-        n, which = self.shard_numel, f"{self.shard_numel:,} elements, {t:,} trainable"
+        n, which = self.shard_numel, f"{self.shard_numel:,} elements, {t:,} in groups that train"
         if self.split_master:
             yield PlanRow("master", f"fp32 master params: 16-bit remainders beside the compute copy ({which})",
                           self.opt_tier, self.master_bytes * n)
         elif self.frozen_master_bytes != self.master_bytes:
             yield PlanRow("master", f"fp32 master params ({which}; frozen ones as 16-bit remainders beside the "
-                          "compute copy)", self.opt_tier, FP32_BYTES * held + self.frozen_master_bytes * (n - held))
+                          "compute copy)", self.opt_tier, FP32_BYTES * t + self.frozen_master_bytes * (n - t))
         else:
             yield PlanRow("master", f"fp32 master params ({which})", self.opt_tier, FP32_BYTES * n)
-        yield PlanRow("adam_moments", f"Adam m and v ({self.moments.dtype}, {held:,} elements of groups that "
-                      "train)", self.opt_tier, self.moment_nbytes(held))
+        yield PlanRow("adam_moments", f"Adam m and v ({self.moments.dtype}, {t:,} elements of groups that "
+                      "train)", self.opt_tier, self.moment_nbytes())
         if self.grad_bytes == FP32_BYTES:
-            yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier, FP32_BYTES * held)
+            yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier, FP32_BYTES * t)
         else:
             yield PlanRow("grad_accumulator", f"gradient shards ({dtype}; fp32, 4 bytes, once micro-batches "
-                          "accumulate)", self.opt_tier, self.grad_bytes * held)
+                          "accumulate)", self.opt_tier, self.grad_bytes * t)
         if cfg.dpu.enabled and t:
             yield PlanRow("dpu_grad_accumulator", "second gradient accumulator (DPU; "
                           + ("fp32)" if self.grad_bytes == FP32_BYTES else f"{dtype} until micro-batches accumulate)"),
-                          self.opt_tier, self.grad_bytes * held)
+                          self.opt_tier, self.grad_bytes * t)
             spare = self.rewrite_nvme if self.params_tier == "nvme" else t * pb
             yield PlanRow("dpu_compute_copy", f"second compute copy of trainable params ({dtype}, "
                           "DPU)", self.params_tier, spare)
@@ -333,10 +332,10 @@ class Layout:
                           f"reduce-scatter (stage 1, {self.trainable_padded_numel:,} elements, {dtype})", "device",
                           self.trainable_padded_numel * pb)
 
-    def moment_nbytes(self, numel: int | None = None) -> int:
-        """Bytes of Adam's m and v of ``numel`` elements (default: this rank's trainable ones), as stored
-        (blocks tile the 2048-element aligned shards, so the int8 scales add exactly 4 bytes per block)."""
-        return 2 * self.moments.nbytes(self.trainable_numel if numel is None else numel)
+    def moment_nbytes(self) -> int:
+        """Bytes of Adam's m and v of this rank's elements in groups that train, as stored (blocks tile the
+        2048-element aligned shards, so the int8 scales add exactly 4 bytes per block)."""
+        return 2 * self.moments.nbytes(self.trainable_numel)
 
     def host_to_device_bytes(self) -> int:
         """Bytes one rank copies from host memory to the compute device per step (see [Note: PCIe

@@ -49,10 +49,15 @@ def _config(tmp_path, params: str, optimizer: str, dtype: str, dpu: bool = False
     }
 
 
-def _small(frozen: bool = False) -> Small:
-    """``Small``; ``frozen``: its first block frozen (fine-tuning the rest)."""
+def _small(frozen: bool | str = False) -> Small:
+    """``Small``; ``frozen``: its first block frozen (fine-tuning the rest), or ``"bitfit"``: every matrix
+    frozen, the vectors trained (each linear layer's weight and bias stay one group in the engine, which
+    trains: the plan counts the weight with it)."""
     model = Small()
-    if frozen:
+    if frozen == "bitfit":
+        for p in model.parameters():
+            p.requires_grad_(p.dim() < 2)
+    elif frozen:
         model.blocks[0].requires_grad_(False)
     return model
 
@@ -96,6 +101,7 @@ def _stored(p, tier: str) -> int:
         ("host", "host", "float32", True, True),
         ("host", "host", "bfloat16", False, True),
         ("host", "nvme", "bfloat16", False, True),
+        ("nvme", "nvme", "bfloat16", False, "bitfit"),
     ],
 )
 def test_plan_matches_the_tiers_after_training(tmp_path, params, optimizer, dtype, dpu, frozen):
