@@ -6,7 +6,7 @@ with ``fcntl.flock(LOCK_EX | LOCK_NB)`` for the life of the tier and names the h
 (pid, run id), so a second process (or a second tier of the same name in this
 process) fails at once with :class:`SwapDirectoryLockedError` naming the directory and
 the holder, instead of clobbering its slots. flock is released by the kernel when the
-holder dies, so a crash never leaves a directory locked.
+holder dies, so a crash never leaves a directory locked ([Note: lock files] in tiers/lockfile.py).
 
 [Note: stale swap files]
 Keys live only in the memory of the process that wrote them: a swap file is never
@@ -55,7 +55,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import fcntl
 import json
 import os
 import socket
@@ -67,6 +66,7 @@ import torch
 
 from tiers.aio import ALIGNMENT, AioHandle, aligned_empty
 from tiers.base import TierFullError, format_nbytes
+from tiers import lockfile
 from tiers.freelist import FreeList
 
 _MAGIC = b"INFINITY-SWAP-1\n"
@@ -180,27 +180,13 @@ class DirectoryLock:
         self._fd = self._take()
 
     def _take(self) -> int:
-        # The inode check guards against a holder unlinking the lock file between our
-        # open and our flock (we would then hold a lock nobody else can see).
-        for _attempt in range(100):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise SwapDirectoryLockedError(self._message(holder)) from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()} run {self.run_id}\n".encode(), 0)
-                return fd
-            os.close(fd)
-        raise SwapDirectoryLockedError(f"nvme_path {self.directory}: lock file {self.path} keeps "
-                                       "being replaced by another process; cannot take the lock")
+        try:
+            return lockfile.take(self.path, f"pid {os.getpid()} run {self.run_id}")
+        except lockfile.LockBusy as busy:
+            if busy.holder is None:
+                raise SwapDirectoryLockedError(f"nvme_path {self.directory}: lock file {self.path} keeps "
+                                               "being replaced by another process; cannot take the lock") from None
+            raise SwapDirectoryLockedError(self._message(busy.holder)) from None
 
     def _message(self, holder: str) -> str:
         who = holder
@@ -216,12 +202,7 @@ class DirectoryLock:
     def release(self) -> None:
         if self._fd < 0:
             return
-        try:
-            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        os.close(self._fd)
+        lockfile.release(self.path, self._fd)
         self._fd = -1
 
 

@@ -53,7 +53,8 @@ each other's files. So rank 0 holds ``.save-lock`` (``flock``, exclusive, non-bl
 before any rank writes until its commit is done, and a second saver fails at once with
 :class:`CheckpointLockedError` naming the holder; the kernel drops the lock when its holder
 dies, so a killed save never leaves the directory locked. The lock file is removed when the
-save ends (a killed save leaves it, unlocked, for the next save to take and remove).
+save ends (a killed save leaves it, unlocked, for the next save to take and remove); taking and
+dropping it: [Note: lock files] in tiers/lockfile.py.
 Holding the lock, a save first removes the leftovers of failed or killed saves (``.tmp-*``,
 ``latest.tmp-*``, and versions newer than the one ``latest`` names, which a save that failed
 between its two renames left behind; ``.trash-*`` too when the disk is short of room for the
@@ -62,7 +63,6 @@ the retry needs.
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import socket
@@ -75,6 +75,7 @@ from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
                                         CheckpointMismatchError, CheckpointNotFoundError)
 from infinity.checkpoint.manifest import (COMMIT, FORMAT, LATEST, MANIFEST, VERSION, FileRecord, dump_json,
                                           fsync_dir, load_json, sync_files, write_bytes, write_durably)
+from tiers import lockfile
 
 _TMP = ".tmp-"
 _TRASH = ".trash-"
@@ -155,43 +156,23 @@ class SaveLock:
         self.path = os.path.join(root, _LOCK)
         with writing(size, root, None, "creating the checkpoint directory"):
             os.makedirs(root, exist_ok=True)
-        # As for swap files (tiers/swapfile.py): the inode check catches a holder that removed the
-        # lock file between our open and our flock.
-        for _attempt in range(100):
+        when = time.strftime("%Y-%m-%d %H:%M:%S")
+        try:
             with writing(size, self.path, None, "lock file"):
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise CheckpointLockedError(
-                    f"checkpoint directory {root} is being saved to by {holder} (lock file {self.path}); "
-                    "two jobs must not save to one directory: wait for that save, or save elsewhere") from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                os.ftruncate(fd, 0)
-                when = time.strftime("%Y-%m-%d %H:%M:%S")
-                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {when}\n".encode(), 0)
-                self._fd = fd
-                return
-            os.close(fd)
-        raise CheckpointLockedError(f"checkpoint directory {root}: lock file {self.path} keeps being replaced; "
-                                    "another process is saving there")
+                self._fd = lockfile.take(self.path, f"pid {os.getpid()} on {socket.gethostname()} since {when}")
+        except lockfile.LockBusy as busy:
+            if busy.holder is None:
+                raise CheckpointLockedError(f"checkpoint directory {root}: lock file {self.path} keeps being "
+                                            "replaced; another process is saving there") from None
+            raise CheckpointLockedError(
+                f"checkpoint directory {root} is being saved to by {busy.holder} (lock file {self.path}); "
+                "two jobs must not save to one directory: wait for that save, or save elsewhere") from None
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent)."""
         if self._fd < 0:
             return
-        try:
-            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        os.close(self._fd)
+        lockfile.release(self.path, self._fd)
         self._fd = -1
 
 
