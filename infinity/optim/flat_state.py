@@ -13,11 +13,12 @@ no moment or gradient keys, so a frozen base under trained adapters holds 4 (or,
 per parameter in the optimizer tier instead of 16. Its first gradient (a group unfrozen later) or
 a load bringing it nonzero moments wakes it: its keys are allocated then, zero, as at the start.
 Until then its moments read as zeros.
-With bf16 compute copies in host memory or on NVMe and a separate fp32 master (states in host
-memory), a dormant sub-group's masters are stored split meanwhile, as its compute copy plus a
-16-bit remainder ([Note: split master] in infinity/optim/split_master.py): 2 bytes per parameter
-instead of 4, exact. The join and split that make split masters slow to step cost nothing here,
-since a dormant sub-group is never stepped; it is joined into an fp32 master once, when it wakes.
+With bf16 compute and a separate fp32 master (states in host memory or on NVMe, the compute
+copies in any tier), a dormant sub-group's masters are stored split meanwhile, as its compute copy
+plus a 16-bit remainder ([Note: split master] in infinity/optim/split_master.py): 2 bytes per
+parameter instead of 4, exact. The join and split that make split masters slow to step cost nothing
+here, since a dormant sub-group is never stepped; it is joined into an fp32 master once, when it
+wakes (with the copies on the device, a read of them to host memory then, and at checkpoint saves).
 
 [Note: pipelined sub-groups]
 ``OptimizerStateStore.sub_groups`` is the one pass over the sub-groups that every

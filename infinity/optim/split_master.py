@@ -36,7 +36,8 @@ the optimizer step (24M parameters: 95 -> 272 ms) to save 2 of 16 bytes of RAM,
 so host tiers keep a separate fp32 master, as do fp16 (another exponent range),
 fp32, and a device parameter tier (reading the copies back from the device would
 add a transfer each step). The code path works for any host-memory or NVMe tier
-(the tests run it on both).
+(the tests run it on both). Dormant sub-groups, never stepped, rest split in every tier
+of the copies, the device's included (``rest_split``).
 
 What the room may touch: the parameter shards (``ParamShards``: reads and writes of
 compute copies by element offset) and the flat layout; nothing of modules.
@@ -68,16 +69,17 @@ def use_split_master(dtype: torch.dtype, params_kind: str, optimizer_kind: str) 
 
 def rest_split(dtype: torch.dtype, params_kind: str, optimizer_kind: str) -> bool:
     """Whether the masters of dormant sub-groups are stored split while they sleep ([Note: dormant
-    sub-groups] in infinity/optim/flat_state.py): bf16 copies in host memory or on NVMe, and a separate
-    fp32 master in host memory or on NVMe (not already split)."""
-    return (dtype == torch.bfloat16 and params_kind in ("host", "nvme") and optimizer_kind in ("host", "nvme")
+    sub-groups] in infinity/optim/flat_state.py): bf16 copies in any tier, and a separate fp32 master in
+    host memory or on NVMe (not already split). With the copies on the device, joining reads them back
+    once, when the sub-group wakes (or a checkpoint saves it), never per step."""
+    return (dtype == torch.bfloat16 and optimizer_kind in ("host", "nvme")
             and not use_split_master(dtype, params_kind, optimizer_kind))
 
 
 def _host_flag(flag: torch.Tensor) -> bool:
-    """The value of a 0-dim bool computed from host memory. Split masters exist only with both tiers
-    in host memory or on NVMe (``use_split_master``), so this reads host memory and never waits
-    for a device (it is no ``.item()`` on a device tensor)."""
+    """The value of a 0-dim bool computed from host memory. Masters are split and joined in host
+    buffers (copies on the device are read into one first), so this never waits for a device (it is
+    no ``.item()`` on a device tensor)."""
     return bool(flag.numpy())
 
 

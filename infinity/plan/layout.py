@@ -204,8 +204,8 @@ class Layout:
         self.master_bytes = 2 if self.split_master else FP32_BYTES
         # Frozen groups' masters are split while their sub-groups are dormant ([Note: dormant sub-groups]
         # in infinity/optim/flat_state.py; ``rest_split`` in infinity/optim/split_master.py).
-        self.frozen_master_bytes = (2 if cfg.precision.dtype == "bfloat16" and self.params_tier in ("host", "nvme")
-                                    and self.opt_tier in ("host", "nvme") else self.master_bytes)
+        self.frozen_master_bytes = (2 if cfg.precision.dtype == "bfloat16" and self.opt_tier in ("host", "nvme")
+                                    else self.master_bytes)
         # [Note: update during backward] in infinity/optim/in_backward.py: gradients held in host memory.
         self.grads_held = cfg.optimizer.update_in_backward and self.opt_tier == "nvme"
 

@@ -36,8 +36,9 @@ class Stack(nn.Module):
         return self.norm(x).float().pow(2).mean()
 
 
-def _config(nvme, optimizer="nvme", state_dtype="fp32", dtype="float32", **sections):
-    return {"tiers": {"params": "nvme" if optimizer == "nvme" else "host", "optimizer": optimizer,
+def _config(nvme, optimizer="nvme", state_dtype="fp32", dtype="float32", params=None, **sections):
+    params = params or ("nvme" if optimizer == "nvme" else "host")
+    return {"tiers": {"params": params, "optimizer": optimizer,
                       "nvme_path": str(nvme), "device": "cpu", "pool_buffer_size": "256KiB", "pool_buffers": 4},
             "precision": {"dtype": dtype}, "optimizer": {"state_dtype": state_dtype},
             "partition": {"sub_group_size": 4096}, "aio": {"engine": "threads"},
@@ -82,18 +83,20 @@ def _run(model, opt, steps, unfreeze_at=None) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("optimizer, dtype, saved", [
-    ("host", "float32", 4 + 4 + 4),     # m, v, an fp32 gradient
-    ("nvme", "float32", 4 + 4 + 4),
-    ("host", "bfloat16", 2 + 4 + 4 + 2),    # half the master (split while dormant), m, v, a bf16 gradient
-    ("nvme", "bfloat16", 4 + 4 + 2),        # the masters are split anyway
+@pytest.mark.parametrize("params, optimizer, dtype, saved", [
+    (None, "host", "float32", 4 + 4 + 4),     # m, v, an fp32 gradient
+    (None, "nvme", "float32", 4 + 4 + 4),
+    (None, "host", "bfloat16", 2 + 4 + 4 + 2),    # half the master (split while dormant), m, v, a bf16 gradient
+    (None, "nvme", "bfloat16", 4 + 4 + 2),        # the masters are split anyway
+    ("device", "host", "bfloat16", 2 + 4 + 4 + 2),    # offload-optimizer: the copies on the device
+    ("device", "nvme", "bfloat16", 2 + 4 + 4 + 2),
 ])
-def test_frozen_groups_hold_no_moments_or_gradients_until_unfrozen(tmp_path, optimizer, dtype, saved):
+def test_frozen_groups_hold_no_moments_or_gradients_until_unfrozen(tmp_path, params, optimizer, dtype, saved):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    whole, whole_opt = _build(_config(tmp_path / "a", optimizer, dtype=dtype), frozen=0)
+    whole, whole_opt = _build(_config(tmp_path / "a", optimizer, dtype=dtype, params=params), frozen=0)
     _step(whole, whole_opt, 0)
-    model, opt = _build(_config(tmp_path / "b", optimizer, dtype=dtype))
+    model, opt = _build(_config(tmp_path / "b", optimizer, dtype=dtype, params=params))
     plain, plain_opt = _plain()
     got, want = _step(model, opt, 0), _step(plain, plain_opt, 0)
     if dtype == "float32":
@@ -111,13 +114,15 @@ def test_frozen_groups_hold_no_moments_or_gradients_until_unfrozen(tmp_path, opt
     infinity.release(whole)
 
 
-@pytest.mark.parametrize("optimizer, state_dtype, dtype", [("nvme", "fp32", "float32"), ("nvme", "int8", "float32"),
-                                                           ("host", "fp32", "float32"), ("host", "fp32", "bfloat16")])
-def test_checkpoints_are_exact_across_runs_that_froze_different_groups(tmp_path, optimizer, state_dtype, dtype):
+@pytest.mark.parametrize("params, optimizer, state_dtype, dtype", [
+    (None, "nvme", "fp32", "float32"), (None, "nvme", "int8", "float32"), (None, "host", "fp32", "float32"),
+    (None, "host", "fp32", "bfloat16"), ("device", "host", "fp32", "bfloat16")])
+def test_checkpoints_are_exact_across_runs_that_froze_different_groups(tmp_path, params, optimizer, state_dtype,
+                                                                       dtype):
     """A run that unfroze its base saves moments a model built with the base frozen takes (it wakes);
     a run that never did saves zeros, which a model built with the base trainable takes and a model
     built with it frozen leaves dormant (in bf16 with its masters split meanwhile)."""
-    cfg = lambda name: _config(tmp_path / name, optimizer, state_dtype, dtype)  # noqa: E731
+    cfg = lambda name: _config(tmp_path / name, optimizer, state_dtype, dtype, params)  # noqa: E731
     # int8 moments are encoded again on load: each block's scale within a rounding of the saved one
     # ([Note: moments in checkpoints] in infinity/checkpoint/moments.py).
     same = (lambda got, want: got == want) if state_dtype == "fp32" else (  # noqa: E731
@@ -204,12 +209,12 @@ def test_delayed_updates_with_the_first_group_frozen(tmp_path, monkeypatch):
     infinity.release(model)
 
 
-@pytest.mark.parametrize("optimizer", ["host", "nvme"])
-def test_a_dormant_base_trains_bit_for_bit_as_one_frozen_after_init(tmp_path, optimizer):
+@pytest.mark.parametrize("params, optimizer", [(None, "host"), (None, "nvme"), ("device", "host")])
+def test_a_dormant_base_trains_bit_for_bit_as_one_frozen_after_init(tmp_path, params, optimizer):
     """bf16, gradients accumulated over two micro-batches (the gradient keys widen to fp32 while the base
     is dormant), then the base unfrozen: the same losses as a base that had its states all along."""
     def build(name, dormant):
-        cfg = _config(tmp_path / name, optimizer, precision={"dtype": "bfloat16"})
+        cfg = _config(tmp_path / name, optimizer, params=params, precision={"dtype": "bfloat16"})
         (tmp_path / name).mkdir()
         model, opt = _build(cfg, frozen=2 if dormant else 0)
         if not dormant:

@@ -101,6 +101,7 @@ def _stored(p, tier: str) -> int:
         ("host", "host", "float32", True, True),
         ("host", "host", "bfloat16", False, True),
         ("host", "nvme", "bfloat16", False, True),
+        ("device", "host", "bfloat16", False, True),
         ("nvme", "nvme", "bfloat16", False, "bitfit"),
     ],
 )
