@@ -33,5 +33,8 @@ def __getattr__(name: str):
     if name == "consolidate":
         from infinity.checkpoint.consolidate import consolidate
 
+        # Importing the submodule set this package's attribute ``consolidate`` to the module: the
+        # function takes it back, or every later ``infinity.checkpoint.consolidate(...)`` would fail.
+        globals()["consolidate"] = consolidate
         return consolidate
     raise AttributeError(f"module 'infinity.checkpoint' has no attribute {name!r}")

@@ -244,6 +244,19 @@ def test_consolidated_weights_equal_gathered_and_load_strictly(trained):
     assert torch.equal(mapped["wpe"], gathered["wpe"])
 
 
+def test_the_package_attribute_consolidate_stays_the_function():
+    """``infinity.checkpoint.consolidate`` is imported lazily; importing its submodule set the package
+    attribute of that name to the module, so a second call raised "'module' object is not callable".
+    (A fresh interpreter: here the submodule is imported already.)"""
+    import subprocess
+    import sys
+    code = ("import infinity.checkpoint as c\n"
+            "first, second = c.consolidate, c.consolidate\n"
+            "assert callable(first) and second is first, (first, second)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_consolidate_cli_dtype_and_safetensors(trained, capsys):
     from infinity.cli.consolidate import main
 
