@@ -147,3 +147,34 @@ def test_a_bf16_run_repeats_bit_for_bit_with_deterministic_kernels(tmp_path, pre
         assert out.returncode == 0, out.stderr[-3000:]
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     assert runs[0]["losses"] == runs[1]["losses"], (preset, runs)
+
+
+@pytest.mark.parametrize("preset", ["offload-optimizer", "offload-host"])
+def test_a_frozen_base_keeps_its_fp32_masters_bit_for_bit_on_the_gpu(tmp_path, preset):
+    # Frozen inside Init, a block's masters rest as its bf16 copy (on the GPU with offload-optimizer)
+    # plus a remainder in host memory ([Note: dormant sub-groups] in infinity/optim/flat_state.py):
+    # joined back through a device read at the checkpoint's save, they are the constructor's values.
+    torch.manual_seed(0)
+    with infinity.Init(_config(tmp_path, preset)):      # the presets compute in bf16
+        model = TinyGPT()
+        model.blocks[0].requires_grad_(False)
+    torch.manual_seed(0)
+    want = {n: p.detach().clone() for n, p in TinyGPT().blocks[0].named_parameters()}
+    opt = infinity.AdamW(model, lr=1e-3)
+    for idx, tgt in _cuda_batches(2):
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    infinity.checkpoint.consolidate(tmp_path / "ckpt", tmp_path / "model.pt")
+    saved = torch.load(tmp_path / "model.pt")
+    for name, value in want.items():
+        assert torch.equal(saved[f"blocks.0.{name}"].view(torch.int32), value.view(torch.int32)), name
+    model.requires_grad_(True)          # wakes the block: its first update starts from those masters
+    for idx, tgt in _cuda_batches(2):
+        loss = model(idx, tgt)
+        assert torch.isfinite(loss).all()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    infinity.release(model)
