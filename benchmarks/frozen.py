@@ -9,6 +9,10 @@ base is unfrozen in both for ``--unfrozen-steps`` steps (the dormant one wakes) 
 again (see [Note: dormant sub-groups] in infinity/optim/flat_state.py).
 
     python benchmarks/frozen.py --model 125M --preset nvme --steps 6
+
+``--bf16-values`` rounds the initial weights to bf16 in both engines, as a base loaded from a bf16
+checkpoint has them: its masters need no remainders ([Note: zero remainders] in
+infinity/optim/split_master.py).
 """
 from __future__ import annotations
 
@@ -39,6 +43,10 @@ def build(args, dormant: bool, workdir: str):
     torch.manual_seed(0)
     with infinity.Init(cfg):
         model = GPT(preset(args.model, seq_len=args.seq))
+        if args.bf16_values:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.bfloat16().float())
         if dormant:
             _freeze_base(model, args.train_blocks)
     if not dormant:
@@ -79,6 +87,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--train-blocks", type=int, default=1)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--unfrozen-steps", type=int, default=2)
+    ap.add_argument("--bf16-values", action="store_true",
+                    help="initial weights rounded to bf16 (as loaded from a bf16 checkpoint)")
     ap.add_argument("--workdir", default=None, help="where the swap files go (default: the system's temp dir)")
     ap.add_argument("--json", default=None, help="write the report here")
     args = ap.parse_args(argv)
@@ -104,7 +114,8 @@ def main(argv=None) -> dict:
     names = list(runs)
     ratios = [a / b for a, b in zip(times[names[0]][1:], times[names[1]][1:])]
     report = {
-        "model": args.model, "preset": args.preset, "dtype": args.dtype, "optimizer_tier": tier,
+        "model": args.model, "preset": args.preset, "dtype": args.dtype, "bf16_values": args.bf16_values,
+        "optimizer_tier": tier,
         "params": params, "frozen_params": frozen,
         "rows": [{"run": name, "tier_bytes": held[name], "tier_bytes_unfrozen": unfrozen[name],
                   "step_s": statistics.median(times[name][1:])} for name in names],
@@ -112,7 +123,8 @@ def main(argv=None) -> dict:
         "step_ratio": statistics.median(ratios),
         "losses_equal": equal, "losses_equal_unfrozen": equal_after,
     }
-    print(f"GPT {args.model}, {args.preset}, {args.dtype}: {params:,} parameters, {frozen:,} frozen; "
+    print(f"GPT {args.model}, {args.preset}, {args.dtype}{', bf16 values' if args.bf16_values else ''}: "
+          f"{params:,} parameters, {frozen:,} frozen; "
           f"optimizer tier: {tier}")
     print(f"{'run':<20}{'tier bytes':>16}{'after unfreezing':>18}{'step s':>10}")
     for row in report["rows"]:

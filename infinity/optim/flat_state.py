@@ -147,9 +147,11 @@ class OptimizerStateStore:
         else:
             resting = self.dormant if dormant_copies is not None else set()
             self.keys = {"master": self._allocate("master", skip=resting)}
-            if resting:
-                self.resting = split_master.SplitMasters(dormant_copies, layout, tier, self.io, self._allocate(
-                    "remainder", split_master.REMAINDER_ITEMSIZE, skip=set(range(layout.num_subs)) - resting))
+            if resting:     # their remainder keys come with the first nonzero one ([Note: zero remainders])
+                self.resting = split_master.SplitMasters(
+                    dormant_copies, layout, tier, self.io,
+                    [split_master.ZERO if sub in resting else None for sub in range(layout.num_subs)],
+                    allocate=lambda sub, nbytes: allocate_key(self, "remainder", nbytes, f"remainder:sub{sub}"))
         # Groups whose compute copy this store writes with their masters (split masters).
         self.copy_writers = {p.group_index for sub in range(layout.num_subs) for p in layout.pieces_of_sub[sub]
                              if _master_split(self, sub) is not None}
@@ -258,9 +260,7 @@ class OptimizerStateStore:
                 masters = self.resting.read_sub(sub)
                 self.io.write(self.tier, fresh["master", sub], masters).wait()
                 self.keys["master"][sub] = fresh["master", sub]
-                self.tier.free(self.resting.keys[sub])
-                self.resting.keys[sub] = None
-                self.resting.exceptions.set(sub, None)
+                self.resting.free(sub)
                 self.copy_writers.difference_update(p.group_index for p in self.layout.pieces_of_sub[sub])
             if self.in_place:
                 for s in (*MOMENTS, "grad"):

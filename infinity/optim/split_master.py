@@ -228,8 +228,23 @@ class CopyAccess:
         return self.shards.write(self.groups[piece.group_index], src, piece.group_offset)
 
 
+ZERO = -1
+"""A sub-group's remainder key not allocated yet: all its remainders are zero (see [Note: zero remainders])."""
+
+_ZEROS_CHUNK = 1 << 22      # int16 zeros written at a time into a key that stops being ``ZERO``
+
+
 class SplitMasters:
     """The masters of one store, split (see [Note: split master]): remainder keys, exceptions, copies.
+
+    [Note: zero remainders]
+    Masters that are bf16 values (a base loaded from a bf16 checkpoint: most pretrained weights are
+    published in bf16) have remainders that are all zero. A dormant sub-group's remainder key
+    (``rest_split``) starts as ``ZERO``: none is allocated, reads give zeros, and writes whose
+    remainders are all zero (exceptions aside: they live in host memory either way) keep it so. The
+    first write with a nonzero remainder allocates the key, zero, and writes it. So a frozen bf16 base
+    holds no bytes in the optimizer's tier beyond its compute copies until it trains. Only resting
+    sub-groups start so: the update streams the others' keys every step.
 
     Parameters
     ----------
@@ -240,12 +255,44 @@ class SplitMasters:
     tier, io:
         The optimizer tier and the data path that moves its bytes.
     keys:
-        The remainder key of each sub-group (int16, in ``tier``).
+        The remainder key of each sub-group (int16, in ``tier``), or ``ZERO``.
+    allocate:
+        ``allocate(sub, nbytes)``: a new key in ``tier`` for sub-group ``sub``'s remainders, where one
+        is ``ZERO`` and a nonzero remainder arrives.
     """
 
-    def __init__(self, copies: CopyAccess, layout, tier, io, keys: list[int]) -> None:
+    def __init__(self, copies: CopyAccess, layout, tier, io, keys: list[int], allocate=None) -> None:
         self.copies, self.layout, self.tier, self.io, self.keys = copies, layout, tier, io, keys
+        self.allocate = allocate
         self.exceptions = Exceptions()
+
+    def _read_remainder(self, sub: int, dst: torch.Tensor, offset: int = 0):
+        """Start reading ``sub``'s remainders from element ``offset`` into ``dst`` (int16)."""
+        if self.keys[sub] == ZERO:
+            dst.zero_()
+            return _DONE
+        return self.io.read(self.tier, self.keys[sub], dst, offset=offset * REMAINDER_ITEMSIZE)
+
+    def _materialize(self, sub: int) -> None:
+        """Give sub-group ``sub``, whose remainders are ``ZERO``, a key holding them (zeros)."""
+        numel = self.layout.sub_ranges[sub][1]
+        key = self.allocate(sub, numel * REMAINDER_ITEMSIZE)
+        try:
+            zeros = torch.zeros(min(numel, _ZEROS_CHUNK), dtype=torch.int16)
+            for at in range(0, numel, zeros.numel()):
+                self.io.write(self.tier, key, zeros[:min(zeros.numel(), numel - at)],
+                              offset=at * REMAINDER_ITEMSIZE).wait()
+        except BaseException:
+            self.tier.free(key)
+            raise
+        self.keys[sub] = key
+
+    def free(self, sub: int) -> None:
+        """Free sub-group ``sub``'s remainder key (it stops being split); its exceptions go too."""
+        if self.keys[sub] != ZERO:
+            self.tier.free(self.keys[sub])
+        self.keys[sub] = None
+        self.exceptions.set(sub, None)
 
     def read_copies(self, sub: int, copy: torch.Tensor) -> list:
         """Start reading sub-group ``sub``'s compute copies into ``copy`` (bf16, the sub-group long)."""
@@ -258,18 +305,22 @@ class SplitMasters:
         copy = torch.empty(piece.numel, dtype=torch.bfloat16)
         remainder = torch.empty(piece.numel, dtype=torch.int16)
         found = split(src.contiguous(), copy, remainder)
-        self.exceptions.set(piece.sub_index, found, piece.sub_offset, piece.numel)
-        return [(self.io.write(self.tier, self.keys[piece.sub_index], remainder,
-                               piece.sub_offset * REMAINDER_ITEMSIZE), remainder),
-                (self.copies.write(piece, copy), copy)]
+        sub = piece.sub_index
+        zero = self.keys[sub] == ZERO and not _host_flag(torch.any(remainder))
+        if self.keys[sub] == ZERO and not zero:
+            self._materialize(sub)
+        self.exceptions.set(sub, found, piece.sub_offset, piece.numel)
+        writes = [(self.copies.write(piece, copy), copy)]
+        if not zero:
+            writes.append((self.io.write(self.tier, self.keys[sub], remainder, piece.sub_offset * REMAINDER_ITEMSIZE),
+                           remainder))
+        return writes
 
     def read_piece(self, piece, dst: torch.Tensor) -> torch.Tensor:
         """``piece``'s fp32 masters, joined into ``dst``."""
         copy = torch.empty(piece.numel, dtype=torch.bfloat16)
         remainder = torch.empty(piece.numel, dtype=torch.int16)
-        futures = (self.copies.read(piece, copy),
-                   self.io.read(self.tier, self.keys[piece.sub_index], remainder,
-                                offset=piece.sub_offset * REMAINDER_ITEMSIZE))
+        futures = (self.copies.read(piece, copy), self._read_remainder(piece.sub_index, remainder, piece.sub_offset))
         for fut in futures:
             fut.wait()
         return join(copy, remainder, self.exceptions.get(piece.sub_index, piece.sub_offset, piece.numel), dst)
@@ -280,7 +331,7 @@ class SplitMasters:
         copy = torch.empty(numel, dtype=torch.bfloat16)
         remainder = torch.empty(numel, dtype=torch.int16)
         futures = self.read_copies(sub, copy)
-        futures.append(self.io.read(self.tier, self.keys[sub], remainder))
+        futures.append(self._read_remainder(sub, remainder))
         for fut in futures:
             fut.wait()
         return join(copy, remainder, self.exceptions.get(sub), torch.empty(numel))

@@ -340,3 +340,74 @@ def test_a_dpu_spare_key_that_does_not_fit_leaves_the_base_dormant(tmp_path):
     model.layers[1].requires_grad_(False)
     assert all(torch.isfinite(torch.tensor(_run(model, opt, range(3, 6)))))
     infinity.release(model)
+
+
+class Bf16Stack(Stack):
+    """``Stack`` whose values are bf16 numbers, as a base loaded from bf16 weights has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(p.bfloat16().float())
+
+
+def _build_bf16(cfg, frozen: int = 2):
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = Bf16Stack()
+        model.layers[:frozen].requires_grad_(False)
+    return model, infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("params, optimizer", [(None, "host"), ("device", "host"), ("host", "nvme")])
+def test_a_frozen_base_of_bf16_values_holds_no_remainders_and_trains_bit_for_bit(tmp_path, params, optimizer):
+    """[Note: zero remainders] in infinity/optim/split_master.py: the base's masters are its bf16 copies."""
+    cfg = lambda name: _config(tmp_path / name, optimizer, dtype="bfloat16", params=params)  # noqa: E731
+    for name in ("random", "zero", "after"):
+        (tmp_path / name).mkdir()
+    random, _ = _build(cfg("random"))
+    model, opt = _build_bf16(cfg("zero"))
+    assert _held(random, optimizer) - _held(model, optimizer) == 2 * 2 * SHARD     # no remainder keys
+    infinity.release(random)
+    awake, awake_opt = _build_bf16(cfg("after"), frozen=0)
+    awake.layers[:2].requires_grad_(False)
+    assert _run(model, opt, range(5), unfreeze_at=2) == _run(awake, awake_opt, range(5), unfreeze_at=2)
+    assert _held(model, optimizer) == _held(awake, optimizer)
+    infinity.release(model)
+    infinity.release(awake)
+
+
+def test_zero_remainders_through_checkpoints(tmp_path):
+    """A save joins the masters from the copies alone; a load of bf16 values keeps the keys away; a load
+    of values bf16 cannot hold allocates the remainder keys and keeps them exactly."""
+    from infinity.checkpoint.consolidate import consolidate
+    cfg = lambda name: _config(tmp_path / name, "host", dtype="bfloat16")  # noqa: E731
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+    model, opt = _build_bf16(cfg("a"))
+    _run(model, opt, range(2))
+    held = _held(model, "host")
+    infinity.save_checkpoint(tmp_path / "bf16", model, opt)
+    infinity.release(model)
+    model, opt = _build(cfg("b"))      # fp32 values: remainders
+    _run(model, opt, range(2))
+    infinity.save_checkpoint(tmp_path / "fp32", model, opt)
+    infinity.release(model)
+
+    model, opt = _build_bf16(cfg("c"))
+    infinity.load_checkpoint(tmp_path / "bf16", model, opt)
+    assert _held(model, "host") == held
+    infinity.load_checkpoint(tmp_path / "fp32", model, opt)
+    assert _held(model, "host") - held == 2 * 2 * SHARD        # the frozen layers' remainder keys
+    infinity.save_checkpoint(tmp_path / "again", model, opt)
+    infinity.release(model)
+    for name in ("bf16", "fp32", "again"):
+        consolidate(tmp_path / name, tmp_path / f"{name}.pt")
+    bf16, fp32, again = (torch.load(tmp_path / f"{name}.pt") for name in ("bf16", "fp32", "again"))
+    for name, value in fp32.items():
+        assert torch.equal(again[name], value), name
+    torch.manual_seed(0)
+    for name, value in Bf16Stack().state_dict().items():
+        if name.startswith(("layers.0.", "layers.1.")):
+            assert torch.equal(bf16[name], value), name      # the frozen bf16 values, bit for bit
