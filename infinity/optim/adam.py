@@ -179,7 +179,15 @@ class _OffloadAdam(torch.optim.Optimizer):
                 self._updates.publish_finished()
             self.step_count += 1
             # Sub-groups stepped during backward began this update (and its fresh shards): continue it.
-            self._updates.run(self._job(delayed, with_grad, clip_coef, stepped), continues=bool(stepped))
+            job = self._job(delayed, with_grad, clip_coef, stepped)
+            try:
+                self._updates.run(job, continues=bool(stepped))
+            except BaseException as exc:
+                if not engine.damaged:      # a failure the background reported has marked it already
+                    self._updates.damaged(f"the optimizer step {job.step} (opt.step() call {job.call}) failed: "
+                                          f"{exc!r}. Parameters, master weights and Adam moments may be partly "
+                                          "updated")
+                raise
             if self._in_backward is not None:
                 self._in_backward.reset("")
         finally:

@@ -95,6 +95,15 @@ def _drain_at_exit() -> None:
         worker.close()
 
 
+def damage(engine):
+    """What marks ``engine``'s states damaged after an update failed part-way: forward, ``opt.step()`` and
+    saves refuse until a checkpoint loads (the engine's ``check_intact``)."""
+    def mark(what: str) -> None:
+        engine.damaged = (f"{what}: load a checkpoint (infinity.load_checkpoint), or build the model again, "
+                          "to train on")
+    return mark
+
+
 class UpdateWorkerError(RuntimeError):
     """A background optimizer step failed; the message names the step and what state is left."""
 
@@ -171,6 +180,8 @@ class BackgroundUpdate:
         self._progress = threading.Condition()
         self._done_sub = -1          # the running job has stepped every sub-group up to this one
         self._copy_writes: dict[int, list] = {}   # group index -> its compute-copy write futures
+        # Called with what a failed job left (the states partly updated) when it is reported.
+        self.on_failure: Callable[[str], None] | None = None
         self._running: StepJob | None = None
         self._unpublished: StepJob | None = None
         self._failure: tuple[StepJob, BaseException] | None = None
@@ -293,12 +304,13 @@ class BackgroundUpdate:
         job, exc = self._failure
         self._failure = None
         self._unpublished = None
-        raise UpdateWorkerError(
-            f"the background optimizer step {job.step} (opt.step() call {job.call}) failed: {exc!r}. "
-            + ("The parameters are still those of the previous step, but master weights and Adam moments "
-               "may be partly updated: reload a checkpoint before training on" if job.delayed else
-               "Parameters, master weights and Adam moments may be partly updated: reload a checkpoint "
-               "before training on")) from exc
+        what = (f"the background optimizer step {job.step} (opt.step() call {job.call}) failed: {exc!r}. "
+                + ("The parameters are still those of the previous step, but master weights and Adam moments "
+                   "may be partly updated" if job.delayed else
+                   "Parameters, master weights and Adam moments may be partly updated"))
+        if self.on_failure is not None:
+            self.on_failure(what)
+        raise UpdateWorkerError(what + ": load a checkpoint (infinity.load_checkpoint) before training on") from exc
 
     def _call(self, job: StepJob) -> None:
         run = self._run()

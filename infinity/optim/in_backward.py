@@ -47,7 +47,7 @@ import torch
 
 from infinity.errors import EngineError
 from infinity.optim import param_groups
-from infinity.optim.background import bound_this_thread, close_at_exit
+from infinity.optim.background import bound_this_thread, close_at_exit, damage
 from infinity.optim.job import StepJob
 
 KEY = "optimizer.update_in_backward"
@@ -130,6 +130,7 @@ class InBackwardUpdate:
         self._pending = 0
         self._cond = threading.Condition()
         self._failure: BaseException | None = None
+        self.damaged = damage(engine)      # a failed step marks the states damaged when it is reported
         self._stream = None
         self.stepped: set[int] = set()     # sub-groups stepped (or queued) since the last step
         self._partial: set[int] = set()    # groups some parameter of which had no gradient
@@ -255,9 +256,10 @@ class InBackwardUpdate:
                 self._cond.wait()
         if self._failure is not None:
             exc, self._failure = self._failure, None
-            raise EngineError(f"the optimizer step during backward ({KEY}) failed: {exc!r}. Parameters, master "
-                              "weights and Adam moments may be partly updated: reload a checkpoint before training "
-                              "on") from exc
+            what = (f"the optimizer step during backward ({KEY}) failed: {exc!r}. Parameters, master weights and "
+                    "Adam moments may be partly updated")
+            self.damaged(what)
+            raise EngineError(what + ": load a checkpoint (infinity.load_checkpoint) before training on") from exc
 
     def finish(self, what: str, clip_coef, nonfinite: bool) -> frozenset[int]:
         """``opt.step()``: wait for the stepped sub-groups and check that the step is exact; returns them."""

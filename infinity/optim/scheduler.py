@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 
 from infinity.errors import EngineError
-from infinity.optim.background import BackgroundUpdate
+from infinity.optim.background import BackgroundUpdate, damage
 from infinity.optim.delayed import DelayedUpdate
 from infinity.optim.job import StepJob, UpdateStats
 from infinity.optim.update import UpdatePass
@@ -66,6 +66,10 @@ class UpdateScheduler:
                         if self.overlap_wanted(engine) else None)
         self.background = self.delay or self.overlap
         update.progress = self.overlap
+        self.damaged = damage(engine)
+        for worker in (self.delay, self.overlap):
+            if worker is not None:
+                worker.on_failure = self.damaged
 
     @staticmethod
     def overlap_wanted(engine) -> bool:

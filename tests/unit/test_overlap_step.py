@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import infinity
+import infinity.errors
+import infinity.optim.moments
 from infinity.optim.background import BackgroundUpdate, UpdateWorkerError
 from infinity.registry import engine_of
 from tests.unit.test_dpu import TOL, Tiny, batches, gathered_diff, run_schedule
@@ -230,6 +232,57 @@ def test_failed_update_is_raised_by_the_next_forward(tmp_path, monkeypatch):
     opt.zero_grad()
     with pytest.raises(UpdateWorkerError, match=r"background optimizer step 1 .*kernel exploded.*partly updated"):
         model(idx, tgt)
+
+
+@pytest.mark.parametrize("params, optimizer, overlap", [("nvme", "nvme", True), ("host", "host", False)])
+def test_a_failed_update_damages_the_states_until_a_checkpoint_loads(tmp_path, monkeypatch, params, optimizer,
+                                                                     overlap):
+    """Partly updated states refuse to train or be saved (before: the loop went on with them, and saved
+    them as a valid checkpoint); a load mends them, and training goes on as an untouched run's."""
+    model, _ = make(tmp_path, params, optimizer, overlap=overlap)
+    opt = infinity.AdamW(model, lr=1e-2)
+    data = batches(3)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    idx, tgt = data[0]
+    model(idx, tgt).backward()
+    kernel = torch._fused_adamw_
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(torch, "_fused_adamw_", broken)
+    monkeypatch.setattr(infinity.optim.moments, "fused_fp32_step", broken)
+    with pytest.raises((UpdateWorkerError, RuntimeError), match="kernel exploded"):
+        opt.step()
+        opt.zero_grad()
+        model(idx, tgt)         # overlapped: the failure is reported here
+    monkeypatch.setattr(torch, "_fused_adamw_", kernel)
+    monkeypatch.undo()
+    opt.zero_grad()
+    for call in (lambda: model(idx, tgt), opt.step, lambda: infinity.save_checkpoint(tmp_path / "bad", model, opt)):
+        with pytest.raises(infinity.errors.EngineError, match="refused because .*kernel exploded.*partly updated.*"
+                                                              "load a checkpoint"):
+            call()
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    losses = []
+    for idx, tgt in data:
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    infinity.release(model)
+    clean, _ = make(tmp_path / "clean", params, optimizer, overlap=overlap)
+    clean_opt = infinity.AdamW(clean, lr=1e-2)
+    want = []
+    for idx, tgt in data:
+        loss = clean(idx, tgt)
+        loss.backward()
+        clean_opt.step()
+        clean_opt.zero_grad()
+        want.append(loss.item())
+    assert losses == want
+    infinity.release(clean)
 
 
 def test_fresh_shards_are_served_once_and_discarded_by_a_state_load(tmp_path):
