@@ -204,7 +204,9 @@ class Windows:
         # A bounded gather buffer (partition.gather_buffer_bytes) with no room left ends the
         # gathers ahead: the group is gathered on demand instead of into memory of its own.
         room = self.device_bytes - self.held_bytes["device"]
-        if g.full_nbytes <= room and self.coordinator.memory.has_room(g.full_nbytes) and self._may_gather(g):
+        c = self.coordinator       # and partition.max_live_parameters ([Note: live parameters] in coordinator.py)
+        live = not c.max_live or g.state is ParamState.AVAILABLE or c.live_numel + g.numel <= c.max_live
+        if g.full_nbytes <= room and live and c.memory.has_room(g.full_nbytes) and self._may_gather(g):
             if g.state is ParamState.NOT_AVAILABLE:
                 self.coordinator.start_fetch(g, prefetch=True)
             self.coordinator.wait_available(g)

@@ -300,6 +300,13 @@ class Partitioner:
         whole = config.partition.stage < 3 or self.coordinator.in_place
         for g in self.coordinator.groups:
             g.persistent = whole or g.numel < threshold
+        max_live = config.partition.max_live_parameters
+        largest = max(self.coordinator.groups, key=lambda g: g.numel, default=None)
+        if max_live and largest is not None and largest.numel > max_live and not self.coordinator.in_place:
+            raise EngineError(f"partition.max_live_parameters = {max_live} is below group {largest.name!r}'s "
+                              f"{largest.numel} elements, which are whole on the compute device while its module "
+                              f"runs: set it to at least {largest.numel}, or 0 (no bound), or split the module "
+                              "([partition] units, [tiling])")
         self._check_budget(roots)
         groups = self.coordinator.groups
         # No sub-group mixes trainable and frozen groups, as they are now: a module frozen after it was built

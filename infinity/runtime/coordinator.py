@@ -70,6 +70,7 @@ class FetchStats:
         self.prefetch_hits = 0
         self.bytes_gathered = 0
         self.bytes_read_from_tier = 0
+        self.peak_live_numel = 0    # most elements gathered at once ([Note: live parameters])
 
     def as_dict(self) -> dict:
         return {
@@ -82,6 +83,7 @@ class FetchStats:
             "hit_rate": self.prefetch_hits / self.fetches if self.fetches else 0.0,
             "bytes_gathered": self.bytes_gathered,
             "bytes_read_from_tier": self.bytes_read_from_tier,
+            "peak_live_numel": self.peak_live_numel,
         }
 
 
@@ -89,8 +91,23 @@ def _release_gathered(coordinator: "Coordinator", group: ParamGroup, keep_views:
     """Release the group's gathered memory; the prefetcher learns that its next use needs a fetch
     (see [Note: frontiers] in infinity/prefetch/windows.py)."""
     group.to_not_available(keep_views)
+    if group in coordinator.live:
+        coordinator.live.discard(group)
+        coordinator.live_numel -= group.numel
     if coordinator.prefetcher is not None:
         coordinator.prefetcher.on_dropped(group)
+
+
+def _make_room(coordinator: "Coordinator", groups) -> None:
+    """Release groups kept for reuse until ``groups`` fit ``max_live`` beside what is gathered (see
+    [Note: live parameters]); groups in use are never released, so the bound may be passed."""
+    need = sum(g.numel for g in groups if g.state is not ParamState.AVAILABLE)
+    for g in list(coordinator.keep):
+        if coordinator.live_numel + need <= coordinator.max_live:
+            return
+        if g in coordinator.live and not coordinator.busy(g):
+            coordinator.keep.discard(g)
+            _release_gathered(coordinator, g)
 
 
 class Coordinator:
@@ -107,9 +124,21 @@ class Coordinator:
     gather_buffer_bytes:
         ``partition.gather_buffer_bytes`` (see [Note: long-lived and short-lived gathers] in
         infinity/runtime/gather_memory.py).
+    max_live:
+        ``partition.max_live_parameters`` (0: no bound; see [Note: live parameters]).
+
+    [Note: live parameters]
+    ``live_numel`` counts the elements of the groups gathered on the compute device (groups gathered
+    in place, one rank with the parameters on the device, cost no memory and are not counted).
+    ``partition.max_live_parameters`` bounds it the way DeepSpeed's ``stage3_max_live_parameters``
+    does: gathers ahead stop where they would pass it (``Windows._try_gather``), and a gather that
+    would pass it first releases groups kept for reuse (``prefetch.reuse_distance``). The groups a
+    running module (or backward) uses are gathered whatever the count, so the bound holds as long as
+    they fit it; ``Init`` refuses a bound below the largest group.
     """
 
-    def __init__(self, shards: ParamShards, ranks, device, gather_buffer_bytes: int = 0) -> None:
+    def __init__(self, shards: ParamShards, ranks, device, gather_buffer_bytes: int = 0,
+                 max_live: int = 0) -> None:
         self.shards = shards
         self.datapath = shards.datapath
         self.ranks = ranks
@@ -127,6 +156,9 @@ class Coordinator:
         self.backward_held: set[ParamGroup] = set()
         self.stats = FetchStats()
         self.prefetcher = None
+        self.max_live = max_live
+        self.live_numel = 0
+        self.live: set[ParamGroup] = set()
 
     # -- partitioning --------------------------------------------------------------------------
     def new_group(self, name: str, params: list[tuple[str, nn.Parameter]]) -> ParamGroup:
@@ -232,6 +264,10 @@ class Coordinator:
         self.stats.fetches += 1
         self.stats.bytes_gathered += group.full_nbytes
         group.to_available(full)
+        if not self.in_place:
+            self.live.add(group)
+            self.live_numel += group.numel
+            self.stats.peak_live_numel = max(self.stats.peak_live_numel, self.live_numel)
 
     def _fill(self, group: ParamGroup, full: torch.Tensor, pending: _PendingFetch) -> None:
         """This rank's shard into its slice of ``full`` (host->device, or device-local), then the all-gather."""
@@ -251,6 +287,8 @@ class Coordinator:
 
     def gather(self, groups) -> None:
         """Make ``groups`` AVAILABLE: issue every read first, then wait in order."""
+        if self.max_live and self.keep:
+            _make_room(self, groups)
         for g in groups:
             self.start_fetch(g)
         for g in groups:

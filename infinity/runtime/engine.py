@@ -72,7 +72,8 @@ class Engine:
                 staging = DemandStaging(self.tiers.allocator,
                                         lambda: max((g.shard_nbytes for g in self.coordinator.groups), default=4096))
             shards = ParamShards(self.tiers.params, self.dtype, self.datapath, staging)
-            self.coordinator = Coordinator(shards, self.ranks, self.device, config.partition.gather_buffer_bytes)
+            self.coordinator = Coordinator(shards, self.ranks, self.device, config.partition.gather_buffer_bytes,
+                                           config.partition.max_live_parameters)
             self.reducer = GradReducer(self.coordinator, self.ranks, self.datapath, self.tiers.allocator,
                                        stage=config.partition.stage, bucket_nbytes=config.partition.reduce_bucket_bytes)
             self.activations: ActivationOffload | None = None

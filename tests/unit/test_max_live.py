@@ -1,0 +1,53 @@
+"""``partition.max_live_parameters`` bounds the elements gathered on the compute device at once
+([Note: live parameters] in infinity/runtime/coordinator.py): it was accepted and ignored before."""
+import pytest
+import torch
+
+import infinity
+from infinity.config import load_config
+from infinity.errors import EngineError
+from infinity.examples.gpt import GPT, GPTConfig
+from infinity.registry import engine_of
+
+SHAPE = GPTConfig(n_layer=6, d_model=32, n_head=4, vocab_size=128, seq_len=8)
+
+
+def _train(max_live: int, steps: int = 4):
+    cfg = load_config("offload-host", overrides={
+        "tiers": {"device": "cpu"}, "precision": {"dtype": "float32"},
+        "partition": {"max_live_parameters": max_live, "persistence_threshold": 0},
+        "prefetch": {"device_bytes": "64MiB", "reuse_distance": "64MiB"}})
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = GPT(SHAPE)
+    opt = infinity.AdamW(model, lr=1e-3)
+    idx = torch.randint(0, SHAPE.vocab_size, (1, SHAPE.seq_len), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        loss = model(idx, idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    groups = sorted(g.numel for g in engine_of(model).coordinator.groups)
+    peak = infinity.stats(model)["fetch"]["peak_live_numel"]
+    infinity.release(model)
+    return losses, peak, groups
+
+
+def test_the_bound_holds_gathers_ahead_and_kept_groups_and_changes_no_result():
+    free_losses, free_peak, groups = _train(0)
+    # Four of the six blocks and the small groups (embeddings, norms): above what modules use at once
+    # (up to three blocks in backward, where a block is held until its gradient is reduced), below all.
+    bound = 4 * groups[-1] + sum(g for g in groups if g < groups[-1])
+    assert free_peak == sum(groups) > bound     # unbounded, the prefetcher and the reuse keep hold everything
+    losses, peak, _ = _train(bound)
+    assert peak <= bound
+    assert losses == free_losses
+
+
+def test_a_bound_below_the_largest_group_is_refused_naming_it():
+    _, _, groups = _train(0, steps=0)
+    with pytest.raises(EngineError, match=rf"partition.max_live_parameters = {groups[-1] - 1} is below group "
+                                          rf"'.*'s {groups[-1]} elements"):
+        _train(groups[-1] - 1, steps=0)
