@@ -197,6 +197,12 @@ class Engine:
 
     # -- the forward / backward lifecycle (called by the hooks) ------------------------------
     def pre_forward(self, module: nn.Module, args=()) -> None:
+        if self._stack and module is self._stack[0]:
+            # The last forward of this module was cut short by a BaseException (Ctrl-C): torch runs the
+            # always_call post-hooks that close a forward for an Exception only. Close it as they would
+            # have, or every later forward would count as nested in it (no step begun, stale values).
+            for stale in reversed(self._stack[:]):
+                self.post_forward(stale, None)
         if not self._stack:
             self.recover_aborted_backward()
             self._begin_forward(module)

@@ -270,6 +270,28 @@ def test_forward_that_raises_inside_a_module_leaves_training_exact(tmp_path):
     _assert_parity(*_train_side_by_side(model, opt, ref, ref_opt, data))
 
 
+@pytest.mark.parametrize("params, optimizer", [("host", "host"), ("nvme", "nvme")])
+def test_a_forward_interrupted_by_ctrl_c_leaves_training_exact(tmp_path, params, optimizer):
+    """KeyboardInterrupt is no Exception: torch skips the engine's always_call post-hooks for it, and the
+    cut-short forward stayed open, so every later forward counted as nested in it (no step begun: the
+    overlapped update not waited for, stale values) and the losses drifted from torch's."""
+    data = _data(5)
+    model, ref = _build(Widens, _cfg(params, optimizer, tmp_path))
+    opt = infinity.AdamW(model, lr=LR, weight_decay=WEIGHT_DECAY)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    _assert_parity(*_train_side_by_side(model, opt, ref, ref_opt, data[:2]))
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+    handle = model.b.register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(*data[2])
+    handle.remove()
+    opt.zero_grad()
+    _assert_parity(*_train_side_by_side(model, opt, ref, ref_opt, data[2:]))
+    assert infinity.stats(model)["gathered_bytes_now"] == 0
+
+
 def test_own_step_counts_travel_with_a_checkpoint_and_are_checked_by_name(tmp_path):
     cfg = _cfg("host", "nvme", tmp_path)
     model, _ = _build(Branchy, cfg)
