@@ -88,6 +88,7 @@ class Engine:
             self._stack: list[nn.Module] = []
             self._unhooked = False      # the idle modules' forward hooks are gone (hooks.unhook_idle)
             self._backward_active = False
+            self._backwards_ended = [0]    # backwards that ended (hooks.watch_backward fires once per one)
             self._step_started = None
             # Why the states are a mixture no step may train on, or None ([Note: a load is all or
             # nothing] in infinity/checkpoint/reader.py); check_intact refuses while it is set.
@@ -226,7 +227,7 @@ class Engine:
             self._stack.pop()
         if torch.is_grad_enabled() and (not self._stack or not _quiet(
                 self.prefetcher, self.coordinator.module_groups.get(module, ()))):
-            watch_backward(module, output, self.pre_backward)
+            watch_backward(module, output, self.pre_backward, self._backwards_ended)
             if not self._stack and self.loss_scaler is not None and not self._backward_active:
                 self.loss_scaler.watch_output(output)      # [Note: loss scaling] in infinity/optim/loss_scale.py
         if not self._stack:
@@ -279,6 +280,10 @@ class Engine:
     def pre_backward(self, module: nn.Module) -> None:
         self._enter_backward()
         self.coordinator.hold_for_backward(module)
+        # Armed by the forward; a second backward through a retained graph (retain_graph=True) arms
+        # again, so its gradients accumulate onto the first's as in torch.
+        for g in self.coordinator.module_groups.get(module, ()):
+            self._arrivals.arm(g)
 
     def _arm(self, groups) -> None:
         """Watch the gradients of gathered ``groups`` in the coming backward (see [Note: one gradient
@@ -314,6 +319,7 @@ class Engine:
             self._end_backward()
 
     def _end_backward(self) -> None:
+        self._backwards_ended[0] += 1
         self._arrivals.flush()      # groups short of a gradient (a parameter unused in this backward)
         self.reducer.finish_backward()
         self.coordinator.end_backward()

@@ -138,17 +138,19 @@ class GradArrivals:
         self.armed = {}
 
 
-def watch_backward(module: nn.Module, output, pre_backward) -> None:
-    """Call ``pre_backward(module)`` once, when the first gradient reaches ``module``'s ``output``."""
+def watch_backward(module: nn.Module, output, pre_backward, ended: list[int]) -> None:
+    """Call ``pre_backward(module)`` when the first gradient reaches ``module``'s ``output``, once per
+    backward through it: ``ended[0]`` counts the backwards that ended (a graph kept with
+    ``retain_graph=True`` goes through a second one)."""
     tensors = [t for t in tree_flatten(output)[0]
                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
     if not tensors:
         return
-    fired = [False]
+    fired = [None]
 
     def on_output_grad(grad):
-        if not fired[0]:
-            fired[0] = True
+        if fired[0] != ended[0]:
+            fired[0] = ended[0]
             pre_backward(module)
 
     for t in tensors:

@@ -292,6 +292,48 @@ def test_a_forward_interrupted_by_ctrl_c_leaves_training_exact(tmp_path, params,
     assert infinity.stats(model)["gathered_bytes_now"] == 0
 
 
+@pytest.mark.parametrize("params, optimizer", [("host", "host"), ("nvme", "nvme"), ("device", "host")])
+def test_a_second_backward_through_a_retained_graph_adds_its_gradients_as_in_torch(tmp_path, params, optimizer):
+    """``loss.backward(retain_graph=True); loss.backward()`` doubles the gradients in torch; the engine
+    had released the parameters after the first and computed the second with empty placeholders."""
+    data = _data(3)
+    model, ref = _build(MLP, _cfg(params, optimizer, tmp_path))
+    opt = infinity.AdamW(model, lr=LR, weight_decay=WEIGHT_DECAY)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    for x, y in data:
+        for net, o in ((model, opt), (ref, ref_opt)):
+            loss = net(x, y)
+            loss.backward(retain_graph=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)   # sees the doubled gradients
+            o.step()
+            o.zero_grad()
+    with infinity.gathered(model):
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert float((p - q).detach().abs().max()) <= PARAM_TOL, name
+
+
+def test_a_second_backward_in_bf16_equals_a_doubled_loss_bit_for_bit(tmp_path):
+    runs = []
+    for twice in (True, False):
+        (tmp_path / str(twice)).mkdir()
+        cfg = {**_cfg("host", "host", tmp_path / str(twice)), "precision": {"dtype": "bfloat16"}}
+        model, _ = _build(MLP, cfg)
+        opt = infinity.AdamW(model, lr=LR)
+        for x, y in _data(3):
+            loss = model(x.bfloat16(), y)
+            if twice:
+                loss.backward(retain_graph=True)
+                loss.backward()
+            else:
+                (2 * loss).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(opt.state_dict()["shards"]["master"])
+        infinity.release(model)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_own_step_counts_travel_with_a_checkpoint_and_are_checked_by_name(tmp_path):
     cfg = _cfg("host", "nvme", tmp_path)
     model, _ = _build(Branchy, cfg)
