@@ -188,6 +188,10 @@ class _OffloadAdam(torch.optim.Optimizer):
                                           f"{exc!r}. Parameters, master weights and Adam moments may be partly "
                                           "updated")
                 raise
+            # As torch's in-place update does: a graph recorded before this step then refuses a backward
+            # ("modified by an inplace operation") instead of mixing new weights with old activations.
+            groups = engine.coordinator.groups
+            torch.autograd.graph.increment_version([s.param for gi in job.updated for s in groups[gi].slots])
             if self._in_backward is not None:
                 self._in_backward.reset("")
         finally:

@@ -334,6 +334,25 @@ def test_a_second_backward_in_bf16_equals_a_doubled_loss_bit_for_bit(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+@pytest.mark.parametrize("params, optimizer", [("host", "host"), ("nvme", "nvme"), ("device", "host")])
+def test_a_backward_through_a_graph_recorded_before_the_step_raises_as_in_torch(tmp_path, params, optimizer):
+    """The step changes the weights that graph saved: torch refuses ("modified by an inplace
+    operation"); the engine ran it silently with the new weights and old activations."""
+    data = _data(4)
+    model, ref = _build(MLP, _cfg(params, optimizer, tmp_path))
+    opt = infinity.AdamW(model, lr=LR, weight_decay=WEIGHT_DECAY)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    for net, o in ((model, opt), (ref, ref_opt)):
+        kept = net(*data[0])
+        net(*data[1]).backward()
+        o.step()
+        o.zero_grad()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            kept.backward()
+        o.zero_grad()
+    _assert_parity(*_train_side_by_side(model, opt, ref, ref_opt, data[2:]))
+
+
 def test_own_step_counts_travel_with_a_checkpoint_and_are_checked_by_name(tmp_path):
     cfg = _cfg("host", "nvme", tmp_path)
     model, _ = _build(Branchy, cfg)
