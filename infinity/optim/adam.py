@@ -146,6 +146,7 @@ class _OffloadAdam(torch.optim.Optimizer):
             raise EngineError(f"{self._name}.step: closures are not supported with offloaded states")
         engine = self.engine
         engine.check_intact(f"{self._name}.step()")
+        param_groups.check_options(self.param_groups, f"{self._name}.step()")
         engine.tiers.check()    # the update reads every state: no swap file may have been cut under it
         engine.recover_aborted_backward()
         if engine.backward_running:

@@ -74,6 +74,25 @@ def check_hyper(group: dict, what: str, index: int) -> None:
         raise ValueError(f"{what}: betas must be in [0, 1), got {betas}{where}")
     if not float(eps) > 0.0:
         raise ValueError(f"{what}: eps must be > 0, got {eps}{where}")
+    _refuse_unsupported(group, what, index)
+
+
+# torch.optim.Adam(W) options the host kernels do not implement: a group asking for one is refused
+# rather than stepped as if it had not (``foreach`` and ``fused`` choose torch's kernels only: ignored).
+_UNSUPPORTED = ("maximize", "amsgrad", "capturable", "differentiable")
+
+
+def check_options(param_groups, what: str) -> None:
+    """Refuse a group that asks for an option the host Adam lacks (set since it was added)."""
+    for index, g in enumerate(param_groups):
+        _refuse_unsupported(g, what, index)
+
+
+def _refuse_unsupported(group: dict, what: str, index: int) -> None:
+    asked = [key for key in _UNSUPPORTED if group.get(key)]
+    if asked:
+        raise ValueError(f"{what}: param group {index} sets {asked[0]}={group[asked[0]]!r}, which infinity's "
+                         f"host Adam does not implement (it would step as if {asked[0]} were False); remove it")
 
 
 def hyper_sets(param_groups) -> list[tuple[float, float, float, float, float]]:

@@ -125,3 +125,21 @@ def test_a_torch_optimizer_over_engine_parameters_raises_at_its_first_step(tmp_p
     plain = cls(ref.parameters(), lr=1e-2)      # optimizers of other models step as usual
     ref(idx, tgt).backward()
     plain.step()
+
+
+@pytest.mark.parametrize("key", ["maximize", "amsgrad"])
+def test_torch_options_the_host_adam_lacks_are_refused_not_ignored(tmp_path, key):
+    """``maximize`` and ``amsgrad`` in a param group were accepted and stepped as if False."""
+    model, _ = engine_and_plain(_cfg("host", "host", tmp_path))
+    with pytest.raises(ValueError, match=rf"param group 0 sets {key}=True, which infinity's host Adam does not"):
+        infinity.AdamW([{"params": list(model.parameters()), key: True}])
+    opt = infinity.AdamW([{"params": list(model.parameters()), key: False}])     # torch's default: fine
+    idx, tgt = batches(1, 2)[0]
+    model(idx, tgt).backward()
+    opt.param_groups[0][key] = True         # set later, as code that edits param_groups may
+    with pytest.raises(ValueError, match=rf"AdamW.step\(\): param group 0 sets {key}=True"):
+        opt.step()
+    step_count = opt.step_count
+    opt.param_groups[0][key] = False
+    opt.step()                              # nothing was changed by the refused call
+    assert opt.step_count == step_count + 1
