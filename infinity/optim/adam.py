@@ -259,7 +259,7 @@ class _OffloadAdam(torch.optim.Optimizer):
             self._in_backward.reset("")
         self.store.zero_grad()
         self._checks.reset()
-        self.engine.grad_face.forget()
+        self.engine.grad_face.forget(keep_zeros=not set_to_none)
         nonfinite = self._nonfinite
         if nonfinite.expected:
             return      # an overflow the dynamic loss scale answers: expected, counted in stats()
@@ -283,7 +283,7 @@ class _OffloadAdam(torch.optim.Optimizer):
             self._in_backward.reset(f"{self._name}.zero_grad()")
         self.store.zero_grad()
         self._checks.reset()
-        self.engine.grad_face.forget()
+        self.engine.grad_face.forget(keep_zeros=not set_to_none)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip this step's gradients by their global L2 norm (applied by the step, DPU included)."""

@@ -16,7 +16,8 @@ parameter's shape and dtype and no memory, whose operations are answered from th
 - ``mul_`` by a scalar: a factor the next ``opt.step()`` applies (clipping by a common
   factor folds into the host Adam kernel, as ``infinity.clip_grad_norm_`` does);
 - ``clamp_`` / ``clamp_min_`` / ``clamp_max_``: applied to the stored shards at once;
-- ``zero_`` (``zero_grad(set_to_none=False)``): the gradient counts as cleared;
+- ``zero_`` (``zero_grad(set_to_none=False)``): the gradient counts as cleared, a gradient of
+  zeros (its norm 0, ``mul_`` and ``clamp_`` leave it so) until the next backward;
 - anything else raises ``EngineError`` naming the parameter.
 
 Whether the gradients were cleared is decided when the next backward starts (or at
@@ -72,6 +73,9 @@ class ShardedGrad(torch.Tensor):
             raise EngineError(f"{_name(func)} on the gradient of an infinity parameter: only norms, mul_ by a "
                               "scalar, clamp_ and zero_ are supported (torch.nn.utils.clip_grad_norm_, "
                               "clip_grad_value_, zero_grad)")
+        if token.cleared and (func in _NORMS or func in _CLAMPS or func is torch.Tensor.mul_):
+            # zeroed (zero_grad(set_to_none=False)): a gradient of zeros until the next backward
+            return torch.zeros((), dtype=kwargs.get("dtype") or torch.float32) if func in _NORMS else token
         if func in _NORMS:
             return face.norm(token, *args[1:], **kwargs)
         if func is torch.Tensor.mul_:
@@ -158,9 +162,16 @@ class GradFace:
         if self._resolve_clearing("opt.step()"):
             self.factors.clear()
 
-    def forget(self) -> None:
-        """The store's gradients were dropped (``opt.zero_grad()``, a skipped step): no tokens, no factors."""
-        self._strip()
+    def forget(self, keep_zeros: bool = False) -> None:
+        """The store's gradients were dropped (``opt.zero_grad()``, a skipped step): no tokens, no factors.
+
+        ``keep_zeros`` (``opt.zero_grad(set_to_none=False)``): each ``.grad`` stays, a gradient of zeros,
+        as torch's zero-filled ones."""
+        if keep_zeros:
+            for token in self.tokens.values():
+                token.cleared = True
+        else:
+            self._strip()
         self.factors.clear()
         self._norms.clear()
 

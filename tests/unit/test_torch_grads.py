@@ -65,6 +65,32 @@ def test_zero_grad_without_set_to_none_and_opt_zero_grad_clear(tmp_path):
     assert _max_param_diff(model, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("zero", ["model", "opt"])
+def test_gradients_zeroed_in_place_read_as_zeros_until_the_next_backward(tmp_path, zero):
+    """``zero_grad(set_to_none=False)`` leaves zero-filled ``.grad`` in torch: the optimizer's left None
+    (``p.grad.norm()`` raised AttributeError), and the model's still answered the old norms."""
+    model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
+    opts = {model: infinity.AdamW(model, lr=1e-2), ref: torch.optim.AdamW(ref.parameters(), lr=1e-2)}
+    data = batches(3, 2)
+    seen = []
+    for net, opt in opts.items():
+        clear = (lambda: net.zero_grad(set_to_none=False)) if zero == "model" else (
+            lambda: opt.zero_grad(set_to_none=False))
+        norms = []
+        for idx, tgt in data:
+            net(idx, tgt).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9)))
+            opt.step()
+            clear()
+            assert all(p.grad is not None for p in net.parameters())
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in net.parameters()])))
+            torch.nn.utils.clip_grad_value_(net.parameters(), 1e-3)     # leaves zeros zero
+        seen.append(norms)
+    assert seen[0][1::2] == seen[1][1::2] == [0.0] * len(data)
+    assert max(abs(a - b) / b for a, b in zip(seen[0][::2], seen[1][::2])) <= 1e-5
+    assert _max_param_diff(model, ref) <= 1e-5
+
+
 def test_gradients_not_cleared_accumulate_over_steps_as_in_torch(tmp_path):
     """Without any zero_grad torch keeps adding into .grad from step to step; so does the engine."""
     model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
