@@ -334,6 +334,16 @@ class _OffloadAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         groups = self.engine.coordinator.groups
+        if "shards" not in state_dict and "state" in state_dict and "param_groups" in state_dict:
+            raise EngineError(
+                f"{self._name}.load_state_dict: this is a torch.optim state dict (keys 'state', 'param_groups'); "
+                "infinity's holds the sharded master weights and moments ('shards'). To go on from a plain "
+                "PyTorch run, load its model weights inside `with infinity.gathered(model):` "
+                "(model.load_state_dict) and start this optimizer afresh")
+        missing = [k for k in ("world_size", "shard_numels", "param_groups", "step", "shards") if k not in state_dict]
+        if missing:
+            raise EngineError(f"{self._name}.load_state_dict: the state has no {missing} (it is not a state_dict() "
+                              "of an infinity optimizer); nothing was loaded")
         got = state_dict.get("shard_numels")
         want = [g.shard_numel for g in groups]
         if got != want or state_dict.get("world_size") != self.engine.ranks.world_size:
