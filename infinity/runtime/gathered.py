@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from infinity import registry
+from infinity.errors import EngineError
 
 
 @contextmanager
@@ -43,17 +44,44 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
     groups = _groups_of(engine.coordinator, model)
     coordinator.use(groups)
     snapshots = {g: g.shard_of(g.full).clone() for g in groups}
+    completed = False
     try:
         yield model
+        completed = True
     finally:
+        reshaped = []
         with torch.no_grad():
             for g in groups:
+                for slot in g.slots:    # a shape the group cannot hold: that parameter keeps its values
+                    if slot.param.shape != slot.shape:
+                        reshaped.append((slot.param, f"{tuple(slot.shape)} -> {tuple(slot.param.shape)}"))
+                        slot.param.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
                 current = g.flatten()
                 if modifier_rank is not None:
                     engine.ranks.broadcast(current, src=modifier_rank)
                 if not torch.equal(g.shard_of(current), snapshots[g]):
                     engine.write_param_shard(g, current, snapshots[g])
                 coordinator.unuse(g)
+        if completed:
+            _refuse_new_shapes(coordinator, model, reshaped)
+
+
+def _refuse_new_shapes(coordinator, model: nn.Module, reshaped: list) -> None:
+    """Shapes changed or parameters replaced inside the block (``resize_token_embeddings``): refused, naming them."""
+    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    unmanaged = [name for name, p in model.named_parameters() if p not in coordinator.group_of]
+    if reshaped:
+        which = "; ".join(f"{names.get(id(p), '?')!r} {change}" for p, change in reshaped[:3])
+        raise EngineError(
+            f"infinity.gathered: parameters changed shape inside the block ({which}); an "
+            "engine model's parameters keep the shapes they were built with, so these kept their values "
+            "(the other writes were stored). Build the model with the new shape inside infinity.Init (e.g. "
+            "the new vocab_size in its config) and load the old values there")
+    if unmanaged:
+        raise EngineError(
+            f"infinity.gathered: the model holds parameters infinity does not manage after the block "
+            f"({unmanaged[:3]}; a module replaced, as resize_token_embeddings does): they would never be "
+            "offloaded, sharded or updated. Build the model with the new modules inside infinity.Init")
 
 
 def _groups_of(coordinator, model) -> list:

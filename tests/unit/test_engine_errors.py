@@ -292,3 +292,23 @@ def test_nvme_path_not_writable_is_named(tmp_path):
     with pytest.raises(ConfigError, match="ro' is a directory this user .* cannot write to"):
         with infinity.Init(_nvme_cfg(locked)):
             nn.Linear(4, 4)
+
+
+def test_a_shape_changed_inside_gathered_is_refused_naming_the_parameter_and_keeps_the_rest():
+    """``p.data = <new shape>`` or a module swapped (``resize_token_embeddings``) inside ``gathered``
+    crashed in the write-back ("size of tensor a must match") and left groups in use."""
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"}}):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    with pytest.raises(EngineError, match=r"'0.weight' \(8, 8\) -> \(9, 8\).*new shape inside infinity.Init"):
+        with infinity.gathered(model):
+            model[0].weight.data = torch.zeros(9, 8)
+            model[1].bias.data.fill_(3.0)               # stored all the same
+    with infinity.gathered(model):
+        assert model[0].weight.shape == (8, 8) and torch.equal(model[1].bias, torch.full((2,), 3.0))
+    opt = infinity.AdamW(model, lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()           # trains on
+    opt.step()
+    with pytest.raises(EngineError, match=r"parameters infinity does not manage .*\['1.weight', '1.bias'\]"):
+        with infinity.gathered(model):
+            model[1] = nn.Linear(8, 3)
