@@ -210,6 +210,17 @@ class Trace:
             return found
         return None
 
+    def recorded(self) -> int | None:
+        """How many requests the running recording holds (None: not recording)."""
+        return len(self.entries) if self.mode is TraceMode.RECORDING else None
+
+    def discard_recording(self, since: int | None) -> None:
+        """Requests recorded from entry ``since`` on came from inside ``infinity.gathered``, where a module
+        using a parameter it does not own goes unseen ([Note: foreign parameters] in
+        infinity/runtime/foreign.py): this recording is not adopted; the next step records anew."""
+        if since is not None and self.mode is TraceMode.RECORDING and len(self.entries) > since:
+            self.entries = []
+
     def ignores(self, groups) -> bool:
         """Whether a request for ``groups`` is ignored (see [Note: requests without groups])."""
         return not groups and self._without_empty and self.mode is TraceMode.FOLLOWING

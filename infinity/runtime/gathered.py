@@ -8,6 +8,7 @@ from torch import nn
 
 from infinity import registry
 from infinity.errors import EngineError
+from infinity.optim.grad_face import ShardedGrad
 
 
 @contextmanager
@@ -44,6 +45,8 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
     groups = _groups_of(engine.coordinator, model)
     coordinator.use(groups)
     snapshots = {g: g.shard_of(g.full).clone() for g in groups}
+    trace = engine.prefetcher.trace if engine.prefetcher is not None else None
+    recorded = trace.recorded() if trace is not None else None
     completed = False
     try:
         yield model
@@ -62,8 +65,26 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
                 if not torch.equal(g.shard_of(current), snapshots[g]):
                     engine.write_param_shard(g, current, snapshots[g])
                 coordinator.unuse(g)
+        if trace is not None:
+            trace.discard_recording(recorded)
         if completed:
             _refuse_new_shapes(coordinator, model, reshaped)
+            _refuse_stray_grads(model, groups)
+
+
+def _refuse_stray_grads(model: nn.Module, groups) -> None:
+    """A backward inside the block left a parameter's gradient in its ``.grad``, not taken by the engine: a
+    module used it without owning it, which only a forward outside ``gathered`` can see ([Note: foreign
+    parameters] in infinity/runtime/foreign.py); the optimizer would skip it silently."""
+    managed = {id(s.param) for g in groups for s in g.slots}
+    stray = [name for name, p in model.named_parameters()
+             if id(p) in managed and p.grad is not None and not isinstance(p.grad, ShardedGrad)]
+    if stray:
+        raise EngineError(
+            f"infinity.gathered: a backward inside the block left gradients the engine did not take ({stray[:3]}: "
+            "used by a module that does not own them, which infinity sees only in a forward outside gathered); "
+            "the optimizer would skip them. Run training steps outside `with infinity.gathered(...)`; "
+            "model.zero_grad() clears these")
 
 
 def _refuse_new_shapes(coordinator, model: nn.Module, reshaped: list) -> None:
