@@ -57,7 +57,19 @@ def load_config(src: str | os.PathLike | Mapping[str, Any] | Config | None = Non
             data = text.merge(data, overrides)
         return Config.from_dict(data)
     except ConfigError as exc:
-        raise exc.in_file(file) from None
+        if overrides and _sets(overrides, exc.key):     # the override's value, not the file's
+            raise exc.in_file("overrides") from None
+        raise exc.in_file(file if file is None or not overrides else f"{file} (with overrides)") from None
+
+
+def _sets(overrides: Mapping[str, Any], key: str | None) -> bool:
+    """Whether ``overrides`` holds ``key`` ("section.key")."""
+    node: Any = overrides
+    for part in (key or "").split(".") if key else ():
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return key is not None
 
 
 def dump(config: Config | Mapping[str, Any], path: str | os.PathLike) -> Path:

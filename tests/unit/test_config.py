@@ -410,3 +410,15 @@ def test_every_numeric_key_has_a_range_whose_error_names_key_file_and_reason(tmp
 ])
 def test_out_of_range_values_are_refused_with_the_bound_and_why(data, message):
     assert message in error_of(data)
+
+
+def test_an_error_in_an_override_names_the_override_not_the_file(tmp_path):
+    """It blamed the preset file, which does not hold the key."""
+    with pytest.raises(ConfigError, match=r"^overrides: tiers.host_budget: \"4k\" is not a valid size"):
+        load_config("nvme", overrides={"tiers": {"host_budget": "4k"}})
+    with pytest.raises(ConfigError, match=r"^overrides: tiers.parmas: unknown key; did you mean tiers.params"):
+        load_config("offload-host", overrides={"tiers": {"parmas": "host"}})
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[aio]\nqueue_depth = 0\n')
+    with pytest.raises(ConfigError, match=rf"^{bad} \(with overrides\): aio.queue_depth"):
+        load_config(bad, overrides={"tiers": {"params": "host"}})
