@@ -37,7 +37,11 @@ class TierSet:
         from tiers.pool import BufferPool
 
         t = config.tiers
-        self.allocator = HostAllocator(pin=t.pin_memory if device.is_cuda else "never",
+        if t.pin_memory == "always" and not torch.cuda.is_available():
+            raise ConfigError('"always" needs CUDA to page-lock host memory, and this machine has none; use '
+                              '"auto" (pins where a GPU is present) or "never"', "tiers.pin_memory")
+        # "always" pins even for a CPU compute device (it was silently "never" there, as "auto" is).
+        self.allocator = HostAllocator(pin=t.pin_memory if device.is_cuda or t.pin_memory == "always" else "never",
                                        numa_node=t.numa_node)
         self.device_tier = DeviceTier(device.device)
         self.host_tier = HostTier(self.allocator, capacity=t.host_budget or None)

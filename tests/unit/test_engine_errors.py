@@ -312,3 +312,13 @@ def test_a_shape_changed_inside_gathered_is_refused_naming_the_parameter_and_kee
     with pytest.raises(EngineError, match=r"parameters infinity does not manage .*\['1.weight', '1.bias'\]"):
         with infinity.gathered(model):
             model[1] = nn.Linear(8, 3)
+
+
+def test_pin_memory_always_without_cuda_is_refused_naming_the_key():
+    """It was silently "never" whenever the compute device was the CPU."""
+    if torch.cuda.is_available():
+        pytest.skip("pinning is possible here")
+    with pytest.raises(ConfigError, match=r'tiers.pin_memory: "always" needs CUDA'):
+        with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu",
+                                      "pin_memory": "always"}}):
+            nn.Linear(4, 4)
