@@ -270,6 +270,11 @@ def resolve(path: str | os.PathLike) -> str:
             raise CheckpointCorruptError(f"{pointer} names {name!r}, which is not a committed checkpoint "
                                          f"(no {os.path.join(version, COMMIT)})")
         return version
+    if os.path.exists(path) and not os.path.isdir(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        hint = (f" (it is the checkpoint's {os.path.basename(path)} file: pass the directory {parent})"
+                if os.path.basename(path) in (LATEST, COMMIT) else "")
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: it is a file, not a checkpoint directory{hint}")
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path}: the directory does not exist")
     found = sorted(e for e in os.listdir(path) if os.path.isfile(os.path.join(path, e, COMMIT)))

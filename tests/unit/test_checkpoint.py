@@ -202,6 +202,10 @@ def test_nothing_committed_is_not_found(tmp_path):
     (tmp_path / "ckpt" / ".tmp-0123").mkdir(parents=True)
     with pytest.raises(CheckpointNotFoundError, match="interrupted"):
         infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    (tmp_path / "ckpt" / "latest").write_text("")      # a file given for the directory: said so
+    with pytest.raises(CheckpointNotFoundError, match=r"it is a file, not a checkpoint directory \(it is the "
+                                                      r"checkpoint's latest file: pass the directory"):
+        infinity.load_checkpoint(tmp_path / "ckpt" / "latest", model, opt)
 
 
 def test_rejects_a_foreign_optimizer_and_bad_keep(tmp_path):
