@@ -139,6 +139,18 @@ class _FileDest:
         return _Done()
 
 
+def _refuse_unwritable_output(out: str) -> None:
+    """An output that cannot be written is refused before the state dict is streamed (minutes at scale)."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise CheckpointError(f"consolidate: the output {out} is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"consolidate: the output's directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(out) and not os.access(out, os.W_OK)):
+        raise CheckpointError(f"consolidate: the output {out} is not writable (no write permission on "
+                              f"{out if os.path.exists(out) else parent})")
+
+
 def _refuse_output_inside(out: str, directories: list[str]) -> None:
     """An output inside the checkpoint it is made from could replace one of its files (``CK/latest``) or
     be retired with an old version by the next save: refuse it, before anything is written."""
@@ -195,6 +207,7 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
     parent = os.path.dirname(os.path.abspath(saved.directory))    # the directory its save commits into
     _refuse_output_inside(out, [os.fspath(ckpt), saved.directory]
                           + ([parent] if os.path.isfile(os.path.join(parent, LATEST)) else []))
+    _refuse_unwritable_output(out)
     manifest = saved.manifest
     layout = SavedLayout(manifest)
     entries = _entries(manifest, layout, dtype, with_buffers=state == "master")

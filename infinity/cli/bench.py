@@ -45,9 +45,26 @@ BASELINE_CHUNK = 8 << 20
 
 def _sizes(text: str) -> list[int]:
     try:
-        return [parse_size(part.strip()) for part in text.split(",") if part.strip()]
+        values = [parse_size(part.strip()) for part in text.split(",") if part.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated sizes, e.g. 1MiB,8MiB")
+    return values
+
+
+def _check_output(path: str | None, option: str) -> None:
+    """Refuse an output file that cannot be written before the sweep runs (minutes), not after it."""
+    if not path:
+        return
+    out = Path(path)
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise BenchError(f"{option} {path}: is a directory; give a file name")
+    if not parent.is_dir():
+        raise BenchError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise BenchError(f"{option} {path}: not writable")
 
 
 def _ints(text: str) -> list[int]:
@@ -385,6 +402,14 @@ def nvme(args: argparse.Namespace) -> int:
         raise BenchError(f"--ops {args.ops!r}: expected write, read or write,read")
     if args.write_config and Path(args.write_config).suffix not in (".toml", ".json"):
         raise BenchError(f"--write-config {args.write_config}: expected a .toml or .json file name")
+    for option, path in (("--json", args.json), ("--write-config", args.write_config), ("--plot", args.plot)):
+        _check_output(path, option)
+    if args.write_config and Path(args.write_config).exists():
+        from infinity.config import ConfigError, load_config
+        try:    # the file it will edit must be readable as what its name says
+            load_config(args.write_config)
+        except ConfigError as exc:
+            raise BenchError(f"--write-config {args.write_config}: the existing file cannot be edited: {exc}") from None
     settings = settings_from(args)
     largest = max(s.block_size for s in settings)
     size = args.size // largest * largest

@@ -94,6 +94,26 @@ def test_plan_bad_config_is_a_usage_error_in_one_line(tmp_path, capsys):
     one_line_error(capsys, "infinity-plan model")
 
 
+def test_consolidate_refuses_an_output_it_cannot_write_before_reading(checkpoint, tmp_path, capsys):
+    (tmp_path / "dir").mkdir()
+    for out, says in ((tmp_path / "missing" / "m.pt", "does not exist"), (tmp_path / "dir", "is a directory")):
+        assert consolidate.main([str(checkpoint), str(out)]) == 1
+        assert says in one_line_error(capsys, "infinity-consolidate")
+
+
+def test_bench_checks_its_outputs_and_sizes_before_the_sweep(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("{bad")
+    for extra, says in ((["--json", str(tmp_path / "no" / "a.json")], "does not exist"),
+                        (["--json", str(tmp_path)], "is a directory"),
+                        (["--write-config", str(bad)], "the existing file cannot be edited")):
+        assert bench.main(["nvme", "--path", str(tmp_path), "--size", "16MiB", "--no-progress", *extra]) == 2
+        assert says in one_line_error(capsys, "infinity-bench nvme")
+    with pytest.raises(SystemExit):
+        bench.main(["nvme", "--path", str(tmp_path), "--block-sizes", ","])
+    assert "expected comma-separated sizes" in one_line_error(capsys, "infinity-bench nvme")
+
+
 def test_report_and_bench_bad_paths_are_usage_errors(tmp_path, capsys):
     assert report.main(["--path", str(tmp_path / "nope")]) == 2
     one_line_error(capsys, "infinity-report")
