@@ -94,6 +94,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
     undo = _Undo(opt)
     engine.coordinator.release_all(include_persistent=True)
     try:
+        _check_swap_files(engine)
         load = _Verified(engine, model, opt, SavedCheckpoint(path))
     except BaseException as exc:
         error = exc
@@ -118,6 +119,18 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
         raise
     engine.damaged = None
     return extra
+
+
+def _check_swap_files(engine) -> None:
+    """A swap file cut or overwritten under the run cannot take a load: writing into it fails half-way
+    (and leaves the states damaged). Refused before anything is written, saying how to go on."""
+    try:
+        engine.tiers.check()
+    except OSError as exc:
+        exc.add_note("infinity.load_checkpoint: nothing was loaded; a damaged swap file cannot take the load. "
+                     "Call infinity.release(model), build the model again inside infinity.Init (new swap files), "
+                     "then load the checkpoint into it")
+        raise
 
 
 def _load_in_place(engine, model: nn.Module, opt, resume, where: str):

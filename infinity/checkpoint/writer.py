@@ -147,6 +147,7 @@ def check_ready(engine, opt, what: str, damaged_ok: bool = False):
         raise CheckpointError(f"{what}: called while a backward pass is still running; call it between steps")
     if not damaged_ok:
         engine.check_intact(what)
+        engine.tiers.check()        # a swap file cut under the run: said so, not a short read mid-save
     if opt is not None:
         opt.synchronize()
     return opt

@@ -354,6 +354,29 @@ def test_a_swap_file_truncated_under_a_live_run_stops_the_next_step_naming_the_f
         one_step(model, opt)
 
 
+def test_a_truncated_swap_file_refuses_saves_and_loads_before_writing_and_says_how_to_go_on(tmp_path):
+    """The natural recovery, loading a checkpoint, wrote into the cut file, failed half-way and left the
+    states damaged; a save failed mid-way on a short read."""
+    from tiers.swapfile import SwapFileDamagedError
+
+    model, opt = build(nvme_config(tmp_path))
+    train(model, opt, 2)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    want = one_step(model, opt)
+    opt.synchronize()
+    os.truncate(swap_path(tmp_path), 64 << 10)
+    with pytest.raises(SwapFileDamagedError, match="truncated under this run"):
+        infinity.save_checkpoint(tmp_path / "other", model, opt)
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(SwapFileDamagedError) as info:
+        infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert "build the model again inside infinity.Init" in "\n".join(getattr(info.value, "__notes__", []))
+    infinity.release(model)
+    model, opt = build(nvme_config(tmp_path))        # the way on: new swap files, then the load
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert one_step(model, opt) == want
+
+
 def _corrupt_swap_data(tmp_path):
     """Every byte after the swap file's header becomes 0x7f, as a stray writer would leave it."""
     path = swap_path(tmp_path)
