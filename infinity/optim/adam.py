@@ -259,7 +259,7 @@ class _OffloadAdam(torch.optim.Optimizer):
             self._in_backward.reset("")
         self.store.zero_grad()
         self._checks.reset()
-        self.engine.grad_face.forget(keep_zeros=not set_to_none)
+        self.engine.grad_face.forget()
         nonfinite = self._nonfinite
         if nonfinite.expected:
             return      # an overflow the dynamic loss scale answers: expected, counted in stats()
