@@ -141,6 +141,28 @@ def current_name(root: str) -> str | None:
         return None
 
 
+def refuse_another_model(root: str, groups: list[dict]) -> None:
+    """A save retires the versions in ``root``: refuse when the current one is of another model (no
+    parameter name in common, or one of another shape), whose only checkpoint it would delete."""
+    name = current_name(root)
+    if name is None or os.sep in name:
+        return
+    try:
+        saved = load_json(os.path.join(root, name, MANIFEST), "global manifest")
+    except CheckpointError:
+        return      # unreadable: a broken version is retired as before
+    theirs = {n: tuple(p["shape"]) for g in saved.get("groups", ()) for p in g.get("params", ()) for n in p["names"]}
+    ours = {n: tuple(p["shape"]) for g in groups for p in g["params"] for n in p["names"]}
+    common = theirs.keys() & ours.keys()
+    other = next((n for n in sorted(common) if theirs[n] != ours[n]), None)
+    if theirs and (other is not None or not common):
+        why = (f"parameter {other!r} has shape {ours[other]} here and {theirs[other]} there" if other is not None
+               else f"no parameter name in common (there: {sorted(theirs)[:3]}, here: {sorted(ours)[:3]})")
+        raise CheckpointMismatchError(
+            f"infinity.save_checkpoint: {root} holds a checkpoint of another model ({name}: {why}); saving "
+            "would retire it. Save elsewhere, or remove that checkpoint first")
+
+
 class SaveLock:
     """Rank 0's exclusive hold on a checkpoint directory for one save (see [Note: one saver per directory]).
 

@@ -86,6 +86,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
         size = SaveSize(root, _rank_nbytes(engine, description["buffer_tensors"], in_place), ranks.rank)
         if ranks.rank == 0:                         # [Note: one saver per directory]
             lock = directory.SaveLock(root, size)
+            directory.refuse_another_model(root, description["groups"])
             # Retired versions are normally deleted in the background; only a save short of room waits.
             directory.clear_leftovers(root, with_trash=(free_bytes(root) or 0) < size.nbytes)
     except BaseException as exc:

@@ -20,6 +20,7 @@ import infinity
 from infinity.checkpoint import (CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError,
                                  verify_checkpoint)
 from infinity.checkpoint.consolidate import consolidate
+from infinity.checkpoint import directory
 from infinity.checkpoint.directory import SavedCheckpoint
 from tests.support.tiny_gpt import BufferedGPT as GPT
 
@@ -206,6 +207,21 @@ def test_nothing_committed_is_not_found(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match=r"it is a file, not a checkpoint directory \(it is the "
                                                       r"checkpoint's latest file: pass the directory"):
         infinity.load_checkpoint(tmp_path / "ckpt" / "latest", model, opt)
+
+
+def test_a_save_into_another_models_checkpoint_is_refused_and_retires_nothing(tmp_path):
+    """It committed and retired the other model's only checkpoint (``keep=1``) without a word."""
+    model, opt = build(config(tmp_path, "a"))
+    first = infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    with infinity.Init(config(tmp_path, "b")):
+        other = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(CheckpointMismatchError, match=r"holds a checkpoint of another model .*no parameter name in "
+                                                      r"common.*Save elsewhere"):
+        infinity.save_checkpoint(tmp_path / "ckpt", other)
+    assert directory.resolve(tmp_path / "ckpt") == first and os.listdir(tmp_path / "ckpt").count(
+        os.path.basename(first)) == 1
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)     # the same model saves on as before
+    infinity.release(other)
 
 
 def test_rejects_a_foreign_optimizer_and_bad_keep(tmp_path):
