@@ -39,6 +39,7 @@ import torch
 
 from infinity.errors import EngineError
 from infinity.optim.ranges import shard_span
+from infinity.runtime import placeholder
 
 _NORMS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm}
 _CLAMPS = {torch.Tensor.clamp_, torch.Tensor.clamp_min_, torch.Tensor.clamp_max_, torch.Tensor.clip_}
@@ -94,6 +95,9 @@ class ShardedGrad(torch.Tensor):
         raise EngineError(f"{func} on the gradient of an infinity parameter: its values are sharded over ranks "
                           "and tiers; only torch.nn.utils.clip_grad_norm_ / clip_grad_value_, norms and zero_grad "
                           "work on it")
+
+
+placeholder.GRAD_TOKENS.add(ShardedGrad)
 
 
 def _name(func) -> str:

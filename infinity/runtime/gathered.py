@@ -81,8 +81,9 @@ def _refuse_stray_grads(model: nn.Module, groups) -> None:
              if id(p) in managed and p.grad is not None and not isinstance(p.grad, ShardedGrad)]
     if stray:
         raise EngineError(
-            f"infinity.gathered: a backward inside the block left gradients the engine did not take ({stray[:3]}: "
-            "used by a module that does not own them, which infinity sees only in a forward outside gathered); "
+            f"infinity.gathered: parameters hold gradients the engine did not take ({stray[:3]}): set by hand "
+            "inside the block (the engine's gradients come from backward only), or left by a backward inside it "
+            "through a module that does not own them, which infinity sees only in a forward outside gathered; "
             "the optimizer would skip them. Run training steps outside `with infinity.gathered(...)`; "
             "model.zero_grad() clears these")
 

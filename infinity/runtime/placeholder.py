@@ -83,6 +83,11 @@ _SHAPE_ATTRIBUTES = frozenset({"shape", "ndim"})
 _CONVERSIONS = frozenset({_T.to, _T.cuda, _T.cpu, _T.type, _T.float, _T.half, _T.bfloat16, _T.double})
 
 
+GRAD_TOKENS: set[type] = set()
+"""The types a released parameter's ``.grad`` may be set to besides None: the gradient tokens
+(``ShardedGrad``, infinity/optim/grad_face.py, adds itself)."""
+
+
 class ReleasedParameter(nn.Parameter):
     """An engine parameter whose group is released (see [Note: released placeholders])."""
 
@@ -99,6 +104,10 @@ class ReleasedParameter(nn.Parameter):
 
     @grad.setter
     def grad(self, value) -> None:
+        if value is not None and type(value) not in GRAD_TOKENS:
+            raise EngineError(refusal(self, "assigning a .grad", "the engine keeps a released parameter's "
+                                      "gradient as shards, accumulated by backward; a tensor cannot take their "
+                                      "place. Scale or clip through .grad (mul_, clamp_, clip_grad_norm_) instead"))
         with _NO_SUBCLASS():
             _GRAD.__set__(self, value)
 
