@@ -47,7 +47,7 @@ class HostTier(MemoryTier):
         return self.allocator.empty(nbytes, stagger=stagger)
 
     def _limit(self) -> str:
-        return f"host budget {format_nbytes(self._capacity)}"
+        return f"host budget {format_nbytes(self._capacity)} (tiers.host_budget: raise it, or put states on NVMe)"
 
     def stats(self) -> dict:
         snapshot = self._stats.snapshot()
