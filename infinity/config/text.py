@@ -36,8 +36,8 @@ def preset_path(name: str) -> Path:
 def read(src: str | os.PathLike) -> tuple[str, dict]:
     """Read a .toml or .json file (or a preset name) into plain data."""
     path = Path(src)
-    if not path.suffix and not path.exists() and str(src) in presets():
-        path = preset_path(str(src))
+    if not path.suffix and not path.exists() and (str(src) in presets() or os.sep not in str(src)):
+        path = preset_path(str(src))        # a name without a suffix: a preset, or a misspelt one (said so)
     file = str(path)
     if path.suffix not in (".toml", ".json"):
         raise ConfigError(f"expected a .toml or .json file (or a preset: {', '.join(presets())})", file=file)

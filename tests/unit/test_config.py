@@ -277,6 +277,8 @@ def test_missing_file_and_wrong_suffix(tmp_path):
     assert "expected a .toml or .json file" in error_of(tmp_path / "c.yaml")
     (tmp_path / "dir.toml").mkdir()
     assert error_of(tmp_path / "dir.toml").startswith(f"{tmp_path / 'dir.toml'}: cannot read")
+    with pytest.raises(ConfigError, match=r"no preset named 'nvmee'; did you mean 'nvme'\?"):
+        load_config("nvmee")        # a misspelt preset: no longer "expected a .toml or .json file"
 
 
 def test_value_error_in_a_file_names_the_file(tmp_path):
