@@ -63,6 +63,7 @@ the retry needs.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -72,7 +73,7 @@ import zlib
 
 from infinity.checkpoint.disk import SaveSize, writing
 from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointLockedError,
-                                        CheckpointMismatchError, CheckpointNotFoundError)
+                                        CheckpointMismatchError, CheckpointNotFoundError, CheckpointWriteError)
 from infinity.checkpoint.manifest import (COMMIT, FORMAT, LATEST, MANIFEST, VERSION, FileRecord, dump_json,
                                           fsync_dir, load_json, sync_files, write_bytes, write_durably)
 from tiers import lockfile
@@ -176,6 +177,9 @@ class SaveLock:
 
     def __init__(self, root: str, size: SaveSize) -> None:
         self.path = os.path.join(root, _LOCK)
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise CheckpointWriteError(f"infinity.save_checkpoint: {root} is a file, not a directory: save to a "
+                                       "directory (created when missing)", errno.ENOTDIR)
         with writing(size, root, None, "creating the checkpoint directory"):
             os.makedirs(root, exist_ok=True)
         when = time.strftime("%Y-%m-%d %H:%M:%S")

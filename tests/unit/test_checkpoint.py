@@ -222,6 +222,9 @@ def test_a_save_into_another_models_checkpoint_is_refused_and_retires_nothing(tm
         os.path.basename(first)) == 1
     infinity.save_checkpoint(tmp_path / "ckpt", model, opt)     # the same model saves on as before
     infinity.release(other)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(infinity.checkpoint.CheckpointWriteError, match=r"a-file is a file, not a directory"):
+        infinity.save_checkpoint(tmp_path / "a-file", model, opt)
 
 
 def test_rejects_a_foreign_optimizer_and_bad_keep(tmp_path):
