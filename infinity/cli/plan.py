@@ -148,7 +148,8 @@ def _run_model(args: argparse.Namespace) -> int:
             config = load_config(resolve_config(config),
                                  overrides={"activations": {"checkpoint_nbytes": args.activation_bytes}})
         except ConfigError as exc:
-            raise PlanError(f"--activation-bytes: {exc}") from exc
+            said = f"{exc.key}: {exc.reason}" if exc.file == "overrides" else str(exc)   # the override is the flag
+            raise PlanError(f"--activation-bytes: {said}") from exc
     result = plan(
         args.model if args.model else args.params,
         config,

@@ -129,6 +129,9 @@ class GradFace:
         self.tokens: dict[int, ShardedGrad] = {}           # slot index -> the token set as its .grad
         self.factors: dict[int, float] = {}                # slot index -> pending mul_ factor
         self._norms: dict[float, torch.Tensor] = {}        # norm type -> per-slot norms (unscaled), cached
+        # (param, name) whose .grad an infinity.gathered block left that the engine did not take: checked
+        # by the next opt.step() (see infinity/runtime/gathered.py, _stray_grads).
+        self.stray: list = []
 
     @property
     def engine(self):
@@ -162,7 +165,17 @@ class GradFace:
         self._strip()
 
     def before_step(self) -> None:
-        """``opt.step()`` starts: gradients the user cleared since the backward are dropped first."""
+        """``opt.step()`` starts: gradients the user cleared since the backward are dropped first; gradients
+        the engine did not take (``stray``) are refused, not skipped."""
+        if self.stray:
+            self.stray = [(p, n) for p, n in self.stray if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
+            still = [name for _, name in self.stray]
+            if still:
+                raise EngineError(
+                    f"opt.step(): parameters hold gradients the engine did not take ({still[:3]}): set by hand "
+                    "or left by a backward inside `with infinity.gathered(...)` through a module that does not "
+                    "own them, which infinity sees only in a forward outside it; the step would skip them. "
+                    "Run training steps outside infinity.gathered (model.zero_grad() clears these)")
         if self._resolve_clearing("opt.step()"):
             self.factors.clear()
 

@@ -67,25 +67,19 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
                 coordinator.unuse(g)
         if trace is not None:
             trace.discard_recording(recorded)
+        engine.grad_face.stray += _stray_grads(model, groups)
         if completed:
             _refuse_new_shapes(coordinator, model, reshaped)
-            _refuse_stray_grads(model, groups)
 
 
-def _refuse_stray_grads(model: nn.Module, groups) -> None:
-    """A backward inside the block left a parameter's gradient in its ``.grad``, not taken by the engine: a
-    module used it without owning it, which only a forward outside ``gathered`` can see ([Note: foreign
-    parameters] in infinity/runtime/foreign.py); the optimizer would skip it silently."""
+def _stray_grads(model: nn.Module, groups) -> list:
+    """``(param, name)`` of the parameters whose ``.grad`` the engine did not take: set by hand inside the
+    block, or left by a backward there through a module that does not own them (only a forward outside
+    ``gathered`` sees that: [Note: foreign parameters] in infinity/runtime/foreign.py). Autograd keeps them as
+    without the engine; ``opt.step()`` refuses them rather than skip them (``GradFace.before_step``)."""
     managed = {id(s.param) for g in groups for s in g.slots}
-    stray = [name for name, p in model.named_parameters()
-             if id(p) in managed and p.grad is not None and not isinstance(p.grad, ShardedGrad)]
-    if stray:
-        raise EngineError(
-            f"infinity.gathered: parameters hold gradients the engine did not take ({stray[:3]}): set by hand "
-            "inside the block (the engine's gradients come from backward only), or left by a backward inside it "
-            "through a module that does not own them, which infinity sees only in a forward outside gathered; "
-            "the optimizer would skip them. Run training steps outside `with infinity.gathered(...)`; "
-            "model.zero_grad() clears these")
+    return [(p, name) for name, p in model.named_parameters()
+            if id(p) in managed and p.grad is not None and not isinstance(p.grad, ShardedGrad)]
 
 
 def _refuse_new_shapes(coordinator, model: nn.Module, reshaped: list) -> None:
