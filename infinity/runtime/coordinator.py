@@ -267,7 +267,8 @@ class Coordinator:
         if not self.in_place:
             self.live.add(group)
             self.live_numel += group.numel
-            self.stats.peak_live_numel = max(self.stats.peak_live_numel, self.live_numel)
+            if self.live_numel > self.stats.peak_live_numel:
+                self.stats.peak_live_numel = self.live_numel
 
     def _fill(self, group: ParamGroup, full: torch.Tensor, pending: _PendingFetch) -> None:
         """This rank's shard into its slice of ``full`` (host->device, or device-local), then the all-gather."""

@@ -282,8 +282,10 @@ class Engine:
         self.coordinator.hold_for_backward(module)
         # Armed by the forward; a second backward through a retained graph (retain_graph=True) arms
         # again, so its gradients accumulate onto the first's as in torch.
+        armed = self._arrivals.armed
         for g in self.coordinator.module_groups.get(module, ()):
-            self._arrivals.arm(g)
+            if g not in armed:
+                self._arrivals.arm(g)
 
     def _arm(self, groups) -> None:
         """Watch the gradients of gathered ``groups`` in the coming backward (see [Note: one gradient
