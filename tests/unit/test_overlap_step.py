@@ -264,25 +264,19 @@ def test_a_failed_update_damages_the_states_until_a_checkpoint_loads(tmp_path, m
                                                               "load a checkpoint"):
             call()
     infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
-    losses = []
-    for idx, tgt in data:
-        loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    infinity.release(model)
     clean, _ = make(tmp_path / "clean", params, optimizer, overlap=overlap)
-    clean_opt = infinity.AdamW(clean, lr=1e-2)
-    want = []
+    runs = [(model, opt), (clean, infinity.AdamW(clean, lr=1e-2))]
+    losses = [[], []]
     for idx, tgt in data:
-        loss = clean(idx, tgt)
-        loss.backward()
-        clean_opt.step()
-        clean_opt.zero_grad()
-        want.append(loss.item())
-    assert losses == want
-    infinity.release(clean)
+        for (net, o), out in zip(runs, losses):
+            loss = net(idx, tgt)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+    assert losses[0] == losses[1]
+    for net, _ in runs:
+        infinity.release(net)
 
 
 def test_fresh_shards_are_served_once_and_discarded_by_a_state_load(tmp_path):
