@@ -152,8 +152,11 @@ def refuse_another_model(root: str, groups: list[dict]) -> None:
         saved = load_json(os.path.join(root, name, MANIFEST), "global manifest")
     except CheckpointError:
         return      # unreadable: a broken version is retired as before
-    theirs = {n: tuple(p["shape"]) for g in saved.get("groups", ()) for p in g.get("params", ()) for n in p["names"]}
-    ours = {n: tuple(p["shape"]) for g in groups for p in g["params"] for n in p["names"]}
+    def plain(name: str) -> str:      # a model saved through torch.compile's wrapper is the same model
+        return name.replace("_orig_mod.", "")
+    theirs = {plain(n): tuple(p["shape"]) for g in saved.get("groups", ()) for p in g.get("params", ())
+              for n in p["names"]}
+    ours = {plain(n): tuple(p["shape"]) for g in groups for p in g["params"] for n in p["names"]}
     common = theirs.keys() & ours.keys()
     other = next((n for n in sorted(common) if theirs[n] != ours[n]), None)
     if theirs and (other is not None or not common):

@@ -221,6 +221,7 @@ def test_a_save_into_another_models_checkpoint_is_refused_and_retires_nothing(tm
     assert directory.resolve(tmp_path / "ckpt") == first and os.listdir(tmp_path / "ckpt").count(
         os.path.basename(first)) == 1
     infinity.save_checkpoint(tmp_path / "ckpt", model, opt)     # the same model saves on as before
+    infinity.save_checkpoint(tmp_path / "ckpt", torch.compile(model), opt)     # through compile's wrapper too
     infinity.release(other)
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(infinity.checkpoint.CheckpointWriteError, match=r"a-file is a file, not a directory"):
