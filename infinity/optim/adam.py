@@ -179,20 +179,21 @@ class _OffloadAdam(torch.optim.Optimizer):
             if delayed:
                 self._updates.publish_finished()
             self.step_count += 1
-            # Sub-groups stepped during backward began this update (and its fresh shards): continue it.
-            job = self._job(delayed, with_grad, clip_coef, stepped)
             try:
+                # Sub-groups stepped during backward began this update (and its fresh shards): continue it.
+                job = self._job(delayed, with_grad, clip_coef, stepped)
                 self._updates.run(job, continues=bool(stepped))
             except BaseException as exc:
                 if not engine.damaged:      # a failure the background reported has marked it already
-                    self._updates.damaged(f"the optimizer step {job.step} (opt.step() call {job.call}) failed: "
-                                          f"{exc!r}. Parameters, master weights and Adam moments may be partly "
-                                          "updated")
+                    self._updates.damaged(f"the optimizer step {self.step_count} (opt.step() call {self._calls}) "
+                                          f"failed: {exc!r}. Parameters, master weights and Adam moments may be "
+                                          "partly updated")
                 raise
             # As torch's in-place update does: a graph recorded before this step then refuses a backward
             # ("modified by an inplace operation") instead of mixing new weights with old activations.
             groups = engine.coordinator.groups
-            torch.autograd.graph.increment_version([s.param for gi in job.updated for s in groups[gi].slots])
+            torch.autograd.graph.increment_version([s.param for gi in job.updated for s in groups[gi].slots
+                                                    if id(s.param) in with_grad])
             if self._in_backward is not None:
                 self._in_backward.reset("")
         finally:

@@ -155,7 +155,9 @@ class GradFace:
         self._norms.clear()
 
     def before_backward(self) -> None:
-        """A backward starts: clear the store if the user cleared every ``.grad``; take the tokens off."""
+        """A backward starts: clear the store if the user cleared every ``.grad``; take the tokens off.
+        Gradients the engine did not take (``stray``) are refused before autograd adds onto them."""
+        self._refuse_stray("loss.backward()")
         if self._resolve_clearing("loss.backward()"):
             self.factors.clear()
         elif self.factors:
@@ -167,17 +169,20 @@ class GradFace:
     def before_step(self) -> None:
         """``opt.step()`` starts: gradients the user cleared since the backward are dropped first; gradients
         the engine did not take (``stray``) are refused, not skipped."""
-        if self.stray:
-            self.stray = [(p, n) for p, n in self.stray if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
-            still = [name for _, name in self.stray]
-            if still:
-                raise EngineError(
-                    f"opt.step(): parameters hold gradients the engine did not take ({still[:3]}): set by hand "
-                    "or left by a backward inside `with infinity.gathered(...)` through a module that does not "
-                    "own them, which infinity sees only in a forward outside it; the step would skip them. "
-                    "Run training steps outside infinity.gathered (model.zero_grad() clears these)")
+        self._refuse_stray("opt.step()")
         if self._resolve_clearing("opt.step()"):
             self.factors.clear()
+
+    def _refuse_stray(self, when: str) -> None:
+        if not self.stray:
+            return
+        self.stray = [(p, n) for p, n in self.stray if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
+        if self.stray:
+            raise EngineError(
+                f"{when}: parameters hold gradients the engine did not take ({[n for _, n in self.stray][:3]}): "
+                "set by hand or left by a backward inside `with infinity.gathered(...)` through a module that "
+                "does not own them, which infinity sees only in a forward outside it; a step would skip them. "
+                "Run training steps outside infinity.gathered (zero_grad() clears these)")
 
     def forget(self, keep_zeros: bool = False) -> None:
         """The store's gradients were dropped (``opt.zero_grad()``, a skipped step): no tokens, no factors.
@@ -189,6 +194,10 @@ class GradFace:
                 token.cleared = True
         else:
             self._strip()
+        for p, _ in self.stray:     # gradients the engine did not take: cleared with the rest
+            if p.grad is not None and not isinstance(p.grad, ShardedGrad):
+                p.grad = None
+        self.stray.clear()
         self.factors.clear()
         self._norms.clear()
 

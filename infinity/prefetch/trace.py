@@ -139,6 +139,7 @@ class Trace:
         self._live: list[TraceEntry] = []
         self._in_step = False
         self._without_empty = False      # see [Note: requests without groups]
+        self._discarded = False          # this step's recording is not to be adopted (discard_recording)
         # Changes whenever ``entries`` change (a recording adopted, an entry updated in place), so
         # that what was derived from them (``TraceSlots``) is known to be stale.
         self.revision = 0
@@ -185,6 +186,8 @@ class Trace:
         self.step += 1
         self._in_step = True
         self._live = []
+        if self._discarded:     # record the new step from its first request
+            self.entries, self._discarded = [], False
         if self.mode is TraceMode.RECORDING and self.entries:
             if refresh is not None:
                 self.entries = [TraceEntry(e.phase, e.name, tuple(refresh(e))) for e in self.entries]
@@ -219,7 +222,7 @@ class Trace:
         using a parameter it does not own goes unseen ([Note: foreign parameters] in
         infinity/runtime/foreign.py): this recording is not adopted; the next step records anew."""
         if since is not None and self.mode is TraceMode.RECORDING and len(self.entries) > since:
-            self.entries = []
+            self._discarded = True      # requests after the block, in this step, are not adopted either
 
     def ignores(self, groups) -> bool:
         """Whether a request for ``groups`` is ignored (see [Note: requests without groups])."""

@@ -8,6 +8,7 @@ found from the model through the registry.
 """
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 import weakref
@@ -39,6 +40,20 @@ from tiers.host_alloc import trim_c_heap
 # With the CPU as compute device, the C heap's free bytes above which a backward's end gives them
 # back (see [Note: the C heap] in tiers/host_alloc.py).
 _HEAP_SLACK = 256 << 20
+
+
+def _calling(module: nn.Module) -> bool:
+    """Whether a call of ``module`` is under way besides the one starting now (a module that calls itself,
+    recursively): two of torch's ``_call_impl`` frames for it on this thread's stack. Looked at only when
+    the module is already the outermost one on the engine's stack, so not on the hot path."""
+    calls, frame = 0, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
+            calls += 1
+            if calls == 2:
+                return True
+        frame = frame.f_back
+    return False
 
 
 class Engine:
@@ -198,7 +213,7 @@ class Engine:
 
     # -- the forward / backward lifecycle (called by the hooks) ------------------------------
     def pre_forward(self, module: nn.Module, args=()) -> None:
-        if self._stack and module is self._stack[0]:
+        if self._stack and module is self._stack[0] and not _calling(module):
             # The last forward of this module was cut short by a BaseException (Ctrl-C): torch runs the
             # always_call post-hooks that close a forward for an Exception only. Close it as they would
             # have, or every later forward would count as nested in it (no step begun, stale values).

@@ -47,6 +47,7 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
     snapshots = {g: g.shard_of(g.full).clone() for g in groups}
     trace = engine.prefetcher.trace if engine.prefetcher is not None else None
     recorded = trace.recorded() if trace is not None else None
+    unmanaged = _unmanaged(coordinator, model)      # held before the block: not this block's doing
     completed = False
     try:
         yield model
@@ -69,7 +70,7 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
             trace.discard_recording(recorded)
         engine.grad_face.stray += _stray_grads(model, groups)
         if completed:
-            _refuse_new_shapes(coordinator, model, reshaped)
+            _refuse_new_shapes(coordinator, model, reshaped, unmanaged)
 
 
 def _stray_grads(model: nn.Module, groups) -> list:
@@ -82,10 +83,16 @@ def _stray_grads(model: nn.Module, groups) -> list:
             if id(p) in managed and p.grad is not None and not isinstance(p.grad, ShardedGrad)]
 
 
-def _refuse_new_shapes(coordinator, model: nn.Module, reshaped: list) -> None:
-    """Shapes changed or parameters replaced inside the block (``resize_token_embeddings``): refused, naming them."""
+def _unmanaged(coordinator, model: nn.Module) -> set[int]:
+    return {id(p) for p in model.parameters() if p not in coordinator.group_of}
+
+
+def _refuse_new_shapes(coordinator, model: nn.Module, reshaped: list, before: set[int]) -> None:
+    """Shapes changed or parameters replaced inside the block (``resize_token_embeddings``): refused, naming them.
+    ``before``: the parameters not managed by infinity that the model held when the block began."""
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-    unmanaged = [name for name, p in model.named_parameters() if p not in coordinator.group_of]
+    unmanaged = [name for name, p in model.named_parameters()
+                 if p not in coordinator.group_of and id(p) not in before]
     if reshaped:
         which = "; ".join(f"{names.get(id(p), '?')!r} {change}" for p, change in reshaped[:3])
         raise EngineError(

@@ -353,6 +353,49 @@ def test_a_backward_through_a_graph_recorded_before_the_step_raises_as_in_torch(
     _assert_parity(*_train_side_by_side(model, opt, ref, ref_opt, data[2:]))
 
 
+class CallsItself(nn.Module):
+    """A module whose forward calls the module itself again (a recursive or tree model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))     # the module's own group
+
+    def forward(self, x, y, depth=1):
+        h = torch.tanh(self.a(x)) * self.scale
+        if depth:
+            inner = self(h, y, depth - 1)
+            return inner + 0.5 * F.cross_entropy(self.b(h * self.scale), y)     # its group used after the call
+        return F.cross_entropy(self.b(h), y)
+
+
+def test_a_module_that_calls_itself_trains_as_in_torch(tmp_path):
+    """Its inner call is not taken for the next forward after one cut short by Ctrl-C."""
+    model, ref = _build(CallsItself, _cfg("host", "host", tmp_path))
+    opt = infinity.AdamW(model, lr=LR, weight_decay=WEIGHT_DECAY)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    _assert_parity(*_train_side_by_side(model, opt, ref, ref_opt, _data(3)))
+
+
+def test_a_step_bumps_only_the_parameters_it_updated(tmp_path):
+    """BitFit: a frozen weight shares its group with a trained bias; a graph that saved only the weight
+    backs through after the step, as in torch (the step does not change the weight)."""
+    model, ref = _build(MLP, _cfg("host", "host", tmp_path))
+    model.net[0].weight.requires_grad_(False)
+    ref.net[0].weight.requires_grad_(False)
+    opt = infinity.AdamW(model, lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    (x, y), = _data(1)
+    for net, o in ((model, opt), (ref, ref_opt)):
+        kept = (net.net[0](x.requires_grad_()) ** 2).sum()     # saves x and the frozen weight only
+        net(x, y).backward()
+        o.step()
+        o.zero_grad()
+        kept.backward()
+        x.grad = None
+
+
 def test_own_step_counts_travel_with_a_checkpoint_and_are_checked_by_name(tmp_path):
     cfg = _cfg("host", "nvme", tmp_path)
     model, _ = _build(Branchy, cfg)
