@@ -8,7 +8,7 @@ found from the model through the registry.
 """
 from __future__ import annotations
 
-import sys
+import inspect
 import time
 import warnings
 import weakref
@@ -46,7 +46,7 @@ def _calling(module: nn.Module) -> bool:
     """Whether a call of ``module`` is under way besides the one starting now (a module that calls itself,
     recursively): two of torch's ``_call_impl`` frames for it on this thread's stack. Looked at only when
     the module is already the outermost one on the engine's stack, so not on the hot path."""
-    calls, frame = 0, sys._getframe(1)
+    calls, frame = 0, inspect.currentframe()
     while frame is not None:
         if frame.f_code.co_name == "_call_impl" and frame.f_locals.get("self") is module:
             calls += 1
