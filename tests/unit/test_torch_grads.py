@@ -149,16 +149,23 @@ def test_state_dict_outside_gathered_raises_naming_the_parameter(tmp_path):
         assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
 
 
-def test_a_backward_inside_gathered_that_the_engine_cannot_take_is_refused_and_training_goes_on(tmp_path):
-    """nn.MultiheadAttention reads out_proj.weight without calling out_proj: inside gathered nothing
-    sees that, so a first step taken there skipped that gradient silently, and the trace it recorded
-    made the next ordinary forward fail on the released weight."""
+def _first_backward_inside_gathered(tmp_path):
+    """A TinyGPT and its twin, their optimizers, three batches, and the first batch's backward taken inside
+    ``infinity.gathered`` (its out_proj weights, read by nn.MultiheadAttention, keep plain gradients)."""
     model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
     opt = infinity.AdamW(model, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     data = batches(3, 2)
     with infinity.gathered(model):
         model(*data[0]).backward()
+    return model, opt, ref, ref_opt, data
+
+
+def test_a_backward_inside_gathered_that_the_engine_cannot_take_is_refused_and_training_goes_on(tmp_path):
+    """nn.MultiheadAttention reads out_proj.weight without calling out_proj: inside gathered nothing
+    sees that, so a first step taken there skipped that gradient silently, and the trace it recorded
+    made the next ordinary forward fail on the released weight."""
+    model, opt, ref, ref_opt, data = _first_backward_inside_gathered(tmp_path)
     for _ in range(2):      # refused, and again until they are cleared
         with pytest.raises(EngineError, match=r"did not take \(\[.blocks.0.attn.out_proj.weight.*backward inside .*"
                                               r"outside infinity.gathered"):
@@ -190,12 +197,7 @@ def test_a_gradient_set_by_hand_is_refused_naming_the_parameter(tmp_path):
 
 def test_opt_zero_grad_clears_gradients_left_inside_gathered_too(tmp_path):
     """The next backward added onto them, and the step took the sum (0.039 off torch after two steps)."""
-    model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
-    opt = infinity.AdamW(model, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    data = batches(3, 2)
-    with infinity.gathered(model):
-        model(*data[0]).backward()
+    model, opt, ref, ref_opt, data = _first_backward_inside_gathered(tmp_path)
     ref(*data[0]).backward()
     opt.zero_grad()
     ref_opt.zero_grad()
