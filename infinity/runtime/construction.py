@@ -89,6 +89,25 @@ class Units:
         return bool(self.units) and any(self.is_unit(m, building) for m in building)
 
 
+def _check_max_live(coordinator, partition) -> None:
+    """``partition.max_live_parameters`` must hold what stays gathered (persistent groups) and the
+    largest group beside it ([Note: live parameters] in infinity/runtime/coordinator.py)."""
+    groups, max_live = coordinator.groups, partition.max_live_parameters
+    if not max_live or not groups or coordinator.in_place:
+        return
+    largest = max((g for g in groups if not g.persistent), key=lambda g: g.numel, default=None)
+    kept = sum(g.numel for g in groups if g.persistent)
+    need = kept + (largest.numel if largest is not None else 0)
+    if need > max_live:
+        what = f"group {largest.name!r}'s {largest.numel} elements" if largest is not None else "nothing else"
+        raise EngineError(
+            f"partition.max_live_parameters = {max_live} is below {need}: the {kept} elements of the groups that "
+            f"stay gathered (partition.stage {partition.stage} < 3 keeps all; stage 3 those below "
+            f"partition.persistence_threshold = {partition.persistence_threshold}) plus {what}, whole on the "
+            f"compute device while its module runs. Set it to at least {need}, or 0 (no bound); or lower the "
+            "persistence threshold, or split the module ([partition] units, [tiling])")
+
+
 class Partitioner:
     """Partitions the modules built inside one ``infinity.Init`` into the engine's groups and tiers.
 
@@ -300,13 +319,7 @@ class Partitioner:
         whole = config.partition.stage < 3 or self.coordinator.in_place
         for g in self.coordinator.groups:
             g.persistent = whole or g.numel < threshold
-        max_live = config.partition.max_live_parameters
-        largest = max(self.coordinator.groups, key=lambda g: g.numel, default=None)
-        if max_live and largest is not None and largest.numel > max_live and not self.coordinator.in_place:
-            raise EngineError(f"partition.max_live_parameters = {max_live} is below group {largest.name!r}'s "
-                              f"{largest.numel} elements, which are whole on the compute device while its module "
-                              f"runs: set it to at least {largest.numel}, or 0 (no bound), or split the module "
-                              "([partition] units, [tiling])")
+        _check_max_live(self.coordinator, config.partition)
         self._check_budget(roots)
         groups = self.coordinator.groups
         # No sub-group mixes trainable and frozen groups, as they are now: a module frozen after it was built

@@ -134,7 +134,7 @@ class Coordinator:
     does: gathers ahead stop where they would pass it (``Windows._try_gather``), and a gather that
     would pass it first releases groups kept for reuse (``prefetch.reuse_distance``). The groups a
     running module (or backward) uses are gathered whatever the count, so the bound holds as long as
-    they fit it; ``Init`` refuses a bound below the largest group.
+    they fit it; ``Init`` refuses a bound below the largest group plus the persistent groups (always live).
     """
 
     def __init__(self, shards: ParamShards, ranks, device, gather_buffer_bytes: int = 0,

@@ -12,10 +12,10 @@ from infinity.registry import engine_of
 SHAPE = GPTConfig(n_layer=6, d_model=32, n_head=4, vocab_size=128, seq_len=8)
 
 
-def _train(max_live: int, steps: int = 4):
+def _train(max_live: int, steps: int = 4, persistence_threshold: int = 0):
     cfg = load_config("offload-host", overrides={
         "tiers": {"device": "cpu"}, "precision": {"dtype": "float32"},
-        "partition": {"max_live_parameters": max_live, "persistence_threshold": 0},
+        "partition": {"max_live_parameters": max_live, "persistence_threshold": persistence_threshold},
         "prefetch": {"device_bytes": "64MiB", "reuse_distance": "64MiB"}})
     torch.manual_seed(0)
     with infinity.Init(cfg):
@@ -48,6 +48,16 @@ def test_the_bound_holds_gathers_ahead_and_kept_groups_and_changes_no_result():
 
 def test_a_bound_below_the_largest_group_is_refused_naming_it():
     _, _, groups = _train(0, steps=0)
-    with pytest.raises(EngineError, match=rf"partition.max_live_parameters = {groups[-1] - 1} is below group "
-                                          rf"'.*'s {groups[-1]} elements"):
+    with pytest.raises(EngineError, match=rf"partition.max_live_parameters = {groups[-1] - 1} is below "
+                                          rf"{groups[-1]}: the 0 elements .* plus group '.*'s {groups[-1]} elements"):
         _train(groups[-1] - 1, steps=0)
+
+
+def test_a_bound_below_the_groups_that_stay_gathered_is_refused():
+    """Persistent groups (below partition.persistence_threshold) are always live: a bound that holds the
+    largest group but not them beside it would stop every gather ahead for good."""
+    _, _, groups = _train(0, steps=0)
+    small = sum(g for g in groups if g < groups[-1])
+    with pytest.raises(EngineError, match=rf"is below {small + groups[-1]}: the {small} elements of the groups "
+                                          r"that stay gathered .*persistence_threshold = 10000"):
+        _train(groups[-1], steps=0, persistence_threshold=10000)
