@@ -64,12 +64,14 @@ def load_config(src: str | os.PathLike | Mapping[str, Any] | Config | None = Non
 
 def _sets(overrides: Mapping[str, Any], key: str | None) -> bool:
     """Whether ``overrides`` holds ``key`` ("section.key")."""
+    if not key:
+        return False
     node: Any = overrides
-    for part in (key or "").split(".") if key else ():
+    for part in key.split("."):
         if not isinstance(node, Mapping) or part not in node:
             return False
         node = node[part]
-    return key is not None
+    return True
 
 
 def dump(config: Config | Mapping[str, Any], path: str | os.PathLike) -> Path:

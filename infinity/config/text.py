@@ -36,7 +36,7 @@ def preset_path(name: str) -> Path:
 def read(src: str | os.PathLike) -> tuple[str, dict]:
     """Read a .toml or .json file (or a preset name) into plain data."""
     path = Path(src)
-    if not path.suffix and not path.exists() and (str(src) in presets() or os.sep not in str(src)):
+    if not path.suffix and not path.exists() and os.sep not in str(src):
         path = preset_path(str(src))        # a name without a suffix: a preset, or a misspelt one (said so)
     file = str(path)
     if path.suffix not in (".toml", ".json"):

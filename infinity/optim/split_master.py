@@ -306,12 +306,11 @@ class SplitMasters:
         remainder = torch.empty(piece.numel, dtype=torch.int16)
         found = split(src.contiguous(), copy, remainder)
         sub = piece.sub_index
-        zero = self.keys[sub] == ZERO and not _host_flag(torch.any(remainder))
-        if self.keys[sub] == ZERO and not zero:
+        if self.keys[sub] == ZERO and _host_flag(torch.any(remainder)):
             self._materialize(sub)
         self.exceptions.set(sub, found, piece.sub_offset, piece.numel)
         writes = [(self.copies.write(piece, copy), copy)]
-        if not zero:
+        if self.keys[sub] != ZERO:      # all-zero remainders of a ZERO key need no write
             writes.append((self.io.write(self.tier, self.keys[sub], remainder, piece.sub_offset * REMAINDER_ITEMSIZE),
                            remainder))
         return writes
