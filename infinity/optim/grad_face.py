@@ -100,6 +100,11 @@ class ShardedGrad(torch.Tensor):
 placeholder.GRAD_TOKENS.add(ShardedGrad)
 
 
+def untaken(param) -> bool:
+    """Whether ``param`` holds a gradient the engine did not take (a tensor in ``.grad``, not a token)."""
+    return param.grad is not None and not isinstance(param.grad, ShardedGrad)
+
+
 def _name(func) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
 
@@ -176,7 +181,7 @@ class GradFace:
     def _refuse_stray(self, when: str) -> None:
         if not self.stray:
             return
-        self.stray = [(p, n) for p, n in self.stray if p.grad is not None and not isinstance(p.grad, ShardedGrad)]
+        self.stray = [(p, n) for p, n in self.stray if untaken(p)]
         if self.stray:
             raise EngineError(
                 f"{when}: parameters hold gradients the engine did not take ({[n for _, n in self.stray][:3]}): "
@@ -195,7 +200,7 @@ class GradFace:
         else:
             self._strip()
         for p, _ in self.stray:     # gradients the engine did not take: cleared with the rest
-            if p.grad is not None and not isinstance(p.grad, ShardedGrad):
+            if untaken(p):
                 p.grad = None
         self.stray.clear()
         self.factors.clear()

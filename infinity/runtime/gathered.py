@@ -8,7 +8,7 @@ from torch import nn
 
 from infinity import registry
 from infinity.errors import EngineError
-from infinity.optim.grad_face import ShardedGrad
+from infinity.optim.grad_face import untaken
 
 
 @contextmanager
@@ -79,8 +79,7 @@ def _stray_grads(model: nn.Module, groups) -> list:
     ``gathered`` sees that: [Note: foreign parameters] in infinity/runtime/foreign.py). Autograd keeps them as
     without the engine; ``opt.step()`` refuses them rather than skip them (``GradFace.before_step``)."""
     managed = {id(s.param) for g in groups for s in g.slots}
-    return [(p, name) for name, p in model.named_parameters()
-            if id(p) in managed and p.grad is not None and not isinstance(p.grad, ShardedGrad)]
+    return [(p, name) for name, p in model.named_parameters() if id(p) in managed and untaken(p)]
 
 
 def _unmanaged(coordinator, model: nn.Module) -> set[int]:
