@@ -1,12 +1,14 @@
 """A frozen base under trained layers: what the optimizer's tier holds when the base is frozen inside
-``infinity.Init`` (its sub-groups dormant: masters only) against frozen just after it (every state held).
+``infinity.Init`` or after it but before the optimizer is created (its sub-groups dormant: masters only;
+[Note: frozen after Init] in infinity/optim/relayout.py), against frozen after the optimizer (every
+state held).
 
-Two engines over the same GPT (same initial weights, same batches) in one process; only the last
-``--train-blocks`` blocks and the final norm train. Their steps alternate, so both see the same
+Three engines over the same GPT (same initial weights, same batches) in one process; only the last
+``--train-blocks`` blocks and the final norm train. Their steps alternate, so all see the same
 machine load. The report gives, per engine, the optimizer tier's bytes in use, the bytes per frozen
-parameter it saves, the median step time and whether the losses were equal at every step; then the
-base is unfrozen in both for ``--unfrozen-steps`` steps (the dormant one wakes) and the tiers compared
-again (see [Note: dormant sub-groups] in infinity/optim/flat_state.py).
+parameter it saves against the last, the median step time and whether the losses were equal at every
+step; then the base is unfrozen in all for ``--unfrozen-steps`` steps (the dormant ones wake) and the
+tiers compared again (see [Note: dormant sub-groups] in infinity/optim/flat_state.py).
 
     python benchmarks/frozen.py --model 125M --preset nvme --steps 6
 
@@ -37,7 +39,10 @@ def _freeze_base(model, train_blocks: int) -> None:
     model.ln_f.requires_grad_(True)
 
 
-def build(args, dormant: bool, workdir: str):
+_WHEN = ("in Init", "before the optimizer", "after the optimizer")
+
+
+def build(args, when: str, workdir: str):
     cfg = load_config(args.preset, overrides={"tiers": {"device": "cpu", "nvme_path": tempfile.mkdtemp(dir=workdir)},
                                               "precision": {"dtype": args.dtype}})
     torch.manual_seed(0)
@@ -47,11 +52,14 @@ def build(args, dormant: bool, workdir: str):
             with torch.no_grad():
                 for p in model.parameters():
                     p.copy_(p.bfloat16().float())
-        if dormant:
+        if when == "in Init":
             _freeze_base(model, args.train_blocks)
-    if not dormant:
+    if when == "before the optimizer":
         _freeze_base(model, args.train_blocks)
-    return model, infinity.AdamW(model, lr=1e-4)
+    opt = infinity.AdamW(model, lr=1e-4)
+    if when == "after the optimizer":
+        _freeze_base(model, args.train_blocks)
+    return model, opt
 
 
 def _tier_bytes(model, tier: str) -> int:
@@ -73,7 +81,7 @@ def _steps(runs, count: int, data) -> tuple[dict, bool]:
             opt.synchronize()
             times[name].append(time.perf_counter() - start)
             losses.append(loss.item())
-        equal = equal and losses[0] == losses[1]
+        equal = equal and len(set(losses)) == 1
     return times, equal
 
 
@@ -96,7 +104,7 @@ def main(argv=None) -> dict:
         ap.error("--steps must be at least 2 and --unfrozen-steps at least 1")
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
-        runs = {"frozen in Init": build(args, True, workdir), "frozen after Init": build(args, False, workdir)}
+        runs = {f"frozen {when}": build(args, when, workdir) for when in _WHEN}
         model = runs["frozen in Init"][0]
         tier = load_config(args.preset).tiers.optimizer
         params = sum(p.numel() for p in model.parameters())
@@ -112,25 +120,29 @@ def main(argv=None) -> dict:
             infinity.release(m)
 
     names = list(runs)
-    ratios = [a / b for a, b in zip(times[names[0]][1:], times[names[1]][1:])]
+    last = names[-1]
+
+    def ratio(name: str) -> float:
+        return statistics.median(a / b for a, b in zip(times[name][1:], times[last][1:]))
+
     report = {
         "model": args.model, "preset": args.preset, "dtype": args.dtype, "bf16_values": args.bf16_values,
         "optimizer_tier": tier,
         "params": params, "frozen_params": frozen,
         "rows": [{"run": name, "tier_bytes": held[name], "tier_bytes_unfrozen": unfrozen[name],
-                  "step_s": statistics.median(times[name][1:])} for name in names],
-        "saved_bytes_per_frozen_param": (held[names[1]] - held[names[0]]) / max(frozen, 1),
-        "step_ratio": statistics.median(ratios),
+                  "saved_bytes_per_frozen_param": (held[last] - held[name]) / max(frozen, 1),
+                  "step_s": statistics.median(times[name][1:]), "step_ratio": ratio(name)} for name in names],
         "losses_equal": equal, "losses_equal_unfrozen": equal_after,
     }
     print(f"GPT {args.model}, {args.preset}, {args.dtype}{', bf16 values' if args.bf16_values else ''}: "
           f"{params:,} parameters, {frozen:,} frozen; "
           f"optimizer tier: {tier}")
-    print(f"{'run':<20}{'tier bytes':>16}{'after unfreezing':>18}{'step s':>10}")
+    print(f"{'run':<28}{'tier bytes':>16}{'saved B/frozen param':>22}{'after unfreezing':>18}{'step s':>9}"
+          f"{'vs last':>9}")
     for row in report["rows"]:
-        print(f"{row['run']:<20}{row['tier_bytes']:>16,}{row['tier_bytes_unfrozen']:>18,}{row['step_s']:>10.3f}")
-    print(f"saved: {report['saved_bytes_per_frozen_param']:.2f} bytes per frozen parameter; step time ratio "
-          f"{report['step_ratio']:.2f}x (median of pairs); losses equal: {equal} (frozen), {equal_after} (unfrozen)")
+        print(f"{row['run']:<28}{row['tier_bytes']:>16,}{row['saved_bytes_per_frozen_param']:>22.2f}"
+              f"{row['tier_bytes_unfrozen']:>18,}{row['step_s']:>9.3f}{row['step_ratio']:>8.2f}x")
+    print(f"step ratios: medians of pairs; losses equal: {equal} (frozen), {equal_after} (unfrozen)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

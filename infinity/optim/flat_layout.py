@@ -35,7 +35,8 @@ class FlatLayout:
     [Note: sub-groups apart for frozen groups]
     Sub-groups are consecutive runs of at most ``sub_group_size`` elements, and a new one starts at
     each group of ``breaks``: the engine breaks where the groups change between trainable and frozen
-    when ``infinity.Init`` exits, so no sub-group mixes them. The update streams and steps whole sub-groups that hold a
+    when ``infinity.Init`` exits (and again when the optimizer is created: [Note: frozen after Init] in
+    infinity/optim/relayout.py), so no sub-group mixes them. The update streams and steps whole sub-groups that hold a
     group with gradients; a frozen group sharing one with trainable groups had its states read and
     written at every step for nothing (with adapters trained on a frozen base: most of the bytes).
 

@@ -7,8 +7,9 @@ infinity/optim/split_master.py) and the gradient in the compute dtype ([Note: co
 gradients] in infinity/optim/compact_grads.py).
 
 [Note: dormant sub-groups]
-A sub-group holding only groups that were frozen at ``infinity.Init``'s exit ([Note: sub-groups
-apart for frozen groups] in infinity/optim/flat_layout.py) is dormant: it has master weights but
+A sub-group holding only groups that were frozen at ``infinity.Init``'s exit, or when the optimizer
+was created ([Note: sub-groups apart for frozen groups] in infinity/optim/flat_layout.py, [Note: frozen
+after Init] in infinity/optim/relayout.py) is dormant: it has master weights but
 no moment or gradient keys, so a frozen base under trained adapters holds 4 (or, split, 2) bytes
 per parameter in the optimizer tier instead of 16. Its first gradient (a group unfrozen later) or
 a load bringing it nonzero moments wakes it: its keys are allocated then, zero, as at the start.
@@ -138,6 +139,7 @@ class OptimizerStateStore:
         # Sub-groups without moment and gradient keys yet ([Note: dormant sub-groups]); ``on_wake``:
         # called with each sub-group that gets them (DPU gives it a second gradient key).
         self.dormant: set[int] = set(dormant)
+        self.woken: set[int] = set()    # dormant when the store was built, not any more
         self.on_wake: list = []     # each returns what undoes it
         # The dormant sub-groups' masters stored split meanwhile (their remainder keys), or None.
         self.resting = None
@@ -201,10 +203,18 @@ class OptimizerStateStore:
 
     def _allocate(self, state: str, itemsize: int | None = None, skip=()) -> list[int | None]:
         """One key per sub-group but those in ``skip`` (None): ``itemsize`` bytes per element, or the
-        state's stored size."""
-        return [None if i in skip else allocate_key(self, state, n * itemsize if itemsize is not None
-                                                    else self.moment_format.stored_nbytes(state, n), f"{state}:sub{i}")
-                for i, (_, n) in enumerate(self.layout.sub_ranges)]
+        state's stored size. All of them or none (a full tier keeps nothing)."""
+        keys: list[int | None] = []
+        try:
+            for i, (_, n) in enumerate(self.layout.sub_ranges):
+                nbytes = n * itemsize if itemsize is not None else self.moment_format.stored_nbytes(state, n)
+                keys.append(None if i in skip else allocate_key(self, state, nbytes, f"{state}:sub{i}"))
+        except BaseException:
+            for key in keys:
+                if key is not None:
+                    self.tier.free(key)
+            raise
+        return keys
 
     def allocate_states(self) -> None:
         """Allocate Adam's moments and the gradient accumulator (zero on in-place tiers), except for
@@ -221,6 +231,7 @@ class OptimizerStateStore:
         self.dormant = set(range(num_subs))
         # On NVMe the first pass over the sub-groups writes their zero moments.
         self.wake([sub for sub in range(num_subs) if sub not in asleep], zero=False)
+        self.woken.clear()
         self.moments_initialized = self.in_place
 
     def wake(self, subs, zero: bool = True) -> None:
@@ -248,7 +259,8 @@ class OptimizerStateStore:
             for key in fresh.values():
                 self.tier.free(key)
             exc.add_note(f"infinity: while allocating the optimizer states of sub-group(s) {subs} (nothing kept): "
-                         "groups frozen when infinity.Init exited get their Adam moments and gradients when they "
+                         "groups frozen when infinity.Init exited (or when the optimizer was created) get their "
+                         "Adam moments and gradients when they "
                          "first train or a checkpoint brings them moments, beyond what infinity-plan and Init's "
                          "budget check counted")
             raise
@@ -274,6 +286,7 @@ class OptimizerStateStore:
                         self.io.write(self.tier, self.keys[s][sub], zeros[:size - at], offset=at).wait()
         # Last: an update on another thread (during backward) streams the sub-groups not dormant.
         self.dormant.difference_update(subs)
+        self.woken.update(subs)
 
     # -- access ---------------------------------------------------------------------------------
     def view(self, state: str, sub: int) -> torch.Tensor:

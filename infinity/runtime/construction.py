@@ -49,11 +49,8 @@ import torch
 from torch import nn
 
 from infinity.errors import EngineError
-from infinity.optim.compact_grads import grad_dtype_for
-from infinity.optim.flat_layout import FlatLayout
 from infinity.optim.flat_state import OptimizerStateStore
-from infinity.optim.split_master import CopyAccess, rest_split, use_split_master
-from infinity.optim.moments import MomentFormat
+from infinity.optim.relayout import build_store, frozen_apart
 from infinity.param_group import ParamGroup, ParamState
 from infinity.plan.census import is_unit, unit_patterns
 from infinity.tiling.widened import widened_numel
@@ -321,28 +318,13 @@ class Partitioner:
             g.persistent = whole or g.numel < threshold
         _check_max_live(self.coordinator, config.partition)
         self._check_budget(roots)
-        groups = self.coordinator.groups
         # No sub-group mixes trainable and frozen groups, as they are now: a module frozen after it was built
         # (in the Init block) is frozen here ([Note: sub-groups apart for frozen groups] in
         # infinity/optim/flat_layout.py). The frozen ones' sub-groups get moments and gradients when they
-        # first need them ([Note: dormant sub-groups] in infinity/optim/flat_state.py).
-        training = [g.has_trainable for g in groups]
-        breaks = [i for i in range(1, len(groups)) if training[i] != training[i - 1]]
-        layout = FlatLayout([g.shard_numel for g in groups], config.partition.sub_group_size, breaks)
-        dormant = [sub for sub, pieces in enumerate(layout.pieces_of_sub)
-                   if not any(training[p.group_index] for p in pieces)]
-        copies = dormant_copies = None
-        kinds = (self.coordinator.dtype, self.tiers.params.kind, self.tiers.optimizer.kind)
-        if use_split_master(*kinds):
-            copies = CopyAccess(self.coordinator.shards, self.coordinator.groups)
-        elif rest_split(*kinds):
-            dormant_copies = CopyAccess(self.coordinator.shards, self.coordinator.groups)
-        store = OptimizerStateStore(self.tiers.optimizer, layout, self.tiers.allocator, defer_states=True,
-                                    datapath=self.engine.datapath, copies=copies,
-                                    grad_dtype=grad_dtype_for(self.coordinator.dtype, self.tiers.optimizer.kind),
-                                    moment_format=MomentFormat(config.optimizer.state_dtype,
-                                                               config.optimizer.state_block_size),
-                                    dormant=dormant, dormant_copies=dormant_copies)
+        # first need them ([Note: dormant sub-groups] in infinity/optim/flat_state.py); one frozen after
+        # the block, when the optimizer is created ([Note: frozen after Init] in infinity/optim/relayout.py).
+        layout, dormant = frozen_apart(self.coordinator.groups, config.partition.sub_group_size)
+        store = build_store(self.engine, layout, dormant)
         if self._resume is None:
             self._move_masters(store)
         else:

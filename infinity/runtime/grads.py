@@ -162,6 +162,7 @@ class GradReducer:
         self.store = store
         self._packed.clear()
         self._partial_positions.clear()
+        self._position.clear()      # attached again to a new store (infinity/optim/relayout.py): the same positions
         for g in self.coordinator.groups:
             end = 0
             for slot in g.slots:

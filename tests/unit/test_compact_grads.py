@@ -8,7 +8,7 @@ import torch
 
 import infinity
 from infinity import registry
-from infinity.runtime import construction
+from infinity.optim import relayout
 from tests.support.tiny_gpt import TinyGPT, batches
 
 
@@ -17,8 +17,8 @@ def _train(preset: str, swap, compact: bool, accum: int, steps: int = 3, rank: i
     """Losses, final states and the store's gradient dtypes; ``compact`` False: fp32 keys as before;
     ``dpu``: delayed updates after one warm-up step."""
     if not compact:
-        original = construction.grad_dtype_for
-        construction.grad_dtype_for = lambda *a: torch.float32
+        original = relayout.grad_dtype_for
+        relayout.grad_dtype_for = lambda *a: torch.float32
     try:
         overrides = {"tiers": {"nvme_path": str(swap)}, "partition": {"sub_group_size": 4096}}
         if dpu:
@@ -29,7 +29,7 @@ def _train(preset: str, swap, compact: bool, accum: int, steps: int = 3, rank: i
             model = TinyGPT(d=48)
     finally:
         if not compact:
-            construction.grad_dtype_for = original
+            relayout.grad_dtype_for = original
     store = registry.engine_of(model, "test").store
     opt = infinity.AdamW(model, lr=1e-2)
     losses, dtypes = [], [store.grad_dtype]

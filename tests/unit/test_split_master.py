@@ -9,7 +9,7 @@ import torch
 import infinity
 from infinity import registry
 from infinity.optim import split_master
-from infinity.runtime import construction
+from infinity.optim import relayout
 from tests.support.tiny_gpt import TinyGPT, batches
 
 
@@ -115,7 +115,7 @@ class _TieNorm(torch.nn.LayerNorm):
 
 def _train(preset: str, tmp_path, split: bool, monkeypatch, steps: int = 4):
     # host tiers keep a separate master by default; the split path is the same code there
-    monkeypatch.setattr(construction, "use_split_master", lambda *a: split)
+    monkeypatch.setattr(relayout, "use_split_master", lambda *a: split)
     (tmp_path / f"swap-{split}").mkdir()
     cfg = infinity.load_config(preset, overrides={"tiers": {"nvme_path": str(tmp_path / f"swap-{split}")},
                                                   "partition": {"sub_group_size": 4096}})

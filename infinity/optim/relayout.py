@@ -1,0 +1,132 @@
+"""The optimizer's flat state store, built at ``infinity.Init``'s exit and built again, frozen groups
+apart, when the optimizer is created.
+
+[Note: frozen after Init]
+The flat layout keeps frozen groups in sub-groups of their own, which hold masters only ([Note:
+dormant sub-groups] in infinity/optim/flat_state.py). ``infinity.Init`` cuts it by what is frozen when
+it exits; a training script often freezes a base only after building the model. So the first
+``infinity.AdamW`` (or ``Adam``) over a model looks again: when groups frozen now would make
+sub-groups dormant that are not, it builds a new store cut by the current flags, moves every master
+into it (and the moments, when a checkpoint loaded any: zeros leave a sub-group dormant) and frees
+the old one. It is exact: each state is copied as it is stored, and steps then match those of a base
+frozen inside ``Init`` bit for bit.
+
+It runs only where nothing can be lost or doubled: before any gradient arrived (no gradient is ever
+moved), on tiers that take new keys (not a checkpoint sealed in place). The old store is freed only
+once the new one holds everything, so for a moment the optimizer tier holds both (the new one is the
+masters plus the trained groups' states); a tier too full for that keeps the layout, with a warning
+that says what it would have saved and how to get it (freeze inside the ``infinity.Init`` block). One
+pass over the masters: the cost of ``Init``'s exit once more, before the first step.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+from tiers.base import format_nbytes
+from infinity.optim.compact_grads import grad_dtype_for
+from infinity.optim.flat_layout import FlatLayout
+from infinity.optim.flat_state import MOMENTS, OptimizerStateStore
+from infinity.optim.moments import MomentFormat
+from infinity.optim.split_master import ZERO, CopyAccess, rest_split, use_split_master
+
+_PER_ELEMENT = 12     # what a dormant sub-group does not hold per element: fp32 m, v and gradient (at most)
+
+
+def frozen_apart(groups, sub_group_size: int) -> tuple[FlatLayout, list[int]]:
+    """The flat layout with sub-groups broken where the groups change between trainable and frozen (as
+    ``requires_grad`` says now), and its dormant sub-groups ([Note: sub-groups apart for frozen groups]
+    in infinity/optim/flat_layout.py)."""
+    training = [g.has_trainable for g in groups]
+    breaks = [i for i in range(1, len(groups)) if training[i] != training[i - 1]]
+    layout = FlatLayout([g.shard_numel for g in groups], sub_group_size, breaks)
+    dormant = [sub for sub, pieces in enumerate(layout.pieces_of_sub)
+               if not any(training[p.group_index] for p in pieces)]
+    return layout, dormant
+
+
+def build_store(engine, layout: FlatLayout, dormant) -> OptimizerStateStore:
+    """An empty store over ``layout`` in ``engine``'s optimizer tier: master keys only (the states come
+    with ``allocate_states``), the masters split where the tiers and dtype ask ([Note: split master] in
+    infinity/optim/split_master.py)."""
+    coordinator, tiers, config = engine.coordinator, engine.tiers, engine.config
+    copies = dormant_copies = None
+    kinds = (coordinator.dtype, tiers.params.kind, tiers.optimizer.kind)
+    if use_split_master(*kinds):
+        copies = CopyAccess(coordinator.shards, coordinator.groups)
+    elif rest_split(*kinds):
+        dormant_copies = CopyAccess(coordinator.shards, coordinator.groups)
+    return OptimizerStateStore(tiers.optimizer, layout, tiers.allocator, defer_states=True,
+                               datapath=engine.datapath, copies=copies,
+                               grad_dtype=grad_dtype_for(coordinator.dtype, tiers.optimizer.kind),
+                               moment_format=MomentFormat(config.optimizer.state_dtype,
+                                                          config.optimizer.state_block_size),
+                               dormant=dormant, dormant_copies=dormant_copies)
+
+
+def _free(store: OptimizerStateStore) -> None:
+    """Free every key ``store`` holds in its tier; it is unusable from here on."""
+    store.flush()
+    for keys in store.keys.values():
+        for sub, key in enumerate(keys):
+            if key is not None and key != ZERO:
+                store.tier.free(key)
+            keys[sub] = None
+    if store.resting is not None:
+        for sub, key in enumerate(store.resting.keys):
+            if key is not None:
+                store.resting.free(sub)
+
+
+def _kept(who: str, why: str, gain: int, tier: str) -> None:
+    level, frame = 1, inspect.currentframe()
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("infinity."):
+        level, frame = level + 1, frame.f_back     # the warning names the user's line, not the engine's
+    warnings.warn(f"{who}: kept the optimizer's flat layout of infinity.Init's exit, whose sub-groups mix trainable "
+                  f"groups with groups frozen since: moving them apart would save up to "
+                  f"{format_nbytes(gain * _PER_ELEMENT)} of the {tier} tier, but {why}. Freeze those parameters "
+                  "inside the infinity.Init block to have it from the start.", RuntimeWarning, stacklevel=level)
+
+
+def relayout_frozen(engine, who: str) -> bool:
+    """Build ``engine``'s store again with the groups frozen now apart, when that makes more of it
+    dormant ([Note: frozen after Init]). Returns whether it did."""
+    old = engine.store
+    groups = engine.coordinator.groups
+    # Frozen elements in sub-groups that have held states since the store was built (not those a load
+    # woke: their moments are nonzero, and would wake them again): apart, their sub-groups are dormant.
+    gain = sum(p.numel for sub, pieces in enumerate(old.layout.pieces_of_sub)
+               if sub not in old.dormant and sub not in old.woken
+               for p in pieces if not groups[p.group_index].has_trainable)
+    if gain == 0:
+        return False
+    layout, dormant = frozen_apart(groups, engine.config.partition.sub_group_size)
+    why = ("gradients arrived before it was created (they are never moved)" if old.has_grad else
+           engine.damaged if engine.damaged else "its tier was sealed as a checkpoint" if getattr(old.tier, "sealed", None)
+           else None)
+    if why is not None:
+        _kept(who, why, gain, old.tier.kind)
+        return False
+    new = None
+    try:
+        new = build_store(engine, layout, dormant)     # its master keys: all of them or none
+        for g in groups:
+            new.write_master_shard(g.index, old.read_state_shard("master", g.index))
+        new.allocate_states()
+        if old.moments_initialized:     # on the host tier always; on NVMe once a load or a step wrote them
+            for state in MOMENTS:
+                for g in groups:
+                    new.write_state_shard(state, g.index, old.read_state_shard(state, g.index))
+    except MemoryError as exc:     # a full tier (TierFullError): the old store is whole
+        if new is not None:
+            _free(new)
+        _kept(who, f"it needs both layouts in the tier for a moment ({exc})", gain, old.tier.kind)
+        return False
+    except BaseException:
+        if new is not None:
+            _free(new)
+        raise
+    _free(old)
+    engine.store = new
+    engine.reducer.attach(new)
+    return True

@@ -1,0 +1,159 @@
+"""A base frozen after ``infinity.Init``, before the optimizer is created, costs what one frozen inside it
+does: the optimizer builds the flat store again with the frozen groups apart ([Note: frozen after Init]
+in infinity/optim/relayout.py), exactly, or keeps it and says why.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infinity
+from tests.integration.test_dormant_states import SHARD, WIDTH, Stack, _config, _held, _run, _step
+
+
+def _built(cfg, frozen: int, inside: bool, before_step=None):
+    """The stack with its first ``frozen`` layers frozen inside ``infinity.Init`` or just after it."""
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = Stack()
+        if inside:
+            model.layers[:frozen].requires_grad_(False)
+    if not inside:
+        model.layers[:frozen].requires_grad_(False)
+    if before_step is not None:
+        before_step(model)
+    return model, infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("params, optimizer, dtype, state_dtype, sections", [
+    (None, "host", "float32", "fp32", {}),
+    (None, "nvme", "float32", "fp32", {}),
+    (None, "host", "bfloat16", "fp32", {}),       # the base's masters rest split
+    (None, "nvme", "bfloat16", "fp32", {}),       # masters split anyway
+    ("device", "host", "bfloat16", "fp32", {}),   # offload-optimizer: copies on the device
+    ("nvme", "host", "bfloat16", "fp32", {}),     # copies on NVMe, masters in host memory
+    (None, "nvme", "float32", "int8", {}),
+    (None, "host", "float32", "fp32", {"dpu": {"enabled": True, "warmup_steps": 1}}),    # (never unfrozen)
+    (None, "nvme", "bfloat16", "fp32", {"optimizer": {"update_in_backward": True}}),
+])
+def test_a_base_frozen_before_the_optimizer_holds_and_trains_as_one_frozen_inside_init(
+        tmp_path, params, optimizer, dtype, state_dtype, sections):
+    runs = {}
+    for inside in (True, False):
+        path = tmp_path / str(inside)
+        path.mkdir()
+        cfg = _config(path, optimizer, state_dtype, dtype, params)
+        for name, keys in sections.items():
+            cfg.setdefault(name, {}).update(keys)
+        model, opt = _built(cfg, 3, inside)
+        held = _held(model, optimizer)
+        losses = _run(model, opt, range(5), unfreeze_at=None if "dpu" in sections else 3)
+        opt.synchronize()
+        runs[inside] = held, losses, _held(model, optimizer)
+        infinity.release(model)
+    assert runs[False] == runs[True]
+
+
+def test_the_saving_matches_what_the_dormant_sub_groups_leave_out(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    awake, awake_opt = _built(_config(tmp_path / "a", "host"), 0, True)
+    model, opt = _built(_config(tmp_path / "b", "host"), 2, False)
+    awake.layers[:2].requires_grad_(False)     # after its optimizer: the layout stays
+    _step(awake, awake_opt, 0)
+    _step(model, opt, 0)
+    assert _held(awake, "host") - _held(model, "host") == (4 + 4 + 4) * 2 * SHARD
+    infinity.release(awake)
+    infinity.release(model)
+
+
+@pytest.mark.parametrize("optimizer, state_dtype", [("host", "fp32"), ("nvme", "fp32"), ("nvme", "int8")])
+def test_moments_a_checkpoint_brought_move_with_the_masters(tmp_path, optimizer, state_dtype):
+    """A checkpoint loaded into the model's store at Init's exit (``resume``) holds moments for every
+    group: the new store takes them exactly (the base, whose moments are nonzero, wakes)."""
+    cfg = lambda name: _config(tmp_path / name, optimizer, state_dtype)  # noqa: E731
+    for name in ("save", "inside", "after"):
+        (tmp_path / name).mkdir()
+    model, opt = _built(cfg("save"), 0, True)
+    _run(model, opt, range(2))
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    infinity.release(model)
+    runs = {}
+    for inside in (True, False):
+        model, opt = _built(cfg("inside" if inside else "after"), 1, inside)
+        infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+        runs[inside] = _run(model, opt, range(2, 5), unfreeze_at=3), _held(model, optimizer)
+        infinity.release(model)
+    assert runs[False] == runs[True]
+
+
+def test_a_tier_too_full_for_both_layouts_keeps_the_old_one_and_says_so(tmp_path):
+    (tmp_path / "probe").mkdir()
+    probe, probe_opt = _built(_config(tmp_path / "probe", "host"), 0, True)
+    _step(probe, probe_opt, 0)
+    held = _held(probe, "host")
+    infinity.release(probe)
+    cfg = _config(tmp_path, "host")
+    cfg["tiers"]["host_budget"] = held + 4096
+    with pytest.warns(RuntimeWarning, match=r"kept the optimizer's flat layout.*inside the infinity.Init block") as got:
+        model, opt = _built(cfg, 2, False)
+    assert got[0].filename == __file__      # the user's line
+    assert _held(model, "host") == held
+    (tmp_path / "ref").mkdir()
+    ref, ref_opt = _built(_config(tmp_path / "ref", "host"), 2, True)
+    assert _run(model, opt, range(3)) == _run(ref, ref_opt, range(3))
+    infinity.release(model)
+    infinity.release(ref)
+
+
+def test_a_gradient_taken_before_the_optimizer_keeps_the_layout_and_its_gradient(tmp_path):
+    """Gradients are never moved: one that arrived before the optimizer was created is stepped from the
+    store it is in."""
+    def backward(model):
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(0))
+        model(x).backward()
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with pytest.warns(RuntimeWarning, match="gradients arrived before it was created"):
+        model, opt = _built(_config(tmp_path / "a", "host"), 2, False, before_step=backward)
+    torch.manual_seed(0)
+    plain = Stack()
+    plain.layers[:2].requires_grad_(False)
+    backward(plain)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+    awake, _ = _built(_config(tmp_path / "b", "host"), 0, True)
+    assert _held(model, "host") == _held(awake, "host")
+    opt.step()
+    plain_opt.step()
+    opt.zero_grad()
+    plain_opt.zero_grad()
+    assert _step(model, opt, 1) == pytest.approx(_step(plain, plain_opt, 1), rel=1e-5)
+    infinity.release(model)
+    infinity.release(awake)
+
+
+def test_a_checkpoint_adopted_in_place_keeps_its_layout_until_loaded(tmp_path):
+    """A model built from a checkpoint in place (``Init(resume=)``) holds the checkpoint's keys until
+    ``load_checkpoint`` verifies them: the optimizer created in between keeps that layout."""
+    for name in ("ref", "nvme"):
+        (tmp_path / name).mkdir()
+    model, opt = _built(_config(tmp_path / "ref"), 0, True)
+    reference = _run(model, opt, range(2))
+    model.layers[:1].requires_grad_(False)
+    reference += _run(model, opt, range(2, 4))
+    infinity.release(model)
+    cfg = _config(tmp_path / "nvme")
+    model, opt = _built(cfg, 0, True)
+    assert _run(model, opt, range(2)) == reference[:2]
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt, in_place=True)
+    infinity.release(model)
+    torch.manual_seed(0)
+    with infinity.Init(cfg, resume=tmp_path / "ckpt"):
+        model = Stack()
+    model.layers[:1].requires_grad_(False)
+    with pytest.warns(RuntimeWarning, match="call infinity.load_checkpoint"):
+        opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert _run(model, opt, range(2, 4)) == reference[2:]
+    infinity.release(model)
