@@ -162,6 +162,17 @@ def _refuse_output_inside(out: str, directories: list[str]) -> None:
                                   "write it outside the checkpoint directory")
 
 
+def check_buffer_size(nbytes: int) -> None:
+    """Raise ``ValueError`` saying why, unless ``nbytes`` is a buffer size ``checkpoint.buffer_size`` allows."""
+    from infinity.config.sections import CheckpointConfig
+    from infinity.config.values import ConfigError
+
+    try:
+        CheckpointConfig(buffer_size=nbytes)
+    except ConfigError as exc:
+        raise ValueError(exc.reason) from None
+
+
 def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
                 safetensors: bool = False, buffer_size: int | None = None, state: str = "master") -> dict:
     """Write the checkpoint's model as one ordinary state dict, streaming (see the module note).
@@ -201,6 +212,11 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
         raise ValueError(f"consolidate: dtype must be float32, bfloat16 or float16, got {dtype}")
     if state not in _STATES:
         raise ValueError(f"consolidate: state must be one of {', '.join(_STATES)}, got {state!r}")
+    if buffer_size is not None:     # checked before anything is read
+        try:
+            check_buffer_size(buffer_size)
+        except ValueError as exc:
+            raise ValueError(f"consolidate: buffer_size: {exc}") from None
     saved = SavedCheckpoint(ckpt)
     saved.refuse_in_place("infinity-consolidate")
     out = os.fspath(out)
@@ -221,7 +237,7 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
             offsets = _torch_skeleton(tmp, entries)
         fd = os.open(tmp, os.O_WRONLY)
         try:
-            _fill(saved, layout, entries, offsets, fd, config, buffer_size or config.checkpoint.buffer_size, state)
+            _fill(saved, layout, entries, offsets, fd, config, buffer_size if buffer_size is not None else config.checkpoint.buffer_size, state)
             os.fsync(fd)
         finally:
             os.close(fd)

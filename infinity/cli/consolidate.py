@@ -52,13 +52,18 @@ def _consolidate(args: argparse.Namespace) -> int:
     import torch
 
     from infinity.config.sizes import parse_size
-    from infinity.checkpoint.consolidate import consolidate
+    from infinity.checkpoint.consolidate import check_buffer_size, consolidate
 
     try:
         buffer_size = parse_size(args.buffer_size) if args.buffer_size else None
     except ValueError as exc:
         raise UsageError(f"--buffer-size {args.buffer_size!r}: {exc}") from None
     safetensors = args.safetensors or args.out.endswith(".safetensors")
+    if buffer_size is not None:
+        try:
+            check_buffer_size(buffer_size)
+        except ValueError as exc:
+            raise UsageError(f"--buffer-size {args.buffer_size!r}: {exc}") from None
     summary = consolidate(args.ckpt, args.out, getattr(torch, args.dtype), safetensors=safetensors,
                           buffer_size=buffer_size, state=args.state)
     seconds = summary["seconds"]

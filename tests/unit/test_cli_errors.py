@@ -48,6 +48,12 @@ def test_consolidate_missing_checkpoint_is_a_failure_and_bad_arguments_are_usage
     assert "does not exist" in one_line_error(capsys, "infinity-consolidate")
     assert consolidate.main([str(checkpoint), str(tmp_path / "m.pt"), "--buffer-size", "4k"]) == 2
     assert "--buffer-size '4k'" in one_line_error(capsys, "infinity-consolidate")
+    # as checkpoint.buffer_size: a positive multiple of 4 KiB, at most 4 GiB (0 used to mean the default)
+    for size, says in (("0", "not a positive multiple of 4096"), ("1000", "not a positive multiple of 4096"),
+                       ("8GiB", "<= 4GiB")):
+        assert consolidate.main([str(checkpoint), str(tmp_path / "m.pt"), "--buffer-size", size]) == 2
+        assert f"--buffer-size '{size}'" in (err := one_line_error(capsys, "infinity-consolidate")) and says in err
+    assert not (tmp_path / "m.pt").exists()
     with pytest.raises(SystemExit) as info:
         consolidate.main([str(checkpoint)])
     assert info.value.code == 2
