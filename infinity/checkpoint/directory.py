@@ -183,6 +183,11 @@ class SaveLock:
         if os.path.exists(root) and not os.path.isdir(root):
             raise CheckpointWriteError(f"infinity.save_checkpoint: {root} is a file, not a directory: save to a "
                                        "directory (created when missing)", errno.ENOTDIR)
+        pointer = os.path.join(root, LATEST)
+        if os.path.lexists(pointer) and not os.path.isfile(pointer):    # else the commit fails, its work lost
+            raise CheckpointWriteError(f"infinity.save_checkpoint: {pointer} is not a file: a save commits by "
+                                       "replacing it with the file naming the newest version; move it away or "
+                                       "save elsewhere (nothing was written)", errno.EISDIR)
         with writing(size, root, None, "creating the checkpoint directory"):
             os.makedirs(root, exist_ok=True)
         when = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -299,6 +304,9 @@ def resolve(path: str | os.PathLike) -> str:
             raise CheckpointCorruptError(f"{pointer} names {name!r}, which is not a committed checkpoint "
                                          f"(no {os.path.join(version, COMMIT)})")
         return version
+    if os.path.lexists(pointer) and os.path.isdir(path):
+        raise CheckpointCorruptError(f"{pointer} is not a file: a checkpoint's {LATEST} is the file naming its "
+                                     f"newest committed version{_versions_hint(path)}")
     if os.path.exists(path) and not os.path.isdir(path):
         parent = os.path.dirname(os.path.abspath(path))
         hint = (f" (it is the checkpoint's {os.path.basename(path)} file: pass the directory {parent})"
@@ -306,10 +314,13 @@ def resolve(path: str | os.PathLike) -> str:
         raise CheckpointNotFoundError(f"no checkpoint at {path}: it is a file, not a checkpoint directory{hint}")
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path}: the directory does not exist")
-    found = sorted(e for e in os.listdir(path) if os.path.isfile(os.path.join(path, e, COMMIT)))
-    hint = f"; committed versions found: {', '.join(found)} (pass one of them)" if found else ""
     raise CheckpointNotFoundError(f"no committed checkpoint at {path}: neither {COMMIT} nor {LATEST} there "
-                                  f"(a save that was interrupted leaves only .tmp-* directories){hint}")
+                                  f"(a save that was interrupted leaves only .tmp-* directories){_versions_hint(path)}")
+
+
+def _versions_hint(path: str) -> str:
+    found = sorted(e for e in os.listdir(path) if os.path.isfile(os.path.join(path, e, COMMIT)))
+    return f"; committed versions found: {', '.join(found)} (pass one of them)" if found else ""
 
 
 class SavedCheckpoint:

@@ -209,6 +209,23 @@ def test_nothing_committed_is_not_found(tmp_path):
         infinity.load_checkpoint(tmp_path / "ckpt" / "latest", model, opt)
 
 
+def test_a_latest_that_is_not_a_file_is_named_by_load_and_save_before_a_save_writes(tmp_path):
+    """Loads said "neither COMMIT nor latest there"; a save wrote its whole version, failed at the commit
+    naming a temporary file, and deleted the version again."""
+    model, opt = build(config(tmp_path, "a"))
+    first = infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    os.unlink(tmp_path / "ckpt" / "latest")
+    (tmp_path / "ckpt" / "latest").mkdir()
+    with pytest.raises(infinity.checkpoint.CheckpointCorruptError,
+                       match=rf"latest is not a file.*committed versions found: {os.path.basename(first)}"):
+        infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    before = sorted(os.listdir(tmp_path / "ckpt"))
+    with pytest.raises(infinity.checkpoint.CheckpointWriteError, match=r"latest is not a file.*nothing was written"):
+        infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == before
+    infinity.load_checkpoint(first, model, opt)     # the version itself still loads
+
+
 def test_a_save_into_another_models_checkpoint_is_refused_and_retires_nothing(tmp_path):
     """It committed and retired the other model's only checkpoint (``keep=1``) without a word."""
     model, opt = build(config(tmp_path, "a"))
