@@ -324,9 +324,23 @@ def write_config(path: str, best: nv.Setting) -> Path:
     with ``infinity.config.load_config`` before it replaces the original.
     """
     out = Path(path)
+    tmp = _edited(out, best)
+    os.replace(tmp, out)
+    return out
+
+
+def _edited(out: Path, best: nv.Setting) -> Path:
+    """``out`` with ``best`` as its ``[aio]`` section, written beside it and checked to load; the caller
+    moves it over ``out`` or deletes it. Whatever the old ``[aio]`` held goes: only the rest must load."""
     section = best.aio_section()
     if out.suffix == ".json":
-        data = json.loads(out.read_text()) if out.exists() else {}
+        try:
+            data = json.loads(out.read_text()) if out.exists() else {}
+        except json.JSONDecodeError as e:
+            raise BenchError(f"--write-config {out}: the existing file is not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise BenchError(f"--write-config {out}: the existing file holds a JSON {type(data).__name__}, "
+                             "not an object of config sections")
         data["aio"] = {**section, "block_size": format_size(best.block_size)}
         text = json.dumps(data, indent=2) + "\n"
     elif out.suffix == ".toml":
@@ -346,7 +360,7 @@ def write_config(path: str, best: nv.Setting) -> Path:
         else:
             text = old + ("\n" if old and not old.endswith("\n\n") else "") + body
     else:
-        raise BenchError(f"--write-config {path}: expected a .toml or .json file name")
+        raise BenchError(f"--write-config {out}: expected a .toml or .json file name")
     tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}{out.suffix}")
     tmp.write_text(text)
     try:
@@ -358,9 +372,8 @@ def write_config(path: str, best: nv.Setting) -> Path:
             load_config(tmp)
     except Exception as e:
         tmp.unlink()
-        raise BenchError(f"--write-config {path}: the updated file would not load: {e}") from e
-    os.replace(tmp, out)
-    return out
+        raise BenchError(f"--write-config {out}: the updated file would not load: {e}") from e
+    return tmp
 
 
 def plot(path: str, summary: list[dict], settings: Sequence[nv.Setting], ops: Sequence[str], best: nv.Setting) -> None:
@@ -404,13 +417,13 @@ def nvme(args: argparse.Namespace) -> int:
         raise BenchError(f"--write-config {args.write_config}: expected a .toml or .json file name")
     for option, path in (("--json", args.json), ("--write-config", args.write_config), ("--plot", args.plot)):
         _check_output(path, option)
-    if args.write_config and Path(args.write_config).exists():
-        from infinity.config import ConfigError, load_config
-        try:    # the file it will edit must be readable as what its name says
-            load_config(args.write_config)
-        except ConfigError as exc:
-            raise BenchError(f"--write-config {args.write_config}: the existing file cannot be edited: {exc}") from None
     settings = settings_from(args)
+    if args.write_config and Path(args.write_config).exists():
+        # The file it will edit, with one of the settings as [aio], must load (its old [aio] goes).
+        try:
+            _edited(Path(args.write_config), settings[0]).unlink()
+        except BenchError as exc:
+            raise BenchError(f"{exc} (checked before measuring: nothing was written)") from None
     largest = max(s.block_size for s in settings)
     size = args.size // largest * largest
     if size <= 0:

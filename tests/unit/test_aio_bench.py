@@ -54,6 +54,12 @@ def test_written_config_loads_and_keeps_other_sections(tmp_path) -> None:
     js = tmp_path / "c.json"
     bench.write_config(str(js), best)
     assert config.load_config(js).aio.threads == 8
+    # an [aio] that no longer loads (an old key, a bad value) is what the write replaces
+    target.write_text('[aio]\nqueue_depth = 0\nold_key = 1\n\n[prefetch]\nenabled = false\n')
+    with pytest.raises(config.ConfigError, match="aio"):
+        config.load_config(target)
+    bench.write_config(str(target), best)
+    assert config.load_config(target).aio.queue_depth == 8
 
 
 def test_fio_command_matches_setting() -> None:
@@ -103,3 +109,16 @@ def test_vs_fio_pairs_tool_smoke(tmp_path, capsys) -> None:
     assert all(r["ours"] > 0 and r["fio"] > 0 for r in rows)
     assert "pair-med" in capsys.readouterr().out
     assert not list(tmp_path.glob("infinity-bench-*"))
+
+
+def test_write_config_onto_a_file_whose_only_fault_is_its_aio_section(tmp_path, capsys) -> None:
+    """It was refused before measuring ("the existing file cannot be edited"), though the write replaces it."""
+    pytest.importorskip("infinity.config")
+    target = tmp_path / "offload.toml"
+    target.write_text('[aio]\nengine = "libaio"\n\n[prefetch]\nenabled = false\n')
+    args = ["nvme", "--path", str(tmp_path), "--size", "1MiB", "--block-sizes", "1MiB", "--queue-depths", "1",
+            "--threads", "1", "--repeats", "1", "--no-progress", "--no-baselines", "--engines", "threads",
+            "--write-config", str(target)]
+    assert bench.main(args) == 0, capsys.readouterr().err
+    text = target.read_text()
+    assert 'engine = "threads"' in text and "libaio" not in text and "enabled = false" in text

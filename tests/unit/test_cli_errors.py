@@ -110,9 +110,12 @@ def test_consolidate_refuses_an_output_it_cannot_write_before_reading(checkpoint
 def test_bench_checks_its_outputs_and_sizes_before_the_sweep(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text("{bad")
+    other = tmp_path / "x.toml"     # the [aio] it replaces may be anything; the rest must load
+    other.write_text("[aio]\nqueue_depth = 0\n\n[prefetch]\nenabled = 3\n")
     for extra, says in ((["--json", str(tmp_path / "no" / "a.json")], "does not exist"),
                         (["--json", str(tmp_path)], "is a directory"),
-                        (["--write-config", str(bad)], "the existing file cannot be edited")):
+                        (["--write-config", str(bad)], "the existing file is not JSON"),
+                        (["--write-config", str(other)], "prefetch.enabled")):
         assert bench.main(["nvme", "--path", str(tmp_path), "--size", "16MiB", "--no-progress", *extra]) == 2
         assert says in one_line_error(capsys, "infinity-bench nvme")
     with pytest.raises(SystemExit):
