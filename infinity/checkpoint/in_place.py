@@ -46,6 +46,7 @@ import torch
 
 from infinity.checkpoint.directory import SavedCheckpoint
 from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from infinity.optim.split_master import ZERO
 from tiers.swapspace import Placement
 
 # Config keys on which where the bytes lie depends: a resume must match them.
@@ -85,7 +86,9 @@ def state_keys(coordinator, store, with_moments: bool) -> dict[str, int]:
         if state == "grad" or (state in ("exp_avg", "exp_avg_sq") and not with_moments):
             continue
         for sub, key in enumerate(per_sub):
-            if key is not None:     # a dormant sub-group's moments are zero ([Note: dormant sub-groups])
+            # a dormant sub-group's moments are zero ([Note: dormant sub-groups]), its remainders may be
+            # ([Note: zero remainders] in infinity/optim/split_master.py): no key, no role
+            if key is not None and key != ZERO:
                 keys[f"{state}:{sub}"] = key
     return keys
 
@@ -237,11 +240,15 @@ class Resume:
         roles = self.saved.rank_manifest(self.rank)["swap"]["roles"]
         # Sub-groups the saving run had woken (a group unfrozen after Init): their moments are adopted too.
         store.wake((int(r.split(":")[1]) for r in roles if r.startswith("exp_avg:")), zero=False)
+        # Dormant sub-groups whose remainders the saving run held nonzero (its masters not bf16 values).
+        for sub in (int(r.split(":")[1]) for r in roles if r.startswith("remainder:")):
+            if store.split is not None and sub < len(store.split.keys) and store.split.keys[sub] == ZERO:
+                store.split.adopt(sub)
         keys = state_keys(engine.coordinator, store, bool(self.saved.manifest.get("moments_initialized")))
         missing, unknown = sorted(set(roles) - set(keys)), sorted(set(keys) - set(roles))
         if missing or unknown:
             why = "another model, or another grouping of it"
-            if unknown and all(r.startswith("exp_avg") for r in unknown):
+            if unknown and all(r.startswith(("exp_avg", "remainder")) for r in unknown):
                 why = ("groups trainable at this model's Init exit were frozen, and never unfrozen, in the saving "
                        "run: freeze the same parameters inside infinity.Init, or resume from an ordinary checkpoint")
             raise CheckpointMismatchError(

@@ -143,17 +143,23 @@ class OptimizerStateStore:
         self.on_wake: list = []     # each returns what undoes it
         # The dormant sub-groups' masters stored split meanwhile (their remainder keys), or None.
         self.resting = None
+        # Dormant sub-groups' remainder keys come with the first nonzero remainder ([Note: zero remainders]).
+        def allocate_remainder(sub: int, nbytes: int) -> int:
+            return allocate_key(self, "remainder", nbytes, f"remainder:sub{sub}")
+
         if copies is not None:
-            self.keys = {"remainder": self._allocate("remainder", split_master.REMAINDER_ITEMSIZE)}
-            self.split = split_master.SplitMasters(copies, layout, tier, self.io, self.keys["remainder"])
+            keys = self._allocate("remainder", split_master.REMAINDER_ITEMSIZE, skip=self.dormant)
+            self.keys = {"remainder": [split_master.ZERO if sub in self.dormant else k for sub, k in enumerate(keys)]}
+            self.split = split_master.SplitMasters(copies, layout, tier, self.io, self.keys["remainder"],
+                                                   allocate=allocate_remainder)
         else:
             resting = self.dormant if dormant_copies is not None else set()
             self.keys = {"master": self._allocate("master", skip=resting)}
-            if resting:     # their remainder keys come with the first nonzero one ([Note: zero remainders])
+            if resting:
                 self.resting = split_master.SplitMasters(
                     dormant_copies, layout, tier, self.io,
                     [split_master.ZERO if sub in resting else None for sub in range(layout.num_subs)],
-                    allocate=lambda sub, nbytes: allocate_key(self, "remainder", nbytes, f"remainder:sub{sub}"))
+                    allocate=allocate_remainder)
         # Groups whose compute copy this store writes with their masters (split masters).
         self.copy_writers = {p.group_index for sub in range(layout.num_subs) for p in layout.pieces_of_sub[sub]
                              if _master_split(self, sub) is not None}
@@ -243,13 +249,16 @@ class OptimizerStateStore:
         fresh: dict[tuple[str, int], int] = {}
         undo: list = []
         try:    # all of them or none: a tier too full to take them loses nothing
-            for s in (*MOMENTS, "grad", "master"):
+            for s in (*MOMENTS, "grad", "master", "remainder"):
                 for sub in subs:
                     n = self.layout.sub_ranges[sub][1]
                     if s == "master" and (self.resting is None or self.resting.keys[sub] is None):
                         continue
+                    if s == "remainder" and (self.split is None or self.split.keys[sub] != split_master.ZERO):
+                        continue    # split masters step their remainder keys: a woken one gets its own
                     nbytes = (n * compact_grads.itemsize(self.grad_dtype) if s == "grad" else n * _F32
-                              if s == "master" else self.moment_format.stored_nbytes(s, n))
+                              if s == "master" else n * split_master.REMAINDER_ITEMSIZE if s == "remainder"
+                              else self.moment_format.stored_nbytes(s, n))
                     fresh[s, sub] = allocate_key(self, s, nbytes, f"{s}:sub{sub}")
             for sub in subs:
                 undo.extend(hook(sub) for hook in self.on_wake)
@@ -265,9 +274,11 @@ class OptimizerStateStore:
                          "budget check counted")
             raise
         for (s, sub), key in fresh.items():
-            if s != "master":
+            if s not in ("master", "remainder"):
                 self.keys[s][sub] = key
         for sub in subs:
+            if ("remainder", sub) in fresh:
+                self.split.materialize(sub, fresh["remainder", sub])
             if ("master", sub) in fresh:    # the resting masters, joined once
                 masters = self.resting.read_sub(sub)
                 self.io.write(self.tier, fresh["master", sub], masters).wait()

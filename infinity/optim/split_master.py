@@ -243,8 +243,9 @@ class SplitMasters:
     (``rest_split``) starts as ``ZERO``: none is allocated, reads give zeros, and writes whose
     remainders are all zero (exceptions aside: they live in host memory either way) keep it so. The
     first write with a nonzero remainder allocates the key, zero, and writes it. So a frozen bf16 base
-    holds no bytes in the optimizer's tier beyond its compute copies until it trains. Only resting
-    sub-groups start so: the update streams the others' keys every step.
+    holds no bytes in the optimizer's tier beyond its compute copies until it trains. Dormant
+    sub-groups start so, resting or (with split masters) not; one that wakes gets its key, zero, then:
+    the update streams the keys of the others every step.
 
     Parameters
     ----------
@@ -273,10 +274,11 @@ class SplitMasters:
             return _DONE
         return self.io.read(self.tier, self.keys[sub], dst, offset=offset * REMAINDER_ITEMSIZE)
 
-    def _materialize(self, sub: int) -> None:
-        """Give sub-group ``sub``, whose remainders are ``ZERO``, a key holding them (zeros)."""
+    def materialize(self, sub: int, key: int | None = None) -> None:
+        """Give sub-group ``sub``, whose remainders are ``ZERO``, a key holding them (zeros): ``key``, or
+        a new one."""
         numel = self.layout.sub_ranges[sub][1]
-        key = self.allocate(sub, numel * REMAINDER_ITEMSIZE)
+        key = self.allocate(sub, numel * REMAINDER_ITEMSIZE) if key is None else key
         try:
             zeros = torch.zeros(min(numel, _ZEROS_CHUNK), dtype=torch.int16)
             for at in range(0, numel, zeros.numel()):
@@ -286,6 +288,12 @@ class SplitMasters:
             self.tier.free(key)
             raise
         self.keys[sub] = key
+
+    def adopt(self, sub: int) -> int:
+        """Give sub-group ``sub``, whose remainders are ``ZERO``, a key whose bytes come from elsewhere (a
+        checkpoint in place that has them); returns it."""
+        self.keys[sub] = self.allocate(sub, self.layout.sub_ranges[sub][1] * REMAINDER_ITEMSIZE)
+        return self.keys[sub]
 
     def free(self, sub: int) -> None:
         """Free sub-group ``sub``'s remainder key (it stops being split); its exceptions go too."""
@@ -307,7 +315,7 @@ class SplitMasters:
         found = split(src.contiguous(), copy, remainder)
         sub = piece.sub_index
         if self.keys[sub] == ZERO and _host_flag(torch.any(remainder)):
-            self._materialize(sub)
+            self.materialize(sub)
         self.exceptions.set(sub, found, piece.sub_offset, piece.numel)
         writes = [(self.copies.write(piece, copy), copy)]
         if self.keys[sub] != ZERO:      # all-zero remainders of a ZERO key need no write

@@ -360,7 +360,8 @@ def _build_bf16(cfg, frozen: int = 2):
     return model, infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
 
 
-@pytest.mark.parametrize("params, optimizer", [(None, "host"), ("device", "host"), ("host", "nvme")])
+@pytest.mark.parametrize("params, optimizer", [(None, "host"), ("device", "host"), ("host", "nvme"),
+                                               ("nvme", "nvme")])     # the last: split masters
 def test_a_frozen_base_of_bf16_values_holds_no_remainders_and_trains_bit_for_bit(tmp_path, params, optimizer):
     """[Note: zero remainders] in infinity/optim/split_master.py: the base's masters are its bf16 copies."""
     cfg = lambda name: _config(tmp_path / name, optimizer, dtype="bfloat16", params=params)  # noqa: E731
@@ -411,3 +412,31 @@ def test_zero_remainders_through_checkpoints(tmp_path):
     for name, value in Bf16Stack().state_dict().items():
         if name.startswith(("layers.0.", "layers.1.")):
             assert torch.equal(bf16[name], value), name      # the frozen bf16 values, bit for bit
+
+
+@pytest.mark.parametrize("values", ["bf16", "fp32"])
+def test_split_masters_of_a_frozen_base_through_a_checkpoint_in_place(tmp_path, values):
+    """Parameters and states on NVMe, bf16: a frozen base of bf16 values has no remainder keys, so its
+    checkpoint in place has no roles for them; one of fp32 values has both, and the resuming model (whose
+    base starts without keys) adopts them."""
+    build = _build_bf16 if values == "bf16" else _build
+    cfg = _config(tmp_path / "nvme", "nvme", dtype="bfloat16")
+    for name in ("ref", "nvme"):
+        (tmp_path / name).mkdir()
+    model, opt = build(_config(tmp_path / "ref", "nvme", dtype="bfloat16"))
+    reference = _run(model, opt, range(5), unfreeze_at=3)
+    infinity.release(model)
+    model, opt = build(cfg)
+    assert _run(model, opt, range(2)) == reference[:2]
+    held = _held(model, "nvme")
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt, in_place=True)
+    infinity.release(model)
+    torch.manual_seed(0)
+    with infinity.Init(cfg, resume=tmp_path / "ckpt"):
+        model = Stack()
+        model.layers[:2].requires_grad_(False)
+    opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert _held(model, "nvme") == held
+    assert _run(model, opt, range(2, 5), unfreeze_at=3) == reference[2:]
+    infinity.release(model)
