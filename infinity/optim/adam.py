@@ -18,7 +18,7 @@ from torch import nn
 
 from infinity import registry
 from infinity.errors import EngineError, released_message
-from infinity.optim import param_groups
+from infinity.optim import param_groups, torch_state
 from infinity.optim.checks import GradientChecks
 from infinity.optim.in_backward import InBackwardUpdate
 from infinity.optim.job import StepJob
@@ -337,12 +337,14 @@ class _OffloadAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         groups = self.engine.coordinator.groups
-        if "shards" not in state_dict and "state" in state_dict and "param_groups" in state_dict:
-            raise EngineError(
-                f"{self._name}.load_state_dict: this is a torch.optim state dict (keys 'state', 'param_groups'); "
-                "infinity's holds the sharded master weights and moments ('shards'). To go on from a plain "
-                "PyTorch run, load its model weights inside `with infinity.gathered(model):` "
-                "(model.load_state_dict) and start this optimizer afresh")
+        if torch_state.is_torch_state(state_dict):     # [Note: torch.optim state dicts]
+            self.synchronize()
+            step_count, steps = torch_state.load(self._name, self._decoupled, self.engine, self.store,
+                                                 self.param_groups, self._names, state_dict)
+            self.step_count, self.skipped_steps = step_count, 0
+            self.load_param_steps(steps, "torch.optim state dict")
+            self._updates.after_load()
+            return
         missing = [k for k in ("world_size", "shard_numels", "param_groups", "step", "shards") if k not in state_dict]
         if missing:
             raise EngineError(f"{self._name}.load_state_dict: the state has no {missing} (it is not a state_dict() "

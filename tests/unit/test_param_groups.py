@@ -148,12 +148,6 @@ def test_torch_options_the_host_adam_lacks_are_refused_not_ignored(tmp_path, key
 def test_a_state_dict_that_is_not_an_infinity_optimizers_is_refused_before_anything_loads(tmp_path):
     model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
     opt = infinity.AdamW(model, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    idx, tgt = batches(1, 2)[0]
-    ref(idx, tgt).backward()
-    ref_opt.step()
-    with pytest.raises(EngineError, match="this is a torch.optim state dict .*infinity.gathered"):
-        opt.load_state_dict(ref_opt.state_dict())
     broken = opt.state_dict()
     broken["step"] = 123
     del broken["shards"]
