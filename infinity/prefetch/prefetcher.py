@@ -59,6 +59,7 @@ can never hold more than its budget, and it never blocks.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 
 import torch
@@ -116,6 +117,7 @@ class Prefetcher:
         self._walks = not self.coordinator.in_place
         self._kept: set[ParamGroup] = set()
         self._distances: list[dict[int, int | None]] = []
+        self._starts: list[int] = [0]
         self._in_backward = False
         self.step = -1
         self._step_key = None
@@ -209,6 +211,9 @@ class Prefetcher:
             if self.trace.mode is TraceMode.FOLLOWING:
                 nbytes = [g.full_nbytes for g in self.coordinator.groups]
                 self._distances = self.trace.next_use_distances(lambda i: nbytes[i])
+                # bytes fetched in the step before each entry: a group's next use, as a point in the step
+                self._starts = list(itertools.accumulate((sum(nbytes[g] for g in e.groups)
+                                                          for e in self.trace.entries), initial=0))
             self.windows.restart(self.enabled)
         self._step_diverged = False
         self.windows.end_step()
@@ -261,7 +266,7 @@ class Prefetcher:
         for g in groups:
             d = distances.get(g.index)
             if d is not None and d <= self.reuse_distance and not g.persistent:
-                self.coordinator.keep_for_reuse(g)
+                self.coordinator.keep_for_reuse(g, next_use=self._starts[position + 1] + d)
                 self._kept.add(g)
             elif g in self._kept:
                 self.coordinator.keep_for_reuse(g, False)

@@ -102,11 +102,12 @@ def _make_room(coordinator: "Coordinator", groups) -> None:
     """Release groups kept for reuse until ``groups`` fit ``max_live`` beside what is gathered (see
     [Note: live parameters]); groups in use are never released, so the bound may be passed."""
     need = sum(g.numel for g in groups if g.state is not ParamState.AVAILABLE)
-    for g in list(coordinator.keep):
+    # The one needed last goes first (what a cache that knows the future evicts): fewer fetches again.
+    for g in sorted(coordinator.keep, key=coordinator.keep.__getitem__, reverse=True):
         if coordinator.live_numel + need <= coordinator.max_live:
             return
         if g in coordinator.live and not coordinator.busy(g):
-            coordinator.keep.discard(g)
+            del coordinator.keep[g]
             _release_gathered(coordinator, g)
 
 
@@ -152,7 +153,7 @@ class Coordinator:
         self.group_of: dict[nn.Parameter, ParamGroup] = {}
         self.module_groups: dict[nn.Module, list[ParamGroup]] = {}
         self.in_use: dict[ParamGroup, int] = defaultdict(int)
-        self.keep: set[ParamGroup] = set()
+        self.keep: dict[ParamGroup, int] = {}     # kept for reuse: where in the trace it is needed next
         self.backward_held: set[ParamGroup] = set()
         self.stats = FetchStats()
         self.prefetcher = None
@@ -368,12 +369,14 @@ class Coordinator:
                 self.drop(g)
         self.keep.clear()
 
-    def keep_for_reuse(self, group: ParamGroup, keep: bool = True) -> None:
-        """Whether to keep ``group`` gathered after its current use (the prefetcher's reuse distance)."""
+    def keep_for_reuse(self, group: ParamGroup, keep: bool = True, next_use: int = 0) -> None:
+        """Whether to keep ``group`` gathered after its current use (the prefetcher's reuse distance);
+        ``next_use``: the trace position of its next request (``max_live_parameters`` releases the kept
+        group needed last first)."""
         if keep:
-            self.keep.add(group)
+            self.keep[group] = next_use
         else:
-            self.keep.discard(group)
+            self.keep.pop(group, None)
 
     def busy(self, group: ParamGroup) -> bool:
         """Whether something other than a read ahead holds the group: a running module, backward, persistence."""

@@ -61,3 +61,32 @@ def test_a_bound_below_the_groups_that_stay_gathered_is_refused():
     with pytest.raises(EngineError, match=rf"is below {small + groups[-1]}: the {small} elements of the groups "
                                           r"that stay gathered .*persistence_threshold = 10000"):
         _train(groups[-1], steps=0, persistence_threshold=10000)
+
+
+def test_the_kept_group_needed_last_is_released_first(monkeypatch):
+    """Groups kept for reuse carry where in the step they are needed next; the bound releases the one
+    needed last first (it released them in set order, refetching some about to be used)."""
+    from infinity.param_group import ParamState
+    from infinity.runtime import coordinator as coordinator_module
+
+    class Group:
+        numel, state = 10, ParamState.NOT_AVAILABLE
+
+    soon, later, last, new = Group(), Group(), Group(), [Group(), Group()]
+    released = []
+
+    class Coordinator:
+        keep = {later: 200, last: 300, soon: 100}
+        live, live_numel, max_live = {soon, later, last}, 30, 40
+
+        def busy(self, group):
+            return False
+
+    def release(coordinator, group):
+        released.append(group)
+        coordinator.live_numel -= group.numel
+
+    monkeypatch.setattr(coordinator_module, "_release_gathered", release)
+    fake = Coordinator()
+    coordinator_module._make_room(fake, new)       # 20 more elements: one kept group must go
+    assert released == [last] and set(fake.keep) == {soon, later}
