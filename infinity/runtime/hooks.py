@@ -195,8 +195,8 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
     root:
         The model.
     lifecycle:
-        An object with ``pre_forward(module, args)``, ``post_forward(module, output)`` and
-        ``before_state_dict(module, prefix, keep_vars)`` (the engine).
+        An object with ``pre_forward(module, args)``, ``post_forward(module, output)``,
+        ``before_state_dict(module, prefix, keep_vars)`` and ``coordinator`` (the engine).
 
     [Note: which modules stay hooked]
     A forward hook costs the module its call's fast path in torch (``_call_impl`` runs
@@ -233,7 +233,24 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
         handles.extend(forward[module])
         handles.append(module.register_state_dict_pre_hook(
             lambda m, prefix, keep_vars: lifecycle.before_state_dict(m, prefix, keep_vars)))
+        handles.append(module.register_load_state_dict_pre_hook(
+            lambda m, state_dict, prefix, metadata, *rest: refuse_assign(lifecycle.coordinator, m, state_dict, prefix,
+                                                                        metadata)))
     return HookHandles(handles, forward)
+
+
+def refuse_assign(coordinator, module: nn.Module, state_dict: dict, prefix: str, metadata: dict) -> None:
+    """``load_state_dict(..., assign=True)`` would put plain tensors in place of parameters the engine
+    manages, which it would then neither gather, step nor save: refused before any is replaced (the
+    first module of the load checks all of those under it)."""
+    if not metadata.get("assign_to_params_buffers"):
+        return
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if prefix + name in state_dict and p in coordinator.group_of:
+            raise EngineError(f"load_state_dict(assign=True): {prefix + name!r} is a parameter infinity manages "
+                              "(its values are shards over ranks and tiers), which assign would replace by a plain "
+                              "tensor it never updates or saves; nothing was loaded. Load without assign inside "
+                              "`with infinity.gathered(model):`, or use infinity.load_checkpoint")
 
 
 def unhook_idle(roots, hooks: list[HookHandles], module_groups: dict) -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import infinity
+from infinity.errors import EngineError
 from tests.support.parity import train_side_by_side as _train_side_by_side
 
 LR = 1e-2
@@ -416,3 +417,26 @@ def test_own_step_counts_travel_with_a_checkpoint_and_are_checked_by_name(tmp_pa
     state["param_steps"] = {"c.weight": 2}
     with pytest.raises(infinity.runtime.engine.EngineError, match=r"step counts for parameters .*'c.weight'"):
         oopt.load_state_dict(state)
+
+
+def test_load_state_dict_with_assign_is_refused_before_any_parameter_is_replaced(tmp_path):
+    """It replaced the managed parameters by plain tensors the engine never updates or saves, silently
+    (until an optimizer was built); without assign, a load inside ``infinity.gathered`` stores the values."""
+    model, ref = _build(Buffered, _cfg("host", "host", tmp_path))
+    managed = [id(p) for p in model.parameters()]
+    with infinity.gathered(model):
+        values = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    for where in ("outside", "inside"):
+        with pytest.raises(EngineError, match=r"load_state_dict\(assign=True\): '.*' is a parameter "
+                                                       r"infinity manages.*nothing was loaded"):
+            if where == "inside":
+                with infinity.gathered(model):
+                    model.load_state_dict(values, assign=True)
+            else:
+                model.load_state_dict(values, assign=True)
+        assert [id(p) for p in model.parameters()] == managed, where
+    with infinity.gathered(model):
+        model.load_state_dict(values)
+    with infinity.gathered(model):
+        assert all(torch.equal(v, values[k]) for k, v in model.state_dict().items())
+    infinity.release(model)
