@@ -197,6 +197,15 @@ def tiled_joins(model: nn.Module) -> list[dict]:
 def describe(engine, model: nn.Module) -> dict:
     """Groups with parameter names, buffers, and state-dict keys, as the manifest records them."""
     names = names_by_param(model)
+    managed = engine.coordinator.group_of
+    stray = [n for n, p in model.named_parameters() if p not in managed]
+    if stray:       # assigned or added since infinity.Init: a save would leave them out
+        more = f" ({len(stray) - 1} more)" if len(stray) > 1 else ""
+        raise CheckpointError(
+            f"infinity.save_checkpoint: parameter {stray[0]!r}{more} of the {type(model).__name__} is not managed "
+            "by infinity (an nn.Parameter assigned or added after infinity.Init exited), so the checkpoint would "
+            "leave it out; nothing was written. Build it inside infinity.Init, or change a parameter's values "
+            "inside `with infinity.gathered(model):` instead of assigning a new one")
     groups = []
     for g in engine.coordinator.groups:
         params = []

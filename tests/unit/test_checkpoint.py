@@ -226,6 +226,21 @@ def test_a_latest_that_is_not_a_file_is_named_by_load_and_save_before_a_save_wri
     infinity.load_checkpoint(first, model, opt)     # the version itself still loads
 
 
+def test_a_parameter_assigned_after_init_is_refused_by_a_save_naming_it(tmp_path):
+    """The save used to leave it out without a word (or, replacing a managed one, blame the root passed)."""
+    model, opt = build(config(tmp_path, "a"))
+    name, param = next(iter(model.named_parameters()))
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, attr, torch.nn.Parameter(torch.zeros(param.shape)))
+    with pytest.raises(infinity.checkpoint.CheckpointError, match=rf"parameter '{name}' of the .* is not managed "
+                                                                  r"by infinity.*nothing was written"):
+        infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    assert not (tmp_path / "ckpt").exists()
+    setattr(module, attr, param)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+
+
 def test_a_save_into_another_models_checkpoint_is_refused_and_retires_nothing(tmp_path):
     """It committed and retired the other model's only checkpoint (``keep=1``) without a word."""
     model, opt = build(config(tmp_path, "a"))
