@@ -82,6 +82,8 @@ class GatherMemory:
         self.device = torch.device(device)
         self._mark = mark
         self.lending = _CAN_LEND
+        # As the config says it (the arena rounds its buffer up to whole pages): what messages name.
+        self._asked = f"partition.gather_buffer_bytes = {capacity}"
         # Without lending no arena lends anything: a bounded one would only hold prefetching back.
         bound = capacity if self.lending else 0
         self.arena = Arena(self._allocate, bound or None, slab_nbytes, name=f"gather-{self.device.type}")
@@ -120,7 +122,7 @@ class GatherMemory:
         largest = max(short, key=rounded, default=None)
         self.reserve = rounded(largest) if largest is not None else 0
         if self.arena.capacity and largest is not None and rounded(largest) > self.arena.capacity and not in_place:
-            raise EngineError(f"partition.gather_buffer_bytes = {self.arena.capacity} cannot hold group "
+            raise EngineError(f"{self._asked} cannot hold group "
                               f"{largest.name!r} gathered ({largest.full_nbytes} bytes); set it to at least "
                               f"{rounded(largest)} (more lets prefetched groups wait in it too), or 0 to let it grow")
 
@@ -139,7 +141,7 @@ class GatherMemory:
         self.overflows += 1
         self.overflow_bytes += nbytes
         if self.overflows == 1:
-            warnings.warn(f"partition.gather_buffer_bytes = {self.arena.capacity} is full ({self.arena.bytes_in_use} "
+            warnings.warn(f"{self._asked} is full ({self.arena.bytes_in_use} "
                           f"bytes lent) and {owner} needs {nbytes} more: it gets memory of its own for this use "
                           "(counted in infinity.stats(model)['gather_memory']['overflows']); raise the key, or set "
                           "0 to let the buffer grow", RuntimeWarning, stacklevel=4)

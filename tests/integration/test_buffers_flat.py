@@ -157,3 +157,12 @@ def test_without_lending_the_resized_storages_are_counted(monkeypatch):
     assert 128 << 10 <= stats["peak_bytes"] <= all_gathered, (stats, all_gathered)
     assert stats["nbytes"] == stats["bytes_in_use"] < stats["peak_bytes"]
     assert infinity.stats(model)["gather_memory"]["bytes_in_use"] == stats["bytes_in_use"]
+
+
+def test_a_gather_buffer_too_small_is_refused_naming_the_value_the_config_gave():
+    """The message showed the buffer rounded up to whole pages (1003520 for 1000001)."""
+    with pytest.raises(EngineError, match=r"partition.gather_buffer_bytes = 1000001 cannot hold group '0' gathered "
+                                          r"\(4005888 bytes\); set it to at least 4005888"):
+        with infinity.Init({"tiers": {"params": "host", "device": "cpu"},
+                            "partition": {"gather_buffer_bytes": 1000001, "persistence_threshold": 0}}):
+            torch.nn.Sequential(torch.nn.Linear(1000, 1000))
