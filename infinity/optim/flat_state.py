@@ -81,6 +81,29 @@ class _Unbooked:
         return tier.write(key, src, offset)
 
 
+def _fill_fresh(store, sub: int, fresh: dict, zero: bool) -> None:
+    """Write what sub-group ``sub``'s new keys in ``fresh`` (by state) start with as it wakes: zero moments
+    and gradient in memory, and on NVMe zero moments and remainders unless ``zero`` is False (the caller
+    fills them: a first pass, or a checkpoint in place adopted); its resting masters, joined."""
+    if ("master", sub) in fresh:
+        store.io.write(store.tier, fresh["master", sub], store.resting.read_sub(sub)).wait()
+    if store.in_place:
+        for s in (*MOMENTS, "grad"):
+            store.tier.view(fresh[s, sub]).zero_()
+        return
+    if not zero:
+        return
+    if ("remainder", sub) in fresh:
+        store.split.write_zeros(sub, fresh["remainder", sub])
+    numel = store.layout.sub_ranges[sub][1]
+    zeros = torch.zeros(min(_MAX_PENDING_BYTES, store.moment_format.stored_nbytes("exp_avg_sq", numel)),
+                        dtype=torch.uint8)
+    for s in MOMENTS:
+        size = store.moment_format.stored_nbytes(s, numel)
+        for at in range(0, size, zeros.numel()):
+            store.io.write(store.tier, fresh[s, sub], zeros[:size - at], offset=at).wait()
+
+
 def _master_split(store, sub: int):
     """The ``SplitMasters`` holding sub-group ``sub``'s masters, or None (an fp32 master key)."""
     if store.split is not None:
@@ -241,8 +264,9 @@ class OptimizerStateStore:
         self.moments_initialized = self.in_place
 
     def wake(self, subs, zero: bool = True) -> None:
-        """Give the dormant sub-groups among ``subs`` their moment and gradient keys, moments zero (on
-        NVMe only with ``zero``: a caller that fills them itself passes False)."""
+        """Give the dormant sub-groups among ``subs`` their moment and gradient keys (and, with split
+        masters, remainder keys), zero (on NVMe only with ``zero``: a caller that fills them itself passes
+        False). All of them or none: a failure while allocating or writing them keeps nothing."""
         subs = sorted(self.dormant.intersection(subs))
         if not subs:
             return
@@ -262,39 +286,28 @@ class OptimizerStateStore:
                     fresh[s, sub] = allocate_key(self, s, nbytes, f"{s}:sub{sub}")
             for sub in subs:
                 undo.extend(hook(sub) for hook in self.on_wake)
+            for sub in subs:    # every byte into the new keys first: a failure here keeps nothing either
+                _fill_fresh(self, sub, fresh, zero)
         except BaseException as exc:
             for step_back in reversed(undo):
                 step_back()
             for key in fresh.values():
                 self.tier.free(key)
-            exc.add_note(f"infinity: while allocating the optimizer states of sub-group(s) {subs} (nothing kept): "
-                         "groups frozen when infinity.Init exited (or when the optimizer was created) get their "
-                         "Adam moments and gradients when they "
-                         "first train or a checkpoint brings them moments, beyond what infinity-plan and Init's "
-                         "budget check counted")
+            exc.add_note(f"infinity: while giving sub-group(s) {subs} their optimizer states (nothing kept): groups "
+                         "frozen when infinity.Init exited (or when the optimizer was created) get their Adam "
+                         "moments and gradients when they first train or a checkpoint brings them moments, beyond "
+                         "what infinity-plan and Init's budget check counted")
             raise
         for (s, sub), key in fresh.items():
-            if s not in ("master", "remainder"):
+            if s == "remainder":
+                self.split.keys[sub] = key
+            elif s != "master":
                 self.keys[s][sub] = key
         for sub in subs:
-            if ("remainder", sub) in fresh:
-                self.split.materialize(sub, fresh["remainder", sub])
-            if ("master", sub) in fresh:    # the resting masters, joined once
-                masters = self.resting.read_sub(sub)
-                self.io.write(self.tier, fresh["master", sub], masters).wait()
+            if ("master", sub) in fresh:    # the resting masters, joined into it
                 self.keys["master"][sub] = fresh["master", sub]
                 self.resting.free(sub)
                 self.copy_writers.difference_update(p.group_index for p in self.layout.pieces_of_sub[sub])
-            if self.in_place:
-                for s in (*MOMENTS, "grad"):
-                    self.view(s, sub).zero_()
-            elif zero:
-                zeros = torch.zeros(min(_MAX_PENDING_BYTES, self.moment_format.stored_nbytes("exp_avg_sq",
-                                        self.layout.sub_ranges[sub][1])), dtype=torch.uint8)
-                for s in MOMENTS:
-                    size = self.moment_format.stored_nbytes(s, self.layout.sub_ranges[sub][1])
-                    for at in range(0, size, zeros.numel()):
-                        self.io.write(self.tier, self.keys[s][sub], zeros[:size - at], offset=at).wait()
         # Last: an update on another thread (during backward) streams the sub-groups not dormant.
         self.dormant.difference_update(subs)
         self.woken.update(subs)

@@ -277,17 +277,21 @@ class SplitMasters:
     def materialize(self, sub: int, key: int | None = None) -> None:
         """Give sub-group ``sub``, whose remainders are ``ZERO``, a key holding them (zeros): ``key``, or
         a new one."""
-        numel = self.layout.sub_ranges[sub][1]
-        key = self.allocate(sub, numel * REMAINDER_ITEMSIZE) if key is None else key
+        key = self.allocate(sub, self.layout.sub_ranges[sub][1] * REMAINDER_ITEMSIZE) if key is None else key
         try:
-            zeros = torch.zeros(min(numel, _ZEROS_CHUNK), dtype=torch.int16)
-            for at in range(0, numel, zeros.numel()):
-                self.io.write(self.tier, key, zeros[:min(zeros.numel(), numel - at)],
-                              offset=at * REMAINDER_ITEMSIZE).wait()
+            self.write_zeros(sub, key)
         except BaseException:
             self.tier.free(key)
             raise
         self.keys[sub] = key
+
+    def write_zeros(self, sub: int, key: int) -> None:
+        """Write zero remainders for all of sub-group ``sub`` into ``key`` (not yet its key)."""
+        numel = self.layout.sub_ranges[sub][1]
+        zeros = torch.zeros(min(numel, _ZEROS_CHUNK), dtype=torch.int16)
+        for at in range(0, numel, zeros.numel()):
+            self.io.write(self.tier, key, zeros[:min(zeros.numel(), numel - at)],
+                          offset=at * REMAINDER_ITEMSIZE).wait()
 
     def adopt(self, sub: int) -> int:
         """Give sub-group ``sub``, whose remainders are ``ZERO``, a key whose bytes come from elsewhere (a

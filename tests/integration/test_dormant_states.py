@@ -160,14 +160,15 @@ def test_checkpoints_are_exact_across_runs_that_froze_different_groups(tmp_path,
     infinity.release(model)
 
 
-def test_a_checkpoint_in_place_adopts_the_states_of_groups_unfrozen_after_init(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])     # bf16: split masters, the base's remainders too
+def test_a_checkpoint_in_place_adopts_the_states_of_groups_unfrozen_after_init(tmp_path, dtype):
     for name in ("ref", "nvme"):
         (tmp_path / name).mkdir()
-    model, opt = _build(_config(tmp_path / "ref"))
+    model, opt = _build(_config(tmp_path / "ref", dtype=dtype))
     reference = _run(model, opt, range(5), unfreeze_at=2)
     infinity.release(model)
 
-    cfg = _config(tmp_path / "nvme")
+    cfg = _config(tmp_path / "nvme", dtype=dtype)
     model, opt = _build(cfg)
     assert _run(model, opt, range(3), unfreeze_at=2) == reference[:3]
     infinity.save_checkpoint(tmp_path / "ckpt", model, opt, in_place=True)
@@ -439,4 +440,32 @@ def test_split_masters_of_a_frozen_base_through_a_checkpoint_in_place(tmp_path, 
     infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
     assert _held(model, "nvme") == held
     assert _run(model, opt, range(2, 5), unfreeze_at=3) == reference[2:]
+    infinity.release(model)
+
+
+def test_a_wake_that_fails_writing_keeps_nothing(tmp_path):
+    """Split masters: waking writes zero remainders into the new keys. A write that failed left the
+    moment keys in place, the sub-groups dormant, and the next wake allocated them all again (a leak)."""
+    model, opt = _build_bf16(_config(tmp_path, "nvme", dtype="bfloat16"))
+    store = opt.engine.store
+    subs, held = sorted(store.dormant), _held(model, "nvme")
+    real = store.split.io
+
+    class Failing:
+        read = staticmethod(real.read)
+
+        @staticmethod
+        def write(*args, **kwargs):
+            raise OSError("injected write error")
+
+    store.split.io = Failing()
+    with pytest.raises(OSError, match="injected") as raised:
+        store.wake(subs)
+    assert any("nothing kept" in note for note in raised.value.__notes__)
+    store.split.io = real
+    assert _held(model, "nvme") == held and sorted(store.dormant) == subs
+    assert all(store.keys["exp_avg"][sub] is None for sub in subs)
+    store.wake(subs)
+    numel = sum(store.layout.sub_ranges[sub][1] for sub in subs)
+    assert _held(model, "nvme") - held == (4 + 4 + 2 + 2) * numel     # m, v, a bf16 gradient, the remainder
     infinity.release(model)
