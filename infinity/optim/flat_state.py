@@ -82,9 +82,8 @@ class _Unbooked:
 
 
 def _fill_fresh(store, sub: int, fresh: dict, zero: bool) -> None:
-    """Write what sub-group ``sub``'s new keys in ``fresh`` (by state) start with as it wakes: zero moments
-    and gradient in memory, and on NVMe zero moments and remainders unless ``zero`` is False (the caller
-    fills them: a first pass, or a checkpoint in place adopted); its resting masters, joined."""
+    """What sub-group ``sub``'s new keys ``fresh`` start with as it wakes: its resting masters, joined; zeros
+    (on NVMe only with ``zero``: else a first pass or an adopted checkpoint in place fills them)."""
     if ("master", sub) in fresh:
         store.io.write(store.tier, fresh["master", sub], store.resting.read_sub(sub)).wait()
     if store.in_place:
@@ -264,9 +263,8 @@ class OptimizerStateStore:
         self.moments_initialized = self.in_place
 
     def wake(self, subs, zero: bool = True) -> None:
-        """Give the dormant sub-groups among ``subs`` their moment and gradient keys (and, with split
-        masters, remainder keys), zero (on NVMe only with ``zero``: a caller that fills them itself passes
-        False). All of them or none: a failure while allocating or writing them keeps nothing."""
+        """Give the dormant sub-groups among ``subs`` their moment, gradient (and split masters' remainder)
+        keys, zero (see ``_fill_fresh``); all or none: a failure allocating or writing them keeps nothing."""
         subs = sorted(self.dormant.intersection(subs))
         if not subs:
             return
@@ -294,9 +292,8 @@ class OptimizerStateStore:
             for key in fresh.values():
                 self.tier.free(key)
             exc.add_note(f"infinity: while giving sub-group(s) {subs} their optimizer states (nothing kept): groups "
-                         "frozen when infinity.Init exited (or when the optimizer was created) get their Adam "
-                         "moments and gradients when they first train or a checkpoint brings them moments, beyond "
-                         "what infinity-plan and Init's budget check counted")
+                         "frozen when infinity.Init exited (or when the optimizer was created) get Adam moments and "
+                         "gradients when they first train or load moments, beyond what infinity-plan counted")
             raise
         for (s, sub), key in fresh.items():
             if s == "remainder":
