@@ -10,11 +10,13 @@ moments are cut into this rank's shard and written to the optimizer tier (zeros 
 sub-group dormant: [Note: dormant sub-groups] in infinity/optim/flat_state.py); a parameter the dict
 has no state for starts afresh (zero moments, step 0); each parameter's step becomes its Adam step
 (the largest is ``step_count``, the others lag: [Note: parameters without a gradient] in
-infinity/optim/ranges.py); the hyper-parameters are the dict's. The master weights are the model's,
+infinity/optim/ranges.py); the hyper-parameters are the dict's (checked as the constructor checks them). The master weights are the model's,
 not the optimizer's, in a torch state dict: load them into the model (inside ``infinity.gathered``).
 Everything is checked before anything is written: a parameter whose moments have another shape, an
-index no parameter has, ``amsgrad`` or ``maximize`` (which the host Adam lacks), or the weight decay of
-the other class (AdamW's into ``infinity.Adam``) is refused, naming it, with nothing loaded.
+index no parameter has, ``amsgrad`` or ``maximize`` (which the host Adam lacks), the weight decay of
+the other class (AdamW's into ``infinity.Adam``) or a hyper-parameter out of range is refused, naming
+it, and the sub-groups the moments wake are given their keys at once, so a tier too full for them
+loses nothing either (the shards wait in host memory meanwhile: this rank's 8 bytes per parameter).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 
 from infinity.errors import EngineError
 from infinity.optim.flat_state import MOMENTS
+from infinity.optim.param_groups import check_hyper
 
 # torch's implementation switches, not hyper-parameters: not copied into this optimizer's groups.
 _IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
@@ -66,11 +69,27 @@ def load(who: str, decoupled: bool, engine, store, param_groups: list[dict], nam
                 raise EngineError(f"{what}: {name}'s {key} has shape {tuple(entry[key].shape)}, the parameter "
                                   f"{tuple(param.shape)}; nothing was loaded")
         values[id(param)] = entry
+    merged = []
+    for i, (group, saved) in enumerate(zip(param_groups, saved_groups)):
+        merged.append(dict(group, **{k: v for k, v in saved.items() if k != "params" and k not in _IMPLEMENTATION}))
+        merged[-1]["betas"] = tuple(merged[-1]["betas"])
+        try:
+            check_hyper(merged[-1], what, i)
+        except ValueError as exc:
+            raise EngineError(f"{exc}; nothing was loaded") from None
     steps = {id(p): int(values[id(p)]["step"]) if id(p) in values else 0 for p in by_index.values()}
-    _write_moments(engine, store, set(steps), values)
-    for group, saved in zip(param_groups, saved_groups):
-        group.update({k: v for k, v in saved.items() if k != "params" and k not in _IMPLEMENTATION})
-        group["betas"] = tuple(group["betas"])
+    shards = _moment_shards(engine, store, set(steps), values)
+    # Sub-groups to wake, all at once (all or none): a tier too full for them keeps nothing loaded.
+    try:
+        store.wake({p.sub_index for (key, gi), shard in shards.items() for p in store.layout.pieces_of_group[gi]
+                    if shard[p.group_offset:p.group_offset + p.numel].any()})
+    except BaseException as exc:
+        exc.add_note(f"{what}: nothing was loaded")
+        raise
+    for (key, gi), shard in shards.items():
+        store.write_state_shard(key, gi, shard)
+    for group, new in zip(param_groups, merged):
+        group.update(new)
     step_count = max(steps.values(), default=0)
     return step_count, {names[pid]: step for pid, step in steps.items()}
 
@@ -89,9 +108,10 @@ def _params_by_index(what: str, saved_groups: list[dict], param_groups: list[dic
     return out
 
 
-def _write_moments(engine, store, chosen: set[int], values: dict[int, dict]) -> None:
-    """Each group's shard of m and v: the saved values of its parameters in ``chosen`` (zeros for one
-    without state), the stored values of the others (not in this optimizer)."""
+def _moment_shards(engine, store, chosen: set[int], values: dict[int, dict]) -> dict[tuple[str, int], torch.Tensor]:
+    """Each group's shard of m and v, by (state, group index): the saved values of its parameters in
+    ``chosen`` (zeros for one without state), the stored values of the others (not in this optimizer)."""
+    out = {}
     # On NVMe before the first update the moment keys hold nothing: every group is written, from zeros
     # (the update reads them all once the store says they hold data).
     fresh = not store.moments_initialized
@@ -112,4 +132,5 @@ def _write_moments(engine, store, chosen: set[int], values: dict[int, dict]) -> 
                     part.zero_()
                 else:
                     part.copy_(saved[key].detach().reshape(-1)[lo - slot.offset:hi - slot.offset])
-            store.write_state_shard(key, group.index, shard)
+            out[key, group.index] = shard
+    return out

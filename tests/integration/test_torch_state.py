@@ -107,3 +107,53 @@ def test_a_torch_state_dict_leaves_a_frozen_base_dormant(tmp_path):
     opt.load_state_dict(plain_opt.state_dict())
     assert infinity.stats(model)["tiers"]["host"]["bytes_in_use"] == held
     infinity.release(model)
+
+
+def test_a_load_whose_moments_do_not_fit_the_tier_keeps_nothing(tmp_path):
+    """The saved moments wake a dormant base: with a host budget that holds the model as built but not
+    those keys, the load raises naming why and leaves every state as it was (it wrote the groups before
+    the first that did not fit)."""
+    from tests.integration.test_dormant_states import Stack, _config, _held
+
+    def built(cfg):
+        torch.manual_seed(0)
+        with infinity.Init(cfg):
+            model = Stack()
+            model.layers[2:].requires_grad_(False)
+        return model, infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+
+    (tmp_path / "probe").mkdir()
+    probe, _ = built(_config(tmp_path / "probe", "host"))
+    held = _held(probe, "host")
+    infinity.release(probe)
+    cfg = _config(tmp_path, "host")
+    cfg["tiers"]["host_budget"] = held + 4096
+    model, opt = built(cfg)
+    torch.manual_seed(0)
+    plain = Stack()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=2e-2, weight_decay=0.1)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(0))
+    plain(x).backward()
+    plain_opt.step()
+    before = {k: [t.clone() for t in v] for k, v in opt.state_dict()["shards"].items()}
+    with pytest.raises(MemoryError, match="would hold") as raised:
+        opt.load_state_dict(plain_opt.state_dict())
+    assert any("nothing was loaded" in note for note in raised.value.__notes__)
+    after = opt.state_dict()
+    assert opt.step_count == 0 and opt.param_groups[0]["lr"] == 1e-2 and _held(model, "host") == held
+    for key, shards in before.items():
+        assert all(torch.equal(a, b) for a, b in zip(shards, after["shards"][key])), key
+    infinity.release(model)
+
+
+def test_hyper_parameters_out_of_range_are_refused_as_the_constructor_refuses_them(tmp_path):
+    model, plain = engine_and_plain(_cfg(tmp_path, "host", "host"))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    _step(plain, plain_opt, *batches(1, 2)[0])
+    opt = infinity.AdamW(model, lr=1e-2)
+    saved = copy.deepcopy(plain_opt.state_dict())
+    saved["param_groups"][0]["eps"] = -5.0
+    with pytest.raises(EngineError, match=r"eps must be > 0, got -5.0 \(param group 0\); nothing was loaded"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["eps"] == 1e-8
+    infinity.release(model)
