@@ -11,8 +11,11 @@ into it (and the moments, when a checkpoint loaded any: zeros leave a sub-group 
 the old one. It is exact: each state is copied as it is stored, and steps then match those of a base
 frozen inside ``Init`` bit for bit.
 
-It runs only where nothing can be lost or doubled: before any gradient arrived (no gradient is ever
-moved), on tiers that take new keys (not a checkpoint sealed in place). The old store is freed only
+It runs only where it is exact and nothing can be lost or doubled: before any gradient arrived (no
+gradient is ever moved), not on a model holding a checkpoint in place (``Init(resume=)``: its keys
+lie where the save put them, and a resume in place needs the layout the save had, so a run that
+saves in place freezes inside ``Init``), and not over nonzero moments stored compressed
+(``state_dtype`` int8 or bf16, loaded before the optimizer: they would be quantized again). The old store is freed only
 once the new one holds everything, so for a moment the optimizer tier holds both (the new one is the
 masters plus the trained groups' states); a tier too full for that keeps the layout, with a warning
 that says what it would have saved and how to get it (freeze inside the ``infinity.Init`` block). One
@@ -64,9 +67,20 @@ def build_store(engine, layout: FlatLayout, dormant) -> OptimizerStateStore:
                                dormant=dormant, dormant_copies=dormant_copies)
 
 
+class _Reencoded(Exception):
+    """Compressed moments that are not all zero: moving them would quantize them a second time."""
+
+
 def _free(store: OptimizerStateStore) -> None:
-    """Free every key ``store`` holds in its tier; it is unusable from here on."""
-    store.flush()
+    """Free every key ``store`` holds in its tier (after its writes, even failed ones); it is unusable
+    from here on."""
+    try:
+        store.flush()
+    finally:
+        _free_keys(store)
+
+
+def _free_keys(store: OptimizerStateStore) -> None:
     for keys in store.keys.values():
         for sub, key in enumerate(keys):
             if key is not None and key != ZERO:
@@ -80,7 +94,8 @@ def _free(store: OptimizerStateStore) -> None:
 
 def _kept(who: str, why: str, gain: int, tier: str) -> None:
     level, frame = 1, inspect.currentframe()
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("infinity."):
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("infinity.") and not \
+            frame.f_globals["__name__"].startswith("infinity.examples."):
         level, frame = level + 1, frame.f_back     # the warning names the user's line, not the engine's
     warnings.warn(f"{who}: kept the optimizer's flat layout of infinity.Init's exit, whose sub-groups mix trainable "
                   f"groups with groups frozen since: moving them apart would save up to "
@@ -102,7 +117,7 @@ def relayout_frozen(engine, who: str) -> bool:
         return False
     layout, dormant = frozen_apart(groups, engine.config.partition.sub_group_size)
     why = ("gradients arrived before it was created (they are never moved)" if old.has_grad else
-           engine.damaged if engine.damaged else "its tier was sealed as a checkpoint" if getattr(old.tier, "sealed", None)
+           "the model holds a checkpoint in place (its keys lie where the save put them)" if engine.damaged
            else None)
     if why is not None:
         _kept(who, why, gain, old.tier.kind)
@@ -116,11 +131,17 @@ def relayout_frozen(engine, who: str) -> bool:
         if old.moments_initialized:     # on the host tier always; on NVMe once a load or a step wrote them
             for state in MOMENTS:
                 for g in groups:
-                    new.write_state_shard(state, g.index, old.read_state_shard(state, g.index))
-    except MemoryError as exc:     # a full tier (TierFullError): the old store is whole
+                    values = old.read_state_shard(state, g.index)
+                    if old.moment_format.compressed and values.any():
+                        raise _Reencoded
+                    new.write_state_shard(state, g.index, values)
+    except (MemoryError, _Reencoded) as exc:     # a full tier (TierFullError): the old store is whole
         if new is not None:
             _free(new)
-        _kept(who, f"it needs both layouts in the tier for a moment ({exc})", gain, old.tier.kind)
+        why = (f"its moments, loaded before it, are stored as {old.moment_format.dtype} and would be encoded "
+               "again (not exact)" if isinstance(exc, _Reencoded) else
+               f"it needs both layouts in the tier for a moment ({exc})")
+        _kept(who, why, gain, old.tier.kind)
         return False
     except BaseException:
         if new is not None:

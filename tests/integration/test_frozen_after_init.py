@@ -69,8 +69,8 @@ def test_the_saving_matches_what_the_dormant_sub_groups_leave_out(tmp_path):
 
 @pytest.mark.parametrize("optimizer, state_dtype", [("host", "fp32"), ("nvme", "fp32"), ("nvme", "int8")])
 def test_moments_a_checkpoint_brought_move_with_the_masters(tmp_path, optimizer, state_dtype):
-    """A checkpoint loaded into the model's store at Init's exit (``resume``) holds moments for every
-    group: the new store takes them exactly (the base, whose moments are nonzero, wakes)."""
+    """A checkpoint of a run that trained every group, loaded after the optimizer built the store again:
+    the base frozen after Init takes its nonzero moments as one frozen inside Init does (it wakes)."""
     cfg = lambda name: _config(tmp_path / name, optimizer, state_dtype)  # noqa: E731
     for name in ("save", "inside", "after"):
         (tmp_path / name).mkdir()
@@ -152,8 +152,45 @@ def test_a_checkpoint_adopted_in_place_keeps_its_layout_until_loaded(tmp_path):
     with infinity.Init(cfg, resume=tmp_path / "ckpt"):
         model = Stack()
     model.layers[:1].requires_grad_(False)
-    with pytest.warns(RuntimeWarning, match="call infinity.load_checkpoint"):
+    with pytest.warns(RuntimeWarning, match="the model holds a checkpoint in place"):
         opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
     infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
     assert _run(model, opt, range(2, 4)) == reference[2:]
     infinity.release(model)
+
+
+@pytest.mark.parametrize("optimizer, state_dtype, dtype", [("host", "fp32", "float32"), ("nvme", "fp32", "float32"),
+                                                          ("nvme", "fp32", "bfloat16"), ("host", "fp32", "bfloat16"),
+                                                          ("nvme", "int8", "float32")])
+def test_moments_loaded_before_the_optimizer_move_exactly_or_keep_the_layout(tmp_path, optimizer, state_dtype,
+                                                                             dtype):
+    """``load_checkpoint(path, model)`` before the optimizer brings nonzero moments into the store the
+    optimizer builds again: copied as stored (the base, its moments nonzero, wakes); int8 moments would be
+    quantized again, so their layout stays, with a warning, and training is the same either way."""
+    cfg = lambda name: _config(tmp_path / name, optimizer, state_dtype, dtype)  # noqa: E731
+    for name in ("save", "inside", "after"):
+        (tmp_path / name).mkdir()
+    model, opt = _built(cfg("save"), 0, True)
+    _run(model, opt, range(2))
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    infinity.release(model)
+    runs = {}
+    for inside in (True, False):
+        torch.manual_seed(0)
+        with infinity.Init(cfg("inside" if inside else "after")):
+            model = Stack()
+            if inside:
+                model.layers[:1].requires_grad_(False)
+        infinity.load_checkpoint(tmp_path / "ckpt", model)      # moments in, no optimizer yet
+        if not inside:
+            model.layers[:1].requires_grad_(False)
+        if state_dtype == "int8" and not inside:
+            with pytest.warns(RuntimeWarning, match="stored as int8 and would be encoded again"):
+                opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+        else:
+            opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+        runs[inside] = _run(model, opt, range(2, 5), unfreeze_at=3), _held(model, optimizer)
+        infinity.release(model)
+    assert runs[False][0] == runs[True][0]
+    if state_dtype != "int8":
+        assert runs[False][1] == runs[True][1]
