@@ -162,19 +162,20 @@ def _refuse_output_inside(out: str, directories: list[str]) -> None:
                                   "write it outside the checkpoint directory")
 
 
-def check_buffer_size(nbytes: int) -> None:
-    """Raise ``ValueError`` saying why, unless ``nbytes`` is a buffer size ``checkpoint.buffer_size`` allows."""
+def check_buffer_size(nbytes) -> int:
+    """``nbytes`` as ``checkpoint.buffer_size`` takes it (an int, or a size such as "64MiB"), in bytes;
+    ``ValueError`` saying why it is refused."""
     from infinity.config.sections import CheckpointConfig
     from infinity.config.values import ConfigError
 
     try:
-        CheckpointConfig(buffer_size=nbytes)
+        return CheckpointConfig(buffer_size=nbytes).buffer_size
     except ConfigError as exc:
         raise ValueError(exc.reason) from None
 
 
 def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
-                safetensors: bool = False, buffer_size: int | None = None, state: str = "master") -> dict:
+                safetensors: bool = False, buffer_size: int | str | None = None, state: str = "master") -> dict:
     """Write the checkpoint's model as one ordinary state dict, streaming (see the module note).
 
     Parameters
@@ -188,7 +189,8 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
     safetensors:
         Write the safetensors format instead of ``torch.save``'s.
     buffer_size:
-        Bytes read from the checkpoint at a time (default: the ``[checkpoint]`` default, 64 MiB).
+        Bytes read from the checkpoint at a time, or a size such as ``"16MiB"``, as
+        ``checkpoint.buffer_size`` takes it (default: the ``[checkpoint]`` default, 64 MiB).
     state:
         Which saved state each parameter's tensor holds: ``"master"`` (the parameters), or Adam's
         ``"exp_avg"`` / ``"exp_avg_sq"`` under the parameters' names (no buffers): fp32 values
@@ -214,7 +216,7 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
         raise ValueError(f"consolidate: state must be one of {', '.join(_STATES)}, got {state!r}")
     if buffer_size is not None:     # checked before anything is read
         try:
-            check_buffer_size(buffer_size)
+            buffer_size = check_buffer_size(buffer_size)
         except ValueError as exc:
             raise ValueError(f"consolidate: buffer_size: {exc}") from None
     saved = SavedCheckpoint(ckpt)

@@ -333,9 +333,14 @@ def _edited(out: Path, best: nv.Setting) -> Path:
     """``out`` with ``best`` as its ``[aio]`` section, written beside it and checked to load; the caller
     moves it over ``out`` or deletes it. Whatever the old ``[aio]`` held goes: only the rest must load."""
     section = best.aio_section()
+    try:
+        old = out.read_text() if out.exists() else ""
+    except UnicodeDecodeError as e:
+        raise BenchError(f"--write-config {out}: the existing file is not UTF-8 text ({e.reason} at byte "
+                         f"{e.start})") from None
     if out.suffix == ".json":
         try:
-            data = json.loads(out.read_text()) if out.exists() else {}
+            data = json.loads(old) if old else {}
         except json.JSONDecodeError as e:
             raise BenchError(f"--write-config {out}: the existing file is not JSON: {e}") from None
         if not isinstance(data, dict):
@@ -353,7 +358,6 @@ def _edited(out: Path, best: nv.Setting) -> Path:
             f'engine = "{best.engine}"',
             f"direct = {'true' if best.direct else 'false'}",
         ]) + "\n"
-        old = out.read_text() if out.exists() else ""
         pattern = re.compile(r"^\[aio\][^\n]*\n(?:(?!\[)[^\n]*\n?)*", re.MULTILINE)
         if pattern.search(old):
             text = pattern.sub(lambda _: body + "\n", old, count=1)

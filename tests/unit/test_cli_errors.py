@@ -54,6 +54,10 @@ def test_consolidate_missing_checkpoint_is_a_failure_and_bad_arguments_are_usage
         assert consolidate.main([str(checkpoint), str(tmp_path / "m.pt"), "--buffer-size", size]) == 2
         assert f"--buffer-size '{size}'" in (err := one_line_error(capsys, "infinity-consolidate")) and says in err
     assert not (tmp_path / "m.pt").exists()
+    from infinity.checkpoint import consolidate as library      # sizes as the config takes them
+    for size in ("1MiB", 1048576.0):
+        library.consolidate(checkpoint, tmp_path / "m.pt", buffer_size=size)
+        assert (tmp_path / "m.pt").exists()
     with pytest.raises(SystemExit) as info:
         consolidate.main([str(checkpoint)])
     assert info.value.code == 2
@@ -110,12 +114,15 @@ def test_consolidate_refuses_an_output_it_cannot_write_before_reading(checkpoint
 def test_bench_checks_its_outputs_and_sizes_before_the_sweep(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text("{bad")
+    binary = tmp_path / "b.toml"
+    binary.write_bytes(b"\xff\xfe[aio]\n")
     other = tmp_path / "x.toml"     # the [aio] it replaces may be anything; the rest must load
     other.write_text("[aio]\nqueue_depth = 0\n\n[prefetch]\nenabled = 3\n")
     for extra, says in ((["--json", str(tmp_path / "no" / "a.json")], "does not exist"),
                         (["--json", str(tmp_path)], "is a directory"),
                         (["--write-config", str(bad)], "the existing file is not JSON"),
-                        (["--write-config", str(other)], "prefetch.enabled")):
+                        (["--write-config", str(other)], "prefetch.enabled"),
+                        (["--write-config", str(binary)], "is not UTF-8 text")):
         assert bench.main(["nvme", "--path", str(tmp_path), "--size", "16MiB", "--no-progress", *extra]) == 2
         assert says in one_line_error(capsys, "infinity-bench nvme")
     with pytest.raises(SystemExit):
