@@ -67,17 +67,23 @@ def test_the_saving_matches_what_the_dormant_sub_groups_leave_out(tmp_path):
     infinity.release(model)
 
 
-@pytest.mark.parametrize("optimizer, state_dtype", [("host", "fp32"), ("nvme", "fp32"), ("nvme", "int8")])
-def test_moments_a_checkpoint_brought_move_with_the_masters(tmp_path, optimizer, state_dtype):
-    """A checkpoint of a run that trained every group, loaded after the optimizer built the store again:
-    the base frozen after Init takes its nonzero moments as one frozen inside Init does (it wakes)."""
-    cfg = lambda name: _config(tmp_path / name, optimizer, state_dtype)  # noqa: E731
+def _save_two_steps(tmp_path, cfg) -> None:
+    """``tmp_path / "ckpt"``: two steps of the stack with every group trained (swap files under ``cfg("save")``;
+    ``cfg("inside")`` and ``cfg("after")`` get their directories too)."""
     for name in ("save", "inside", "after"):
         (tmp_path / name).mkdir()
     model, opt = _built(cfg("save"), 0, True)
     _run(model, opt, range(2))
     infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
     infinity.release(model)
+
+
+@pytest.mark.parametrize("optimizer, state_dtype", [("host", "fp32"), ("nvme", "fp32"), ("nvme", "int8")])
+def test_moments_a_checkpoint_brought_move_with_the_masters(tmp_path, optimizer, state_dtype):
+    """A checkpoint of a run that trained every group, loaded after the optimizer built the store again:
+    the base frozen after Init takes its nonzero moments as one frozen inside Init does (it wakes)."""
+    cfg = lambda name: _config(tmp_path / name, optimizer, state_dtype)  # noqa: E731
+    _save_two_steps(tmp_path, cfg)
     runs = {}
     for inside in (True, False):
         model, opt = _built(cfg("inside" if inside else "after"), 1, inside)
@@ -168,12 +174,7 @@ def test_moments_loaded_before_the_optimizer_move_exactly_or_keep_the_layout(tmp
     optimizer builds again: copied as stored (the base, its moments nonzero, wakes); int8 moments would be
     quantized again, so their layout stays, with a warning, and training is the same either way."""
     cfg = lambda name: _config(tmp_path / name, optimizer, state_dtype, dtype)  # noqa: E731
-    for name in ("save", "inside", "after"):
-        (tmp_path / name).mkdir()
-    model, opt = _built(cfg("save"), 0, True)
-    _run(model, opt, range(2))
-    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
-    infinity.release(model)
+    _save_two_steps(tmp_path, cfg)
     runs = {}
     for inside in (True, False):
         torch.manual_seed(0)

@@ -59,14 +59,26 @@ def test_a_plain_run_goes_on_under_infinity_as_in_torch(tmp_path, params, optimi
     infinity.release(model)
 
 
-def test_what_a_torch_state_dict_cannot_carry_is_refused_naming_it_and_nothing_loads(tmp_path):
+def _one_plain_step(tmp_path, lr: float):
+    """A TinyGPT in infinity (its optimizer at lr 1e-2, never stepped) and a plain one stepped once at ``lr``."""
     model, plain = engine_and_plain(_cfg(tmp_path, "host", "host"))
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=2e-2)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=lr)
     _step(plain, plain_opt, *batches(1, 2)[0])
-    opt = infinity.AdamW(model, lr=1e-2)
+    return model, infinity.AdamW(model, lr=1e-2), plain_opt
+
+
+def _states(opt) -> dict:
+    return {k: [t.clone() for t in v] for k, v in opt.state_dict()["shards"].items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(x, y) for key in a for x, y in zip(a[key], b[key]))
+
+
+def test_what_a_torch_state_dict_cannot_carry_is_refused_naming_it_and_nothing_loads(tmp_path):
+    model, opt, plain_opt = _one_plain_step(tmp_path, 2e-2)
     saved = plain_opt.state_dict()
-    before = opt.state_dict()
-    before = {k: [t.clone() for t in v] for k, v in before["shards"].items()}
+    before = _states(opt)
 
     def refused(edit, says, cls=infinity.AdamW):
         broken = copy.deepcopy(plain_opt.state_dict())     # its entries are the optimizer's own
@@ -80,10 +92,7 @@ def test_what_a_torch_state_dict_cannot_carry_is_refused_naming_it_and_nothing_l
     refused(lambda d: d["param_groups"][0].update(amsgrad=True), "amsgrad=True")
     refused(lambda d: d["param_groups"][0]["params"].pop(), "parameters here")
     refused(lambda d: d["state"][first].pop("exp_avg_sq"), "has no 'exp_avg_sq'")
-    after = opt.state_dict()
-    assert opt.step_count == 0 and opt.param_groups[0]["lr"] == 1e-2
-    for key, shards in before.items():
-        assert all(torch.equal(a, b) for a, b in zip(shards, after["shards"][key])), key
+    assert opt.step_count == 0 and opt.param_groups[0]["lr"] == 1e-2 and _same(before, _states(opt))
     infinity.release(model)
     model, _ = engine_and_plain(_cfg(tmp_path, "host", "host"))
     other = infinity.Adam(model, lr=1e-2)
@@ -135,22 +144,17 @@ def test_a_load_whose_moments_do_not_fit_the_tier_keeps_nothing(tmp_path):
     x = torch.randn(4, 96, generator=torch.Generator().manual_seed(0))
     plain(x).backward()
     plain_opt.step()
-    before = {k: [t.clone() for t in v] for k, v in opt.state_dict()["shards"].items()}
+    before = _states(opt)
     with pytest.raises(MemoryError, match="would hold") as raised:
         opt.load_state_dict(plain_opt.state_dict())
     assert any("nothing was loaded" in note for note in raised.value.__notes__)
-    after = opt.state_dict()
     assert opt.step_count == 0 and opt.param_groups[0]["lr"] == 1e-2 and _held(model, "host") == held
-    for key, shards in before.items():
-        assert all(torch.equal(a, b) for a, b in zip(shards, after["shards"][key])), key
+    assert _same(before, _states(opt))
     infinity.release(model)
 
 
 def test_hyper_parameters_out_of_range_are_refused_as_the_constructor_refuses_them(tmp_path):
-    model, plain = engine_and_plain(_cfg(tmp_path, "host", "host"))
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    _step(plain, plain_opt, *batches(1, 2)[0])
-    opt = infinity.AdamW(model, lr=1e-2)
+    model, opt, plain_opt = _one_plain_step(tmp_path, 1e-2)
     saved = copy.deepcopy(plain_opt.state_dict())
     saved["param_groups"][0]["eps"] = -5.0
     with pytest.raises(EngineError, match=r"eps must be > 0, got -5.0 \(param group 0\); nothing was loaded"):
