@@ -15,11 +15,12 @@ It runs only where it is exact and nothing can be lost or doubled: before any gr
 gradient is ever moved), not on a model holding a checkpoint in place (``Init(resume=)``: its keys
 lie where the save put them, and a resume in place needs the layout the save had, so a run that
 saves in place freezes inside ``Init``), and not over nonzero moments stored compressed
-(``state_dtype`` int8 or bf16, loaded before the optimizer: they would be quantized again). The old store is freed only
-once the new one holds everything, so for a moment the optimizer tier holds both (the new one is the
-masters plus the trained groups' states); a tier too full for that keeps the layout, with a warning
-that says what it would have saved and how to get it (freeze inside the ``infinity.Init`` block). One
-pass over the masters: the cost of ``Init``'s exit once more, before the first step.
+(``state_dtype`` int8 or bf16, loaded before the optimizer: they would be quantized again). The old
+store is freed only once the new one holds everything, so for a moment the optimizer tier holds both
+(the new one is the masters plus the trained groups' states); a tier too full for that keeps the
+layout, with a warning that says what it would have saved and how to get it (freeze inside the
+``infinity.Init`` block). One pass over the masters: the cost of ``Init``'s exit once more, before
+the first step.
 """
 from __future__ import annotations
 

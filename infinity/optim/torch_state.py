@@ -10,13 +10,14 @@ moments are cut into this rank's shard and written to the optimizer tier (zeros 
 sub-group dormant: [Note: dormant sub-groups] in infinity/optim/flat_state.py); a parameter the dict
 has no state for starts afresh (zero moments, step 0); each parameter's step becomes its Adam step
 (the largest is ``step_count``, the others lag: [Note: parameters without a gradient] in
-infinity/optim/ranges.py); the hyper-parameters are the dict's (checked as the constructor checks them). The master weights are the model's,
-not the optimizer's, in a torch state dict: load them into the model (inside ``infinity.gathered``).
-Everything is checked before anything is written: a parameter whose moments have another shape, an
-index no parameter has, ``amsgrad`` or ``maximize`` (which the host Adam lacks), the weight decay of
-the other class (AdamW's into ``infinity.Adam``) or a hyper-parameter out of range is refused, naming
-it, and the sub-groups the moments wake are given their keys at once, so a tier too full for them
-loses nothing either (the shards wait in host memory meanwhile: this rank's 8 bytes per parameter).
+infinity/optim/ranges.py); the hyper-parameters are the dict's (checked as the constructor checks
+them). The master weights are the model's, not the optimizer's, in a torch state dict: load them
+into the model (inside ``infinity.gathered``). Everything is checked before anything is written: a
+parameter whose moments have another shape, an index no parameter has, ``amsgrad`` or ``maximize``
+(which the host Adam lacks), the weight decay of the other class (AdamW's into ``infinity.Adam``) or
+a hyper-parameter out of range is refused, naming it, and the sub-groups the moments wake are given
+their keys at once, so a tier too full for them loses nothing either (the shards wait in host memory
+meanwhile: this rank's 8 bytes per parameter).
 """
 from __future__ import annotations
 
