@@ -239,7 +239,7 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
             offsets = _torch_skeleton(tmp, entries)
         fd = os.open(tmp, os.O_WRONLY)
         try:
-            _fill(saved, layout, entries, offsets, fd, config, buffer_size if buffer_size is not None else config.checkpoint.buffer_size, state)
+            _fill(saved, layout, entries, offsets, fd, config, buffer_size or config.checkpoint.buffer_size, state)
             os.fsync(fd)
         finally:
             os.close(fd)
