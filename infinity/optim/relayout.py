@@ -15,17 +15,19 @@ It runs only where it is exact and nothing can be lost or doubled: before any gr
 gradient is ever moved), not on a model holding a checkpoint in place (``Init(resume=)``: its keys
 lie where the save put them, and a resume in place needs the layout the save had, so a run that
 saves in place freezes inside ``Init``), and not over nonzero moments stored compressed
-(``state_dtype`` int8 or bf16, loaded before the optimizer: they would be quantized again). The old
-store is freed only once the new one holds everything, so for a moment the optimizer tier holds both
-(the new one is the masters plus the trained groups' states); a tier too full for that keeps the
-layout, with a warning that says what it would have saved and how to get it (freeze inside the
-``infinity.Init`` block). One pass over the masters: the cost of ``Init``'s exit once more, before
-the first step.
+(``state_dtype`` int8 or bf16, loaded before the optimizer: they would be quantized again). The
+ranks decide together: when one keeps its layout, all do. The old store is freed only once the new
+one holds everything, so for a moment the optimizer tier holds both (the new one is the masters plus
+the trained groups' states); a tier too full for that keeps the layout, with a warning that says
+what it would have saved and how to get it (freeze inside the ``infinity.Init`` block). One pass
+over the masters: the cost of ``Init``'s exit once more, before the first step.
 """
 from __future__ import annotations
 
 import inspect
 import warnings
+
+import torch
 
 from tiers.base import format_nbytes
 from infinity.optim.compact_grads import grad_dtype_for
@@ -123,7 +125,7 @@ def relayout_frozen(engine, who: str) -> bool:
     if why is not None:
         _kept(who, why, gain, old.tier.kind)
         return False
-    new = None
+    new, kept = None, None
     try:
         new = build_store(engine, layout, dormant)     # its master keys: all of them or none
         for g in groups:
@@ -136,19 +138,32 @@ def relayout_frozen(engine, who: str) -> bool:
                     if old.moment_format.compressed and values.any():
                         raise _Reencoded
                     new.write_state_shard(state, g.index, values)
-    except (MemoryError, _Reencoded) as exc:     # a full tier (TierFullError): the old store is whole
-        if new is not None:
-            _free(new)
-        why = (f"its moments, loaded before it, are stored as {old.moment_format.dtype} and would be encoded "
-               "again (not exact)" if isinstance(exc, _Reencoded) else
-               f"it needs both layouts in the tier for a moment ({exc})")
-        _kept(who, why, gain, old.tier.kind)
-        return False
+    except _Reencoded:
+        kept = (f"its moments, loaded before it, are stored as {old.moment_format.dtype} and would be encoded "
+                "again (not exact)")
+    except MemoryError as exc:     # a full tier (TierFullError): the old store is whole
+        kept = f"it needs both layouts in the tier for a moment ({exc})"
     except BaseException:
         if new is not None:
             _free(new)
         raise
+    if _any_rank(engine, kept is not None) and kept is None:     # every rank calls it once
+        kept = "another rank keeps it (the ranks keep one layout: a checkpoint in place needs that)"
+    if kept is not None:
+        if new is not None:
+            _free(new)
+        _kept(who, kept, gain, old.tier.kind)
+        return False
     _free(old)
     engine.store = new
     engine.reducer.attach(new)
     return True
+
+
+def _any_rank(engine, mine: bool) -> bool:
+    """Whether ``mine`` holds on any rank (a collective: every rank calls it)."""
+    if engine.ranks.world_size == 1:
+        return mine
+    flag = torch.tensor([1.0 if mine else 0.0], device=engine.device.device)
+    engine.ranks.all_reduce_max(flag)
+    return bool(flag.item())

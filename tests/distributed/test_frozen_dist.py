@@ -71,3 +71,50 @@ def _train(rank, world, workdir, name, inside=True):
 def test_freezing_on_two_ranks_matches_plain_torch(tmp_path, name, inside):
     results = run_ranks(_train, 2, tmp_path, name, inside)
     assert max(results) <= 1e-5, results
+
+
+def _one_rank_short(rank, world, workdir):
+    """Blocks frozen after Init; rank 1's host budget holds its store but not a second one beside it."""
+    import warnings
+
+    from infinity.registry import engine_of
+
+    shape = preset("tiny", n_layer=3)
+    overrides = {"tiers": {"device": "cpu"}, "precision": {"dtype": "float32"}}
+    with infinity.Init(load_config("offload-host", overrides=overrides)):   # on every rank: Init is collective
+        probe = GPT(shape)
+    budget = infinity.stats(probe)["tiers"]["host"]["bytes_in_use"] + 4096 if rank == 1 else 0
+    infinity.release(probe)
+    overrides["tiers"]["host_budget"] = budget
+    torch.manual_seed(0)
+    with infinity.Init(load_config("offload-host", overrides=overrides)):
+        model = GPT(shape)
+    subs = engine_of(model).store.layout.num_subs
+    model.blocks.requires_grad_(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = infinity.AdamW(model, lr=1e-2)
+    said = [str(w.message) for w in caught if "kept the optimizer's flat layout" in str(w.message)]
+    kept = engine_of(model).store.layout.num_subs == subs
+    torch.manual_seed(0)
+    ref = GPT(shape)
+    ref.blocks.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = batches("random", LOCAL_BATCH * world, 32, shape.vocab_size, seed=0)
+    worst = 0.0
+    for _ in range(3):
+        x, y = next(data)
+        loss, ref_loss, _, _ = step_beside(model, opt, ref, ref_opt, x, y, rank, world, LOCAL_BATCH)
+        worst = max(worst, abs(loss - ref_loss) / ref_loss)
+    infinity.release(model)
+    return kept, said, worst
+
+
+def test_a_rank_that_cannot_move_its_store_keeps_every_ranks_layout(tmp_path):
+    """The store is built again on each rank; when one rank's tier cannot hold both, no rank moves (they
+    keep one flat layout, as a checkpoint in place of them needs), each saying why."""
+    results = run_ranks(_one_rank_short, 2, tmp_path)
+    (kept0, said0, worst0), (kept1, said1, worst1) = results
+    assert kept0 and kept1
+    assert any("another rank keeps it" in s for s in said0) and any("would hold" in s for s in said1)
+    assert max(worst0, worst1) <= 1e-5
