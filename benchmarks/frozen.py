@@ -3,7 +3,7 @@
 [Note: frozen after Init] in infinity/optim/relayout.py), against frozen after the optimizer (every
 state held).
 
-Three engines over the same GPT (same initial weights, same batches) in one process; only the last
+Three engines over the same GPT (same initial weights, same batches) in one process; by default only the last
 ``--train-blocks`` blocks and the final norm train. Their steps alternate, so all see the same
 machine load. The report gives, per engine, the optimizer tier's bytes in use, the bytes per frozen
 parameter it saves against the last, the median step time and whether the losses were equal at every
@@ -11,6 +11,10 @@ step; then the base is unfrozen in all for ``--unfrozen-steps`` steps (the dorma
 tiers compared again (see [Note: dormant sub-groups] in infinity/optim/flat_state.py).
 
     python benchmarks/frozen.py --model 125M --preset nvme --steps 6
+
+``--freeze bitfit`` freezes every matrix instead, training the biases and norms (BitFit): frozen inside
+``Init`` each block's group is split in two at its exit and the frozen half is dormant ([Note: frozen
+inside a group] in infinity/runtime/construction.py); frozen after it the groups train whole.
 
 ``--bf16-values`` rounds the initial weights to bf16 in both engines, as a base loaded from a bf16
 checkpoint has them: its masters need no remainders ([Note: zero remainders] in
@@ -32,9 +36,13 @@ from infinity.examples.data import batches
 from infinity.examples.gpt import GPT, preset
 
 
-def _freeze_base(model, train_blocks: int) -> None:
+def _freeze(model, args) -> None:
+    if args.freeze == "bitfit":
+        for p in model.parameters():
+            p.requires_grad_(p.dim() < 2)
+        return
     model.requires_grad_(False)
-    for block in model.blocks[len(model.blocks) - train_blocks:]:
+    for block in model.blocks[len(model.blocks) - args.train_blocks:]:
         block.requires_grad_(True)
     model.ln_f.requires_grad_(True)
 
@@ -54,14 +62,14 @@ def build(args, when: str, workdir: str):
                 for p in model.parameters():
                     p.copy_(p.bfloat16().float())
         if when == "in Init":
-            _freeze_base(model, args.train_blocks)
+            _freeze(model, args)
     if when == "before the optimizer":
-        _freeze_base(model, args.train_blocks)
+        _freeze(model, args)
     start = time.perf_counter()
     opt = infinity.AdamW(model, lr=1e-4)
     _created_s[when] = time.perf_counter() - start    # with a base frozen before it: the store built again
     if when == "after the optimizer":
-        _freeze_base(model, args.train_blocks)
+        _freeze(model, args)
     return model, opt
 
 
@@ -95,6 +103,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--freeze", choices=("base", "bitfit"), default="base",
+                    help="base: all but the last --train-blocks blocks and the final norm; bitfit: every matrix")
     ap.add_argument("--train-blocks", type=int, default=1)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--unfrozen-steps", type=int, default=2)
@@ -129,7 +139,7 @@ def main(argv=None) -> dict:
         return statistics.median(a / b for a, b in zip(times[name][1:], times[last][1:]))
 
     report = {
-        "model": args.model, "preset": args.preset, "dtype": args.dtype, "bf16_values": args.bf16_values,
+        "model": args.model, "preset": args.preset, "freeze": args.freeze, "dtype": args.dtype, "bf16_values": args.bf16_values,
         "optimizer_tier": tier,
         "params": params, "frozen_params": frozen,
         "rows": [{"run": name, "tier_bytes": held[name], "tier_bytes_unfrozen": unfrozen[name],
@@ -138,7 +148,8 @@ def main(argv=None) -> dict:
                   "optimizer_created_s": _created_s[name.removeprefix("frozen ")]} for name in names],
         "losses_equal": equal, "losses_equal_unfrozen": equal_after,
     }
-    print(f"GPT {args.model}, {args.preset}, {args.dtype}{', bf16 values' if args.bf16_values else ''}: "
+    print(f"GPT {args.model}, {args.preset}, {args.dtype}{', bf16 values' if args.bf16_values else ''}, "
+          f"frozen: {args.freeze}: "
           f"{params:,} parameters, {frozen:,} frozen; "
           f"optimizer tier: {tier}")
     print(f"{'run':<28}{'tier bytes':>16}{'saved B/frozen param':>22}{'after unfreezing':>18}{'step s':>9}"

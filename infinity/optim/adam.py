@@ -24,7 +24,7 @@ from infinity.optim.in_backward import InBackwardUpdate
 from infinity.optim.job import StepJob
 from infinity.optim.nonfinite import NonFiniteSteps
 from infinity.optim.ranges import ParamSteps, UpdateRanges
-from infinity.optim.relayout import relayout_frozen
+from infinity.optim.relayout import relayout_frozen, warn_frozen_in_part
 from infinity.optim.scheduler import UpdateScheduler
 from infinity.optim.shard_states import ShardStates
 from infinity.optim.update import UpdatePass
@@ -53,6 +53,7 @@ class _OffloadAdam(torch.optim.Optimizer):
             raise EngineError(f"{self._name}: this model already has an infinity optimizer; create one per model")
         self.engine = engine
         relayout_frozen(engine, self._name)     # [Note: frozen after Init] in infinity/optim/relayout.py
+        warn_frozen_in_part(engine, self._name)
         self.store = engine.store
         self._ranges = None
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))

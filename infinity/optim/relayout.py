@@ -95,15 +95,36 @@ def _free_keys(store: OptimizerStateStore) -> None:
                 store.resting.free(sub)
 
 
-def _kept(who: str, why: str, gain: int, tier: str) -> None:
-    level, frame = 1, inspect.currentframe()
+def _warn(message: str) -> None:
+    level, frame = 2, inspect.currentframe().f_back
     while frame is not None and frame.f_globals.get("__name__", "").startswith("infinity.") and not \
             frame.f_globals["__name__"].startswith("infinity.examples."):
         level, frame = level + 1, frame.f_back     # the warning names the user's line, not the engine's
-    warnings.warn(f"{who}: kept the optimizer's flat layout of infinity.Init's exit, whose sub-groups mix trainable "
-                  f"groups with groups frozen since: moving them apart would save up to "
-                  f"{format_nbytes(gain * _PER_ELEMENT)} of the {tier} tier, but {why}. Freeze those parameters "
-                  "inside the infinity.Init block to have it from the start.", RuntimeWarning, stacklevel=level)
+    warnings.warn(message, RuntimeWarning, stacklevel=level)
+
+
+def _kept(who: str, why: str, gain: int, tier: str) -> None:
+    _warn(f"{who}: kept the optimizer's flat layout of infinity.Init's exit, whose sub-groups mix trainable "
+          f"groups with groups frozen since: moving them apart would save up to "
+          f"{format_nbytes(gain * _PER_ELEMENT)} of the {tier} tier, but {why}. Freeze those parameters "
+          "inside the infinity.Init block to have it from the start.")
+
+
+def warn_frozen_in_part(engine, who: str) -> None:
+    """Say what parameters frozen after ``infinity.Init`` beside trainable ones of their group cost: a
+    group trains whole ([Note: frozen inside a group] in infinity/runtime/construction.py)."""
+    numel, first = 0, None
+    for g in engine.coordinator.groups:
+        frozen = sum(s.numel for s in g.slots if not s.param.requires_grad) if g.has_trainable else 0
+        if frozen:
+            numel, first = numel + frozen, first or g.name
+    if numel:
+        per_rank = -(-numel // engine.ranks.world_size)
+        _warn(f"{who}: {numel:,} parameters frozen after infinity.Init share parameter groups with trainable "
+              f"ones ({first!r} first): a group trains whole, so they keep their Adam moments and gradient "
+              f"(up to {format_nbytes(per_rank * _PER_ELEMENT)} of the {engine.store.tier.kind} tier per rank) "
+              "and move with it at every step. Freeze them inside the infinity.Init block: its exit puts "
+              "them in groups of their own, which hold their masters only.")
 
 
 def relayout_frozen(engine, who: str) -> bool:

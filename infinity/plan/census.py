@@ -44,27 +44,23 @@ class CensusGroup:
     param_numels : tuple of int
         Element count of each parameter in the group, in module order.
     trainable : bool
-        Whether the group's parameters require grad (only trainable groups carry gradients).
+        Whether the group's parameters require grad: a trainable group's Adam moments and gradient
+        accumulator are held, its gradient shard leaves the device, the update streams and rewrites it.
+        A module's frozen parameters are a group apart from its trainable ones, as the engine splits
+        them when ``infinity.Init`` exits ([Note: frozen inside a group] in
+        infinity/runtime/construction.py); a frozen group holds its master only ([Note: dormant
+        sub-groups] in infinity/optim/flat_state.py).
     uses : int
         How many modules hold the group's parameters (2 for a weight tied between an
         embedding and an output head): each gathers it in forward.
-    states : bool
-        Whether the group trains in the engine (default: ``trainable``): its Adam moments and gradient
-        accumulator are held, its gradient shard leaves the device, the update streams and rewrites it.
-        Frozen parameters of a module that has trainable ones count: frozen after the module was
-        built (BitFit: the usual way), they share its group in the engine. A group frozen whole holds
-        its master only ([Note: dormant sub-groups] in infinity/optim/flat_state.py).
     """
 
     name: str
     param_numels: tuple[int, ...]
     trainable: bool = True
     uses: int = 1
-    states: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.states is None:
-            object.__setattr__(self, "states", self.trainable)
         if not self.param_numels or any(n <= 0 for n in self.param_numels):
             raise PlanError(
                 f"group {self.name!r} must hold parameters of positive size, "
@@ -335,11 +331,10 @@ def _tile_groups(
 def _split_by_trainable(name: str, params: list[nn.Parameter], holders: dict[int, int]) -> list[CensusGroup]:
     """One group of the trainable parameters and one of the frozen ones (either may be absent)."""
     groups = []
-    mixed = len({p.requires_grad for p in params}) == 2
     for trainable in (True, False):
         chosen = [p for p in params if p.requires_grad == trainable]
         if chosen:
             uses = max(holders.get(id(p), 1) for p in chosen)
             groups.append(CensusGroup(name=name, param_numels=tuple(p.numel() for p in chosen),
-                                      trainable=trainable, uses=uses, states=trainable or mixed))
+                                      trainable=trainable, uses=uses))
     return groups

@@ -13,10 +13,8 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   ``infinity/optim/background.py``).
 * fp32 master of every shard, frozen groups' too (a parameter unfrozen later trains from it; with
   bf16 copies and states off the device, as the copy plus a 2-byte remainder until then), and
-  Adam m and v and the gradient accumulator of the groups that train (``CensusGroup.states``: the
-  frozen parameters of a module that has trainable ones too, since the engine groups them together
-  when they were frozen after the module was built; a group frozen whole gets them when it is
-  unfrozen: [Note: dormant sub-groups] in infinity/optim/flat_state.py):
+  Adam m and v and the gradient accumulator of the trainable groups (a frozen group gets them when
+  it is unfrozen: [Note: dormant sub-groups] in infinity/optim/flat_state.py):
   ``tiers.optimizer``; m and v at their stored size (``optimizer.state_dtype``: 4, 2 or
   1 + 4 / ``state_block_size`` bytes each per element). In bf16 with params and optimizer both on
   NVMe the master is stored as the compute copy plus a 2-byte remainder ([Note: split master] in
@@ -183,9 +181,8 @@ class Layout:
             self.largest_shard = max(self.largest_shard, shard)
             if persistent:
                 self.persistent_padded_numel += padded
-            # A group that trains (``CensusGroup.states``: a module's frozen parameters with its trainable
-            # ones): the engine streams, steps and rewrites it whole, and holds its moments and gradient.
-            if group.states:
+            # A trainable group: the engine streams, steps and rewrites it, and holds its moments and gradient.
+            if group.trainable:
                 self.trainable_numel += shard
                 self.trainable_padded_numel += padded
                 self.rewrite_nvme += on_disk

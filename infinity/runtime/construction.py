@@ -36,6 +36,19 @@ the unit's own code builds them. A parameter of a unit that a module outside it 
 weight) is gathered by that module too. ``"auto"`` takes the class names the model lists in
 ``_no_split_modules`` (the Hugging Face convention for "keep this module on one device").
 
+[Note: frozen inside a group]
+A module's (or unit's) frozen parameters form a group apart from its trainable ones, so that the
+frozen group holds its master only ([Note: dormant sub-groups] in infinity/optim/flat_state.py).
+Split as the module is partitioned, this saw only what its own ``__init__`` froze; fine-tuning code
+freezes after building (BitFit: every weight, the biases trained; a block's base weights beside
+adapters it holds), which left one group per module (per block, under the presets' units) that
+trains whole: the frozen weights' moments and gradient held, streamed and rewritten at every step.
+So the context's exit splits each group whose parameters differ in ``requires_grad`` as they are
+then: its values gathered, the group freed, two groups partitioned in its place (the trainable one
+first), each gathered with the module (or unit) as the one was. Exact: the values move as fp32.
+A unit whose parameters are frozen in part now costs two gathers instead of one. What is frozen
+after the context keeps its group (groups are fixed from then on); the optimizer says what that costs.
+
 What the room may touch: the coordinator (partition, groups), the tiers, the ranks'
 broadcast and all-gather, and the plan's arithmetic for the budget check.
 """
@@ -302,10 +315,11 @@ class Partitioner:
 
     # -- at the context's exit ---------------------------------------------------------------------
     def finish(self, roots: list[nn.Module]) -> OptimizerStateStore:
-        """Close construction: drop orphaned parameters, index modules, check the budget, build the store."""
+        """Close construction: regroup (orphaned parameters, frozen ones), index modules, check the budget, build
+        the store."""
         for root in roots:
             self.partition_module(root)
-        self._drop_orphans(roots)
+        self._regroup(roots)
         self._index_modules(roots)
         config = self.engine.config
         # Stages 1 and 2 keep whole parameters on every rank: each group is gathered once after an
@@ -358,14 +372,17 @@ class Partitioner:
                 if written is not None:
                     written.wait()
 
-    def _drop_orphans(self, roots: list[nn.Module]) -> None:
-        """Re-shard groups some of whose parameters no module references any more (weight tying)."""
+    def _regroup(self, roots: list[nn.Module]) -> None:
+        """Re-shard groups some of whose parameters no module references any more (weight tying), and
+        split those holding trainable and frozen parameters together ([Note: frozen inside a group])."""
         coordinator = self.coordinator
         live = {id(p) for r in roots for _, p in r.named_parameters(remove_duplicate=False)}
         kept: list[ParamGroup] = []
         for g in list(coordinator.groups):
             alive = [s for s in g.slots if id(s.param) in live]
-            if len(alive) == len(g.slots):
+            parts = [part for part in ([s for s in alive if s.param.requires_grad],
+                                       [s for s in alive if not s.param.requires_grad]) if part]
+            if len(alive) == len(g.slots) and len(parts) == 1:
                 kept.append(g)
                 continue
             if alive:
@@ -379,9 +396,11 @@ class Partitioner:
             if alive:
                 for s, v in zip(alive, values):
                     s.param.data = v
-                new = self._partition(g.name, [(s.name, s.param) for s in alive])
-                if g in self.unit_of:
-                    self.unit_of[new] = self.unit_of.pop(g)
+            unit = self.unit_of.pop(g, None)
+            for part in parts:
+                new = self._partition(g.name, [(s.name, s.param) for s in part])
+                if unit is not None:
+                    self.unit_of[new] = unit
                 coordinator.groups.remove(new)
                 kept.append(new)
         for i, g in enumerate(kept):

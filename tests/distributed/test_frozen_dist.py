@@ -35,23 +35,31 @@ def _set(net, step: int) -> None:
                 p.requires_grad_(False)
 
 
+def _bitfit(net) -> None:
+    for p in net.parameters():
+        p.requires_grad_(p.dim() < 2)
+
+
 def _train(rank, world, workdir, name, inside=True):
     """``inside``: the blocks frozen inside ``infinity.Init``, else after it and before the optimizer (which
-    builds the flat store again on each rank: [Note: frozen after Init] in infinity/optim/relayout.py)."""
+    builds the flat store again on each rank: [Note: frozen after Init] in infinity/optim/relayout.py);
+    "bitfit": every matrix frozen inside ``Init``, each block's group split in two at its exit, the values
+    gathered over the ranks ([Note: frozen inside a group] in infinity/runtime/construction.py)."""
+    freeze = _bitfit if inside == "bitfit" else (lambda net: _set(net, None))
     shape = preset("tiny", n_layer=3)
     nvme = os.path.join(workdir, f"nvme-{name}")
     os.makedirs(nvme, exist_ok=True)
     torch.manual_seed(0)
     ref = GPT(shape)
-    _set(ref, None)
+    freeze(ref)
     overrides = {"tiers": {"device": "cpu", "nvme_path": nvme}, "precision": {"dtype": "float32"}}
     torch.manual_seed(0)
     with infinity.Init(load_config(name, overrides=overrides)):
         model = GPT(shape)
         if inside:
-            _set(model, None)
+            freeze(model)
     if not inside:
-        _set(model, None)
+        freeze(model)
     opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     data = batches("random", LOCAL_BATCH * world, 32, shape.vocab_size, seed=0)
@@ -67,7 +75,7 @@ def _train(rank, world, workdir, name, inside=True):
 
 
 @pytest.mark.parametrize("name, inside", [("offload-optimizer", True), ("offload-host", True),
-                                          ("offload-host", False)])
+                                          ("offload-host", False), ("nvme", "bitfit")])
 def test_freezing_on_two_ranks_matches_plain_torch(tmp_path, name, inside):
     results = run_ranks(_train, 2, tmp_path, name, inside)
     assert max(results) <= 1e-5, results

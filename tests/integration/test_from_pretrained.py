@@ -240,6 +240,27 @@ def test_bf16_compute_with_split_masters_keeps_the_fp32_checkpoint_exactly(tmp_p
     infinity.release(model)
 
 
+def test_a_checkpoint_frozen_in_part_inside_init_loads_exactly_and_its_frozen_part_is_dormant(tmp_path):
+    """Each decoder layer one group (``partition.units``), its matrices frozen in the Init block (BitFit
+    after the load): the exit splits each layer's group, whose values come from the files then
+    ([Note: frozen inside a group] in infinity/runtime/construction.py); the frozen halves are dormant."""
+    checkpoint = _save(str(tmp_path / "ckpt"), _llama(), transformers.LlamaForCausalLM)
+    ref = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
+    cfg = dict(_cfg(str(tmp_path)), partition={"sub_group_size": 4096, "units": "auto"})
+    with infinity.Init(cfg):
+        model = transformers.LlamaForCausalLM.from_pretrained(checkpoint)
+        for p in model.parameters():
+            p.requires_grad_(p.dim() < 2)
+    engine = registry.engine_of(model)
+    layer = engine.coordinator.module_groups[model.model.layers[0]]
+    assert [g.has_trainable for g in layer] == [True, False]
+    frozen_subs = {p.sub_index for g in engine.coordinator.groups if not g.has_trainable
+                   for p in engine.layout.pieces_of_group[g.index]}
+    assert frozen_subs and frozen_subs <= set(engine.store.dormant)
+    _check(_compare(model, ref))
+    infinity.release(model)
+
+
 def test_a_cut_safetensors_file_is_named(tmp_path):
     checkpoint = _save(str(tmp_path / "ckpt"), _llama(), transformers.LlamaForCausalLM)
     victim = sorted(f for f in os.listdir(checkpoint) if f.endswith(".safetensors"))[0]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from infinity.examples.gpt import GPT, preset
 from tests.support.benchmarks import load_benchmark
 
 
@@ -27,3 +28,18 @@ def test_frozen_benchmark_tiny(bench, tmp_path, extra, saved):
     assert before["tier_bytes"] == inside["tier_bytes"]
     assert inside["tier_bytes_unfrozen"] == before["tier_bytes_unfrozen"] == held["tier_bytes_unfrozen"] \
         == held["tier_bytes"]
+
+
+def test_frozen_benchmark_bitfit_tiny(bench, tmp_path):
+    """BitFit inside Init: each block's group split at Init's exit, the matrices dormant; after Init the
+    groups train whole (the optimizer warns), holding every state; the same losses."""
+    report = bench.main(["--model", "tiny", "--steps", "2", "--seq", "16", "--workdir", str(tmp_path),
+                         "--freeze", "bitfit"])
+    assert report["losses_equal"] is True and report["losses_equal_unfrozen"] is True
+    inside, before, held = report["rows"]
+    assert inside["saved_bytes_per_frozen_param"] == pytest.approx(10, rel=0.1)    # m, v, a bf16 gradient
+    # Before the optimizer only the groups frozen whole (the embeddings) are put apart: the blocks' matrices,
+    # frozen beside their vectors, keep their 10 bytes.
+    blocks = GPT(preset("tiny", seq_len=16)).blocks
+    in_blocks = sum(p.numel() for p in blocks.parameters() if p.dim() > 1)
+    assert before["tier_bytes"] - inside["tier_bytes"] == pytest.approx(10 * in_blocks, rel=0.05)

@@ -333,16 +333,17 @@ def test_bad_config(config, match):
         plan(Tiny(), config, check_fit=False)
 
 
-def test_a_module_frozen_in_part_keeps_every_state_and_one_frozen_whole_its_master_only(tmp_path):
-    """BitFit freezes a module's weight after the module was built: the engine keeps weight and bias in one
-    group, which trains, so the frozen weight's moments and gradient are held too. A module frozen whole is
-    dormant: its master only, 2 bytes beside its bf16 copy ([Note: dormant sub-groups])."""
+def test_a_module_frozen_in_part_or_whole_holds_the_frozen_parameters_masters_only(tmp_path):
+    """BitFit freezes a module's weight after the module was built: the engine splits the module's group at
+    ``infinity.Init``'s exit ([Note: frozen inside a group]), so the frozen weight is dormant as a module
+    frozen whole is: its master only, 2 bytes beside its bf16 copy ([Note: dormant sub-groups])."""
     cfg = {"tiers": {"params": "host", "optimizer": "host"}, "precision": {"dtype": "bfloat16"}}
     model = Tiny()
     model.fc1.weight.requires_grad_(False)      # fc1: weight 30,000 -> 16,384 per rank, bias 300 -> 2,048
     model.fc2.requires_grad_(False)             # fc2: 2,048 per rank, frozen whole
     rows = _rows(plan(model, cfg, world_size=2, check_fit=False))
-    held = 16_384 + 2_048 + 2_048               # fc1's two groups and the norm
+    held = 2_048 + 2_048                        # fc1's bias and the norm
+    frozen = 16_384 + 2_048                     # fc1's weight, fc2
     assert rows["adam_moments"] == ("host", 8 * held)
     assert rows["grad_accumulator"] == ("host", 2 * held)
-    assert rows["master"] == ("host", 4 * held + 2 * 2_048)
+    assert rows["master"] == ("host", 4 * held + 2 * frozen)
