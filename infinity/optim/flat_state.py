@@ -165,6 +165,33 @@ class OptimizerStateStore:
         self.on_wake: list = []     # each returns what undoes it
         # The dormant sub-groups' masters stored split meanwhile (their remainder keys), or None.
         self.resting = None
+        self._pending_writes: list = []
+        self._buffers = None     # allocated before any key: short of host memory, no key is left behind
+        n = layout.sub_group_size
+        def empty(nbytes: int, state: str) -> torch.Tensor:
+            if allocator is None:
+                return torch.empty(nbytes, dtype=torch.uint8)
+            return allocator.empty(nbytes, stagger=_STAGGER[state])
+
+        if not self.in_place:
+            fmt = self.moment_format
+            self._buffers = [{s: empty(fmt.stored_nbytes(s, n), s).view(fmt.stored_dtype(s)) for s in STATES}
+                             for _ in range(2)]
+        elif copies is not None:    # the joined masters of the sub-group being stepped
+            self._buffers = [{"master": empty(n * _F32, "master").view(torch.float32)}]
+        if copies is not None:
+            for bufs in self._buffers:
+                bufs["copy"] = empty(n * 2, "copy").view(torch.bfloat16)
+                bufs["remainder"] = empty(n * 2, "remainder").view(torch.int16)
+        if grad_dtype != torch.float32:     # a compact gradient sub-group, widened into "grad"
+            if self._buffers is None:
+                self._buffers = [{}]
+            if self.in_place:
+                self._buffers[0]["grad"] = empty(n * _F32, "grad_compact").view(torch.float32)
+            else:
+                for bufs in self._buffers:
+                    bufs["grad_compact"] = empty(n * compact_grads.itemsize(grad_dtype),
+                                                 "grad_compact").view(grad_dtype)
         # Dormant sub-groups' remainder keys come with the first nonzero remainder ([Note: zero remainders]).
         def allocate_remainder(sub: int, nbytes: int) -> int:
             return allocate_key(self, "remainder", nbytes, f"remainder:sub{sub}")
@@ -199,33 +226,6 @@ class OptimizerStateStore:
         # Called before the gradient keys widen to fp32 (DPU's second set widens too: see
         # [Note: compact gradients] in infinity/optim/compact_grads.py).
         self.before_widen = None
-        self._pending_writes: list = []
-        self._buffers = None
-        n = layout.sub_group_size
-        def empty(nbytes: int, state: str) -> torch.Tensor:
-            if allocator is None:
-                return torch.empty(nbytes, dtype=torch.uint8)
-            return allocator.empty(nbytes, stagger=_STAGGER[state])
-
-        if not self.in_place:
-            fmt = self.moment_format
-            self._buffers = [{s: empty(fmt.stored_nbytes(s, n), s).view(fmt.stored_dtype(s)) for s in STATES}
-                             for _ in range(2)]
-        elif copies is not None:    # the joined masters of the sub-group being stepped
-            self._buffers = [{"master": empty(n * _F32, "master").view(torch.float32)}]
-        if copies is not None:
-            for bufs in self._buffers:
-                bufs["copy"] = empty(n * 2, "copy").view(torch.bfloat16)
-                bufs["remainder"] = empty(n * 2, "remainder").view(torch.int16)
-        if grad_dtype != torch.float32:     # a compact gradient sub-group, widened into "grad"
-            if self._buffers is None:
-                self._buffers = [{}]
-            if self.in_place:
-                self._buffers[0]["grad"] = empty(n * _F32, "grad_compact").view(torch.float32)
-            else:
-                for bufs in self._buffers:
-                    bufs["grad_compact"] = empty(n * compact_grads.itemsize(grad_dtype),
-                                                 "grad_compact").view(grad_dtype)
         if not defer_states:
             self.allocate_states()
 

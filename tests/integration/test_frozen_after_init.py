@@ -112,6 +112,38 @@ def test_a_tier_too_full_for_both_layouts_keeps_the_old_one_and_says_so(tmp_path
     infinity.release(ref)
 
 
+def test_host_memory_too_short_for_the_new_stores_buffers_keeps_the_layout_and_frees_its_keys(tmp_path,
+                                                                                             monkeypatch):
+    """States on NVMe: the new store's keys are on the disk, its sub-group buffers in host memory. A host
+    budget that refuses the buffers keeps the old layout and leaves no key of the new store on the disk
+    (they were allocated before the buffers, and nothing freed them)."""
+    from tiers.base import TierFullError
+
+    torch.manual_seed(0)
+    with infinity.Init(_config(tmp_path, "nvme")):
+        model = Stack()
+    model.layers[:2].requires_grad_(False)
+    held = _held(model, "nvme")
+    allocator = infinity.registry.engine_of(model).tiers.allocator
+    empty = allocator.empty
+
+    def short(nbytes, stagger=None, **kwargs):
+        if stagger is not None:     # the optimizer store's sub-group buffers
+            raise TierFullError(f"host budget: no room for {nbytes} bytes")
+        return empty(nbytes, **kwargs)
+
+    monkeypatch.setattr(allocator, "empty", short)
+    with pytest.warns(RuntimeWarning, match=r"kept the optimizer's flat layout.*no room for"):
+        opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+    monkeypatch.undo()
+    assert _held(model, "nvme") == held
+    (tmp_path / "ref").mkdir()
+    ref, ref_opt = _built(_config(tmp_path / "ref", "nvme"), 2, True)
+    assert _run(model, opt, range(3)) == _run(ref, ref_opt, range(3))
+    infinity.release(model)
+    infinity.release(ref)
+
+
 def test_a_gradient_taken_before_the_optimizer_keeps_the_layout_and_its_gradient(tmp_path):
     """Gradients are never moved: one that arrived before the optimizer was created is stepped from the
     store it is in."""
