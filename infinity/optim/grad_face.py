@@ -18,6 +18,8 @@ parameter's shape and dtype and no memory, whose operations are answered from th
 - ``clamp_`` / ``clamp_min_`` / ``clamp_max_``: applied to the stored shards at once;
 - ``zero_`` (``zero_grad(set_to_none=False)``): the gradient counts as cleared, a gradient of
   zeros (its norm 0, ``mul_`` and ``clamp_`` leave it so) until the next backward;
+- ``torch._foreach_norm``, ``_foreach_mul_``, ``_foreach_clamp_min_`` / ``_max_``, ``_foreach_zero_``
+  (``clip_grad_norm_`` / ``clip_grad_value_`` with ``foreach=True``): each tensor's op as above;
 - anything else raises ``EngineError`` naming the parameter.
 
 Whether the gradients were cleared is decided when the next backward starts (or at
@@ -68,6 +70,8 @@ class ShardedGrad(torch.Tensor):
         if getattr(func, "__name__", "") == "__get__":      # attributes: shape, dtype, device, ...
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func in _FOREACH and args and isinstance(args[0], (list, tuple)):
+            return _foreach(func, args[0], args[1:], kwargs)
         token = args[0] if args and isinstance(args[0], ShardedGrad) else None
         face = token.face() if token is not None else None
         if face is None:
@@ -103,6 +107,26 @@ placeholder.GRAD_TOKENS.add(ShardedGrad)
 def untaken(param) -> bool:
     """Whether ``param`` holds a gradient the engine did not take (a tensor in ``.grad``, not a token)."""
     return param.grad is not None and not isinstance(param.grad, ShardedGrad)
+
+
+# torch's list ops (``clip_grad_norm_`` / ``clip_grad_value_`` with ``foreach``) and the op each is per tensor.
+_FOREACH = {torch._foreach_norm: torch.linalg.vector_norm, torch._foreach_mul_: torch.Tensor.mul_,
+            torch._foreach_clamp_min_: torch.Tensor.clamp_min_, torch._foreach_clamp_max_: torch.Tensor.clamp_max_,
+            torch._foreach_zero_: torch.Tensor.zero_}
+
+
+def _foreach(func, tensors, rest, kwargs):
+    """A ``torch._foreach_*`` op one tensor at a time, tokens answered as their own op is; an in-place op's
+    operand may be one per tensor (a list)."""
+    op = _FOREACH[func]
+    if func is torch._foreach_norm:
+        return [op(t, *rest, **kwargs) for t in tensors]
+    if rest and isinstance(rest[0], (list, tuple)):
+        for t, x in zip(tensors, rest[0], strict=True):
+            op(t, x, *rest[1:], **kwargs)
+    else:
+        for t in tensors:
+            op(t, *rest, **kwargs)
 
 
 def _name(func) -> str:

@@ -22,7 +22,8 @@ def _max_param_diff(model, ref) -> float:
         return max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
 
 
-def _train(model, opt, data, micro=2, max_norm=None, clip_value=None, zero=lambda m, o: m.zero_grad()):
+def _train(model, opt, data, micro=2, max_norm=None, clip_value=None, zero=lambda m, o: m.zero_grad(),
+           foreach=None):
     """Per step: ``micro`` backwards (accumulation), torch's clipping, step, ``zero``; returns losses and norms."""
     losses, norms = [], []
     for idx, tgt in data:
@@ -31,19 +32,21 @@ def _train(model, opt, data, micro=2, max_norm=None, clip_value=None, zero=lambd
             loss.backward()
         losses.append(float(loss.detach()))
         if max_norm is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=foreach)))
         if clip_value is not None:
-            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value, foreach=foreach)
         opt.step()
         zero(model, opt)
     return losses, norms
 
 
-@pytest.mark.parametrize("params_tier, opt_tier", [("host", "host"), ("device", "device"), ("nvme", "nvme")])
-def test_model_zero_grad_and_torch_clipping_match_plain_torch(tmp_path, params_tier, opt_tier):
+@pytest.mark.parametrize("params_tier, opt_tier, foreach", [
+    ("host", "host", None), ("device", "device", None), ("nvme", "nvme", None),
+    ("host", "host", True)])     # torch._foreach_norm / _foreach_mul_ (torch's default on CUDA)
+def test_model_zero_grad_and_torch_clipping_match_plain_torch(tmp_path, params_tier, opt_tier, foreach):
     model, ref = engine_and_plain(_cfg(params_tier, opt_tier, tmp_path))
     data = batches(6, 2)
-    kw = dict(max_norm=0.5, clip_value=2e-3)
+    kw = dict(max_norm=0.5, clip_value=2e-3, foreach=foreach)
     losses, norms = _train(model, infinity.AdamW(model, lr=1e-2), data, **kw)
     ref_losses, ref_norms = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data, **kw)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
