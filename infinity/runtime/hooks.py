@@ -222,8 +222,8 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
     """
     handles: list[RemovableHandle] = []
     forward: dict = {}
-    pre_forward = torch.compiler.disable(lambda m, args: lifecycle.pre_forward(m, args))
-    post_forward = torch.compiler.disable(lambda m, args, out: lifecycle.post_forward(m, out))
+    pre_forward = _EngineHook(torch.compiler.disable(lifecycle.pre_forward))
+    post_forward = _EngineHook(torch.compiler.disable(lambda m, args, out: lifecycle.post_forward(m, out)))
     for module in root.modules():
         forward[module] = [
             module.register_forward_pre_hook(pre_forward, prepend=True),
@@ -231,12 +231,32 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
             # group left in use would stay gathered and never be refreshed by an optimizer step.
             module.register_forward_hook(post_forward, always_call=True)]
         handles.extend(forward[module])
-        handles.append(module.register_state_dict_pre_hook(
-            lambda m, prefix, keep_vars: lifecycle.before_state_dict(m, prefix, keep_vars)))
-        handles.append(module.register_load_state_dict_pre_hook(
+        handles.append(module.register_state_dict_pre_hook(_EngineHook(
+            lambda m, prefix, keep_vars: lifecycle.before_state_dict(m, prefix, keep_vars))))
+        handles.append(module.register_load_state_dict_pre_hook(_EngineHook(
             lambda m, state_dict, prefix, metadata, *rest: refuse_assign(lifecycle.coordinator, m, state_dict, prefix,
-                                                                        metadata)))
+                                                                        metadata))))
     return HookHandles(handles, forward)
+
+
+class _EngineHook:
+    """A module hook of the engine. Pickling a model (``torch.save(model)``, ``pickle.dumps``, sending it to
+    another process) reaches its hooks before any parameter, and a function said only "Can't pickle local
+    object"; this says why and what to do instead (a released parameter says the same: its ``.data``)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __reduce_ex__(self, protocol):
+        raise EngineError("pickling a model infinity manages (torch.save(model), pickle, copy.deepcopy, sending it "
+                          "to another process): its parameters are shards over ranks and tiers, and its hooks hold "
+                          "the engine. Save model.state_dict() inside `with infinity.gathered(model):`, or use "
+                          "infinity.save_checkpoint")
 
 
 def refuse_assign(coordinator, module: nn.Module, state_dict: dict, prefix: str, metadata: dict) -> None:
@@ -268,6 +288,7 @@ def install_released_guard(root: nn.Module) -> HookHandles:
 
     handles: list[RemovableHandle] = []
     for module in root.modules():
-        handles.append(module.register_forward_pre_hook(lambda m, args: refuse("forward()"), prepend=True))
-        handles.append(module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: refuse("state_dict()")))
+        handles.append(module.register_forward_pre_hook(_EngineHook(lambda m, args: refuse("forward()")), prepend=True))
+        handles.append(module.register_state_dict_pre_hook(_EngineHook(
+            lambda m, prefix, keep_vars: refuse("state_dict()"))))
     return HookHandles(handles)

@@ -144,3 +144,24 @@ def test_edits_through_the_data_and_views_of_a_gathered_tiled_weight_reach_the_s
     assert torch.equal(w[2], torch.zeros(6)) and torch.equal(w[7], torch.full((6,), 3.0))
     assert torch.equal(w[0], torch.full((6,), -1.0)) and torch.equal(b, torch.full((9,), 0.5))
     infinity.release(model)
+
+
+def test_pickling_a_model_raises_naming_the_infinity_way_and_training_goes_on(tmp_path):
+    """``torch.save(model)`` and ``pickle.dumps(model)`` reach the engine's module hooks before any
+    parameter: they said "Can't pickle local object 'install_hooks.<locals>.<lambda>'"."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"}}):
+        model = _Net()
+    opt = infinity.AdamW(model, lr=1e-2)
+    for what, call in {"torch.save": lambda: torch.save(model, io.BytesIO()),
+                       "pickle": lambda: pickle.dumps(model), "deepcopy": lambda: copy.deepcopy(model)}.items():
+        with pytest.raises(EngineError, match=r"infinity.gathered|infinity.save_checkpoint"):
+            call()
+    model(torch.ones(2, 8), torch.zeros(2, 4)).backward()
+    opt.step()
+    infinity.release(model)
+    with pytest.raises(EngineError, match="pickling a model infinity manages"):
+        torch.save(model, io.BytesIO())
