@@ -19,7 +19,7 @@ from torch import nn
 from infinity import registry
 from infinity.errors import EngineError, released_message
 from infinity.optim import param_groups, torch_state
-from infinity.optim.checks import GradientChecks
+from infinity.optim.checks import GradientChecks, refuse_trainer_checkpoints
 from infinity.optim.in_backward import InBackwardUpdate
 from infinity.optim.job import StepJob
 from infinity.optim.nonfinite import NonFiniteSteps
@@ -149,6 +149,8 @@ class _OffloadAdam(torch.optim.Optimizer):
             raise EngineError(f"{self._name}.step: closures are not supported with offloaded states")
         engine = self.engine
         engine.check_intact(f"{self._name}.step()")
+        if self._calls == 0:
+            refuse_trainer_checkpoints(self._name)     # [Note: Trainer's checkpoints] in infinity/optim/checks.py
         param_groups.check_options(self.param_groups, f"{self._name}.step()")
         engine.tiers.check()    # the update reads every state: no swap file may have been cut under it
         engine.recover_aborted_backward()

@@ -12,9 +12,12 @@ gradients (to recompute a norm), the ranks' all-reduces and the data path's host
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
+
+from infinity.errors import EngineError
 
 
 class GradientChecks:
@@ -79,3 +82,32 @@ class GradientChecks:
         (The arrivals and the norm are reset with the accumulator, by ``store.zero_grad``.)
         """
         self.clip_coef = None
+
+
+def refuse_trainer_checkpoints(who: str) -> None:
+    """Refuse the first step of a ``transformers.Trainer`` run that would save its own checkpoints.
+
+    [Note: Trainer's checkpoints]
+    ``transformers.Trainer`` saves a checkpoint every ``save_steps`` (500 by default) and at the end
+    of training, unless ``save_strategy="no"``: it takes ``model.state_dict()`` on the main process
+    only. An engine model's parameters are shards over ranks and tiers, and gathering them needs
+    every rank, so that save raises; it did so after hours of training, losing the run. So the first
+    ``opt.step()`` called by a Trainer (found up the stack: torch gives no other way to see it) whose
+    save strategy is not "no" raises before any update, saying what to do instead."""
+    frame = inspect.currentframe().f_back
+    while frame is not None:
+        trainer = frame.f_locals.get("self") if frame.f_globals.get("__name__") == "transformers.trainer" else None
+        args = getattr(trainer, "args", None)
+        if args is not None and hasattr(args, "save_strategy"):
+            strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+            if strategy != "no":
+                raise EngineError(
+                    f"{who}: transformers.Trainer with save_strategy={strategy!r} would save its checkpoints "
+                    "through model.state_dict() on the main process only, which an infinity model (its "
+                    "parameters shards over ranks and tiers) refuses: the run would stop at its first save "
+                    "(save_steps, or the end of training). Give TrainingArguments save_strategy=\"no\"; save "
+                    "with infinity.save_checkpoint(directory, model, optimizer) on every rank (a TrainerCallback's "
+                    "on_step_end, say), and the final weights with save_pretrained inside infinity.gathered. "
+                    "Nothing was updated")
+            return
+        frame = frame.f_back

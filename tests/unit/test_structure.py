@@ -141,6 +141,9 @@ _FOREIGN_PRIVATE = {
     # One multi-tensor copy of a group's gradients into its flat bucket (infinity/runtime/grads.py): the
     # foreach ops torch.optim itself runs on, with no public name.
     "_foreach_copy_",
+    # What clip_grad_norm_ / clip_grad_value_ with foreach=True call on the .grad tokens, answered one token
+    # at a time (infinity/optim/grad_face.py).
+    "_foreach_norm", "_foreach_mul_", "_foreach_clamp_min_", "_foreach_clamp_max_", "_foreach_zero_",
     # Whether torch.compile's tracer is at work where torch before 2.13 says is_compiling() is False:
     # its tracing context (infinity/runtime/placeholder.py).
     "_guards",
