@@ -52,6 +52,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         if engine.optimizer is not None:
             raise EngineError(f"{self._name}: this model already has an infinity optimizer; create one per model")
         self.engine = engine
+        refuse_trainer_checkpoints(self._name)     # [Note: Trainer's checkpoints] in infinity/optim/checks.py
         relayout_frozen(engine, self._name)     # [Note: frozen after Init] in infinity/optim/relayout.py
         warn_frozen_in_part(engine, self._name)
         self.store = engine.store

@@ -85,15 +85,17 @@ class GradientChecks:
 
 
 def refuse_trainer_checkpoints(who: str) -> None:
-    """Refuse the first step of a ``transformers.Trainer`` run that would save its own checkpoints.
+    """Refuse a ``transformers.Trainer`` run that would save its own checkpoints, at its start.
 
     [Note: Trainer's checkpoints]
     ``transformers.Trainer`` saves a checkpoint every ``save_steps`` (500 by default) and at the end
     of training, unless ``save_strategy="no"``: it takes ``model.state_dict()`` on the main process
     only. An engine model's parameters are shards over ranks and tiers, and gathering them needs
-    every rank, so that save raises; it did so after hours of training, losing the run. So the first
-    ``opt.step()`` called by a Trainer (found up the stack: torch gives no other way to see it) whose
-    save strategy is not "no" raises before any update, saying what to do instead."""
+    every rank, so that save raises; it did so after hours of training, losing the run. So an infinity
+    optimizer created by a Trainer (``optimizer_cls_and_kwargs``), or stepped by one for the first time
+    (``optimizers=(opt, None)``), raises when that Trainer's save strategy is not "no", saying what to do
+    instead (the Trainer is found up the stack: torch gives no other way to see it).
+    """
     frame = inspect.currentframe().f_back
     while frame is not None:
         trainer = frame.f_locals.get("self") if frame.f_globals.get("__name__") == "transformers.trainer" else None
@@ -107,7 +109,6 @@ def refuse_trainer_checkpoints(who: str) -> None:
                     "parameters shards over ranks and tiers) refuses: the run would stop at its first save "
                     "(save_steps, or the end of training). Give TrainingArguments save_strategy=\"no\"; save "
                     "with infinity.save_checkpoint(directory, model, optimizer) on every rank (a TrainerCallback's "
-                    "on_step_end, say), and the final weights with save_pretrained inside infinity.gathered. "
-                    "Nothing was updated")
+                    "on_step_end, say), and the final weights with save_pretrained inside infinity.gathered")
             return
         frame = frame.f_back
