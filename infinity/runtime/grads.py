@@ -266,7 +266,11 @@ class GradReducer:
             self.book.norm_sq += torch.dot(flat, flat)      # written in place: nothing to reduce or send
         else:
             self._reduce(group, flat, loan)
-        self.coordinator.backward_done(group, keep_views=True)
+        if len(params) == len(group.slots):
+            self.coordinator.backward_done(group, keep_views=True)
+        # else frozen parameters share the group (frozen after Init: [Note: frozen inside a group] in
+        # infinity/runtime/construction.py); autograd may still read them for an input's gradient (a frozen
+        # norm before trained projections), so the group stays held until the backward ends.
         self._stale.append((group, params, [p for p, grad in zip(params, grads) if grad is not None]))
 
     def _accumulator(self, group: ParamGroup) -> torch.Tensor | None:
