@@ -56,9 +56,12 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
         reshaped = []
         with torch.no_grad():
             for g in groups:
-                for slot in g.slots:    # a shape the group cannot hold: that parameter keeps its values
-                    if slot.param.shape != slot.shape:
-                        reshaped.append((slot.param, f"{tuple(slot.shape)} -> {tuple(slot.param.shape)}"))
+                for slot in g.slots:    # a shape or dtype the group cannot hold: that parameter keeps its values
+                    if slot.param.shape != slot.shape or slot.param.dtype != g.dtype:
+                        shape, dtype = slot.param.shape, slot.param.dtype
+                        change = [f"{tuple(slot.shape)} -> {tuple(shape)}"] * (shape != slot.shape)
+                        change += [f"{g.dtype} -> {dtype}"] * (dtype != g.dtype)
+                        reshaped.append((slot.param, ", ".join(change)))
                         slot.param.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
                 current = g.flatten()
                 if modifier_rank is not None:
@@ -87,7 +90,8 @@ def _unmanaged(coordinator, model: nn.Module) -> set[int]:
 
 
 def _refuse_new_shapes(coordinator, model: nn.Module, reshaped: list, before: set[int]) -> None:
-    """Shapes changed or parameters replaced inside the block (``resize_token_embeddings``): refused, naming them.
+    """Shapes or dtypes changed (``resize_token_embeddings``, ``model.half()``) or parameters replaced inside the
+    block: refused, naming them.
     ``before``: the parameters not managed by infinity that the model held when the block began."""
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     unmanaged = [name for name, p in model.named_parameters()
@@ -95,10 +99,12 @@ def _refuse_new_shapes(coordinator, model: nn.Module, reshaped: list, before: se
     if reshaped:
         which = "; ".join(f"{names.get(id(p), '?')!r} {change}" for p, change in reshaped[:3])
         raise EngineError(
-            f"infinity.gathered: parameters changed shape inside the block ({which}); an "
-            "engine model's parameters keep the shapes they were built with, so these kept their values "
-            "(the other writes were stored). Build the model with the new shape inside infinity.Init (e.g. "
-            "the new vocab_size in its config) and load the old values there")
+            f"infinity.gathered: parameters changed shape or dtype inside the block ({which}); an "
+            "engine model's parameters keep the shapes they were built with and the compute dtype of its "
+            "config ([precision] dtype), so these kept their values (the other writes were stored). For a "
+            "new shape, build the model with it inside infinity.Init (e.g. the new vocab_size in its config) "
+            "and load the old values there; to export in another dtype, convert copies (save_pretrained(d, "
+            "state_dict={k: v.to(dtype) for k, v in model.state_dict().items()}))")
     if unmanaged:
         raise EngineError(
             f"infinity.gathered: the model holds parameters infinity does not manage after the block "

@@ -300,7 +300,7 @@ def test_a_shape_changed_inside_gathered_is_refused_naming_the_parameter_and_kee
     torch.manual_seed(0)
     with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"}}):
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-    with pytest.raises(EngineError, match=r"'0.weight' \(8, 8\) -> \(9, 8\).*new shape inside infinity.Init"):
+    with pytest.raises(EngineError, match=r"'0.weight' \(8, 8\) -> \(9, 8\).*new shape, build the model with it inside infinity.Init"):
         with infinity.gathered(model):
             model[0].weight.data = torch.zeros(9, 8)
             model[1].bias.data.fill_(3.0)               # stored all the same
@@ -312,6 +312,24 @@ def test_a_shape_changed_inside_gathered_is_refused_naming_the_parameter_and_kee
     with pytest.raises(EngineError, match=r"parameters infinity does not manage .*\['1.weight', '1.bias'\]"):
         with infinity.gathered(model):
             model[1] = nn.Linear(8, 3)
+
+
+def test_a_dtype_changed_inside_gathered_is_refused_and_the_fp32_values_are_kept():
+    """``model.half()`` / ``model.to(torch.bfloat16)`` inside ``gathered`` (to export in that dtype) wrote the
+    rounded values back as edits: the fp32 masters silently lost their low bits."""
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"}}):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    with infinity.gathered(model):
+        before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(EngineError, match=r"'0.weight' torch.float32 -> torch.bfloat16.*to export in another dtype"):
+        with infinity.gathered(model):
+            model.to(torch.bfloat16)
+    with infinity.gathered(model):
+        assert all(p.dtype == torch.float32 and torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt = infinity.AdamW(model, lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()           # trains on
+    opt.step()
 
 
 def test_pin_memory_always_without_cuda_is_refused_naming_the_key():
