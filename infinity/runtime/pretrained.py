@@ -240,14 +240,15 @@ def _directory(path, kwargs: dict) -> str:
     return os.path.join(root, subfolder)
 
 
-def _split_kwargs(kwargs: dict) -> tuple[dict, dict]:
-    """(hub and loader options, config overrides); options that would change what is loaded are refused."""
+def _split_kwargs(kwargs: dict, compute_dtype: torch.dtype) -> tuple[dict, dict]:
+    """(hub and loader options, config overrides); options that would change what is loaded are refused
+    (a ``dtype`` other than the engine's compute dtype: the model would compute in another than asked)."""
     for key in ("dtype", "torch_dtype"):
-        if kwargs.get(key) not in (None, "auto", torch.float32):
+        if kwargs.get(key) not in (None, "auto", compute_dtype):
             raise EngineError(
                 f"from_pretrained under infinity.Init got {key}={kwargs[key]!r}: the engine keeps fp32 master "
-                "weights and computes in [precision] dtype of the infinity config; set it there and drop "
-                f"{key}=")
+                f"weights and computes in [precision] dtype of the infinity config ({compute_dtype} here); set "
+                f"it there and drop {key}=")
     for key in ("device_map", "quantization_config", "tp_plan", "gguf_file", "state_dict", "output_loading_info"):
         if kwargs.get(key) not in (None, False):
             raise EngineError(f"from_pretrained under infinity.Init does not support {key}=; the engine places "
@@ -278,7 +279,7 @@ def load_pretrained(init, cls, path, *model_args, **kwargs):
     if model_args:
         raise EngineError(f"from_pretrained under infinity.Init takes no positional model arguments after the "
                           f"path (got {len(model_args)}); pass them as keyword arguments")
-    options, overrides = _split_kwargs(kwargs)
+    options, overrides = _split_kwargs(kwargs, init.engine.dtype)
     directory = _directory(path, options)
     config = options.get("config")
     if config is None or isinstance(config, (str, os.PathLike)):

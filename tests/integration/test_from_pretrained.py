@@ -113,6 +113,13 @@ def test_refused_checkpoints_and_options_say_why(tmp_path):
     cfg = _cfg(str(tmp_path))
     with pytest.raises(EngineError, match=r"dtype=torch.bfloat16.*\[precision\] dtype"):
         infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, cfg, dtype=torch.bfloat16)
+    # Under bf16 compute, float32 would be a model computing in another dtype than asked: refused as well.
+    bf16 = dict(cfg, precision={"dtype": "bfloat16"})
+    with pytest.raises(EngineError, match=r"dtype=torch.float32.*\[precision\] dtype .*torch.bfloat16 here"):
+        infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, bf16, dtype=torch.float32)
+    model = infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, bf16, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    infinity.release(model)
     with pytest.raises(TypeError, match="unexpected keyword argument 'n_emdb'"):
         infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, cfg, n_emdb=8)
     # A renamed key: the model misses one parameter and the checkpoint has one left over.
