@@ -222,8 +222,8 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
     """
     handles: list[RemovableHandle] = []
     forward: dict = {}
-    pre_forward = _EngineHook(torch.compiler.disable(lifecycle.pre_forward))
-    post_forward = _EngineHook(torch.compiler.disable(lambda m, args, out: lifecycle.post_forward(m, out)))
+    pre_forward = _EngineHook(lifecycle.pre_forward)
+    post_forward = _EngineHook(lambda m, args, out: lifecycle.post_forward(m, out))
     for module in root.modules():
         forward[module] = [
             module.register_forward_pre_hook(pre_forward, prepend=True),
@@ -249,6 +249,9 @@ class _EngineHook:
     def __init__(self, fn) -> None:
         self.fn = fn
 
+    # torch.compile breaks its graph here, as at a disabled function (traced, this frame was compiled again
+    # for every module until dynamo's recompile limit).
+    @torch.compiler.disable
     def __call__(self, *args):
         return self.fn(*args)
 

@@ -5,6 +5,7 @@ they move bytes between tiers and are no tensor program. What lies between them,
 modules' own forward, is compiled.
 """
 import contextlib
+import inspect
 
 import pytest
 import torch
@@ -110,3 +111,25 @@ def test_the_foreign_watch_stays_out_of_the_graphs_and_their_guards(net):
     torch._dynamo.reset()
     assert "MATCH" in "".join(guards), guards      # the guards' text, where the map's name showed before
     assert guards and not [g for g in guards if "group_of" in g], [g for g in guards if "group_of" in g][0][:2000]
+
+
+def test_the_engine_hooks_are_never_compiled_so_never_recompiled():
+    """The hooks are callables (their pickling raises naming infinity); traced, their ``__call__`` was
+    compiled again for every module until dynamo's recompile limit (a failure with
+    ``fail_on_recompile_limit_hit``)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from infinity.runtime.hooks import _EngineHook
+
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"}}):
+        model = _Net()
+    opt = infinity.AdamW(model, lr=1e-2)
+    compiled = torch.compile(model, backend="eager")
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for _ in range(3):
+            compiled(torch.randn(5, 8), torch.randn(5, 4)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert not _debug_get_cache_entry_list(inspect.unwrap(_EngineHook.__call__).__code__)
+    infinity.release(model)
