@@ -102,7 +102,9 @@ def refuse_trainer_checkpoints(who: str) -> None:
         args = getattr(trainer, "args", None)
         if args is not None and hasattr(args, "save_strategy"):
             strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-            if strategy != "no":
+            evaluation = getattr(args, "eval_strategy", "no")
+            evaluating = str(getattr(evaluation, "value", evaluation)) != "no"
+            if strategy not in ("no", "best") or (strategy == "best" and evaluating):     # "best" saves after an eval
                 raise EngineError(
                     f"{who}: transformers.Trainer with save_strategy={strategy!r} would save its checkpoints "
                     "through model.state_dict() on the main process only, which an infinity model (its "

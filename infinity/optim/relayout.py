@@ -111,8 +111,9 @@ def _kept(who: str, why: str, gain: int, tier: str) -> None:
 
 
 def warn_frozen_in_part(engine, who: str) -> None:
-    """Say what parameters frozen after ``infinity.Init`` beside trainable ones of their group cost: a
-    group trains whole ([Note: frozen inside a group] in infinity/runtime/construction.py)."""
+    """Say what frozen parameters beside trainable ones of their group (``requires_grad`` changed after
+    ``infinity.Init``) cost: a group trains whole ([Note: frozen inside a group] in
+    infinity/runtime/construction.py)."""
     numel, first = 0, None
     for g in engine.coordinator.groups:
         frozen = sum(s.numel for s in g.slots if not s.param.requires_grad) if g.has_trainable else 0
@@ -120,11 +121,12 @@ def warn_frozen_in_part(engine, who: str) -> None:
             numel, first = numel + frozen, first or g.name
     if numel:
         per_rank = -(-numel // engine.ranks.world_size)
-        _warn(f"{who}: {numel:,} parameters frozen after infinity.Init share parameter groups with trainable "
-              f"ones ({first!r} first): a group trains whole, so they keep their Adam moments and gradient "
-              f"(up to {format_nbytes(per_rank * _PER_ELEMENT)} of the {engine.store.tier.kind} tier per rank) "
-              "and move with it at every step. Freeze them inside the infinity.Init block: its exit puts "
-              "them in groups of their own, which hold their masters only.")
+        _warn(f"{who}: {numel:,} frozen parameters share parameter groups with trainable ones ({first!r} "
+              f"first; requires_grad changed after infinity.Init): a group trains whole, so they keep their Adam "
+              f"moments and gradient (up to {format_nbytes(per_rank * _PER_ELEMENT)} of the "
+              f"{engine.store.tier.kind} tier per rank) and move with it at every step. Set requires_grad as "
+              "training has it inside the infinity.Init block: its exit puts frozen parameters in groups of "
+              "their own, which hold their masters only.")
 
 
 def relayout_frozen(engine, who: str) -> bool:

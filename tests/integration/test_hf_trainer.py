@@ -125,3 +125,18 @@ def test_a_trainer_that_would_save_its_own_checkpoints_is_refused_before_any_upd
     with infinity.gathered(model):
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     infinity.release(model)
+
+
+def test_a_trainer_saving_only_its_best_model_without_evaluating_is_not_refused(tmp_path):
+    """save_strategy "best" saves after an evaluation that improved its metric: with no evaluation it never
+    saves, and trains as save_strategy "no" does."""
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host"}}):
+        model = transformers.GPT2LMHeadModel(_config())
+    args = _args(str(tmp_path / "out"))
+    args.save_strategy, args.metric_for_best_model = "best", "loss"
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(4 * STEPS),
+                                   optimizer_cls_and_kwargs=(infinity.AdamW, {"lr": 1e-2}))
+    trainer.train()
+    assert trainer.state.global_step == STEPS
+    infinity.release(model)
