@@ -36,8 +36,10 @@ def preset_path(name: str) -> Path:
 def read(src: str | os.PathLike) -> tuple[str, dict]:
     """Read a .toml or .json file (or a preset name) into plain data."""
     path = Path(src)
-    if not path.suffix and not path.exists() and os.sep not in str(src):
-        path = preset_path(str(src))        # a name without a suffix: a preset, or a misspelt one (said so)
+    if not path.suffix and not path.is_file() and os.sep not in str(src):
+        # A name without a suffix: a preset, or a misspelt one (said so); a directory of that name in the
+        # working directory (the swap files' "nvme", say) is no config file and does not hide the preset.
+        path = preset_path(str(src))
     file = str(path)
     if path.suffix not in (".toml", ".json"):
         raise ConfigError(f"expected a .toml or .json file (or a preset: {', '.join(presets())})", file=file)

@@ -347,6 +347,16 @@ def test_overrides_and_preset_names():
     assert "did you mean 'nvme'?" in str(pytest.raises(ConfigError, config.preset_path, "nvmee").value)
 
 
+def test_a_directory_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
+    """The swap files' directory is often ./nvme: load_config("nvme") read it as the config file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nvme").mkdir()
+    assert load_config("nvme").tiers.params == "nvme"
+    (tmp_path / "device").write_text("")      # a file of that name is what the user means: refused, named
+    with pytest.raises(ConfigError, match="expected a .toml or .json file"):
+        load_config("device")
+
+
 def test_toml_writer_escapes_and_quotes():
     data = {"top": 1, "a b": {"s": 'q"\\\n\tü', "f": 1.5, "t": True, "l": [1, "x"], "none": None}, "n": {"m": {"k": 2}}}
     text = _toml.dumps(data)
