@@ -300,6 +300,15 @@ class Partitioner:
         if self._resume is not None:    # its values are the checkpoint's, whatever construction did
             group.to_not_available()
             return
+        reshaped = [f"{s.name!r} {tuple(s.shape)} -> {tuple(s.param.shape)}" for s in group.slots
+                    if s.param.shape != s.shape]
+        if reshaped:    # (resize_token_embeddings, say): the group's layout and shards have the old shapes
+            raise EngineError(
+                f"infinity.Init: a parameter of {group.name!r} changed shape after it was partitioned "
+                f"({'; '.join(reshaped[:3])}); an engine model's parameters keep the shapes they were built "
+                "with. Build the model with the new shape inside infinity.Init (the model class on a config "
+                "with the new vocab_size, say) and copy the old values into it inside `with "
+                "infinity.gathered(model):` (from the checkpoint's tensors)")
         # In fp32, whatever the compute dtype: the master weights keep the values construction gave.
         full = group.flatten([s.param.data for s in group.slots], dtype=torch.float32)
         if self.ranks.world_size > 1:

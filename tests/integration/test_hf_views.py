@@ -43,3 +43,17 @@ def test_save_pretrained_and_masters_against_the_plain_model(tmp_path, dtype):
     plain = ref.state_dict()
     assert {k: torch.equal(masters[k], plain[k]) for k in masters} == {k: True for k in masters}
     infinity.release(model)
+
+
+def test_resize_token_embeddings_inside_init_is_refused_naming_the_way(tmp_path):
+    """Adding tokens inside ``infinity.Init`` changed a partitioned parameter's shape; the exit failed with
+    "The size of tensor a (16384) must match the size of tensor b (20480)"."""
+    cfg = {"tiers": {"params": "host", "optimizer": "host", "device": "cpu"}}
+    with pytest.raises(EngineError, match=r"changed shape after it was partitioned .*\(64, 32\) -> \(80, 32\)"
+                                          r".*new vocab_size"):
+        with infinity.Init(cfg):
+            model = transformers.GPT2LMHeadModel(_config())
+            model.resize_token_embeddings(80)
+    with infinity.Init(cfg):        # nothing was left behind
+        model = transformers.GPT2LMHeadModel(_config())
+    infinity.release(model)
