@@ -42,6 +42,10 @@ from infinity.errors import EngineError
 
 _HUB_KWARGS = frozenset({"cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
                          "trust_remote_code", "weights_only", "use_safetensors", "code_revision", "proxies"})
+# Loading options besides the hub's: checked above, or (low_cpu_mem_usage) what the streaming loader does anyway.
+_LOADING_KWARGS = frozenset({"dtype", "torch_dtype", "adapter_kwargs", "config", "attn_implementation", "device_map",
+                             "quantization_config", "tp_plan", "gguf_file", "state_dict", "output_loading_info",
+                             "low_cpu_mem_usage", "ignore_mismatched_sizes"})
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
@@ -253,6 +257,10 @@ def _split_kwargs(kwargs: dict, compute_dtype: torch.dtype) -> tuple[dict, dict]
         if kwargs.get(key) not in (None, False):
             raise EngineError(f"from_pretrained under infinity.Init does not support {key}=; the engine places "
                               "every state itself (drop it, or load without infinity.Init)")
+    if kwargs.get("ignore_mismatched_sizes"):
+        raise EngineError("from_pretrained under infinity.Init does not support ignore_mismatched_sizes=True: a "
+                          "checkpoint tensor of another shape is refused, naming it (build the model with the "
+                          "checkpoint's shapes, or load without infinity.Init)")
     if kwargs.get("use_safetensors") is False:
         raise EngineError("from_pretrained under infinity.Init streams safetensors only: use_safetensors=False "
                           "cannot be honoured")
@@ -262,9 +270,7 @@ def _split_kwargs(kwargs: dict, compute_dtype: torch.dtype) -> tuple[dict, dict]
                           "model, then attach the adapter")
     options, overrides = {}, {}
     for key, value in kwargs.items():
-        if key in _HUB_KWARGS or key in ("dtype", "torch_dtype", "adapter_kwargs", "config", "attn_implementation",
-                                         "device_map", "quantization_config", "tp_plan", "gguf_file",
-                                         "state_dict", "output_loading_info"):
+        if key in _HUB_KWARGS or key in _LOADING_KWARGS:
             options[key] = value
         else:
             overrides[key] = value

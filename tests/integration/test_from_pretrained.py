@@ -122,6 +122,12 @@ def test_refused_checkpoints_and_options_say_why(tmp_path):
     infinity.release(model)
     with pytest.raises(TypeError, match="unexpected keyword argument 'n_emdb'"):
         infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, cfg, n_emdb=8)
+    with pytest.raises(EngineError, match="ignore_mismatched_sizes=True"):
+        infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, cfg, ignore_mismatched_sizes=True)
+    # transformers' own loading options that change nothing here are taken (they were "unexpected").
+    model = infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, cfg, low_cpu_mem_usage=True,
+                                     ignore_mismatched_sizes=False)
+    infinity.release(model)
     # A renamed key: the model misses one parameter and the checkpoint has one left over.
     renamed = tmp_path / "renamed"
     renamed.mkdir()
