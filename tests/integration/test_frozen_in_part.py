@@ -20,6 +20,7 @@ from infinity.config import load_config
 from infinity.examples.data import batches
 from infinity.examples.gpt import GPT, preset
 from infinity.registry import engine_of
+from tests.integration.test_dormant_states import _held
 
 WIDTH, LAYERS = 256, 3
 
@@ -77,10 +78,6 @@ def _step(model, opt, i: int) -> float:
     opt.step()
     opt.zero_grad()
     return loss.item()
-
-
-def _held(model, tier: str) -> int:
-    return infinity.stats(model)["tiers"][tier]["bytes_in_use"]
 
 
 @pytest.mark.parametrize("params, optimizer, dtype", [
