@@ -139,7 +139,8 @@ def main(argv=None) -> dict:
         return statistics.median(a / b for a, b in zip(times[name][1:], times[last][1:]))
 
     report = {
-        "model": args.model, "preset": args.preset, "freeze": args.freeze, "dtype": args.dtype, "bf16_values": args.bf16_values,
+        "model": args.model, "preset": args.preset, "freeze": args.freeze, "dtype": args.dtype,
+        "bf16_values": args.bf16_values,
         "optimizer_tier": tier,
         "params": params, "frozen_params": frozen,
         "rows": [{"run": name, "tier_bytes": held[name], "tier_bytes_unfrozen": unfrozen[name],
