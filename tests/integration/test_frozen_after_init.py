@@ -93,6 +93,15 @@ def test_moments_a_checkpoint_brought_move_with_the_masters(tmp_path, optimizer,
     assert runs[False] == runs[True]
 
 
+def _trains_as_frozen_inside_init(tmp_path, optimizer: str, model, opt) -> None:
+    """``model`` (its first 2 layers frozen) trains as the same frozen inside ``infinity.Init``; both released."""
+    (tmp_path / "ref").mkdir()
+    ref, ref_opt = _built(_config(tmp_path / "ref", optimizer), 2, True)
+    assert _run(model, opt, range(3)) == _run(ref, ref_opt, range(3))
+    infinity.release(model)
+    infinity.release(ref)
+
+
 def test_a_tier_too_full_for_both_layouts_keeps_the_old_one_and_says_so(tmp_path):
     (tmp_path / "probe").mkdir()
     probe, probe_opt = _built(_config(tmp_path / "probe", "host"), 0, True)
@@ -105,11 +114,7 @@ def test_a_tier_too_full_for_both_layouts_keeps_the_old_one_and_says_so(tmp_path
         model, opt = _built(cfg, 2, False)
     assert got[0].filename == __file__      # the user's line
     assert _held(model, "host") == held
-    (tmp_path / "ref").mkdir()
-    ref, ref_opt = _built(_config(tmp_path / "ref", "host"), 2, True)
-    assert _run(model, opt, range(3)) == _run(ref, ref_opt, range(3))
-    infinity.release(model)
-    infinity.release(ref)
+    _trains_as_frozen_inside_init(tmp_path, "host", model, opt)
 
 
 def test_host_memory_too_short_for_the_new_stores_buffers_keeps_the_layout_and_frees_its_keys(tmp_path,
@@ -137,11 +142,7 @@ def test_host_memory_too_short_for_the_new_stores_buffers_keeps_the_layout_and_f
         opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
     monkeypatch.undo()
     assert _held(model, "nvme") == held
-    (tmp_path / "ref").mkdir()
-    ref, ref_opt = _built(_config(tmp_path / "ref", "nvme"), 2, True)
-    assert _run(model, opt, range(3)) == _run(ref, ref_opt, range(3))
-    infinity.release(model)
-    infinity.release(ref)
+    _trains_as_frozen_inside_init(tmp_path, "nvme", model, opt)
 
 
 def test_a_gradient_taken_before_the_optimizer_keeps_the_layout_and_its_gradient(tmp_path):
