@@ -142,6 +142,7 @@ class GradReducer:
         self.host_buckets: Arena | None = None
         self._bucket_nbytes = self._host_nbytes = 0     # what the buckets hold at most (``_size_buckets``)
         self._stale: list[tuple[ParamGroup, list]] = []     # taken; .grad and the group let go next
+        self._carried: dict[ParamGroup, list] = {}    # reopened: parameters whose token the next take restores
         self._packed: dict[ParamGroup, list[int] | None] = {}   # group -> its slots' sizes, when packed from 0
         self._group_positions: dict[ParamGroup, torch.Tensor] = {}
         # (group index, positions of the parameters that had a gradient) -> those positions on the device.
@@ -271,7 +272,9 @@ class GradReducer:
         # else frozen parameters share the group (frozen after Init: [Note: frozen inside a group] in
         # infinity/runtime/construction.py); autograd may still read them for an input's gradient (a frozen
         # norm before trained projections), so the group stays held until the backward ends.
-        self._stale.append((group, params, [p for p, grad in zip(params, grads) if grad is not None]))
+        arrived = [p for p, grad in zip(params, grads) if grad is not None]
+        carried = self._carried.pop(group, ())
+        self._stale.append((group, params, arrived + [p for p in carried if all(p is not q for q in arrived)]))
 
     def _accumulator(self, group: ParamGroup) -> torch.Tensor | None:
         """The optimizer's fp32 accumulator for ``group``, when autograd's gradients can be copied
@@ -285,6 +288,28 @@ class GradReducer:
             return None
         views = store.first_grad_views(group.index)
         return None if views is None else views[0][2]
+
+    def reopen(self, group: ParamGroup) -> None:
+        """``group`` is armed again in the backward that took its gradients: a module called again inside
+        it (the nested backward of a reentrant checkpoint, ``use_reentrant=True``, through a module called
+        twice) stores a second gradient for the same parameters. Autograd would add it onto the ``.grad``
+        just taken (counted twice) or onto its token (refused), so the ``.grad`` become None again and
+        the second take adds what is new to the store, as a second micro-batch does; the parameters that
+        had a gradient get their token back at that take."""
+        carried = self._carried.setdefault(group, [])
+        kept = []
+        for entry in self._stale:
+            if entry[0] is group:
+                carried += entry[2]
+            else:
+                kept.append(entry)
+        self._stale = kept
+        for slot in group.slots:
+            param = slot.param
+            if param.grad is not None:
+                if all(p is not param for p in carried):
+                    carried.append(param)       # let go already: its token stands for the first gradient
+                param.grad = None
 
     def _let_go(self) -> None:
         """Drop the ``.grad`` autograd stored for groups already taken (a token of the stored gradient

@@ -90,6 +90,8 @@ class GradArrivals:
         self.armed: dict = {}       # group -> [params, their gradients so far, arrivals]
         self._hooked: dict = {}     # id(parameter) -> its hook's handle (the model holds the parameters)
         self._slot: dict = {}       # id(parameter) -> (its group, its place in the group's armed list)
+        self.handed: set = set()    # groups handed over in this backward (see ``arm``)
+        self.reopened: set = set()
 
     def arm(self, group) -> None:
         """Count ``group``'s gradients in the coming backward."""
@@ -98,6 +100,12 @@ class GradArrivals:
         params = [s.param for s in group.slots if s.param.requires_grad]
         if not params:
             return
+        if group in self.handed:    # called again inside the backward that took its gradients
+            self.handed.discard(group)
+            self.reopened.add(group)
+            engine = self.engine()
+            if engine is not None:
+                engine.reducer.reopen(group)
         for i, p in enumerate(params):
             if id(p) not in self._hooked:   # once per parameter (and again if it becomes trainable)
                 self._hooked[id(p)] = p.register_post_accumulate_grad_hook(self)
@@ -116,18 +124,21 @@ class GradArrivals:
         grads[i] = param.grad
         if entry[2] == len(grads):
             del self.armed[group]
+            self.handed.add(group)
             engine = self.engine()
             if engine is not None:
                 engine.on_group_grads(group, entry[0], grads)
 
     def flush(self) -> None:
         """The backward is over: hand over the groups some of whose parameters had no gradient."""
-        armed, self.armed = self.armed, {}
+        armed, reopened = dict(self.armed), self.reopened
+        self.armed.clear()
+        self.handed, self.reopened = set(), set()
         engine = self.engine()
         if engine is None:
             return
         for group, (params, grads, arrived) in armed.items():
-            if arrived:
+            if arrived or group in reopened:    # reopened: its first gradients' tokens come back at the take
                 engine.on_group_grads(group, params, grads)
 
     def remove(self) -> None:
@@ -135,7 +146,8 @@ class GradArrivals:
             handle.remove()
         self._hooked = {}
         self._slot = {}
-        self.armed = {}
+        self.armed.clear()
+        self.handed, self.reopened = set(), set()
 
 
 def watch_backward(module: nn.Module, output, pre_backward, ended: list[int]) -> None:
