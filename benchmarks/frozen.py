@@ -34,6 +34,8 @@ import infinity
 from infinity.config import load_config
 from infinity.examples.data import batches
 from infinity.examples.gpt import GPT, preset
+from infinity.param_group import ParamState
+from infinity.registry import engine_of
 
 
 def _freeze(model, args) -> None:
@@ -71,6 +73,23 @@ def build(args, when: str, workdir: str):
     if when == "after the optimizer":
         _freeze(model, args)
     return model, opt
+
+
+def _watch_held(model) -> dict:
+    """Sample, as each module's backward gathers its groups, the bytes of the groups held for backward or in
+    use; returns the dict whose "peak" it keeps (frozen groups are released as their module's backward ends:
+    [Note: a module's backward is over] in infinity/runtime/backward_holds.py)."""
+    coordinator = engine_of(model).coordinator
+    hold = coordinator.hold_for_backward
+    seen = {"peak": 0}
+
+    def sampled(module):
+        hold(module)
+        busy = [g for g in coordinator.groups if coordinator.busy(g) and g.state is ParamState.AVAILABLE]
+        seen["peak"] = max(seen["peak"], sum(g.full_nbytes for g in busy))
+
+    coordinator.hold_for_backward = sampled
+    return seen
 
 
 def _tier_bytes(model, tier: str) -> int:
@@ -119,12 +138,14 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         runs = {f"frozen {when}": build(args, when, workdir) for when in _WHEN}
         model = runs["frozen in Init"][0]
+        backward = {name: _watch_held(m) for name, (m, _) in runs.items()}
         tier = load_config(args.preset).tiers.optimizer
         params = sum(p.numel() for p in model.parameters())
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         data = batches("random", args.batch, args.seq, preset(args.model).vocab_size, seed=0)
         times, equal = _steps(runs, args.steps, data)
         held = {name: _tier_bytes(m, tier) for name, (m, _) in runs.items()}
+        held_backward = {name: seen["peak"] for name, seen in backward.items()}
         for m, _ in runs.values():
             m.requires_grad_(True)
         _, equal_after = _steps(runs, args.unfrozen_steps, data)
@@ -145,6 +166,7 @@ def main(argv=None) -> dict:
         "params": params, "frozen_params": frozen,
         "rows": [{"run": name, "tier_bytes": held[name], "tier_bytes_unfrozen": unfrozen[name],
                   "saved_bytes_per_frozen_param": (held[last] - held[name]) / max(frozen, 1),
+                  "backward_held_peak_bytes": held_backward[name],
                   "step_s": statistics.median(times[name][1:]), "step_ratio": ratio(name),
                   "optimizer_created_s": _created_s[name.removeprefix("frozen ")]} for name in names],
         "losses_equal": equal, "losses_equal_unfrozen": equal_after,
@@ -154,12 +176,13 @@ def main(argv=None) -> dict:
           f"{params:,} parameters, {frozen:,} frozen; "
           f"optimizer tier: {tier}")
     print(f"{'run':<28}{'tier bytes':>16}{'saved B/frozen param':>22}{'after unfreezing':>18}{'step s':>9}"
-          f"{'vs last':>9}{'AdamW() s':>11}")
+          f"{'vs last':>9}{'AdamW() s':>11}{'held in bwd':>14}")
     for row in report["rows"]:
         print(f"{row['run']:<28}{row['tier_bytes']:>16,}{row['saved_bytes_per_frozen_param']:>22.2f}"
               f"{row['tier_bytes_unfrozen']:>18,}{row['step_s']:>9.3f}{row['step_ratio']:>8.2f}x"
-              f"{row['optimizer_created_s']:>11.3f}")
-    print(f"step ratios: medians of pairs; losses equal: {equal} (frozen), {equal_after} (unfrozen)")
+              f"{row['optimizer_created_s']:>11.3f}{row['backward_held_peak_bytes']:>14,}")
+    print(f"step ratios: medians of pairs; losses equal: {equal} (frozen), {equal_after} (unfrozen); held in bwd: "
+          "the most bytes gathered at once for running modules and backward, in the frozen steps")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -25,6 +25,7 @@ from infinity.optim.torch_guard import TorchOptimizerGuard
 from infinity.param_group import ParamGroup, ParamState
 from infinity.prefetch import Prefetcher
 from infinity.runtime.activations import ActivationOffload
+from infinity.runtime.backward_holds import BackwardHolds
 from infinity.runtime.coordinator import Coordinator
 from infinity.runtime.datapath import DataPath, with_per_parameter
 from infinity.runtime.device import ComputeDevice
@@ -110,6 +111,7 @@ class Engine:
             self.damaged: str | None = None
             self._foreign = ForeignParamWatch(self.coordinator.group_of, self.on_foreign_use)
             self._arrivals = GradArrivals(self)     # gradients of the groups armed for the coming backward
+            self._holds = BackwardHolds(self.coordinator, self._arrivals.armed)     # frozen groups' release in backward
             self.step_stats: list[dict] = []
             self.grad_face: GradFace | None = None      # what torch sees as .grad (made in finalize)
             self.loss_scaler = LossScaler.for_precision(config.precision)     # fp16 only
@@ -197,7 +199,7 @@ class Engine:
             self.optimizer.drop_engine_state()
         self.released = True
         self.store = self.prefetcher = self._updates = self.optimizer = self.grad_face = None
-        self.coordinator = self.reducer = self.datapath = self.tiers = self.activations = None
+        self.coordinator = self.reducer = self.datapath = self.tiers = self.activations = self._holds = None
         self._arrivals.remove()
         self.step_stats = []
 
@@ -236,13 +238,15 @@ class Engine:
             self.coordinator.acquire(module)
             self._arm(groups)
 
-    def post_forward(self, module: nn.Module, output) -> None:
+    def post_forward(self, module: nn.Module, output, inputs=None) -> None:
+        # Read while the module's groups are gathered (a released placeholder's requires_grad is a torch call).
+        over = None if inputs is None or not torch.is_grad_enabled() else self._holds.watcher(module)
         self.coordinator.release(module)
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
         if torch.is_grad_enabled() and (not self._stack or not _quiet(
                 self.prefetcher, self.coordinator.module_groups.get(module, ()))):
-            watch_backward(module, output, self.pre_backward, self._backwards_ended)
+            watch_backward(module, output, self.pre_backward, self._backwards_ended, inputs, over)
             if not self._stack and self.loss_scaler is not None and not self._backward_active:
                 self.loss_scaler.watch_output(output)      # [Note: loss scaling] in infinity/optim/loss_scale.py
         if not self._stack:
@@ -295,6 +299,7 @@ class Engine:
     def pre_backward(self, module: nn.Module) -> None:
         self._enter_backward()
         self.coordinator.hold_for_backward(module)
+        self._holds.held(module)
         # Armed by the forward; a second backward through a retained graph (retain_graph=True) arms
         # again, so its gradients accumulate onto the first's as in torch.
         armed = self._arrivals.armed
@@ -316,6 +321,7 @@ class Engine:
         if self._updates is not None:
             self._updates.before_grad()
         self.reducer.take(group, params, grads)
+        self._holds.arrived(group)
 
     def recover_aborted_backward(self) -> None:
         """Close a backward that an exception cut short.
@@ -339,6 +345,7 @@ class Engine:
         self._backwards_ended[0] += 1
         self._arrivals.flush()      # groups short of a gradient (a parameter unused in this backward)
         self.reducer.finish_backward()
+        self._holds.clear()
         self.coordinator.end_backward()
         if self.activations is not None:
             self.activations.end_backward()

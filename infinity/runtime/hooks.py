@@ -150,10 +150,16 @@ class GradArrivals:
         self.handed, self.reopened = set(), set()
 
 
-def watch_backward(module: nn.Module, output, pre_backward, ended: list[int]) -> None:
+def watch_backward(module: nn.Module, output, pre_backward, ended: list[int], inputs=None, post_backward=None) -> None:
     """Call ``pre_backward(module)`` when the first gradient reaches ``module``'s ``output``, once per
     backward through it: ``ended[0]`` counts the backwards that ended (a graph kept with
-    ``retain_graph=True`` goes through a second one)."""
+    ``retain_graph=True`` goes through a second one).
+
+    With ``post_backward``: call ``post_backward(module)`` when the gradient of every tensor of
+    ``inputs`` (the call's arguments) that requires one is complete, in a backward that reached its
+    output (see [Note: a module's backward is over] in infinity/runtime/backward_holds.py). Not
+    watched when no input requires a gradient, or when one is a leaf (a hook on it would outlive
+    this call)."""
     tensors = [t for t in tree_flatten(output)[0]
                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
     if not tensors:
@@ -167,6 +173,22 @@ def watch_backward(module: nn.Module, output, pre_backward, ended: list[int]) ->
 
     for t in tensors:
         t.register_hook(on_output_grad)
+    if post_backward is None:
+        return
+    needing = {id(t): t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad}
+    if not needing or any(t.grad_fn is None for t in needing.values()):
+        return
+    left = [None, 0]        # the backward counted in, inputs whose gradient is still to come
+
+    def on_input_grad(grad):
+        if left[0] != ended[0]:
+            left[0], left[1] = ended[0], len(needing)
+        left[1] -= 1
+        if left[1] == 0 and fired[0] == ended[0]:
+            post_backward(module)
+
+    for t in needing.values():
+        t.register_hook(on_input_grad)
 
 
 class HookHandles:
@@ -207,7 +229,7 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
     root:
         The model.
     lifecycle:
-        An object with ``pre_forward(module, args)``, ``post_forward(module, output)``,
+        An object with ``pre_forward(module, args)``, ``post_forward(module, output, inputs)``,
         ``before_state_dict(module, prefix, keep_vars)`` and ``coordinator`` (the engine).
 
     [Note: which modules stay hooked]
@@ -235,13 +257,13 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
     handles: list[RemovableHandle] = []
     forward: dict = {}
     pre_forward = _EngineHook(lifecycle.pre_forward)
-    post_forward = _EngineHook(lambda m, args, out: lifecycle.post_forward(m, out))
+    post_forward = _EngineHook(lambda m, args, kwargs, out: lifecycle.post_forward(m, out, (args, kwargs)))
     for module in root.modules():
         forward[module] = [
             module.register_forward_pre_hook(pre_forward, prepend=True),
             # always_call: a forward that raises still releases what its pre-hook acquired; a
             # group left in use would stay gathered and never be refreshed by an optimizer step.
-            module.register_forward_hook(post_forward, always_call=True)]
+            module.register_forward_hook(post_forward, always_call=True, with_kwargs=True)]
         handles.extend(forward[module])
         handles.append(module.register_state_dict_pre_hook(_EngineHook(
             lambda m, prefix, keep_vars: lifecycle.before_state_dict(m, prefix, keep_vars))))

@@ -12,6 +12,19 @@ from infinity.registry import engine_of
 SHAPE = GPTConfig(n_layer=6, d_model=32, n_head=4, vocab_size=128, seq_len=8)
 
 
+def train_losses(model, opt, steps: int, shape: GPTConfig, batch: int) -> list[float]:
+    """The losses of ``steps`` steps of ``model`` on one batch of ``batch`` random sequences, again and again."""
+    idx = torch.randint(0, shape.vocab_size, (batch, shape.seq_len), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        loss = model(idx, idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _train(max_live: int, steps: int = 4, persistence_threshold: int = 0):
     cfg = load_config("offload-host", overrides={
         "tiers": {"device": "cpu"}, "precision": {"dtype": "float32"},
@@ -20,15 +33,7 @@ def _train(max_live: int, steps: int = 4, persistence_threshold: int = 0):
     torch.manual_seed(0)
     with infinity.Init(cfg):
         model = GPT(SHAPE)
-    opt = infinity.AdamW(model, lr=1e-3)
-    idx = torch.randint(0, SHAPE.vocab_size, (1, SHAPE.seq_len), generator=torch.Generator().manual_seed(0))
-    losses = []
-    for _ in range(steps):
-        loss = model(idx, idx)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(model, infinity.AdamW(model, lr=1e-3), steps, SHAPE, batch=1)
     groups = sorted(g.numel for g in engine_of(model).coordinator.groups)
     peak = infinity.stats(model)["fetch"]["peak_live_numel"]
     infinity.release(model)
