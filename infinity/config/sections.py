@@ -277,9 +277,10 @@ class PartitionConfig(Section):
 
     max_live_parameters: Numel = 0
     """Most parameter elements gathered on the compute device at once, prefetched and kept-for-reuse
-    ones included (DeepSpeed's `stage3_max_live_parameters`): gathers ahead stop at it and kept groups
-    are released for it; a running module's own groups are gathered regardless, and `Init` refuses a
-    value below the largest group plus the groups that stay gathered (persistent); 0 means no limit."""
+    ones included (DeepSpeed's `stage3_max_live_parameters`): gathers ahead stop at it, and kept groups,
+    then groups gathered ahead, are released for it; a running module's own groups are gathered
+    regardless, and `Init` refuses a value below the largest group plus the groups that stay gathered
+    (persistent); 0 means no limit."""
 
     gather_buffer_bytes: Bytes = 0
     """Compute-device memory that groups gathered for one use (stage 3; prefetched ones included)

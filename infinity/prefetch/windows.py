@@ -89,6 +89,13 @@ class Windows:
                 device += g.full_nbytes
         return {"nvme": nvme, "device": device}
 
+    def gathered_last_first(self) -> list[ParamGroup]:
+        """The groups gathered ahead, the one needed last first: what a gather on demand gives back to
+        stay within ``partition.max_live_parameters`` ([Note: live parameters] in infinity/runtime/coordinator.py)."""
+        never = len(self._slots) if self._slots is not None else 0
+        ahead = [g for g, where in self.ahead.items() if where == "device" and g.state is ParamState.AVAILABLE]
+        return sorted(ahead, key=lambda g: self._upcoming.get(g.index, never), reverse=True)
+
     def put(self, g: ParamGroup, where: str) -> None:
         self.take(g)
         self.ahead[g] = where

@@ -99,15 +99,20 @@ def _release_gathered(coordinator: "Coordinator", group: ParamGroup, keep_views:
 
 
 def _make_room(coordinator: "Coordinator", groups) -> None:
-    """Release groups kept for reuse until ``groups`` fit ``max_live`` beside what is gathered (see
-    [Note: live parameters]); groups in use are never released, so the bound may be passed."""
+    """Release groups kept for reuse, then groups gathered ahead, until ``groups`` fit ``max_live`` beside
+    what is gathered (see [Note: live parameters]); groups in use are never released, so the bound may be
+    passed."""
     need = sum(g.numel for g in groups if g.state is not ParamState.AVAILABLE)
+    if coordinator.live_numel + need <= coordinator.max_live:
+        return
     # The one needed last goes first (what a cache that knows the future evicts): fewer fetches again.
-    for g in sorted(coordinator.keep, key=coordinator.keep.__getitem__, reverse=True):
+    kept = sorted(coordinator.keep, key=coordinator.keep.__getitem__, reverse=True)
+    ahead = [] if coordinator.prefetcher is None else coordinator.prefetcher.windows.gathered_last_first()
+    for g in kept + ahead:
         if coordinator.live_numel + need <= coordinator.max_live:
             return
-        if g in coordinator.live and not coordinator.busy(g):
-            del coordinator.keep[g]
+        if g in coordinator.live and not coordinator.busy(g) and g not in groups:
+            coordinator.keep.pop(g, None)
             _release_gathered(coordinator, g)
 
 
@@ -133,7 +138,9 @@ class Coordinator:
     in place, one rank with the parameters on the device, cost no memory and are not counted).
     ``partition.max_live_parameters`` bounds it the way DeepSpeed's ``stage3_max_live_parameters``
     does: gathers ahead stop where they would pass it (``Windows._try_gather``), and a gather that
-    would pass it first releases groups kept for reuse (``prefetch.reuse_distance``). The groups a
+    would pass it first releases groups kept for reuse (``prefetch.reuse_distance``), then groups
+    gathered ahead, the one needed last first (gathered ahead at a step's end while the step's first
+    group was still gathered, they made its gather pass the bound by half). The groups a
     running module (or backward) uses are gathered whatever the count, so the bound holds as long as
     they fit it; ``Init`` refuses a bound below the largest group plus the persistent groups (always live).
     """
@@ -289,7 +296,7 @@ class Coordinator:
 
     def gather(self, groups) -> None:
         """Make ``groups`` AVAILABLE: issue every read first, then wait in order."""
-        if self.max_live and self.keep:
+        if self.max_live:
             _make_room(self, groups)
         for g in groups:
             self.start_fetch(g)

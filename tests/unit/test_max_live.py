@@ -83,6 +83,7 @@ def test_the_kept_group_needed_last_is_released_first(monkeypatch):
     class Coordinator:
         keep = {later: 200, last: 300, soon: 100}
         live, live_numel, max_live = {soon, later, last}, 30, 40
+        prefetcher = None
 
         def busy(self, group):
             return False
@@ -95,3 +96,29 @@ def test_the_kept_group_needed_last_is_released_first(monkeypatch):
     fake = Coordinator()
     coordinator_module._make_room(fake, new)       # 20 more elements: one kept group must go
     assert released == [last] and set(fake.keep) == {soon, later}
+
+
+def test_a_gather_on_demand_gives_back_groups_gathered_ahead_to_stay_within_the_bound():
+    """The embedding is asked for first in a step, after the prefetcher gathered the first blocks ahead
+    while it was still gathered (the end of the last backward): the gather on demand passed the bound,
+    which gave back only groups kept for reuse. Now the groups gathered ahead needed last go first."""
+    shape = GPTConfig(n_layer=6, d_model=32, n_head=4, vocab_size=4096, seq_len=8)
+    cfg = load_config("offload-host", overrides={
+        "tiers": {"device": "cpu"}, "precision": {"dtype": "float32"}, "partition": {"persistence_threshold": 0}})
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        free = GPT(shape)
+    free_losses = train_losses(free, infinity.AdamW(free, lr=1e-3), 4, shape, batch=1)
+    groups = sorted(g.numel for g in engine_of(free).coordinator.groups)
+    infinity.release(free)
+    bound = groups[-1] + 3 * groups[-2] + sum(groups[:-2 - shape.n_layer + 1])
+    assert bound < sum(groups)
+    torch.manual_seed(0)
+    with infinity.Init(load_config("offload-host", overrides={
+            "tiers": {"device": "cpu"}, "precision": {"dtype": "float32"},
+            "partition": {"persistence_threshold": 0, "max_live_parameters": bound}})):
+        model = GPT(shape)
+    losses = train_losses(model, infinity.AdamW(model, lr=1e-3), 4, shape, batch=1)
+    assert infinity.stats(model)["fetch"]["peak_live_numel"] <= bound
+    assert losses == free_losses
+    infinity.release(model)
