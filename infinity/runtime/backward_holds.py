@@ -37,6 +37,8 @@ groups in backward").
 """
 from __future__ import annotations
 
+from collections import defaultdict
+
 from torch import nn
 
 from infinity.param_group import ParamGroup
@@ -57,13 +59,16 @@ class BackwardHolds:
     def __init__(self, coordinator, armed: dict) -> None:
         self.coordinator = coordinator
         self.armed = armed
-        self.count: dict[ParamGroup, int] = {}
+        self.count: defaultdict[ParamGroup, int] = defaultdict(int)
         self.waiting: dict[ParamGroup, list[nn.Module]] = {}    # a group under a module -> calls over once it arrives
 
     def watcher(self, module: nn.Module):
         """``self.over`` when ``module`` has a frozen group whose release it decides; else None (not watched)."""
         for g in self.coordinator.module_groups.get(module, ()):
-            if not g.has_trainable:
+            for slot in g.slots:
+                if slot.param.requires_grad:
+                    break
+            else:
                 return self.over
         return None
 
@@ -71,7 +76,7 @@ class BackwardHolds:
         """A call of ``module`` begins its backward (its groups were gathered for it)."""
         count = self.count
         for g in self.coordinator.module_groups.get(module, ()):
-            count[g] = count.get(g, 0) + 1
+            count[g] += 1
 
     def over(self, module: nn.Module) -> None:
         """Every argument's gradient of a call of ``module`` is complete: (a) of the note."""
@@ -83,19 +88,17 @@ class BackwardHolds:
                     return
         count = self.count
         for g in self.coordinator.module_groups.get(module, ()):
-            n = count.get(g, 0) - 1
-            if n > 0:
-                count[g] = n
+            count[g] -= 1
+            if count[g] > 0:
                 continue
-            count.pop(g, None)
+            del count[g]
             if not g.has_trainable:
                 self.coordinator.backward_done(g)
 
     def arrived(self, group: ParamGroup) -> None:
         """``group``'s gradients arrived: the calls that waited for it are checked again."""
-        if self.waiting:
-            for module in self.waiting.pop(group, ()):
-                self.over(module)
+        for module in self.waiting.pop(group, ()):
+            self.over(module)
 
     def clear(self) -> None:
         """The backward ended (everything it held is released with it)."""

@@ -239,12 +239,13 @@ class Engine:
             self._arm(groups)
 
     def post_forward(self, module: nn.Module, output, inputs=None) -> None:
+        grad = torch.is_grad_enabled()
         # Read while the module's groups are gathered (a released placeholder's requires_grad is a torch call).
-        over = None if inputs is None or not torch.is_grad_enabled() else self._holds.watcher(module)
+        over = self._holds.watcher(module) if grad and inputs is not None else None
         self.coordinator.release(module)
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
-        if torch.is_grad_enabled() and (not self._stack or not _quiet(
+        if grad and (not self._stack or not _quiet(
                 self.prefetcher, self.coordinator.module_groups.get(module, ()))):
             watch_backward(module, output, self.pre_backward, self._backwards_ended, inputs, over)
             if not self._stack and self.loss_scaler is not None and not self._backward_active:
@@ -321,7 +322,8 @@ class Engine:
         if self._updates is not None:
             self._updates.before_grad()
         self.reducer.take(group, params, grads)
-        self._holds.arrived(group)
+        if self._holds.waiting:
+            self._holds.arrived(group)
 
     def recover_aborted_backward(self) -> None:
         """Close a backward that an exception cut short.
