@@ -57,6 +57,8 @@ the parameters a join is made of; nothing else of the engine.
 """
 from __future__ import annotations
 
+import inspect
+
 import threading
 
 import torch
@@ -157,8 +159,35 @@ class ReleasedParameter(nn.Parameter):
                 out = func(*args, **kwargs)
                 if out is param:
                     return out
+                if out.dtype == param.dtype and _same_device(out.device, param.device):
+                    return param    # "cpu:0" for "cpu" (transformers.Trainer's model.to(args.device) on CPU ranks)
                 raise EngineError(refusal(param, _name(func, attribute), _CONVERSION_REASON))
+        if _inside("torch.nn.parallel.distributed"):
+            raise EngineError(_DDP_REFUSAL)
         raise EngineError(refusal(param, _name(func, attribute)))
+
+
+def _inside(module: str) -> bool:
+    """Whether a function of ``module`` is on the call stack (an error's path: never a hot one)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_globals.get("__name__") == module:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_DDP_REFUSAL = (
+    "torch.nn.parallel.DistributedDataParallel wraps a model infinity manages: its parameters are shards over the "
+    "ranks, which infinity gathers and whose gradients it reduces itself (ZeRO-3), so there are no replicas to "
+    "wrap. Train the model unwrapped on every rank; with accelerate, prepare it as "
+    "accelerator.prepare_model(model, device_placement=False, evaluation_mode=True) (no DDP), and with "
+    "transformers.Trainer use infinity.Trainer, which does so")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """The same device, an index of None meaning the only one (the CPU's)."""
+    return a.type == b.type and (a.index == b.index or a.type == "cpu")
 
 
 def _compiling() -> bool:

@@ -73,6 +73,8 @@ def _check_reads_refused(plain: nn.Module, model: nn.Module) -> None:
     assert described == expected
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in plain.parameters())
     assert model.to("cpu") is model and p.size(1) == 128 and p.grad is None
+    # "cpu:0" is the CPU too (transformers.Trainer moves the model to args.device, cpu:0 on CPU ranks).
+    assert model.to(torch.device("cpu", 0)) is model and p.size(1) == 128
 
 
 def _edit(sd: dict) -> None:
