@@ -36,6 +36,7 @@ _LAZY = {
     "TiledEmbedding": "infinity.tiling",
     "activation_checkpoint": "infinity.runtime.checkpointing",
     "from_pretrained": "infinity.runtime.init",
+    "Trainer": "infinity.checkpoint.trainer",
 }
 
 

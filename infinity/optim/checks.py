@@ -94,12 +94,16 @@ def refuse_trainer_checkpoints(who: str) -> None:
     every rank, so that save raises; it did so after hours of training, losing the run. So an infinity
     optimizer created by a Trainer (``optimizer_cls_and_kwargs``), or stepped by one for the first time
     (``optimizers=(opt, None)``), raises when that Trainer's save strategy is not "no", saying what to do
-    instead (the Trainer is found up the stack: torch gives no other way to see it).
+    instead (the Trainer is found up the stack: torch gives no other way to see it). ``infinity.Trainer``
+    saves through infinity instead and is let through ([Note: Trainer's checkpoints through infinity] in
+    infinity/checkpoint/trainer.py).
     """
     frame = inspect.currentframe().f_back
     while frame is not None:
         trainer = frame.f_locals.get("self") if frame.f_globals.get("__name__") == "transformers.trainer" else None
         args = getattr(trainer, "args", None)
+        if getattr(trainer, "infinity_checkpoints", False):
+            return      # infinity.Trainer: its checkpoints are infinity's ([Note: Trainer's checkpoints through infinity])
         if args is not None and hasattr(args, "save_strategy"):
             strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
             evaluation = getattr(args, "eval_strategy", "no")
@@ -109,8 +113,8 @@ def refuse_trainer_checkpoints(who: str) -> None:
                     f"{who}: transformers.Trainer with save_strategy={strategy!r} would save its checkpoints "
                     "through model.state_dict() on the main process only, which an infinity model (its "
                     "parameters shards over ranks and tiers) refuses: the run would stop at its first save "
-                    "(save_steps, or the end of training). Give TrainingArguments save_strategy=\"no\"; save "
-                    "with infinity.save_checkpoint(directory, model, optimizer) on every rank (a TrainerCallback's "
-                    "on_step_end, say), and the final weights with save_pretrained inside infinity.gathered")
+                    "(save_steps, or the end of training). Use infinity.Trainer, which saves and resumes them "
+                    "with infinity.save_checkpoint and infinity.load_checkpoint, or give TrainingArguments "
+                    "save_strategy=\"no\"")
             return
         frame = frame.f_back

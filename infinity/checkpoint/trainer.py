@@ -1,0 +1,132 @@
+"""``infinity.Trainer``: Hugging Face's ``Trainer`` whose checkpoints are infinity's.
+
+[Note: Trainer's checkpoints through infinity]
+``transformers.Trainer`` saves a checkpoint every ``save_steps`` through
+``model.state_dict()`` on the main process and ``optimizer.state_dict()``: an engine model's
+parameters and Adam states are shards over every rank's tiers, so a plain Trainer with a
+save strategy is refused ([Note: Trainer's checkpoints] in infinity/optim/checks.py). This
+subclass saves the way DeepSpeed's integration does under ZeRO-3 without gathering 16-bit
+weights: each ``checkpoint-N`` directory holds, beside the scheduler, RNG and Trainer state
+the Trainer writes, an ``infinity`` directory written by ``infinity.save_checkpoint`` on every
+rank (bounded host memory whatever the model's size) and the model's ``config.json``, not
+its weights; ``infinity-consolidate checkpoint-N/infinity model.safetensors --safetensors``
+makes them one file. ``resume_from_checkpoint`` loads that directory with ``infinity.load_checkpoint`` once
+the optimizer exists (parameters, masters, moments, step count; onto any world size), and
+``load_best_model_at_end`` loads the best one the same way. ``trainer.save_model(dir)``,
+called by the user on every rank, gathers the model (``infinity.gathered``) and writes
+ordinary weights with ``save_pretrained``. ``save_only_model=True`` writes those gathered
+weights in each checkpoint instead, which cannot be resumed (as with the plain Trainer).
+Over several processes (``torchrun``, ``accelerate launch``) the model is not wrapped in
+``DistributedDataParallel``: the engine already splits it and reduces its gradients over the
+ranks. A model not built in ``infinity.Init`` trains and saves as with ``transformers.Trainer``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import transformers
+except ImportError as exc:     # pragma: no cover - the message is the point
+    raise ImportError("infinity.Trainer subclasses transformers.Trainer: pip install transformers") from exc
+
+from infinity import registry
+from infinity.checkpoint.errors import CheckpointNotFoundError
+from infinity.checkpoint.reader import load_checkpoint
+from infinity.checkpoint.writer import save_checkpoint
+from infinity.runtime.gathered import gathered
+
+SUBDIR = "infinity"
+SCHEDULER_NAME = "scheduler.pt"     # transformers.trainer's name, so its own checks find it
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` that checkpoints an engine model with ``infinity.save_checkpoint`` and
+    resumes with ``infinity.load_checkpoint`` (see [Note: Trainer's checkpoints through infinity]).
+
+    Examples
+    --------
+    >>> trainer = infinity.Trainer(model=model, args=transformers.TrainingArguments("out", save_steps=500),
+    ...                            train_dataset=data, optimizer_cls_and_kwargs=(infinity.AdamW, {"lr": 3e-4}))
+    >>> trainer.train()                                   # doctest: +SKIP
+    >>> trainer.train(resume_from_checkpoint=True)        # doctest: +SKIP
+    """
+
+    infinity_checkpoints = True     # read by infinity.optim.checks.refuse_trainer_checkpoints
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        prepare = self.accelerator.prepare_model
+
+        def prepare_model(model, device_placement=None, evaluation_mode=False):
+            # Over several processes accelerate wraps a model in DistributedDataParallel, whose replicas an
+            # engine model cannot be: infinity splits it and reduces its gradients over the ranks itself
+            # (ZeRO-3), as a model transformers loaded sharded does; prepared as that one is (autocast and
+            # compilation only), it takes the optimizer, the scheduler and the batches as usual.
+            if _engine_model(model):
+                return prepare(model, device_placement=False, evaluation_mode=True)
+            return prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+        self.accelerator.prepare_model = prepare_model
+
+    def _managed(self) -> bool:
+        return _engine_model(self.model)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._managed():
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _internal_call and not self.args.save_only_model:
+            # A checkpoint: the weights are in the infinity directory written with the optimizer.
+            config = getattr(self.model, "config", None)
+            if self.args.should_save and config is not None:
+                config.save_pretrained(output_dir)
+            return
+        with gathered(self.model):      # every rank: a collective
+            self._save(output_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._managed():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_checkpoint(os.path.join(output_dir, SUBDIR), self.model)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self._managed():
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        _infinity_dir(resume_from_checkpoint)   # checked now; loaded with the optimizer, which needs it
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not self._managed():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_checkpoint(_infinity_dir(checkpoint), self.model)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        if not self._managed():
+            return super()._load_best_model()
+        load_checkpoint(_infinity_dir(self.state.best_model_checkpoint), self.model)
+
+
+def _engine_model(model) -> bool:
+    try:
+        registry.engine_of(model)
+    except registry.NotManagedError:
+        return False
+    return True
+
+
+def _infinity_dir(checkpoint: str) -> str:
+    """``checkpoint``'s infinity directory; a clear error when the Trainer checkpoint has none."""
+    path = os.path.join(checkpoint, SUBDIR)
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(
+            f"{checkpoint!r} has no {SUBDIR!r} directory: it was not written by infinity.Trainer (a plain "
+            "Trainer's checkpoint, or one saved with save_only_model=True, holds no optimizer states an "
+            "infinity model can resume from). Resume from a checkpoint infinity.Trainer saved, or load "
+            "weights with from_pretrained inside infinity.Init and start a new run")
+    return path

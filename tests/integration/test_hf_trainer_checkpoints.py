@@ -1,0 +1,130 @@
+"""``infinity.Trainer``: Hugging Face's Trainer saving and resuming an engine model's checkpoints through
+infinity ([Note: Trainer's checkpoints through infinity] in infinity/checkpoint/trainer.py).
+
+A run stopped after its checkpoint and resumed from it with ``resume_from_checkpoint`` logs the same
+losses, grad norms and learning rates as the run that went on, and ends with the same weights; on one
+rank and two, with the states in host memory or on NVMe. ``save_model`` writes ordinary weights.
+"""
+import os
+
+import pytest
+import torch
+
+import infinity
+from infinity.checkpoint import CheckpointNotFoundError
+from tests.integration.test_hf_trainer import _config, _Tokens
+from tests.support.ranks import run_ranks
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+STEPS, SAVE = 6, 3
+
+
+def _model(nvme: str, tier: str):
+    os.makedirs(nvme, exist_ok=True)
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": tier, "optimizer": tier, "nvme_path": nvme},
+                        "partition": {"sub_group_size": 4096}}):
+        return transformers.GPT2LMHeadModel(_config())
+
+
+def _trainer(model, out: str, steps: int = STEPS):
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps,
+        learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=2, lr_scheduler_type="linear",
+        logging_steps=1, save_strategy="steps", save_steps=SAVE, report_to=[], use_cpu=True, seed=0, data_seed=0,
+        disable_tqdm=True)
+    return infinity.Trainer(model=model, args=args, train_dataset=_Tokens(4 * STEPS),
+                            optimizer_cls_and_kwargs=(infinity.AdamW, {"lr": 1e-2, "betas": (0.9, 0.98)}))
+
+
+def _logged(trainer) -> dict:
+    return {r["step"]: (r["loss"], r["grad_norm"], r["learning_rate"])
+            for r in trainer.state.log_history if "loss" in r and "grad_norm" in r}
+
+
+def _weights(model) -> list:
+    with infinity.gathered(model):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def _resume_matches_the_run_that_went_on(workdir: str, tier: str, rank: int = 0) -> dict:
+    whole = _trainer(_model(os.path.join(workdir, f"nvme-a{rank}"), tier), os.path.join(workdir, "a"))
+    whole.train()
+    checkpoint = os.path.join(workdir, "a", f"checkpoint-{SAVE}")
+    written = sorted(os.listdir(checkpoint))
+    resumed = _trainer(_model(os.path.join(workdir, f"nvme-b{rank}"), tier), os.path.join(workdir, "b"))
+    resumed.train(resume_from_checkpoint=checkpoint)
+    want = _logged(whole)
+    got = {step: logged for step, logged in _logged(resumed).items() if step > SAVE}   # with the saved history
+    return {"steps": sorted(got), "written": written,
+            "logs": max(abs(a - b) for s in got for a, b in zip(got[s], want[s])),
+            "weights": max(float((p - q).abs().max()) for p, q in zip(_weights(whole.model), _weights(resumed.model)))}
+
+
+def _check(result) -> None:
+    assert result["steps"] == list(range(SAVE + 1, STEPS + 1)), result
+    assert {"config.json", "infinity", "scheduler.pt", "trainer_state.json"} <= set(result["written"]), result
+    assert not any(name.endswith(".safetensors") for name in result["written"]), result
+    assert result["logs"] <= 1e-6 and result["weights"] <= 1e-6, result
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_resumed_run_logs_and_ends_as_the_run_that_went_on(tmp_path, tier):
+    _check(_resume_matches_the_run_that_went_on(str(tmp_path), tier))
+
+
+def _on_rank(rank, world, workdir):
+    # As torchrun sets it: Trainer and accelerate see a distributed run (each rank its own batches, the
+    # model not wrapped in DistributedDataParallel by infinity.Trainer) and use the group already made.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
+    result = _resume_matches_the_run_that_went_on(workdir, "host", rank)
+    result["world"] = transformers.TrainingArguments("unused", use_cpu=True).world_size
+    return result
+
+
+def test_two_ranks_resume(tmp_path):
+    results = run_ranks(_on_rank, 2, tmp_path)
+    for result in results:
+        assert result["world"] == 2
+        _check(result)
+
+
+def test_save_model_writes_weights_plain_transformers_loads(tmp_path):
+    trainer = _trainer(_model(str(tmp_path / "nvme"), "host"), str(tmp_path / "out"), steps=2)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    plain = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
+    for p, q in zip(plain.parameters(), _weights(trainer.model)):
+        assert torch.equal(p, q)
+    infinity.release(trainer.model)
+
+
+def test_resuming_from_a_checkpoint_infinity_did_not_write_names_it(tmp_path):
+    plain_dir = tmp_path / "out" / "checkpoint-3"
+    plain_dir.mkdir(parents=True)
+    trainer = _trainer(_model(str(tmp_path / "nvme"), "host"), str(tmp_path / "out"))
+    with pytest.raises(CheckpointNotFoundError, match=r"checkpoint-3.* has no 'infinity' directory"):
+        trainer.train(resume_from_checkpoint=str(plain_dir))
+    infinity.release(trainer.model)
+
+
+def _wrap_in_ddp(rank, world, workdir):
+    model = _model(os.path.join(workdir, "nvme"), "host")
+    try:
+        torch.nn.parallel.DistributedDataParallel(model)
+    except infinity.errors.EngineError as exc:
+        return str(exc)
+    finally:
+        infinity.release(model)
+    return None
+
+
+def test_wrapping_an_engine_model_in_ddp_says_infinity_reduces_over_ranks_itself(tmp_path):
+    """accelerate's prepare and transformers.Trainer over several processes wrap the model in DDP, which
+    read a released parameter ("Tensor.detach on parameter ... is released"): not what to do about it."""
+    (message,) = run_ranks(_wrap_in_ddp, 1, tmp_path)
+    assert message is not None and "DistributedDataParallel wraps a model infinity manages" in message
+    assert "evaluation_mode=True" in message and "infinity.Trainer" in message
