@@ -128,3 +128,20 @@ def test_wrapping_an_engine_model_in_ddp_says_infinity_reduces_over_ranks_itself
     (message,) = run_ranks(_wrap_in_ddp, 1, tmp_path)
     assert message is not None and "DistributedDataParallel wraps a model infinity manages" in message
     assert "evaluation_mode=True" in message and "infinity.Trainer" in message
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path):
+    trainer = _trainer(_model(str(tmp_path / "nvme"), "host"), str(tmp_path / "out"))
+    trainer.args.eval_strategy, trainer.args.eval_steps = "steps", SAVE
+    trainer.args.load_best_model_at_end, trainer.args.metric_for_best_model = True, "loss"
+    trainer.args.greater_is_better = False  # the first evaluation's here: not the weights training ends with
+    trainer.eval_dataset = _Tokens(4)
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best == str(tmp_path / "out" / f"checkpoint-{SAVE}"), best
+    fresh = _model(str(tmp_path / "nvme-fresh"), "host")
+    infinity.load_checkpoint(os.path.join(best, "infinity"), fresh)
+    for p, q in zip(_weights(trainer.model), _weights(fresh)):
+        assert torch.equal(p, q)
+    infinity.release(fresh)
+    infinity.release(trainer.model)
