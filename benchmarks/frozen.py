@@ -55,7 +55,8 @@ _created_s: dict[str, float] = {}
 
 def build(args, when: str, workdir: str):
     cfg = load_config(args.preset, overrides={"tiers": {"device": "cpu", "nvme_path": tempfile.mkdtemp(dir=workdir)},
-                                              "precision": {"dtype": args.dtype}})
+                                              "precision": {"dtype": args.dtype},
+                                              "partition": {"max_live_parameters": args.max_live}})
     torch.manual_seed(0)
     with infinity.Init(cfg):
         model = GPT(preset(args.model, seq_len=args.seq))
@@ -129,6 +130,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--unfrozen-steps", type=int, default=2)
     ap.add_argument("--bf16-values", action="store_true",
                     help="initial weights rounded to bf16 (as loaded from a bf16 checkpoint)")
+    ap.add_argument("--max-live", type=int, default=0,
+                    help="partition.max_live_parameters (elements; 0: no bound); the report gives the peak")
     ap.add_argument("--workdir", default=None, help="where the swap files go (default: the system's temp dir)")
     ap.add_argument("--json", default=None, help="write the report here")
     args = ap.parse_args(argv)
@@ -146,6 +149,7 @@ def main(argv=None) -> dict:
         times, equal = _steps(runs, args.steps, data)
         held = {name: _tier_bytes(m, tier) for name, (m, _) in runs.items()}
         held_backward = {name: seen["peak"] for name, seen in backward.items()}
+        peak_live = {name: infinity.stats(m)["fetch"]["peak_live_numel"] for name, (m, _) in runs.items()}
         for m, _ in runs.values():
             m.requires_grad_(True)
         _, equal_after = _steps(runs, args.unfrozen_steps, data)
@@ -161,12 +165,12 @@ def main(argv=None) -> dict:
 
     report = {
         "model": args.model, "preset": args.preset, "freeze": args.freeze, "dtype": args.dtype,
-        "bf16_values": args.bf16_values,
+        "bf16_values": args.bf16_values, "max_live_parameters": args.max_live,
         "optimizer_tier": tier,
         "params": params, "frozen_params": frozen,
         "rows": [{"run": name, "tier_bytes": held[name], "tier_bytes_unfrozen": unfrozen[name],
                   "saved_bytes_per_frozen_param": (held[last] - held[name]) / max(frozen, 1),
-                  "backward_held_peak_bytes": held_backward[name],
+                  "backward_held_peak_bytes": held_backward[name], "peak_live_numel": peak_live[name],
                   "step_s": statistics.median(times[name][1:]), "step_ratio": ratio(name),
                   "optimizer_created_s": _created_s[name.removeprefix("frozen ")]} for name in names],
         "losses_equal": equal, "losses_equal_unfrozen": equal_after,
@@ -176,13 +180,14 @@ def main(argv=None) -> dict:
           f"{params:,} parameters, {frozen:,} frozen; "
           f"optimizer tier: {tier}")
     print(f"{'run':<28}{'tier bytes':>16}{'saved B/frozen param':>22}{'after unfreezing':>18}{'step s':>9}"
-          f"{'vs last':>9}{'AdamW() s':>11}{'held in bwd':>14}")
+          f"{'vs last':>9}{'AdamW() s':>11}{'held in bwd':>14}{'peak live':>13}")
     for row in report["rows"]:
         print(f"{row['run']:<28}{row['tier_bytes']:>16,}{row['saved_bytes_per_frozen_param']:>22.2f}"
               f"{row['tier_bytes_unfrozen']:>18,}{row['step_s']:>9.3f}{row['step_ratio']:>8.2f}x"
-              f"{row['optimizer_created_s']:>11.3f}{row['backward_held_peak_bytes']:>14,}")
+              f"{row['optimizer_created_s']:>11.3f}{row['backward_held_peak_bytes']:>14,}{row['peak_live_numel']:>13,}")
     print(f"step ratios: medians of pairs; losses equal: {equal} (frozen), {equal_after} (unfrozen); held in bwd: "
-          "the most bytes gathered at once for running modules and backward, in the frozen steps")
+          "the most bytes gathered at once for running modules and backward, in the frozen steps; peak live: "
+          f"the most parameter elements gathered at once then, read-aheads included (bound: {args.max_live or 'none'})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
