@@ -162,27 +162,49 @@ class ReleasedParameter(nn.Parameter):
                 if out.dtype == param.dtype and _same_device(out.device, param.device):
                     return param    # "cpu:0" for "cpu" (transformers.Trainer's model.to(args.device) on CPU ranks)
                 raise EngineError(refusal(param, _name(func, attribute), _CONVERSION_REASON))
-        if _inside("torch.nn.parallel.distributed"):
-            raise EngineError(_DDP_REFUSAL)
-        raise EngineError(refusal(param, _name(func, attribute)))
+        raise EngineError(refusal(param, _name(func, attribute), _reason_on_path(func)))
 
 
-def _inside(module: str) -> bool:
-    """Whether a function of ``module`` is on the call stack (an error's path: never a hot one)."""
+def _reason_on_path(func) -> str:
+    """Why a read of a released parameter is refused, said for the torch tools that read every parameter and
+    cannot work on shards (found on the call stack: an error's path, never a hot one); else the general reason."""
+    if func is torch.autograd.grad:
+        return _GRAD_REASON
+    if func is _T.share_memory_:
+        return _SHARE_REASON
     frame = inspect.currentframe()
     while frame is not None:
-        if frame.f_globals.get("__name__") == module:
-            return True
+        module = frame.f_globals.get("__name__", "")
+        for prefix, reason in _TOOL_REASONS:
+            if module.startswith(prefix):
+                return reason
         frame = frame.f_back
-    return False
+    return _RELEASED_REASON
 
 
-_DDP_REFUSAL = (
-    "torch.nn.parallel.DistributedDataParallel wraps a model infinity manages: its parameters are shards over the "
-    "ranks, which infinity gathers and whose gradients it reduces itself (ZeRO-3), so there are no replicas to "
-    "wrap. Train the model unwrapped on every rank; with accelerate, prepare it as "
-    "accelerator.prepare_model(model, device_placement=False, evaluation_mode=True) (no DDP), and with "
-    "transformers.Trainer use infinity.Trainer, which does so")
+_REPARAMETRIZED = (
+    "it computes from the parameter's values as it is applied, which a released parameter does not hold, and "
+    "may put new parameters in its place (weight_norm's g and v, a right_inverse, prune's weight_orig and mask) "
+    "that infinity would neither shard, gather nor update. Compute the weight in the module's forward from "
+    "parameters the module owns, built inside infinity.Init")
+_TOOL_REASONS = (
+    ("torch.nn.parallel.distributed",
+     "torch.nn.parallel.DistributedDataParallel wraps a model infinity manages: its parameters are shards over "
+     "the ranks, which infinity gathers and whose gradients it reduces itself (ZeRO-3), so there are no replicas "
+     "to wrap. Train the model unwrapped on every rank; with accelerate, prepare it as "
+     "accelerator.prepare_model(model, device_placement=False, evaluation_mode=True) (no DDP), and with "
+     "transformers.Trainer use infinity.Trainer, which does so"),
+    ("torch.nn.utils.parametriz", "a parametrization (torch.nn.utils.parametrize, parametrizations.weight_norm, "
+                                  "spectral_norm, orthogonal): " + _REPARAMETRIZED),
+    ("torch.nn.utils.weight_norm", "torch.nn.utils.weight_norm: " + _REPARAMETRIZED),
+    ("torch.nn.utils.spectral_norm", "torch.nn.utils.spectral_norm: " + _REPARAMETRIZED),
+    ("torch.nn.utils.prune", "torch.nn.utils.prune: " + _REPARAMETRIZED),
+)
+_SHARE_REASON = ("share_memory puts tensors in shared memory for other processes; an infinity model's parameters "
+                 "are shards in its tiers, not tensors to share: run one rank per process (torch.distributed) instead")
+_GRAD_REASON = ("torch.autograd.grad with respect to parameters infinity manages: their gradients are reduced into "
+                "shards in the optimizer's tier as backward produces them and never exist whole; use "
+                "loss.backward(), then their .grad answer norms, scaling and clamping (clip_grad_norm_)")
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

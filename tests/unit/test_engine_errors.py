@@ -341,3 +341,50 @@ def test_pin_memory_always_without_cuda_is_refused_naming_the_key():
         with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu",
                                       "pin_memory": "always"}}):
             nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda m, x: torch.nn.utils.parametrizations.weight_norm(m[0]),
+     r"'0\.weight': a parametrization .*weight_norm's g and v.*Compute the weight in the module's forward"),
+    (lambda m, x: torch.nn.utils.prune.l1_unstructured(m[0], "weight", amount=0.5),
+     r"'0\.weight': torch\.nn\.utils\.prune: .*Compute the weight in the module's forward"),
+    (lambda m, x: torch.autograd.grad(m(x).sum(), list(m.parameters())),
+     r"torch\.autograd\.grad with respect to parameters infinity manages.*loss\.backward\(\)"),
+    (lambda m, x: m.share_memory(), r"'0\.weight': share_memory .*one rank per process"),
+])
+def test_torch_tools_that_need_whole_parameters_say_why_they_cannot_have_them(call, says):
+    """They failed with the general "it is released ... read it inside infinity.gathered", which would not
+    have helped: these need the parameter to stay a whole tensor of their own (or its gradient whole)."""
+    import torch.nn.utils.prune  # noqa: F401
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"}}):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(EngineError, match=says):
+        call(model, torch.randn(3, 8))
+    infinity.release(model)
+
+
+def test_a_parametrization_that_reads_nothing_as_it_is_registered_trains_as_plain_torch():
+    """The refusal above is for tools that read the values; a parametrization whose registration computes
+    nothing from them keeps the managed parameter as its ``original``, gathered with the module."""
+    def run(engine: bool) -> list[float]:
+        torch.manual_seed(0)
+        if engine:
+            with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
+                                "precision": {"dtype": "float32"}}):
+                model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+        else:
+            model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+        torch.nn.utils.parametrize.register_parametrization(model[0], "weight", nn.Identity())
+        opt = infinity.AdamW(model, lr=1e-2) if engine else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for i in range(3):
+            loss = model(torch.randn(3, 8, generator=torch.Generator().manual_seed(i))).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        if engine:
+            infinity.release(model)
+        return losses
+
+    assert run(True) == pytest.approx(run(False), rel=1e-6)
