@@ -74,6 +74,8 @@ class ShardedGrad(torch.Tensor):
             return _foreach(func, args[0], args[1:], kwargs)
         token = args[0] if args and isinstance(args[0], ShardedGrad) else None
         face = token.face() if token is not None else None
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+            raise EngineError(_GRAD_SCALER)
         if face is None:
             raise EngineError(f"{_name(func)} on the gradient of an infinity parameter: only norms, mul_ by a "
                               "scalar, clamp_ and zero_ are supported (torch.nn.utils.clip_grad_norm_, "
@@ -110,6 +112,10 @@ def untaken(param) -> bool:
 
 
 # torch's list ops (``clip_grad_norm_`` / ``clip_grad_value_`` with ``foreach``) and the op each is per tensor.
+_GRAD_SCALER = ("torch.amp.GradScaler unscaling the gradients of infinity parameters: infinity scales the loss "
+                "itself for fp16 ([precision] loss_scale, dynamic by default: a step whose gradients are not finite "
+                "is skipped and the scale lowered) and bf16 and fp32 need no scaling; drop the GradScaler and call "
+                "loss.backward() and opt.step()")
 _FOREACH = {torch._foreach_norm: torch.linalg.vector_norm, torch._foreach_mul_: torch.Tensor.mul_,
             torch._foreach_clamp_min_: torch.Tensor.clamp_min_, torch._foreach_clamp_max_: torch.Tensor.clamp_max_,
             torch._foreach_zero_: torch.Tensor.zero_}

@@ -222,6 +222,8 @@ class Engine:
             for stale in reversed(self._stack[:]):
                 self.post_forward(stale, None)
         if not self._stack:
+            if _differentiating():
+                raise EngineError(_CREATE_GRAPH)
             self.recover_aborted_backward()
             self._begin_forward(module)
             if not self._backward_active:      # a forward inside backward recomputes for it
@@ -288,6 +290,8 @@ class Engine:
 
     def _enter_backward(self) -> None:
         if not self._backward_active:
+            if torch.is_grad_enabled():     # autograd records the backward itself: create_graph=True
+                raise EngineError(_CREATE_GRAPH)
             self.grad_face.before_backward()    # zero_grad() through .grad, then autograd writes None .grad
             self._backward_active = True
             self.datapath.set_phase("backward")
@@ -417,6 +421,22 @@ def _close_parts(activations, tiers) -> None:
     if activations is not None:
         activations.close()
     tiers.close()
+
+
+def _differentiating() -> bool:
+    """Whether a torch.func transform that differentiates (grad, vjp, jacrev, jvp) runs this forward: its
+    wrapped tensors have no storage, and the gathers made inside one broke every later forward."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    return interpreter is not None and interpreter.key() in (_TransformType.Grad, _TransformType.Jvp)
+
+
+_TransformType = torch._C._functorch.TransformType
+_CREATE_GRAPH = (
+    "a backward with create_graph=True or a torch.func transform that differentiates (double backward: gradient "
+    "penalties, Hessians; torch.func.grad, vjp, jacrev, jvp) through a "
+    "model infinity manages: the parameters' gradients are reduced into shards as backward produces them and "
+    "their groups released, so there is no graph of them to differentiate again; nothing was accumulated. Train "
+    "with an ordinary loss.backward(), or compute such terms on a model built outside infinity.Init")
 
 
 def _quiet(prefetcher, groups) -> bool:

@@ -388,3 +388,50 @@ def test_a_parametrization_that_reads_nothing_as_it_is_registered_trains_as_plai
         return losses
 
     assert run(True) == pytest.approx(run(False), rel=1e-6)
+
+
+def _small(engine: bool):
+    torch.manual_seed(0)
+    if not engine:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
+                        "precision": {"dtype": "float32"}}):
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("differentiate", [
+    lambda m, x: m(x).pow(2).sum().backward(create_graph=True),
+    lambda m, x: torch.autograd.grad(m(x).pow(2).sum(), x, create_graph=True)[0].pow(2).sum().backward(),
+    lambda m, x: torch.func.grad(lambda z: m(z).sum())(x.detach()),
+    lambda m, x: torch.autograd.functional.hessian(lambda z: m(z).pow(2).sum(), x[:1].detach()),
+], ids=["create_graph", "gradient penalty", "torch.func.grad", "hessian"])
+def test_double_backward_is_refused_before_anything_is_taken_and_training_goes_on_as_plain(differentiate):
+    """create_graph=True failed deep in the gradient path ("A view was created in no_grad mode", "setStorage
+    ... out of bounds") and left a gradient behind: the next ordinary step moved the weights 2*lr off plain
+    torch; torch.func.grad broke every later forward ("Cannot access data pointer")."""
+    model, plain = _small(True), _small(False)
+    opt, plain_opt = infinity.AdamW(model, lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    x = torch.randn(5, 8, requires_grad=True)
+    with pytest.raises(EngineError, match=r"create_graph=True or a torch\.func transform that differentiates"):
+        differentiate(model, x)
+    opt.zero_grad()
+    data = torch.randn(5, 8, generator=torch.Generator().manual_seed(4))
+    for net, o in ((model, opt), (plain, plain_opt)):
+        net(data).sum().backward()
+        o.step()
+        o.zero_grad()
+    with infinity.gathered(model):
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert torch.func.vmap(model)(torch.randn(2, 3, 8)).shape == (2, 3, 4)     # vmap differentiates nothing
+    infinity.release(model)
+
+
+def test_grad_scaler_is_refused_naming_infinitys_loss_scaling():
+    model = _small(True)
+    opt = infinity.AdamW(model, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(5, 8)).sum()).backward()
+    with pytest.raises(EngineError, match=r"GradScaler.*\[precision\] loss_scale"):
+        scaler.unscale_(opt)
+    infinity.release(model)

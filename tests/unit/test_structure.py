@@ -128,6 +128,8 @@ _FOREIGN_PRIVATE = {
     "_load_from_state_dict",        # nn.Module's hook for loading, overridden by the tiled layers
     "_non_persistent_buffers_set",  # the only record of a buffer's persistence in nn.Module
     "_aio",                         # the C extension module of tiers
+    "_functorch",                   # torch._C._functorch: which torch.func transform runs (refused when it differentiates)
+    "_amp_foreach_non_finite_check_and_unscale_",   # GradScaler's unscale, refused on gradient tokens by name
     "_orig_mod",                    # the model inside torch.compile's wrapper (infinity/registry.py)
     # Lending reused memory to a storage autograd holds (infinity/runtime/gather_memory.py); with a
     # torch that lacks them the engine resizes storages instead.
