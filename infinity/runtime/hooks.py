@@ -91,7 +91,7 @@ class GradArrivals:
         self._hooked: dict = {}     # id(parameter) -> its hook's handle (the model holds the parameters)
         self._slot: dict = {}       # id(parameter) -> (its group, its place in the group's armed list)
         self.handed: set = set()    # groups handed over in this backward (see ``arm``)
-        self.reopened: set = set()
+        self.reopened: set = set()  # ... and armed again in it: ``flush`` hands them over even without a gradient
 
     def arm(self, group) -> None:
         """Count ``group``'s gradients in the coming backward."""
