@@ -48,7 +48,8 @@ class Trainer(transformers.Trainer):
     Examples
     --------
     >>> trainer = infinity.Trainer(model=model, args=transformers.TrainingArguments("out", save_steps=500),
-    ...                            train_dataset=data, optimizer_cls_and_kwargs=(infinity.AdamW, {"lr": 3e-4}))
+    ...                            train_dataset=data,
+    ...                            optimizer_cls_and_kwargs=(infinity.AdamW, {"lr": 3e-4}))  # doctest: +SKIP
     >>> trainer.train()                                   # doctest: +SKIP
     >>> trainer.train(resume_from_checkpoint=True)        # doctest: +SKIP
     """
