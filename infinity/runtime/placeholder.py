@@ -58,7 +58,6 @@ the parameters a join is made of; nothing else of the engine.
 from __future__ import annotations
 
 import inspect
-
 import threading
 
 import torch
