@@ -64,6 +64,8 @@ class BackwardHolds:
 
     def watcher(self, module: nn.Module):
         """``self.over`` when ``module`` has a frozen group whose release it decides; else None (not watched)."""
+        # ``not g.has_trainable`` spelled out: this runs at every hooked module's call, where the property,
+        # any() and a generator per group cost 1,600 Python calls a step (benchmarks/host_overhead.py).
         for g in self.coordinator.module_groups.get(module, ()):
             for slot in g.slots:
                 if slot.param.requires_grad:
