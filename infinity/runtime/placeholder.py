@@ -19,7 +19,8 @@ naming the parameter and ``infinity.gathered``:
 - ``.to()`` / ``.cuda()`` / ``.float()`` ... pass when they change nothing (``model.to(
   device)``, as Trainer and accelerate call it), and are refused otherwise: the config's
   ``[precision]`` and ``[tiers]`` decide where and in which dtype parameters live;
-- everything else is refused.
+- everything else is refused; a torch tool that reparametrizes (prune, weight_norm) and had already moved
+  the parameter when its first read was refused finds it put back (``_put_back``): a refusal loses nothing.
 
 Why a class swap rather than a check on every op: the group's transitions swap the
 class (``ParamGroup.to_available`` back to ``nn.Parameter``, ``ParamGroup.drop_views`` to
@@ -161,7 +162,10 @@ class ReleasedParameter(nn.Parameter):
                 if out.dtype == param.dtype and _same_device(out.device, param.device):
                     return param    # "cpu:0" for "cpu" (transformers.Trainer's model.to(args.device) on CPU ranks)
                 raise EngineError(refusal(param, _name(func, attribute), _CONVERSION_REASON))
-        raise EngineError(refusal(param, _name(func, attribute), _reason_on_path(func)))
+        reason = _reason_on_path(func)
+        if reason.endswith(_REPARAMETRIZED):
+            _put_back(param)
+        raise EngineError(refusal(param, _name(func, attribute), reason))
 
 
 def _reason_on_path(func) -> str:
@@ -175,8 +179,8 @@ def _reason_on_path(func) -> str:
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         for prefix, reason in _TOOL_REASONS:
-            if module.startswith(prefix):
-                return reason
+            if module.startswith(prefix) and (prefix != _PARAMETRIZE or frame.f_code.co_name in _REGISTERING):
+                return reason   # (a parametrization registered is gathered with its module: reads are reads)
         frame = frame.f_back
     return _RELEASED_REASON
 
@@ -186,6 +190,8 @@ _REPARAMETRIZED = (
     "may put new parameters in its place (weight_norm's g and v, a right_inverse, prune's weight_orig and mask) "
     "that infinity would neither shard, gather nor update. Compute the weight in the module's forward from "
     "parameters the module owns, built inside infinity.Init")
+_PARAMETRIZE = "torch.nn.utils.parametriz"
+_REGISTERING = frozenset({"register_parametrization", "weight_norm", "spectral_norm", "orthogonal"})
 _TOOL_REASONS = (
     ("torch.nn.parallel.distributed",
      "torch.nn.parallel.DistributedDataParallel wraps a model infinity manages: its parameters are shards over "
@@ -193,7 +199,7 @@ _TOOL_REASONS = (
      "to wrap. Train the model unwrapped on every rank; with accelerate, prepare it as "
      "accelerator.prepare_model(model, device_placement=False, evaluation_mode=True) (no DDP), and with "
      "transformers.Trainer use infinity.Trainer, which does so"),
-    ("torch.nn.utils.parametriz", "a parametrization (torch.nn.utils.parametrize, parametrizations.weight_norm, "
+    (_PARAMETRIZE, "a parametrization (torch.nn.utils.parametrize, parametrizations.weight_norm, "
                                   "spectral_norm, orthogonal): " + _REPARAMETRIZED),
     ("torch.nn.utils.weight_norm", "torch.nn.utils.weight_norm: " + _REPARAMETRIZED),
     ("torch.nn.utils.spectral_norm", "torch.nn.utils.spectral_norm: " + _REPARAMETRIZED),
@@ -277,6 +283,33 @@ def _holder(param):
         return None
     group = engine.coordinator.group_of[param]
     return engine, group, next(s for s in group.slots if s.param is param)
+
+
+def _put_back(param) -> None:
+    """Undo what a reparametrizing tool did to ``param``'s module before its read was refused, so the refusal
+    loses nothing: prune registers the parameter again as ``<name>_orig`` and deletes ``<name>``, the old
+    weight_norm deletes ``<name>``, each before the first read of the values. The parameter goes back under
+    its name, in its place among the module's parameters (``parameters()`` and ``state_dict()`` order)."""
+    held = _holder(param)
+    if held is None:
+        return
+    engine, group, slot = held
+    module = next((m for m, groups in engine.coordinator.module_groups.items() if group in groups), None)
+    if module is None:
+        return
+    entries = module._parameters
+    if entries.get(slot.name + "_orig") is param:
+        del entries[slot.name + "_orig"]
+    if slot.name in entries or slot.name in module.__dict__:
+        return
+    after = {s.name for s in group.slots[group.slots.index(slot) + 1:]}
+    items = list(entries.items())
+    entries.clear()
+    for name, value in items:
+        if name in after and slot.name not in entries:
+            entries[slot.name] = param
+        entries[name] = value
+    entries.setdefault(slot.name, param)
 
 
 def _whole_shape(param) -> torch.Size:
