@@ -15,3 +15,13 @@ def released_message(what: str) -> str:
     """The message of any use of a model, or of its optimizer, after ``infinity.release(model)``."""
     return (f"{what}: this model's engine was released by infinity.release(model) (its shards, swap files and "
             "buffers are gone); build the model again under infinity.Init (and load a checkpoint) to use it")
+
+
+# Shared by the hooks (torch.jit.script asks each hook its name) and the engine (torch.jit.trace runs a forward).
+TORCHSCRIPT = (
+    "torch.jit.script and torch.jit.trace (and torch.onnx.export's TorchScript exporter) on a model infinity "
+    "manages: they compile a copy that holds the parameters' current tensors, and this model's parameters are "
+    "shards that infinity's hooks (Python, which TorchScript cannot compile) gather and release around each module. "
+    "To export, load model.state_dict() taken inside `with infinity.gathered(model):` into the same model built "
+    "outside infinity.Init (or consolidate a checkpoint with infinity-consolidate) and script or trace that; "
+    "torch.compile(model) works on the managed model")

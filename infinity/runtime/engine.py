@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from infinity.config import Config
-from infinity.errors import EngineError
+from infinity.errors import TORCHSCRIPT, EngineError
 from infinity.optim.flat_state import OptimizerStateStore
 from infinity.optim.grad_face import GradFace
 from infinity.optim.loss_scale import LossScaler
@@ -224,6 +224,8 @@ class Engine:
         if not self._stack:
             if _differentiating():
                 raise EngineError(_CREATE_GRAPH)
+            if torch.jit.is_tracing():
+                raise EngineError(TORCHSCRIPT)
             self.recover_aborted_backward()
             self._begin_forward(module)
             if not self._backward_active:      # a forward inside backward recomputes for it

@@ -25,6 +25,7 @@ gather: ``.data`` swaps keep a tensor's hooks.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 
@@ -34,7 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from infinity.errors import EngineError, released_message
+from infinity.errors import TORCHSCRIPT, EngineError, released_message
 
 # [Note: torch._dynamo and the default process group]
 # The module hooks are wrapped by torch.compiler.disable, which needs torch._dynamo; importing
@@ -289,11 +290,26 @@ class _EngineHook:
     def __call__(self, *args):
         return self.fn(*args)
 
+    @property
+    def __name__(self) -> str:
+        # torch.jit.script reads every hook's name first, to compile it: say why it cannot, before it fails
+        # on something else. Anyone else finds no name, as on any callable object.
+        if any(f.f_globals.get("__name__", "").startswith("torch.jit") for f in _frames()):
+            raise EngineError(TORCHSCRIPT)
+        raise AttributeError("__name__")
+
     def __reduce_ex__(self, protocol):
         raise EngineError("pickling a model infinity manages (torch.save(model), pickle, copy.deepcopy, sending it "
                           "to another process): its parameters are shards over ranks and tiers, and its hooks hold "
                           "the engine. Save model.state_dict() inside `with infinity.gathered(model):`, or use "
                           "infinity.save_checkpoint")
+
+
+def _frames():
+    frame = inspect.currentframe()
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 def refuse_assign(coordinator, module: nn.Module, state_dict: dict, prefix: str, metadata: dict) -> None:
