@@ -118,6 +118,16 @@ def _check_max_live(coordinator, partition) -> None:
             "persistence threshold, or split the module ([partition] units, [tiling])")
 
 
+def _broadcast(ranks, device: torch.device, flat: torch.Tensor) -> None:
+    """Rank 0's ``flat`` (host memory) to every rank, through the compute device (collectives take
+    device tensors: see [Note: what a collective may be given] in infinity/runtime/ranks.py)."""
+    if ranks.world_size == 1:
+        return
+    on_device = flat.to(device, copy=True)
+    ranks.broadcast(on_device, src=0)
+    flat.copy_(on_device)
+
+
 class Partitioner:
     """Partitions the modules built inside one ``infinity.Init`` into the engine's groups and tiers.
 
@@ -195,22 +205,13 @@ class Partitioner:
                 end = slot.offset + slot.numel
                 flat[slot.offset:end].copy_(slot.param.detach().reshape(-1))
             flat[end:].zero_()
-            self._broadcast(flat)                  # every rank keeps rank 0's values
+            _broadcast(self.ranks, self.engine.device.device, flat)    # every rank keeps rank 0's values
             self.coordinator.partition(group, flat)
             shard = group.shard_of(flat)
             key = self.tiers.optimizer.allocate(4 * group.shard_numel, tag=f"master-init:{name}")
             self.engine.datapath.write(self.tiers.optimizer, key, shard).wait()
         self._master_keys[group] = key
         return group
-
-    def _broadcast(self, flat: torch.Tensor) -> None:
-        """Rank 0's ``flat`` (host memory) to every rank, through the compute device (collectives take
-        device tensors: see [Note: what a collective may be given] in infinity/runtime/ranks.py)."""
-        if self.ranks.world_size == 1:
-            return
-        on_device = flat.to(self.engine.device.device, copy=True)
-        self.ranks.broadcast(on_device, src=0)
-        flat.copy_(on_device)
 
     def materialize(self, group: ParamGroup) -> None:
         """Gather a group's exact fp32 values into its parameters (construction-time edits)."""
@@ -300,15 +301,12 @@ class Partitioner:
         if self._resume is not None:    # its values are the checkpoint's, whatever construction did
             group.to_not_available()
             return
-        reshaped = [f"{s.name!r} {tuple(s.shape)} -> {tuple(s.param.shape)}" for s in group.slots
-                    if s.param.shape != s.shape]
-        if reshaped:    # (resize_token_embeddings, say): the group's layout and shards have the old shapes
-            raise EngineError(
-                f"infinity.Init: a parameter of {group.name!r} changed shape after it was partitioned "
-                f"({'; '.join(reshaped[:3])}); an engine model's parameters keep the shapes they were built "
-                "with. Build the model with the new shape inside infinity.Init (the model class on a config "
-                "with the new vocab_size, say) and copy the old values into it inside `with "
-                "infinity.gathered(model):` (from the checkpoint's tensors)")
+        if any(s.param.shape != s.shape for s in group.slots):
+            # A new shape (resize_token_embeddings: the rows of added tokens), which the group's layout and
+            # shards cannot hold: partitioned again, in its place (groups are fixed at the context's exit).
+            at = self.coordinator.groups.index(group)
+            self.coordinator.groups[at:at] = self._replace(group, [group.slots])
+            return
         # In fp32, whatever the compute dtype: the master weights keep the values construction gave.
         full = group.flatten([s.param.data for s in group.slots], dtype=torch.float32)
         if self.ranks.world_size > 1:
@@ -321,6 +319,30 @@ class Partitioner:
         self.coordinator.shards.write(group, shard).wait()
         self.tiers.optimizer.write(self._master_keys[group], shard).wait()
         group.to_not_available()
+
+    def _replace(self, group: ParamGroup, parts: list[list]) -> list[ParamGroup]:
+        """Free ``group`` and partition each of ``parts`` (lists of its slots) as a new group, from the values
+        as they are now (fp32, exact); the new groups are out of the coordinator's list, for the caller to place."""
+        coordinator = self.coordinator
+        if parts:
+            self.materialize(group)
+        values = [[s.param.data.clone() for s in part] for part in parts]
+        for s in group.slots:
+            coordinator.group_of.pop(s.param, None)
+        coordinator.shards.free(group)
+        self._forget(group)
+        coordinator.groups.remove(group)
+        unit = self.unit_of.pop(group, None)
+        made = []
+        for part, part_values in zip(parts, values):
+            for s, v in zip(part, part_values):
+                s.param.data = v
+            new = self._partition(group.name, [(s.name, s.param) for s in part])
+            if unit is not None:
+                self.unit_of[new] = unit
+            coordinator.groups.remove(new)
+            made.append(new)
+        return made
 
     # -- at the context's exit ---------------------------------------------------------------------
     def finish(self, roots: list[nn.Module]) -> OptimizerStateStore:
@@ -394,24 +416,7 @@ class Partitioner:
             if len(alive) == len(g.slots) and len(parts) == 1:
                 kept.append(g)
                 continue
-            if alive:
-                self.materialize(g)
-                values = [s.param.data.clone() for s in alive]
-            for s in g.slots:
-                coordinator.group_of.pop(s.param, None)
-            coordinator.shards.free(g)
-            self._forget(g)
-            coordinator.groups.remove(g)
-            if alive:
-                for s, v in zip(alive, values):
-                    s.param.data = v
-            unit = self.unit_of.pop(g, None)
-            for part in parts:
-                new = self._partition(g.name, [(s.name, s.param) for s in part])
-                if unit is not None:
-                    self.unit_of[new] = unit
-                coordinator.groups.remove(new)
-                kept.append(new)
+            kept += self._replace(g, parts)
         for i, g in enumerate(kept):
             g.index = i
         coordinator.groups[:] = kept

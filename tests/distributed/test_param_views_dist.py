@@ -11,3 +11,11 @@ from tests.unit.test_param_views import views_case
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_param_views_on_two_ranks(tmp_path, dtype):
     run_ranks(views_case, 2, tmp_path, dtype)
+
+
+def test_resize_token_embeddings_inside_init_on_two_ranks(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.integration.test_hf_views import resize_case
+
+    for diffs in run_ranks(resize_case, 2, tmp_path):
+        assert max(diffs) < 1e-5, diffs

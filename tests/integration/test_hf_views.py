@@ -1,7 +1,8 @@
 """A Hugging Face model built in ``infinity.Init``, beside the plain one on the same weights:
 ``save_pretrained`` outside ``infinity.gathered`` raises naming a parameter and ``infinity.gathered``;
 inside, it writes the plain model's weights; ``num_parameters`` counts as on the plain model; in bf16 the
-fp32 masters hold exactly what the model's own init (``post_init``) gave, not its bf16 rounding."""
+fp32 masters hold exactly what the model's own init (``post_init``) gave, not its bf16 rounding;
+``resize_token_embeddings`` inside ``infinity.Init`` trains as on the plain model, and after it says so."""
 import os
 
 import pytest
@@ -45,15 +46,89 @@ def test_save_pretrained_and_masters_against_the_plain_model(tmp_path, dtype):
     infinity.release(model)
 
 
-def test_resize_token_embeddings_inside_init_is_refused_naming_the_way(tmp_path):
-    """Adding tokens inside ``infinity.Init`` changed a partitioned parameter's shape; the exit failed with
-    "The size of tensor a (16384) must match the size of tensor b (20480)"."""
-    cfg = {"tiers": {"params": "host", "optimizer": "host", "device": "cpu"}}
-    with pytest.raises(EngineError, match=r"changed shape after it was partitioned .*\(64, 32\) -> \(80, 32\)"
-                                          r".*new vocab_size"):
-        with infinity.Init(cfg):
-            model = transformers.GPT2LMHeadModel(_config())
-            model.resize_token_embeddings(80)
-    with infinity.Init(cfg):        # nothing was left behind
-        model = transformers.GPT2LMHeadModel(_config())
+def _quiet_config(tie: bool = True):
+    """No dropout: the engine's and the plain model's forwards draw nothing, so their losses can be compared."""
+    return transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                   embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tie)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("load", [False, True], ids=["built", "from_pretrained"])
+def test_resize_token_embeddings_inside_init_trains_as_the_plain_resized_model(tmp_path, load, tie):
+    """Adding tokens to a model about to be fine-tuned: inside ``infinity.Init`` the embeddings (and an untied
+    head) are partitioned again with their new rows; it was refused ("changed shape after it was
+    partitioned"), and before that the exit failed ("The size of tensor a (16384) must match ...")."""
+    if load:
+        torch.manual_seed(1)
+        transformers.GPT2LMHeadModel(_quiet_config(tie)).save_pretrained(tmp_path / "base")
+
+    def build():
+        if load:
+            return transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
+        return transformers.GPT2LMHeadModel(_quiet_config(tie))
+
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
+                        "precision": {"dtype": "float32"}}):
+        model = build()
+        model.resize_token_embeddings(80)       # the new rows drawn from the old ones' mean and covariance
+    torch.manual_seed(0)
+    plain = build()
+    plain.resize_token_embeddings(80)
+    assert model.num_parameters() == plain.num_parameters()
+    assert model.lm_head.weight.shape == (80, 32) and (model.lm_head.weight is model.transformer.wte.weight) == tie
+    opt, plain_opt = infinity.AdamW(model, lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    ids = torch.randint(0, 80, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        losses = []
+        for net, o in ((model, opt), (plain, plain_opt)):
+            loss = net(ids, labels=ids).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    with infinity.gathered(model):
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=name)
     infinity.release(model)
+
+
+def test_resize_token_embeddings_after_init_says_where_it_can_run():
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"}}):
+        model = transformers.GPT2LMHeadModel(_config())
+    with pytest.raises(EngineError, match=r"'transformer\.wte\.weight': resize_token_embeddings gives parameters "
+                                          r"new shapes.*call it inside that block"):
+        model.resize_token_embeddings(80)
+    assert model.transformer.wte.weight.shape == (64, 32)
+    infinity.release(model)
+
+
+def resize_case(rank: int, world: int, workdir) -> list[float]:
+    """Each rank resizes inside ``infinity.Init`` from a generator of its own: rank 0's new rows win, as rank 0's
+    values win at partitioning; the model trains (every rank the same batch) as the plain model does with
+    rank 0's draw. Returns the per-step |loss - plain loss|."""
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
+                        "precision": {"dtype": "float32"}}):
+        model = transformers.GPT2LMHeadModel(_quiet_config(tie=False))
+        torch.manual_seed(100 + rank)
+        model.resize_token_embeddings(80, mean_resizing=False)     # new rows from the model's init: N(0, 0.02)
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(_quiet_config(tie=False))
+    torch.manual_seed(100)
+    plain.resize_token_embeddings(80, mean_resizing=False)
+    opt, plain_opt = infinity.AdamW(model, lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    ids = torch.randint(0, 80, (2, 16), generator=torch.Generator().manual_seed(0))
+    diffs = []
+    for _ in range(2):
+        losses = []
+        for net, o in ((model, opt), (plain, plain_opt)):
+            loss = net(ids, labels=ids).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        diffs.append(abs(losses[0] - losses[1]))
+    infinity.release(model)
+    return diffs
