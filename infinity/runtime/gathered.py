@@ -101,15 +101,15 @@ def _refuse_new_shapes(coordinator, model: nn.Module, reshaped: list, before: se
         raise EngineError(
             f"infinity.gathered: parameters changed shape or dtype inside the block ({which}); an "
             "engine model's parameters keep the shapes they were built with and the compute dtype of its "
-            "config ([precision] dtype), so these kept their values (the other writes were stored). For a "
-            "new shape, build the model with it inside infinity.Init (e.g. the new vocab_size in its config) "
-            "and load the old values there; to export in another dtype, convert copies (save_pretrained(d, "
+            "config ([precision] dtype), so these kept their values (the other writes were stored; what else "
+            "the code changed, a config's vocab_size, say, stays changed). Give new shapes inside the "
+            "infinity.Init block that builds or loads the model (resize_token_embeddings there); to export in another dtype, convert copies (save_pretrained(d, "
             "state_dict={k: v.to(dtype) for k, v in model.state_dict().items()}))")
     if unmanaged:
         raise EngineError(
             f"infinity.gathered: the model holds parameters infinity does not manage after the block "
-            f"({unmanaged[:3]}; a module replaced, as resize_token_embeddings does): they would never be "
-            "offloaded, sharded or updated. Build the model with the new modules inside infinity.Init")
+            f"({unmanaged[:3]}; a module replaced): they would never be offloaded, sharded or updated. Build "
+            "or replace modules inside the infinity.Init block that builds the model")
 
 
 def _groups_of(coordinator, model) -> list:

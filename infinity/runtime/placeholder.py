@@ -177,6 +177,8 @@ def _reason_on_path(func) -> str:
         return _SHARE_REASON
     frame = inspect.currentframe()
     while frame is not None:
+        if frame.f_code.co_name == "resize_token_embeddings":
+            return _RESIZE_REASON
         module = frame.f_globals.get("__name__", "")
         for prefix, reason in _TOOL_REASONS:
             if module.startswith(prefix) and (prefix != _PARAMETRIZE or frame.f_code.co_name in _REGISTERING):
@@ -205,6 +207,9 @@ _TOOL_REASONS = (
     ("torch.nn.utils.spectral_norm", "torch.nn.utils.spectral_norm: " + _REPARAMETRIZED),
     ("torch.nn.utils.prune", "torch.nn.utils.prune: " + _REPARAMETRIZED),
 )
+_RESIZE_REASON = ("resize_token_embeddings gives parameters new shapes, which a model's groups, shards and "
+                  "optimizer states keep from the exit of its infinity.Init block on: call it inside that block, "
+                  "after the model is built or loaded (from_pretrained there)")
 _SHARE_REASON = ("share_memory puts tensors in shared memory for other processes; an infinity model's parameters "
                  "are shards in its tiers, not tensors to share: run one rank per process (torch.distributed) instead")
 _GRAD_REASON = ("torch.autograd.grad with respect to parameters infinity manages: their gradients are reduced into "

@@ -302,7 +302,7 @@ def test_a_shape_changed_inside_gathered_is_refused_naming_the_parameter_and_kee
     with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"}}):
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     with pytest.raises(EngineError,
-                       match=r"'0.weight' \(8, 8\) -> \(9, 8\).*new shape, build the model with it inside infinity.Init"):
+                       match=r"'0.weight' \(8, 8\) -> \(9, 8\).*new shapes inside the infinity.Init block"):
         with infinity.gathered(model):
             model[0].weight.data = torch.zeros(9, 8)
             model[1].bias.data.fill_(3.0)               # stored all the same
