@@ -117,12 +117,15 @@ def test_a_tier_too_full_for_both_layouts_keeps_the_old_one_and_says_so(tmp_path
     _trains_as_frozen_inside_init(tmp_path, "host", model, opt)
 
 
+@pytest.mark.parametrize("refusal", ["budget", "pinning"])
 def test_host_memory_too_short_for_the_new_stores_buffers_keeps_the_layout_and_frees_its_keys(tmp_path,
-                                                                                             monkeypatch):
+                                                                                             monkeypatch, refusal):
     """States on NVMe: the new store's keys are on the disk, its sub-group buffers in host memory. A host
     budget that refuses the buffers keeps the old layout and leaves no key of the new store on the disk
-    (they were allocated before the buffers, and nothing freed them)."""
+    (they were allocated before the buffers, and nothing freed them). So does a host that cannot pin them
+    (cudaHostRegister out of memory: the optimizer's creation failed)."""
     from tiers.base import TierFullError
+    from tiers.host_alloc import HostAllocatorError
 
     torch.manual_seed(0)
     with infinity.Init(_config(tmp_path, "nvme")):
@@ -134,7 +137,8 @@ def test_host_memory_too_short_for_the_new_stores_buffers_keeps_the_layout_and_f
 
     def short(nbytes, stagger=None, **kwargs):
         if stagger is not None:     # the optimizer store's sub-group buffers
-            raise TierFullError(f"host budget: no room for {nbytes} bytes")
+            error = TierFullError if refusal == "budget" else HostAllocatorError
+            raise error(f"host budget: no room for {nbytes} bytes")
         return empty(nbytes, **kwargs)
 
     monkeypatch.setattr(allocator, "empty", short)
