@@ -18,9 +18,10 @@ saves in place freezes inside ``Init``), and not over nonzero moments stored com
 (``state_dtype`` int8 or bf16, loaded before the optimizer: they would be quantized again). The
 ranks decide together: when one keeps its layout, all do. The old store is freed only once the new
 one holds everything, so for a moment the optimizer tier holds both (the new one is the masters plus
-the trained groups' states); a tier too full for that (or a host that cannot pin the new buffers) keeps the layout, with a warning that says
-what it would have saved and how to get it (freeze inside the ``infinity.Init`` block). One pass
-over the masters: the cost of ``Init``'s exit once more, before the first step.
+the trained groups' states); a tier too full for that (or a host that cannot pin the new buffers)
+keeps the layout, with a warning that says what it would have saved and how to get it (freeze inside
+the ``infinity.Init`` block). One pass over the masters: the cost of ``Init``'s exit once more, before
+the first step.
 """
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def relayout_frozen(engine, who: str) -> bool:
     except _Reencoded:
         kept = (f"its moments, loaded before it, are stored as {old.moment_format.dtype} and would be encoded "
                 "again (not exact)")
-    except (MemoryError, HostAllocatorError) as exc:     # a full tier, memory the host cannot pin: the old store is whole
+    except (MemoryError, HostAllocatorError) as exc:     # a full tier, or unpinnable memory: the old store is whole
         kept = f"it needs both layouts in the tier for a moment ({exc})"
     except BaseException:
         if new is not None:
