@@ -330,6 +330,10 @@ def _whole_shape(param) -> torch.Size:
 _RELEASED_REASON = ("it is released (its values are shards over ranks and tiers; this tensor holds none of "
                     "them); read or change it inside `with infinity.gathered(model):`, or save with "
                     "infinity.save_checkpoint and infinity-consolidate")
+_IN_BACKWARD_REASON = ("it is released during backward (a group goes as soon as autograd is done with it: its "
+                       "gradients taken, or its module's backward over), so a backward hook cannot read it; read "
+                       "the gradient there (.grad, or a hook on the parameter), the values in a forward hook, or "
+                       "both after backward inside `with infinity.gathered(model):`")
 _CONVERSION_REASON = ("infinity keeps parameters in the dtype and on the device its config names ([precision] "
                       "dtype, [tiers] device), so converting the model would change nothing: change the config "
                       "instead (to convert the values themselves, copy them inside `with infinity.gathered(model):`)")
@@ -345,6 +349,8 @@ def refusal(param, what: str, reason: str = _RELEASED_REASON) -> str:
                 f"infinity.release, or is being built): {reason}")
     engine, group, slot = held
     name = engine.param_names.get(param) or f"{group.name}.{slot.name}"
+    if reason is _RELEASED_REASON and engine.backward_running:
+        reason = _IN_BACKWARD_REASON
     return f"{what} on parameter {name!r}: {reason}"
 
 

@@ -510,3 +510,22 @@ def test_torchscript_is_refused_naming_the_way_to_export(compile_, inside_gather
             compile_(model, torch.randn(5, 8))
     _one_step_matches_plain(model, opt, plain, plain_opt)
     infinity.release(model)
+
+
+@pytest.mark.parametrize("register", [
+    lambda m, reads: m[0].register_full_backward_hook(lambda mod, gi, go: reads(mod)),
+    lambda m, reads: m[2].register_full_backward_pre_hook(lambda mod, go: reads(mod)),
+], ids=["full_backward_hook", "full_backward_pre_hook"])
+def test_a_backward_hook_reading_weights_says_when_they_can_be_read(register):
+    """It got the message for a read outside any pass ("read or change it inside infinity.gathered"), which a
+    hook cannot do; a failed backward then leaves nothing behind once the gradients are cleared."""
+    model, plain = _small(True), _small(False)
+    opt, plain_opt = infinity.AdamW(model, lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    handle = register(model, lambda mod: mod.weight.norm())
+    with pytest.raises(EngineError, match=r"'\d\.weight': it is released during backward .*read the gradient "
+                                          r"there .*the values in a forward hook"):
+        model(torch.randn(5, 8)).sum().backward()
+    handle.remove()
+    opt.zero_grad()
+    _one_step_matches_plain(model, opt, plain, plain_opt)
+    infinity.release(model)
