@@ -28,6 +28,7 @@ _LAZY = {
     "Adam": "infinity.optim.adam",
     "clip_grad_norm_": "infinity.optim.adam",
     "gathered": "infinity.runtime.gathered",
+    "state_dict": "infinity.runtime.gathered",
     "release": "infinity.runtime.release",
     "stats": "infinity.telemetry",
     "save_checkpoint": "infinity.checkpoint",

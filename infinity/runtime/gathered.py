@@ -1,4 +1,19 @@
-"""``infinity.gathered``: the whole parameters of a model, readable and writable, for a while."""
+"""``infinity.gathered``: the whole parameters of a model, readable and writable, for a while; and
+``infinity.state_dict``: the model's state dict in host memory, gathered a module at a time.
+
+[Note: a state dict a module at a time]
+``with infinity.gathered(model): model.state_dict()`` holds every parameter on the compute device at once:
+a model trained because it does not fit there cannot be saved that way (``save_pretrained`` of a 13B model
+on a 24 GiB GPU). ``state_dict`` walks the module tree instead and gathers the largest subtrees whose groups
+together hold no more elements than the model's largest group (the most a forward already gathers at once),
+taking each one's ``state_dict()`` (so a module's own state-dict code, a tiled layer's joined weights, runs
+as usual) and copying it to host memory before the next is gathered. A module too big for that gives its own
+parameters and buffers (``_save_to_state_dict``) and its children are walked; its state-dict hooks, if it
+has any, do not run. A parameter under two names (tied weights) is copied once: both keys hold the same host
+tensor, which ``save_pretrained`` recognises as tied. Host memory holds the whole state dict (on rank 0 only
+with ``rank0_only``); for a model bigger than that, ``infinity.save_checkpoint`` and
+``infinity-consolidate`` write a file tensor by tensor.
+"""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -120,3 +135,87 @@ def _groups_of(coordinator, model) -> list:
             if g not in seen:
                 seen.append(g)
     return seen
+
+
+def state_dict(model: nn.Module, *, rank0_only: bool = False, dtype: torch.dtype | None = None) -> dict:
+    """``model.state_dict()``, every tensor a copy in host memory, gathered a module at a time (see [Note: a
+    state dict a module at a time]): the compute device never holds more than the model's largest group.
+
+    Every rank calls it (the gathers are collectives), as ``infinity.gathered``.
+
+    Parameters
+    ----------
+    model:
+        A model built inside ``infinity.Init``, or any of its sub-modules (keys relative to it).
+    rank0_only:
+        Only rank 0 keeps the copies; the others return an empty dict (host memory for one copy, not N).
+    dtype:
+        Floating-point tensors converted to it (the model's compute dtype otherwise).
+
+    Examples
+    --------
+    >>> model.save_pretrained("out", state_dict=infinity.state_dict(model))    # doctest: +SKIP
+    """
+    engine = registry.engine_of(model, "infinity.state_dict")
+    if engine.optimizer is not None:
+        engine.optimizer.synchronize()
+    keep = not rank0_only or engine.ranks.rank == 0
+    coordinator = engine.coordinator
+    bound = max((g.numel for g in coordinator.groups), default=0)
+    owner_of = {prefix + name: p for prefix, module in _prefixed(model)
+                for name, p in module.named_parameters(recurse=False)}
+    copies: dict[int, torch.Tensor] = {}    # a parameter's host copy, by the parameter (tied weights: one)
+    out: dict[str, torch.Tensor] = {}
+
+    def take(part: dict) -> None:
+        for key, value in part.items():
+            if not keep:
+                continue
+            param = owner_of.get(key)
+            copy = copies.get(id(param)) if param is not None else None
+            if copy is None:
+                wanted = dtype if dtype is not None and value.is_floating_point() else value.dtype
+                copy = value.detach().to("cpu", dtype=wanted, copy=True)
+                if param is not None:
+                    copies[id(param)] = copy
+            out[key] = copy
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        groups = _groups_of(coordinator, module)
+        if sum(g.numel for g in groups) <= bound or type(module).state_dict is not nn.Module.state_dict:
+            with _reading(engine, groups):
+                take(module.state_dict(prefix=prefix))
+            return
+        own = [coordinator.group_of[p] for p in module.parameters(recurse=False) if p in coordinator.group_of]
+        with _reading(engine, list(dict.fromkeys(own))):
+            part: dict = {}
+            module._save_to_state_dict(part, prefix, False)
+            take(part)
+        for name, child in module.named_children():
+            walk(child, prefix + name + ".")
+
+    trace = engine.prefetcher.trace if engine.prefetcher is not None else None
+    recorded = trace.recorded() if trace is not None else None
+    try:
+        walk(model, "")
+    finally:
+        if trace is not None:
+            trace.discard_recording(recorded)
+    return out
+
+
+def _prefixed(model: nn.Module):
+    for name, module in model.named_modules(remove_duplicate=False):
+        yield (name + "." if name else ""), module
+
+
+@contextmanager
+def _reading(engine, groups: list):
+    """``groups`` gathered for reading only (nothing written back)."""
+    coordinator = engine.coordinator
+    coordinator.use(groups)
+    try:
+        yield
+    finally:
+        for g in groups:
+            coordinator.unuse(g)
