@@ -13,9 +13,9 @@ its weights; ``infinity-consolidate checkpoint-N/infinity model.safetensors --sa
 makes them one file. ``resume_from_checkpoint`` loads that directory with ``infinity.load_checkpoint`` once
 the optimizer exists (parameters, masters, moments, step count; onto any world size), and
 ``load_best_model_at_end`` loads the best one the same way. ``trainer.save_model(dir)``,
-called by the user on every rank, gathers the model (``infinity.gathered``) and writes
-ordinary weights with ``save_pretrained``. ``save_only_model=True`` writes those gathered
-weights in each checkpoint instead, which cannot be resumed (as with the plain Trainer).
+called by the user on every rank, writes ordinary weights with ``save_pretrained`` from
+``infinity.state_dict`` (gathered a module at a time, kept on rank 0). ``save_only_model=True``
+writes those weights in each checkpoint instead, which cannot be resumed (as with the plain Trainer).
 Over several processes (``torchrun``, ``accelerate launch``) the model is not wrapped in
 ``DistributedDataParallel``: the engine already splits it and reduces its gradients over the
 ranks. A model not built in ``infinity.Init`` trains and saves as with ``transformers.Trainer``.
@@ -35,7 +35,7 @@ from infinity import registry
 from infinity.checkpoint.errors import CheckpointNotFoundError
 from infinity.checkpoint.reader import load_checkpoint
 from infinity.checkpoint.writer import save_checkpoint
-from infinity.runtime.gathered import gathered
+from infinity.runtime.gathered import state_dict
 
 SUBDIR = "infinity"
 SCHEDULER_NAME = "scheduler.pt"     # transformers.trainer's name, so its own checks find it
@@ -84,8 +84,8 @@ class Trainer(transformers.Trainer):
             if self.args.should_save and config is not None:
                 config.save_pretrained(output_dir)
             return
-        with gathered(self.model):      # every rank: a collective
-            self._save(output_dir)
+        # Every rank (the gathers are collectives), a module at a time: a model bigger than the device saves too.
+        self._save(output_dir, state_dict=state_dict(self.model, rank0_only=True))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._managed():
