@@ -57,21 +57,11 @@ def _gathered_state(model) -> dict:
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _peak_gathered(engine, run) -> tuple[int, object]:
-    """The most elements the engine held gathered at once while ``run()`` ran, and its result."""
-    coordinator, peak = engine.coordinator, [0]
-    use = coordinator.use
-
-    def counted(groups):
-        use(groups)
-        peak[0] = max(peak[0], sum(g.numel for g in coordinator.groups if g.state.name == "AVAILABLE"))
-
-    coordinator.use = counted
-    try:
-        result = run()
-    finally:
-        coordinator.use = use
-    return peak[0], result
+def _peak_gathered(model, run) -> tuple[int, object]:
+    """The most elements ``model``'s engine held gathered at once while ``run()`` ran, and its result."""
+    registry.engine_of(model).coordinator.stats.reset()
+    result = run()
+    return infinity.stats(model)["fetch"]["peak_live_numel"], result
 
 
 def test_state_dict_is_gathereds_in_host_memory_a_module_at_a_time():
@@ -82,14 +72,14 @@ def test_state_dict_is_gathereds_in_host_memory_a_module_at_a_time():
     opt.zero_grad()
     want = _gathered_state(model)
     engine = registry.engine_of(model)
-    peak, got = _peak_gathered(engine, lambda: infinity.state_dict(model))
+    peak, got = _peak_gathered(model, lambda: infinity.state_dict(model))
     assert list(got) == list(want) and "scratch" not in got
     for key, value in want.items():
         assert torch.equal(got[key], value) and got[key].dtype == value.dtype, key
     assert got["head.weight"] is got["embed.weight"]
     largest = max(g.numel for g in engine.coordinator.groups)
     whole = sum(g.numel for g in engine.coordinator.groups)
-    assert peak <= largest < whole, (peak, largest, whole)
+    assert peak <= largest < whole == _peak_gathered(model, lambda: _gathered_state(model))[0], (peak, largest, whole)
     assert all(v.dtype == torch.float32 for v in infinity.state_dict(model, dtype=torch.float32).values())
     block = infinity.state_dict(model.blocks[1])
     assert list(block) == [k.removeprefix("blocks.1.") for k in want if k.startswith("blocks.1.")]
