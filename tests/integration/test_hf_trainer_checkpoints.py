@@ -102,6 +102,20 @@ def test_save_model_writes_weights_plain_transformers_loads(tmp_path):
     infinity.release(trainer.model)
 
 
+def test_save_only_model_checkpoints_hold_ordinary_weights(tmp_path):
+    """``save_only_model=True``: each checkpoint holds the weights as save_model writes them (through
+    ``infinity.state_dict``), no infinity directory; the last one is the trained model."""
+    trainer = _trainer(_model(str(tmp_path / "nvme"), "host"), str(tmp_path / "out"))
+    trainer.args.save_only_model = True
+    trainer.train()
+    last = tmp_path / "out" / f"checkpoint-{STEPS}"
+    assert "model.safetensors" in os.listdir(last) and "infinity" not in os.listdir(last)
+    plain = transformers.GPT2LMHeadModel.from_pretrained(str(last))
+    for p, q in zip(plain.parameters(), _weights(trainer.model)):
+        assert torch.equal(p, q)
+    infinity.release(trainer.model)
+
+
 def test_resuming_from_a_checkpoint_infinity_did_not_write_names_it(tmp_path):
     plain_dir = tmp_path / "out" / "checkpoint-3"
     plain_dir.mkdir(parents=True)
