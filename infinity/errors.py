@@ -22,6 +22,6 @@ TORCHSCRIPT = (
     "torch.jit.script and torch.jit.trace (and torch.onnx.export's TorchScript exporter) on a model infinity "
     "manages: they compile a copy that holds the parameters' current tensors, and this model's parameters are "
     "shards that infinity's hooks (Python, which TorchScript cannot compile) gather and release around each module. "
-    "To export, load model.state_dict() taken inside `with infinity.gathered(model):` into the same model built "
-    "outside infinity.Init (or consolidate a checkpoint with infinity-consolidate) and script or trace that; "
+    "To export, load infinity.state_dict(model) into the same model built outside infinity.Init (or "
+    "consolidate a checkpoint with infinity-consolidate) and script or trace that; "
     "torch.compile(model) works on the managed model")

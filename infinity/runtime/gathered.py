@@ -118,8 +118,9 @@ def _refuse_new_shapes(coordinator, model: nn.Module, reshaped: list, before: se
             "engine model's parameters keep the shapes they were built with and the compute dtype of its "
             "config ([precision] dtype), so these kept their values (the other writes were stored; what else "
             "the code changed, a config's vocab_size, say, stays changed). Give new shapes inside the "
-            "infinity.Init block that builds or loads the model (resize_token_embeddings there); to export in another dtype, convert copies (save_pretrained(d, "
-            "state_dict={k: v.to(dtype) for k, v in model.state_dict().items()}))")
+            "infinity.Init block that builds or loads the model (resize_token_embeddings there); to export in "
+            "another dtype, convert copies (save_pretrained(d, state_dict=infinity.state_dict(model, "
+            "dtype=dtype)))")
     if unmanaged:
         raise EngineError(
             f"infinity.gathered: the model holds parameters infinity does not manage after the block "
@@ -191,8 +192,10 @@ def state_dict(model: nn.Module, *, rank0_only: bool = False, dtype: torch.dtype
             part: dict = {}
             module._save_to_state_dict(part, prefix, False)
             take(part)
-        for name, child in module.named_children():
-            walk(child, prefix + name + ".")
+        # Every child under each of its names, as state_dict() walks them (named_children() gives each once).
+        for name, child in module.named_modules(remove_duplicate=False):
+            if name and "." not in name:
+                walk(child, prefix + name + ".")
 
     trace = engine.prefetcher.trace if engine.prefetcher is not None else None
     recorded = trace.recorded() if trace is not None else None

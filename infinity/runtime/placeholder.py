@@ -201,8 +201,8 @@ _TOOL_REASONS = (
      "to wrap. Train the model unwrapped on every rank; with accelerate, prepare it as "
      "accelerator.prepare_model(model, device_placement=False, evaluation_mode=True) (no DDP), and with "
      "transformers.Trainer use infinity.Trainer, which does so"),
-    (_PARAMETRIZE, "a parametrization (torch.nn.utils.parametrize, parametrizations.weight_norm, "
-                                  "spectral_norm, orthogonal): " + _REPARAMETRIZED),
+    (_PARAMETRIZE, "a parametrization (torch.nn.utils.parametrize, parametrizations.weight_norm, spectral_norm, "
+                   "orthogonal): " + _REPARAMETRIZED),
     ("torch.nn.utils.weight_norm", "torch.nn.utils.weight_norm: " + _REPARAMETRIZED),
     ("torch.nn.utils.spectral_norm", "torch.nn.utils.spectral_norm: " + _REPARAMETRIZED),
     ("torch.nn.utils.prune", "torch.nn.utils.prune: " + _REPARAMETRIZED),
@@ -299,22 +299,26 @@ def _put_back(param) -> None:
     if held is None:
         return
     engine, group, slot = held
-    module = next((m for m, groups in engine.coordinator.module_groups.items() if group in groups), None)
-    if module is None:
+    holder = next((m for m, groups in engine.coordinator.module_groups.items() if group in groups), None)
+    if holder is None:
         return
+    # A unit's group names its parameters by their path under the unit ([Note: units] in construction.py).
+    path, _, name = slot.name.rpartition(".")
+    module = holder.get_submodule(path)
     entries = module._parameters
-    if entries.get(slot.name + "_orig") is param:
-        del entries[slot.name + "_orig"]
-    if slot.name in entries or slot.name in module.__dict__:
+    if entries.get(name + "_orig") is param:
+        del entries[name + "_orig"]
+    if name in entries or name in module.__dict__:
         return
-    after = {s.name for s in group.slots[group.slots.index(slot) + 1:]}
+    siblings = [s.name.rpartition(".")[2] for s in group.slots if s.name.rpartition(".")[0] == path]
+    after = set(siblings[siblings.index(name) + 1:])
     items = list(entries.items())
     entries.clear()
-    for name, value in items:
-        if name in after and slot.name not in entries:
-            entries[slot.name] = param
-        entries[name] = value
-    entries.setdefault(slot.name, param)
+    for key, value in items:
+        if key in after and name not in entries:
+            entries[name] = param
+        entries[key] = value
+    entries.setdefault(name, param)
 
 
 def _whole_shape(param) -> torch.Size:

@@ -391,12 +391,13 @@ def test_a_parametrization_that_reads_nothing_as_it_is_registered_trains_as_plai
     assert run(True) == pytest.approx(run(False), rel=1e-6)
 
 
-def _small(engine: bool):
+def _small(engine: bool, units: tuple = ()):
+    """``units=("Sequential",)``: the whole model one group, its parameters named by their path in it."""
     torch.manual_seed(0)
     if not engine:
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
-                        "precision": {"dtype": "float32"}}):
+                        "precision": {"dtype": "float32"}, "partition": {"units": list(units)}}):
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
@@ -458,19 +459,20 @@ def _one_step_matches_plain(model, opt, plain, plain_opt) -> None:
     lambda m: torch.nn.utils.parametrizations.weight_norm(m),
 ], ids=["prune.l1_unstructured", "prune.random_unstructured", "prune.identity", "weight_norm (old)",
         "spectral_norm (old)", "parametrizations.weight_norm"])
-def test_a_refused_reparametrization_leaves_the_module_as_it_was(tool):
+@pytest.mark.parametrize("units", [(), ("Sequential",)], ids=["a group per layer", "one unit"])
+def test_a_refused_reparametrization_leaves_the_module_as_it_was(tool, units):
     """prune moves the weight to ``weight_orig`` and the old weight_norm deletes it before their first read of
     its values, which is refused: the Linear was left without a ``weight`` and every later forward failed
     ("'Linear' object has no attribute 'weight'")."""
     import torch.nn.utils.prune  # noqa: F401
-    model, plain = _small(True), _small(False)
+    model, plain = _small(True, units), _small(False)
     opt, plain_opt = infinity.AdamW(model, lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
     weight, keys = model[0].weight, list(plain.state_dict())
     with pytest.raises(EngineError, match=r"'0\.weight': .*Compute the weight in the module's forward"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)     # the old weight_norm's deprecation
             tool(model[0])
-    assert model[0].weight is weight and [n for n, _ in model[0].named_parameters()] == ["weight", "bias"]
+    assert model[0].weight is weight and [n for n, _ in model.named_parameters()] == keys
     assert not list(model[0].buffers())     # no mask: the step below shows no hook applies one either
     _one_step_matches_plain(model, opt, plain, plain_opt)
     with infinity.gathered(model):
@@ -501,8 +503,8 @@ def test_torchscript_is_refused_naming_the_way_to_export(compile_, inside_gather
     gathered would hold parameters released at its exit."""
     model, plain = _small(True), _small(False)
     opt, plain_opt = infinity.AdamW(model, lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    with pytest.raises(EngineError, match=r"torch\.jit\.script and torch\.jit\.trace .*infinity\.gathered.*"
-                                          r"built outside infinity\.Init"):
+    with pytest.raises(EngineError, match=r"torch\.jit\.script and torch\.jit\.trace .*infinity\.state_dict\(model\) "
+                                          r"into the same model built outside infinity\.Init"):
         if inside_gathered:
             with infinity.gathered(model):
                 compile_(model, torch.randn(5, 8))

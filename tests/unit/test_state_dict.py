@@ -23,7 +23,8 @@ class _Block(nn.Module):
 
 
 class _Net(nn.Module):
-    """Own parameter and buffers beside children bigger than any one group; tied head; a tiled layer."""
+    """Own parameter and buffers beside children bigger than any one group; tied head, also under a second
+    name; a tiled layer."""
 
     def __init__(self, vocab: int = 24, d: int = 8) -> None:
         super().__init__()
@@ -35,6 +36,7 @@ class _Net(nn.Module):
         self.wide = TiledLinear(d, d, tiles=2)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.embed.weight
+        self.again = self.head          # one module under two names: state_dict() gives both
 
     def forward(self, idx):
         x = (self.embed(idx) * self.scale + self.positions).to(self.scale.dtype)
@@ -76,7 +78,7 @@ def test_state_dict_is_gathereds_in_host_memory_a_module_at_a_time():
     assert list(got) == list(want) and "scratch" not in got
     for key, value in want.items():
         assert torch.equal(got[key], value) and got[key].dtype == value.dtype, key
-    assert got["head.weight"] is got["embed.weight"]
+    assert got["head.weight"] is got["embed.weight"] and got["again.weight"] is got["embed.weight"]
     largest = max(g.numel for g in engine.coordinator.groups)
     whole = sum(g.numel for g in engine.coordinator.groups)
     assert peak <= largest < whole == _peak_gathered(model, lambda: _gathered_state(model))[0], (peak, largest, whole)
