@@ -49,5 +49,8 @@ def test_a_steps_walks_look_at_each_slot_a_few_times_whatever_the_depth(preset, 
     assert deep["visits_last_step"] / shallow["visits_last_step"] <= 2.5 * deep["slots"] / shallow["slots"], \
         (shallow, deep)
     # The step's first gather in forward and in backward find nothing ahead: at 4 blocks (one group
-    # each, 7 groups, 15 requests a step) that is 2 misses, 0.87.
-    assert deep["hit_rate"] > 0.95 and shallow["hit_rate"] > 0.85
+    # each, 7 groups, 15 requests a step) that is 2 misses, 0.87. On NVMe a read ahead is not issued while
+    # the overlapped update has not rewritten its shard, which depends on the machine's load: a full
+    # suite run once saw 0.80 at 4 blocks (one more miss), the test alone never.
+    deep_floor, shallow_floor = (0.95, 0.85) if preset == "offload-host" else (0.9, 0.7)
+    assert deep["hit_rate"] > deep_floor and shallow["hit_rate"] > shallow_floor, (shallow, deep)
