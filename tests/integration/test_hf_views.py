@@ -78,16 +78,8 @@ def test_resize_token_embeddings_inside_init_trains_as_the_plain_resized_model(t
     assert model.num_parameters() == plain.num_parameters()
     assert model.lm_head.weight.shape == (80, 32) and (model.lm_head.weight is model.transformer.wte.weight) == tie
     opt, plain_opt = infinity.AdamW(model, lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    ids = torch.randint(0, 80, (2, 16), generator=torch.Generator().manual_seed(0))
-    for _ in range(3):
-        losses = []
-        for net, o in ((model, opt), (plain, plain_opt)):
-            loss = net(ids, labels=ids).loss
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for loss, plain_loss in _losses_beside((model, opt), (plain, plain_opt), steps=3):
+        assert loss == pytest.approx(plain_loss, rel=1e-5)
     with infinity.gathered(model):
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=name)
@@ -119,16 +111,22 @@ def resize_case(rank: int, world: int, workdir) -> list[float]:
     torch.manual_seed(100)
     plain.resize_token_embeddings(80, mean_resizing=False)
     opt, plain_opt = infinity.AdamW(model, lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    ids = torch.randint(0, 80, (2, 16), generator=torch.Generator().manual_seed(0))
-    diffs = []
-    for _ in range(2):
-        losses = []
-        for net, o in ((model, opt), (plain, plain_opt)):
-            loss = net(ids, labels=ids).loss
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        diffs.append(abs(losses[0] - losses[1]))
+    diffs = [abs(loss - plain_loss) for loss, plain_loss in _losses_beside((model, opt), (plain, plain_opt), steps=2)]
     infinity.release(model)
     return diffs
+
+
+def _losses_beside(*runs, steps: int) -> list[tuple]:
+    """Per step, each (model, optimizer)'s loss on the same batch of the 80-token vocabulary."""
+    ids = torch.randint(0, 80, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = []
+    for _ in range(steps):
+        losses = []
+        for net, opt in runs:
+            loss = net(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out.append(tuple(losses))
+    return out

@@ -391,6 +391,17 @@ def test_a_parametrization_that_reads_nothing_as_it_is_registered_trains_as_plai
     assert run(True) == pytest.approx(run(False), rel=1e-6)
 
 
+def _one_step_matches_plain(model, opt, plain, plain_opt) -> None:
+    data = torch.randn(5, 8, generator=torch.Generator().manual_seed(4))
+    for net, o in ((model, opt), (plain, plain_opt)):
+        net(data).sum().backward()
+        o.step()
+        o.zero_grad()
+    with infinity.gathered(model):
+        for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def _small(engine: bool, units: tuple = ()):
     """``units=("Sequential",)``: the whole model one group, its parameters named by their path in it."""
     torch.manual_seed(0)
@@ -417,14 +428,7 @@ def test_double_backward_is_refused_before_anything_is_taken_and_training_goes_o
     with pytest.raises(EngineError, match=r"create_graph=True or a torch\.func transform that differentiates"):
         differentiate(model, x)
     opt.zero_grad()
-    data = torch.randn(5, 8, generator=torch.Generator().manual_seed(4))
-    for net, o in ((model, opt), (plain, plain_opt)):
-        net(data).sum().backward()
-        o.step()
-        o.zero_grad()
-    with infinity.gathered(model):
-        for p, q in zip(model.parameters(), plain.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    _one_step_matches_plain(model, opt, plain, plain_opt)
     assert torch.func.vmap(model)(torch.randn(2, 3, 8)).shape == (2, 3, 4)     # vmap differentiates nothing
     infinity.release(model)
 
@@ -437,17 +441,6 @@ def test_grad_scaler_is_refused_naming_infinitys_loss_scaling():
     with pytest.raises(EngineError, match=r"GradScaler.*\[precision\] loss_scale"):
         scaler.unscale_(opt)
     infinity.release(model)
-
-
-def _one_step_matches_plain(model, opt, plain, plain_opt) -> None:
-    data = torch.randn(5, 8, generator=torch.Generator().manual_seed(4))
-    for net, o in ((model, opt), (plain, plain_opt)):
-        net(data).sum().backward()
-        o.step()
-        o.zero_grad()
-    with infinity.gathered(model):
-        for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("tool", [
