@@ -86,7 +86,8 @@ def test_parity_one_rank_without_distributed(tmp_path):
 @pytest.mark.parametrize("world", [2, 4])
 def test_parity_spawned_ranks(tmp_path, world):
     # Every combination on 2 ranks. On 4 (the suite's slowest test: 4 ranks on CI's 2 cores), the
-    # split batch over every tier pair: the same batch on every rank is what 2 ranks check already.
+    # split batch over every tier pair, for half the steps: the same batch on every rank, and drift over
+    # the longer run, are what 2 ranks check already.
     combos = COMBOS if world == 2 else [c for c in COMBOS if c[2] == "split"]
-    results = run_ranks(_all_combos, world, tmp_path, combos, STEPS)
+    results = run_ranks(_all_combos, world, tmp_path, combos, STEPS if world == 2 else STEPS // 2)
     _check(results, combos)

@@ -82,8 +82,11 @@ def test_stages_one_rank(tmp_path):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_stages_spawned_ranks(tmp_path, world):
-    results = run_ranks(_all, world, tmp_path, COMBOS)
-    _check(results, COMBOS)
+    # On 4 ranks (4 processes on CI's 2 cores) the two micro-batch combinations only: they tell stage 1 from
+    # stage 2 (one reduce per step against one per micro-batch); one micro-batch is what 2 ranks check.
+    combos = COMBOS if world == 2 else [c for c in COMBOS if c[2] == 2]
+    results = run_ranks(_all, world, tmp_path, combos)
+    _check(results, combos)
     for rank_result in results:
         for (stage, _, micro), r in rank_result.items():
             calls = r["comm"]["calls"]
