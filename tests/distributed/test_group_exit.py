@@ -43,7 +43,7 @@ def _step_then_destroy(rank, world, workdir):
 
 
 def test_destroy_process_group_stops_the_gloo_threads_while_the_engine_lives(tmp_path):
-    for before, after in run_ranks(_step_then_destroy, 2, tmp_path):
+    for before, after in run_ranks(_step_then_destroy, 2, tmp_path, fresh=True):
         assert before, "the check needs the group's gloo threads to exist before the destroy"
         assert after == [], f"gloo threads outlive destroy_process_group(): {after}"
 

@@ -15,15 +15,19 @@ The bounds below are about twice the largest of those. They catch a format gone 
 (a 1% scale error, rounding toward zero, a bit less precision in m) moves tiny's final loss no
 more than the format's own seed-to-seed spread, and tests/unit/test_moments.py's check of the
 update on a fixed gradient stream, where no training amplifies anything, is the one that fails
-for those. Nine runs of one thread each: 2 minutes on a busy two-core machine (2026-11-26).
+for those. Nine runs of one thread each, split over two processes (tests/support/ranks.py's pool, no group): 30 s
+on a busy two-core machine (2026-11-29).
 """
 from __future__ import annotations
 
+
+import itertools
 
 import pytest
 import torch
 
 from tests.support.benchmarks import load_benchmark
+from tests.support.ranks import run_ranks
 
 
 SEEDS, STEPS, BATCH, SEQ, LR, TAIL, EVERY, EVAL_BATCH = (0, 1, 2), 300, 2, 32, 1e-3, 30, 10, 32
@@ -36,19 +40,24 @@ def _bench():
     return load_benchmark("qstates")
 
 
-@pytest.mark.slow
-def test_bf16_and_int8_states_follow_fp32_states_over_seeds():
+def _curves(rank, world, workdir, jobs):
+    # One thread (the pool's ranks run on one): the thread count orders the matmuls' sums (tiny is not
+    # chaotic, so that matters little), and one thread never waits for a descheduled peer at each op on a
+    # busy machine. Each rank takes every other run.
     bench = _bench()
-    # One thread: the thread count orders the matmuls' sums (tiny is not chaotic, so that matters little),
-    # and one thread never waits for a descheduled peer at each op on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        runs = {seed: {mode: bench.curve("tiny", mode, STEPS, BATCH, SEQ, LR, seed=seed, eval_every=EVERY,
-                                         eval_batch=EVAL_BATCH)
-                       for mode in ("fp32", "bf16", "int8")} for seed in SEEDS}
-    finally:
-        torch.set_num_threads(threads)
+    return {(seed, mode): bench.curve("tiny", mode, STEPS, BATCH, SEQ, LR, seed=seed, eval_every=EVERY,
+                                      eval_batch=EVAL_BATCH)
+            for seed, mode in jobs[rank::world]}
+
+
+@pytest.mark.slow
+def test_bf16_and_int8_states_follow_fp32_states_over_seeds(tmp_path):
+    bench = _bench()
+    jobs = list(itertools.product(SEEDS, ("fp32", "bf16", "int8")))
+    runs: dict = {seed: {} for seed in SEEDS}
+    for part in run_ranks(_curves, 2, tmp_path, jobs, group=False):
+        for (seed, mode), curve in part.items():
+            runs[seed][mode] = curve
     figures = {seed: bench.compare(r, TAIL, EVERY) for seed, r in runs.items()}
     summary = bench.over_seeds(figures)
     stated = "; ".join(f"{m}: final vs fp32 mean {100 * f['mean']:+.2f}%, seeds "

@@ -1,50 +1,176 @@
-"""Run a function on N spawned gloo ranks and collect what each returns."""
+"""Run a function on N gloo ranks and collect what each returns.
+
+[Note: a pool of rank processes]
+Spawning N interpreters that import torch and infinity cost 4.5 s for two ranks and 10 s for four on
+the CI's two cores, about 45 times a suite run. So the rank processes are kept: one pool per world
+size, spawned at its first use and kept to the session's end. Each call gets a group of its own (a new
+file store in the call's directory), runs, destroys the group and collects the garbage (the engines it
+built close their tiers) before the next call. A rank that dies fails its call, and the pool is spawned
+again for the next. ``fresh=True`` spawns processes for one call, for a test about what a process
+holds at its exit. At the session's end (tests/conftest.py) the pools' processes leave through the
+interpreter's teardown, as a fresh rank does after its call; an abort there fails the session.
+"""
+import gc
+import itertools
 import os
 import pickle
 import traceback
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+_POOLS: dict = {}          # world size -> _Pool
+_CALLS = itertools.count()
+_FAILED_EXITS: list = []   # "world W rank R: exit status S" of pool processes that left badly
 
-def _entry(rank: int, fn, world_size: int, workdir: str, args) -> None:
+
+def _call(rank: int, world_size: int, fn, workdir: str, args, store: str | None):
+    torch.set_num_threads(1)
+    if store is not None:
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/{store}", rank=rank,
+                                world_size=world_size)
+    try:
+        return ("ok", fn(rank, world_size, workdir, *args))
+    except BaseException:  # report to the parent with the rank's traceback
+        return ("error", traceback.format_exc())
+    finally:
+        if store is not None:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def _prepare() -> None:
     torch.set_num_threads(1)
     # Before the group, as a script would: see [Note: torch._dynamo and the default process group].
     from infinity import Init  # noqa: F401
 
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size)
-    out = os.path.join(workdir, f"result{rank}.pkl")
-    try:
-        result = ("ok", fn(rank, world_size, workdir, *args))
-    except BaseException:  # report to the parent with the rank's traceback
-        result = ("error", traceback.format_exc())
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-    with open(out, "wb") as f:
+
+def _entry(rank: int, fn, world_size: int, workdir: str, args) -> None:
+    _prepare()
+    result = _call(rank, world_size, fn, workdir, args, "store")
+    with open(os.path.join(workdir, f"result{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
 
 
-def run_ranks(fn, world_size: int, workdir, *args):
-    """Spawn ``world_size`` ranks running ``fn(rank, world_size, workdir, *args)``; returns the results.
+def _serve(rank: int, world_size: int, conn) -> None:
+    """A pool process: run the calls the parent sends until it sends None (or goes)."""
+    _prepare()
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        result = _call(rank, world_size, *job)
+        del job
+        torch._dynamo.reset()          # a compiled call's caches and recompile counts go with it
+        torch.set_grad_enabled(True)
+        gc.collect()
+        try:
+            conn.send(result)
+        except Exception:              # a result that does not pickle
+            conn.send(("error", traceback.format_exc()))
 
-    Every rank exits normally, through the interpreter's teardown: an abort there fails the test.
+
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            here, there = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, world_size, there), name=f"rank{rank}of{world_size}")
+            proc.start()
+            there.close()
+            self.conns.append(here)
+            self.procs.append(proc)
+
+    def run(self, fn, workdir: str, args, group: bool) -> list:
+        store = f"store{next(_CALLS)}" if group else None
+        for conn in self.conns:
+            conn.send((fn, workdir, args, store))
+        results: dict = {}
+        pending = dict(enumerate(self.conns))
+        while pending:
+            ready = wait(list(pending.values()) + [p.sentinel for p in self.procs])
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    try:
+                        results[rank] = conn.recv()
+                    except EOFError:
+                        continue    # its process went: its sentinel says so
+                    del pending[rank]
+            dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+            if dead:
+                self.kill()
+                raise AssertionError(f"rank {dead[0]} of {self.world_size} died (exit status "
+                                     f"{self.procs[dead[0]].exitcode}) in {fn.__qualname__}")
+        return [results[r] for r in range(self.world_size)]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.join()
+        _POOLS.pop(self.world_size, None)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for rank, proc in enumerate(self.procs):
+            proc.join(60)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+            if proc.exitcode != 0:
+                _FAILED_EXITS.append(f"world {self.world_size} rank {rank}: exit status {proc.exitcode}")
+
+
+def close_pools() -> list:
+    """End every pool's processes; returns what left other than normally (see [Note: a pool of rank processes])."""
+    for pool in list(_POOLS.values()):
+        pool.close()
+    _POOLS.clear()
+    return list(_FAILED_EXITS)
+
+
+def run_ranks(fn, world_size: int, workdir, *args, fresh: bool = False, group: bool = True):
+    """Run ``fn(rank, world_size, workdir, *args)`` on ``world_size`` gloo ranks; returns the results.
+
+    The ranks are a kept pool of processes (see [Note: a pool of rank processes]); ``fresh=True``
+    spawns new ones for this call, which must then exit normally, through the interpreter's teardown.
+    ``group=False`` makes no process group: independent work shared over processes (an engine built
+    there is one rank's own).
     """
+    if fresh and not group:
+        raise ValueError("run_ranks: fresh=True always makes the process group")
     workdir = str(workdir)
     os.makedirs(workdir, exist_ok=True)
-    mp.start_processes(_entry, args=(fn, world_size, workdir, args), nprocs=world_size,
-                       start_method="spawn", join=True)
-    results = []
-    for r in range(world_size):
-        with open(os.path.join(workdir, f"result{r}.pkl"), "rb") as f:
-            status, value = pickle.load(f)
+    if fresh:
+        mp.start_processes(_entry, args=(fn, world_size, workdir, args), nprocs=world_size,
+                           start_method="spawn", join=True)
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(workdir, f"result{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    else:
+        pool = _POOLS.get(world_size)
+        if pool is None:
+            pool = _POOLS[world_size] = _Pool(world_size)
+        results = pool.run(fn, workdir, args, group)
+    values = []
+    for r, (status, value) in enumerate(results):
         if status != "ok":
             raise AssertionError(f"rank {r} failed:\n{value}")
-        results.append(value)
-    return results
+        values.append(value)
+    return values
 
 
 def step_beside(run, opt, ref, ref_opt, x, y, rank: int, world: int, local: int, clip: float | None = None):
