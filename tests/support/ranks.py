@@ -4,8 +4,9 @@
 Spawning N interpreters that import torch and infinity cost 4.5 s for two ranks and 10 s for four on
 the CI's two cores, about 45 times a suite run. So the rank processes are kept: one pool per world
 size, spawned at its first use and kept to the session's end. Each call gets a group of its own (a new
-file store in the call's directory), runs, destroys the group and collects the garbage (the engines it
-built close their tiers) before the next call. A rank that dies fails its call, and the pool is spawned
+file store in the call's directory), runs, destroys the group, and what it left in the process is undone
+before the next call (environment, warnings shown once, torch.compile's caches, accelerate's singletons,
+the garbage: the engines it built close their tiers). A rank that dies fails its call, and the pool is spawned
 again for the next. ``fresh=True`` spawns processes for one call, for a test about what a process
 holds at its exit. At the session's end (tests/conftest.py) the pools' processes leave through the
 interpreter's teardown, as a fresh rank does after its call; an abort there fails the session.
@@ -14,7 +15,9 @@ import gc
 import itertools
 import os
 import pickle
+import sys
 import traceback
+import warnings
 from multiprocessing.connection import wait
 
 import torch
@@ -66,15 +69,28 @@ def _serve(rank: int, world_size: int, conn) -> None:
             return
         if job is None:
             return
-        result = _call(rank, world_size, *job)
+        env = dict(os.environ)
+        with warnings.catch_warnings():     # its exit also forgets which warnings were shown once
+            result = _call(rank, world_size, *job)
         del job
-        torch._dynamo.reset()          # a compiled call's caches and recompile counts go with it
-        torch.set_grad_enabled(True)
-        gc.collect()
+        _forget_the_call(env)
         try:
             conn.send(result)
         except Exception:              # a result that does not pickle
             conn.send(("error", traceback.format_exc()))
+
+
+def _forget_the_call(env: dict) -> None:
+    """Undo what a call leaves in its process that a freshly spawned rank would not have."""
+    os.environ.clear()
+    os.environ.update(env)
+    torch._dynamo.reset()               # a compiled call's caches and recompile counts
+    torch.set_grad_enabled(True)
+    torch.set_default_dtype(torch.float32)
+    state = sys.modules.get("accelerate.state")
+    if state is not None:               # its singletons keep the distributed type the first call found
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+    gc.collect()                        # the call's engines close their tiers
 
 
 class _Pool:
