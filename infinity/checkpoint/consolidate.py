@@ -24,7 +24,6 @@ storage, so a tied parameter is written once per name.
 """
 from __future__ import annotations
 
-import json
 import os
 import struct
 import time
@@ -33,6 +32,7 @@ import zlib
 
 import torch
 
+from infinity.checkpoint import safetensors_file
 from infinity.checkpoint.directory import SavedCheckpoint
 from infinity.checkpoint.errors import CheckpointError
 from infinity.checkpoint.manifest import LATEST, dtype_of, fsync_dir, itemsize, read_small_file
@@ -40,9 +40,6 @@ from infinity.checkpoint.reshard import SavedLayout
 from infinity.checkpoint.stream import Run, StreamIO, _Done, _pwrite_all, read_runs
 
 _STATES = ("master", "exp_avg", "exp_avg_sq")
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 class _Entry:
@@ -233,8 +230,7 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
     config = load_config(None)
     try:
         if safetensors:
-            offsets, data_start = _safetensors_skeleton(tmp, entries, manifest)
-            offsets = {e.key: data_start + offsets[e.key] for e in entries}
+            offsets = _safetensors_skeleton(tmp, entries, manifest)
         else:
             offsets = _torch_skeleton(tmp, entries)
         fd = os.open(tmp, os.O_WRONLY)
@@ -371,19 +367,12 @@ def _fix_zip_crcs(path: str) -> None:
             position += 46 + name_len + extra_len + comment_len
 
 
-def _safetensors_skeleton(path: str, entries: list[_Entry], manifest: dict) -> tuple[dict[str, int], int]:
-    """Write the safetensors header (tensors back to back, aliases as copies); returns offsets and data start."""
-    header, offsets, position = {}, {}, 0
-    for e in entries:
-        header[e.key] = {"dtype": _SAFETENSORS_DTYPES[e.out_dtype], "shape": list(e.shape),
-                         "data_offsets": [position, position + e.out_nbytes]}
-        offsets[e.key] = position
-        position += e.out_nbytes
-    header["__metadata__"] = {"format": "pt", "source": "infinity-consolidate", "step": str(manifest.get("step", 0))}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+def _safetensors_skeleton(path: str, entries: list[_Entry], manifest: dict) -> dict[str, int]:
+    """Write the safetensors header (tensors back to back, aliases as copies); returns each one's file offset."""
+    head, offsets = safetensors_file.header(
+        [(e.key, e.out_dtype, e.shape, e.out_nbytes) for e in entries],
+        {"format": "pt", "source": "infinity-consolidate", "step": str(manifest.get("step", 0))})
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        f.truncate(8 + len(raw) + position)
-    return offsets, 8 + len(raw)
+        f.write(head)
+        f.truncate(len(head) + sum(e.out_nbytes for e in entries))
+    return offsets
