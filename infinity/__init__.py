@@ -37,6 +37,7 @@ _LAZY = {
     "TiledEmbedding": "infinity.tiling",
     "activation_checkpoint": "infinity.runtime.checkpointing",
     "from_pretrained": "infinity.runtime.init",
+    "save_pretrained": "infinity.runtime.hf_save",
     "Trainer": "infinity.checkpoint.trainer",
 }
 

@@ -13,8 +13,9 @@ its weights; ``infinity-consolidate checkpoint-N/infinity model.safetensors --sa
 makes them one file. ``resume_from_checkpoint`` loads that directory with ``infinity.load_checkpoint`` once
 the optimizer exists (parameters, masters, moments, step count; onto any world size), and
 ``load_best_model_at_end`` loads the best one the same way. ``trainer.save_model(dir)``,
-called by the user on every rank, writes ordinary weights with ``save_pretrained`` from
-``infinity.state_dict`` (gathered a module at a time, kept on rank 0). ``save_only_model=True``
+called by the user on every rank, writes ordinary weights with ``infinity.save_pretrained`` (each module's
+tensors written to the files as it is gathered; rank 0 writes), or for a model that is no transformers
+model the Trainer's own save of ``infinity.state_dict`` (gathered a module at a time, kept on rank 0). ``save_only_model=True``
 writes those weights in each checkpoint instead, which cannot be resumed (as with the plain Trainer).
 Over several processes (``torchrun``, ``accelerate launch``) the model is not wrapped in
 ``DistributedDataParallel``: the engine already splits it and reduces its gradients over the
@@ -36,9 +37,11 @@ from infinity.checkpoint.errors import CheckpointNotFoundError
 from infinity.checkpoint.reader import load_checkpoint
 from infinity.checkpoint.writer import save_checkpoint
 from infinity.runtime.gathered import state_dict
+from infinity.runtime.hf_save import save_pretrained
 
 SUBDIR = "infinity"
-SCHEDULER_NAME = "scheduler.pt"     # transformers.trainer's name, so its own checks find it
+SCHEDULER_NAME = "scheduler.pt"     # transformers.trainer's names, so its own checks find them
+TRAINING_ARGS_NAME = "training_args.bin"
 
 
 class Trainer(transformers.Trainer):
@@ -84,8 +87,19 @@ class Trainer(transformers.Trainer):
             if self.args.should_save and config is not None:
                 config.save_pretrained(output_dir)
             return
-        # Every rank (the gathers are collectives), a module at a time: a model bigger than the device saves too.
-        self._save(output_dir, state_dict=state_dict(self.model, rank0_only=True))
+        # Every rank (the gathers are collectives), a module at a time: a model bigger than the device saves too,
+        # and a transformers model's files are written as each module is gathered (bigger than host memory too).
+        model = self.accelerator.unwrap_model(self.model)
+        if not isinstance(model, transformers.PreTrainedModel):
+            self._save(output_dir, state_dict=state_dict(self.model, rank0_only=True))
+            return
+        save_pretrained(model, output_dir)
+        if self.args.should_save:       # what Trainer._save writes beside the weights
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            elif getattr(self.data_collator, "tokenizer", None) is not None:
+                self.data_collator.tokenizer.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._managed():

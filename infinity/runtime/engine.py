@@ -377,8 +377,8 @@ class Engine:
             if group is not None and group.state is not ParamState.AVAILABLE:
                 raise EngineError(
                     f"state_dict(): parameter {prefix + name!r} is released (its values are shards over "
-                    "ranks and tiers); take it with infinity.state_dict(model) (save_pretrained(d, "
-                    "state_dict=infinity.state_dict(model))) or inside `with infinity.gathered(model):`, or "
+                    "ranks and tiers); take it with infinity.state_dict(model) (a transformers model: "
+                    "infinity.save_pretrained(model, d)) or inside `with infinity.gathered(model):`, or "
                     "save with infinity.save_checkpoint and infinity-consolidate")
 
     def write_param_shard(self, group: ParamGroup, full: torch.Tensor, before: torch.Tensor) -> None:

@@ -11,8 +11,9 @@ as usual) and copying it to host memory before the next is gathered. A module to
 parameters and buffers (``_save_to_state_dict``) and its children are walked; its state-dict hooks, if it
 has any, do not run. A parameter under two names (tied weights) is copied once: both keys hold the same host
 tensor, which ``save_pretrained`` recognises as tied. Host memory holds the whole state dict (on rank 0 only
-with ``rank0_only``); for a model bigger than that, ``infinity.save_checkpoint`` and
-``infinity-consolidate`` write a file tensor by tensor.
+with ``rank0_only``); for a model bigger than that, ``infinity.save_pretrained`` writes each subtree's
+tensors to their files as it is gathered (infinity/runtime/hf_save.py), and ``infinity-consolidate`` writes
+a checkpoint's tensor by tensor.
 """
 from __future__ import annotations
 
@@ -158,17 +159,12 @@ def state_dict(model: nn.Module, *, rank0_only: bool = False, dtype: torch.dtype
     >>> model.save_pretrained("out", state_dict=infinity.state_dict(model))    # doctest: +SKIP
     """
     engine = registry.engine_of(model, "infinity.state_dict")
-    if engine.optimizer is not None:
-        engine.optimizer.synchronize()
     keep = not rank0_only or engine.ranks.rank == 0
-    coordinator = engine.coordinator
-    bound = max((g.numel for g in coordinator.groups), default=0)
     owner_of = {prefix + name: p for prefix, module in _prefixed(model)
                 for name, p in module.named_parameters(recurse=False)}
     copies: dict[int, torch.Tensor] = {}    # a parameter's host copy, by the parameter (tied weights: one)
     out: dict[str, torch.Tensor] = {}
-
-    def take(part: dict) -> None:
+    for part in state_dict_parts(engine, model):
         for key, value in part.items():
             if not keep:
                 continue
@@ -180,31 +176,40 @@ def state_dict(model: nn.Module, *, rank0_only: bool = False, dtype: torch.dtype
                 if param is not None:
                     copies[id(param)] = copy
             out[key] = copy
+    return out
 
-    def walk(module: nn.Module, prefix: str) -> None:
+
+def state_dict_parts(engine, model: nn.Module):
+    """Yield ``model``'s state dict a subtree at a time (see [Note: a state dict a module at a time]), each
+    part's values gathered only until the next part is asked for; every rank iterates to the end."""
+    if engine.optimizer is not None:
+        engine.optimizer.synchronize()
+    coordinator = engine.coordinator
+    bound = max((g.numel for g in coordinator.groups), default=0)
+
+    def walk(module: nn.Module, prefix: str):
         groups = _groups_of(coordinator, module)
         if sum(g.numel for g in groups) <= bound or type(module).state_dict is not nn.Module.state_dict:
             with _reading(engine, groups):
-                take(module.state_dict(prefix=prefix))
+                yield module.state_dict(prefix=prefix)
             return
         own = [coordinator.group_of[p] for p in module.parameters(recurse=False) if p in coordinator.group_of]
         with _reading(engine, list(dict.fromkeys(own))):
             part: dict = {}
             module._save_to_state_dict(part, prefix, False)
-            take(part)
+            yield part
         # Every child under each of its names, as state_dict() walks them (named_children() gives each once).
         for name, child in module.named_modules(remove_duplicate=False):
             if name and "." not in name:
-                walk(child, prefix + name + ".")
+                yield from walk(child, prefix + name + ".")
 
     trace = engine.prefetcher.trace if engine.prefetcher is not None else None
     recorded = trace.recorded() if trace is not None else None
     try:
-        walk(model, "")
+        yield from walk(model, "")
     finally:
         if trace is not None:
             trace.discard_recording(recorded)
-    return out
 
 
 def _prefixed(model: nn.Module):

@@ -96,6 +96,9 @@ def test_save_model_writes_weights_plain_transformers_loads(tmp_path):
     trainer = _trainer(_model(str(tmp_path / "nvme"), "host"), str(tmp_path / "out"), steps=2)
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
+    # What Trainer._save writes for the plain model (the weights through infinity.save_pretrained).
+    assert sorted(os.listdir(tmp_path / "final")) == ["config.json", "generation_config.json", "model.safetensors",
+                                                      "training_args.bin"]
     plain = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
     for p, q in zip(plain.parameters(), _weights(trainer.model)):
         assert torch.equal(p, q)
@@ -104,7 +107,7 @@ def test_save_model_writes_weights_plain_transformers_loads(tmp_path):
 
 def test_save_only_model_checkpoints_hold_ordinary_weights(tmp_path):
     """``save_only_model=True``: each checkpoint holds the weights as save_model writes them (through
-    ``infinity.state_dict``), no infinity directory; the last one is the trained model."""
+    ``infinity.save_pretrained``), no infinity directory; the last one is the trained model."""
     trainer = _trainer(_model(str(tmp_path / "nvme"), "host"), str(tmp_path / "out"))
     trainer.args.save_only_model = True
     trainer.train()

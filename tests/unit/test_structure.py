@@ -128,6 +128,7 @@ _FOREIGN_PRIVATE = {
     "_load_from_state_dict",        # nn.Module's hook for loading, overridden by the tiled layers
     "_non_persistent_buffers_set",  # the only record of a buffer's persistence in nn.Module
     "_save_to_state_dict",          # a module's own state alone (infinity.state_dict of a module too big to gather)
+    "_keys_to_ignore_on_save",      # what transformers' save_pretrained leaves out (infinity/runtime/hf_save.py)
     "_parameters",                  # a parameter put back in its place where a refused torch tool took it (placeholder.py)
     "_aio",                         # the C extension module of tiers
     "_functorch",                   # torch._C._functorch: which torch.func transform runs (refused when it differentiates)

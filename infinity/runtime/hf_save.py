@@ -1,0 +1,237 @@
+"""``infinity.save_pretrained``: a transformers model's directory, written a module at a time.
+
+[Note: save_pretrained streamed]
+``model.save_pretrained(d, state_dict=infinity.state_dict(model))`` holds the whole state dict in host
+memory: 26 GB for a 13B model in bf16, more than a machine whose NVMe holds the model may have. Here the
+files are planned before anything is gathered, from the state dict's shapes and dtypes alone
+(``model.state_dict(keep_vars=True)``: the released parameters answer those), as transformers'
+``save_pretrained`` would write them: the keys it would drop as tied duplicates (found by its own
+``remove_tied_weights_from_state_dict``, given stand-ins that share storage where the parameters are one),
+the keys it leaves out (``_keys_to_ignore_on_save``), its split into shards of at most ``max_shard_size``
+in key order (huggingface_hub's split) and their names. Each shard's safetensors header is written first;
+then the model is walked as ``infinity.state_dict`` walks it (infinity/runtime/gathered.py), and each
+tensor's bytes go to their place in their shard as its subtree is gathered, before the next. Host memory
+holds one subtree, on the device no more than the model's largest group is gathered.
+
+Every rank walks (the gathers are collectives); rank 0 writes. The shards are written under temporary names
+and renamed once all of them are complete, then the index, config.json and generation_config.json are
+written and the weight files of an earlier save that the new one does not replace removed (transformers
+removes old shards but keeps an old model.safetensors beside new shards, which a load then reads); a failure on the way (a full disk, a tensor the plan did not foresee) leaves the directory as it was, and
+every rank raises. A model whose save transformers would convert back to a checkpoint layout (renamed or
+fused keys) is refused before anything is gathered: that conversion needs the whole state dict, which
+``save_pretrained(d, state_dict=infinity.state_dict(model))`` gives it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+
+import torch
+from torch import nn
+
+from infinity import registry
+from infinity.checkpoint import safetensors_file
+from infinity.checkpoint.stream import _pwrite_all
+from infinity.errors import EngineError
+from infinity.runtime.gathered import state_dict_parts
+
+_WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_shard_size: int | str = "50GB",
+                    dtype: torch.dtype | None = None) -> dict:
+    """``model.save_pretrained(save_directory)`` for a transformers model built inside ``infinity.Init``, the
+    state dict streamed to the files a module at a time (see [Note: save_pretrained streamed]).
+
+    Every rank calls it; rank 0 writes. The directory holds what transformers' own ``save_pretrained`` of the
+    plain model writes (safetensors): loadable by ``from_pretrained`` with or without infinity.
+
+    Parameters
+    ----------
+    model:
+        A ``transformers.PreTrainedModel`` built inside ``infinity.Init``.
+    save_directory:
+        Created if missing. Shards of an earlier save that this one does not replace are removed.
+    max_shard_size:
+        As transformers' (``"5GB"``, or bytes); its default.
+    dtype:
+        Floating-point tensors written in it (and ``config.dtype`` saying so); the compute dtype otherwise.
+
+    Returns
+    -------
+    dict
+        ``files`` (the weight files written), ``bytes`` (their tensors' bytes), ``seconds``.
+    """
+    t0 = time.perf_counter()
+    engine = registry.engine_of(model, "infinity.save_pretrained")
+    from transformers import PreTrainedModel    # the caller has it: the model is one of its classes
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"infinity.save_pretrained: {type(model).__name__} is not a transformers model; save "
+                        "torch.save(infinity.state_dict(model), path) instead")
+    _refuse_conversions(model)
+    plan = _Plan(model, dtype, max_shard_size)
+    directory = os.fspath(save_directory)
+    writer = _Writer(directory, plan) if engine.ranks.rank == 0 else None
+    failure = None
+    try:
+        if writer is not None:
+            writer.open()
+    except OSError as exc:
+        failure = exc
+    for part in state_dict_parts(engine, model):
+        for key, value in part.items():
+            if writer is None or failure is not None:
+                continue
+            try:
+                writer.put(key, value)
+            except (OSError, EngineError) as exc:
+                failure = exc
+    if writer is not None and failure is not None:
+        writer.abandon()
+    _agree(engine, failure, directory)
+    try:
+        if writer is not None:
+            writer.commit(model)
+    except BaseException:
+        writer.abandon()
+        raise
+    return {"files": list(plan.shards), "bytes": plan.total_bytes, "seconds": time.perf_counter() - t0}
+
+
+def _refuse_conversions(model) -> None:
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import PrefixChange
+        except ImportError:
+            return
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    if conversions:
+        raise EngineError(f"infinity.save_pretrained: transformers saves {type(model).__name__} converted back to "
+                          "its checkpoint layout (renamed or fused keys), which needs the whole state dict at "
+                          "once; save it with model.save_pretrained(d, state_dict=infinity.state_dict(model)) "
+                          "(the state dict in host memory)")
+
+
+class _Plan:
+    """The files transformers would write for ``model``'s state dict: which keys, in which shard, where."""
+
+    def __init__(self, model, dtype: torch.dtype | None, max_shard_size: int | str) -> None:
+        from huggingface_hub import split_state_dict_into_shards_factory
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        skeleton = model.state_dict(keep_vars=True)
+        for key in model._keys_to_ignore_on_save or ():
+            skeleton.pop(key, None)
+        self.entries: dict[str, tuple[torch.dtype, tuple, int]] = {}
+        for key, value in skeleton.items():
+            out = dtype if dtype is not None and value.dtype.is_floating_point else value.dtype
+            if out not in safetensors_file.DTYPES:
+                raise EngineError(f"infinity.save_pretrained: {key!r} is {out}, which safetensors cannot hold")
+            self.entries[key] = (out, tuple(value.shape), math.prod(value.shape) * out.itemsize)
+        # One stand-in per parameter, its keys views of it: transformers' own rule picks the key it keeps.
+        stand_ins: dict[int, torch.Tensor] = {}
+        shared = {key: stand_ins.setdefault(id(value), torch.zeros(1)) for key, value in skeleton.items()}
+        kept = remove_tied_weights_from_state_dict(dict(shared), model)
+        kept_entries = {key: entry for key, entry in self.entries.items() if key in kept}
+        split = split_state_dict_into_shards_factory(
+            kept_entries, get_storage_size=lambda entry: entry[2],
+            filename_pattern=_WEIGHTS.replace(".safetensors", "{suffix}.safetensors"), max_shard_size=max_shard_size)
+        self.shards: dict[str, list[str]] = dict(split.filename_to_tensors)
+        self.weight_map: dict[str, str] | None = dict(split.tensor_to_filename) if split.is_sharded else None
+        self.total_bytes = sum(entry[2] for entry in kept_entries.values())
+        self.dtype = dtype if dtype is not None else model.dtype
+        self.n_params = model.num_parameters()
+
+
+class _Writer:
+    """Rank 0's files: each shard's header, then each tensor's bytes at its offset as it comes."""
+
+    def __init__(self, directory: str, plan: _Plan) -> None:
+        self.directory, self.plan = directory, plan
+        self.fds: dict[str, int] = {}
+        self.where: dict[str, tuple[int, int]] = {}     # key -> (fd, offset)
+        self.pending = {key for names in plan.shards.values() for key in names}
+
+    def _tmp(self, name: str) -> str:
+        return os.path.join(self.directory, f".{name}.tmp-{os.getpid()}")
+
+    def open(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        for name, keys in self.plan.shards.items():
+            head, offsets = safetensors_file.header(
+                [(key, *self.plan.entries[key]) for key in keys], {"format": "pt"})
+            fd = os.open(self._tmp(name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            self.fds[name] = fd
+            os.pwrite(fd, head, 0)
+            os.ftruncate(fd, len(head) + sum(self.plan.entries[key][2] for key in keys))
+            self.where.update({key: (fd, offsets[key]) for key in keys})
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        if key not in self.plan.entries:
+            raise EngineError(f"infinity.save_pretrained: the model's state dict gave {key!r}, which its "
+                              "state_dict(keep_vars=True) did not name")
+        if key not in self.where:
+            return      # a second part naming a key again (a module under two names) or a tie dropped
+        dtype, shape, _ = self.plan.entries[key]
+        if tuple(value.shape) != shape:
+            raise EngineError(f"infinity.save_pretrained: {key!r} has shape {tuple(value.shape)}; the plan from "
+                              f"state_dict(keep_vars=True) said {shape}")
+        data = value.detach().to("cpu", dtype=dtype).contiguous().reshape(-1).view(torch.uint8)
+        fd, offset = self.where[key]
+        _pwrite_all(fd, data, offset)
+        self.pending.discard(key)
+
+    def commit(self, model) -> None:
+        if self.pending:
+            raise EngineError(f"infinity.save_pretrained: the walk gave no value for {sorted(self.pending)[:5]}")
+        for fd in self.fds.values():
+            os.fsync(fd)
+            os.close(fd)
+        self.fds.clear()
+        for name in self.plan.shards:
+            os.replace(self._tmp(name), os.path.join(self.directory, name))
+        index = os.path.join(self.directory, _INDEX)
+        if self.plan.weight_map is not None:
+            content = {"metadata": {"total_parameters": self.plan.n_params, "total_size": self.plan.total_bytes},
+                       "weight_map": self.plan.weight_map}
+            with open(index, "w", encoding="utf-8") as f:
+                f.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
+        elif os.path.exists(index):
+            os.remove(index)        # it names the shards of an earlier save, removed below
+        for name in os.listdir(self.directory):     # an earlier save's weights (transformers keeps model.safetensors)
+            if (_SHARD_NAME.fullmatch(name) or name == _WEIGHTS) and name not in self.plan.shards:
+                os.remove(os.path.join(self.directory, name))
+        model.config.dtype = str(self.plan.dtype).split(".")[1]
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(self.directory)
+        if model.can_generate():
+            model.generation_config.save_pretrained(self.directory)
+
+    def abandon(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        for name in self.plan.shards:
+            try:
+                os.remove(self._tmp(name))
+            except FileNotFoundError:
+                pass
+
+
+def _agree(engine, failure: BaseException | None, directory: str) -> None:
+    """Every rank raises when rank 0's writing failed (the others only walked)."""
+    flag = torch.tensor([0.0 if failure is None else 1.0], device=engine.ranks.device)
+    engine.ranks.all_reduce_max(flag)
+    if failure is None and flag.item() == 0:
+        return
+    if failure is None:
+        raise EngineError(f"infinity.save_pretrained: rank 0 failed to write {directory!r}; its error says why")
+    raise EngineError(f"infinity.save_pretrained: writing {directory!r} failed; it is left as it was: "
+                      f"{failure}") from failure
