@@ -68,6 +68,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
     """
     t0 = time.perf_counter()
     engine = registry.engine_of(model, "infinity.save_pretrained")
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):     # torch.compile's wrapper
+        model = model._orig_mod
     from transformers import PreTrainedModel    # the caller has it: the model is one of its classes
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"infinity.save_pretrained: {type(model).__name__} is not a transformers model; save "

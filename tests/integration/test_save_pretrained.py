@@ -100,6 +100,14 @@ def test_dtype_converts_and_the_config_says_so(tmp_path):
     infinity.release(model)
 
 
+def test_the_compiled_model_saves_as_the_model(tmp_path):
+    model, _ = _gpt2()
+    infinity.save_pretrained(torch.compile(model), tmp_path / "compiled")
+    infinity.save_pretrained(model, tmp_path / "model")
+    _same_files(_files(tmp_path / "compiled"), _files(tmp_path / "model"))
+    infinity.release(model)
+
+
 def test_a_later_save_leaves_no_file_of_an_earlier_one_behind(tmp_path):
     """transformers leaves model.safetensors beside a later save's shards (a load would read the old
     weights); here each save's files replace the other's."""
