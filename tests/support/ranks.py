@@ -9,7 +9,8 @@ before the next call (environment, warnings shown once, torch.compile's caches, 
 the garbage: the engines it built close their tiers). A rank that dies fails its call, and the pool is spawned
 again for the next. ``fresh=True`` spawns processes for one call, for a test about what a process
 holds at its exit. At the session's end (tests/conftest.py) the pools' processes leave through the
-interpreter's teardown, as a fresh rank does after its call; an abort there fails the session.
+interpreter's teardown, as a fresh rank does after its call; an abort there fails the session. Under
+pytest-xdist every call spawns its ranks (many workers would each keep idle pools).
 """
 import gc
 import itertools
@@ -27,6 +28,9 @@ import torch.multiprocessing as mp
 _POOLS: dict = {}          # world size -> _Pool
 _CALLS = itertools.count()
 _FAILED_EXITS: list = []   # "world W rank R: exit status S" of pool processes that left badly
+# Under pytest-xdist (the GPU machine's runs: 14 workers) every worker would keep pools of its own, up to seven
+# idle interpreters each; there the cores are many and spawning is cheap, so each call spawns.
+_UNDER_XDIST = "PYTEST_XDIST_WORKER" in os.environ
 
 
 def _call(rank: int, world_size: int, fn, workdir: str, args, store: str | None):
@@ -52,9 +56,9 @@ def _prepare() -> None:
     from infinity import Init  # noqa: F401
 
 
-def _entry(rank: int, fn, world_size: int, workdir: str, args) -> None:
+def _entry(rank: int, fn, world_size: int, workdir: str, args, group: bool) -> None:
     _prepare()
-    result = _call(rank, world_size, fn, workdir, args, "store")
+    result = _call(rank, world_size, fn, workdir, args, "store" if group else None)
     with open(os.path.join(workdir, f"result{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
 
@@ -165,12 +169,10 @@ def run_ranks(fn, world_size: int, workdir, *args, fresh: bool = False, group: b
     ``group=False`` makes no process group: independent work shared over processes (an engine built
     there is one rank's own).
     """
-    if fresh and not group:
-        raise ValueError("run_ranks: fresh=True always makes the process group")
     workdir = str(workdir)
     os.makedirs(workdir, exist_ok=True)
-    if fresh:
-        mp.start_processes(_entry, args=(fn, world_size, workdir, args), nprocs=world_size,
+    if fresh or _UNDER_XDIST:
+        mp.start_processes(_entry, args=(fn, world_size, workdir, args, group), nprocs=world_size,
                            start_method="spawn", join=True)
         results = []
         for r in range(world_size):
