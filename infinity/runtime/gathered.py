@@ -179,15 +179,19 @@ def state_dict(model: nn.Module, *, rank0_only: bool = False, dtype: torch.dtype
     return out
 
 
-def state_dict_parts(engine, model: nn.Module):
+def state_dict_parts(engine, model: nn.Module, skip=None):
     """Yield ``model``'s state dict a subtree at a time (see [Note: a state dict a module at a time]), each
-    part's values gathered only until the next part is asked for; every rank iterates to the end."""
+    part's values gathered only until the next part is asked for; every rank iterates to the end.
+
+    ``skip(prefix)``: a subtree (its keys begin with ``prefix``) whose values are not wanted, not gathered."""
     if engine.optimizer is not None:
         engine.optimizer.synchronize()
     coordinator = engine.coordinator
     bound = max((g.numel for g in coordinator.groups), default=0)
 
     def walk(module: nn.Module, prefix: str):
+        if skip is not None and skip(prefix):
+            return
         groups = _groups_of(coordinator, module)
         if sum(g.numel for g in groups) <= bound or type(module).state_dict is not nn.Module.state_dict:
             with _reading(engine, groups):

@@ -10,8 +10,9 @@ files are planned before anything is gathered, from the state dict's shapes and 
 the keys it leaves out (``_keys_to_ignore_on_save``), its split into shards of at most ``max_shard_size``
 in key order (huggingface_hub's split) and their names. Each shard's safetensors header is written first;
 then the model is walked as ``infinity.state_dict`` walks it (infinity/runtime/gathered.py), and each
-tensor's bytes go to their place in their shard as its subtree is gathered, before the next. Host memory
-holds one subtree, on the device no more than the model's largest group is gathered.
+tensor's bytes go to their place in their shard as its subtree is gathered, before the next; a subtree
+whose keys are all dropped (a tied head) is not gathered. Host memory holds one subtree, on the device no
+more than the model's largest group is gathered.
 
 Every rank walks (the gathers are collectives); rank 0 writes. The shards are written under temporary names
 and renamed once all of them are complete, then the index, config.json and generation_config.json are
@@ -84,7 +85,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
             writer.open()
     except OSError as exc:
         failure = exc
-    for part in state_dict_parts(engine, model):
+    for part in state_dict_parts(engine, model, skip=plan.unwanted):
         for key, value in part.items():
             if writer is None or failure is not None:
                 continue
@@ -141,6 +142,14 @@ class _Plan:
         stand_ins: dict[int, torch.Tensor] = {}
         shared = {key: stand_ins.setdefault(id(value), torch.zeros(1)) for key, value in skeleton.items()}
         kept = remove_tied_weights_from_state_dict(dict(shared), model)
+        # Each module's keys, by the prefix they share: a subtree whose keys are all dropped (a tied head) is
+        # not gathered again only to be skipped.
+        self._under: dict[str, list[str]] = {}
+        for key in skeleton:
+            parts = key.split(".")
+            for depth in range(len(parts)):
+                self._under.setdefault(".".join(parts[:depth]) + "." if depth else "", []).append(key)
+        self._dropped = set(skeleton) - set(kept)
         kept_entries = {key: entry for key, entry in self.entries.items() if key in kept}
         split = split_state_dict_into_shards_factory(
             kept_entries, get_storage_size=lambda entry: entry[2],
@@ -150,6 +159,11 @@ class _Plan:
         self.total_bytes = sum(entry[2] for entry in kept_entries.values())
         self.dtype = dtype if dtype is not None else model.dtype
         self.n_params = model.num_parameters()
+
+
+    def unwanted(self, prefix: str) -> bool:
+        keys = self._under.get(prefix)
+        return bool(keys) and all(key in self._dropped for key in keys)
 
 
 class _Writer:
