@@ -71,8 +71,11 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
     engine = registry.engine_of(model, "infinity.save_pretrained")
     while isinstance(getattr(model, "_orig_mod", None), nn.Module):     # torch.compile's wrapper
         model = model._orig_mod
-    from transformers import PreTrainedModel    # the caller has it: the model is one of its classes
-    if not isinstance(model, PreTrainedModel):
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        PreTrainedModel = None     # then no model is one
+    if PreTrainedModel is None or not isinstance(model, PreTrainedModel):
         raise TypeError(f"infinity.save_pretrained: {type(model).__name__} is not a transformers model; save "
                         "torch.save(infinity.state_dict(model), path) instead")
     _refuse_conversions(model)
