@@ -132,7 +132,7 @@ def widened_numel(roots, numel=torch.Tensor.numel) -> int:
                default=0)
 
 
-def _slow_narrow_matmul() -> bool:
+def slow_narrow_matmul() -> bool:
     """Whether torch's CPU kernels here lack AVX-512, which its fast bf16/fp16 matmul path needs on x86."""
     return platform.machine().lower() in ("x86_64", "amd64") and "AVX512" not in torch.backends.cpu.get_cpu_capability()
 
@@ -146,7 +146,7 @@ def apply_cpu_linear(setting: str, device: torch.device, dtype: torch.dtype, roo
         return 0
     if setting == "float32":
         return widen_linears(roots)
-    if not _advised and _slow_narrow_matmul():
+    if not _advised and slow_narrow_matmul():
         _advised = True
         logger.warning("infinity: %s linear layers on this CPU (no AVX-512) run torch's slow path for the dtype "
                        "(0.3-20 GFLOP/s, against ~90 in float32 here); [precision] cpu_linear = \"float32\" "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -121,3 +122,16 @@ def test_checkpoint_then_resume_continues_where_training_stopped(tmp_path):
     resumed = train(TrainOptions(steps=1, nvme_dir=str(tmp_path / "c"), resume=str(tmp_path / "ckpt"), **common))
     assert [s["loss"] for s in first["steps"]] == [s["loss"] for s in whole["steps"][:2]]
     assert resumed["steps"][0]["loss"] == pytest.approx(whole["steps"][2]["loss"], rel=1e-6)
+
+
+def test_demo_multiplies_bf16_in_fp32_only_where_torchs_bf16_matmul_is_slow(monkeypatch):
+    from infinity.tiling import widened
+
+    for slow, want in ((True, ("precision.cpu_linear=float32",)), (False, ())):
+        monkeypatch.setattr(demo, "slow_narrow_matmul", lambda slow=slow: slow)
+        assert demo.cpu_linear_overrides("auto") == want
+        assert demo.cpu_linear_overrides("native") == ()
+        assert demo.cpu_linear_overrides("float32") == ("precision.cpu_linear=float32",)
+    assert demo.build_parser().parse_args([]).cpu_linear == "auto"
+    assert widened.slow_narrow_matmul() == ("AVX512" not in torch.backends.cpu.get_cpu_capability()
+                                            and platform.machine().lower() in ("x86_64", "amd64"))

@@ -191,7 +191,7 @@ def test_tiles_are_converted_and_train_like_the_untiled_layer(tmp_path):
 def test_native_on_a_cpu_without_avx512_says_once_which_key_helps(tmp_path, monkeypatch, caplog):
     from infinity.tiling import widened
 
-    monkeypatch.setattr(widened, "_slow_narrow_matmul", lambda: True)
+    monkeypatch.setattr(widened, "slow_narrow_matmul", lambda: True)
     monkeypatch.setattr(widened, "_advised", False)
     for i in range(2):
         with infinity.Init(_cfg(tmp_path / str(i), "bfloat16", "native")):
