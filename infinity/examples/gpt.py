@@ -23,7 +23,10 @@ to it at call time; ``LMHead`` has no parameter of its own. No second weight is
 created, initialised and then thrown away (at 4B parameters the head alone is
 ~150M parameters), and infinity sees the embedding weight used by the head, so
 it gathers it for the head's forward and backward (infinity/runtime/foreign.py, [Note: foreign
-parameters]).
+parameters]). The product is ``F.linear`` unless the model is built with another function of
+its signature (``GPT(cfg, linear=...)``: a training script asking infinity for fp32 products of
+bf16 layers on the CPU passes ``infinity.tiling.widened.widened_linear``, which infinity cannot put
+in a head it does not see as a linear layer).
 
 Examples
 --------
@@ -231,10 +234,14 @@ class Block(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Logits from the final hidden states and the (tied) token embedding weight."""
+    """Logits from the final hidden states and the (tied) token embedding weight, by ``linear``."""
+
+    def __init__(self, linear=F.linear) -> None:
+        super().__init__()
+        self.linear = linear
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight)
+        return self.linear(x, weight)
 
 
 class GPT(nn.Module):
@@ -244,6 +251,8 @@ class GPT(nn.Module):
     ----------
     cfg:
         The model shape, e.g. ``preset("125M")``.
+    linear:
+        The tied head's product, ``linear(x, weight)`` (default ``F.linear``; [Note: tied output head]).
 
     Examples
     --------
@@ -254,14 +263,14 @@ class GPT(nn.Module):
     # The module a device map keeps whole (transformers' convention; partition.units = "auto" reads it).
     _no_split_modules = ["Block"]
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, *, linear=F.linear) -> None:
         super().__init__()
         self.cfg = cfg
         self.wte = Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = LMHead()
+        self.head = LMHead(linear)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, vocab)``, or the mean cross-entropy loss when ``targets`` is given."""

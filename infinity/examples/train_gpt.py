@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 import torch
+import torch.nn.functional as F
 
 from infinity.examples import data
 from infinity.examples.console import Progress, summary_table
@@ -161,9 +162,10 @@ def model_config(options: TrainOptions):
     return preset(options.model_size, **fields)
 
 
-def build_model(model_cfg):
-    """The module for a shape: ``Llama`` for a ``LlamaConfig``, else ``GPT``."""
-    return Llama(model_cfg) if hasattr(model_cfg, "intermediate") else GPT(model_cfg)
+def build_model(model_cfg, linear=F.linear):
+    """The module for a shape: ``Llama`` for a ``LlamaConfig``, else ``GPT`` with ``linear`` as its tied
+    head's product (Llama's untied head is an ``nn.Linear``)."""
+    return Llama(model_cfg) if hasattr(model_cfg, "intermediate") else GPT(model_cfg, linear=linear)
 
 
 def _distributed(device: str) -> tuple[int, int]:
@@ -229,11 +231,15 @@ def _build(options: TrainOptions, model_cfg, config) -> _Run:
     import infinity
 
     from infinity.checkpoint.in_place import saved_in_place
+    from infinity.tiling.widened import widened_linear
 
     # A checkpoint in place is taken over while the model is built ([Note: checkpoints in place]).
     resume = options.resume if options.resume and saved_in_place(options.resume) else None
+    # With [precision] cpu_linear = "float32", Init converts the linear layers; the tied head is a
+    # function of the embedding weight, so it is built with the fp32 product ([Note: tied output head]).
+    linear = widened_linear if config.precision.cpu_linear == "float32" else F.linear
     with infinity.Init(config, resume=resume):
-        model = build_model(model_cfg)
+        model = build_model(model_cfg, linear)
     opt = infinity.AdamW(model, lr=options.lr, weight_decay=options.weight_decay)
     from infinity import registry
 

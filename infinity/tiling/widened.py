@@ -24,6 +24,11 @@ only (``isinstance``, the class name, the parameters and ``state_dict`` keys are
 modules calling ``F.linear`` themselves (a tied output head written as a function) are left alone.
 Off the CPU, in fp32, or for an input not in the weight's dtype (autocast, mixed inputs), ``forward``
 is ``F.linear`` itself.
+
+A module that calls ``F.linear`` itself can call ``widened_linear`` instead (the example GPT's tied head
+does when its script reads the key: infinity/examples/train_gpt.py). That function widens into fresh
+tensors, freed when the product is done, like any activation: the two reused buffers, which the budget
+counts, stay the converted layers'.
 """
 from __future__ import annotations
 
@@ -46,10 +51,12 @@ _advised = False
 _scratch = threading.local()
 
 
-def _fp32(slot: str, shape: torch.Size) -> torch.Tensor:
-    """A reused fp32 tensor of ``shape`` for ``slot`` (this thread's; grown, never shrunk): a fresh
-    weight-sized tensor per product would be page-faulted afresh each time (torch's ``w.float()`` of a
-    4096 x 11008 bf16 weight: 1.9 ns per element; into a reused buffer 0.24)."""
+def _fp32(slot: str | None, shape: torch.Size) -> torch.Tensor:
+    """A reused fp32 tensor of ``shape`` for ``slot`` (this thread's; grown, never shrunk), or a fresh one
+    for no slot: a fresh weight-sized tensor per product is page-faulted afresh each time (torch's
+    ``w.float()`` of a 4096 x 11008 bf16 weight: 1.9 ns per element; into a reused buffer 0.24)."""
+    if slot is None:
+        return torch.empty(shape, dtype=torch.float32)
     numel = shape.numel()
     buf = getattr(_scratch, slot, None)
     if buf is None or buf.numel() < numel:
@@ -60,11 +67,12 @@ def _fp32(slot: str, shape: torch.Size) -> torch.Tensor:
 
 class _WidenedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reuse: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        ctx.slots = ("weight", "weight_grad") if reuse else (None, None)
         with torch.autocast("cpu", enabled=False):
-            w32 = _fp32("weight", weight.shape).copy_(weight)
+            w32 = _fp32(ctx.slots[0], weight.shape).copy_(weight)
             y = F.linear(x.float(), w32, None if bias is None else bias.float())
         return y.to(x.dtype)
 
@@ -76,26 +84,31 @@ class _WidenedLinear(torch.autograd.Function):
         gx = gw = gb = None
         with torch.autocast("cpu", enabled=False):
             if ctx.needs_input_grad[0]:
-                gx = (g @ _fp32("weight", weight.shape).copy_(weight)).to(x.dtype)
+                gx = (g @ _fp32(ctx.slots[0], weight.shape).copy_(weight)).to(x.dtype)
             if ctx.needs_input_grad[1]:
                 gw32 = torch.mm(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]).float(),
-                                out=_fp32("weight_grad", weight.shape))
+                                out=_fp32(ctx.slots[1], weight.shape))
                 gw = gw32.to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 gb = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype)
-        return gx, gw, gb
+        return gx, gw, gb, None
 
 
-def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, multiplied in fp32 when all are on the CPU in one 2-byte dtype."""
+def _widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reuse: bool) -> torch.Tensor:
     if (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype in _NARROW and x.dtype == weight.dtype
             and (bias is None or bias.dtype == x.dtype) and not torch.is_autocast_enabled("cpu")):
-        return _WidenedLinear.apply(x, weight, bias)
+        return _WidenedLinear.apply(x, weight, bias, reuse)
     return F.linear(x, weight, bias)
 
 
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, multiplied in fp32 when all are on the CPU in one 2-byte dtype (the
+    fp32 weight and weight gradient are fresh tensors, freed after the product)."""
+    return _widened(x, weight, bias, reuse=False)
+
+
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    return widened_linear(x, self.weight, self.bias)
+    return _widened(x, self.weight, self.bias, reuse=True)
 
 
 _LINEAR_FORWARDS = (nn.Linear.forward, _LinearTile.forward)

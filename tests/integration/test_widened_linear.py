@@ -9,6 +9,8 @@ the state-dict keys stay, and that the engine's outputs and gradients equal a pl
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -235,3 +237,44 @@ def test_init_checks_the_buffers_against_the_budget(tmp_path, monkeypatch):
     with infinity.Init(_cfg(tmp_path, "bfloat16", "float32")):
         _model()
     assert [(n.tier, n.nbytes) for n in checked if "largest linear layer" in n.what] == [("device", 2 * 4 * 64 * 48)]
+
+
+def test_the_function_widens_into_fresh_tensors_and_leaves_the_layers_buffers_alone():
+    """A module calling ``widened_linear`` itself (a tied head) holds no fp32 buffer after its product:
+    the reused ones, which the budget counts, stay the converted layers' size."""
+    from infinity.tiling import widened
+
+    def run():
+        x, w, b, r = _case(torch.bfloat16, out=400)
+        (widened_linear(x, w, b).float() * r).sum().backward()
+        assert getattr(widened._scratch, "weight", None) is None and getattr(widened._scratch, "weight_grad", None) is None
+        small = nn.Linear(24, 40).to(torch.bfloat16)
+        widen_linears([small])
+        small(x).float().sum().backward()
+        return widened._scratch.weight.numel(), widened._scratch.weight_grad.numel()
+
+    got = []
+    t = threading.Thread(target=lambda: got.append(run()))   # a thread of its own: buffers are per thread
+    t.start()
+    t.join()
+    assert got == [(40 * 24, 40 * 24)]
+
+
+@pytest.mark.parametrize("cpu_linear", ["native", "float32"])
+def test_train_gpt_multiplies_every_product_of_the_example_gpt_in_fp32_when_asked(tmp_path, cpu_linear):
+    """The example GPT's tied head is a function of the embedding weight, not a linear layer Init can
+    convert: train_gpt builds it with ``widened_linear`` when the key asks ([Note: tied output head])."""
+    from infinity.examples.train_gpt import TrainOptions, train
+
+    options = TrainOptions(config="offload-host", model_size="tiny", steps=1, batch=2, seq=16, data="repeat", lr=1e-2,
+                           nvme_dir=str(tmp_path), overrides=(f"precision.cpu_linear={cpu_linear}",))
+    with _Products() as seen:
+        report = train(options)
+    assert report["steps"] and seen.dtypes
+    narrow = [d for d in seen.dtypes if d != {torch.float32}]
+    # 2 blocks x 4 linear layers + the head, forward and backward (3 products each)
+    assert len(seen.dtypes) >= 27
+    if cpu_linear == "float32":
+        assert narrow == []
+    else:
+        assert len(narrow) == len(seen.dtypes)
