@@ -31,6 +31,7 @@ from infinity.runtime.datapath import DataPath, with_per_parameter
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
 from infinity.runtime.grads import GradReducer
+from infinity.runtime.placeholder import parameter_free_buffers
 from infinity.runtime.hooks import (GradArrivals, install_hooks, install_released_guard, pinned_group_warning,
                                     unhook_idle, watch_backward)
 from infinity.runtime.ranks import Ranks
@@ -97,6 +98,7 @@ class Engine:
                 self.activations = ActivationOffload(config.activations, self.datapath, self.tiers, self.device.device)
             self.store: OptimizerStateStore | None = None
             self.roots: list[nn.Module] = []
+            self.buffer_originals: list = []
             self.hooks = []
             self.optimizer = None
             self.prefetcher: Prefetcher | None = None
@@ -141,6 +143,7 @@ class Engine:
         for root in roots:
             self.hooks.append(install_hooks(root, self))
         self.roots = list(roots)
+        self.buffer_originals = parameter_free_buffers(roots)   # a refused model.half() puts them back
         # The prefetcher also meters every step (infinity.stats "steps"), so it exists even with
         # prefetch.enabled = false; then it only meters, never fetches.
         self.prefetcher = Prefetcher(self)

@@ -21,6 +21,10 @@ naming the parameter and ``infinity.gathered``:
   ``[precision]`` and ``[tiers]`` decide where and in which dtype parameters live;
 - everything else is refused; a torch tool that reparametrizes (prune, weight_norm) and had already moved
   the parameter when its first read was refused finds it put back (``_put_back``): a refusal loses nothing.
+  Nor does a refused conversion: ``Module._apply`` converts each module's children before its own
+  tensors, so ``model.half()`` had rounded the buffers of parameter-free modules built before the first
+  parameter (a positional-encoding table, say) when that parameter refused; they are put back
+  (``_restore_buffers``, from the tensors ``parameter_free_buffers`` kept at construction).
 
 Why a class swap rather than a check on every op: the group's transitions swap the
 class (``ParamGroup.to_available`` back to ``nn.Parameter``, ``ParamGroup.drop_views`` to
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -161,6 +166,7 @@ class ReleasedParameter(nn.Parameter):
                     return out
                 if out.dtype == param.dtype and _same_device(out.device, param.device):
                     return param    # "cpu:0" for "cpu" (transformers.Trainer's model.to(args.device) on CPU ranks)
+                _restore_buffers(param)
                 raise EngineError(refusal(param, _name(func, attribute), _CONVERSION_REASON))
         reason = _reason_on_path(func)
         if reason.endswith(_REPARAMETRIZED):
@@ -319,6 +325,33 @@ def _put_back(param) -> None:
             entries[name] = param
         entries[key] = value
     entries.setdefault(name, param)
+
+
+def parameter_free_buffers(roots) -> list[tuple[weakref.ref, str, torch.Tensor]]:
+    """(module, name, tensor) of every buffer of a module with no parameter in its subtree, under ``roots``:
+    the only tensors ``Module._apply`` converts before it reaches a parameter, which refuses (the tensors
+    themselves are kept, no copy, so in-place updates stay visible; a buffer assigned anew after construction
+    is not put back, and the list keeps its first tensor alive)."""
+    kept = []
+    for root in roots:
+        for module in root.modules():
+            if next(module.parameters(), None) is None:
+                kept.extend((weakref.ref(module), name, buf) for name, buf in module.named_buffers(recurse=False))
+    return kept
+
+
+def _restore_buffers(param) -> None:
+    """Put back the buffers a refused conversion of ``param``'s model had already converted (see
+    [Note: released placeholders]): a buffer now holding exactly its kept tensor converted (or moved to
+    "meta", holding nothing) goes back to it."""
+    held = _holder(param)
+    for ref, name, kept in held[0].buffer_originals if held is not None else ():
+        module = ref()
+        now = None if module is None else getattr(module, name, None)
+        if not isinstance(now, torch.Tensor) or now is kept or now.shape != kept.shape:
+            continue
+        if now.is_meta or torch.equal(now, kept.to(device=now.device, dtype=now.dtype)):   # meta: no values
+            setattr(module, name, kept)     # still a buffer, persistent or not as it was
 
 
 def _whole_shape(param) -> torch.Size:

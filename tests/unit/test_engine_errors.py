@@ -524,3 +524,47 @@ def test_a_backward_hook_reading_weights_says_when_they_can_be_read(register):
     opt.zero_grad()
     _one_step_matches_plain(model, opt, plain, plain_opt)
     infinity.release(model)
+
+
+class _Table(nn.Module):
+    """Parameter-free, with float buffers not exact in float16: a positional-encoding table built first."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.register_buffer("table", torch.arange(width, dtype=torch.float32) / 3 + 1e-4)
+        self.register_buffer("steps", torch.arange(3))
+        self.register_buffer("cache", torch.full((2,), 0.1), persistent=False)
+
+    def forward(self, x):
+        return x + self.table
+
+
+def _tabled(engine: bool):
+    torch.manual_seed(0)
+    build = lambda: nn.Sequential(nn.Sequential(_Table(8), nn.Identity()), nn.Linear(8, 4), _Table(4))  # noqa: E731
+    if not engine:
+        return build()
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
+                        "precision": {"dtype": "float32"}}):
+        return build()
+
+
+@pytest.mark.parametrize("convert", [
+    lambda m: m.half(), lambda m: m.double(), lambda m: m.bfloat16(), lambda m: m.to(torch.float16),
+    lambda m: m.to("meta"), lambda m: m.type(torch.float64)], ids=["half", "double", "bfloat16", "to(float16)",
+                                                                   "to(meta)", "type(float64)"])
+def test_a_refused_conversion_leaves_the_buffers_converted_before_it_as_they_were(convert):
+    """``Module._apply`` converts children first: the parameter-free table built before the first
+    parameter was rounded to float16 (or moved to meta) when ``0.weight`` refused."""
+    model, plain = _tabled(True), _tabled(False)
+    opt, plain_opt = infinity.AdamW(model, lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    kept = {name: buf for name, buf in model.named_buffers()}
+    with pytest.raises(EngineError, match=r"'1\.weight'.*\[precision\] dtype"):
+        convert(model)
+    assert {name: buf for name, buf in model.named_buffers()} == kept     # the very tensors, by identity
+    for (name, buf), (_, want) in zip(model.named_buffers(), plain.named_buffers()):
+        assert buf.dtype == want.dtype and torch.equal(buf, want), name
+    _one_step_matches_plain(model, opt, plain, plain_opt)
+    with infinity.gathered(model):
+        assert list(model.state_dict()) == list(plain.state_dict())     # the cache still not persistent
+    infinity.release(model)
