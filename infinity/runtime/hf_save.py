@@ -14,11 +14,14 @@ tensor's bytes go to their place in their shard as its subtree is gathered, befo
 whose keys are all dropped (a tied head) is not gathered. Host memory holds one subtree, on the device no
 more than the model's largest group is gathered.
 
-Every rank walks (the gathers are collectives); rank 0 writes. The shards are written under temporary names
-and renamed once all of them are complete, then the index, config.json and generation_config.json are
-written and the weight files of an earlier save that the new one does not replace removed (transformers
-removes old shards but keeps an old model.safetensors beside new shards, which a load then reads); a failure on the way (a full disk, a tensor the plan did not foresee) leaves the directory as it was, and
-every rank raises. A model whose save transformers would convert back to a checkpoint layout (renamed or
+Every rank walks (the gathers are collectives); rank 0 writes, and goes on walking after an error of its own.
+The shards and the index are written under temporary names and synced, config.json and
+generation_config.json into a staging directory beside them; only then are they renamed into place and
+the weight files of an earlier save that the new one does not replace removed (transformers removes old
+shards but keeps an old model.safetensors beside new shards, which a load then reads). A failure before
+the renames (a full disk, at a write or at fsync; a tensor the plan did not foresee; a config that does
+not save) leaves the directory as it was; one during them says the directory may hold part of this save.
+Either way every rank raises (``_agree``), none returns as if it had saved. A model whose save transformers would convert back to a checkpoint layout (renamed or
 fused keys) is refused before anything is gathered: that conversion needs the whole state dict, which
 ``save_pretrained(d, state_dict=infinity.state_dict(model))`` gives it.
 """
@@ -28,6 +31,8 @@ import json
 import math
 import os
 import re
+import shutil
+import tempfile
 import time
 
 import torch
@@ -82,30 +87,29 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
     plan = _Plan(model, dtype, max_shard_size)
     directory = os.fspath(save_directory)
     writer = _Writer(directory, plan) if engine.ranks.rank == 0 else None
-    failure = None
-    try:
-        if writer is not None:
-            writer.open()
-    except OSError as exc:
-        failure = exc
+    # Rank 0 keeps walking after a failure of its own: the walk's gathers are collectives every rank joins.
+    failure = _attempt(writer, writer.open) if writer is not None else None
     for part in state_dict_parts(engine, model, skip=plan.unwanted):
         for key, value in part.items():
-            if writer is None or failure is not None:
-                continue
-            try:
-                writer.put(key, value)
-            except (OSError, EngineError) as exc:
-                failure = exc
-    if writer is not None and failure is not None:
-        writer.abandon()
-    _agree(engine, failure, directory)
-    try:
-        if writer is not None:
-            writer.commit(model)
-    except BaseException:
-        writer.abandon()
-        raise
+            if writer is not None and failure is None:
+                failure = _attempt(writer, writer.put, key, value)
+    if writer is not None and failure is None:
+        failure = _attempt(writer, writer.finish, model)
+    _agree(engine, failure, f"writing {directory!r} failed; it is left as it was")
+    failure = _attempt(writer, writer.commit) if writer is not None else None
+    _agree(engine, failure, f"moving the written files into {directory!r} failed; it may hold part of this save "
+                            "beside the earlier one: save again")
     return {"files": list(plan.shards), "bytes": plan.total_bytes, "seconds": time.perf_counter() - t0}
+
+
+def _attempt(writer: "_Writer", step, *args) -> Exception | None:
+    """Run one of rank 0's writing steps; on an error, remove what it wrote and give the error back."""
+    try:
+        step(*args)
+    except Exception as exc:    # any: the other ranks must hear of it (_agree), not wait in a collective
+        writer.abandon()
+        return exc
+    return None
 
 
 def _refuse_conversions(model) -> None:
@@ -177,6 +181,7 @@ class _Writer:
         self.fds: dict[str, int] = {}
         self.where: dict[str, tuple[int, int]] = {}     # key -> (fd, offset)
         self.pending = {key for names in plan.shards.values() for key in names}
+        self.staging: str | None = None     # config.json and the like, until commit moves them in
 
     def _tmp(self, name: str) -> str:
         return os.path.join(self.directory, f".{name}.tmp-{os.getpid()}")
@@ -207,50 +212,67 @@ class _Writer:
         _pwrite_all(fd, data, offset)
         self.pending.discard(key)
 
-    def commit(self, model) -> None:
+    def finish(self, model) -> None:
+        """Everything written and on disk under temporary names (shards, index, the configs in a staging
+        directory): what can fail, a full disk at fsync included, fails before an earlier save is touched."""
         if self.pending:
             raise EngineError(f"infinity.save_pretrained: the walk gave no value for {sorted(self.pending)[:5]}")
-        for fd in self.fds.values():
+        for name, fd in list(self.fds.items()):
             os.fsync(fd)
             os.close(fd)
-        self.fds.clear()
+            del self.fds[name]
+        if self.plan.weight_map is not None:
+            content = {"metadata": {"total_parameters": self.plan.n_params, "total_size": self.plan.total_bytes},
+                       "weight_map": self.plan.weight_map}
+            with open(self._tmp(_INDEX), "w", encoding="utf-8") as f:
+                f.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        self.staging = tempfile.mkdtemp(prefix=".infinity-save-", dir=self.directory)
+        model.config.dtype = str(self.plan.dtype).split(".")[1]
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(self.staging)
+        if model.can_generate():
+            model.generation_config.save_pretrained(self.staging)
+
+    def commit(self) -> None:
+        """Renames into place; then the files of an earlier save this one does not replace go."""
         for name in self.plan.shards:
             os.replace(self._tmp(name), os.path.join(self.directory, name))
         index = os.path.join(self.directory, _INDEX)
         if self.plan.weight_map is not None:
-            content = {"metadata": {"total_parameters": self.plan.n_params, "total_size": self.plan.total_bytes},
-                       "weight_map": self.plan.weight_map}
-            with open(index, "w", encoding="utf-8") as f:
-                f.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
+            os.replace(self._tmp(_INDEX), index)
         elif os.path.exists(index):
             os.remove(index)        # it names the shards of an earlier save, removed below
         for name in os.listdir(self.directory):     # an earlier save's weights (transformers keeps model.safetensors)
             if (_SHARD_NAME.fullmatch(name) or name == _WEIGHTS) and name not in self.plan.shards:
                 os.remove(os.path.join(self.directory, name))
-        model.config.dtype = str(self.plan.dtype).split(".")[1]
-        model.config.architectures = [type(model).__name__]
-        model.config.save_pretrained(self.directory)
-        if model.can_generate():
-            model.generation_config.save_pretrained(self.directory)
+        for name in os.listdir(self.staging):
+            os.replace(os.path.join(self.staging, name), os.path.join(self.directory, name))
+        os.rmdir(self.staging)
+        self.staging = None
 
     def abandon(self) -> None:
+        """Remove what this save wrote under temporary names (after a failure)."""
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
-        for name in self.plan.shards:
+        for name in (*self.plan.shards, _INDEX):
             try:
                 os.remove(self._tmp(name))
             except FileNotFoundError:
                 pass
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self.staging = None
 
 
-def _agree(engine, failure: BaseException | None, directory: str) -> None:
-    """Every rank raises when rank 0's writing failed (the others only walked)."""
+def _agree(engine, failure: BaseException | None, what: str) -> None:
+    """Every rank raises, saying ``what``, when a step of rank 0's writing failed (the others only walked)."""
     flag = torch.tensor([0.0 if failure is None else 1.0], device=engine.ranks.device)
     engine.ranks.all_reduce_max(flag)
     if failure is None and flag.item() == 0:
         return
     if failure is None:
-        raise EngineError(f"infinity.save_pretrained: rank 0 failed to write {directory!r}; its error says why")
-    raise EngineError(f"infinity.save_pretrained: writing {directory!r} failed; it is left as it was: "
-                      f"{failure}") from failure
+        raise EngineError(f"infinity.save_pretrained: on rank 0, {what}; its error there says why")
+    raise EngineError(f"infinity.save_pretrained: {what}: {failure}") from failure

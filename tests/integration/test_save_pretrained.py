@@ -183,3 +183,64 @@ def test_every_rank_calls_it_and_rank_0_writes(tmp_path):
             saved.update(safetensors_torch.load_file(tmp_path / "saved" / name))
     assert sorted(saved) == sorted(k for k in state if k != "lm_head.weight")
     assert all(torch.equal(v, state[k]) for k, v in saved.items())
+
+
+def _fail_on_rank_0(rank: int, world: int, workdir: str, step: str) -> tuple[str, bool]:
+    """Save once, then again with rank 0's ``step`` failing; returns (this rank's error, whether the
+    directory still holds the first save)."""
+    model, opt = _gpt2(cfg={**_CFG, "tiers": {"params": "host", "optimizer": "host"}})
+    out = os.path.join(workdir, "saved")
+    infinity.save_pretrained(model, out, max_shard_size="20KB")
+    before = _files(out) if rank == 0 else None
+    ids = torch.randint(0, 64, (2, 8))
+    model(ids, labels=ids).loss.backward()      # the weights change: a complete save would differ
+    opt.step()
+    opt.zero_grad()
+    calls = []
+
+    def failing(real, exc, nth):
+        def call(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == nth:
+                raise exc
+            return real(*args, **kwargs)
+        return call
+
+    where, name, exc, nth = {     # rank 0's nth call of where.name raises exc
+        "put": (hf_save, "_pwrite_all", RuntimeError("a tensor the plan did not foresee"), 2),
+        "fsync": (os, "fsync", OSError(28, "No space left on device"), 2),
+        "config": (transformers.GenerationConfig, "save_pretrained", ValueError("an invalid generation config"), 1),
+        "rename": (os, "replace", PermissionError(13, "Permission denied"), 2),
+    }[step]
+    real = getattr(where, name)
+    if rank == 0:
+        setattr(where, name, failing(real, exc, nth))
+    try:
+        with pytest.raises(EngineError) as raised:
+            infinity.save_pretrained(model, out, max_shard_size="20KB")
+    finally:
+        setattr(where, name, real)
+    kept = None
+    if rank == 0:
+        kept = True
+        try:
+            _same_files(_files(out), before)
+        except AssertionError:
+            kept = False
+        assert not [n for n in os.listdir(out) if n.startswith(".")], os.listdir(out)   # nothing left behind
+    infinity.release(model)
+    return str(raised.value), kept
+
+
+@pytest.mark.parametrize("step", ["put", "fsync", "config", "rename"])
+def test_a_failure_on_rank_0_at_any_step_raises_on_every_rank(tmp_path, step):
+    """Rank 0 writes: an error of any kind there, while writing, syncing, writing the configs or moving the
+    files into place, is heard by every rank (none waits in a collective or returns as if saved), and before
+    the files are moved in the directory is left as it was."""
+    (mine, kept), (other, _) = run_ranks(_fail_on_rank_0, 2, tmp_path, step)
+    if step == "rename":
+        assert "moving the written files into" in mine and "Permission denied" in mine
+        assert "on rank 0, moving the written files" in other
+    else:
+        assert kept and "it is left as it was" in mine and "on rank 0, writing" in other
+        assert {"put": "did not foresee", "fsync": "No space left", "config": "invalid generation"}[step] in mine
