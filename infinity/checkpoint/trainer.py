@@ -93,7 +93,7 @@ class Trainer(transformers.Trainer):
         if not isinstance(model, transformers.PreTrainedModel):
             self._save(output_dir, state_dict=state_dict(self.model, rank0_only=True))
             return
-        save_pretrained(model, output_dir)
+        save_pretrained(model, output_dir, is_main_process=self.args.should_save)    # save_on_each_node too
         if self.args.should_save:       # what Trainer._save writes beside the weights
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)

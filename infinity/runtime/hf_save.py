@@ -14,7 +14,9 @@ tensor's bytes go to their place in their shard as its subtree is gathered, befo
 whose keys are all dropped (a tied head) is not gathered. Host memory holds one subtree, on the device no
 more than the model's largest group is gathered.
 
-Every rank walks (the gathers are collectives); rank 0 writes, and goes on walking after an error of its own.
+Every rank walks (the gathers are collectives); the main process writes (rank 0, or each rank told
+``is_main_process=True``: one per node for a node's own disk, as transformers' ``save_on_each_node``), and
+goes on walking after an error of its own.
 The shards and the index are written under temporary names and synced, config.json and
 generation_config.json into a staging directory beside them; only then are they renamed into place and
 the weight files of an earlier save that the new one does not replace removed (transformers removes old
@@ -49,11 +51,11 @@ _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_shard_size: int | str = "50GB",
-                    dtype: torch.dtype | None = None) -> dict:
+                    dtype: torch.dtype | None = None, is_main_process: bool | None = None) -> dict:
     """``model.save_pretrained(save_directory)`` for a transformers model built inside ``infinity.Init``, the
     state dict streamed to the files a module at a time (see [Note: save_pretrained streamed]).
 
-    Every rank calls it; rank 0 writes. The directory holds what transformers' own ``save_pretrained`` of the
+    Every rank calls it; the main process writes. The directory holds what transformers' own ``save_pretrained`` of the
     plain model writes (safetensors): loadable by ``from_pretrained`` with or without infinity.
 
     Parameters
@@ -66,6 +68,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
         As transformers' (``"5GB"``, or bytes); its default.
     dtype:
         Floating-point tensors written in it (and ``config.dtype`` saying so); the compute dtype otherwise.
+    is_main_process:
+        As transformers': whether this rank writes the files. Default: rank 0 does. ``infinity.Trainer`` passes
+        ``args.should_save`` (with ``save_on_each_node``, the first rank of each node).
 
     Returns
     -------
@@ -86,7 +91,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
     _refuse_conversions(model)
     plan = _Plan(model, dtype, max_shard_size)
     directory = os.fspath(save_directory)
-    writer = _Writer(directory, plan) if engine.ranks.rank == 0 else None
+    writes = engine.ranks.rank == 0 if is_main_process is None else bool(is_main_process)
+    writer = _Writer(directory, plan) if writes else None
     # Rank 0 keeps walking after a failure of its own: the walk's gathers are collectives every rank joins.
     failure = _attempt(writer, writer.open) if writer is not None else None
     for part in state_dict_parts(engine, model, skip=plan.unwanted):
@@ -95,7 +101,12 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
                 failure = _attempt(writer, writer.put, key, value)
     if writer is not None and failure is None:
         failure = _attempt(writer, writer.finish, model)
-    _agree(engine, failure, f"writing {directory!r} failed; it is left as it was")
+    try:
+        _agree(engine, failure, f"writing {directory!r} failed; it is left as it was")
+    except EngineError:
+        if writer is not None:
+            writer.abandon()        # another writing rank failed: nothing of this save goes in either
+        raise
     failure = _attempt(writer, writer.commit) if writer is not None else None
     _agree(engine, failure, f"moving the written files into {directory!r} failed; it may hold part of this save "
                             "beside the earlier one: save again")
@@ -103,7 +114,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
 
 
 def _attempt(writer: "_Writer", step, *args) -> Exception | None:
-    """Run one of rank 0's writing steps; on an error, remove what it wrote and give the error back."""
+    """Run one of this rank's writing steps; on an error, remove what it wrote and give the error back."""
     try:
         step(*args)
     except Exception as exc:    # any: the other ranks must hear of it (_agree), not wait in a collective
@@ -268,11 +279,13 @@ class _Writer:
 
 
 def _agree(engine, failure: BaseException | None, what: str) -> None:
-    """Every rank raises, saying ``what``, when a step of rank 0's writing failed (the others only walked)."""
-    flag = torch.tensor([0.0 if failure is None else 1.0], device=engine.ranks.device)
+    """Every rank raises, saying ``what``, when a step of a writing rank failed (the others only walked);
+    the others name the highest rank that failed."""
+    flag = torch.tensor([0.0 if failure is None else engine.ranks.rank + 1.0], device=engine.ranks.device)
     engine.ranks.all_reduce_max(flag)
-    if failure is None and flag.item() == 0:
+    failed = int(flag.item()) - 1
+    if failed < 0:
         return
     if failure is None:
-        raise EngineError(f"infinity.save_pretrained: on rank 0, {what}; its error there says why")
+        raise EngineError(f"infinity.save_pretrained: on rank {failed}, {what}; its error there says why")
     raise EngineError(f"infinity.save_pretrained: {what}: {failure}") from failure

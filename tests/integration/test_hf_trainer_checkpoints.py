@@ -162,3 +162,22 @@ def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path):
         assert torch.equal(p, q)
     infinity.release(fresh)
     infinity.release(trainer.model)
+
+
+def _two_nodes(rank, world, workdir):
+    # Each rank the first of its "node" (LOCAL_RANK 0), each node with a disk of its own (a directory per rank).
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29542")
+    trainer = _trainer(_model(os.path.join(workdir, f"nvme{rank}"), "host"), os.path.join(workdir, "out"), steps=1)
+    trainer.args.save_on_each_node = True
+    trainer.train()
+    final = os.path.join(workdir, f"final{rank}")
+    trainer.save_model(final)
+    infinity.release(trainer.model)
+    return trainer.args.should_save, sorted(os.listdir(final))
+
+
+def test_save_model_with_save_on_each_node_writes_the_weights_on_each_node(tmp_path):
+    for should_save, names in run_ranks(_two_nodes, 2, tmp_path):
+        assert should_save and names == ["config.json", "generation_config.json", "model.safetensors",
+                                         "training_args.bin"]

@@ -244,3 +244,32 @@ def test_a_failure_on_rank_0_at_any_step_raises_on_every_rank(tmp_path, step):
     else:
         assert kept and "it is left as it was" in mine and "on rank 0, writing" in other
         assert {"put": "did not foresee", "fsync": "No space left", "config": "invalid generation"}[step] in mine
+
+
+def _each_node(rank: int, world: int, workdir: str, fail: bool) -> str | None:
+    """Each rank the main process of its "node", writing to a directory of its own; rank 1's fsync fails
+    when ``fail``."""
+    model, _ = _gpt2(cfg={**_CFG, "tiers": {"params": "host", "optimizer": "host"}})
+    out = os.path.join(workdir, f"node{rank}")
+    real = os.fsync
+    if fail and rank == 1:
+        os.fsync = lambda fd: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    try:
+        infinity.save_pretrained(model, out, max_shard_size="20KB", is_main_process=True)
+    except EngineError as exc:
+        return str(exc)
+    finally:
+        os.fsync = real
+        infinity.release(model)
+    return None
+
+
+def test_with_is_main_process_each_node_writes_its_own_copy(tmp_path):
+    """transformers' save_on_each_node (Trainer passes args.should_save): every main process writes the whole
+    directory; one that fails stops them all, and no directory keeps a part of the save."""
+    assert run_ranks(_each_node, 2, tmp_path, False) == [None, None]
+    _same_files(_files(tmp_path / "node1"), _files(tmp_path / "node0"))
+    assert "model.safetensors.index.json" in os.listdir(tmp_path / "node0")
+    mine, other = run_ranks(_each_node, 2, tmp_path / "failed", True)[::-1]
+    assert "No space left" in mine and "on rank 1, writing" in other
+    assert [os.listdir(tmp_path / "failed" / d) for d in ("node0", "node1")] == [[], []]
