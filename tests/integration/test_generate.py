@@ -1,0 +1,59 @@
+"""transformers' ``generate`` on a model built inside ``infinity.Init``, between training steps: greedy,
+sampled and beam-searched tokens equal the plain model's with the same weights, and training goes on
+exactly as the plain model's after it (the forwards without backward leave the prefetch trace, which
+is recorded again)."""
+import pytest
+import torch
+
+import infinity
+
+transformers = pytest.importorskip("transformers")
+
+
+def _pair(tier: str, nvme: str):
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(cfg)
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": tier, "optimizer": tier, "device": "cpu", "nvme_path": nvme},
+                        "precision": {"dtype": "float32"}}):
+        model = transformers.GPT2LMHeadModel(cfg)
+    return (model, infinity.AdamW(model, lr=1e-2)), (plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+
+
+def _steps(model, opt, ids, n: int) -> list[float]:
+    model.train()
+    losses = []
+    for _ in range(n):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _generated(model, ids) -> list[torch.Tensor]:
+    model.eval()
+    common = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 6, "pad_token_id": 0}
+    out = [model.generate(ids, do_sample=False, **common)]
+    torch.manual_seed(1)
+    out.append(model.generate(ids, do_sample=True, top_k=20, **common))
+    out.append(model.generate(ids, num_beams=3, **common))
+    return out
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_generate_between_training_steps_matches_the_plain_model(tmp_path, tier):
+    (model, opt), (plain, plain_opt) = _pair(tier, str(tmp_path))
+    ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    got, want = [], []
+    for net, o, into in ((model, opt, got), (plain, plain_opt, want)):
+        into.append(_steps(net, o, ids, 3))
+        into.extend(_generated(net, ids))
+        into.append(_steps(net, o, ids, 2))
+    assert got[0] == want[0] and got[-1] == pytest.approx(want[-1], rel=1e-6)
+    for name, a, b in zip(("greedy", "sampled", "beam search"), got[1:-1], want[1:-1]):
+        assert a.shape == (2, 14) and torch.equal(a, b), name
+    infinity.release(model)
