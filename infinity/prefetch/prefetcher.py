@@ -55,6 +55,18 @@ layers). So reads ahead get their own arena: one aligned allocation of
 afterwards), carved into 4096-aligned slices (``tiers.arena.Arena``, [Note: arenas]). A slice
 that does not fit is simply not taken and the read is left to demand: the arena
 can never hold more than its budget, and it never blocks.
+
+[Note: inference passes]
+An evaluation or ``generate`` between training steps runs forwards with gradients off, each of which
+asks for the forward half of the step's trace and then starts again from the top: against the training
+trace the second such forward diverged, nothing was prefetched for the rest of the evaluation, and the
+next training step recorded its trace again, unprefetched. So, once the model has an optimizer, a root
+forward with gradients off is an inference pass with a trace of its own: the first is recorded, each
+later one is a step of that trace, followed from its first request. The training trace waits where it
+was: the next training forward or backward takes it up (after dropping what the other trace held
+ahead), as if the passes had not happened. Without an optimizer every root forward is a step of the
+one trace, as before. Step records ([Note: step records] in infinity/telemetry.py) count an inference
+pass's requests in the training step around it.
 """
 from __future__ import annotations
 
@@ -100,7 +112,6 @@ class Prefetcher:
         self.reads_ahead = engine.config.tiers.params == "nvme"
         self.arena = (Arena(engine.tiers.allocator.empty, cfg.nvme_bytes, name="prefetch-staging")
                       if self.enabled and self.reads_ahead and cfg.nvme_bytes > 0 else None)
-        self.trace = Trace()
         self.telemetry = StepTelemetry(engine, cfg.log_every, logger)
         self.names: dict[nn.Module, str] = {}
         for root in engine.roots:
@@ -108,8 +119,17 @@ class Prefetcher:
                 self.names.setdefault(module, qualname)
         self.modules = {qualname: module for module, qualname in self.names.items()}
         self._roots = {id(r) for r in engine.roots}
-        self.windows = Windows(self.coordinator, self.trace, self.arena, cfg.nvme_bytes, cfg.device_bytes,
-                               ordered_gathers=engine.ranks.world_size > 1, reads_ahead=self.reads_ahead)
+        # The training steps' trace and the inference passes' (see [Note: inference passes]), each with its
+        # windows; ``trace`` and ``windows`` are the running one's.
+        self._lanes = {}
+        for lane in ("training", "inference"):
+            trace = Trace()
+            self._lanes[lane] = (trace, Windows(self.coordinator, trace, self.arena, cfg.nvme_bytes,
+                                                cfg.device_bytes, ordered_gathers=engine.ranks.world_size > 1,
+                                                reads_ahead=self.reads_ahead))
+        self.traces = tuple(trace for trace, _ in self._lanes.values())
+        self.lane = "training"
+        self.trace, self.windows = self._lanes["training"]
         self._ahead = self.windows.ahead     # read or gathered ahead, not yet asked for (in order)
         # Groups gathered in place (one rank, shards in the compute device's memory) are their stored
         # shards and stay gathered: nothing is ever worth fetching ahead or keeping, so a followed
@@ -142,6 +162,12 @@ class Prefetcher:
             return   # a forward inside backward (recomputation) belongs to the backward phase
         self._forwards += 1
         optimizer = self.engine.optimizer
+        if optimizer is not None and not torch.is_grad_enabled():
+            self._switch("inference")       # each pass a step of its own trace ([Note: inference passes])
+            if self.telemetry.step is not None:
+                self._begin_trace_step()
+            return
+        self._switch("training")
         # An optimizer step (taken or skipped for a non-finite gradient) closes a step; with
         # no optimizer (inference) every root forward is a step.
         key = ((optimizer.step_count, getattr(optimizer, "skipped_steps", 0)) if optimizer is not None
@@ -150,11 +176,29 @@ class Prefetcher:
             self._step_key = key
             self._new_step()
 
+    def _switch(self, lane: str) -> None:
+        """Make ``lane``'s trace the running one; what the other held ahead is dropped."""
+        if lane == self.lane:
+            return
+        if self.enabled:
+            found = self.trace.end_step() if lane == "training" else None     # the last pass ends
+            if found is not None:
+                self._diverged(found)
+        self._drop_leftovers()
+        self.lane = lane
+        self.trace, self.windows = self._lanes[lane]
+        self._ahead = self.windows.ahead
+        self.windows.in_backward = self._in_backward
+        if self.enabled and self.trace.mode is TraceMode.FOLLOWING:
+            self._distances, self._starts = _next_uses(self.trace, self.coordinator.groups)
+        self.windows.restart(self.enabled)
+
     def end_forward(self) -> None:
         if not self._in_backward and not torch.is_grad_enabled():
             self._drop_leftovers()   # no backward can follow a no-grad forward
 
     def begin_backward(self) -> None:
+        self._switch("training")     # a backward follows a training forward, whatever ran in between
         self._in_backward = self.windows.in_backward = True
 
     def end_backward(self) -> None:
@@ -206,28 +250,26 @@ class Prefetcher:
             self._drop_leftovers()
             self.telemetry.end_step(self._step_extra())
         self.step += 1
-        if self.enabled:
-            self.trace.begin_step(self._current_groups)
-            if self.trace.mode is TraceMode.FOLLOWING:
-                nbytes = [g.full_nbytes for g in self.coordinator.groups]
-                self._distances = self.trace.next_use_distances(lambda i: nbytes[i])
-                # bytes fetched in the step before each entry: a group's next use, as a point in the step
-                self._starts = list(itertools.accumulate((sum(nbytes[g] for g in e.groups)
-                                                          for e in self.trace.entries), initial=0))
-            self.windows.restart(self.enabled)
+        self._begin_trace_step()
         self._step_diverged = False
         self.windows.end_step()
         self.telemetry.begin_step(self.step)
         self.peak_nvme_bytes = self.peak_device_bytes = self.peak_kept_bytes = 0
 
-    def _current_groups(self, entry: TraceEntry) -> tuple[int, ...]:
-        module = self.modules.get(entry.name)
-        if module is None:
-            return entry.groups
-        return tuple(g.index for g in self.coordinator.module_groups.get(module, ()))
+    def _begin_trace_step(self) -> None:
+        """The running trace starts a step (a training step, or an inference pass)."""
+        if not self.enabled:
+            return
+        if self.lane == "inference":
+            self._drop_leftovers()
+        module_groups = self.coordinator.module_groups
+        self.trace.begin_step(lambda entry: _groups_now(entry, self.modules.get(entry.name), module_groups))
+        if self.trace.mode is TraceMode.FOLLOWING:
+            self._distances, self._starts = _next_uses(self.trace, self.coordinator.groups)
+        self.windows.restart(self.enabled)
 
     def _step_extra(self) -> dict:
-        return {"trace": self.trace.mode.value if self.enabled else "off",
+        return {"trace": self._lanes["training"][0].mode.value if self.enabled else "off",
                 "diverged": self._step_diverged,
                 "peak_prefetch_nvme_bytes": self.peak_nvme_bytes,
                 "peak_prefetch_device_bytes": self.peak_device_bytes,
@@ -235,15 +277,25 @@ class Prefetcher:
 
     def _diverged(self, found: Divergence) -> None:
         """Stop prefetching for this step; warn once per distinct divergence (see [Note: trace states])."""
-        self._step_diverged = True
         key = found.key()
+        if self.lane == "inference":
+            key = ("inference", *key)
+        else:
+            self._step_diverged = True
         self.divergence_counts[key] += 1
         if self.divergence_counts[key] == 1:
             self.divergence_text[key] = found.describe()
+            if self.lane == "inference":
+                logger.warning("infinity prefetch: a forward with gradients off left the trace of such forwards "
+                               "(pass %s). Prefetching stops for the rest of this pass and the next one records "
+                               "again (shown once per distinct divergence; data-dependent control flow or a "
+                               "different input shape path cause this).", found.describe())
+                return
             logger.warning("infinity prefetch: the model left its recorded trace: %s. Prefetching stops "
                            "for the rest of this step and the next step records the trace again "
-                           "(shown once per distinct divergence; data-dependent control flow, an eval or "
-                           "no-grad forward, or a different input shape path cause this).", found.describe())
+                           "(shown once per distinct divergence; data-dependent control flow, a forward "
+                           "with gradients off before the optimizer exists, or a different input shape path "
+                           "cause this).", found.describe())
 
     def _drop_leftovers(self) -> None:
         """Drop what was fetched ahead and never asked for (see [Note: leftovers])."""
@@ -298,7 +350,8 @@ class Prefetcher:
         """Trace state, budgets, bytes held now and at the step's peak, divergences, the running step."""
         return {
             "enabled": self.enabled,
-            "trace": self.trace.summary(),
+            "trace": self._lanes["training"][0].summary(),
+            "inference_trace": self._lanes["inference"][0].summary(),
             "budgets": {"nvme_bytes": self.nvme_bytes, "device_bytes": self.device_bytes,
                         "reuse_distance": self.reuse_distance},
             "held": self.held(),
@@ -309,3 +362,19 @@ class Prefetcher:
             "last_step": self.telemetry.last,
             "current_step": self.current_step(),
         }
+
+
+def _groups_now(entry: TraceEntry, module: nn.Module | None, module_groups) -> tuple[int, ...]:
+    """An entry's group indices as its module has them now (groups adopted during the recorded step)."""
+    if module is None:
+        return entry.groups
+    return tuple(g.index for g in module_groups.get(module, ()))
+
+
+def _next_uses(trace: Trace, groups) -> tuple[list[dict[int, int | None]], list[int]]:
+    """For [Note: reuse]: each entry's groups' next-use distances, and the bytes fetched in the step before
+    each entry (a group's next use as a point in the step)."""
+    nbytes = [g.full_nbytes for g in groups]
+    distances = trace.next_use_distances(lambda i: nbytes[i])
+    starts = list(itertools.accumulate((sum(nbytes[g] for g in e.groups) for e in trace.entries), initial=0))
+    return distances, starts

@@ -61,8 +61,7 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
     groups = _groups_of(engine.coordinator, model)
     coordinator.use(groups)
     snapshots = {g: g.shard_of(g.full).clone() for g in groups}
-    trace = engine.prefetcher.trace if engine.prefetcher is not None else None
-    recorded = trace.recorded() if trace is not None else None
+    marks = _recording_marks(engine)
     unmanaged = _unmanaged(coordinator, model)      # held before the block: not this block's doing
     completed = False
     try:
@@ -85,11 +84,21 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
                 if not torch.equal(g.shard_of(current), snapshots[g]):
                     engine.write_param_shard(g, current, snapshots[g])
                 coordinator.unuse(g)
-        if trace is not None:
-            trace.discard_recording(recorded)
+        _discard_recordings(marks)
         engine.grad_face.stray += _stray_grads(model, groups)
         if completed:
             _refuse_new_shapes(coordinator, model, reshaped, unmanaged)
+
+
+def _recording_marks(engine) -> list:
+    """Where each trace's recording stands (the training steps' and the inference passes'), before a block."""
+    return [(t, t.recorded()) for t in engine.prefetcher.traces] if engine.prefetcher is not None else []
+
+
+def _discard_recordings(marks: list) -> None:
+    """A recording that took requests inside the block is not adopted (``Trace.discard_recording``)."""
+    for trace, recorded in marks:
+        trace.discard_recording(recorded)
 
 
 def _stray_grads(model: nn.Module, groups) -> list:
@@ -207,13 +216,11 @@ def state_dict_parts(engine, model: nn.Module, skip=None):
             if name and "." not in name:
                 yield from walk(child, prefix + name + ".")
 
-    trace = engine.prefetcher.trace if engine.prefetcher is not None else None
-    recorded = trace.recorded() if trace is not None else None
+    marks = _recording_marks(engine)
     try:
         yield from walk(model, "")
     finally:
-        if trace is not None:
-            trace.discard_recording(recorded)
+        _discard_recordings(marks)
 
 
 def _prefixed(model: nn.Module):

@@ -7,7 +7,8 @@ loss with prefetch off; the bytes held ahead, sampled at every request from the
 coordinator's group states (not from the prefetcher's own counters), stay within
 ``prefetch.nvme_bytes`` / ``prefetch.device_bytes``; after every step no group is in
 flight and every staging buffer is back. Models whose forward path depends on the data
-(blocks reversed or skipped) and no-grad forwards between steps exercise divergence.
+(blocks reversed or skipped) exercise divergence; no-grad forwards between steps follow a trace of
+their own and leave the training trace alone ([Note: inference passes] in infinity/prefetch/prefetcher.py).
 """
 import logging
 import os
@@ -168,6 +169,7 @@ RUNS = {
     "nvme-reverse": (("nvme", "nvme"), "reverse", (), {}, True),
     "nvme-skip-eval": (("nvme", "nvme"), "skip", (1,), {}, True),
     "nvme-reuse": (("nvme", "nvme"), "none", (), {"reuse_distance": 1 << 20}, False),
+    "nvme-eval": (("nvme", "nvme"), "none", (1, 2, 3, 5), {}, True),
     "nvme-no-room": (("nvme", "nvme"), "none", (), {"nvme_bytes": 4096, "device_bytes": 4096}, False),
 }
 PAIRS = [n for n, run in RUNS.items() if run[4]]
@@ -211,7 +213,7 @@ def _check(results, names):
                 assert r["max_nvme"] <= nvme_budget, f"{where}: {r['max_nvme']} bytes read ahead"
                 assert r["max_device"] <= device_budget, f"{where}: {r['max_device']} bytes gathered ahead"
             diverged = [s for s in on["steps"] if s["diverged"]]
-            if mode == "none" and not on["evals"]:
+            if mode == "none":      # evaluations between steps too: they have a trace of their own
                 assert not diverged and on["prefetch"]["divergences"] == [], f"{where}: {diverged}"
             else:
                 assert diverged and on["prefetch"]["divergences"], f"{where}: no divergence seen"
@@ -259,6 +261,22 @@ def test_one_rank_matches_prefetch_off_and_torch_within_budgets(one_rank):
     assert results["host", True]["max_device"] > 0, "nothing was gathered ahead"
 
 
+def test_evaluations_between_steps_follow_a_trace_of_their_own(one_rank):
+    """Against the training trace the second no-grad forward diverged and the next training step recorded
+    again; now the first evaluation records the inference passes' trace, the others follow it, and every
+    training step after the first follows its own, prefetched."""
+    results, _ = one_rank
+    run = results["nvme-eval", True]
+    assert [s["trace"] for s in run["steps"]] == ["recording"] + ["following"] * (STEPS - 1)
+    assert all(s["hit_rate"] > 0.5 for s in run["steps"][1:]), [s["hit_rate"] for s in run["steps"]]
+    passes = run["prefetch"]["inference_trace"]
+    assert passes["mode"] == "following" and passes["recordings"] == 1 and passes["divergences"] == 0, passes
+    assert passes["step"] == 3 and passes["entries"] > 0      # four passes: recorded, then followed three times
+    assert len(run["evals"]) == 4 and run["prefetch"]["divergences"] == []
+    off = results["nvme-eval", False]["prefetch"]
+    assert off["inference_trace"]["entries"] == 0 and off["inference_trace"]["recordings"] == 0
+
+
 def test_divergence_warned_once_per_distinct_divergence(one_rank):
     results, lines = one_rank
     warned = [m for level, m in lines if level == logging.WARNING and "left its recorded trace" in m]
@@ -266,7 +284,7 @@ def test_divergence_warned_once_per_distinct_divergence(one_rank):
     assert len(warned) == expected > 0
     assert any("forward blocks.0" in w and "forward blocks.2" in w for w in warned)    # reversed path
     assert any("forward blocks.1" in w and "forward blocks.2" in w for w in warned)    # skipped block
-    assert any("backward" in w and "forward <root>" in w for w in warned)              # no-grad forward
+    assert not any("forward <root>" in w for w in warned)       # no-grad forwards: a trace of their own
     counts = [d["count"] for d in results["nvme-reverse", True]["prefetch"]["divergences"]]
     assert counts == [2]          # steps 3 and 5 diverge alike: counted twice, warned once
     steps = results["nvme-reverse", True]["steps"]

@@ -1,7 +1,7 @@
 """transformers' ``generate`` on a model built inside ``infinity.Init``, between training steps: greedy,
 sampled and beam-searched tokens equal the plain model's with the same weights, and training goes on
-exactly as the plain model's after it (the forwards without backward leave the prefetch trace, which
-is recorded again)."""
+exactly as the plain model's after it; the forwards without gradients follow a prefetch trace of their
+own, and the training steps theirs."""
 import pytest
 import torch
 
@@ -56,4 +56,10 @@ def test_generate_between_training_steps_matches_the_plain_model(tmp_path, tier)
     assert got[0] == want[0] and got[-1] == pytest.approx(want[-1], rel=1e-6)
     for name, a, b in zip(("greedy", "sampled", "beam search"), got[1:-1], want[1:-1]):
         assert a.shape == (2, 14) and torch.equal(a, b), name
+    # Every token's forward (the prompt's, then one token at a time) asks in the same order: the passes
+    # follow their own trace, and the training steps theirs ([Note: inference passes]).
+    prefetch = infinity.stats(model)["prefetch"]
+    passes = prefetch["inference_trace"]
+    assert passes["mode"] == "following" and passes["recordings"] == 1 and passes["divergences"] == 0, passes
+    assert prefetch["trace"]["divergences"] == 0 and prefetch["divergences"] == []
     infinity.release(model)
