@@ -164,8 +164,7 @@ class Prefetcher:
         optimizer = self.engine.optimizer
         if optimizer is not None and not torch.is_grad_enabled():
             self._switch("inference")       # each pass a step of its own trace ([Note: inference passes])
-            if self.telemetry.step is not None:
-                self._begin_trace_step()
+            self._begin_trace_step()        # (an evaluation before the first training step too)
             return
         self._switch("training")
         # An optimizer step (taken or skipped for a non-finite gradient) closes a step; with
@@ -216,7 +215,7 @@ class Prefetcher:
         self.telemetry.count_request(groups, self._ahead, self._kept)
         for g in groups:
             self.windows.take(g)
-        if not self.enabled or self.telemetry.step is None:
+        if not self.enabled or (self.telemetry.step is None and self.lane == "training"):
             return
         name = self.names.get(module)
         if name is None:

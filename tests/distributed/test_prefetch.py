@@ -169,7 +169,7 @@ RUNS = {
     "nvme-reverse": (("nvme", "nvme"), "reverse", (), {}, True),
     "nvme-skip-eval": (("nvme", "nvme"), "skip", (1,), {}, True),
     "nvme-reuse": (("nvme", "nvme"), "none", (), {"reuse_distance": 1 << 20}, False),
-    "nvme-eval": (("nvme", "nvme"), "none", (1, 2, 3, 5), {}, True),
+    "nvme-eval": (("nvme", "nvme"), "none", (0, 2, 3, 5), {}, True),   # step 0: before any training step
     "nvme-no-room": (("nvme", "nvme"), "none", (), {"nvme_bytes": 4096, "device_bytes": 4096}, False),
 }
 PAIRS = [n for n, run in RUNS.items() if run[4]]
@@ -348,3 +348,22 @@ def test_two_ranks(tmp_path):
     for name in WORLD2_RUNS:
         assert results[0][name, True]["losses"] == results[1][name, True]["losses"]
         assert _following(results[0][name, True])
+
+
+def test_evaluations_before_the_first_training_step_are_prefetched(tmp_path):
+    """An evaluation at step 0 (the optimizer made, nothing trained yet) records the inference passes' trace
+    at its first forward and follows it from the second."""
+    cfg = {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)},
+           "prefetch": {"nvme_bytes": NVME_BYTES, "device_bytes": DEVICE_BYTES}}
+    with infinity.Init(cfg):
+        model = PathGPT()
+    opt = infinity.AdamW(model, lr=1e-2)
+    idx, tgt = _data(1)[0]
+    with torch.no_grad():
+        for _ in range(3):
+            model(idx, tgt)
+    passes = infinity.stats(model)["prefetch"]["inference_trace"]
+    assert passes["mode"] == "following" and passes["recordings"] == 1 and passes["entries"] > 0, passes
+    model(idx, tgt).backward()
+    opt.step()
+    infinity.release(model)

@@ -53,7 +53,7 @@ def test_generate_between_training_steps_matches_the_plain_model(tmp_path, tier)
         into.append(_steps(net, o, ids, 3))
         into.extend(_generated(net, ids))
         into.append(_steps(net, o, ids, 2))
-    assert got[0] == want[0] and got[-1] == pytest.approx(want[-1], rel=1e-6)
+    assert got[0] == pytest.approx(want[0], rel=1e-6) and got[-1] == pytest.approx(want[-1], rel=1e-6)
     for name, a, b in zip(("greedy", "sampled", "beam search"), got[1:-1], want[1:-1]):
         assert a.shape == (2, 14) and torch.equal(a, b), name
     # Every token's forward (the prompt's, then one token at a time) asks in the same order: the passes
