@@ -138,6 +138,7 @@ class Prefetcher:
         self._kept: set[ParamGroup] = set()
         self._distances: list[dict[int, int | None]] = []
         self._starts: list[int] = [0]
+        self._plans = {lane: ([], [0]) for lane in self._lanes}   # the other trace's reuse plan, kept
         self._in_backward = False
         self.step = -1
         self._step_key = None
@@ -184,12 +185,13 @@ class Prefetcher:
             if found is not None:
                 self._diverged(found)
         self._drop_leftovers()
+        # Each trace keeps its reuse plan ([Note: reuse]): a trace does not change while the other runs.
+        self._plans[self.lane] = (self._distances, self._starts)
         self.lane = lane
         self.trace, self.windows = self._lanes[lane]
+        self._distances, self._starts = self._plans[lane]
         self._ahead = self.windows.ahead
         self.windows.in_backward = self._in_backward
-        if self.enabled and self.trace.mode is TraceMode.FOLLOWING:
-            self._distances, self._starts = _next_uses(self.trace, self.coordinator.groups)
         self.windows.restart(self.enabled)
 
     def end_forward(self) -> None:
