@@ -9,6 +9,19 @@ agrees, sharded, stored in the tiers, and the full tensors freed. Peak memory
 during construction is about one module. Every wrapper is removed on exit,
 exactly, also when construction raises.
 
+[Note: a wrapper someone wrapped again]
+A class may have its ``__init__`` replaced by someone else while the context is open:
+transformers imports a model's module lazily, at first use, so ``class
+LlamaAttention`` can be defined inside the context, wrapped here by
+``__init_subclass__``, and then decorated by the ``kernels`` package
+(``use_kernelized_func``), whose new ``__init__`` calls ours. Putting the original
+back on exit would throw that decorator's ``__init__`` away with ours, and every
+instance built later would lack what it sets (``_kernel_funcs``). So a wrapper is
+removed only while the class still holds it; one that another ``__init__`` calls
+stays in that chain but goes inert: each wrapper asks a gate for its ``Init``, and the
+gate forgets it on exit, so the wrapper only calls the original and keeps neither the
+context nor its engine alive.
+
 [Note: edits after partitioning]
 Model code often touches parameters after their module was built: a parent's
 ``self.apply(self._init_weights)``, ``nn.init.normal_(p)`` over
@@ -70,6 +83,16 @@ class _TouchMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _Gate:
+    """The ``Init`` the ``__init__`` wrappers serve, or None once it has exited
+    (see [Note: a wrapper someone wrapped again])."""
+
+    __slots__ = ("init",)
+
+    def __init__(self, init: "Init") -> None:
+        self.init = init
+
+
 class Init:
     """Context manager under which models are built sharded over ranks and tiers.
 
@@ -110,7 +133,8 @@ class Init:
             self.resume = Resume(resume)
         self.engine: Engine | None = None
         self.partitioner: Partitioner | None = None
-        self._patched: list[tuple[type, object]] = []
+        self._patched: list[tuple[type, object, object]] = []     # (class, its __init__, our wrapper)
+        self._gate = _Gate(self)
         self._routes: list[FromPretrainedRoute] = []
         self._outside = False
         self._had_init_subclass = False
@@ -131,6 +155,7 @@ class Init:
         self.engine = Engine(self.config, self.group, resume=self.resume)
         try:
             self.partitioner = Partitioner(self.engine)
+            self._gate = _Gate(self)    # a new one each entry: an exited context's wrappers keep theirs, emptied
             for cls in _all_subclasses(nn.Module):
                 self._wrap(cls)
             self._had_init_subclass = "__init_subclass__" in nn.Module.__dict__
@@ -207,8 +232,11 @@ class Init:
         for route in reversed(self._routes):
             route.remove()
         self._routes.clear()
-        for cls, orig in reversed(self._patched):
-            cls.__init__ = orig
+        self._gate.init = None
+        for cls, orig, wrapper in reversed(self._patched):
+            if cls.__dict__.get("__init__") is wrapper:
+                cls.__init__ = orig
+            # else: another __init__ calls ours now; it stays, inert ([Note: a wrapper someone wrapped again])
         self._patched.clear()
         if self._had_init_subclass:
             nn.Module.__init_subclass__ = self._old_init_subclass
@@ -223,29 +251,36 @@ class Init:
         if orig is None or getattr(orig, "infinity_init", False):
             return
 
+        gate = self._gate
+
         @functools.wraps(orig)
         def __init__(module, *args, **kwargs):
-            if self._outside:
+            init = gate.init
+            if init is None or init._outside:
                 return orig(module, *args, **kwargs)
-            key = id(module)
-            depth = self._depth.get(key, 0)
-            self._depth[key] = depth + 1
-            if depth == 0:
-                self._building.append(module)
-            try:
-                orig(module, *args, **kwargs)
-            finally:
-                if depth:
-                    self._depth[key] = depth
-                else:
-                    self._depth.pop(key, None)
-                    self._building.pop()
-            if depth == 0:
-                self._on_built(module)
+            init._build(orig, module, args, kwargs)
 
         __init__.infinity_init = True   # marks the wrapper, so it is never wrapped twice
         cls.__init__ = __init__
-        self._patched.append((cls, orig))
+        self._patched.append((cls, orig, __init__))
+
+    def _build(self, orig, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Runs ``orig`` (a class's own ``__init__``) on ``module``; the outermost call partitions it."""
+        key = id(module)
+        depth = self._depth.get(key, 0)
+        self._depth[key] = depth + 1
+        if depth == 0:
+            self._building.append(module)
+        try:
+            orig(module, *args, **kwargs)
+        finally:
+            if depth:
+                self._depth[key] = depth
+            else:
+                self._depth.pop(key, None)
+                self._building.pop()
+        if depth == 0:
+            self._on_built(module)
 
     def _on_built(self, module: nn.Module) -> None:
         with self.suspended():

@@ -11,6 +11,7 @@ import infinity
 from tests.support.parity import train_side_by_side
 from infinity.config import ConfigError
 from infinity.errors import EngineError
+from infinity import registry
 from infinity.registry import NotManagedError
 from tiers.base import TierFullError
 from tiers.budget import BudgetError
@@ -86,6 +87,48 @@ def test_construction_interception_is_undone_on_error():
     assert nn.Module.__dict__.get("__init_subclass__") is before_subclass
     plain = nn.Linear(3, 2)
     assert plain.weight.shape == (2, 3)
+
+
+def test_a_class_whose_init_is_wrapped_again_inside_the_context_keeps_that_wrapper():
+    """A class defined inside Init (transformers imports a model's module at first use) and then decorated
+    (the kernels package's ``use_kernelized_func``) keeps the decorator's ``__init__`` after exit; ours, which it
+    calls, goes inert and keeps neither the context nor its engine alive."""
+    import gc
+    import weakref
+
+    context = infinity.Init({"tiers": {"params": "host"}})
+    with context:
+        class Late(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+
+        wrapped = Late.__init__
+
+        def decorated(self, *args, **kwargs):
+            wrapped(self, *args, **kwargs)
+            self.__dict__["_added"] = {"by": "decorator"}
+
+        Late.__init__ = decorated
+        model = Late()
+    assert Late.__init__ is decorated and model._added == {"by": "decorator"}
+    with pytest.raises(EngineError, match="infinity.gathered"):
+        model.lin.weight.sum()                  # built by the engine
+    plain = Late()
+    assert plain._added == {"by": "decorator"} and plain.lin.weight.sum().isfinite()    # an ordinary module
+    engine = weakref.ref(registry.engine_of(model))
+    context = weakref.ref(context)
+    infinity.release(model)
+    del model
+    gc.collect()
+    assert context() is None and engine() is None
+    # A later context wraps the decorated __init__ again and builds through the whole chain.
+    with infinity.Init({"tiers": {"params": "host"}}):
+        again = Late()
+    assert again._added == {"by": "decorator"} and Late.__init__ is decorated
+    with pytest.raises(EngineError, match="infinity.gathered"):
+        again.lin.weight.sum()
+    infinity.release(again)
 
 
 def test_released_parameters_refuse_reads_and_gathered_ones_are_whole():
