@@ -42,10 +42,31 @@ from infinity.errors import EngineError
 
 _HUB_KWARGS = frozenset({"cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
                          "trust_remote_code", "weights_only", "use_safetensors", "code_revision", "proxies"})
-# Loading options besides the hub's: checked above, or (low_cpu_mem_usage) what the streaming loader does anyway.
-_LOADING_KWARGS = frozenset({"dtype", "torch_dtype", "adapter_kwargs", "config", "attn_implementation", "device_map",
-                             "quantization_config", "tp_plan", "gguf_file", "state_dict", "output_loading_info",
-                             "low_cpu_mem_usage", "ignore_mismatched_sizes"})
+# Loading options besides the hub's: checked in _split_kwargs and load_pretrained, or taken because they change
+# nothing here (low_cpu_mem_usage and disable_mmap: the streaming loader reads a group at a time and never maps a
+# file; tqdm_class: it draws no progress bar; adapter_name: no adapter is loaded).
+_LOADING_KWARGS = frozenset({"dtype", "torch_dtype", "adapter_kwargs", "config", "attn_implementation",
+                             "experts_implementation", "generation_config", "low_cpu_mem_usage",
+                             "ignore_mismatched_sizes", "disable_mmap", "tqdm_class", "adapter_name"})
+# What transformers passes between its own layers (AutoModel -> the model class, a pipeline -> AutoModel) or
+# still accepts and drops for old callers: never a user's option, taken and ignored as transformers does.
+_INTERNAL_KWARGS = frozenset({"_from_auto", "_from_pipeline", "_commit_hash", "_fast_init", "mirror", "from_tf",
+                              "from_flax", "offload_state_dict"})
+# Options that place, split, quantize, rename or swap what is loaded, and why each is refused when set.
+_PLACES = "the engine places every state itself"
+_REFUSED_KWARGS = {
+    **dict.fromkeys(("device_map", "max_memory", "offload_folder", "offload_buffers", "tp_plan", "tp_size",
+                     "device_mesh", "distributed_config"), _PLACES),
+    "quantization_config": "the engine keeps fp32 master weights and computes in [precision] dtype",
+    "gguf_file": "the streaming loader reads safetensors checkpoints",
+    "state_dict": "the streaming loader reads the checkpoint's files, a group at a time",
+    "output_loading_info": "missing and unused keys are named in a warning instead",
+    "key_mapping": "the streaming loader renames no checkpoint key",
+    "fusion_config": "the streaming loader builds the model's own modules, unfused",
+    "variant": "the streaming loader reads model.safetensors or model.safetensors.index.json",
+    **dict.fromkeys(("use_kernels", "kernel_config", "kernels_mode", "allow_all_kernels"),
+                    "the layers the engine manages run their own torch forward, not hub kernels"),
+}
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
@@ -253,10 +274,10 @@ def _split_kwargs(kwargs: dict, compute_dtype: torch.dtype) -> tuple[dict, dict]
                 f"from_pretrained under infinity.Init got {key}={kwargs[key]!r}: the engine keeps fp32 master "
                 f"weights and computes in [precision] dtype of the infinity config ({compute_dtype} here); set "
                 f"it there and drop {key}=")
-    for key in ("device_map", "quantization_config", "tp_plan", "gguf_file", "state_dict", "output_loading_info"):
+    for key, why in _REFUSED_KWARGS.items():
         if kwargs.get(key) not in (None, False):
-            raise EngineError(f"from_pretrained under infinity.Init does not support {key}=; the engine places "
-                              "every state itself (drop it, or load without infinity.Init)")
+            raise EngineError(f"from_pretrained under infinity.Init does not support {key}=: {why} "
+                              "(drop it, or load without infinity.Init)")
     if kwargs.get("ignore_mismatched_sizes"):
         raise EngineError("from_pretrained under infinity.Init does not support ignore_mismatched_sizes=True: a "
                           "checkpoint tensor of another shape is refused, naming it (build the model with the "
@@ -270,7 +291,9 @@ def _split_kwargs(kwargs: dict, compute_dtype: torch.dtype) -> tuple[dict, dict]
                           "model, then attach the adapter")
     options, overrides = {}, {}
     for key, value in kwargs.items():
-        if key in _HUB_KWARGS or key in _LOADING_KWARGS:
+        if key in _INTERNAL_KWARGS:
+            continue
+        if key in _HUB_KWARGS or key in _LOADING_KWARGS or key in _REFUSED_KWARGS:
             options[key] = value
         else:
             overrides[key] = value
@@ -322,14 +345,33 @@ def load_pretrained(init, cls, path, *model_args, **kwargs):
     if match.unexpected:
         warnings.warn(f"{cls.__name__}.from_pretrained: the checkpoint {directory!r} has keys the model does not "
                       f"use: {match.unexpected}", stacklevel=3)
-    if model.can_generate() and os.path.isfile(os.path.join(directory, "generation_config.json")):
+    if model.can_generate() and options.get("generation_config") is not None:
+        model.generation_config = model.generation_config.from_dict(options["generation_config"].to_dict())
+    elif model.can_generate() and os.path.isfile(os.path.join(directory, "generation_config.json")):
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(directory)
     if options.get("attn_implementation") is not None:
         model.set_attn_implementation(options["attn_implementation"])
+    if options.get("experts_implementation") is not None:
+        model.set_experts_implementation(options["experts_implementation"])
+    if init.engine.device.is_cuda and options.get("use_kernels") is None:
+        _say_hub_kernels_are_off(cls)
     model.eval()        # as transformers' from_pretrained leaves it
     return model
+
+
+def _say_hub_kernels_are_off(cls) -> None:
+    """transformers (from 5.2x, with the ``kernels`` package installed) kernelizes a model it loads on a GPU by
+    default, swapping some layers' forwards for hub kernels; the streaming loader does not, and says so."""
+    try:
+        from transformers.integrations.hub_kernels import _kernels_enabled
+        from transformers.utils import is_kernels_available
+    except ImportError:
+        return      # a transformers without hub kernels: nothing was turned off
+    if is_kernels_available() and _kernels_enabled():
+        warnings.warn(f"{cls.__name__}.from_pretrained under infinity.Init: the model's layers run their own torch "
+                      "forwards; hub kernels (use_kernels) are off for models the engine manages", stacklevel=4)
 
 
 class _GroupFill:

@@ -3,6 +3,8 @@ safetensors shards are streamed into the tiers, and the loaded model equals tran
 ``from_pretrained`` of the same checkpoint exactly, weights and loss, on one rank and two.
 """
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -13,6 +15,7 @@ from infinity import registry
 from infinity.errors import EngineError
 from tests.support.ranks import run_ranks
 
+pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -124,10 +127,21 @@ def test_refused_checkpoints_and_options_say_why(tmp_path):
         infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, cfg, n_emdb=8)
     with pytest.raises(EngineError, match="ignore_mismatched_sizes=True"):
         infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, cfg, ignore_mismatched_sizes=True)
-    # transformers' own loading options that change nothing here are taken (they were "unexpected").
+    # transformers' own loading options that change nothing here are taken (they were "unexpected"), and so are
+    # the keywords transformers passes between its own layers (AutoModel -> the class, a pipeline -> AutoModel).
     model = infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, cfg, low_cpu_mem_usage=True,
-                                     ignore_mismatched_sizes=False)
+                                     ignore_mismatched_sizes=False, disable_mmap=True, _from_auto=True,
+                                     _from_pipeline="text-generation", _commit_hash="0" * 40,
+                                     generation_config=transformers.GenerationConfig(max_new_tokens=3, eos_token_id=0))
+    assert model.generation_config.max_new_tokens == 3
     infinity.release(model)
+    # Options that would place, rename or swap what is loaded: refused by name, with the reason.
+    for key, value, why in [("device_map", "auto", "places every state itself"),
+                            ("use_kernels", True, "torch forward, not hub kernels"),
+                            ("variant", "fp16", "reads model.safetensors"),
+                            ("key_mapping", {"a": "b"}, "renames no checkpoint key")]:
+        with pytest.raises(EngineError, match=rf"does not support {key}=: .*{why}"):
+            infinity.from_pretrained(transformers.GPT2LMHeadModel, checkpoint, cfg, **{key: value})
     # A renamed key: the model misses one parameter and the checkpoint has one left over.
     renamed = tmp_path / "renamed"
     renamed.mkdir()
@@ -149,6 +163,35 @@ def test_refused_checkpoints_and_options_say_why(tmp_path):
     torch.save(state, renamed / "pytorch_model.bin")
     with pytest.raises(EngineError, match=r"streams safetensors checkpoints.*pytorch_model.bin"):
         infinity.from_pretrained(transformers.GPT2LMHeadModel, str(renamed), cfg)
+
+
+_FIRST_IMPORT_INSIDE_INIT = """
+import sys
+import torch, transformers, infinity
+config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+assert "transformers.models.llama.modeling_llama" not in sys.modules
+torch.manual_seed(0)
+with infinity.Init({"tiers": {"params": "host", "optimizer": "host"}}):
+    model = transformers.LlamaForCausalLM(config)      # modeling_llama is imported (and decorated) in here
+plain = transformers.LlamaForCausalLM(config)
+plain.load_state_dict(infinity.state_dict(model))
+ids = torch.randint(0, 64, (2, 8))
+with torch.no_grad():
+    assert torch.equal(plain(ids).logits, model(ids).logits)
+model(ids, labels=ids).loss.backward()
+print("kernels" if "_kernel_funcs" in vars(plain.model.layers[0].self_attn) else "no kernels", "ok")
+"""
+
+
+def test_a_model_class_first_imported_inside_init_still_builds_plain_after_it():
+    """transformers imports a model's module at first use, here inside Init, where its classes are wrapped as
+    they are defined; with the ``kernels`` package their ``__init__`` is decorated after that. A plain model built
+    after the context must get the decorator's state (it raised AttributeError: no '_kernel_funcs'). A process
+    of its own: in this one the module may have been imported already."""
+    proc = subprocess.run([sys.executable, "-c", _FIRST_IMPORT_INSIDE_INIT], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("ok"), proc.stderr[-3000:]
 
 
 def _on_rank(rank, world, workdir, checkpoint):
