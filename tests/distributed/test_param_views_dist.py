@@ -13,6 +13,7 @@ def test_param_views_on_two_ranks(tmp_path, dtype):
     run_ranks(views_case, 2, tmp_path, dtype)
 
 
+@pytest.mark.hf
 def test_resize_token_embeddings_inside_init_on_two_ranks(tmp_path):
     pytest.importorskip("transformers")
     from tests.integration.test_hf_views import resize_case

@@ -14,6 +14,7 @@ import infinity
 from infinity.registry import engine_of
 from tests.support.tiny_gpt import TinyGPT
 
+pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
 accelerate = pytest.importorskip("accelerate")
 
 

@@ -18,6 +18,7 @@ def test_export_benchmark_tiny(tmp_path):
     assert ways["gathered + state_dict()"]["peak_gathered_bytes"] >= whole
 
 
+@pytest.mark.hf
 def test_save_pretrained_benchmark_tiny(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "save.json"

@@ -7,6 +7,7 @@ import torch
 
 import infinity
 
+pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
 transformers = pytest.importorskip("transformers")
 
 

@@ -13,6 +13,7 @@ import torch
 import infinity
 from tests.support.ranks import run_ranks
 
+pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 

@@ -15,6 +15,7 @@ from infinity.checkpoint import CheckpointNotFoundError
 from tests.integration.test_hf_trainer import _config, _Tokens
 from tests.support.ranks import run_ranks
 
+pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 

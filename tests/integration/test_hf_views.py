@@ -12,6 +12,7 @@ import infinity
 from infinity.checkpoint.consolidate import consolidate
 from infinity.errors import EngineError
 
+pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
 transformers = pytest.importorskip("transformers")
 
 

@@ -6,6 +6,7 @@ import pytest
 from tests.support.benchmarks import load_benchmark
 
 
+pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
 pytest.importorskip("transformers")
 
 

@@ -13,6 +13,7 @@ from infinity.errors import EngineError
 from infinity.runtime import hf_save
 from tests.support.ranks import run_ranks
 
+pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

@@ -88,6 +88,7 @@ def test_state_dict_is_gathereds_in_host_memory_a_module_at_a_time():
     infinity.release(model)
 
 
+@pytest.mark.hf
 def test_state_dict_saves_a_model_with_save_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
