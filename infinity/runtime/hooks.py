@@ -179,11 +179,15 @@ def watch_backward(module: nn.Module, output, pre_backward, ended: list[int], in
     needing = {id(t): t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad}
     if not needing or any(t.grad_fn is None for t in needing.values()):
         return
+    # The hooks hold the count, never the tensors: a tensor's hooks live in its grad_fn, which the garbage
+    # collector cannot see into, so a hook holding its own tensor is a cycle nothing collects (and with it
+    # the engine, through post_backward, and every buffer the engine holds).
+    count = len(needing)
     left = [None, 0]        # the backward counted in, inputs whose gradient is still to come
 
     def on_input_grad(grad):
         if left[0] != ended[0]:
-            left[0], left[1] = ended[0], len(needing)
+            left[0], left[1] = ended[0], count
         left[1] -= 1
         if left[1] == 0 and fired[0] == ended[0]:
             post_backward(module)

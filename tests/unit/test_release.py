@@ -112,3 +112,24 @@ def test_init_without_parameters_frees_its_files_at_once(tmp_path):
         with infinity.Init(_cfg(tmp_path)):
             nn.ReLU()
     assert _swap_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("params", ["host", "nvme"])
+def test_a_model_dropped_without_release_takes_its_engine_with_it(tmp_path, params):
+    """The engine's backward hooks live in autograd's nodes, which the garbage collector cannot see into: a
+    hook holding the tensors it watches made a cycle nothing collects, and every engine (its buffers, swap
+    files and threads) of a model trained once stayed to the process's end."""
+    import weakref
+
+    cfg = {"tiers": {"params": params, "optimizer": params, "nvme_path": str(tmp_path)}}
+    with infinity.Init(cfg):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = infinity.AdamW(model, lr=1e-2)
+    for _ in range(3):
+        _train_step(model, opt)
+    with torch.no_grad():
+        model(torch.randn(3, 8))
+    engine = weakref.ref(engine_of(model))
+    del model, opt
+    gc.collect()
+    assert engine() is None
