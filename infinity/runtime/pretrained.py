@@ -326,6 +326,7 @@ def load_pretrained(init, cls, path, *model_args, **kwargs):
     try:
         with init.building_outside(), torch.device("meta"):
             twin = cls(config)
+            twin.tie_weights()      # transformers 5.0 ties in from_pretrained, not in __init__
         match = _Match(twin, files, directory)
         del twin
         if match.missing:
