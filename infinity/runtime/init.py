@@ -18,7 +18,7 @@ LlamaAttention`` can be defined inside the context, wrapped here by
 back on exit would throw that decorator's ``__init__`` away with ours, and every
 instance built later would lack what it sets (``_kernel_funcs``). So a wrapper is
 removed only while the class still holds it; one that another ``__init__`` calls
-stays in that chain but goes inert: each wrapper asks a gate for its ``Init``, and the
+stays in that chain but goes inert: each wrapper asks a gate for its ``Init``'s builder, and the
 gate forgets it on exit, so the wrapper only calls the original and keeps neither the
 context nor its engine alive.
 
@@ -84,13 +84,13 @@ class _TouchMode(TorchFunctionMode):
 
 
 class _Gate:
-    """The ``Init`` the ``__init__`` wrappers serve, or None once it has exited
+    """What the ``__init__`` wrappers call: the open ``Init``'s builder, or None once it has exited
     (see [Note: a wrapper someone wrapped again])."""
 
-    __slots__ = ("init",)
+    __slots__ = ("build",)
 
-    def __init__(self, init: "Init") -> None:
-        self.init = init
+    def __init__(self, build: Callable) -> None:
+        self.build = build
 
 
 class Init:
@@ -134,7 +134,7 @@ class Init:
         self.engine: Engine | None = None
         self.partitioner: Partitioner | None = None
         self._patched: list[tuple[type, object, object]] = []     # (class, its __init__, our wrapper)
-        self._gate = _Gate(self)
+        self._gate = _Gate(self._build)
         self._routes: list[FromPretrainedRoute] = []
         self._outside = False
         self._had_init_subclass = False
@@ -155,7 +155,7 @@ class Init:
         self.engine = Engine(self.config, self.group, resume=self.resume)
         try:
             self.partitioner = Partitioner(self.engine)
-            self._gate = _Gate(self)    # a new one each entry: an exited context's wrappers keep theirs, emptied
+            self._gate = _Gate(self._build)     # one per entry: an exited context's wrappers keep theirs, emptied
             for cls in _all_subclasses(nn.Module):
                 self._wrap(cls)
             self._had_init_subclass = "__init_subclass__" in nn.Module.__dict__
@@ -232,7 +232,7 @@ class Init:
         for route in reversed(self._routes):
             route.remove()
         self._routes.clear()
-        self._gate.init = None
+        self._gate.build = None
         for cls, orig, wrapper in reversed(self._patched):
             if cls.__dict__.get("__init__") is wrapper:
                 cls.__init__ = orig
@@ -255,10 +255,10 @@ class Init:
 
         @functools.wraps(orig)
         def __init__(module, *args, **kwargs):
-            init = gate.init
-            if init is None or init._outside:
+            build = gate.build
+            if build is None:
                 return orig(module, *args, **kwargs)
-            init._build(orig, module, args, kwargs)
+            build(orig, module, args, kwargs)
 
         __init__.infinity_init = True   # marks the wrapper, so it is never wrapped twice
         cls.__init__ = __init__
@@ -266,6 +266,9 @@ class Init:
 
     def _build(self, orig, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Runs ``orig`` (a class's own ``__init__``) on ``module``; the outermost call partitions it."""
+        if self._outside:
+            orig(module, *args, **kwargs)
+            return
         key = id(module)
         depth = self._depth.get(key, 0)
         self._depth[key] = depth + 1
