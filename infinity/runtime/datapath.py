@@ -32,6 +32,18 @@ copy is "host" is the role of the memory, not its torch device: on the CPU the
 compute device's buffers (gathered groups, gradient buckets) count as device memory
 and the tiers' host memory as host memory, as they would on a GPU.
 
+[Note: late copies]
+On the CPU a copy is a memcpy done before the call returns, so code that reads a copy's
+destination before its event, or reuses its source too early, is right on the CPU and
+wrong on a GPU, where the copy runs on a copy stream at some later moment. With
+``late_polls`` (``$INFINITY_LATE_COPIES``, which the test suite sets) a CPU copy is held
+back as a GPU's copy stream may hold it: it runs only when its event is used by the
+compute side (``use``), waited for by the host (``host_wait``, ``synchronize``), or asked
+whether it is done more than ``late_polls`` times; a copy that must wait for other events
+(``after``) runs them first, as the stream would. Reading its destination before then
+reads stale bytes, so the CPU's parity tests see what a GPU would get wrong.
+``late_copies`` counts the copies held back.
+
 What the room may touch: tensors it is handed, tiers' reads and writes, CUDA streams
 and events; it decides nothing about when to move what.
 """
@@ -58,6 +70,49 @@ class _Done:
 
 
 DONE = _Done()
+
+
+class LateCopy:
+    """A CPU copy held back as a GPU's copy stream may hold it (see [Note: late copies]).
+
+    It runs when its event is used, waited for, or polled more than ``polls`` times; as on a stream, the
+    copies issued before it in its direction (``prior``) run first, and so do the events it was ordered
+    behind (``after``). ``lock`` is its data path's, shared by every copy of both directions."""
+
+    on_device = True
+    __slots__ = ("dst", "src", "after", "prior", "polls", "done", "lock")
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, after: tuple, polls: int, prior: "LateCopy | None",
+                 lock: threading.RLock) -> None:
+        self.dst, self.src, self.after, self.prior, self.polls = dst, src, after, prior, polls
+        self.done = False
+        self.lock = lock
+
+    def run(self) -> None:
+        if self.done:
+            return
+        with self.lock:
+            chain, copy = [], self
+            while copy is not None and not copy.done:      # a loop: thousands may wait on one stream
+                chain.append(copy)
+                copy = copy.prior
+            for copy in reversed(chain):
+                for event in copy.after:
+                    if isinstance(event, LateCopy):
+                        event.run()
+                copy.dst.copy_(copy.src)
+                copy.dst = copy.src = copy.after = copy.prior = None    # the buffers are the caller's again
+                copy.done = True
+
+    def query(self) -> bool:
+        if not self.done:
+            self.polls -= 1
+            if self.polls < 0:
+                self.run()
+        return self.done
+
+    def synchronize(self) -> None:
+        self.run()
 
 
 class StepLedger:
@@ -140,12 +195,19 @@ class DataPath:
         The compute device (``infinity.runtime.device.ComputeDevice``).
     allocator:
         The tiers' host allocator: host memory it made counts as pooled.
+    late_polls:
+        On the CPU, hold copies back until used, waited for or polled this many times (see [Note: late
+        copies]); None completes them at once. Ignored on CUDA, where the copy streams do it.
     """
 
-    def __init__(self, device, allocator) -> None:
+    def __init__(self, device, allocator, late_polls: int | None = None) -> None:
         self.device = device.device
         self.is_cuda = device.is_cuda
         self.allocator = allocator
+        self.late_polls = None if device.is_cuda else late_polls
+        self.late_copies = 0
+        self._late_lock = threading.RLock()
+        self._last_late: dict[str, LateCopy] = {}     # direction -> its newest held copy (a stream's tail)
         self.ledger = TransferLedger()
         self._local = threading.local()
         self._deferred: list[tuple[object, Callable[[], None]]] = []
@@ -173,7 +235,7 @@ class DataPath:
         for the copy until ``use(event)``.
         """
         self.ledger.copy("host_to_device", src.numel() * src.element_size(), self.allocator.owns(src))
-        return self._copy(self.h2d if self.is_cuda else None, dst, src, after)
+        return self._copy(self.h2d if self.is_cuda else "host_to_device", dst, src, after)
 
     def download(self, dst: torch.Tensor, src: torch.Tensor):
         """Copy device ``src`` into host ``dst``, after the compute stream's work so far; returns its event."""
@@ -182,12 +244,21 @@ class DataPath:
         if self.is_cuda:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
-        return self._copy(self.d2h if self.is_cuda else None, dst, src, after)
+        return self._copy(self.d2h if self.is_cuda else "device_to_host", dst, src, after)
 
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, after):
-        if stream is None:
-            dst.copy_(src)
-            return DONE
+        """On CUDA ``stream`` is the copy stream; on the CPU the direction's name (its late copies' queue)."""
+        if isinstance(stream, str):
+            if self.late_polls is None:
+                dst.copy_(src)
+                return DONE
+            with self._late_lock:
+                prior = self._last_late.get(stream)
+                copy = LateCopy(dst, src, after if isinstance(after, tuple) else (after,), self.late_polls,
+                                None if prior is None or prior.done else prior, self._late_lock)
+                self._last_late[stream] = copy
+                self.late_copies += 1
+            return copy
         with torch.cuda.stream(stream):
             for event in (after if isinstance(after, tuple) else (after,)):
                 if event is not None and event is not DONE:
@@ -210,7 +281,9 @@ class DataPath:
 
     def use(self, event) -> None:
         """The compute stream waits for ``event`` (a copy's end) before its next work; the host does not."""
-        if self.is_cuda and event is not DONE:
+        if isinstance(event, LateCopy):
+            event.run()     # the CPU's compute "stream" is the host: its next work comes after the copy
+        elif self.is_cuda and event is not DONE:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     def when_done(self, event, callback: Callable[[], None]) -> None:

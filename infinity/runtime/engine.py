@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from infinity.config import Config
+from infinity.config.sections import late_copy_polls
 from infinity.errors import TORCHSCRIPT, EngineError
 from infinity.optim.flat_state import OptimizerStateStore
 from infinity.optim.grad_face import GradFace
@@ -83,7 +84,7 @@ class Engine:
         self.tiers = TierSet(config, self.device, self.ranks.rank, adopt=adopt)
         try:   # everything above the tiers: when any of it fails, the tiers close again
             self.ranks.allocator = self.tiers.allocator     # see [Note: what a collective may be given]
-            self.datapath = DataPath(self.device, self.tiers.allocator)
+            self.datapath = DataPath(self.device, self.tiers.allocator, late_polls=late_copy_polls())
             staging = None
             if config.tiers.params == "nvme":
                 staging = DemandStaging(self.tiers.allocator,
