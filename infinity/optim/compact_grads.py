@@ -48,6 +48,8 @@ def widen(store, allocate) -> None:
         return
     if store.before_widen is not None:
         store.before_widen()
+    if store.land_grads is not None:
+        store.land_grads()      # a first shard's copy into a compact key may not have run yet (a GPU's copy stream)
     store.flush()
     old_dtype, old_keys = store.grad_dtype, list(store.keys["grad"])
     # Sub-groups of groups frozen since Init hold no gradient: nothing to carry over (on NVMe their

@@ -226,6 +226,9 @@ class OptimizerStateStore:
         # Called before the gradient keys widen to fp32 (DPU's second set widens too: see
         # [Note: compact gradients] in infinity/optim/compact_grads.py).
         self.before_widen = None
+        # Makes the copies still writing gradient shards straight into the accumulator land (the gradient
+        # reducer's ``land_direct``): a key read or replaced before its copy has run loses that gradient.
+        self.land_grads = None
         if not defer_states:
             self.allocate_states()
 

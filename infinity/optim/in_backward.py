@@ -135,6 +135,7 @@ class InBackwardUpdate:
         self.stepped: set[int] = set()     # sub-groups stepped (or queued) since the last step
         self._partial: set[int] = set()    # groups some parameter of which had no gradient
         self._taken: set[int] = set()      # groups whose gradient backward produced since the last step
+        self._landed: set[int] = set()     # groups whose gradient shard is in the store (its copy has run)
         self._hyper = None                 # (hypers, uniform) read at the first sub-group of a step
         self.subs_stepped = 0
         self.refresh(trainable)
@@ -175,12 +176,16 @@ class InBackwardUpdate:
             self._partial.add(group_index)
 
     def landed(self, group_index: int) -> None:
-        """A group's gradient shard is in the store: step the sub-groups it completes."""
-        written = self.store.grad_written
+        """A group's gradient shard is in the store: step the sub-groups it completes.
+
+        Completes by the groups that *landed*, not by the store's ``grad_written``: a group counts as written
+        there when its first shard's copy is issued, and on a GPU that copy may still be writing the
+        sub-group's accumulator when another group's landing completes it."""
+        self._landed.add(group_index)
         for piece in self.store.layout.pieces_of_group[group_index]:
             sub = piece.sub_index
             wait = self.waits[sub]
-            if sub in self.stepped or not wait or not wait <= written or wait & self._partial:
+            if sub in self.stepped or not wait or not wait <= self._landed or wait & self._partial:
                 continue
             self._submit(sub)
 
@@ -294,6 +299,7 @@ class InBackwardUpdate:
         self.stepped.clear()
         self._partial.clear()
         self._taken.clear()
+        self._landed.clear()
         self._hyper = None
         if self.held is not None:
             self.held.subs.clear()

@@ -173,6 +173,7 @@ class GradReducer:
             self._group_positions[g] = torch.tensor([self._position[s.param] for s in g.slots],
                                                     dtype=torch.long, device=self.device)
         self.book = store.book = GradientBook(len(self._position), self.device)
+        store.land_grads = self.land_direct
         trainable = [g for g in self.coordinator.groups if g.has_trainable]
         biggest = max(trainable, key=lambda g: g.full_nbytes, default=None)
         self._size_buckets(biggest.full_nbytes if biggest else 0, biggest.name if biggest else None,
@@ -377,6 +378,14 @@ class GradReducer:
         self._sent_groups[group.index] += 1
         self.settle(wait=False)
         return done
+
+    def land_direct(self) -> None:
+        """Wait for the downloads still writing first shards straight into the store's accumulator
+        (``direct_grad``): the store counts those groups as written from the copy's issue, and whatever reads
+        or replaces the keys (widening them to fp32) must find the bytes there."""
+        for _, host, done, _, _ in self._sent:
+            if host is None and not done.query():
+                self.datapath.host_wait(done)
 
     def _release_after(self, device_memory, done) -> None:
         """The bucket goes back to its buffer once its download ``done`` is (stage 1's kept memory stays)."""

@@ -64,3 +64,16 @@ def test_backward_never_waits_for_a_download_with_copies_as_late_as_a_gpu_runs_t
     assert ledger["device_to_host"]["copies"] >= 6, ledger
     assert ledger["host_waits"]["forward"] == 0 and ledger["host_waits"]["backward"] == 0, ledger
 
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_update_in_backward_steps_a_sub_group_only_after_its_gradients_landed(tmp_path, late_copies, k):
+    """A sub-group counted as written when its first gradient's copy was issued: the host Adam stepped
+    it while another group's copy was still writing its accumulator (a GPU's download runs later)."""
+    late_copies(k)
+    sections = {"partition": {"sub_group_size": 4096}}
+    ordinary, ordinary_params = gpt_runs.trained(tmp_path / "a", "offload-host", **sections)
+    early, early_params = gpt_runs.trained(tmp_path / "b", "offload-host",
+                                           optimizer={"update_in_backward": True}, **sections)
+    assert early == ordinary
+    assert all(torch.equal(a, b) for a, b in zip(early_params, ordinary_params))
+
