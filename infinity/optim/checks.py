@@ -59,7 +59,9 @@ class GradientChecks:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The global L2 norm of this step's gradients; the update scales them to ``max_norm``."""
-        self.reducer.reduce_whole()     # stage 1: the whole gradients reach their owners first
+        # The shards still on their way reach the store first (stage 1: the whole gradients their owners): a
+        # norm of the stored sum (micro-batches accumulated) must not leave out a copy that has not run yet.
+        self.reducer.settle()
         book = self.reducer.book
         norm_sq = book.norm_sq if book.exact else self.store.grad_norm_sq()
         norm_sq = norm_sq.reshape(1).to(self.datapath.device, copy=True)
