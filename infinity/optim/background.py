@@ -348,7 +348,7 @@ class BackgroundUpdate:
         with self._progress:
             self._running = None
             self._progress.notify_all()
-        self._idle.set()
+        # Idle is signalled by the worker loop once it let go of this object and the job (``_worker_loop``).
 
     @staticmethod
     def _worker_loop(jobs: queue.Queue, owner_ref) -> None:
@@ -369,8 +369,15 @@ class BackgroundUpdate:
             owner = owner_ref()
             if owner is None:
                 return
-            owner.work(*item)
-            del owner
+            idle = owner._idle
+            try:
+                owner.work(*item)
+            finally:
+                # Idle only once this thread holds neither the optimizer nor the job: a model dropped right
+                # after the wait for this job is collected at once, its engine with it (a thread not yet
+                # scheduled again kept it alive past the caller's gc.collect()).
+                del owner, item
+                idle.set()
 
     def _cuda_stream(self):
         if self._stream is None:

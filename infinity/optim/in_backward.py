@@ -92,6 +92,29 @@ class HeldGrads:
         return sum(t.numel() * t.element_size() for t in self.subs.values())
 
 
+class _Pending:
+    """A count of queued jobs the main thread can wait on, kept apart from the optimizer so that the worker
+    can count a job done after it has let go of the optimizer."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._count = 0
+
+    def add(self) -> None:
+        with self._cond:
+            self._count += 1
+
+    def done(self) -> None:
+        with self._cond:
+            self._count -= 1
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        with self._cond:
+            while self._count:
+                self._cond.wait()
+
+
 class InBackwardUpdate:
     """Steps each complete sub-group during backward (see [Note: update during backward]).
 
@@ -127,8 +150,7 @@ class InBackwardUpdate:
         self.threads = threads
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._pending = 0
-        self._cond = threading.Condition()
+        self._pending = _Pending()          # sub-groups queued and not done yet
         self._failure: BaseException | None = None
         self.damaged = damage(engine)      # a failed step marks the states damaged when it is reported
         self._stream = None
@@ -208,8 +230,7 @@ class InBackwardUpdate:
         if self.device.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device.device))
-        with self._cond:
-            self._pending += 1
+        self._pending.add()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="infinity-update-in-backward", daemon=True,
                                             args=(self._queue, weakref.ref(self)))
@@ -230,8 +251,14 @@ class InBackwardUpdate:
             owner = owner_ref()
             if item is None or owner is None:
                 return
-            owner.work(*item)
-            del owner
+            pending = owner._pending
+            try:
+                owner.work(*item)
+            finally:
+                # Counted done only once this thread holds neither the optimizer nor the job: a model
+                # dropped right after ``opt.step()`` returns is collected at once, its engine with it.
+                del owner, item
+                pending.done()
 
     def work(self, job: StepJob, ready) -> None:
         """One sub-group on the worker thread; a failure is kept for ``wait``."""
@@ -248,17 +275,12 @@ class InBackwardUpdate:
                     self.run(job)
         except BaseException as exc:    # reported by finish() on the main thread
             self._failure = self._failure or exc
-        with self._cond:
-            self._pending -= 1
-            self.subs_stepped += 1
-            self._cond.notify_all()
+        self.subs_stepped += 1      # read by the main thread only after the wait for this sub-group
 
     # -- called by the optimizer ------------------------------------------------------------------
     def wait(self) -> None:
         """Wait for every queued sub-group; raise a failed one's error."""
-        with self._cond:
-            while self._pending:
-                self._cond.wait()
+        self._pending.wait()
         if self._failure is not None:
             exc, self._failure = self._failure, None
             what = (f"the optimizer step during backward ({KEY}) failed: {exc!r}. Parameters, master weights and "

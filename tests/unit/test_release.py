@@ -129,6 +129,9 @@ def test_a_model_dropped_without_release_takes_its_engine_with_it(tmp_path, para
         _train_step(model, opt)
     with torch.no_grad():
         model(torch.randn(3, 8))
+    # The forward waits only for the updates it reads, so the background update's thread may still hold its
+    # optimizer (and the engine) here; once synchronize() returns it holds nothing.
+    opt.synchronize()
     engine = weakref.ref(engine_of(model))
     del model, opt
     gc.collect()
