@@ -175,8 +175,8 @@ class BackgroundUpdate:
         self._run = weakref.WeakMethod(run) if hasattr(run, "__self__") else (lambda: run)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._idle = threading.Event()
-        self._idle.set()
+        self.idle = threading.Event()
+        self.idle.set()
         self._progress = threading.Condition()
         self._done_sub = -1          # the running job has stepped every sub-group up to this one
         self._copy_writes: dict[int, list] = {}   # group index -> its compute-copy write futures
@@ -265,7 +265,7 @@ class BackgroundUpdate:
             self._thread = threading.Thread(target=self._worker_loop, name="infinity-dpu", daemon=True,
                                             args=(self._queue, weakref.ref(self)))
             self._thread.start()
-        self._idle.clear()
+        self.idle.clear()
         if job.delayed:
             self.stats.delayed_steps += 1
         else:
@@ -287,16 +287,16 @@ class BackgroundUpdate:
 
         Raises :class:`UpdateWorkerError` if the job failed (once; the job stays unpublished).
         """
-        if not self._idle.is_set():
+        if not self.idle.is_set():
             t0 = time.perf_counter()
-            self._idle.wait()
+            self.idle.wait()
             self.stats.exposed_seconds += time.perf_counter() - t0
         self.raise_if_failed()
         return self._unpublished
 
     def wait_idle(self) -> None:
         """Wait until no job runs, without reporting a failure (at exit, and in tests)."""
-        self._idle.wait()
+        self.idle.wait()
 
     def raise_if_failed(self) -> None:
         if self._failure is None:
@@ -369,7 +369,7 @@ class BackgroundUpdate:
             owner = owner_ref()
             if owner is None:
                 return
-            idle = owner._idle
+            idle = owner.idle
             try:
                 owner.work(*item)
             finally:
@@ -386,7 +386,7 @@ class BackgroundUpdate:
 
     def close(self) -> None:
         """Wait for the running job and stop the worker thread."""
-        self._idle.wait()
+        self.idle.wait()
         if self._thread is not None:
             self._queue.put(_STOP)
             self._thread.join()

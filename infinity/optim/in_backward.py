@@ -150,7 +150,7 @@ class InBackwardUpdate:
         self.threads = threads
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._pending = _Pending()          # sub-groups queued and not done yet
+        self.pending = _Pending()          # sub-groups queued and not done yet
         self._failure: BaseException | None = None
         self.damaged = damage(engine)      # a failed step marks the states damaged when it is reported
         self._stream = None
@@ -230,7 +230,7 @@ class InBackwardUpdate:
         if self.device.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device.device))
-        self._pending.add()
+        self.pending.add()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="infinity-update-in-backward", daemon=True,
                                             args=(self._queue, weakref.ref(self)))
@@ -251,7 +251,7 @@ class InBackwardUpdate:
             owner = owner_ref()
             if item is None or owner is None:
                 return
-            pending = owner._pending
+            pending = owner.pending
             try:
                 owner.work(*item)
             finally:
@@ -280,7 +280,7 @@ class InBackwardUpdate:
     # -- called by the optimizer ------------------------------------------------------------------
     def wait(self) -> None:
         """Wait for every queued sub-group; raise a failed one's error."""
-        self._pending.wait()
+        self.pending.wait()
         if self._failure is not None:
             exc, self._failure = self._failure, None
             what = (f"the optimizer step during backward ({KEY}) failed: {exc!r}. Parameters, master weights and "
