@@ -7,6 +7,7 @@ spawned ranks and subprocesses). Tests of the GPU path (tests/gpu) set ``tiers.d
 import gc
 import os
 import sys
+import zlib
 
 import psutil
 import pytest
@@ -39,6 +40,63 @@ def pytest_runtest_teardown(item, nextitem):
 
         trim_c_heap()
         _resident_after_collection[0] = _PROCESS.memory_info().rss
+
+
+# [Note: a GPU's timing in every test]
+# On the CPU a data-path copy would finish before its call returns, so code that reads a copy's destination
+# before its event, or reuses its source too early, would pass every test and fail on a GPU. Every test runs
+# with the data path's copies held late (``INFINITY_LATE_COPIES``, [Note: late copies] in
+# infinity/runtime/datapath.py), rank processes and subprocesses included. How late varies by test: the
+# number of polls a held copy answers "not done" is drawn from the test's name and ``INFINITY_TEST_SEED``
+# (default 0; the summary line names it, so a failure reruns the same way). A test opts out only with
+# ``@pytest.mark.copies_at_once(reason=...)``. The summary counts the copies held late in the whole run.
+_POLLS = (0, 1, 2, 3, 1000)
+_SEED = os.environ.get("INFINITY_TEST_SEED", "0")
+_tally = {"held": 0, "tests": 0, "at_once": []}
+
+
+def late_polls_for(nodeid: str) -> int:
+    """The number of polls a held copy answers "not done" in test ``nodeid``."""
+    return _POLLS[zlib.crc32(f"{_SEED}:{nodeid}".encode()) % len(_POLLS)]
+
+
+@pytest.fixture(autouse=True)
+def _copies_as_late_as_a_gpu_runs_them(request):
+    from infinity.runtime.datapath import LATE_COPIES_ENV
+    from infinity.runtime.datapath import held_late_copies
+
+    marker = request.node.get_closest_marker("copies_at_once")
+    before = os.environ.get(LATE_COPIES_ENV)
+    if marker is not None:
+        reason = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+        if not reason:
+            pytest.fail("@pytest.mark.copies_at_once needs reason=...: why this test cannot run with a GPU's "
+                        "timing", pytrace=False)
+        os.environ.pop(LATE_COPIES_ENV, None)
+        _tally["at_once"].append(request.node.nodeid)
+    else:
+        os.environ[LATE_COPIES_ENV] = str(late_polls_for(request.node.nodeid))
+    ranks = sys.modules.get("tests.support.ranks")
+    held = held_late_copies() + (ranks.held_late_copies() if ranks is not None else 0)
+    try:
+        yield
+    finally:
+        ranks = sys.modules.get("tests.support.ranks")
+        _tally["held"] += held_late_copies() + (ranks.held_late_copies() if ranks is not None else 0) - held
+        _tally["tests"] += 1
+        if before is None:
+            os.environ.pop(LATE_COPIES_ENV, None)
+        else:
+            os.environ[LATE_COPIES_ENV] = before
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _tally["tests"]:
+        return
+    terminalreporter.write_line(
+        f"late copies: {_tally['held']:,} data-path copies held as a GPU's copy streams may hold them, over "
+        f"{_tally['tests']} tests (INFINITY_TEST_SEED={_SEED}); {len(_tally['at_once'])} ran with copies at once"
+        + "".join(f"\n  copies at once: {nodeid}" for nodeid in _tally["at_once"]))
 
 
 def pytest_sessionfinish(session, exitstatus):

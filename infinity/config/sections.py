@@ -47,23 +47,6 @@ _MAX_POOL = 256 * GiB        # pinned host memory taken up front by the NVMe poo
 
 # Chooses the compute device where tiers.device is "auto" (a test suite or a job script pins it).
 DEVICE_ENV = "INFINITY_DEVICE"
-# Holds the CPU's data-path copies back as a GPU's copy streams may ([Note: late copies] in
-# infinity/runtime/datapath.py): a test suite sets it, so that its CPU runs see what a GPU's timing would.
-LATE_COPIES_ENV = "INFINITY_LATE_COPIES"
-
-
-def late_copy_polls() -> int | None:
-    """$INFINITY_LATE_COPIES as the number of polls a held-back CPU copy answers "not done" to, or None
-    (unset or empty: copies complete at once)."""
-    chosen = os.environ.get(LATE_COPIES_ENV, "")
-    if not chosen:
-        return None
-    if not chosen.isdigit() or int(chosen) > _MAX_STEPS:
-        raise ConfigError(f"the environment variable {LATE_COPIES_ENV}={chosen!r} is not a count of polls from 0 "
-                          f"to {_MAX_STEPS} (it holds the CPU's data-path copies back until they are used, waited "
-                          "for, or polled that many times); unset it for copies that complete at once",
-                          "tiers.device")
-    return int(chosen)
 
 
 def resolve_device(setting: str) -> str:

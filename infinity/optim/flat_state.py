@@ -223,12 +223,9 @@ class OptimizerStateStore:
         self.held = None
         self.refuse_second_grad = None
         self.before_zero_grad = None
-        # Called before the gradient keys widen to fp32 (DPU's second set widens too: see
-        # [Note: compact gradients] in infinity/optim/compact_grads.py).
+        # Called before the gradient keys widen to fp32 ([Note: compact gradients] in optim/compact_grads.py).
         self.before_widen = None
-        # Makes the copies still writing gradient shards straight into the accumulator land (the gradient
-        # reducer's ``land_direct``): a key read or replaced before its copy has run loses that gradient.
-        self.land_grads = None
+        self.land_grads = None      # lands gradient copies still in flight to the keys (GradReducer.land_direct)
         if not defer_states:
             self.allocate_states()
 

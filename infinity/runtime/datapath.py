@@ -49,10 +49,13 @@ and events; it decides nothing about when to move what.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable
 
 import torch
+
+from infinity.config import ConfigError
 
 DIRECTIONS = {("host", "device"): "host_to_device", ("device", "host"): "device_to_host",
               ("nvme", "host"): "nvme_to_host", ("host", "nvme"): "host_to_nvme"}
@@ -70,6 +73,34 @@ class _Done:
 
 
 DONE = _Done()
+
+# Holds the CPU's data-path copies back as a GPU's copy streams may ([Note: late copies]): a test suite sets it,
+# so that its CPU runs see what a GPU's timing would.
+LATE_COPIES_ENV = "INFINITY_LATE_COPIES"
+_MAX_POLLS = 10**9
+
+
+def late_copy_polls() -> int | None:
+    """$INFINITY_LATE_COPIES as the number of polls a held-back CPU copy answers "not done" to, or None
+    (unset or empty: copies complete at once)."""
+    chosen = os.environ.get(LATE_COPIES_ENV, "")
+    if not chosen:
+        return None
+    if not chosen.isdigit() or int(chosen) > _MAX_POLLS:
+        raise ConfigError(f"the environment variable {LATE_COPIES_ENV}={chosen!r} is not a count of polls from 0 "
+                          f"to {_MAX_POLLS} (it holds the CPU's data-path copies back until they are used, waited "
+                          "for, or polled that many times); unset it for copies that complete at once",
+                          "tiers.device")
+    return int(chosen)
+
+
+_held_late = [0]    # late copies held by every data path of this process (a suite's proof that it ran late)
+_held_late_lock = threading.Lock()
+
+
+def held_late_copies() -> int:
+    """How many copies the data paths of this process have held back so far (see [Note: late copies])."""
+    return _held_late[0]
 
 
 class LateCopy:
@@ -258,6 +289,8 @@ class DataPath:
                                 None if prior is None or prior.done else prior, self._late_lock)
                 self._last_late[stream] = copy
                 self.late_copies += 1
+            with _held_late_lock:
+                _held_late[0] += 1
             return copy
         with torch.cuda.stream(stream):
             for event in (after if isinstance(after, tuple) else (after,)):

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from infinity.config import Config
-from infinity.config.sections import late_copy_polls
 from infinity.errors import TORCHSCRIPT, EngineError
 from infinity.optim.flat_state import OptimizerStateStore
 from infinity.optim.grad_face import GradFace
@@ -28,7 +27,7 @@ from infinity.prefetch import Prefetcher
 from infinity.runtime.activations import ActivationOffload
 from infinity.runtime.backward_holds import BackwardHolds
 from infinity.runtime.coordinator import Coordinator
-from infinity.runtime.datapath import DataPath, with_per_parameter
+from infinity.runtime.datapath import DataPath, late_copy_polls, with_per_parameter
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
 from infinity.runtime.grads import GradReducer

@@ -34,7 +34,7 @@ def _tracked(stats: dict) -> dict:
     arena = ("slabs", "nbytes", "peak_bytes")
     return {"gather": tuple(gather[k] for k in arena), "kept": tuple(gather["kept"][k] for k in arena),
             "overflows": gather["overflows"],
-            "buckets": tuple(stats["reduce_buckets"][k] for k in (*arena, "waits")),
+            "buckets": tuple(stats["reduce_buckets"][k] for k in arena),   # not "waits": a count of events
             "activations": tuple(stats["activations"]["arena"][k] for k in arena),
             "host_allocator": (host["allocations"], host["bytes_allocated"], host["peak_bytes"])}
 

@@ -41,6 +41,7 @@ def train_side_by_side(model, opt, ref, ref_opt, data, after_step=None):
 def stored_grad(model, p):
     """The gradient of ``p`` as the engine's optimizer tier holds it (one rank): its slot of the group's shard."""
     engine = registry.engine_of(model)
+    engine.reducer.settle()     # the shards still on their way land first (a GPU's downloads run late)
     engine.store.flush()
     group = engine.coordinator.group_of[p]
     slot = next(s for s in group.slots if s.param is p)

@@ -31,17 +31,42 @@ _FAILED_EXITS: list = []   # "world W rank R: exit status S" of pool processes t
 # Under pytest-xdist (the GPU machine's runs: 14 workers) every worker would keep pools of its own, up to seven
 # idle interpreters each; there the cores are many and spawning is cheap, so each call spawns.
 _UNDER_XDIST = "PYTEST_XDIST_WORKER" in os.environ
+_HELD_LATE = [0]           # data-path copies the ranks held late, over every call
 
 
-def _call(rank: int, world_size: int, fn, workdir: str, args, store: str | None):
+def held_late_copies() -> int:
+    """How many data-path copies the rank processes held late so far (see [Note: late copies])."""
+    return _HELD_LATE[0]
+
+
+def _late_copies() -> str | None:
+    """This process's ``INFINITY_LATE_COPIES``, for the ranks of the call."""
+    from infinity.runtime.datapath import LATE_COPIES_ENV
+
+    return os.environ.get(LATE_COPIES_ENV)
+
+
+def _call(rank: int, world_size: int, fn, workdir: str, args, store: str | None, late: str | None = None):
+    """Run ``fn`` on this rank: (status, its value or the traceback, data-path copies it held late).
+
+    ``late`` is the calling test's ``INFINITY_LATE_COPIES`` (a kept process was spawned for an earlier test);
+    see [Note: a GPU's timing in every test] in tests/conftest.py."""
+    from infinity.runtime.datapath import LATE_COPIES_ENV
+    from infinity.runtime.datapath import held_late_copies
+
+    if late is None:
+        os.environ.pop(LATE_COPIES_ENV, None)
+    else:
+        os.environ[LATE_COPIES_ENV] = late
+    held = held_late_copies()
     torch.set_num_threads(1)
     if store is not None:
         dist.init_process_group("gloo", init_method=f"file://{workdir}/{store}", rank=rank,
                                 world_size=world_size)
     try:
-        return ("ok", fn(rank, world_size, workdir, *args))
+        return ("ok", fn(rank, world_size, workdir, *args), held_late_copies() - held)
     except BaseException:  # report to the parent with the rank's traceback
-        return ("error", traceback.format_exc())
+        return ("error", traceback.format_exc(), held_late_copies() - held)
     finally:
         if store is not None:
             try:
@@ -58,7 +83,7 @@ def _prepare() -> None:
 
 def _entry(rank: int, fn, world_size: int, workdir: str, args, group: bool) -> None:
     _prepare()
-    result = _call(rank, world_size, fn, workdir, args, "store" if group else None)
+    result = _call(rank, world_size, fn, workdir, args, "store" if group else None, _late_copies())
     with open(os.path.join(workdir, f"result{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
 
@@ -81,7 +106,7 @@ def _serve(rank: int, world_size: int, conn) -> None:
         try:
             conn.send(result)
         except Exception:              # a result that does not pickle
-            conn.send(("error", traceback.format_exc()))
+            conn.send(("error", traceback.format_exc(), result[2]))
 
 
 def _forget_the_call(env: dict) -> None:
@@ -113,7 +138,7 @@ class _Pool:
     def run(self, fn, workdir: str, args, group: bool) -> list:
         store = f"store{next(_CALLS)}" if group else None
         for conn in self.conns:
-            conn.send((fn, workdir, args, store))
+            conn.send((fn, workdir, args, store, _late_copies()))
         results: dict = {}
         pending = dict(enumerate(self.conns))
         while pending:
@@ -184,7 +209,8 @@ def run_ranks(fn, world_size: int, workdir, *args, fresh: bool = False, group: b
             pool = _POOLS[world_size] = _Pool(world_size)
         results = pool.run(fn, workdir, args, group)
     values = []
-    for r, (status, value) in enumerate(results):
+    _HELD_LATE[0] += sum(held for _, _, held in results)
+    for r, (status, value, _) in enumerate(results):
         if status != "ok":
             raise AssertionError(f"rank {r} failed:\n{value}")
         values.append(value)

@@ -15,7 +15,7 @@ import torch
 
 import infinity
 from infinity import registry
-from infinity.config.sections import LATE_COPIES_ENV
+from infinity.runtime.datapath import LATE_COPIES_ENV
 from infinity.examples.data import batches
 from tests.support import gpt_runs
 
