@@ -48,15 +48,21 @@ def pytest_runtest_teardown(item, nextitem):
 # with the data path's copies held late (``INFINITY_LATE_COPIES``, [Note: late copies] in
 # infinity/runtime/datapath.py), rank processes and subprocesses included. How late varies by test: the
 # number of polls a held copy answers "not done" is drawn from the test's name and ``INFINITY_TEST_SEED``
-# (default 0; the summary line names it, so a failure reruns the same way). A test opts out only with
+# (default 0; the summary line names it, so a failure reruns the same way; ``INFINITY_TEST_POLLS=k`` gives every
+# test the count k). A test opts out only with
 # ``@pytest.mark.copies_at_once(reason=...)``. The summary counts the copies held late in the whole run.
 _POLLS = (0, 1, 2, 3, 1000)
 _SEED = os.environ.get("INFINITY_TEST_SEED", "0")
 _tally = {"held": 0, "tests": 0, "at_once": []}
 
 
+_FORCED = os.environ.get("INFINITY_TEST_POLLS")     # one count for every test (a failure's rerun, a sweep)
+
+
 def late_polls_for(nodeid: str) -> int:
     """The number of polls a held copy answers "not done" in test ``nodeid``."""
+    if _FORCED is not None:
+        return int(_FORCED)
     return _POLLS[zlib.crc32(f"{_SEED}:{nodeid}".encode()) % len(_POLLS)]
 
 
