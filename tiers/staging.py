@@ -20,8 +20,14 @@ each holding one buffer can never deadlock waiting for a second.
 
 A write whose window is wider than its data (an unaligned offset or length) first
 reads the partial edge blocks into the buffer, then copies the data over them
-(read-modify-write), so the bytes around the data are kept. Concurrent writes to one
-key must therefore not share a 4096-byte block; different keys never do.
+(read-modify-write), so the bytes around the data are kept. Two such writes of one
+key that meet inside a block (a checkpoint loaded into a regrouped model writes one
+parameter's bytes up to byte 3072 and the next one's from there, on two worker threads)
+would each put back the other's old bytes, so a write holds its partial edge blocks
+(:class:`_EdgeBlocks`) from the edge read until the block is on disk; a second write
+of one of them waits. Whole blocks need no such order: two writes covering one whole
+block overlap, and which one lands is the caller's business. Different keys never
+share a block.
 
 Aligned transfers skip all of this (:func:`split_direct`): the tier hands the caller's
 memory straight to the aio handle.
@@ -31,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +134,43 @@ def _pieces(runs: list[Run], piece_nbytes: int) -> list[_Piece]:
     return pieces
 
 
+class _EdgeBlocks:
+    """The partial blocks that staged writes are reading, modifying and writing back (see [Note: staged
+    transfers]): a write takes all of its own at once, or waits, so no two of them interleave and no
+    two writes can each hold one block the other waits for."""
+
+    def __init__(self) -> None:
+        self._held: set[tuple[AioFile, int]] = set()
+        self._changed = threading.Condition()
+
+    @staticmethod
+    def of(runs: list[Run]) -> set[tuple[AioFile, int]]:
+        blocks = set()
+        for run in runs:
+            end = run.file_offset + run.nbytes
+            if run.file_offset % ALIGNMENT:
+                blocks.add((run.file, _floor(run.file_offset)))
+            if end % ALIGNMENT:
+                blocks.add((run.file, _floor(end)))
+        return blocks
+
+    @contextlib.contextmanager
+    def held(self, blocks: set[tuple[AioFile, int]]):
+        if not blocks:
+            yield
+            return
+        with self._changed:
+            while not self._held.isdisjoint(blocks):
+                self._changed.wait()
+            self._held |= blocks
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._held -= blocks
+                self._changed.notify_all()
+
+
 class Staging:
     """Moves runs between memory and files through a ring of up to ``depth`` pool buffers.
 
@@ -155,6 +199,7 @@ class Staging:
         self.piece_nbytes = _floor(pool.buffer_nbytes // slots)
         self._slots_per_buffer = slots
         self.acquire_timeout = acquire_timeout
+        self._edges = _EdgeBlocks()
 
     def _slots(self, ring: list[PoolBuffer]) -> list[torch.Tensor]:
         """The ring's buffers cut into piece-sized slots, last slot first (popped first)."""
@@ -214,7 +259,7 @@ class Staging:
         pieces = _pieces(runs, self.piece_nbytes)
         if not pieces:
             return 0
-        with self._lent(owner, len(pieces)) as (free, inflight):
+        with self._edges.held(_EdgeBlocks.of(runs)), self._lent(owner, len(pieces)) as (free, inflight):
             for piece in pieces:
                 if not free:
                     _done, buffer, future = inflight.popleft()

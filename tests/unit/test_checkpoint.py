@@ -129,6 +129,43 @@ def test_resume_matches_uninterrupted_run(tmp_path, saved_tiers, loaded_tiers, e
     assert_same(snapshot(resumed, ropt), expected)
 
 
+def groups_of(model):
+    from infinity import registry
+
+    return registry.engine_of(model).coordinator.groups
+
+
+@pytest.mark.parametrize("saved_units, loaded_units", [([], ["Block"]), (["Block"], [])], ids=["into-units", "out-of-units"])
+def test_a_load_into_a_model_grouped_otherwise_keeps_every_value(tmp_path, saved_units, loaded_units):
+    """Loaded into other groups, one saved group's bytes go to two new groups' keys and two saved groups'
+    bytes meet inside one 4096-byte block of a new key: both writes of that block must land (in flight
+    together on the NVMe tier's worker threads they used to put back each other's old bytes, silently)."""
+    def cfg(tag, units):
+        return config(tmp_path, tag, "nvme", "nvme", partition={"units": units, "sub_group_size": 1 << 20},
+                      checkpoint={"buffer_size": "1MiB"})
+
+    model, opt = build(cfg("a", saved_units))
+    seed_all(1)
+    train(model, opt, 2)
+    ckpt = tmp_path / "ckpt"
+    infinity.save_checkpoint(ckpt, model, opt)
+    with infinity.gathered(model):
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+    seed_all(2)
+    expected_losses = train(model, opt, 2)
+
+    for trial in range(3):
+        loaded, lopt = build(cfg(f"b{trial}", loaded_units), seed=5)
+        assert len(groups_of(loaded)) != len(groups_of(model))
+        infinity.load_checkpoint(ckpt, loaded, lopt)
+        with infinity.gathered(loaded):
+            wrong = [k for k, v in loaded.state_dict().items() if not torch.equal(v, saved[k])]
+        assert not wrong, f"trial {trial}: {len(wrong)} of {len(saved)} tensors differ after the load: {wrong}"
+        seed_all(2)
+        assert train(loaded, lopt, 2) == expected_losses     # the moments and master weights came back too
+        infinity.release(loaded)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: parameters in GPU memory (the device tier)")
 def test_resume_with_parameters_on_the_gpu(tmp_path):
