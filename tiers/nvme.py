@@ -249,9 +249,7 @@ class NVMeTier(Tier):
             runs = self.swap.runs(entry.place, offset, nbytes)
             direct, staged = split_direct(runs, data)
             if not staged:
-                submit = self.handle.pread if op == "read" else self.handle.pwrite
-                futures = [submit(run.file, data[run.mem_offset:run.mem_offset + run.nbytes], run.file_offset)
-                           for run in direct]
+                futures = _submit_direct(self, op, direct, data)
                 if not futures:
                     self._end(key)
                     return CompletedFuture(0)
@@ -275,9 +273,7 @@ class NVMeTier(Tier):
 
     def _staged_job(self, op: str, key: int, entry: Entry[Placement], offset: int, data: torch.Tensor,
                     direct: list[Run], staged: list[Run]) -> int:
-        submit = self.handle.pread if op == "read" else self.handle.pwrite
-        futures = [submit(run.file, data[run.mem_offset:run.mem_offset + run.nbytes], run.file_offset)
-                   for run in direct]
+        futures = _submit_direct(self, op, direct, data)
         owner = f"{self.name} {op} key {key} ({entry.tag})" if entry.tag else f"{self.name} {op} key {key}"
         try:
             move = self._staging.read if op == "read" else self._staging.write
@@ -359,6 +355,20 @@ def _host_bytes(tensor: torch.Tensor, what: str) -> torch.Tensor:
         raise ValueError(f"{what} must be a CPU tensor (got one on {data.device}); "
                          "stage device tensors through a host buffer")
     return data
+
+
+def _submit_direct(tier: NVMeTier, op: str, runs: list[Run], data: torch.Tensor) -> list[AioFuture]:
+    """Start the aligned runs; if one cannot start, those already started end before the error leaves (the
+    key's slot may be reused once it does)."""
+    submit = tier.handle.pread if op == "read" else tier.handle.pwrite
+    futures: list[AioFuture] = []
+    try:
+        for run in runs:
+            futures.append(submit(run.file, data[run.mem_offset:run.mem_offset + run.nbytes], run.file_offset))
+    except BaseException:
+        wait_quietly(futures)
+        raise
+    return futures
 
 
 def _wait_direct(tier: NVMeTier, futures: list[AioFuture], op: str, key: int, entry: Entry[Placement],

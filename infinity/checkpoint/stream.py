@@ -324,6 +324,7 @@ def _read_file(io: StreamIO, path: str, record: FileRecord, runs: list[Run]) -> 
         data = buf[:w1 - w0]
         _verify(path, record, data, w0)
         futures = []
+        pending.append((buf, futures))      # from here on, the finally below waits for what was started
         while first < len(runs) and runs[first].src_offset + runs[first].nbytes <= w0:
             first += 1
         for run in runs[first:]:
@@ -332,7 +333,6 @@ def _read_file(io: StreamIO, path: str, record: FileRecord, runs: list[Run]) -> 
             a, b = max(run.src_offset, w0), min(run.src_offset + run.nbytes, w1)
             if a < b and run.dest is not None:
                 futures.append(run.dest.write(run.dest_offset + a - run.src_offset, data[a - w0:b - w0]))
-        pending.append((buf, futures))
 
     try:
         for w0, w1 in windows:

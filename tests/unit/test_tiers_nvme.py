@@ -23,7 +23,7 @@ from tiers import (
     SwapDirectoryLockedError,
     UnwrittenKeyError,
 )
-from tiers.aio import AioHandle
+from tiers.aio import AioHandle, aligned_empty
 from tiers.swapfile import SwapFileDamagedError
 
 BUFFER = 64 << 10
@@ -192,7 +192,7 @@ def test_second_tier_in_this_process_is_refused(tier, tmp_path, handle, pool):
 _CHILD = textwrap.dedent("""
     import os, sys
     from tiers import BufferPool, NVMeTier, SwapDirectoryLockedError
-    from tiers.aio import AioHandle
+    from tiers.aio import AioHandle, aligned_empty
     import torch
     path, mode = sys.argv[1], sys.argv[2]
     handle, pool = AioHandle(), BufferPool(1 << 16, 2)
@@ -442,3 +442,52 @@ def test_concurrent_writes_sharing_a_partial_block_both_land(tmp_path, engine):
                 fut.wait()
             lost += sum(not torch.equal(_read(tier, key), new) for key in keys)
         assert lost == 0, f"{lost} of {40 * len(keys)} keys lost one of two writes that share a block"
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["aligned", "with-a-staged-edge"])
+def test_a_run_that_cannot_start_ends_the_started_ones_first(tmp_path, handle, pool, staged):
+    """A key striped over two drives is written as two runs; when the second cannot be submitted, the first
+    is still in flight, and the error must not leave (letting a ``free`` hand the slot to another key)
+    before it ends."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    events = []
+
+    class Tracked:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def wait(self):
+            out = self.inner.wait()
+            events.append("first run ended")
+            return out
+
+        def done(self):
+            return self.inner.done()
+
+    class FailingSecond:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def pwrite(self, f, data, offset):
+            self.calls += 1
+            if self.calls == 2:
+                events.append("second run refused")
+                raise OSError(errno.EIO, "injected: submit refused")
+            return Tracked(self.inner.pwrite(f, data, offset))
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    with NVMeTier([str(d) for d in dirs], handle, pool, name="sub") as t:
+        nbytes = 2 * BUFFER + (100 if staged else 0)
+        key = t.allocate(nbytes)
+        t.handle = FailingSecond(handle)
+        data = aligned_empty(nbytes)        # aligned memory: the whole blocks go straight to the handle
+        data.copy_(_bytes(nbytes))
+        with pytest.raises(OSError, match="injected"):
+            t.write(key, data).wait()
+        assert events == ["second run refused", "first run ended"], events
+        t.handle = handle
+        t.free(key)
