@@ -35,9 +35,14 @@ import torch.distributed as dist
 from infinity.runtime.datapath import StepLedger
 
 # torch 2.13 renamed the flat collectives (``all_gather_into_tensor`` and ``reduce_scatter_tensor``
-# warn on every call there); earlier releases have only the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# warn on every call there); earlier releases have only the old names. Looked up at each call, so that
+# whatever wraps ``torch.distributed``'s functions (the tests' collective ledger) sees these too.
+def _all_gather_flat(full: torch.Tensor, shard: torch.Tensor, group) -> None:
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(full, shard, group=group)
+
+
+def _reduce_scatter_flat(shard: torch.Tensor, full: torch.Tensor, group) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(shard, full, group=group)
 
 
 class CollectiveError(RuntimeError):

@@ -43,3 +43,37 @@ def test_collectives_refuse_host_memory_and_other_devices():
     with pytest.raises(CollectiveError, match=r"rank 0: all_gather"):
         ranks.all_gather(torch.zeros(4), pooled[:4])
     ranks.all_reduce_sum(torch.ones(3))      # a compute-device tensor passes
+
+
+def _other_reduce_op(rank, world, workdir):
+    ranks = Ranks(None, "cpu")
+    value = torch.tensor([float(rank + 1)])
+    ranks.all_reduce_sum(value) if rank == 0 else ranks.all_reduce_max(value)     # gloo does not mind
+    return float(value)
+
+
+def test_the_ledger_names_a_collective_that_differs_between_ranks(tmp_path):
+    """Same size, another reduce op: gloo returns, NCCL would mix; the ledger fails the call naming it."""
+    with pytest.raises(AssertionError) as caught:
+        run_ranks(_other_reduce_op, 2, tmp_path)
+    said = str(caught.value)
+    assert "collective #0 of group default differs" in said, said
+    assert "rank 0: all_reduce[op=SUM] (float32 x1; group default) at tests/distributed/test_ranks.py" in said, said
+    assert "rank 1: all_reduce[op=MAX]" in said, said
+
+
+def _one_rank_skips(rank, world, workdir):
+    if rank == 0:
+        dist.all_reduce(torch.ones(3))      # rank 1 never joins
+    return rank
+
+
+def test_a_rank_left_waiting_fails_in_seconds_naming_its_call(tmp_path):
+    """Not gloo's 30 minutes: the waiting rank's error names the collective and where it was called, and
+    the comparison says that the other rank issued none."""
+    with pytest.raises(AssertionError) as caught:
+        run_ranks(_one_rank_skips, 2, tmp_path, collective_timeout=3)
+    said = str(caught.value)
+    assert "rank 0 failed" in said and "collective #0 all_reduce" in said, said
+    assert "_one_rank_skips" in said and "waited past 3 s" in said, said
+    assert "rank 1: issued only 0 collectives" in said, said

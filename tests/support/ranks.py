@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.support import ledger
+
 _POOLS: dict = {}          # world size -> _Pool
 _CALLS = itertools.count()
 _FAILED_EXITS: list = []   # "world W rank R: exit status S" of pool processes that left badly
@@ -46,8 +48,11 @@ def _late_copies() -> str | None:
     return os.environ.get(LATE_COPIES_ENV)
 
 
-def _call(rank: int, world_size: int, fn, workdir: str, args, store: str | None, late: str | None = None):
-    """Run ``fn`` on this rank: (status, its value or the traceback, data-path copies it held late).
+def _call(rank: int, world_size: int, fn, workdir: str, args, store: str | None, late: str | None = None,
+          timeout_s: float | None = None):
+    """Run ``fn`` on this rank: (status, its value or the traceback, data-path copies it held late, the
+    collectives it issued: [Note: the collective ledger] in tests/support/ledger.py, whose timeout
+    ``timeout_s`` replaces).
 
     ``late`` is the calling test's ``INFINITY_LATE_COPIES`` (a kept process was spawned for an earlier test);
     see [Note: a GPU's timing in every test] in tests/conftest.py."""
@@ -61,12 +66,15 @@ def _call(rank: int, world_size: int, fn, workdir: str, args, store: str | None,
     held = held_late_copies()
     torch.set_num_threads(1)
     if store is not None:
+        ledger.install()
+        ledger.take()
         dist.init_process_group("gloo", init_method=f"file://{workdir}/{store}", rank=rank,
-                                world_size=world_size)
+                                world_size=world_size, timeout=ledger.timeout(timeout_s))
     try:
-        return ("ok", fn(rank, world_size, workdir, *args), held_late_copies() - held)
+        value = fn(rank, world_size, workdir, *args)
+        return ("ok", value, held_late_copies() - held, ledger.take())
     except BaseException:  # report to the parent with the rank's traceback
-        return ("error", traceback.format_exc(), held_late_copies() - held)
+        return ("error", traceback.format_exc(), held_late_copies() - held, ledger.take())
     finally:
         if store is not None:
             try:
@@ -81,9 +89,9 @@ def _prepare() -> None:
     from infinity import Init  # noqa: F401
 
 
-def _entry(rank: int, fn, world_size: int, workdir: str, args, group: bool) -> None:
+def _entry(rank: int, fn, world_size: int, workdir: str, args, group: bool, timeout_s: float | None) -> None:
     _prepare()
-    result = _call(rank, world_size, fn, workdir, args, "store" if group else None, _late_copies())
+    result = _call(rank, world_size, fn, workdir, args, "store" if group else None, _late_copies(), timeout_s)
     with open(os.path.join(workdir, f"result{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
 
@@ -106,7 +114,7 @@ def _serve(rank: int, world_size: int, conn) -> None:
         try:
             conn.send(result)
         except Exception:              # a result that does not pickle
-            conn.send(("error", traceback.format_exc(), result[2]))
+            conn.send(("error", traceback.format_exc(), result[2], result[3]))
 
 
 def _forget_the_call(env: dict) -> None:
@@ -135,10 +143,10 @@ class _Pool:
             self.conns.append(here)
             self.procs.append(proc)
 
-    def run(self, fn, workdir: str, args, group: bool) -> list:
+    def run(self, fn, workdir: str, args, group: bool, timeout_s: float | None) -> list:
         store = f"store{next(_CALLS)}" if group else None
         for conn in self.conns:
-            conn.send((fn, workdir, args, store, _late_copies()))
+            conn.send((fn, workdir, args, store, _late_copies(), timeout_s))
         results: dict = {}
         pending = dict(enumerate(self.conns))
         while pending:
@@ -186,19 +194,21 @@ def close_pools() -> list:
     return list(_FAILED_EXITS)
 
 
-def run_ranks(fn, world_size: int, workdir, *args, fresh: bool = False, group: bool = True):
+def run_ranks(fn, world_size: int, workdir, *args, fresh: bool = False, group: bool = True,
+              collective_timeout: float | None = None):
     """Run ``fn(rank, world_size, workdir, *args)`` on ``world_size`` gloo ranks; returns the results.
 
     The ranks are a kept pool of processes (see [Note: a pool of rank processes]); ``fresh=True``
     spawns new ones for this call, which must then exit normally, through the interpreter's teardown.
     ``group=False`` makes no process group: independent work shared over processes (an engine built
-    there is one rank's own).
+    there is one rank's own). The ranks' collectives are compared at the end ([Note: the collective
+    ledger] in tests/support/ledger.py); ``collective_timeout`` (seconds) replaces its timeout.
     """
     workdir = str(workdir)
     os.makedirs(workdir, exist_ok=True)
     if fresh or _UNDER_XDIST:
-        mp.start_processes(_entry, args=(fn, world_size, workdir, args, group), nprocs=world_size,
-                           start_method="spawn", join=True)
+        mp.start_processes(_entry, args=(fn, world_size, workdir, args, group, collective_timeout),
+                           nprocs=world_size, start_method="spawn", join=True)
         results = []
         for r in range(world_size):
             with open(os.path.join(workdir, f"result{r}.pkl"), "rb") as f:
@@ -207,13 +217,16 @@ def run_ranks(fn, world_size: int, workdir, *args, fresh: bool = False, group: b
         pool = _POOLS.get(world_size)
         if pool is None:
             pool = _POOLS[world_size] = _Pool(world_size)
-        results = pool.run(fn, workdir, args, group)
+        results = pool.run(fn, workdir, args, group, collective_timeout)
     values = []
-    _HELD_LATE[0] += sum(held for _, _, held in results)
-    for r, (status, value, _) in enumerate(results):
+    _HELD_LATE[0] += sum(held for _, _, held, _ in results)
+    parted = ledger.first_difference([calls for _, _, _, calls in results]) if group else None
+    for r, (status, value, _, _) in enumerate(results):
         if status != "ok":
-            raise AssertionError(f"rank {r} failed:\n{value}")
+            raise AssertionError(f"rank {r} failed:\n{value}" + (f"\n{parted}" if parted else ""))
         values.append(value)
+    if parted:
+        raise AssertionError(f"{fn.__qualname__} on {world_size} ranks: {parted}")
     return values
 
 
