@@ -138,19 +138,23 @@ def relayout_frozen(engine, who: str) -> bool:
     groups = engine.coordinator.groups
     # Frozen elements in sub-groups that have held states since the store was built (not those a load
     # woke: their moments are nonzero, and would wake them again): apart, their sub-groups are dormant.
+    # Both are this rank's alone (``woken`` comes from its shard's values), and the ranks keep one layout:
+    # they decide together, every rank calling each all-reduce below once, whatever it found.
     gain = sum(p.numel for sub, pieces in enumerate(old.layout.pieces_of_sub)
                if sub not in old.dormant and sub not in old.woken
                for p in pieces if not groups[p.group_index].has_trainable)
-    if gain == 0:
-        return False
-    layout, dormant = frozen_apart(groups, engine.config.partition.sub_group_size)
     why = ("gradients arrived before it was created (they are never moved)" if old.has_grad else
            "the model holds a checkpoint in place (its keys lie where the save put them)" if engine.damaged
            else None)
-    if why is not None:
-        _kept(who, why, gain, old.tier.kind)
+    any_gain, any_why = _any_rank(engine, gain > 0, why is not None)
+    if not any_gain:
         return False
-    new, kept = None, None
+    if any_why:
+        if gain:
+            _kept(who, why or _ANOTHER_RANK, gain, old.tier.kind)
+        return False
+    layout, dormant = frozen_apart(groups, engine.config.partition.sub_group_size)
+    new, kept, failed = None, None, None
     try:
         new = build_store(engine, layout, dormant)     # its master keys: all of them or none
         for g in groups:
@@ -168,16 +172,17 @@ def relayout_frozen(engine, who: str) -> bool:
                 "again (not exact)")
     except (MemoryError, HostAllocatorError) as exc:     # a full tier, or unpinnable memory: the old store is whole
         kept = f"it needs both layouts in the tier for a moment ({exc})"
-    except BaseException:
-        if new is not None:
-            _free(new)
-        raise
-    if _any_rank(engine, kept is not None) and kept is None:     # every rank calls it once
-        kept = "another rank keeps it (the ranks keep one layout: a checkpoint in place needs that)"
+    except BaseException as exc:    # raised below, once the other ranks know this one keeps the old layout
+        failed = exc
+    if _any_rank(engine, kept is not None or failed is not None)[0] and kept is None:
+        kept = _ANOTHER_RANK
     if kept is not None:
         if new is not None:
             _free(new)
-        _kept(who, kept, gain, old.tier.kind)
+        if failed is not None:
+            raise failed
+        if gain:
+            _kept(who, kept, gain, old.tier.kind)
         return False
     _free(old)
     engine.store = new
@@ -185,10 +190,13 @@ def relayout_frozen(engine, who: str) -> bool:
     return True
 
 
-def _any_rank(engine, mine: bool) -> bool:
-    """Whether ``mine`` holds on any rank (a collective: every rank calls it)."""
+_ANOTHER_RANK = "another rank keeps it (the ranks keep one layout: a checkpoint in place needs that)"
+
+
+def _any_rank(engine, *mine: bool) -> tuple[bool, ...]:
+    """Whether each of ``mine`` holds on any rank (one collective: every rank calls it)."""
     if engine.ranks.world_size == 1:
         return mine
-    flag = torch.tensor([1.0 if mine else 0.0], device=engine.device.device)
-    engine.ranks.all_reduce_max(flag)
-    return bool(flag.item())
+    flags = torch.tensor([1.0 if m else 0.0 for m in mine], device=engine.device.device)
+    engine.ranks.all_reduce_max(flags)
+    return tuple(bool(f) for f in flags.tolist())

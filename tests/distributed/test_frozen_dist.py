@@ -126,3 +126,42 @@ def test_a_rank_that_cannot_move_its_store_keeps_every_ranks_layout(tmp_path):
     assert kept0 and kept1
     assert any("another rank keeps it" in s for s in said0) and any("would hold" in s for s in said1)
     assert max(worst0, worst1) <= 1e-5
+
+
+def _woken_on_one_rank(rank, world, workdir):
+    """Blocks frozen after Init; on rank 1 every sub-group counts as woken by a load (its shard's moments
+    were nonzero there: a rank-local fact), so this rank alone would gain nothing from moving them apart."""
+    from infinity.registry import engine_of
+
+    shape = preset("tiny", n_layer=3)
+    overrides = {"tiers": {"device": "cpu"}, "precision": {"dtype": "float32"}}
+    torch.manual_seed(0)
+    with infinity.Init(load_config("offload-host", overrides=overrides)):
+        model = GPT(shape)
+    store = engine_of(model).store
+    subs = store.layout.num_subs
+    if rank == 1:
+        store.woken.update(range(subs))
+    model.blocks.requires_grad_(False)
+    opt = infinity.AdamW(model, lr=1e-2)
+    moved = engine_of(model).store.layout.num_subs != subs
+    torch.manual_seed(0)
+    ref = GPT(shape)
+    ref.blocks.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = batches("random", LOCAL_BATCH * world, 32, shape.vocab_size, seed=0)
+    worst = 0.0
+    for _ in range(3):
+        x, y = next(data)
+        loss, ref_loss, _, _ = step_beside(model, opt, ref, ref_opt, x, y, rank, world, LOCAL_BATCH)
+        worst = max(worst, abs(loss - ref_loss) / ref_loss)
+    infinity.release(model)
+    return moved, worst
+
+
+def test_ranks_that_gain_differently_from_a_relayout_decide_it_together(tmp_path):
+    """Whether moving frozen groups apart gains anything depends on each rank's shard; a rank that gains
+    nothing used to return before the all-reduce the others waited in. Both now take the same layout."""
+    (moved0, worst0), (moved1, worst1) = run_ranks(_woken_on_one_rank, 2, tmp_path, collective_timeout=60)
+    assert moved0 == moved1
+    assert max(worst0, worst1) <= 1e-5
