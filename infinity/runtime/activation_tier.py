@@ -205,3 +205,4 @@ class ActivationTier:
         self._closed = True
         if self.kind == "nvme":
             self._io.shutdown(wait=True)
+        self.datapath.settle(wait=True)     # the copies still using arena slices end, and give them back

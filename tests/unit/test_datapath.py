@@ -22,6 +22,7 @@ from infinity import registry
 from infinity.config import load_config
 from infinity.plan import plan
 from tests.support.tiny_gpt import TinyGPT, batches
+from tests.support.timing import copies_keep_up
 
 PRESETS = ["device", "offload-optimizer", "offload-host", "nvme"]
 
@@ -55,7 +56,8 @@ def test_a_steady_step_keeps_the_gpu_rules_and_moves_the_planned_bytes(tmp_path,
     holders = collections.Counter(g for groups in coordinator.module_groups.values() for g in groups)
     assert ledger is not None, "no complete step was recorded"
     assert ledger["unpooled"] == 0, ledger
-    assert ledger["host_waits"]["forward"] == 0 and ledger["host_waits"]["backward"] == 0, ledger
+    if copies_keep_up():
+        assert ledger["host_waits"]["forward"] == 0 and ledger["host_waits"]["backward"] == 0, ledger
     assert ledger["host_to_device"]["copies"] <= sum(holders[g] + 1 for g in coordinator.groups), ledger
     assert ledger["per_parameter_calls"] == 0, ledger
     expected = plan(TinyGPT(), cfg, check_fit=False)

@@ -13,6 +13,7 @@ from infinity.examples.data import batches
 from infinity.examples.gpt import GPT, Block, preset
 from infinity.plan.census import census_of_module
 from tests.support import gpt_runs
+from tests.support.timing import copies_keep_up
 
 
 def _build(tmp_path, name: str, units, n_layer: int = 3, **sections):
@@ -55,7 +56,8 @@ def test_units_train_bit_for_bit_like_one_group_per_module(tmp_path, name):
     assert _train(model, shape) == per_module
     ledger = infinity.stats(model)["transfers"]
     assert ledger["unpooled"] == 0 and ledger["per_parameter_calls"] == 0, ledger
-    assert ledger["host_waits"]["forward"] == ledger["host_waits"]["backward"] == 0, ledger
+    if copies_keep_up():
+        assert ledger["host_waits"]["forward"] == ledger["host_waits"]["backward"] == 0, ledger
 
 
 def test_fewer_groups_take_fewer_engine_calls(tmp_path):
