@@ -207,8 +207,10 @@ class Resume:
         self.id = self.saved.manifest["id"]
         self.rank = None
 
-    def files(self, config, rank: int, world_size: int) -> list[str]:
-        """The sealed files rank ``rank`` adopts, after checking that this run can take them over."""
+    def files(self, config, rank: int, world_size: int, process_rank: int | None = None) -> list[str]:
+        """The sealed files rank ``rank`` adopts, after checking that this run can take them over.
+
+        ``process_rank``: the rank in the whole job, which names the swap directories (default ``rank``)."""
         where = f"infinity.Init(resume={self.path!r})"
         if world_size != self.saved.world_size:
             raise CheckpointMismatchError(f"{where}: the checkpoint was saved in place by {self.saved.world_size} "
@@ -223,7 +225,8 @@ class Resume:
                     "lie, so it must be the same")
         self.rank = rank
         swap = self.saved.rank_manifest(rank)["swap"]
-        dirs = [os.path.abspath(os.path.join(p, f"rank{rank}")) for p in config.tiers.nvme_path]
+        named = rank if process_rank is None else process_rank
+        dirs = [os.path.abspath(os.path.join(p, f"rank{named}")) for p in config.tiers.nvme_path]
         if dirs != swap["directories"]:
             raise CheckpointMismatchError(f"{where}: rank {rank}'s swap directories are {dirs} and the checkpoint's "
                                           f"sealed files are in {swap['directories']}; give the same tiers.nvme_path")

@@ -79,8 +79,10 @@ class Engine:
             warnings.warn(pinned, stacklevel=3)
         self.dtype = config.precision.torch_dtype
         self.resume = resume
-        adopt = None if resume is None else resume.files(config, self.ranks.rank, self.ranks.world_size)
-        self.tiers = TierSet(config, self.device, self.ranks.rank, adopt=adopt)
+        # Swap directories are per process: named by the rank in the whole job ([Note: per-rank swap directories]).
+        adopt = None if resume is None else resume.files(config, self.ranks.rank, self.ranks.world_size,
+                                                         self.ranks.global_rank)
+        self.tiers = TierSet(config, self.device, self.ranks.global_rank, adopt=adopt)
         try:   # everything above the tiers: when any of it fails, the tiers close again
             self.ranks.allocator = self.tiers.allocator     # see [Note: what a collective may be given]
             self.datapath = DataPath(self.device, self.tiers.allocator, late_polls=late_copy_polls())

@@ -89,8 +89,9 @@ class Ranks:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             self.backend = dist.get_backend(group)
+            self.global_rank = dist.get_rank()      # in the whole job (names what is per process)
         else:
-            self.rank, self.world_size, self.backend = 0, 1, "none"
+            self.rank, self.world_size, self.backend, self.global_rank = 0, 1, "none", 0
         self.comm = CommLedger()
 
     def __repr__(self) -> str:

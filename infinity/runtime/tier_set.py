@@ -3,7 +3,10 @@
 [Note: per-rank swap directories]
 Each rank keeps its NVMe swap files in ``<nvme_path>/rank<r>`` under every
 configured path, so ranks sharing a drive never share a directory lock and a
-multi-node job can point every node at the same mount name.
+multi-node job can point every node at the same mount name. ``r`` is the process's
+rank in the whole job (``torch.distributed.get_rank()``), not its rank in the engine's
+group: with ``infinity.Init(group=...)`` and several data-parallel groups on one
+machine, group rank 0 of each group would take the same directory.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ class TierSet:
     device:
         The compute device (infinity.runtime.device.ComputeDevice).
     rank:
-        This rank, for the per-rank swap directories.
+        This process's rank in the whole job, for the per-rank swap directories.
     adopt:
         Sealed swap files the NVMe tier takes over, one per directory (a checkpoint in place), or None.
     """
