@@ -61,6 +61,17 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if _engine_model(self.model):
+            engine = registry.engine_of(self.model)
+            if engine.ranks.world_size != self.args.world_size:
+                from infinity.errors import EngineError
+
+                raise EngineError(
+                    f"infinity.Trainer: the model's engine spans {engine.ranks.world_size} rank(s) and the "
+                    f"Trainer {self.args.world_size} process(es): each process would train a model of its own "
+                    "without reducing gradients. Build the model under infinity.Init after "
+                    "transformers.TrainingArguments(...) (it creates the process group), or pass "
+                    "infinity.Init(group=...) the group the Trainer uses")
         prepare = self.accelerator.prepare_model
 
         def prepare_model(model, device_placement=None, evaluation_mode=False):

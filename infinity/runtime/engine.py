@@ -9,6 +9,7 @@ found from the model through the registry.
 from __future__ import annotations
 
 import inspect
+import os
 import time
 import warnings
 import weakref
@@ -75,6 +76,7 @@ class Engine:
         self.config = config
         self.device = ComputeDevice(config.tiers.compute_device())
         self.ranks = Ranks(group, self.device.device)
+        _refuse_a_launch_without_a_group(group, self.ranks)
         if self.ranks.world_size > 1 and (pinned := pinned_group_warning()):
             warnings.warn(pinned, stacklevel=3)
         self.dtype = config.precision.torch_dtype
@@ -451,3 +453,19 @@ def _quiet(prefetcher, groups) -> bool:
     trace (see [Note: requests without groups] in infinity/prefetch/trace.py). Its backward needs none
     either: the outermost module's output starts the backward."""
     return prefetcher is not None and prefetcher.ignores(groups)
+
+
+def _refuse_a_launch_without_a_group(group, ranks) -> None:
+    """A process that a launcher started as one of several (``WORLD_SIZE`` > 1: torchrun, accelerate launch,
+    deepspeed) with no process group yet would build an engine of one rank, and the processes would train
+    separate models without a word; the usual cause is a script that builds the model before
+    ``TrainingArguments`` or ``Accelerator()``, which create the group."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if group is not None or ranks.enabled or not launched.isdigit() or int(launched) <= 1:
+        return
+    raise EngineError(
+        f"infinity.Init: this process was launched as rank {os.environ.get('RANK', '?')} of WORLD_SIZE={launched}, "
+        "but no torch.distributed process group exists yet, so the engine would be one rank's alone and the "
+        "processes would train separate models. Create the group before infinity.Init: "
+        "torch.distributed.init_process_group(), or build transformers.TrainingArguments(...) / "
+        "accelerate.Accelerator() first (they create it)")

@@ -12,6 +12,7 @@ import torch
 
 import infinity
 from infinity.checkpoint import CheckpointNotFoundError
+from infinity.errors import EngineError
 from tests.integration.test_hf_trainer import _config, _Tokens
 from tests.support.ranks import run_ranks
 
@@ -182,3 +183,38 @@ def test_save_model_with_save_on_each_node_writes_the_weights_on_each_node(tmp_p
     for should_save, names in run_ranks(_two_nodes, 2, tmp_path):
         assert should_save and names == ["config.json", "generation_config.json", "model.safetensors",
                                          "training_args.bin"]
+
+
+def _engine_of_one_rank(rank, world, workdir):
+    """Two launched ranks, and a model each built on a one-rank group: the Trainer refuses it on each rank."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29543")
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    nvme = os.path.join(workdir, f"nvme{rank}")
+    os.makedirs(nvme, exist_ok=True)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "nvme_path": nvme}}, group=alone):
+        model = transformers.GPT2LMHeadModel(_config())
+    try:
+        _trainer(model, os.path.join(workdir, "out"))
+        return "no error"
+    except EngineError as exc:
+        return str(exc)
+    finally:
+        infinity.release(model)
+
+
+def test_a_trainer_over_more_processes_than_the_engine_is_refused_on_every_rank(tmp_path):
+    """Two processes would train two models without reducing a gradient; each rank says why instead."""
+    for said in run_ranks(_engine_of_one_rank, 2, tmp_path):
+        assert "engine spans 1 rank(s) and the Trainer 2 process(es)" in said, said
+
+
+def test_init_under_a_launcher_before_the_process_group_is_refused(tmp_path, monkeypatch):
+    """torchrun set WORLD_SIZE=2 and the script builds the model before TrainingArguments (which makes the
+    group): the engine would be this process's alone, and two processes would train two models silently."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(EngineError, match=r"rank 1 of WORLD_SIZE=2.*no torch.distributed process group"):
+        _model(str(tmp_path / "nvme"), "host")
