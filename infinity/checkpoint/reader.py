@@ -85,7 +85,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
     >>> extra = infinity.load_checkpoint("ckpt", model, opt)   # doctest: +SKIP
     """
     engine = registry.engine_of(model, "infinity.load_checkpoint")
-    opt = check_ready(engine, opt, "infinity.load_checkpoint", damaged_ok=True)
+    with engine.ranks.together("infinity.load_checkpoint"):     # [Note: failing together]
+        opt = check_ready(engine, opt, "infinity.load_checkpoint", damaged_ok=True)
     where = os.fspath(path)
     resume = getattr(engine, "resume", None)
     if resume is not None and engine.damaged and resume.id is not None:

@@ -71,8 +71,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
     if keep < 1:
         raise ValueError(f"infinity.save_checkpoint: keep must be >= 1, got {keep}")
     engine = registry.engine_of(model, "infinity.save_checkpoint")
-    opt = check_ready(engine, opt, "infinity.save_checkpoint")
     ranks = engine.ranks
+    with ranks.together("infinity.save_checkpoint"):    # before agree_id's broadcast: [Note: failing together]
+        opt = check_ready(engine, opt, "infinity.save_checkpoint")
     root = os.fspath(path)
     save_id = agree_id(ranks)
     tmp = directory.tmp_dir(root, save_id)

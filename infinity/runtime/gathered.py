@@ -56,7 +56,8 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
     """
     engine = registry.engine_of(model, "infinity.gathered")
     if engine.optimizer is not None:
-        engine.optimizer.synchronize()
+        with engine.ranks.together("infinity.gathered"):   # before the gathers: [Note: failing together]
+            engine.optimizer.synchronize()
     coordinator = engine.coordinator
     groups = _groups_of(engine.coordinator, model)
     coordinator.use(groups)
@@ -194,7 +195,8 @@ def state_dict_parts(engine, model: nn.Module, skip=None):
 
     ``skip(prefix)``: a subtree (its keys begin with ``prefix``) whose values are not wanted, not gathered."""
     if engine.optimizer is not None:
-        engine.optimizer.synchronize()
+        with engine.ranks.together("a state dict of the model"):     # [Note: failing together]
+            engine.optimizer.synchronize()
     coordinator = engine.coordinator
     bound = max((g.numel for g in coordinator.groups), default=0)
 

@@ -26,8 +26,18 @@ f (N-1)/N. One rank sends nothing. So stage 3, which gathers every parameter in 
 again in backward and reduce-scatters every gradient, moves 3 Psi (N-1)/N elements per rank
 and step (plus padding, a tied weight's extra gathers and the step's small all-reduces);
 ``infinity-plan`` prints the same figures before a run.
+
+[Note: failing together]
+A rank that raises before a collective (a damaged engine, a swap file cut under it, a failed
+background update) leaves the others waiting in that collective for ever on NCCL. Where such
+rank-local checks precede collectives (``opt.step()``, ``infinity.gathered``, state dicts,
+checkpoint saves and loads), they run inside ``Ranks.together(what)``: one small all-reduce
+after them tells every rank whether any failed, and all raise together, so the recovery an
+error advises (``infinity.load_checkpoint`` on every rank) can run.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -43,6 +53,10 @@ def _all_gather_flat(full: torch.Tensor, shard: torch.Tensor, group) -> None:
 
 def _reduce_scatter_flat(shard: torch.Tensor, full: torch.Tensor, group) -> None:
     (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(shard, full, group=group)
+
+
+class RanksFailedError(RuntimeError):
+    """Another rank failed where this one would have gone on to a collective (see [Note: failing together])."""
 
 
 class CollectiveError(RuntimeError):
@@ -163,6 +177,27 @@ class Ranks:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+    @contextlib.contextmanager
+    def together(self, what: str):
+        """Run the block's rank-local checks, then agree (one all-reduce): if the block raised on any rank,
+        every rank raises, that one its own error and the others ``RanksFailedError`` naming it; none goes on
+        alone to a collective the failed one never joins ([Note: failing together])."""
+        error = None
+        try:
+            yield
+        except BaseException as exc:
+            error = exc
+        if self.world_size > 1:
+            flags = torch.zeros(self.world_size, dtype=torch.float32, device=self.device)
+            flags[self.rank] = 1.0 if error is not None else 0.0
+            self.all_reduce_sum(flags)
+            failed = [r for r, f in enumerate(flags.tolist()) if f > 0]
+            if failed and error is None:
+                raise RanksFailedError(f"rank {self.rank}: rank(s) {failed} failed in {what} (see the error raised "
+                                       "there); every rank stops here, as that one did")
+        if error is not None:
+            raise error
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
