@@ -283,6 +283,9 @@ class GradFace:
 
     def _compute_norms(self, p: float) -> torch.Tensor:
         engine = self.engine
+        # A collective (every rank's shards), which user code may call on one rank only: [Note: collectives
+        # user code calls] in infinity/runtime/ranks.py.
+        engine.ranks.arrive("the norm of an engine gradient (param.grad.norm(), clip_grad_norm_)")
         engine.recover_aborted_backward()
         engine.reducer.settle()
         store = engine.store
@@ -335,6 +338,8 @@ class GradFace:
     def _edit_stored(self, group_indices, edit) -> None:
         """Rewrite the stored gradient of each slot of ``group_indices`` through ``edit(slot index, values)``."""
         engine = self.engine
+        if engine.reducer.reduces_on_settle:     # stage 1: settling reduce-scatters (else all of it is local)
+            engine.ranks.arrive("a change of engine gradients (param.grad.clamp_(), clip_grad_value_)")
         engine.recover_aborted_backward()
         engine.reducer.settle()
         store = engine.store

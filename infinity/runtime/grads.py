@@ -404,6 +404,11 @@ class GradReducer:
             self._read_until[group] = self._send(group, shard, _Kept())
         self.settle(wait=False, reduce=False)
 
+    @property
+    def reduces_on_settle(self) -> bool:
+        """Whether ``settle()`` would issue collectives (stage 1's whole gradients, not reduced yet)."""
+        return bool(self._waiting)
+
     def settle(self, wait: bool = True, reduce: bool = True) -> None:
         """Add the downloaded shards whose copies are done into the store (all of them, with ``wait``).
 

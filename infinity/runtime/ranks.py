@@ -34,13 +34,28 @@ rank-local checks precede collectives (``opt.step()``, ``infinity.gathered``, st
 checkpoint saves and loads), they run inside ``Ranks.together(what)``: one small all-reduce
 after them tells every rank whether any failed, and all raise together, so the recovery an
 error advises (``infinity.load_checkpoint`` on every rank) can run.
+
+[Note: collectives user code calls]
+Some engine operations are collectives that a user may well call on one rank only, as with
+DDP they could: ``param.grad.norm()`` of an engine gradient (``if rank == 0:
+log(w.grad.norm())``) needs every rank's shard. On NCCL the lone rank's all-reduce would
+wait for ever or, worse, meet the other ranks' next collective and mix tensors. Before such a
+collective each rank checks in through the default group's key-value store
+(``Ranks.arrive``): it goes on once every rank has, and a rank left alone for
+``arrival_timeout_s`` (600 s; it warns after ``arrival_warn_s``, 30 s) takes its arrival back
+and raises an ``EngineError`` that says to call it on every rank, having issued no collective.
 """
+
 from __future__ import annotations
 
 import contextlib
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
+
+from infinity.errors import EngineError
 
 from infinity.runtime.datapath import StepLedger
 
@@ -104,8 +119,13 @@ class Ranks:
             self.world_size = dist.get_world_size(group)
             self.backend = dist.get_backend(group)
             self.global_rank = dist.get_rank()      # in the whole job (names what is per process)
+            self._name = "default" if group is None else "-".join(map(str, dist.get_process_group_ranks(group)))
         else:
             self.rank, self.world_size, self.backend, self.global_rank = 0, 1, "none", 0
+            self._name = "single"
+        self._arrivals: dict[str, int] = {}
+        self.arrival_warn_s = 30.0
+        self.arrival_timeout_s = 600.0
         self.comm = CommLedger()
 
     def __repr__(self) -> str:
@@ -178,6 +198,44 @@ class Ranks:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
+    def arrive(self, what: str) -> None:
+        """Wait until every rank of the group called this for ``what`` as often, before a collective that user
+        code may call on one rank only ([Note: collectives user code calls]); raises ``EngineError`` naming
+        ``what`` if the others do not come within ``arrival_timeout_s``."""
+        if self.world_size == 1:
+            return
+        store = _default_store()
+        if store is None:
+            return
+        count_of = self._arrivals.get(what, 0)
+        key = f"infinity/arrive/{self._name}/{what}/{count_of}"
+        count = store.add(key, 1)
+        start, pause, warned = time.monotonic(), 0.0005, False
+        while count < self.world_size:
+            waited = time.monotonic() - start
+            if waited > self.arrival_timeout_s:
+                left = store.compare_set(key, str(count), str(count - 1))   # take back this arrival, unless the
+                if int(left) == count - 1:                                  # last one came meanwhile
+                    raise EngineError(self._alone(what, waited))
+                count = int(left)
+                continue
+            if waited > self.arrival_warn_s and not warned:
+                warnings.warn(self._alone(what, waited) + "; still waiting", RuntimeWarning, stacklevel=3)
+                warned = True
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+            count = store.add(key, 0)
+        self._arrivals[what] = count_of + 1
+        if store.add(key + "/seen", 1) == self.world_size:     # the last to see it: no key is left behind
+            store.delete_key(key)
+            store.delete_key(key + "/seen")
+
+    def _alone(self, what: str, waited: float) -> str:
+        return (f"rank {self.rank}: {what} is a collective over the {self.world_size} ranks (each holds a shard of "
+                f"every gradient), and rank {self.rank} waited {waited:.0f} s for the other ranks to call it: call "
+                "it on every rank (take the value on all of them, print it on one), as torch.distributed's "
+                "collectives are called")
+
     @contextlib.contextmanager
     def together(self, what: str):
         """Run the block's rank-local checks, then agree (one all-reduce): if the block raised on any rank,
@@ -198,6 +256,16 @@ class Ranks:
                                        "there); every rank stops here, as that one did")
         if error is not None:
             raise error
+
+
+def _default_store():
+    """The default group's key-value store (torch has no public accessor), or None."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        return None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

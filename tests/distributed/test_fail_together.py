@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import infinity
@@ -87,3 +88,58 @@ def test_a_failure_on_one_rank_before_a_collective_stops_every_rank(tmp_path):
     for (what, said0), (_, said1) in zip(*results):
         assert said1.startswith("own: rank 1: injected failure"), (what, said1)
         assert said0.startswith("other: rank 0: rank(s) [1] failed in "), (what, said0)
+
+
+def _weights(model):
+    with infinity.gathered(model):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def _norm_on_rank_zero(rank, world, workdir, stage):
+    from infinity.errors import EngineError
+    from infinity.registry import engine_of
+
+    nvme = os.path.join(workdir, f"nvme-{stage}")
+    os.makedirs(nvme, exist_ok=True)
+    cfg = {"tiers": {"params": "device" if stage == 1 else "nvme", "optimizer": "host", "nvme_path": nvme},
+           "partition": {"stage": stage}, "precision": {"dtype": "float32"}}
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = TinyGPT()
+    engine_of(model).ranks.arrival_timeout_s = 2.0
+    opt = infinity.AdamW(model, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    said, worst = "no error", 0.0
+    for i, (idx, tgt) in enumerate(batches(3, 4)):
+        model(idx[2 * rank:2 * rank + 2], tgt[2 * rank:2 * rank + 2]).backward()
+        if rank == 0 and i == 1:
+            try:
+                model.head.weight.grad.norm()       # the DDP habit: log a norm on rank 0 only
+            except EngineError as exc:
+                said = str(exc)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)) if i == 2 else None
+        opt.step()
+        opt.zero_grad()
+        ref(idx, tgt).backward()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)) if i == 2 else None
+        ref_opt.step()
+        with torch.no_grad():
+            worst = max([worst] + [float((p - q).abs().max()) for p, q in zip(_weights(model), ref.parameters())])
+        ref_opt.zero_grad()
+        if norm is not None:        # every rank takes it: fine
+            worst = max(worst, abs(norm - ref_norm) / ref_norm)
+    infinity.release(model)
+    return said, worst
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_gradient_norm_taken_on_one_rank_says_so_and_issues_no_collective(tmp_path, stage):
+    """``if rank == 0: log(w.grad.norm())`` is fine with DDP; an engine gradient's norm needs every rank's
+    shard (and at stage 1 a reduce-scatter first): the lone rank raises, the ranks' collectives stay the same,
+    and training goes on as plain torch's (no clipping here: the other rank takes no norm this step)."""
+    (said0, worst0), (said1, worst1) = run_ranks(_norm_on_rank_zero, 2, tmp_path, stage, collective_timeout=60)
+    assert "is a collective over the 2 ranks" in said0 and "call it on every rank" in said0, said0
+    assert said1 == "no error"
+    assert max(worst0, worst1) <= 1e-5, (worst0, worst1)
