@@ -79,6 +79,10 @@ class ActivationTier:
         self._closed = False
         self._jobs: collections.deque = collections.deque()
         self._jobs_lock = threading.Lock()     # discard may run from a finalizer, on any thread
+        # A transfer's error, kept until a call that may raise reports it (a finalizer's discard may not: its
+        # error would be printed and dropped), and the keys whose write failed (their bytes are not there).
+        self._error: BaseException | None = None
+        self._unwritten: dict[int, BaseException] = {}
         if self.kind == "host":
             self.arena = Arena(tiers.allocator.empty, None, 64 << 20, name="activations-host")
             return
@@ -97,6 +101,7 @@ class ActivationTier:
         if self.kind == "host":
             loan = self.arena.take(nbytes, "activation")
             return _HostPlace(loan, self.datapath.download(loan.tensor[:nbytes], src)), 0.0
+        self._raise_kept()
         key = self.nvme.allocate(_round(nbytes), tag="activation")
         waited = 0.0
         for offset in range(0, nbytes, self.chunk):
@@ -124,10 +129,15 @@ class ActivationTier:
             waited += time.perf_counter() - started
 
     def _write(self, key: int, loan, event, offset: int, nbytes: int) -> None:
-        if event is not DONE:
-            self.datapath.host_wait(event)
-        self.datapath.write(self.nvme, key, loan.tensor[:nbytes], offset).wait()
-        loan.release()
+        try:
+            if event is not DONE:
+                self.datapath.host_wait(event)
+            self.datapath.write(self.nvme, key, loan.tensor[:nbytes], offset).wait()
+        except BaseException as exc:
+            self._unwritten.setdefault(key, exc)
+            raise
+        finally:
+            loan.release()
 
     # -- back to the device ----------------------------------------------------------------------------
     def fetch(self, place, nbytes: int):
@@ -137,6 +147,14 @@ class ActivationTier:
         if self.kind == "host":
             place.event = self.datapath.upload(dst, place.loan.tensor[:nbytes], after=(place.event, allocated))
             return dst, place.event
+        failed = self._unwritten.get(place.key)
+        if failed is not None:
+            with self._jobs_lock:
+                if self._error is failed:       # reported here, once
+                    self._error = None
+            raise EngineError(f"activations: an activation offloaded to NVMe cannot be read back: its write failed "
+                              f"({failed!r}); backward cannot go on (the gradients would come from missing bytes)") \
+                from failed
         return self._submit(self._read, place.key, dst, allocated)
 
     def _read(self, key: int, dst: torch.Tensor, allocated) -> torch.Tensor:
@@ -173,18 +191,34 @@ class ActivationTier:
         if place.freed or self._closed:
             return
         place.freed = True
-        self._submit(self.nvme.free, place.key)
+        self._unwritten.pop(place.key, None)
+        self._submit(self.nvme.free, place.key, report=False)     # a finalizer's call may not raise
 
-    def _submit(self, fn, *args):
+    def _submit(self, fn, *args, report: bool = True):
+        """Start ``fn(*args)`` on the I/O thread; the errors of transfers that finished since are kept, and raised
+        here unless ``report`` is False (they are then raised by the next call that reports)."""
         with self._jobs_lock:
-            finished = []
             while self._jobs and self._jobs[0].done():
-                finished.append(self._jobs.popleft())
-            job = self._io.submit(fn, *args)
+                error = self._jobs.popleft().exception()
+                if error is not None and self._error is None:
+                    self._error = error
+            try:
+                job = self._io.submit(fn, *args)
+            except RuntimeError:
+                if report:
+                    raise
+                return None     # the interpreter is exiting (its executors are shut down): the files go with it
             self._jobs.append(job)
-        for done in finished:
-            done.result()       # raises a transfer's error here
+        if report:
+            self._raise_kept()
         return job
+
+    def _raise_kept(self) -> None:
+        """Raise the error a transfer left (once)."""
+        with self._jobs_lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def drain(self) -> None:
         """Wait for every transfer and free asked for so far (raising the first error)."""
@@ -192,8 +226,11 @@ class ActivationTier:
             with self._jobs_lock:
                 job = self._jobs.popleft() if self._jobs else None
             if job is None:
-                return
-            job.result()
+                break
+            error = job.exception()
+            if error is not None and self._error is None:
+                self._error = error
+        self._raise_kept()
 
     def stats(self) -> dict:
         return {"arena": self.arena.stats()}
