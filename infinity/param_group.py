@@ -169,6 +169,13 @@ class ParamGroup:
         self.pending = pending
         self.state = ParamState.INFLIGHT
 
+    def cancel_inflight(self):
+        """A read ahead nobody will use: back to NOT_AVAILABLE without a gather; returns its pending fetch."""
+        self._expect(ParamState.INFLIGHT, to="NOT_AVAILABLE")
+        pending, self.pending = self.pending, None
+        self.state = ParamState.NOT_AVAILABLE
+        return pending
+
     def to_available(self, full: torch.Tensor) -> None:
         """Point every parameter at its view of the gathered flat tensor."""
         self._expect(ParamState.INFLIGHT, to="AVAILABLE")

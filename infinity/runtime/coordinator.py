@@ -34,7 +34,7 @@ from torch import nn
 from infinity.param_group import ParamGroup, ParamSlot, ParamState
 from infinity.runtime.gather_memory import GatherMemory
 from infinity.runtime.shards import ParamShards
-from tiers.base import CompletedFuture
+from tiers.base import CompletedFuture, wait_quietly
 
 
 class _PendingFetch:
@@ -304,9 +304,20 @@ class Coordinator:
             self.wait_available(g)
 
     def drop(self, group: ParamGroup) -> None:
-        """Release a group regardless of users (end of step, after an optimizer update)."""
+        """Release a group regardless of users (end of step, after an optimizer update).
+
+        A group still on its way (a read ahead) is not gathered to be dropped: its read is waited for and
+        its staging given back, and no collective runs. Which groups are on their way depends on this
+        rank's timing (arena room, events seen done), so a gather here would issue all-gathers on some
+        ranks and not on others."""
         if group.state is ParamState.INFLIGHT:
-            self.wait_available(group)
+            pending = group.cancel_inflight()
+            group.prefetched = False
+            wait_quietly([pending.future])      # the bytes are not used: a failed read shows at the next one
+            if pending.release_staging is not None:
+                pending.release_staging()
+            if self.prefetcher is not None:
+                self.prefetcher.on_dropped(group)
         if group.state is ParamState.AVAILABLE:
             _release_gathered(self, group)
         self.in_use.pop(group, None)
