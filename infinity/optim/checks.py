@@ -47,15 +47,46 @@ class GradientChecks:
         self.ranks = ranks
         self.slots = slots
         self.positions = reducer.positions([s.param for _, s in slots])
+        self._groups = sorted({g.index for g, _ in slots})
         self.clip_coef: float | None = None
 
     def exchange(self) -> tuple[bool, set[int]]:
         """Whether any rank's gradient of this step has an inf/NaN (the flag is consumed), and the
-        ids of the parameters whose gradient arrived on any rank: one all-reduce."""
-        flags = self.reducer.book.flags(self.positions)
+        ids of the parameters whose gradient arrived on any rank: one all-reduce (which also checks that
+        the ranks handed their groups' gradients over in one order: [Note: handed over in order])."""
+        book = self.reducer.book
+        flags = book.flags(self.positions)
+        n = flags.numel()
+        if self.ranks.world_size > 1:
+            handed = torch.tensor([float(book.handed_at.get(g, 0)) for g in self._groups], dtype=torch.float32)
+            handed = handed.to(flags.device)
+            flags = torch.cat([flags, handed, -handed, -flags[1:]])     # max and -min of each: agreed or not
         self.ranks.all_reduce_max(flags)
         values = self.datapath.values(flags)
-        return bool(values[0]), {id(s.param) for (_, s), f in zip(self.slots, values[1:]) if f}
+        if len(values) > n:
+            k = len(self._groups)
+            self._refuse_another_order(values[n:n + k], values[n + k:n + 2 * k], values[1:n], values[n + 2 * k:])
+        return bool(values[0]), {id(s.param) for (_, s), f in zip(self.slots, values[1:n]) if f}
+
+    def _refuse_another_order(self, most: list, least: list, any_rank: list, not_every: list) -> None:
+        """Every rank raises the same error when some group was handed over at another place on some rank."""
+        apart = {gi for gi, hi, lo in zip(self._groups, most, least) if hi != -lo}
+        if not apart:
+            return
+        some = [(g, f"{g.name}.{s.name}" if g.name and not g.name.startswith("<") else s.name)
+                for (g, s), a, e in zip(self.slots, any_rank, not_every) if a and e == 0]
+        names = [name for g, name in some if g.index in apart]
+        group = next((g for g, _ in some if g.index in apart), None) or \
+            next(g for g, _ in self.slots if g.index in apart)
+        why = f"{names[:3]} got a gradient on some ranks only" if names else "the backward took other paths"
+        raise EngineError(
+            f"opt.step(): the ranks reduced the gradients of {len(apart)} parameter group(s) at different places "
+            f"in their sequence of collectives ({group.name!r}: {why}): a parameter that gets a gradient on "
+            "some ranks and not on others (a branch taken on some ranks only) makes a rank hand its group over at "
+            "the end of the backward instead of when the gradients arrive, and NCCL pairs collectives by order "
+            "alone, so the gradients of this step may be mixed between groups. The step is not applied. Make every "
+            "rank use every trainable parameter in each forward (a branch not taken can add 0 * its output), or "
+            "freeze what some ranks do not use")
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The global L2 norm of this step's gradients; the update scales them to ``max_norm``."""

@@ -49,6 +49,18 @@ from tiers.arena import Arena
 _NORM_CHUNK = 1 << 20      # fp32 elements widened at a time for a CPU shard's norm (GradReducer._add_norm)
 
 
+# [Note: handed over in order]
+# A group's gradients are handed over (bucketed, reduce-scattered) when the last of its parameters' gradients
+# arrives, or at the end of the backward for a group some of whose parameters got none
+# (``GradArrivals.flush``). A parameter used on some ranks only (a branch on the rank's data) therefore
+# moves its group's reduce-scatter to another place in that rank's sequence of collectives, and NCCL pairs
+# collectives by order alone: the ranks hang, or reduce two same-sized groups into each other without an
+# error (no collective ledger sees it: same op, dtype and count). DDP agrees on unused parameters across
+# ranks for this reason. The book keeps, per group, where among this rank's collectives of the step it was
+# handed over; the step's one all-reduce (``GradientChecks.exchange``) carries them with their negation, and
+# when the largest and the smallest differ anywhere every rank refuses the step alike, naming the group and
+# the parameters with a gradient on some ranks only, before anything is updated. Detection, not prevention:
+# a rank whose collectives no longer pair up may wait in one before the step.
 class GradientBook:
     """What arrived since ``zero_grad``, kept on the compute device: no host wait to update it.
 
@@ -65,11 +77,15 @@ class GradientBook:
         self.arrived = torch.zeros(1 + nparams, dtype=torch.float32, device=device)
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
         self.exact = True
+        # Per group index: where among this rank's collectives of the step its gradients were handed over
+        # (1 + the collectives before, summed over the step's backwards); see [Note: handed over in order].
+        self.handed_at: dict[int, int] = {}
 
     def reset(self) -> None:
         self.arrived.zero_()
         self.norm_sq.zero_()
         self.exact = True
+        self.handed_at.clear()
 
     def flags(self, positions: torch.Tensor) -> torch.Tensor:
         """The non-finite flag, then whether each parameter at ``positions`` had a gradient (device)."""
@@ -217,6 +233,9 @@ class GradReducer:
         at the next group or at the end of the backward, once autograd is done with them.
         """
         self._let_go()
+        if self.ranks.world_size > 1:       # [Note: handed over in order]
+            book = self.book
+            book.handed_at[group.index] = book.handed_at.get(group.index, 0) + 1 + self.ranks.comm.calls_so_far()
         if group.full_nbytes > self._bucket_nbytes or group.shard_nbytes > self._host_nbytes:
             self._grow_buckets(group)
         arrived = sum(grad is not None for grad in grads)

@@ -94,6 +94,11 @@ class CommLedger(StepLedger):
             self._current[f"{kind}_bytes"] += int(nbytes)
             self._current["calls"][kind] += 1
 
+    def calls_so_far(self) -> int:
+        """The collectives this rank issued in the running step."""
+        with self._lock:
+            return sum(self._current["calls"].values())
+
 
 class Ranks:
     """This process's place among the data-parallel ranks.

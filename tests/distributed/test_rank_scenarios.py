@@ -55,3 +55,57 @@ def _forward_without_backward(rank, world, workdir):
 
 def test_a_forward_with_gradients_and_no_backward_on_every_rank(tmp_path):
     assert max(run_ranks(_forward_without_backward, 2, tmp_path, collective_timeout=60)) <= 1e-5
+
+
+class _Gated(torch.nn.Module):
+    """A weight, and a bias that only rank 0's branch uses: its gradient arrives on rank 0 alone."""
+
+    def __init__(self, d: int, rank: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(d, d) / d ** 0.5)
+        self.extra = torch.nn.Parameter(torch.zeros(d))
+        self.rank = rank
+
+    def forward(self, x):
+        y = x @ self.weight.t()
+        return y + self.extra if self.rank == 0 else y
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, rank: int, d: int = 16) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(d, d)      # as many elements as ``gated``: their reduce-scatters look alike
+        self.gated = _Gated(d, rank)
+        self.last = torch.nn.Linear(d, 4)
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.gated(torch.tanh(self.first(x))))).square().mean()
+
+
+def _unused_on_one_rank(rank, world, workdir):
+    from infinity.errors import EngineError
+
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "device", "optimizer": "host"}, "partition": {"stage": 2},
+                        "precision": {"dtype": "float32"}}):
+        model = _Net(rank)
+    opt = infinity.AdamW(model, lr=1e-2)
+    model(torch.randn(4, 16)).backward()
+    try:
+        opt.step()
+        said = "no error"
+    except EngineError as exc:
+        said = str(exc)
+    infinity.release(model)
+    return said
+
+
+def test_a_parameter_unused_on_one_rank_is_refused_on_every_rank_before_the_update(tmp_path):
+    """Rank 0 reduces ``gated`` when its gradients arrive, rank 1 (whose ``extra`` gets none) at the end of
+    the backward, after ``first``: the two same-sized reduce-scatters pair up crosswise, which no collective
+    ledger sees (same op, dtype and count). The step checks where each rank handed each group over and
+    refuses on every rank, naming the group."""
+    for rank, said in enumerate(run_ranks(_unused_on_one_rank, 2, tmp_path, collective_timeout=60)):
+        assert "reduced the gradients of" in said and "'gated'" in said, (rank, said)
+        assert "The step is not applied" in said, said
+        assert "['gated.extra'] got a gradient on some ranks only" in said, said
