@@ -177,6 +177,12 @@ class Ranks:
                 shard.copy_(full)
             return
         self.comm.sent("reduce_scatter", _ring_share(full, self.world_size))
+        if full.dtype == torch.float16:
+            # Summed first, fp16 gradients near its largest finite value (65504) overflow at a few ranks and
+            # skip steps that need no skipping: divided first, the mean stays in range (bf16 has fp32's range).
+            full.div_(self.world_size)
+            _reduce_scatter_flat(shard, full, group=self.group)
+            return
         _reduce_scatter_flat(shard, full, group=self.group)
         shard.div_(self.world_size)
 

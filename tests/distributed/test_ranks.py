@@ -77,3 +77,16 @@ def test_a_rank_left_waiting_fails_in_seconds_naming_its_call(tmp_path):
     assert "rank 0 failed" in said and "collective #0 all_reduce" in said, said
     assert "_one_rank_skips" in said and "waited past 3 s" in said, said
     assert "rank 1: issued only 0 collectives" in said, said
+
+
+def _fp16_mean(rank, world, workdir):
+    ranks = Ranks(None, "cpu")
+    full = torch.full((4,), 40000.0 + rank, dtype=torch.float16)     # the sum of two overflows fp16
+    shard = torch.empty(2, dtype=torch.float16)
+    ranks.reduce_scatter_mean(shard, full)
+    return shard.tolist()
+
+
+def test_an_fp16_mean_over_ranks_does_not_overflow_where_the_mean_fits(tmp_path):
+    for values in run_ranks(_fp16_mean, 2, tmp_path):
+        assert values == [40000.0, 40000.0] or all(abs(v - 40000.5) <= 32 for v in values), values
