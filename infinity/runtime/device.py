@@ -10,6 +10,7 @@ plain ``copy_`` calls and the event is a no-op.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import psutil
 import torch
@@ -28,6 +29,22 @@ class _NullEvent:
         return True
 
 
+def _launched_device() -> int:
+    """The current CUDA device, checked against the launcher's ``LOCAL_RANK``: a script that forgot
+    ``torch.cuda.set_device(local_rank)`` would put every rank of a node on cuda:0 (NCCL then fails with
+    "duplicate GPU", far from the cause). One visible device per process (``CUDA_VISIBLE_DEVICES`` set per
+    rank) is fine."""
+    current = torch.cuda.current_device()
+    local = os.environ.get("LOCAL_RANK", "")
+    if local.isdigit() and int(local) < torch.cuda.device_count() and int(local) != current:
+        raise RuntimeError(
+            f"infinity: this process is LOCAL_RANK={local} of a launched job and computes on cuda:{current}, the "
+            f"current device; each rank of a node needs a GPU of its own: call torch.cuda.set_device({local}) "
+            "(or torch.cuda.set_device(int(os.environ['LOCAL_RANK']))) before infinity.Init, or give each "
+            "process one device with CUDA_VISIBLE_DEVICES")
+    return current
+
+
 class ComputeDevice:
     """The device the model computes on ("cpu" or a CUDA device).
 
@@ -42,7 +59,7 @@ class ComputeDevice:
         if kind == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("tiers.device = 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'")
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.device = torch.device("cuda", _launched_device())
             self._copy_stream = torch.cuda.Stream(self.device)
         elif kind == "cpu":
             self.device = torch.device("cpu")
