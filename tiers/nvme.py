@@ -278,9 +278,11 @@ class NVMeTier(Tier):
         try:
             move = self._staging.read if op == "read" else self._staging.write
             move(staged, data, owner)
-        except OSError as exc:
-            wait_quietly(futures)
-            raise _io_error(self, exc, op, key, entry, offset, data.numel()) from exc
+        except BaseException as exc:
+            wait_quietly(futures)       # whatever the error, the direct runs end before it leaves
+            if isinstance(exc, OSError):
+                raise _io_error(self, exc, op, key, entry, offset, data.numel()) from exc
+            raise
         _wait_direct(self, futures, op, key, entry, offset)
         return data.numel()
 

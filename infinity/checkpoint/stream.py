@@ -189,8 +189,9 @@ def write_file(io: StreamIO, directory: str, relpath: str, spans: list, chunk_nb
     position = 0
 
     def retire() -> None:
-        buf, fut, _data = writes.popleft()
+        buf, fut, _data = writes[0]
         fut.wait()
+        writes.popleft()
         if buf is not None:
             io.give(buf)
 
@@ -312,9 +313,10 @@ def _read_file(io: StreamIO, path: str, record: FileRecord, runs: list[Run]) -> 
     first = 0
 
     def retire() -> None:
-        buf, futures = pending.popleft()
+        buf, futures = pending[0]
         for fut in futures:
-            fut.wait()
+            fut.wait()      # on an error, the finally below waits for the rest of them
+        pending.popleft()
         io.give(buf)
 
     def process() -> None:

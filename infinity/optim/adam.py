@@ -163,20 +163,34 @@ class _OffloadAdam(torch.optim.Optimizer):
             raise EngineError(f"{self._name}.step() called while a backward pass is still running")
         engine.datapath.set_phase("step")
         try:
-            engine.reducer.settle()     # shards still on their way to the host are added now
-            engine.grad_face.before_step()
-            if not self.store.has_grad:
-                raise EngineError(f"{self._name}.step() called before backward(): there are no gradients "
-                                  "to apply (call loss.backward() first)")
-            if self._updates.delay is not None:
-                self._updates.delay.refuse_untracked(self._ranges.trainable & self.store.grad_written,
-                                                     f"{self._name}.step()")
-            clip_coef = self._clip_coef()
+            local = None    # a refusal of this rank's: the exchange's all-reduce tells the others
+            try:
+                engine.reducer.settle()     # shards still on their way to the host are added now
+                engine.grad_face.before_step()
+                if not self.store.has_grad:
+                    raise EngineError(f"{self._name}.step() called before backward(): there are no gradients "
+                                      "to apply (call loss.backward() first)")
+                if self._updates.delay is not None:
+                    self._updates.delay.refuse_untracked(self._ranges.trainable & self.store.grad_written,
+                                                         f"{self._name}.step()")
+                clip_coef = self._clip_coef()
+            except BaseException as exc:
+                local = exc
+            try:
+                nonfinite, with_grad = self._checks.exchange(failed=local is not None)
+            except EngineError:     # the ranks handed gradients over in other orders ([Note: handed over in order])
+                if self._in_backward is not None and self._in_backward.stepped:
+                    self._in_backward.wait()
+                    self._updates.damaged(f"{len(self._in_backward.stepped)} sub-groups were stepped during "
+                                          "backward with gradients the ranks may have reduced into each other")
+                raise
+            if local is not None:
+                raise local
             self._calls += 1
-            nonfinite, with_grad = self._checks.exchange()
             stepped = frozenset()
             if self._in_backward is not None:   # sub-groups stepped during backward: the rest is stepped here
-                stepped = self._in_backward.finish(f"{self._name}.step()", clip_coef, nonfinite)
+                with engine.ranks.together(f"{self._name}.step()"):     # the worker's failure, on every rank
+                    stepped = self._in_backward.finish(f"{self._name}.step()", clip_coef, nonfinite)
             if engine.loss_scaler is not None:
                 engine.loss_scaler.update(nonfinite)    # [Note: loss scaling] in infinity/optim/loss_scale.py
             if nonfinite:

@@ -18,6 +18,7 @@ import math
 import torch
 
 from infinity.errors import EngineError
+from infinity.runtime.ranks import RanksFailedError
 
 
 class GradientChecks:
@@ -50,20 +51,29 @@ class GradientChecks:
         self._groups = sorted({g.index for g, _ in slots})
         self.clip_coef: float | None = None
 
-    def exchange(self) -> tuple[bool, set[int]]:
+    def exchange(self, failed: bool = False) -> tuple[bool, set[int]]:
         """Whether any rank's gradient of this step has an inf/NaN (the flag is consumed), and the
         ids of the parameters whose gradient arrived on any rank: one all-reduce (which also checks that
-        the ranks handed their groups' gradients over in one order: [Note: handed over in order])."""
+        the ranks handed their groups' gradients over in one order: [Note: handed over in order]).
+
+        ``failed``: this rank refused the step before it (it raises its own error after this call); the
+        others raise ``RanksFailedError`` ([Note: failing together] in infinity/runtime/ranks.py)."""
         book = self.reducer.book
         flags = book.flags(self.positions)
         n = flags.numel()
         if self.ranks.world_size > 1:
-            handed = torch.tensor([float(book.handed_at.get(g, 0)) for g in self._groups], dtype=torch.float32)
+            handed = torch.tensor([float(book.handed_at.get(g, 0)) for g in self._groups] + [float(failed)],
+                                  dtype=torch.float32)
             handed = handed.to(flags.device)
-            flags = torch.cat([flags, handed, -handed, -flags[1:]])     # max and -min of each: agreed or not
+            flags = torch.cat([flags, handed[:-1], -handed[:-1], -flags[1:], handed[-1:]])
         self.ranks.all_reduce_max(flags)
         values = self.datapath.values(flags)
         if len(values) > n:
+            if values[-1] and not failed:
+                raise RanksFailedError(f"rank {self.ranks.rank}: another rank refused this opt.step() (see the "
+                                       "error raised there); no rank applies it")
+            values = values[:-1]
+        if len(values) > n and not failed:
             k = len(self._groups)
             self._refuse_another_order(values[n:n + k], values[n + k:n + 2 * k], values[1:n], values[n + 2 * k:])
         return bool(values[0]), {id(s.param) for (_, s), f in zip(self.slots, values[1:n]) if f}
@@ -90,6 +100,8 @@ class GradientChecks:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The global L2 norm of this step's gradients; the update scales them to ``max_norm``."""
+        # A collective user code may call on one rank only: [Note: collectives user code calls].
+        self.ranks.arrive("infinity.clip_grad_norm_")
         # The shards still on their way reach the store first (stage 1: the whole gradients their owners): a
         # norm of the stored sum (micro-batches accumulated) must not leave out a copy that has not run yet.
         self.reducer.settle()

@@ -285,7 +285,7 @@ class GradFace:
         engine = self.engine
         # A collective (every rank's shards), which user code may call on one rank only: [Note: collectives
         # user code calls] in infinity/runtime/ranks.py.
-        engine.ranks.arrive("the norm of an engine gradient (param.grad.norm(), clip_grad_norm_)")
+        engine.ranks.arrive(f"the {p:g}-norm of engine gradients (param.grad.norm(), clip_grad_norm_)")
         engine.recover_aborted_backward()
         engine.reducer.settle()
         store = engine.store

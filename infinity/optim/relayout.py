@@ -37,6 +37,7 @@ from infinity.optim.flat_layout import FlatLayout
 from infinity.optim.flat_state import MOMENTS, OptimizerStateStore
 from infinity.optim.moments import MomentFormat
 from infinity.optim.split_master import ZERO, CopyAccess, rest_split, use_split_master
+from infinity.runtime.ranks import RanksFailedError
 
 _PER_ELEMENT = 12     # what a dormant sub-group does not hold per element: fp32 m, v and gradient (at most)
 
@@ -172,15 +173,20 @@ def relayout_frozen(engine, who: str) -> bool:
                 "again (not exact)")
     except (MemoryError, HostAllocatorError) as exc:     # a full tier, or unpinnable memory: the old store is whole
         kept = f"it needs both layouts in the tier for a moment ({exc})"
-    except BaseException as exc:    # raised below, once the other ranks know this one keeps the old layout
+    except BaseException as exc:    # raised below, once the other ranks know: every rank raises
         failed = exc
-    if _any_rank(engine, kept is not None or failed is not None)[0] and kept is None:
+    any_kept, any_failed = _any_rank(engine, kept is not None, failed is not None)
+    if (any_kept or any_failed) and kept is None:
         kept = _ANOTHER_RANK
     if kept is not None:
         if new is not None:
             _free(new)
         if failed is not None:
             raise failed
+        if any_failed:
+            raise RanksFailedError(f"rank {engine.ranks.rank}: another rank failed while {who} moved the groups "
+                                   "frozen after infinity.Init apart (see the error raised there); this rank "
+                                   "keeps its layout and stops too")
         if gain:
             _kept(who, kept, gain, old.tier.kind)
         return False

@@ -158,6 +158,10 @@ class ActivationTier:
         return self._submit(self._read, place.key, dst, allocated)
 
     def _read(self, key: int, dst: torch.Tensor, allocated) -> torch.Tensor:
+        failed = self._unwritten.get(key)     # here, on the I/O thread after the key's writes: definitive
+        if failed is not None:
+            raise EngineError(f"activations: an activation offloaded to NVMe cannot be read back: its write "
+                              f"failed ({failed!r}); backward cannot go on") from failed
         nbytes = dst.numel()
         for offset in range(0, nbytes, self.chunk):
             size = min(self.chunk, nbytes - offset)

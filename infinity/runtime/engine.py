@@ -8,6 +8,7 @@ found from the model through the registry.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import time
@@ -281,10 +282,15 @@ class Engine:
         self._arm([group])
 
     def _begin_forward(self, module: nn.Module) -> None:
-        self.check_intact("forward")
-        self.tiers.check()      # before the step's reads: [Note: checking a live swap file] in tiers/swapfile.py
-        if self._updates is not None:
-            self._updates.before_forward()
+        # At stage 3 every forward all-gathers, so every rank runs it: the step's first one agrees on the
+        # rank-local checks first ([Note: failing together] in infinity/runtime/ranks.py). At stages 1 and 2 a
+        # forward may run on one rank alone (an evaluation on rank 0), and issues no collective.
+        agree = self._step_started is None and self.ranks.world_size > 1 and self.config.partition.stage == 3
+        with self.ranks.together("the forward") if agree else contextlib.nullcontext():
+            self.check_intact("forward")
+            self.tiers.check()      # before the step's reads: [Note: checking a live swap file] in tiers/swapfile.py
+            if self._updates is not None:
+                self._updates.before_forward()
         if self._step_started is None:
             self._step_started = time.perf_counter()
         if self.prefetcher is not None:

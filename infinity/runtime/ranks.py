@@ -30,10 +30,13 @@ and step (plus padding, a tied weight's extra gathers and the step's small all-r
 [Note: failing together]
 A rank that raises before a collective (a damaged engine, a swap file cut under it, a failed
 background update) leaves the others waiting in that collective for ever on NCCL. Where such
-rank-local checks precede collectives (``opt.step()``, ``infinity.gathered``, state dicts,
-checkpoint saves and loads), they run inside ``Ranks.together(what)``: one small all-reduce
+rank-local checks precede collectives (``opt.step()``, the step's first forward at stage 3,
+``infinity.gathered``, state dicts, checkpoint saves and loads, the end of an update during
+backward), they run inside ``Ranks.together(what)``: one small all-reduce
 after them tells every rank whether any failed, and all raise together, so the recovery an
-error advises (``infinity.load_checkpoint`` on every rank) can run.
+error advises (``infinity.load_checkpoint`` on every rank) can run. Refusals between the step's
+agreement and its exchange (no gradients, stray ``.grad`` tokens) ride on the exchange's own
+all-reduce instead (``GradientChecks.exchange(failed=...)``).
 
 [Note: collectives user code calls]
 Some engine operations are collectives that a user may well call on one rank only, as with
@@ -42,7 +45,8 @@ log(w.grad.norm())``) needs every rank's shard. On NCCL the lone rank's all-redu
 wait for ever or, worse, meet the other ranks' next collective and mix tensors. Before such a
 collective each rank checks in through the default group's key-value store
 (``Ranks.arrive``): it goes on once every rank has, and a rank left alone for
-``arrival_timeout_s`` (600 s; it warns after ``arrival_warn_s``, 30 s) takes its arrival back
+``arrival_timeout_s`` (the process group's timeout; it warns after ``arrival_warn_s``, 30 s) takes its
+arrival back
 and raises an ``EngineError`` that says to call it on every rank, having issued no collective.
 """
 
@@ -130,7 +134,7 @@ class Ranks:
             self._name = "single"
         self._arrivals: dict[str, int] = {}
         self.arrival_warn_s = 30.0
-        self.arrival_timeout_s = 600.0
+        self.arrival_timeout_s: float | None = None     # None: the process group's timeout
         self.comm = CommLedger()
 
     def __repr__(self) -> str:
@@ -222,9 +226,12 @@ class Ranks:
         key = f"infinity/arrive/{self._name}/{what}/{count_of}"
         count = store.add(key, 1)
         start, pause, warned = time.monotonic(), 0.0005, False
+        limit = self.arrival_timeout_s
+        if limit is None:       # the process group's own timeout (init_process_group(timeout=...))
+            limit = store.timeout.total_seconds() if hasattr(store, "timeout") else 1800.0
         while count < self.world_size:
             waited = time.monotonic() - start
-            if waited > self.arrival_timeout_s:
+            if waited > limit:
                 left = store.compare_set(key, str(count), str(count - 1))   # take back this arrival, unless the
                 if int(left) == count - 1:                                  # last one came meanwhile
                     raise EngineError(self._alone(what, waited))

@@ -143,3 +143,63 @@ def test_a_gradient_norm_taken_on_one_rank_says_so_and_issues_no_collective(tmp_
     assert "is a collective over the 2 ranks" in said0 and "call it on every rank" in said0, said0
     assert said1 == "no error"
     assert max(worst0, worst1) <= 1e-5, (worst0, worst1)
+
+
+def _refused_on_one_rank(rank, world, workdir):
+    """After the backward, rank 1 alone clears one parameter's .grad (a partial clear, refused by the step)."""
+    from infinity.errors import EngineError
+
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "device", "optimizer": "host"}, "partition": {"stage": 2},
+                        "precision": {"dtype": "float32"}}):
+        model = TinyGPT()
+    opt = infinity.AdamW(model, lr=1e-2)
+    idx, tgt = batches(1, 4)[0]
+    model(idx[2 * rank:2 * rank + 2], tgt[2 * rank:2 * rank + 2]).backward()
+    if rank == 1:
+        model.ln_f.weight.grad = None
+    try:
+        opt.step()
+        said = "no error"
+    except EngineError as exc:
+        said = f"own: {exc}"
+    except RanksFailedError as exc:
+        said = f"other: {exc}"
+    infinity.release(model)
+    return said
+
+
+def test_a_step_refused_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """The refusal comes after the step's agreement and before its exchange: it rides on the exchange."""
+    said0, said1 = run_ranks(_refused_on_one_rank, 2, tmp_path, collective_timeout=60)
+    assert said1.startswith("own: ") and "was cleared but that of" in said1, said1
+    assert said0.startswith("other: rank 0: another rank refused this opt.step()"), said0
+
+
+def _relayout_fails_on_one_rank(rank, world, workdir):
+    from infinity.optim import relayout
+
+    if rank == 1:
+        def build_store(*args, **kwargs):
+            raise Cut("rank 1: injected failure building the new layout")
+
+        relayout.build_store = build_store
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "device", "optimizer": "host"}, "precision": {"dtype": "float32"}}):
+        model = TinyGPT()
+    model.blocks.requires_grad_(False)      # frozen after Init: the optimizer moves them apart
+    try:
+        infinity.AdamW(model, lr=1e-2)
+        said = "no error"
+    except Cut as exc:
+        said = f"own: {exc}"
+    except RanksFailedError as exc:
+        said = f"other: {exc}"
+    infinity.release(model)
+    return said
+
+
+def test_a_relayout_that_fails_on_one_rank_stops_every_rank(tmp_path):
+    said0, said1 = run_ranks(_relayout_fails_on_one_rank, 2, tmp_path, fresh=True, collective_timeout=60)
+    assert said1 == "own: rank 1: injected failure building the new layout", said1
+    assert said0.startswith("other: rank 0: another rank failed while"), said0

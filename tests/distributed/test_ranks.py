@@ -90,3 +90,19 @@ def _fp16_mean(rank, world, workdir):
 def test_an_fp16_mean_over_ranks_does_not_overflow_where_the_mean_fits(tmp_path):
     for values in run_ranks(_fp16_mean, 2, tmp_path):
         assert values == [40000.0, 40000.0] or all(abs(v - 40000.5) <= 32 for v in values), values
+
+
+def _stuck_outside_collectives(rank, world, workdir):
+    if rank == 1:
+        import time
+
+        time.sleep(60)      # a lock never given back, a thread never ending: no collective to time out
+    return rank
+
+
+def test_a_rank_stuck_outside_collectives_fails_the_call_by_its_deadline(tmp_path, monkeypatch):
+    from tests.support import ranks as pool
+
+    monkeypatch.setattr(pool, "CALL_TIMEOUT_S", 3.0)
+    with pytest.raises(AssertionError, match=r"rank\(s\) \[1\] did not finish within 3 s"):
+        run_ranks(_stuck_outside_collectives, 2, tmp_path)

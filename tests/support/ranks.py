@@ -12,11 +12,14 @@ holds at its exit. At the session's end (tests/conftest.py) the pools' processes
 interpreter's teardown, as a fresh rank does after its call; an abort there fails the session. Under
 pytest-xdist every call spawns its ranks (many workers would each keep idle pools).
 """
+import faulthandler
 import gc
 import itertools
 import os
 import pickle
+import signal
 import sys
+import time
 import traceback
 import warnings
 from multiprocessing.connection import wait
@@ -34,6 +37,9 @@ _FAILED_EXITS: list = []   # "world W rank R: exit status S" of pool processes t
 # idle interpreters each; there the cores are many and spawning is cheap, so each call spawns.
 _UNDER_XDIST = "PYTEST_XDIST_WORKER" in os.environ
 _HELD_LATE = [0]           # data-path copies the ranks held late, over every call
+# A call's whole time, a backstop for a rank stuck outside collectives (a lock, a thread that never
+# ends); a rank waiting in a collective fails sooner ([Note: the collective ledger]).
+CALL_TIMEOUT_S = float(os.environ.get("INFINITY_TEST_CALL_TIMEOUT", "900"))
 
 
 def held_late_copies() -> int:
@@ -85,6 +91,8 @@ def _call(rank: int, world_size: int, fn, workdir: str, args, store: str | None,
 
 def _prepare() -> None:
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)     # a call past its deadline shows where it is
+    faulthandler.enable(all_threads=True)   # gloo aborts on collectives that do not match: say where it was
     # Before the group, as a script would: see [Note: torch._dynamo and the default process group].
     from infinity import Init  # noqa: F401
 
@@ -149,8 +157,19 @@ class _Pool:
             conn.send((fn, workdir, args, store, _late_copies(), timeout_s))
         results: dict = {}
         pending = dict(enumerate(self.conns))
+        deadline = time.monotonic() + CALL_TIMEOUT_S
         while pending:
-            ready = wait(list(pending.values()) + [p.sentinel for p in self.procs])
+            ready = wait(list(pending.values()) + [p.sentinel for p in self.procs],
+                         timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                for rank in pending:
+                    os.kill(self.procs[rank].pid, signal.SIGUSR1)      # each thread's stack, to stderr
+                time.sleep(2.0)
+                self.kill()
+                raise AssertionError(
+                    f"{fn.__qualname__} on {self.world_size} ranks: rank(s) {sorted(pending)} did not finish within "
+                    f"{CALL_TIMEOUT_S:g} s (INFINITY_TEST_CALL_TIMEOUT), outside any collective's timeout; their "
+                    "threads' stacks are in the captured stderr above")
             for rank, conn in list(pending.items()):
                 if conn in ready:
                     try:
