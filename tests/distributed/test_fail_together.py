@@ -32,6 +32,17 @@ def _fail_on(rank, target, name):
     return lambda: setattr(target, name, original)
 
 
+def _outcome(call, own) -> str:
+    """What ``call()`` did on this rank: "no error", "own: <this rank's error>" or "other: <RanksFailedError>"."""
+    try:
+        call()
+        return "no error"
+    except own as exc:
+        return f"own: {exc}"
+    except RanksFailedError as exc:
+        return f"other: {exc}"
+
+
 def _one_rank_fails(rank, world, workdir):
     from infinity.registry import engine_of
 
@@ -55,15 +66,9 @@ def _one_rank_fails(rank, world, workdir):
     def attempt(what, fn, target, name):
         undo = _fail_on(rank, target, name)
         try:
-            fn()
-            said = "no error"
-        except Cut as exc:
-            said = f"own: {exc}"
-        except RanksFailedError as exc:
-            said = f"other: {exc}"
+            return what, _outcome(fn, Cut)
         finally:
             undo()
-        return what, said
 
     step(0)
     ckpt = os.path.join(workdir, "ckpt")
@@ -158,13 +163,7 @@ def _refused_on_one_rank(rank, world, workdir):
     model(idx[2 * rank:2 * rank + 2], tgt[2 * rank:2 * rank + 2]).backward()
     if rank == 1:
         model.ln_f.weight.grad = None
-    try:
-        opt.step()
-        said = "no error"
-    except EngineError as exc:
-        said = f"own: {exc}"
-    except RanksFailedError as exc:
-        said = f"other: {exc}"
+    said = _outcome(opt.step, EngineError)
     infinity.release(model)
     return said
 
@@ -188,13 +187,7 @@ def _relayout_fails_on_one_rank(rank, world, workdir):
     with infinity.Init({"tiers": {"params": "device", "optimizer": "host"}, "precision": {"dtype": "float32"}}):
         model = TinyGPT()
     model.blocks.requires_grad_(False)      # frozen after Init: the optimizer moves them apart
-    try:
-        infinity.AdamW(model, lr=1e-2)
-        said = "no error"
-    except Cut as exc:
-        said = f"own: {exc}"
-    except RanksFailedError as exc:
-        said = f"other: {exc}"
+    said = _outcome(lambda: infinity.AdamW(model, lr=1e-2), Cut)
     infinity.release(model)
     return said
 
