@@ -56,6 +56,7 @@ from typing import Callable
 import torch
 
 from infinity.config import ConfigError
+from tiers.base import byte_view
 
 DIRECTIONS = {("host", "device"): "host_to_device", ("device", "host"): "device_to_host",
               ("nvme", "host"): "nvme_to_host", ("host", "nvme"): "host_to_nvme"}
@@ -144,6 +145,22 @@ class LateCopy:
 
     def synchronize(self) -> None:
         self.run()
+
+
+class _LateWrite:
+    """A device tier's write held late (a CUDA copy future's face: ``event``, ``done``, ``wait``)."""
+
+    __slots__ = ("event", "nbytes")
+
+    def __init__(self, copy: LateCopy, nbytes: int) -> None:
+        self.event, self.nbytes = copy, nbytes
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> int:
+        self.event.run()
+        return self.nbytes
 
 
 class StepLedger:
@@ -388,6 +405,11 @@ class DataPath:
     def write(self, tier, key: int, src: torch.Tensor, offset: int = 0, source: str = "host"):
         """Start ``tier.write`` of ``src``, which lives on ``source`` ("host" or "device")."""
         self._book(source, tier.kind, src)
+        if self.late_polls is not None and tier.kind == "device" and source == "host" and not self.is_cuda:
+            # On a GPU this is a host->device copy pending on an event: held late like the others.
+            data = byte_view(src, f"{tier.kind} tier write source")
+            copy = self._copy("host_to_device", tier.place(key, offset, data.numel()), data, None)
+            return _LateWrite(copy, data.numel())
         return tier.write(key, src, offset)
 
     def _book(self, src: str, dst: str, tensor: torch.Tensor) -> None:

@@ -386,7 +386,9 @@ def test_device_copies_of_an_overlapped_update_order_the_stream_not_the_host(tmp
     real_use = DataPath.use
 
     def as_device_copy(self, *args, **kwargs):
-        fut = _DeviceCopy(write_updated(self, *args, **kwargs))
+        fut = write_updated(self, *args, **kwargs)
+        if getattr(fut, "event", None) is None:     # copies at once: stand in for the GPU's pending copy
+            fut = _DeviceCopy(fut)
         issued.add(id(fut.event))
         alive.append(fut.event)
         return fut
@@ -404,6 +406,9 @@ def test_device_copies_of_an_overlapped_update_order_the_stream_not_the_host(tmp
     assert all(d <= TOL and l <= 1e-5 for d, l in out), out
     assert opt.stats()["overlapped_steps"] == 4
     model(*batches(1)[0])       # the last update's copies are ordered at the next forward's fetches
-    assert issued and set(used) == issued      # every copy ordered on the stream, each group's at its fetch
+    # Every copy ordered on the stream at its group's fetch, unless found complete when the fetch asked (a
+    # held copy that ran at a poll: a GPU's copy that had finished needs no wait either).
+    events = {id(e): e for e in alive}
+    assert issued and all(i in set(used) or getattr(events[i], "done", False) for i in issued)
     waits = infinity.stats(model)["transfers"]["host_waits"]
     assert waits["forward"] == 0 and waits["backward"] == 0, waits
