@@ -187,6 +187,7 @@ class _OffloadAdam(torch.optim.Optimizer):
             if local is not None:
                 raise local
             self._calls += 1
+            engine.agree_at_forward = True      # every rank is here: the next forward agrees first
             stepped = frozenset()
             if self._in_backward is not None:   # sub-groups stepped during backward: the rest is stepped here
                 with engine.ranks.together(f"{self._name}.step()"):     # the worker's failure, on every rank

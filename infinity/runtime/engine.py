@@ -113,6 +113,7 @@ class Engine:
             self._backward_active = False
             self._backwards_ended = [0]    # backwards that ended (hooks.watch_backward fires once per one)
             self._step_started = None
+            self.agree_at_forward = True   # the next forward agrees on the rank-local checks (a step ended)
             # Why the states are a mixture no step may train on, or None ([Note: a load is all or
             # nothing] in infinity/checkpoint/reader.py); check_intact refuses while it is set.
             self.damaged: str | None = None
@@ -282,10 +283,11 @@ class Engine:
         self._arm([group])
 
     def _begin_forward(self, module: nn.Module) -> None:
-        # At stage 3 every forward all-gathers, so every rank runs it: the step's first one agrees on the
+        # At stage 3 every forward all-gathers, so every rank runs it: a step's first one agrees on the
         # rank-local checks first ([Note: failing together] in infinity/runtime/ranks.py). At stages 1 and 2 a
         # forward may run on one rank alone (an evaluation on rank 0), and issues no collective.
-        agree = self._step_started is None and self.ranks.world_size > 1 and self.config.partition.stage == 3
+        agree = self.agree_at_forward and self.ranks.world_size > 1 and self.config.partition.stage == 3
+        self.agree_at_forward = False
         with self.ranks.together("the forward") if agree else contextlib.nullcontext():
             self.check_intact("forward")
             self.tiers.check()      # before the step's reads: [Note: checking a live swap file] in tiers/swapfile.py

@@ -71,8 +71,11 @@ def _one_rank_fails(rank, world, workdir):
             undo()
 
     step(0)
+    idx, tgt = data[1]
+    forward = attempt("forward", lambda: model(idx[2 * rank:2 * rank + 2], tgt[2 * rank:2 * rank + 2]),
+                      engine._updates, "before_forward")    # a failed overlapped update, said at the forward
     ckpt = os.path.join(workdir, "ckpt")
-    out = [attempt("save", lambda: infinity.save_checkpoint(ckpt, model, opt), opt, "synchronize"),
+    out = [forward, attempt("save", lambda: infinity.save_checkpoint(ckpt, model, opt), opt, "synchronize"),
            attempt("gathered", lambda: infinity.gathered(model).__enter__(), opt, "synchronize"),
            attempt("state_dict", lambda: infinity.state_dict(model), opt, "synchronize")]
     idx, tgt = data[1]
