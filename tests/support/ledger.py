@@ -17,6 +17,7 @@ the comparison then names where the ranks parted.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import os
@@ -40,8 +41,9 @@ _NAMES = ("all_reduce", "broadcast", "barrier", "all_gather_into_tensor", "all_g
           "scatter", "all_to_all_single", "all_to_all", "all_reduce_coalesced", "monitored_barrier",
           "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "new_group")
 _OBJECTS = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"}
-# The caller named is the first frame outside torch.distributed, this file and the engine's thin wrapper.
-_SKIP = (os.path.dirname(dist.__file__), os.path.abspath(__file__),
+# The caller named is the first frame outside torch.distributed, this file, contextlib (a ``with`` block's
+# exit) and the engine's thin wrapper.
+_SKIP = (os.path.dirname(dist.__file__), os.path.abspath(__file__), contextlib.__file__,
          os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "infinity",
                       "runtime", "ranks.py"))
 
