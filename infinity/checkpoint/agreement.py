@@ -19,13 +19,9 @@ from infinity.checkpoint.errors import CheckpointError
 
 def agree(ranks, error: BaseException | None, what: str) -> None:
     """All ranks learn which ranks failed ``what``; raise on every rank if any did."""
-    flags = torch.zeros(ranks.world_size, dtype=torch.float32, device=ranks.device)
-    if error is not None:
-        flags[ranks.rank] = 1.0
-    ranks.all_reduce_sum(flags)
+    failed = ranks.failed_ranks(error is not None)
     if error is not None:
         raise error
-    failed = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
     if failed:
         raise CheckpointError(f"rank {ranks.rank}: rank(s) {failed} failed while {what} "
                               "(see the error raised there)")

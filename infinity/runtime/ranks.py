@@ -32,8 +32,9 @@ A rank that raises before a collective (a damaged engine, a swap file cut under 
 background update) leaves the others waiting in that collective for ever on NCCL. Where such
 rank-local checks precede collectives (``opt.step()``, the step's first forward at stage 3,
 ``infinity.gathered``, state dicts, checkpoint saves and loads, the end of an update during
-backward), they run inside ``Ranks.together(what)``: one small all-reduce
-after them tells every rank whether any failed, and all raise together, so the recovery an
+backward), they run inside ``Ranks.together(what)``: one small all-reduce after them
+(``Ranks.failed_ranks``, which checkpoint saves and loads also agree with between their phases)
+tells every rank whether any failed, and all raise together, so the recovery an
 error advises (``infinity.load_checkpoint`` on every rank) can run. Refusals between the step's
 agreement and its exchange (no gradients, stray ``.grad`` tokens) ride on the exchange's own
 all-reduce instead (``GradientChecks.exchange(failed=...)``).
@@ -45,11 +46,10 @@ log(w.grad.norm())``) needs every rank's shard. On NCCL the lone rank's all-redu
 wait for ever or, worse, meet the other ranks' next collective and mix tensors. Before such a
 collective each rank checks in through the default group's key-value store
 (``Ranks.arrive``): it goes on once every rank has, and a rank left alone for
-``arrival_timeout_s`` (the process group's timeout; it warns after ``arrival_warn_s``, 30 s) takes its
-arrival back
-and raises an ``EngineError`` that says to call it on every rank, having issued no collective.
+``arrival_timeout_s`` (the process group's timeout; it warns after ``arrival_warn_s``, 30 s) takes
+its arrival back and raises an ``EngineError`` that says to call it on every rank, having issued no
+collective.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -60,7 +60,6 @@ import torch
 import torch.distributed as dist
 
 from infinity.errors import EngineError
-
 from infinity.runtime.datapath import StepLedger
 
 # torch 2.13 renamed the flat collectives (``all_gather_into_tensor`` and ``reduce_scatter_tensor``
@@ -264,16 +263,21 @@ class Ranks:
             yield
         except BaseException as exc:
             error = exc
-        if self.world_size > 1:
-            flags = torch.zeros(self.world_size, dtype=torch.float32, device=self.device)
-            flags[self.rank] = 1.0 if error is not None else 0.0
-            self.all_reduce_sum(flags)
-            failed = [r for r, f in enumerate(flags.tolist()) if f > 0]
-            if failed and error is None:
-                raise RanksFailedError(f"rank {self.rank}: rank(s) {failed} failed in {what} (see the error raised "
-                                       "there); every rank stops here, as that one did")
+        failed = self.failed_ranks(error is not None)
         if error is not None:
             raise error
+        if failed:
+            raise RanksFailedError(f"rank {self.rank}: rank(s) {failed} failed in {what} (see the error raised "
+                                   "there); every rank stops here, as that one did")
+
+    def failed_ranks(self, failed: bool) -> list[int]:
+        """The ranks that say ``failed`` (one all-reduce: every rank calls it, whatever it says)."""
+        if self.world_size == 1:
+            return [0] if failed else []
+        flags = torch.zeros(self.world_size, dtype=torch.float32, device=self.device)
+        flags[self.rank] = 1.0 if failed else 0.0
+        self.all_reduce_sum(flags)
+        return [r for r, f in enumerate(flags.tolist()) if f > 0]
 
 
 def _default_store():
