@@ -61,21 +61,20 @@ class GradientChecks:
         book = self.reducer.book
         flags = book.flags(self.positions)
         n = flags.numel()
-        if self.ranks.world_size > 1:
-            handed = torch.tensor([float(book.handed_at.get(g, 0)) for g in self._groups] + [float(failed)],
-                                  dtype=torch.float32)
-            handed = handed.to(flags.device)
-            flags = torch.cat([flags, handed[:-1], -handed[:-1], -flags[1:], handed[-1:]])
+        several = self.ranks.world_size > 1
+        if several:     # after the flags: [failed, handed at..., -handed at..., -arrived...], max-reduced alike
+            handed = torch.tensor([float(failed)] + [float(book.handed_at.get(g, 0)) for g in self._groups],
+                                  dtype=torch.float32).to(flags.device)
+            flags = torch.cat([flags, handed, -handed[1:], -flags[1:]])
         self.ranks.all_reduce_max(flags)
         values = self.datapath.values(flags)
-        if len(values) > n:
-            if values[-1] and not failed:
+        if several and not failed:
+            if values[n]:
                 raise RanksFailedError(f"rank {self.ranks.rank}: another rank refused this opt.step() (see the "
                                        "error raised there); no rank applies it")
-            values = values[:-1]
-        if len(values) > n and not failed:
             k = len(self._groups)
-            self._refuse_another_order(values[n:n + k], values[n + k:n + 2 * k], values[1:n], values[n + 2 * k:])
+            self._refuse_another_order(values[n + 1:n + 1 + k], values[n + 1 + k:n + 1 + 2 * k], values[1:n],
+                                       values[n + 1 + 2 * k:])
         return bool(values[0]), {id(s.param) for (_, s), f in zip(self.slots, values[1:n]) if f}
 
     def _refuse_another_order(self, most: list, least: list, any_rank: list, not_every: list) -> None:
