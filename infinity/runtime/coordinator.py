@@ -98,6 +98,58 @@ def _release_gathered(coordinator: "Coordinator", group: ParamGroup, keep_views:
         coordinator.prefetcher.on_dropped(group)
 
 
+def _finish_gather(coordinator: "Coordinator", group: ParamGroup) -> None:
+    """Finish ``group``'s read and all-gather (``Coordinator.wait_available`` without the order)."""
+    if group.state is ParamState.NOT_AVAILABLE:
+        coordinator.start_fetch(group)
+    elif getattr(group, "prefetched", False):
+        coordinator.stats.prefetch_hits += 1
+    pending = group.pending
+    t0 = time.perf_counter()
+    pending.future.wait()      # the NVMe read, if any (I/O, not a wait for the device)
+    coordinator.stats.read_wait_seconds += time.perf_counter() - t0
+    if coordinator.in_place:
+        for event in pending.after:
+            coordinator.datapath.use(event)
+        full = group.flat_buffer(pending.source)
+    else:
+        full = group.flat_buffer()
+        _fill(coordinator, group, full.data, pending)
+    coordinator.stats.stall_seconds += time.perf_counter() - t0
+    coordinator.stats.fetches += 1
+    coordinator.stats.bytes_gathered += group.full_nbytes
+    group.to_available(full)
+    if not coordinator.in_place:
+        coordinator.live.add(group)
+        coordinator.live_numel += group.numel
+        if coordinator.live_numel > coordinator.stats.peak_live_numel:
+            coordinator.stats.peak_live_numel = coordinator.live_numel
+
+
+def _fill(coordinator: "Coordinator", group: ParamGroup, full: torch.Tensor, pending: _PendingFetch) -> None:
+    """This rank's shard into its slice of ``full`` (host->device, or device-local), then the all-gather."""
+    mine = group.shard_of(full)
+    if pending.source_on == "host":
+        # After the last compute-stream use of ``mine``'s memory, and after the device copies that
+        # wrote the source (states on the device, parameters in host RAM).
+        done = coordinator.datapath.upload(mine, pending.source, after=(coordinator.memory.reuse_event, *pending.after))
+        coordinator.datapath.use(done)
+        if pending.release_staging is not None:
+            coordinator.datapath.when_done(done, pending.release_staging)
+    else:
+        for event in pending.after:
+            coordinator.datapath.use(event)
+        mine.copy_(pending.source)
+    coordinator.ranks.all_gather(full, mine)
+
+
+def gather_rest(coordinator: "Coordinator") -> None:
+    """Gather the groups not gathered yet, in group order ([Note: gathered in one order])."""
+    for group in coordinator.groups:
+        if group.state is not ParamState.AVAILABLE:
+            _finish_gather(coordinator, group)
+
+
 def _make_room(coordinator: "Coordinator", groups) -> None:
     """Release groups kept for reuse, then groups gathered ahead, until ``groups`` fit ``max_live`` beside
     what is gathered (see [Note: live parameters]); groups in use are never released, so the bound may be
@@ -156,6 +208,8 @@ class Coordinator:
         # World size 1 and shards in the compute device's own memory: a gathered group is its
         # stored shard itself, lent to the group's tensor (no copy; see [Note: lending memory to a group]).
         self.in_place = ranks.world_size == 1 and shards.kind == "device"
+        # Several ranks at stages 1 and 2: groups are gathered in group order only ([Note: gathered in one order]).
+        self.in_order = False
         self.groups: list[ParamGroup] = []
         self.group_of: dict[nn.Parameter, ParamGroup] = {}
         self.module_groups: dict[nn.Module, list[ParamGroup]] = {}
@@ -250,49 +304,26 @@ class Coordinator:
         return True
 
     def wait_available(self, group: ParamGroup) -> None:
-        """Finish the group's read and all-gather; afterwards it is AVAILABLE."""
+        """Finish the group's read and all-gather; afterwards it is AVAILABLE.
+
+        [Note: gathered in one order]
+        At stages 1 and 2 every group is persistent: gathered at its first use after an update, kept to the next.
+        Which groups a forward uses can differ between ranks (an expert that got no tokens on one rank, a
+        layer dropped by a rank's own draw), and NCCL pairs collectives by order alone, so on several ranks
+        the groups are gathered in group order only: a group's gather first gathers every group before it
+        that is not gathered yet, and the end of the outermost forward (``gather_rest``) the ones after it.
+        Every rank then issues the same all-gathers in the same order in the first forward after an update,
+        whatever that forward uses, as long as every rank runs one before its next other collective (a
+        forward on rank 0 alone, an evaluation, pairs its gathers with the other ranks' next training
+        forward). In a model built in the order it runs, the order is the one the forward asks for anyway.
+        """
         if group.state is ParamState.AVAILABLE:
             return
-        if group.state is ParamState.NOT_AVAILABLE:
-            self.start_fetch(group)
-        elif getattr(group, "prefetched", False):
-            self.stats.prefetch_hits += 1
-        pending = group.pending
-        t0 = time.perf_counter()
-        pending.future.wait()      # the NVMe read, if any (I/O, not a wait for the device)
-        self.stats.read_wait_seconds += time.perf_counter() - t0
-        if self.in_place:
-            for event in pending.after:
-                self.datapath.use(event)
-            full = group.flat_buffer(pending.source)
-        else:
-            full = group.flat_buffer()
-            self._fill(group, full.data, pending)
-        self.stats.stall_seconds += time.perf_counter() - t0
-        self.stats.fetches += 1
-        self.stats.bytes_gathered += group.full_nbytes
-        group.to_available(full)
-        if not self.in_place:
-            self.live.add(group)
-            self.live_numel += group.numel
-            if self.live_numel > self.stats.peak_live_numel:
-                self.stats.peak_live_numel = self.live_numel
-
-    def _fill(self, group: ParamGroup, full: torch.Tensor, pending: _PendingFetch) -> None:
-        """This rank's shard into its slice of ``full`` (host->device, or device-local), then the all-gather."""
-        mine = group.shard_of(full)
-        if pending.source_on == "host":
-            # After the last compute-stream use of ``mine``'s memory, and after the device copies that
-            # wrote the source (states on the device, parameters in host RAM).
-            done = self.datapath.upload(mine, pending.source, after=(self.memory.reuse_event, *pending.after))
-            self.datapath.use(done)
-            if pending.release_staging is not None:
-                self.datapath.when_done(done, pending.release_staging)
-        else:
-            for event in pending.after:
-                self.datapath.use(event)
-            mine.copy_(pending.source)
-        self.ranks.all_gather(full, mine)
+        if self.in_order:
+            for earlier in self.groups[:group.index]:
+                if earlier.state is not ParamState.AVAILABLE:
+                    _finish_gather(self, earlier)
+        _finish_gather(self, group)
 
     def gather(self, groups) -> None:
         """Make ``groups`` AVAILABLE: issue every read first, then wait in order."""

@@ -28,7 +28,7 @@ from infinity.param_group import ParamGroup, ParamState
 from infinity.prefetch import Prefetcher
 from infinity.runtime.activations import ActivationOffload
 from infinity.runtime.backward_holds import BackwardHolds
-from infinity.runtime.coordinator import Coordinator
+from infinity.runtime.coordinator import Coordinator, gather_rest
 from infinity.runtime.datapath import DataPath, late_copy_polls, with_per_parameter
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
@@ -119,6 +119,11 @@ class Engine:
             self.damaged: str | None = None
             self._foreign = ForeignParamWatch(self.coordinator.group_of, self.on_foreign_use)
             self._arrivals = GradArrivals(self)     # gradients of the groups armed for the coming backward
+            several = self.ranks.world_size > 1     # [Note: handed over in order] in infinity/runtime/grads.py
+            self._arrivals.every = several and config.partition.stage < 3
+            self._arrivals.in_order = several and config.partition.stage == 2
+            self.coordinator.in_order = several and config.partition.stage < 3     # [Note: gathered in one order]
+            self._arrivals.by_call = several and config.partition.stage == 3   # [Note: handed over at the call's end]
             self._holds = BackwardHolds(self.coordinator, self._arrivals.armed)     # frozen groups' release in backward
             self.step_stats: list[dict] = []
             self.grad_face: GradFace | None = None      # what torch sees as .grad (made in finalize)
@@ -223,7 +228,8 @@ class Engine:
         return self.reducer.pending() or self._backward_active
 
     # -- the forward / backward lifecycle (called by the hooks) ------------------------------
-    def pre_forward(self, module: nn.Module, args=()) -> None:
+    def pre_forward(self, module: nn.Module, args=(), kwargs=None):
+        """Before ``module``'s forward; returns new ``(args, kwargs)`` for it, or None to leave them."""
         if self._stack and module is self._stack[0] and not _calling(module):
             # The last forward of this module was cut short by a BaseException (Ctrl-C): torch runs the
             # always_call post-hooks that close a forward for an Exception only. Close it as they would
@@ -247,9 +253,15 @@ class Engine:
             self.activations.module_called(module, args, len(self._stack))
         self._stack.append(module)
         groups = self.coordinator.module_groups.get(module, ())
+        ends = None
         if not _quiet(self.prefetcher, groups):
+            if self._arrivals.by_call and torch.is_grad_enabled():
+                ends = self._arrivals.called(groups, self._backward_active)
             self.coordinator.acquire(module)
             self._arm(groups)
+        if ends:    # [Note: handed over at the call's end] in infinity/runtime/grads.py
+            return self._arrivals.end_of_call(args, kwargs, ends)
+        return None
 
     def post_forward(self, module: nn.Module, output, inputs=None) -> None:
         grad = torch.is_grad_enabled()
@@ -264,6 +276,14 @@ class Engine:
             if not self._stack and self.loss_scaler is not None and not self._backward_active:
                 self.loss_scaler.watch_output(output)      # [Note: loss scaling] in infinity/optim/loss_scale.py
         if not self._stack:
+            if self.coordinator.in_order:
+                gather_rest(self.coordinator)       # [Note: gathered in one order] in infinity/runtime/coordinator.py
+                if grad and self._arrivals.every and not self._backward_active:
+                    # Every trainable group takes part in every backward ([Note: handed over in order] in
+                    # infinity/runtime/grads.py); gathered in group order, a group a module reads without
+                    # calling its owner (attention's out_proj) is no foreign use that would arm it.
+                    for g in self.coordinator.groups:
+                        self._arrivals.arm(g)
             self._foreign.stop()
             if self.activations is not None:
                 self.activations.end_forward()
@@ -279,14 +299,16 @@ class Engine:
         if module is None:
             raise EngineError(f"parameter group {group.name!r} was used outside any module's forward while "
                               "released; wrap the access in `with infinity.gathered(model):`")
+        if self._arrivals.by_call and torch.is_grad_enabled():     # a second user ([Note: handed over at the call's end])
+            self._arrivals.called([group], self._backward_active)
         self.coordinator.adopt(module, group)
         self._arm([group])
 
     def _begin_forward(self, module: nn.Module) -> None:
-        # At stage 3 every forward all-gathers, so every rank runs it: a step's first one agrees on the
-        # rank-local checks first ([Note: failing together] in infinity/runtime/ranks.py). At stages 1 and 2 a
-        # forward may run on one rank alone (an evaluation on rank 0), and issues no collective.
-        agree = self.agree_at_forward and self.ranks.world_size > 1 and self.config.partition.stage == 3
+        # A step's first forward all-gathers (at stages 1 and 2 the groups the update changed: [Note: gathered in
+        # one order] in infinity/runtime/coordinator.py), so every rank runs one: it agrees on the rank-local
+        # checks first ([Note: failing together] in infinity/runtime/ranks.py).
+        agree = self.agree_at_forward and self.ranks.world_size > 1
         self.agree_at_forward = False
         with self.ranks.together("the forward") if agree else contextlib.nullcontext():
             self.check_intact("forward")

@@ -52,15 +52,43 @@ _NORM_CHUNK = 1 << 20      # fp32 elements widened at a time for a CPU shard's n
 # [Note: handed over in order]
 # A group's gradients are handed over (bucketed, reduce-scattered) when the last of its parameters' gradients
 # arrives, or at the end of the backward for a group some of whose parameters got none
-# (``GradArrivals.flush``). A parameter used on some ranks only (a branch on the rank's data) therefore
-# moves its group's reduce-scatter to another place in that rank's sequence of collectives, and NCCL pairs
-# collectives by order alone: the ranks hang, or reduce two same-sized groups into each other without an
-# error (no collective ledger sees it: same op, dtype and count). DDP agrees on unused parameters across
-# ranks for this reason. The book keeps, per group, where among this rank's collectives of the step it was
-# handed over; the step's one all-reduce (``GradientChecks.exchange``) carries them with their negation, and
-# when the largest and the smallest differ anywhere every rank refuses the step alike, naming the group and
-# the parameters with a gradient on some ranks only, before anything is updated. Detection, not prevention:
-# a rank whose collectives no longer pair up may wait in one before the step.
+# (``GradArrivals.flush``). NCCL pairs collectives by order alone, so a parameter used on some ranks only (a
+# branch on the rank's data, an expert that got no tokens) would move its group's reduce-scatter to another
+# place in that rank's sequence: the ranks hang, or reduce two same-sized groups into each other without an
+# error (no collective ledger sees it: same op, dtype and count).
+# So at stages 1 and 2 on several ranks, as torch DDP with ``find_unused_parameters`` does, every backward
+# hands over every trainable group on every rank, in one order: reversed group order (the order a backward
+# completes them in a model built in the order it runs). A group complete before its turn waits for the
+# groups ahead of it (its gradients stay where autograd put them, as without the engine); the end of the
+# backward hands over the rest, a parameter without a gradient as zeros and a group no forward used on this
+# rank as all zeros. The step's one all-reduce then says which parameters had a gradient on some rank, and
+# those are updated, with the mean over all ranks (zeros from the ranks without one), as DDP gives; a
+# parameter with a gradient on no rank is left alone, as torch's optimizers leave a None ``.grad``. Stage 1
+# reduces only at the step, in group order, so only ``every`` matters there.
+# At stage 3 the backward's all-gathers run between the reduce-scatters, so a group waiting its turn there
+# would move relative to them (and hold gathered parameters the next gather needs): see [Note: handed over at
+# the call's end]. What that leaves (a group several calls use, a call whose backward's end is not watched)
+# is detected: the book keeps, per group, where among this rank's collectives of the step it was handed over;
+# the step's one all-reduce (``GradientChecks.exchange``) carries them with their negation, and when the
+# largest and the smallest differ anywhere every rank refuses the step alike, naming the group and the
+# parameters with a gradient on some ranks only, before anything is updated. A rank whose collectives no
+# longer pair up may wait in one before the step.
+
+# [Note: handed over at the call's end]
+# At stage 3 on several ranks, a group that one call used in the forward (its module, outermost: submodules
+# of a unit share its group) is handed over when that call's backward is over, as FSDP2's post-backward does:
+# when the gradient of every argument of the call is complete ([Note: a module's backward is over] in
+# infinity/runtime/backward_holds.py), complete or not, a parameter without a gradient as zeros. That point
+# is the same on every rank that ran the call, whichever of its parameters each used: its all-gathers and
+# reduce-scatters pair up. Complete early, a group waits there a few nodes (its last weight's gradient comes
+# in the node that makes the call's input gradient). Every other group is handed over at the end of the
+# backward, in group order, with zeros where nothing arrived: a group several calls use (a module called
+# twice, a tied weight another module reads), or whose call is not watched (an argument that is a leaf, or
+# none that needs a gradient: the embedding, last in the backward anyway), or whose call's backward never
+# came (an output the loss does not use). Calls inside the backward count only for groups no forward used: a
+# reentrant checkpoint's recomputation (its forward ran without gradients; its backward runs) hands over at
+# its call's end too, a non-reentrant one's recomputation (no backward runs through it) is not counted. Left
+# out: a group first used inside the backward by several calls is handed over when complete, as before.
 class GradientBook:
     """What arrived since ``zero_grad``, kept on the compute device: no host wait to update it.
 

@@ -25,6 +25,7 @@ gather: ``.data`` swaps keep a tensor's hooks.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import weakref
@@ -32,7 +33,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from infinity.errors import TORCHSCRIPT, EngineError, released_message
@@ -91,8 +92,24 @@ class GradArrivals:
         self.armed: dict = {}       # group -> [params, their gradients so far, arrivals]
         self._hooked: dict = {}     # id(parameter) -> its hook's handle (the model holds the parameters)
         self._slot: dict = {}       # id(parameter) -> (its group, its place in the group's armed list)
-        self.handed: set = set()    # groups handed over in this backward (see ``arm``)
+        self.handed: set = set()    # groups handed over in this backward, or waiting their turn (see ``arm``)
         self.reopened: set = set()  # ... and armed again in it: ``flush`` hands them over even without a gradient
+        # Several ranks at stages 1 and 2 ([Note: handed over in order]): every trainable group is handed
+        # over in every backward (``every``), and at stage 2, whose hand-overs are collectives, in ``_order``.
+        self.every = False
+        self.in_order = False
+        self._order: list | None = None     # this backward's trainable groups, in hand-over order
+        self._due = 0                       # the place in ``_order`` of the next group to hand over
+        self._complete: dict = {}           # group -> (params, gradients): complete, waiting for its turn
+        self._in_order_set: set = set()     # ``_order``'s groups
+        self._taken: set = set()            # groups the engine took in this backward
+        # Several ranks at stage 3 ([Note: handed over at the call's end]): a group one watched call used in
+        # this forward is handed over when that call's backward is over.
+        self.by_call = False
+        self._calls: dict = {}              # group -> forward calls (outermost) that used it since the backward
+        self._watched: set = set()          # groups whose one call's backward end is watched
+        self._in_forward: set = set()       # groups a forward call (outside backward) counted
+        self._fresh: set = set()            # groups first used inside the backward (a reentrant recomputation)
 
     def arm(self, group) -> None:
         """Count ``group``'s gradients in the coming backward."""
@@ -101,6 +118,9 @@ class GradArrivals:
         params = [s.param for s in group.slots if s.param.requires_grad]
         if not params:
             return
+        waiting = self._complete.pop(group, None)
+        if waiting is not None:     # complete and waiting its turn: armed again (a reentrant checkpoint) takes it now
+            self._give(group, *waiting)
         if group in self.handed:    # called again inside the backward that took its gradients
             self.handed.discard(group)
             self.reopened.add(group)
@@ -118,6 +138,8 @@ class GradArrivals:
         group, i = self._slot.get(id(param), (None, 0))
         entry = self.armed.get(group)
         if entry is None:
+            if group in self._taken:    # handed over at its call's end or in turn, and a gradient came after
+                self._late(param, group)
             return          # not armed: autograd keeps the gradient in .grad, as without the engine
         grads = entry[1]
         if grads[i] is None:
@@ -126,18 +148,131 @@ class GradArrivals:
         if entry[2] == len(grads):
             del self.armed[group]
             self.handed.add(group)
+            if self.by_call and group not in self.reopened:
+                if group in self._watched and self._calls.get(group) == 1:
+                    self._complete[group] = (entry[0], grads)   # until its call's backward is over (``call_over``)
+                    return
+                if group not in self._fresh:
+                    self._complete[group] = (entry[0], grads)   # until the end of the backward (``flush``)
+                    return
+            if not self.in_order or group in self.reopened:
+                self._give(group, entry[0], grads)
+                return
+            self._complete[group] = (entry[0], grads)
+            order = self._trainable_order()
+            while self._due < len(order):
+                due = order[self._due]
+                if due in self._complete:
+                    self._due += 1
+                    self._give(due, *self._complete.pop(due))
+                elif due in self._taken:    # taken out of turn (armed again while waiting)
+                    self._due += 1
+                else:
+                    break
+            if group in self._complete and group not in self._in_order_set:    # trainable since the order was made
+                self._give(group, *self._complete.pop(group))
+
+    def _late(self, param, group) -> None:
+        engine = self.engine()
+        name = engine.param_names.get(param, "?") if engine is not None else "?"
+        raise EngineError(
+            f"parameter {name!r}: its gradient arrived after its group {group.name!r} was handed over in this "
+            "backward (a module that reads it without owning it, which infinity did not see in the forward: "
+            "[Note: handed over at the call's end] in infinity/runtime/grads.py); the gradient would be lost, so "
+            "the backward stops. Call opt.zero_grad() and report the model to infinity")
+
+    def called(self, groups, in_backward: bool) -> list:
+        """A forward call uses ``groups``; returns those it is the outermost user of, whose gradients it may
+        hand over at its backward's end ([Note: handed over at the call's end]). Inside the backward only
+        groups no forward used count (a reentrant checkpoint's recomputation, whose backward runs)."""
+        engine = self.engine()
+        in_use = engine.coordinator.in_use if engine is not None else {}
+        mine = [g for g in groups if not in_use.get(g)]     # else a call around this one holds it
+        if in_backward:
+            mine = [g for g in mine if g not in self._in_forward]
+            self._fresh.update(mine)
+        else:
+            self._in_forward.update(mine)
+        for g in mine:
+            self._calls[g] = self._calls.get(g, 0) + 1
+        return mine
+
+    def end_of_call(self, args, kwargs, groups):
+        """The call's ``(args, kwargs)`` with every tensor that needs a gradient passed through ``_CallEnd``,
+        whose backward (this call's part of their gradients complete) runs ``call_over(groups)``; None
+        when none needs one (nothing to watch: ``groups`` wait for the end of the backward)."""
+        flat, spec = tree_flatten((args, kwargs if kwargs is not None else {}))
+        # One stand-in per tensor: a tensor passed twice stays one (attention's ``query is key`` fast path).
+        picked = {id(t): t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad}
+        if not picked:
+            return None
+        ends = _CallEnd.apply(functools.partial(self.call_over, groups), *picked.values())
+        by_id = dict(zip(picked, ends))
+        flat = [by_id.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in flat]
+        self._watched.update(groups)
+        return tree_unflatten(flat, spec)
+
+    def call_over(self, groups) -> None:
+        """The backward of the call that counted ``groups`` is over: hand over those it alone used in this
+        forward, complete or not (a parameter without a gradient as zeros). A group with no gradient at
+        all here waits for the end of the backward (``torch.autograd.grad`` runs this and stores none)."""
+        for g in groups:
+            if self._calls.get(g) != 1 or g not in self._watched:
+                continue
+            got = self._complete.pop(g, None)
+            if got is None:
+                entry = self.armed.get(g)
+                if entry is None or not entry[2]:
+                    continue
+                del self.armed[g]
+                got = (entry[0], entry[1])
+                self.handed.add(g)
+            self._give(g, *got)
+
+    def _give(self, group, params, grads) -> None:
+        self._taken.add(group)
+        engine = self.engine()
+        if engine is not None:
+            engine.on_group_grads(group, params, grads)
+
+    def _trainable_order(self) -> list:
+        """This backward's hand-over order ([Note: handed over in order]): made at its first use."""
+        if self._order is None:
             engine = self.engine()
-            if engine is not None:
-                engine.on_group_grads(group, entry[0], grads)
+            groups = engine.coordinator.groups if engine is not None else ()
+            self._order = [g for g in reversed(groups) if g.has_trainable]
+            self._in_order_set = set(self._order)
+        return self._order
 
     def flush(self) -> None:
-        """The backward is over: hand over the groups some of whose parameters had no gradient."""
-        armed, reopened = dict(self.armed), self.reopened
+        """The backward is over: hand over the groups some of whose parameters had no gradient (with
+        ``every``: every trainable group not handed over yet, in order)."""
+        armed, reopened, complete, taken = dict(self.armed), self.reopened, self._complete, self._taken
+        order = self._trainable_order() if self.every else ()
+        if self.by_call:    # what waited for the end, and every group still armed: in group order
+            order = sorted({*complete, *(g for g in armed if g not in taken)}, key=lambda g: -g.index)
+        if order and not (taken or complete or any(e[2] for e in armed.values())):
+            order = ()      # nothing arrived on this rank (torch.autograd.grad, backward(inputs=...)): no hand-over
         self.armed.clear()
-        self.handed, self.reopened = set(), set()
+        self.handed, self.reopened, self._complete, self._taken = set(), set(), {}, set()
+        self._order, self._due = None, 0
+        self._calls, self._watched, self._in_forward, self._fresh = {}, set(), set(), set()
         engine = self.engine()
         if engine is None:
             return
+        for group in order:
+            if group in complete:
+                params, grads = complete.pop(group)
+            elif group in armed and group not in taken:
+                params, grads, _ = armed.pop(group)
+            elif group not in taken:    # no forward armed it on this rank (a module it skipped): zeros
+                params = [s.param for s in group.slots if s.param.requires_grad]
+                grads = [None] * len(params)
+            else:
+                continue
+            engine.on_group_grads(group, params, grads)
+        for group, (params, grads) in complete.items():     # not trainable when the order was made
+            engine.on_group_grads(group, params, grads)
         for group, (params, grads, arrived) in armed.items():
             if arrived or group in reopened:    # reopened: its first gradients' tokens come back at the take
                 engine.on_group_grads(group, params, grads)
@@ -148,7 +283,9 @@ class GradArrivals:
         self._hooked = {}
         self._slot = {}
         self.armed.clear()
-        self.handed, self.reopened = set(), set()
+        self.handed, self.reopened, self._complete, self._taken = set(), set(), {}, set()
+        self._order, self._due = None, 0
+        self._calls, self._watched, self._in_forward, self._fresh = {}, set(), set(), set()
 
 
 def watch_backward(module: nn.Module, output, pre_backward, ended: list[int], inputs=None, post_backward=None) -> None:
@@ -194,6 +331,24 @@ def watch_backward(module: nn.Module, output, pre_backward, ended: list[int], in
 
     for t in needing.values():
         t.register_hook(on_input_grad)
+
+
+class _CallEnd(torch.autograd.Function):
+    """Passes a call's tensor arguments through; its backward, which autograd runs once this call's part of
+    their gradients is complete (the call's own nodes first: they were made later), calls ``over``
+    ([Note: handed over at the call's end] in infinity/runtime/grads.py). The outputs are detached aliases, not
+    views, so a module may still change an argument in place as without it."""
+
+    @staticmethod
+    def forward(ctx, over, *tensors):
+        ctx.over = over
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.over()
+        return (None, *grads)
 
 
 class HookHandles:
@@ -261,11 +416,11 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
     """
     handles: list[RemovableHandle] = []
     forward: dict = {}
-    pre_forward = _EngineHook(lifecycle.pre_forward)
+    pre_forward = _EngineHook(lifecycle.pre_forward)    # (module, args, kwargs): may return new ones
     post_forward = _EngineHook(lambda m, args, kwargs, out: lifecycle.post_forward(m, out, (args, kwargs)))
     for module in root.modules():
         forward[module] = [
-            module.register_forward_pre_hook(pre_forward, prepend=True),
+            module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True),
             # always_call: a forward that raises still releases what its pre-hook acquired; a
             # group left in use would stay gathered and never be refreshed by an optimizer step.
             module.register_forward_hook(post_forward, always_call=True, with_kwargs=True)]
