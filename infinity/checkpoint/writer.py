@@ -145,6 +145,9 @@ def check_ready(engine, opt, what: str, damaged_ok: bool = False):
     elif getattr(opt, "engine", None) is not engine:
         raise CheckpointError(f"{what}: opt is not the infinity optimizer of this model "
                               f"(got {type(opt).__name__}); pass the optimizer created for this model, or None")
+    # A backward cut short (Ctrl-C, or SIGTERM raising SystemExit in a preempted run's handler) is closed as the
+    # next forward, step() or zero_grad() would close it ([Note: aborted backward] in infinity/runtime/engine.py).
+    engine.recover_aborted_backward()
     if engine.backward_running:
         raise CheckpointError(f"{what}: called while a backward pass is still running; call it between steps")
     if not damaged_ok:

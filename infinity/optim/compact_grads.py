@@ -43,32 +43,72 @@ def itemsize(dtype: torch.dtype) -> int:
 
 def widen(store, allocate) -> None:
     """Move ``store``'s gradient keys to fp32 for good (a second micro-batch arrived); exact.
-    ``allocate(nbytes, tag)``: a new gradient key in the store's tier."""
+    ``allocate(nbytes, tag)``: a new gradient key in the store's tier.
+
+    All or nothing: each sub-group's fp32 key takes the place of its compact key once written, and when
+    one fails (the disk full, an I/O error, an interrupt) the ones already widened are narrowed back
+    (exact: they hold what the compact keys held) before the error leaves, so the store keeps its compact
+    keys and values, and the step can be redone after ``zero_grad()``."""
     if store.grad_dtype == torch.float32:
         return
-    if store.before_widen is not None:
-        store.before_widen()
-    if store.land_grads is not None:
-        store.land_grads()      # a first shard's copy into a compact key may not have run yet (a GPU's copy stream)
-    store.flush()
-    old_dtype, old_keys = store.grad_dtype, list(store.keys["grad"])
-    # Sub-groups of groups frozen since Init hold no gradient: nothing to carry over (on NVMe their
-    # keys were never written).
-    filled = {piece.sub_index for gi in store.grad_written for piece in store.layout.pieces_of_group[gi]}
-    new_keys = []
-    for sub, (_, numel) in enumerate(store.layout.sub_ranges):
-        if old_keys[sub] is None:   # dormant: gets an fp32 key when it wakes
-            new_keys.append(None)
-            continue
-        key = allocate(numel * 4, f"grad:sub{sub}")
-        if store.in_place:
-            store.tier.view(key).view(torch.float32)[:numel].copy_(
-                store.tier.view(old_keys[sub]).view(old_dtype)[:numel])
-        elif sub in filled:
-            compact = torch.empty(numel, dtype=old_dtype)
-            store.io.read(store.tier, old_keys[sub], compact).wait()
-            store.io.write(store.tier, key, compact.float()).wait()
-        store.tier.free(old_keys[sub])
-        new_keys.append(key)
-    store.keys["grad"] = new_keys
+    undo = store.before_widen() if store.before_widen is not None else None
+    try:
+        if store.land_grads is not None:
+            store.land_grads()      # a first shard's copy into a compact key may not have run yet (a GPU's copy stream)
+        store.flush()
+        old_dtype, keys = store.grad_dtype, store.keys["grad"]
+        # Sub-groups of groups frozen since Init hold no gradient: nothing to carry over (on NVMe their
+        # keys were never written).
+        filled = {piece.sub_index for gi in store.grad_written for piece in store.layout.pieces_of_group[gi]}
+        widened = []
+        try:
+            for sub, (_, numel) in enumerate(store.layout.sub_ranges):
+                if keys[sub] is not None:   # else dormant: gets an fp32 key when it wakes
+                    keys[sub] = _recast(store, keys[sub], numel, old_dtype, torch.float32, sub in filled, allocate,
+                                        f"grad:sub{sub}")
+                    widened.append(sub)
+        except BaseException:
+            for sub in widened:     # the fp32 key is freed first: narrowing back needs no room beyond it
+                keys[sub] = _narrow(store, keys[sub], store.layout.sub_ranges[sub][1], old_dtype, sub in filled,
+                                    allocate, f"grad:sub{sub}")
+            raise
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
     store.grad_dtype = torch.float32
+
+
+def _recast(store, key, numel: int, dtype: torch.dtype, to: torch.dtype, filled: bool, allocate, tag: str):
+    """A new key holding ``key``'s ``numel`` values (in ``dtype``) in ``to``; ``key`` is freed once it is written
+    (a failure frees the new key and leaves ``key`` as it was)."""
+    new = allocate(numel * itemsize(to), tag)
+    try:
+        if store.in_place:
+            store.tier.view(new).view(to)[:numel].copy_(store.tier.view(key).view(dtype)[:numel])
+        elif filled:
+            values = torch.empty(numel, dtype=dtype)
+            store.io.read(store.tier, key, values).wait()
+            store.io.write(store.tier, new, values.to(to)).wait()
+    except BaseException:
+        store.tier.free(new)
+        raise
+    store.tier.free(key)
+    return new
+
+
+def _narrow(store, key, numel: int, to: torch.dtype, filled: bool, allocate, tag: str):
+    """``_recast`` of an fp32 key back to ``to`` (exact: it was widened from it), reading it and freeing it
+    before the new key is allocated."""
+    values = torch.empty(numel, dtype=torch.float32)
+    if store.in_place:
+        values.copy_(store.tier.view(key).view(torch.float32)[:numel])
+    elif filled:
+        store.io.read(store.tier, key, values).wait()
+    store.tier.free(key)
+    new = allocate(numel * itemsize(to), tag)
+    if store.in_place:
+        store.tier.view(new).view(to)[:numel].copy_(values)
+    elif filled:
+        store.io.write(store.tier, new, values.to(to)).wait()
+    return new

@@ -95,8 +95,16 @@ class DelayedUpdate(BackgroundUpdate):
     def _grad_keys(self, dtype: torch.dtype) -> list[int | None]:
         """A set of zeroed gradient keys in ``dtype``, one per sub-group (None for a dormant one: see
         [Note: dormant sub-groups] in infinity/optim/flat_state.py)."""
-        return [None if i in self.store.dormant else self._grad_key(i, dtype)
-                for i in range(self.store.layout.num_subs)]
+        keys: list[int | None] = []
+        try:
+            for i in range(self.store.layout.num_subs):
+                keys.append(None if i in self.store.dormant else self._grad_key(i, dtype))
+        except BaseException:   # the disk full half-way: the keys made so far are given back
+            for key in keys:
+                if key is not None:
+                    self.store.tier.free(key)
+            raise
+        return keys
 
     def _grad_key(self, sub: int, dtype: torch.dtype) -> int:
         zeros = torch.zeros(self.store.layout.sub_ranges[sub][1], dtype=dtype)
@@ -114,15 +122,24 @@ class DelayedUpdate(BackgroundUpdate):
             self._spare_grad_keys[sub] = None
         return undo
 
-    def _widen_spare(self) -> None:
+    def _widen_spare(self):
         """The store's gradient keys widen to fp32 (micro-batches accumulate): so does the spare set,
         once the running job, which reads it with the store's dtype, is done (see [Note: compact
         gradients] in infinity/optim/compact_grads.py). Its contents are a finished step's: not kept."""
         self.wait()
+        dtype = self.store.grad_dtype
         old, self._spare_grad_keys = self._spare_grad_keys, self._grad_keys(torch.float32)
         for key in old:
             if key is not None:
                 self.store.tier.free(key)
+
+        def undo() -> None:     # the store's widening failed: the spare set goes back to its dtype
+            wide, self._spare_grad_keys = self._spare_grad_keys, []
+            for key in wide:
+                if key is not None:
+                    self.store.tier.free(key)
+            self._spare_grad_keys = self._grad_keys(dtype)
+        return undo
 
     # -- the buffers ---------------------------------------------------------------------------
     def target_param_keys(self, updated: frozenset[int]) -> tuple[int | None, ...]:

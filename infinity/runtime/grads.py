@@ -401,28 +401,41 @@ class GradReducer:
         """The shard to the optimizer's accumulator: in place on the device, or downloaded to the host.
 
         Returns the download's event (None when nothing left the device): ``shard``'s memory is
-        read until then."""
+        read until then. A failure on the way (the disk full while gradient keys widen, an I/O error)
+        gives the bucket back once the data path has no copy reading it."""
         store = self.store
-        if store.tier.kind == "device":
-            store.accumulate_grad(group.index, shard)
-            device_memory.release()     # the addition may still be queued: the next bucket is filled after it
-            return None
-        direct = store.direct_grad(group.index, shard.dtype)
-        if direct is not None:     # fp32 into a host accumulator: no staging on the host
-            for offset, numel, target in direct:
-                done = self.datapath.download(target, shard[offset:offset + numel])
-            self._release_after(device_memory, done)
-            self._sent.append((group.index, None, done, 0, None))
-            self._sent_groups[group.index] += 1
-            return done
-        host = self.host_buckets.take(group.shard_nbytes, f"gradients {group.name}")
-        if host is None:            # both buffers still in use: let their copies and writes finish
-            self.settle()
+        handed = False
+        try:
+            if store.tier.kind == "device":
+                store.accumulate_grad(group.index, shard)
+                handed = True
+                device_memory.release()     # the addition may still be queued: the next bucket is filled after it
+                return None
+            direct = store.direct_grad(group.index, shard.dtype)
+            if direct is not None:     # fp32 into a host accumulator: no staging on the host
+                for offset, numel, target in direct:
+                    done = self.datapath.download(target, shard[offset:offset + numel])
+                handed = True
+                self._release_after(device_memory, done)
+                self._sent.append((group.index, None, done, 0, None))
+                self._sent_groups[group.index] += 1
+                return done
             host = self.host_buckets.take(group.shard_nbytes, f"gradients {group.name}")
-        done = self.datapath.download(host.tensor.view(group.dtype)[:group.shard_numel], shard)
-        self._release_after(device_memory, done)
-        self._sent.append((group.index, host, done, group.shard_numel, group.dtype))
-        self._sent_groups[group.index] += 1
+            if host is None:            # both buffers still in use: let their copies and writes finish
+                self.settle()
+                host = self.host_buckets.take(group.shard_nbytes, f"gradients {group.name}")
+            done = self.datapath.download(host.tensor.view(group.dtype)[:group.shard_numel], shard)
+            handed = True
+            self._release_after(device_memory, done)
+            self._sent.append((group.index, host, done, group.shard_numel, group.dtype))
+            self._sent_groups[group.index] += 1
+        except BaseException:
+            if not handed:
+                try:
+                    self.datapath.settle(wait=True)
+                finally:
+                    self._release_after(device_memory, None)
+            raise
         self.settle(wait=False)
         return done
 
@@ -462,22 +475,40 @@ class GradReducer:
         With ``wait`` (and ``reduce``), stage 1's whole gradients are reduced first (``reduce_whole``)."""
         if wait and reduce and self._waiting:
             self.reduce_whole()
-        left = []
-        for index, host, done, numel, dtype in self._sent:
-            if not done.query():
-                if not wait:
-                    left.append((index, host, done, numel, dtype))
-                    continue
-                self.datapath.host_wait(done)
-            if host is not None:    # else written in place already
-                writes = self.store.accumulate_grad(index, host.tensor.view(dtype)[:numel])
-                self.datapath.when_done(_Landed(writes), host.release)   # NVMe writes still read it
+        sent, self._sent, left = self._sent, [], []
+        for i, (index, host, done, numel, dtype) in enumerate(sent):
+            try:
+                if not done.query():
+                    if not wait:
+                        left.append((index, host, done, numel, dtype))
+                        continue
+                    self.datapath.host_wait(done)
+                if host is not None:    # else written in place already
+                    writes = self.store.accumulate_grad(index, host.tensor.view(dtype)[:numel])
+                    self.datapath.when_done(_Landed(writes), host.release)   # NVMe writes still read it
+            except BaseException:       # this shard and the rest stay on their way (``discard`` drops them)
+                self._sent = left + sent[i:]
+                raise
             self._sent_groups[index] -= 1
             if self.watcher is not None:
                 self.watcher.landed(index)
         self._sent = left
         if wait:
             self.datapath.settle(wait=True)
+
+    def discard(self) -> None:
+        """The gradients are cleared (``zero_grad``): the shards still on their way are dropped, not added
+        (an addition that failed, the disk full, would fail again): their copies are waited for and their
+        buffers given back; stage 1's whole gradients are not reduced."""
+        sent, self._sent = self._sent, []
+        for _, host, done, _, _ in sent:
+            if not done.query():
+                self.datapath.host_wait(done)
+            if host is not None:
+                host.release()
+        self._sent_groups.clear()
+        self._waiting = []
+        self.datapath.settle(wait=True)
 
     def finish_backward(self) -> None:
         """End of a backward pass: autograd is done with every group taken."""

@@ -491,3 +491,22 @@ def test_a_run_that_cannot_start_ends_the_started_ones_first(tmp_path, handle, p
         assert events == ["second run refused", "first run ended"], events
         t.handle = handle
         t.free(key)
+
+
+def test_a_reservation_that_fails_part_way_gives_back_what_it_took(tier, monkeypatch):
+    """posix_fallocate can reserve some blocks before the disk runs out (ext4 does): they went to the swap
+    file and stayed, and the error said "0 B free". Now the file is back to its size and blocks."""
+    tier.put(_bytes(50_000, 6), tag="kept")
+    path = tier.stats()["files"][0]["path"]
+    before = os.stat(path)
+    real = os.posix_fallocate
+
+    def half_then_full(fd, offset, length):
+        real(fd, offset, length // 2)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", half_then_full)
+    with pytest.raises(NVMeSpaceError, match="existing keys are intact"):
+        tier.allocate(4 << 20, tag="big")
+    after = os.stat(path)
+    assert (after.st_size, after.st_blocks) == (before.st_size, before.st_blocks), (before, after)
