@@ -243,8 +243,8 @@ class Layout:
         if self.grad_bytes == FP32_BYTES:
             yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier, FP32_BYTES * t)
         else:
-            yield PlanRow("grad_accumulator", f"gradient shards ({dtype}; fp32, 4 bytes, once micro-batches "
-                          "accumulate)", self.opt_tier, self.grad_bytes * t)
+            yield PlanRow("grad_accumulator", f"gradient shards ({dtype}, {self.grad_bytes} bytes; twice that, fp32, "
+                          "once micro-batches accumulate)", self.opt_tier, self.grad_bytes * t)
         if cfg.dpu.enabled and t:
             yield PlanRow("dpu_grad_accumulator", "second gradient accumulator (DPU; "
                           + ("fp32)" if self.grad_bytes == FP32_BYTES else f"{dtype} until micro-batches accumulate)"),

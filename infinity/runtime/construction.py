@@ -54,6 +54,7 @@ broadcast and all-gather, and the plan's arithmetic for the budget check.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Callable
@@ -460,6 +461,7 @@ class Partitioner:
         bulk of its memory or disk is taken, with the numbers.
         """
         from infinity.plan import CensusGroup, ModelCensus, plan
+        from tiers.base import format_nbytes
         from tiers.budget import BudgetError, Need, check_budget
 
         config = self.engine.config
@@ -489,3 +491,19 @@ class Partitioner:
             raise BudgetError("the configured tiers do not fit:\n  " + "\n  ".join(short) +
                               f"\n  (model states: {per['stored']:.2f} bytes per parameter element, "
                               f"{per['stored_nvme']:.2f} of them on NVMe)")
+        # Gradients kept in the compute dtype move to fp32 keys for good at the first step with several
+        # micro-batches ([Note: compact gradients] in infinity/optim/compact_grads.py): twice the bytes.
+        compact = [r for r in the_plan.rows if r.key == "grad_accumulator" and "accumulate" in r.what and r.nbytes]
+        for row in compact:
+            more = ([Need(f"fp32 gradient keys once micro-batches accumulate (+{format_nbytes(row.nbytes)})", "nvme",
+                          row.nbytes // len(paths), p) for p in paths] if row.tier == "nvme" else
+                    [Need(f"fp32 gradient keys once micro-batches accumulate (+{format_nbytes(row.nbytes)})",
+                          row.tier, row.nbytes)])
+            later = check_budget(needs + more, host_budget=config.tiers.host_budget,
+                                 device=self.engine.device.device).shortfalls()
+            if later:
+                warnings.warn(
+                    "infinity.Init: the tiers fit with one micro-batch per step, but accumulating micro-batches "
+                    f"moves the gradient keys ({row.tier}) from {config.precision.dtype} to fp32 at its first step, "
+                    "which does not fit:\n  " + "\n  ".join(later) + "\n  Free room for it, or keep one "
+                    "micro-batch per step", RuntimeWarning, stacklevel=4)

@@ -611,3 +611,36 @@ def test_a_refused_conversion_leaves_the_buffers_converted_before_it_as_they_wer
     with infinity.gathered(model):
         assert list(model.state_dict()) == list(plain.state_dict())     # the cache still not persistent
     infinity.release(model)
+
+
+def test_init_says_when_accumulating_micro_batches_will_not_fit_the_disk(tmp_path, monkeypatch):
+    """bf16 gradients are stored in 2 bytes until a step has two micro-batches, then in fp32 for good; Init
+    counted the 2 bytes only, and the run died at the first accumulating step. With the least disk Init
+    accepts, it now warns that accumulation will not fit, naming the bytes."""
+    usage = namedtuple("usage", "total used free")
+    free = [0]
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**12, 10**12 - free[0], free[0]))
+    cfg = dict(_nvme_cfg(tmp_path), precision={"dtype": "bfloat16"})
+
+    def fits(nbytes):
+        free[0] = nbytes
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with infinity.Init(cfg):
+                    model = nn.Linear(256, 256)
+        except BudgetError:
+            return False
+        infinity.release(model)
+        return True
+
+    lo, hi = 4096, 1 << 26      # lo does not fit, hi does
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    free[0] = hi
+    with pytest.warns(RuntimeWarning, match=r"(?s)accumulating micro-batches moves the gradient keys \(nvme\) from "
+                                            r"bfloat16 to fp32.*\+132\.0 KiB\)"):
+        with infinity.Init(cfg):
+            model = nn.Linear(256, 256)
+    infinity.release(model)
