@@ -362,17 +362,9 @@ class Engine:
     def on_group_grads(self, group: ParamGroup, params: list, grads) -> None:
         """Every parameter of ``group`` taking part in this backward has its gradient (``grads``)."""
         self._enter_backward()
-        try:
-            if self._updates is not None:
-                self._updates.before_grad()
-            self.reducer.take(group, params, grads)
-        except BaseException:
-            # A fault in the hand-off (an I/O error, the disk full, Ctrl-C): the step's gradients are lost and
-            # the caller redoes it after zero_grad(). Autograd's ``.grad`` of the group would stay, which
-            # zero_grad() does not see and the redone step would add in.
-            for param in params:
-                param.grad = None
-            raise
+        if self._updates is not None:
+            self._updates.before_grad()
+        self.reducer.take(group, params, grads)
         if self._holds.waiting:
             self._holds.arrived(group)
 

@@ -233,7 +233,7 @@ class GradArrivals:
         self._taken.add(group)
         engine = self.engine()
         if engine is not None:
-            engine.on_group_grads(group, params, grads)
+            _hand_over(engine, group, params, grads)
 
     def _trainable_order(self) -> list:
         """This backward's hand-over order ([Note: handed over in order]): made at its first use."""
@@ -270,12 +270,12 @@ class GradArrivals:
                 grads = [None] * len(params)
             else:
                 continue
-            engine.on_group_grads(group, params, grads)
+            _hand_over(engine, group, params, grads)
         for group, (params, grads) in complete.items():     # not trainable when the order was made
-            engine.on_group_grads(group, params, grads)
+            _hand_over(engine, group, params, grads)
         for group, (params, grads, arrived) in armed.items():
             if arrived or group in reopened:    # reopened: its first gradients' tokens come back at the take
-                engine.on_group_grads(group, params, grads)
+                _hand_over(engine, group, params, grads)
 
     def remove(self) -> None:
         for handle in self._hooked.values():
@@ -331,6 +331,18 @@ def watch_backward(module: nn.Module, output, pre_backward, ended: list[int], in
 
     for t in needing.values():
         t.register_hook(on_input_grad)
+
+
+def _hand_over(engine, group, params, grads) -> None:
+    """``engine.on_group_grads``; when it fails (an I/O error, the disk full, Ctrl-C) the step's gradients are
+    lost and the caller redoes it after ``zero_grad()``: autograd's ``.grad`` of the group would stay, which
+    ``zero_grad()`` does not see and the redone step would add in, so it goes."""
+    try:
+        engine.on_group_grads(group, params, grads)
+    except BaseException:
+        for param in params:
+            param.grad = None
+        raise
 
 
 class _CallEnd(torch.autograd.Function):

@@ -156,3 +156,35 @@ def test_a_fault_at_any_gradient_hand_off_loses_nothing_and_a_save_works(tmp_pat
         assert _same(got, reference), f"{error!r} at hand-off {k} changed the weights"
         k += 3      # every third hand-off: the first, middle and last groups of both micro-batches are among them
     assert tried >= 8, f"only {tried} fault points"
+
+
+def _engine_hooks(engine, fault):
+    """Every place a step enters the engine from torch: each module's gather (forward and backward), the end of
+    each module's forward, the start of each module's backward and each group's gradients."""
+    engine.coordinator.acquire = fault.wrap(engine.coordinator.acquire)
+    engine.coordinator.hold_for_backward = fault.wrap(engine.coordinator.hold_for_backward)
+    engine.post_forward = fault.wrap(engine.post_forward)
+    engine.pre_backward = fault.wrap(engine.pre_backward)
+    engine.on_group_grads = fault.wrap(engine.on_group_grads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ctrl_c_at_every_engine_hook_of_a_step_loses_nothing(tmp_path, dtype):
+    """KeyboardInterrupt raised at each engine hook of a step in turn (forward, backward, gradient hand-off):
+    a save right after it works, and after opt.zero_grad() the redone step trains exactly as without it."""
+    reference, _, _ = _train(tmp_path / "ref", dtype)
+    k, tried = 1, 0
+
+    def save(model, opt):
+        infinity.save_checkpoint(tmp_path / "ckpt", model, opt, keep=1)
+
+    while True:
+        fault = _Fault(k, KeyboardInterrupt())
+        got, said, calls = _train(tmp_path / f"k{k}", dtype, fault, _engine_hooks, save)
+        if not fault.fired:
+            break
+        tried += 1
+        assert isinstance(said, KeyboardInterrupt), (k, said)
+        assert _same(got, reference), f"Ctrl-C at engine hook {k} of {calls} changed the weights"
+        k += 1 if k < 8 else 5      # the first hooks one by one, then every fifth
+    assert tried >= 12, f"only {tried} fault points"
