@@ -10,6 +10,7 @@ import difflib
 import inspect
 import json
 import os
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
@@ -43,16 +44,14 @@ def read(src: str | os.PathLike) -> tuple[str, dict]:
     file = str(path)
     if path.suffix not in (".toml", ".json"):
         raise ConfigError(f"expected a .toml or .json file (or a preset: {', '.join(presets())})", file=file)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError("no such file", file=file) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read: {getattr(exc, 'strerror', None) or exc}", file=file) from None
+    text = _read_text(path, file)
     if path.suffix == ".json":
         return file, parse_json(text, file)
     try:
         return file, _toml.loads(text)
+    except RecursionError:
+        raise ConfigError("nested too deeply to be a config (sections hold values, not tables of tables)",
+                          file=file) from None
     except _toml.TOMLUnavailable as exc:
         raise ConfigError(str(exc), file=file) from None
     except _toml.decode_error_type() as exc:
@@ -62,6 +61,32 @@ def read(src: str | os.PathLike) -> tuple[str, dict]:
         if head and place.startswith("line "):
             raise ConfigError(f"TOML syntax error at {place.rstrip(')')}: {head}", file=file) from None
         raise ConfigError(f"TOML syntax error: {message}", file=file) from None
+
+
+MAX_CONFIG_NBYTES = 1 << 20     # a config is a few KiB; more is not one (``/dev/zero``, a log given by mistake)
+
+
+def _read_text(path: Path, file: str) -> str:
+    """The file's text: a regular file (a FIFO would block, a device never end) of at most MAX_CONFIG_NBYTES."""
+    try:
+        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise ConfigError("cannot read: not a regular file (a FIFO, a device or a directory): a config is read from a "
+                                  "file", file=file)
+            data = f.read(MAX_CONFIG_NBYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError("no such file", file=file) from None
+    except IsADirectoryError:
+        raise ConfigError("cannot read: not a regular file (a directory): a config is read from a file", file=file) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror or exc}", file=file) from None
+    if len(data) > MAX_CONFIG_NBYTES:
+        raise ConfigError(f"larger than {MAX_CONFIG_NBYTES // 1024} KiB: not a config file", file=file)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read: not UTF-8 text ({exc.reason} at byte {exc.start})", file=file) from None
 
 
 def parse_json(text: str, file: str) -> dict:
@@ -74,6 +99,9 @@ def parse_json(text: str, file: str) -> dict:
 
     try:
         data = json.loads(text, object_pairs_hook=no_duplicates)
+    except RecursionError:
+        raise ConfigError("nested too deeply to be a config (sections hold values, not objects of objects)",
+                          file=file) from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}", file=file) from None
     if not isinstance(data, dict):

@@ -434,3 +434,27 @@ def test_an_error_in_an_override_names_the_override_not_the_file(tmp_path):
     bad.write_text('[aio]\nqueue_depth = 0\n')
     with pytest.raises(ConfigError, match=rf"^{bad} \(with overrides\): aio.queue_depth"):
         load_config(bad, overrides={"tiers": {"params": "host"}})
+
+
+def test_config_files_that_are_no_config_files_are_refused_quickly(tmp_path):
+    """A config nested 100,000 deep gave a bare RecursionError; /dev/zero was read without end (10.7 GB in
+    30 s); a FIFO blocked forever. Each is now one ConfigError naming the file."""
+    import os
+
+    from infinity.config.values import ConfigError
+
+    deep_json = tmp_path / "deep.json"
+    deep_json.write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    deep_toml = tmp_path / "deep.toml"
+    deep_toml.write_text("a = " + "[" * 100_000 + "]" * 100_000)
+    big = tmp_path / "big.toml"
+    big.write_text("# " + "x" * (2 << 20))
+    fifo = tmp_path / "pipe.toml"
+    os.mkfifo(fifo)
+    dev = tmp_path / "zero.toml"
+    os.symlink("/dev/zero", dev)
+    for path, said in ((deep_json, "nested too deeply"), (deep_toml, "nested too deeply"),
+                       (big, "larger than 1024 KiB"), (fifo, "not a regular file"), (dev, "not a regular file")):
+        with pytest.raises(ConfigError, match=said) as info:
+            load_config(str(path))
+        assert str(path) in str(info.value), (path, info.value)
