@@ -348,7 +348,19 @@ class SavedCheckpoint:
         self._ranks: dict[int, dict] = {}
 
     def _load(self, rel: str, what: str) -> dict:
-        return load_json(os.path.join(self.directory, rel), what, expect_crc=int(self._crcs[rel]))
+        try:
+            return load_json(os.path.join(self.directory, rel), what, expect_crc=int(self._crcs[rel]))
+        except CheckpointCorruptError:
+            self.refuse_retired()
+            raise
+
+    def refuse_retired(self) -> None:
+        """Raise when this version is gone as a whole: another job's save (``keep``) retired it while it was
+        read. Not damage: its newer version is the checkpoint now."""
+        if not os.path.isfile(os.path.join(self.directory, COMMIT)):
+            raise CheckpointError(f"{self.directory}: this version was retired while it was being read (a save "
+                                  "into the same directory committed a newer one and kept fewer); nothing was "
+                                  "loaded. Read the checkpoint directory again for its current version")
 
     def rank_manifest(self, rank: int) -> dict:
         if not 0 <= rank < self.world_size:

@@ -115,7 +115,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
     except BaseException as exc:
         # On every rank, also those whose part went through: the model is one mixture.
         engine.damaged = (f"loading checkpoint {where} failed after its bytes began to reach the tiers "
-                          f"({exc}); the states are partly loaded: load a checkpoint (infinity.load_checkpoint) before "
+                          f"({str(exc) or type(exc).__name__}); the states are partly loaded: load a checkpoint "
+                          "(infinity.load_checkpoint) before "
                           "training or saving")
         raise
     engine.damaged = None

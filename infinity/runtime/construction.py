@@ -113,8 +113,10 @@ def _check_max_live(coordinator, partition) -> None:
         what = f"group {largest.name!r}'s {largest.numel} elements" if largest is not None else "nothing else"
         raise EngineError(
             f"partition.max_live_parameters = {max_live} is below {need}: the {kept} elements of the groups that "
-            f"stay gathered (partition.stage {partition.stage} < 3 keeps all; stage 3 those below "
-            f"partition.persistence_threshold = {partition.persistence_threshold}) plus {what}, whole on the "
+            "stay gathered ("
+            + (f"at partition.stage {partition.stage}, every group" if partition.stage < 3 else
+               f"at stage 3, those below partition.persistence_threshold = {partition.persistence_threshold}")
+            + f") plus {what}, whole on the "
             f"compute device while its module runs. Set it to at least {need}, or 0 (no bound); or lower the "
             "persistence threshold, or split the module ([partition] units, [tiling])")
 

@@ -527,3 +527,43 @@ def test_kill_9_mid_training_leaves_a_directory_the_next_run_takes_over(tmp_path
     assert infinity.load_checkpoint(tmp_path / "ckpt", model, opt) == "saved" and opt.step_count == 2
     train(model, opt, 2)
     infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+
+
+def test_messages_of_smaller_faults_say_what_happened(tmp_path, monkeypatch):
+    """An interrupted load named its cause as an empty "()"; a version retired under a reader (another job saved
+    with a small keep) was called corrupt ("manifest of rank 0 is missing"); the max_live_parameters refusal
+    read "stage 3 < 3 keeps all"."""
+    import shutil
+
+    from infinity.checkpoint import reader
+    from infinity.checkpoint.directory import SavedCheckpoint
+    from infinity.checkpoint.errors import CheckpointError
+
+    model, opt = build(nvme_config(tmp_path))
+    train(model, opt, 1)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    real_write = reader._StateDest.write
+
+    def interrupted(self, dest_offset, data):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(reader._StateDest, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    monkeypatch.setattr(reader._StateDest, "write", real_write)
+    with pytest.raises(EngineError, match=r"failed after its bytes began to reach the tiers \(KeyboardInterrupt\)"):
+        opt.step()
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+
+    saved = SavedCheckpoint(tmp_path / "ckpt")
+    shutil.rmtree(saved.directory)      # retired by another job's save between opening and reading
+    with pytest.raises(CheckpointError, match="this version was retired while it was being read") as info:
+        saved.rank_manifest(0)
+    assert not isinstance(info.value, CheckpointCorruptError)
+    infinity.release(model)
+
+    with pytest.raises(EngineError, match=r"stay gathered \(at stage 3, those below "
+                                          r"partition.persistence_threshold = \d+\) plus") as info:
+        with infinity.Init({"tiers": {"params": "host"}, "partition": {"max_live_parameters": 1}}):
+            nn.Linear(8, 8)
+    assert "3 < 3" not in str(info.value)
