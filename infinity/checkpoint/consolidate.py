@@ -24,6 +24,7 @@ storage, so a tied parameter is written once per name.
 """
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import time
@@ -34,7 +35,8 @@ import torch
 
 from infinity.checkpoint import safetensors_file
 from infinity.checkpoint.directory import SavedCheckpoint
-from infinity.checkpoint.errors import CheckpointError
+from infinity.checkpoint.disk import free_bytes, human
+from infinity.checkpoint.errors import CheckpointError, CheckpointWriteError
 from infinity.checkpoint.manifest import LATEST, dtype_of, fsync_dir, itemsize, read_small_file
 from infinity.checkpoint.reshard import SavedLayout
 from infinity.checkpoint.stream import Run, StreamIO, _Done, _pwrite_all, read_runs
@@ -243,9 +245,17 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
             _fix_zip_crcs(tmp)
         os.replace(tmp, out)
         fsync_dir(os.path.dirname(os.path.abspath(out)))
-    except BaseException:
+    except BaseException as exc:
+        need = os.path.getsize(tmp) if os.path.exists(tmp) else None
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            free = free_bytes(os.path.dirname(os.path.abspath(out)))
+            raise CheckpointWriteError(
+                f"writing {out}: {exc.strerror or os.strerror(exc.errno)} ({errno.errorcode.get(exc.errno, exc.errno)})"
+                + (f"; the output needs {human(need)}" if need else "")
+                + (f", its filesystem has {human(free)} free" if free is not None else "")
+                + "; the partial file was removed, the checkpoint is untouched", exc.errno) from exc
         raise
     return {"directory": saved.directory, "tensors": len(entries), "nbytes": os.path.getsize(out),
             "seconds": time.perf_counter() - t0, "format": "safetensors" if safetensors else "torch"}

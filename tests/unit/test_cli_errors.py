@@ -147,3 +147,24 @@ def test_installed_command_prints_no_traceback(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.startswith("infinity-consolidate: error: no checkpoint at ")
+
+
+def test_consolidate_onto_a_full_disk_names_the_file_the_bytes_and_cleans_up(tmp_path, checkpoint, capsys,
+                                                                            monkeypatch):
+    """A full disk gave only "[Errno 28]"; now the one line names the output, ENOSPC, the bytes it needs and
+    the room, and no partial file stays."""
+    import errno
+
+    import importlib
+
+    module = importlib.import_module("infinity.checkpoint.consolidate")
+
+    def full(fd, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(module.os, "fsync", full)
+    out = tmp_path / "model.safetensors"
+    assert consolidate.main([str(checkpoint), str(out)]) == 1
+    err = one_line_error(capsys, "infinity-consolidate")
+    assert str(out) in err and "(ENOSPC)" in err and "the output needs" in err and "free" in err, err
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
