@@ -33,6 +33,15 @@ from tiers.arena import Arena
 ALIGN = 4096
 
 
+class _ReadFailed:
+    """What a failed read of the I/O thread returns (see ``ActivationTier._read``)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
 def _round(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
@@ -157,7 +166,16 @@ class ActivationTier:
                 from failed
         return self._submit(self._read, place.key, dst, allocated)
 
-    def _read(self, key: int, dst: torch.Tensor, allocated) -> torch.Tensor:
+    def _read(self, key: int, dst: torch.Tensor, allocated):
+        """The bytes of ``key`` into ``dst``; a failure is returned (``_ReadFailed``), raised by ``wait`` when
+        backward uses the activation: not kept for the next call to report, as a write's is (a fetch ahead
+        that nobody uses, of a graph no backward reads, is no error of the run's)."""
+        try:
+            return self._read_now(key, dst, allocated)
+        except BaseException as exc:
+            return _ReadFailed(exc)
+
+    def _read_now(self, key: int, dst: torch.Tensor, allocated) -> torch.Tensor:
         failed = self._unwritten.get(key)     # here, on the I/O thread after the key's writes: definitive
         if failed is not None:
             raise EngineError(f"activations: an activation offloaded to NVMe cannot be read back: its write "
@@ -182,7 +200,10 @@ class ActivationTier:
             dst, event = pending
             self.datapath.use(event)
             return dst
-        return pending.result()
+        out = pending.result()
+        if isinstance(out, _ReadFailed):
+            raise out.error
+        return out
 
     # -- giving back ------------------------------------------------------------------------------------
     def discard(self, place) -> None:
@@ -195,8 +216,13 @@ class ActivationTier:
         if place.freed or self._closed:
             return
         place.freed = True
-        self._unwritten.pop(place.key, None)
-        self._submit(self.nvme.free, place.key, report=False)     # a finalizer's call may not raise
+        self._submit(self._free, place.key, report=False)     # a finalizer's call may not raise
+
+    def _free(self, key: int) -> None:
+        # On the I/O thread, after the key's writes: a write failing after the graph let the key go would
+        # otherwise mark it unwritten after the mark was cleared, and its next owner could never be read.
+        self._unwritten.pop(key, None)
+        self.nvme.free(key)
 
     def _submit(self, fn, *args, report: bool = True):
         """Start ``fn(*args)`` on the I/O thread; the errors of transfers that finished since are kept, and raised

@@ -196,7 +196,12 @@ class ActivationOffload:
             if self._ahead_bytes and self._ahead_bytes + saved.nbytes > self.config.prefetch_bytes:
                 return
             self._queue.popleft()
-            self._fetch(saved)
+            try:
+                self._fetch(saved)
+            except EngineError:
+                # Its write failed: said when backward uses it (``unpack`` fetches it again), not here. It
+                # may belong to a graph no backward will read (a step that failed, kept alive by its error).
+                continue
             self.stats_.add("prefetched", 1)
 
     def _fetch(self, saved: SavedActivation) -> None:
@@ -233,7 +238,10 @@ class ActivationOffload:
         for ref in self._moved:
             saved = ref()
             if saved is not None and saved.pending is not None:
-                self.tier.wait(saved.pending)
+                try:
+                    self.tier.wait(saved.pending)
+                except Exception:   # a fetch ahead nobody used: its failure is no error of this backward's
+                    pass
                 saved.pending = None
                 self._ahead_bytes -= saved.nbytes
         self._moved = [ref for ref in self._moved if ref() is not None and not ref().consumed]

@@ -8,6 +8,7 @@ and the redone step train exactly (bit for bit) as a run that never met the faul
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 import infinity
 from infinity import registry
 from infinity.optim import delayed, flat_state
+from infinity.optim.background import UpdateWorkerError
 from tests.support.tiny_gpt import TinyGPT, batches
 
 
@@ -188,3 +190,117 @@ def test_ctrl_c_at_every_engine_hook_of_a_step_loses_nothing(tmp_path, dtype):
         assert _same(got, reference), f"Ctrl-C at engine hook {k} of {calls} changed the weights"
         k += 1 if k < 8 else 5      # the first hooks one by one, then every fifth
     assert tried >= 12, f"only {tried} fault points"
+
+
+# -- every I/O call of a step, at the tier ------------------------------------------------------------------
+
+class _LockedFault(_Fault):
+    """A ``_Fault`` whose count is shared with the tier's worker threads (an overlapped update's I/O)."""
+
+    def __init__(self, k: int, error: BaseException) -> None:
+        import threading
+
+        super().__init__(k, error)
+        self._lock = threading.Lock()
+
+    def wrap(self, fn):
+        def wrapped(*args, **kwargs):
+            with self._lock:
+                fire = False
+                if self.armed:
+                    self.calls += 1
+                    if self.calls == self.k:
+                        self.armed, self.fired, fire = False, True, True
+            if fire:
+                raise self.error
+            return fn(*args, **kwargs)
+        return wrapped
+
+
+def _tier_calls(engine, fault):
+    """Every reservation, read and write of the NVMe tier: parameters, masters, moments, gradients and, with
+    activations offloaded to NVMe, the checkpointed activations (their tier writes into the same files)."""
+    tier = engine.tiers.nvme_tier
+    for name in ("allocate", "read", "write"):
+        setattr(tier, name, fault.wrap(getattr(tier, name)))
+
+
+def _run_through(tmp_path, dtype, fault, overrides, at_step=1):
+    """Three steps of two micro-batches, the place in the data from ``opt.step_count``; ``fault`` armed for step
+    ``at_step`` and its update (waited for inside it). A failure: zero_grad() and redo; a failure that damaged
+    the states (an update cut short): load the checkpoint saved before the step, and redo."""
+    cfg = _config(tmp_path, dtype)
+    for section, values in overrides.items():
+        cfg.setdefault(section, {}).update(values)
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = TinyGPT(d=48)
+        if "activations" in overrides:      # checkpointed blocks: their inputs go to the activation file
+            model.blocks = torch.nn.ModuleList(infinity.activation_checkpoint(b) for b in model.blocks)
+    engine = registry.engine_of(model, "test")
+    opt = infinity.AdamW(model, lr=1e-2)
+    if fault is not None:
+        _tier_calls(engine, fault)
+    data = batches(6, 4)
+    said, restored, tries, saved = None, 0, 0, False
+    while opt.step_count < 3:
+        step = opt.step_count
+        if fault is not None and step == at_step and not saved:
+            infinity.save_checkpoint(tmp_path / "before", model, opt, keep=1)
+            saved = True
+        tries += 1
+        assert tries < 8, f"no progress: {said!r}"
+        try:
+            if fault is not None:
+                fault.armed = step == at_step and not fault.fired
+            for mb in range(2):
+                x, y = data[2 * step + mb]
+                model(x, y).backward()
+            opt.step()
+            opt.synchronize()       # an overlapped update's I/O inside the armed window
+            opt.zero_grad()
+        except (OSError, KeyboardInterrupt, infinity.errors.EngineError, UpdateWorkerError) as exc:
+            said = exc
+            fault.armed = False
+            if engine.damaged:
+                infinity.load_checkpoint(tmp_path / "before", model, opt)
+                restored += 1
+            else:
+                opt.zero_grad()
+        finally:
+            if fault is not None:
+                fault.armed = False
+    with infinity.gathered(model):
+        weights = [p.detach().float().clone() for p in model.parameters()]
+    infinity.release(model)
+    return weights, said, restored
+
+
+_ALL_FAULTS = os.environ.get("INFINITY_TEST_ALL_FAULTS") == "1"     # every k (the closing-note figures)
+
+
+@pytest.mark.parametrize("name,dtype,overrides", [
+    ("nvme, bf16, overlapped update", "bfloat16", {}),
+    ("nvme, fp32, update inline", "float32", {"dpu": {"overlap": False}}),
+    ("nvme, bf16, activations on NVMe", "bfloat16", {"activations": {"offload": "nvme", "min_nbytes": 1024}}),
+])
+def test_an_io_error_at_every_tier_call_of_a_step_is_named_and_loses_nothing(tmp_path, name, dtype, overrides):
+    """EIO at the k-th reservation, read or write of the NVMe tier during a step (forward reads, gradient writes,
+    the update's reads and writes), for every k (sampled here; INFINITY_TEST_ALL_FAULTS=1 tries each): the error
+    names the failure; zero_grad() and the redone step, or (the update cut short: states damaged, refused until
+    a load) load_checkpoint of the save before the step, end with the weights of a run that never failed."""
+    reference, _, _ = _run_through(tmp_path / "ref", dtype, None, overrides)
+    error = OSError(errno.EIO, "Input/output error (injected)")
+    counting = _LockedFault(10 ** 9, error)
+    _run_through(tmp_path / "count", dtype, counting, overrides)
+    total = counting.calls
+    ks = range(1, total + 1) if _ALL_FAULTS else sorted({1, 2, 3, total} | set(range(5, total, 9)))
+    restored_runs = 0
+    for k in ks:
+        fault = _LockedFault(k, error)
+        got, said, restored = _run_through(tmp_path / f"k{k}", dtype, fault, overrides)
+        assert fault.fired, (k, total)
+        assert said is not None and "Input/output error" in str(said) or "injected" in repr(said), (k, said)
+        assert _same(got, reference), f"{name}: EIO at tier call {k} of {total} changed the weights ({said!r})"
+        restored_runs += bool(restored)
+    print(f"{name}: {total} tier calls in the step, {len(ks)} tried, {restored_runs} needed the checkpoint")
