@@ -312,7 +312,16 @@ class SwapFile:
                 self._reserve(offset, self._slots.round_up(nbytes), old_end)
             except OSError as exc:
                 self._slots.release(offset, nbytes)
-                self._unreserve(offset, self._slots.round_up(nbytes), old_end)
+                # posix_fallocate may have reserved some blocks before the disk ran out (ext4 does): past the
+                # old end the file is cut back, a reused hole punched again. Best effort: the slot is free anyway.
+                size = self._slots.round_up(nbytes)
+                try:
+                    if offset + size > old_end and os.fstat(self.file.fd).st_size > old_end:
+                        os.ftruncate(self.file.fd, old_end)
+                    if offset < old_end:
+                        self._punch(offset, min(size, old_end - offset))
+                except OSError:
+                    pass
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise NVMeSpaceError(
                         f"no space left on nvme_path {self.directory} for {what} "
@@ -386,18 +395,6 @@ class SwapFile:
                 raise
             if offset + size > old_end:
                 os.ftruncate(self.file.fd, offset + size)
-
-    def _unreserve(self, offset: int, size: int, old_end: int) -> None:
-        """Give back what a reservation that failed part-way took: posix_fallocate may have reserved some
-        blocks before the disk ran out (ext4 does). Past the old end the file is cut back to it; a reused hole
-        is punched again. Best effort: the slot is free either way."""
-        try:
-            if offset + size > old_end and os.fstat(self.file.fd).st_size > old_end:
-                os.ftruncate(self.file.fd, old_end)
-            if offset < old_end:
-                self._punch(offset, min(size, old_end - offset))
-        except OSError:
-            pass
 
     def release(self, offset: int, nbytes: int) -> None:
         """Return a slot: at the end of the file the file shrinks, inside it the blocks are punched out."""

@@ -303,7 +303,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         Does not wait for a background step: that step reads its own gradient buffer.
         """
         self.engine.recover_aborted_backward()
-        self.engine.reducer.discard()
+        self.engine.reducer.settle(drop=True)
         if self._in_backward is not None:
             self._in_backward.reset(f"{self._name}.zero_grad()")
         self.store.zero_grad()

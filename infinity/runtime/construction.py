@@ -501,7 +501,7 @@ class Partitioner:
                           row.nbytes // len(paths), p) for p in paths] if row.tier == "nvme" else
                     [Need(f"fp32 gradient keys once micro-batches accumulate (+{format_nbytes(row.nbytes)})",
                           row.tier, row.nbytes)])
-            later = check_budget(needs + more, host_budget=config.tiers.host_budget,
+            later = check_budget([n for n in needs if n.tier == row.tier] + more, host_budget=config.tiers.host_budget,
                                  device=self.engine.device.device).shortfalls()
             if later:
                 warnings.warn(

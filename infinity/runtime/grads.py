@@ -469,10 +469,24 @@ class GradReducer:
         """Whether ``settle()`` would issue collectives (stage 1's whole gradients, not reduced yet)."""
         return bool(self._waiting)
 
-    def settle(self, wait: bool = True, reduce: bool = True) -> None:
+    def settle(self, wait: bool = True, reduce: bool = True, drop: bool = False) -> None:
         """Add the downloaded shards whose copies are done into the store (all of them, with ``wait``).
 
-        With ``wait`` (and ``reduce``), stage 1's whole gradients are reduced first (``reduce_whole``)."""
+        With ``wait`` (and ``reduce``), stage 1's whole gradients are reduced first (``reduce_whole``).
+        With ``drop`` the gradients are being cleared (``zero_grad``): the shards on their way are dropped, not
+        added (an addition that failed, the disk full, would fail again): their copies are waited for and
+        their buffers given back; stage 1's whole gradients are not reduced."""
+        if drop:
+            sent, self._sent = self._sent, []
+            for _, host, done, _, _ in sent:
+                if not done.query():
+                    self.datapath.host_wait(done)
+                if host is not None:
+                    host.release()
+            self._sent_groups.clear()
+            self._waiting = []
+            self.datapath.settle(wait=True)
+            return
         if wait and reduce and self._waiting:
             self.reduce_whole()
         sent, self._sent, left = self._sent, [], []
@@ -486,7 +500,7 @@ class GradReducer:
                 if host is not None:    # else written in place already
                     writes = self.store.accumulate_grad(index, host.tensor.view(dtype)[:numel])
                     self.datapath.when_done(_Landed(writes), host.release)   # NVMe writes still read it
-            except BaseException:       # this shard and the rest stay on their way (``discard`` drops them)
+            except BaseException:       # this shard and the rest stay on their way (``settle(drop=True)`` drops them)
                 self._sent = left + sent[i:]
                 raise
             self._sent_groups[index] -= 1
@@ -495,20 +509,6 @@ class GradReducer:
         self._sent = left
         if wait:
             self.datapath.settle(wait=True)
-
-    def discard(self) -> None:
-        """The gradients are cleared (``zero_grad``): the shards still on their way are dropped, not added
-        (an addition that failed, the disk full, would fail again): their copies are waited for and their
-        buffers given back; stage 1's whole gradients are not reduced."""
-        sent, self._sent = self._sent, []
-        for _, host, done, _, _ in sent:
-            if not done.query():
-                self.datapath.host_wait(done)
-            if host is not None:
-                host.release()
-        self._sent_groups.clear()
-        self._waiting = []
-        self.datapath.settle(wait=True)
 
     def finish_backward(self) -> None:
         """End of a backward pass: autograd is done with every group taken."""
