@@ -20,13 +20,14 @@ methods (reads and writes of keys), the ranks' collectives to agree, and its own
 changes no training state except on load.
 """
 from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointLockedError,
-                                        CheckpointMismatchError, CheckpointNotFoundError, CheckpointWriteError)
+                                        CheckpointMismatchError, CheckpointNotFoundError, CheckpointUntrustedError,
+                                        CheckpointWriteError)
 from infinity.checkpoint.reader import load_checkpoint, verify_checkpoint
 from infinity.checkpoint.writer import save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "consolidate", "CheckpointError",
            "CheckpointCorruptError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointWriteError",
-           "CheckpointLockedError"]
+           "CheckpointLockedError", "CheckpointUntrustedError"]
 
 
 def __getattr__(name: str):

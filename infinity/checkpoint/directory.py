@@ -75,7 +75,7 @@ from infinity.checkpoint.disk import SaveSize, writing
 from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointLockedError,
                                         CheckpointMismatchError, CheckpointNotFoundError, CheckpointWriteError)
 from infinity.checkpoint.manifest import (COMMIT, FORMAT, LATEST, MANIFEST, VERSION, FileRecord, dump_json,
-                                          fsync_dir, load_json, sync_files, write_bytes, write_durably)
+                                          fsync_dir, inside, load_json, sync_files, write_bytes, write_durably)
 from tiers import lockfile
 
 _TMP = ".tmp-"
@@ -323,6 +323,9 @@ def _versions_hint(path: str) -> str:
     return f"; committed versions found: {', '.join(found)} (pass one of them)" if found else ""
 
 
+MAX_WORLD_SIZE = 1 << 20     # a checkpoint's ranks: checked before a list of their manifests is built
+
+
 class SavedCheckpoint:
     """A committed checkpoint opened for reading: its commit record and manifests, verified.
 
@@ -340,7 +343,12 @@ class SavedCheckpoint:
                 f"{os.path.join(self.directory, COMMIT)}: format {self.commit.get('format')!r} version "
                 f"{self.commit.get('version')!r}; this infinity reads {FORMAT!r} version {VERSION}")
         self._crcs = self.commit.get("manifests", {})
-        self.world_size = int(self.commit.get("world_size", 0))
+        world_size = self.commit.get("world_size")
+        if type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE or not isinstance(self._crcs, dict) \
+                or len(self._crcs) != world_size + 1:
+            raise CheckpointCorruptError(f"{os.path.join(self.directory, COMMIT)}: world size {str(world_size)[:20]} "
+                                         f"is not 1 to {MAX_WORLD_SIZE}, or no table of manifests")
+        self.world_size = world_size
         if sorted(self._crcs) != sorted(_manifest_paths(self.directory, self.world_size)):
             raise CheckpointCorruptError(f"{os.path.join(self.directory, COMMIT)}: lists manifests "
                                          f"{sorted(self._crcs)} for world size {self.world_size}")
@@ -384,7 +392,9 @@ class SavedCheckpoint:
                 "checkpoint>) and then call infinity.load_checkpoint; it cannot be resharded or consolidated")
 
     def path_of(self, record: FileRecord) -> str:
-        return os.path.join(self.directory, record.path)
+        """Where ``record``'s file is, refused when it resolves outside this version ([Note: a checkpoint is
+        data] in infinity/checkpoint/reader.py)."""
+        return inside(self.directory, record.path)
 
     @property
     def step(self) -> int:

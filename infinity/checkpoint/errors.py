@@ -32,3 +32,8 @@ class CheckpointWriteError(CheckpointError):
 
 class CheckpointLockedError(CheckpointError):
     """Another save (another job, or another thread of this one) is writing to the same checkpoint directory."""
+
+
+class CheckpointUntrustedError(CheckpointError):
+    """A checkpoint holds something that only unpickling with code could rebuild (its ``extra`` is not plain
+    data); loading it would run code the checkpoint chose. Refused unless the caller says it trusts the file."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -76,16 +77,57 @@ class FileRecord:
 
     @classmethod
     def from_json(cls, data: dict, where: str) -> "FileRecord":
+        """A record read from a manifest, every field checked before use ([Note: a checkpoint is data] in
+        infinity/checkpoint/reader.py): a path the writer makes (``rank<N>/<name>``, nothing that leaves the
+        version directory), a size, a chunk size a save can write and 32-bit checksums, consistent."""
+        if not isinstance(data, dict) or not isinstance(data.get("path"), str) or \
+                not isinstance(data.get("crc32"), list) or len(data["crc32"]) > _MAX_CHUNKS:
+            raise CheckpointCorruptError(f"{where}: malformed file record (a path, a size, a chunk size and a list "
+                                         "of checksums expected)")
+        path = data["path"]
+        if not _RECORD_PATH.fullmatch(path):
+            raise CheckpointCorruptError(f"{where}: file record path {path[:80]!r} is not rank<N>/<name> inside the "
+                                         "checkpoint; nothing is read outside it")
         try:
-            record = cls(str(data["path"]), int(data["nbytes"]), int(data["chunk_nbytes"]),
-                         tuple(int(c) for c in data["crc32"]))
+            record = cls(path, _int(data["nbytes"]), _int(data["chunk_nbytes"]), tuple(_int(c) for c in data["crc32"]))
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(f"{where}: malformed file record {data!r} ({exc})") from exc
-        expected = -(-record.nbytes // record.chunk_nbytes) if record.chunk_nbytes > 0 else -1
+            raise CheckpointCorruptError(f"{where}: malformed file record of {path} ({exc})") from exc
+        if not 0 <= record.nbytes <= _MAX_FILE_NBYTES:
+            raise CheckpointCorruptError(f"{where}: file record of {path}: size {record.nbytes} out of range")
+        chunk = record.chunk_nbytes
+        if not (MIN_CHUNK_NBYTES <= chunk <= CHUNK_NBYTES and chunk % MIN_CHUNK_NBYTES == 0):
+            raise CheckpointCorruptError(f"{where}: file record of {path}: chunk size {record.chunk_nbytes} is not one "
+                                         f"a save writes (a multiple of {MIN_CHUNK_NBYTES} up to {CHUNK_NBYTES})")
+        if any(not 0 <= c < 1 << 32 for c in record.crc32):
+            raise CheckpointCorruptError(f"{where}: file record of {path}: a checksum is not a 32-bit value")
+        expected = -(-record.nbytes // record.chunk_nbytes)
         if expected != len(record.crc32):
-            raise CheckpointCorruptError(f"{where}: file record of {record.path} lists {len(record.crc32)} "
+            raise CheckpointCorruptError(f"{where}: file record of {path} lists {len(record.crc32)} "
                                          f"checksums for {record.nbytes} bytes in chunks of {record.chunk_nbytes}")
         return record
+
+
+_RECORD_PATH = re.compile(r"rank[0-9]{1,7}/[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")     # no "..": cannot start with "."
+MIN_CHUNK_NBYTES = 4096
+_MAX_FILE_NBYTES = 1 << 50
+_MAX_CHUNKS = _MAX_FILE_NBYTES // MIN_CHUNK_NBYTES
+
+
+def _int(value) -> int:
+    """A JSON integer (not a bool, float or string that int() would take)."""
+    if type(value) is not int:
+        raise TypeError(f"{type(value).__name__} where an integer belongs")
+    return value
+
+
+def inside(directory: str, relpath: str) -> str:
+    """``directory``/``relpath``, refused when it resolves outside ``directory`` (a symlink planted in a
+    checkpoint); the caller then opens that path."""
+    path = os.path.join(directory, relpath)
+    real, base = os.path.realpath(path), os.path.realpath(directory)
+    if os.path.commonpath([real, base]) != base:
+        raise CheckpointCorruptError(f"{path}: leads outside the checkpoint (a symlink?); nothing is read there")
+    return path
 
 
 class ChunkChecksum:
@@ -166,14 +208,15 @@ def write_small_file(directory: str, relpath: str, data: bytes, chunk_nbytes: in
 
 def read_small_file(directory: str, record: FileRecord) -> bytes:
     """Read a small data file whole and verify it against its record."""
-    path = os.path.join(directory, record.path)
+    path = inside(directory, record.path)
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            data = f.read(record.nbytes + 1)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{path}: missing from the checkpoint") from exc
     if len(data) != record.nbytes:
-        raise CheckpointCorruptError(f"{path}: {len(data)} bytes, the manifest says {record.nbytes} (truncated?)")
+        raise CheckpointCorruptError(f"{path}: not the {record.nbytes} bytes the manifest says (truncated, or "
+                                     "longer)")
     checksum = ChunkChecksum(record.chunk_nbytes)
     checksum.feed(data)
     found = checksum.finish()
@@ -182,7 +225,7 @@ def read_small_file(directory: str, record: FileRecord) -> bytes:
             start = index * record.chunk_nbytes
             raise CheckpointCorruptError(
                 f"{path}: bytes {start}..{min(start + record.chunk_nbytes, record.nbytes)} fail their CRC-32 "
-                f"(expected {want:08x}, found {got:08x}); the file is corrupt")
+                f"(expected {want:08x}); the file is corrupt")
     return data
 
 
@@ -199,7 +242,7 @@ def load_json(path: str, what: str, expect_crc: int | None = None) -> dict:
         raise CheckpointCorruptError(f"{path}: the {what} is missing") from exc
     if expect_crc is not None and zlib.crc32(raw) != expect_crc:
         raise CheckpointCorruptError(f"{path}: the {what} fails its CRC-32 recorded in COMMIT "
-                                     f"(expected {expect_crc:08x}, found {zlib.crc32(raw):08x}); it was altered")
+                                     f"(expected {expect_crc:08x}); it was altered")
     try:
         data = json.loads(raw)
     except ValueError as exc:

@@ -41,7 +41,7 @@ from infinity import registry
 from infinity.checkpoint import rng
 from infinity.checkpoint.agreement import agree
 from infinity.checkpoint.directory import SavedCheckpoint
-from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointUntrustedError
 from infinity.checkpoint.in_place import verify_sealed
 from infinity.checkpoint.manifest import STATE_FILES, dtype_of, itemsize, read_small_file
 from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, plan_shards
@@ -53,7 +53,7 @@ from infinity.optim.moments import write_moments
 _F32 = 4
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, *, trust_extra: bool = False):
     """Load a checkpoint written by ``save_checkpoint`` into ``model`` and ``opt``; call on every rank.
 
     The checkpoint may have been saved with another world size (it is resharded) and
@@ -75,6 +75,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
         Its infinity optimizer; None means the one created for the model, if any. Create the
         optimizer before loading: the moments are loaded in any case, and the step count and
         hyper-parameters go to the optimizer.
+    trust_extra:
+        A checkpoint is data, never code ([Note: a checkpoint is data]): its ``extra`` is read with
+        ``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples, dicts, and the types
+        given to ``torch.serialization.add_safe_globals``). An ``extra`` that needs more (an object of
+        your own class) raises ``CheckpointUntrustedError`` before anything is loaded, unless this is
+        True: then it is unpickled in full, which runs whatever code the file names. Only for
+        checkpoints you wrote yourself.
 
     Returns
     -------
@@ -90,13 +97,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None):
     where = os.fspath(path)
     resume = getattr(engine, "resume", None)
     if resume is not None and engine.damaged and resume.id is not None:
-        return _load_in_place(engine, model, opt, resume, where)
+        return _load_in_place(engine, model, opt, resume, where, trust_extra)
     error, load = None, None
     undo = _Undo(opt)
     engine.coordinator.release_all(include_persistent=True)
     try:
         _check_swap_files(engine)
-        load = _Verified(engine, model, opt, SavedCheckpoint(path))
+        load = _Verified(engine, model, opt, SavedCheckpoint(path), trust_extra)
     except BaseException as exc:
         error = exc
     try:
@@ -135,7 +142,37 @@ def _check_swap_files(engine) -> None:
         raise
 
 
-def _load_in_place(engine, model: nn.Module, opt, resume, where: str):
+# [Note: a checkpoint is data]
+# Checkpoints travel: downloaded, untarred from a colleague, pointed at by a conversion job. Unpickling runs
+# whatever code the pickle names, so nothing in a checkpoint is unpickled with code: every state is raw bytes
+# described by JSON manifests, and the one pickle a save writes, the caller's ``extra``, is read with
+# ``torch.load(weights_only=True)``, torch's allow-list of plain data. An ``extra`` beyond it is refused before
+# anything is loaded (``CheckpointUntrustedError``), unless the caller passes ``trust_extra=True`` for a file
+# of its own; ``save_checkpoint`` warns when it writes one. The manifests' CRC-32s catch damage, not an
+# adversary (anyone can recompute them): what a hostile checkpoint can do is fail.
+def load_extra(raw: bytes, where: str, trust: bool = False):
+    """The ``extra`` saved at ``where`` (its bytes ``raw``), as plain data unless ``trust``."""
+    import pickle
+
+    try:
+        return torch.load(_io.BytesIO(raw), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if not trust:
+            raise CheckpointUntrustedError(
+                f"{where}: the saved `extra` is not plain data ({str(exc).splitlines()[0][:200]}); loading it "
+                "would run code the file names, so nothing was loaded. If you wrote this checkpoint yourself, "
+                "pass trust_extra=True to infinity.load_checkpoint (or register the type with "
+                "torch.serialization.add_safe_globals); a checkpoint from elsewhere: do not") from None
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{where}: the saved `extra` cannot be read ({type(exc).__name__})") from exc
+    try:
+        return torch.load(_io.BytesIO(raw), weights_only=False)
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{where}: the saved `extra` cannot be unpickled "
+                                     f"({type(exc).__name__}: {exc})") from exc
+
+
+def _load_in_place(engine, model: nn.Module, opt, resume, where: str, trust_extra: bool = False):
     """The rest of a checkpoint in place, into a model built from it ([Note: checkpoints in place])."""
     error, extra = None, None
     try:
@@ -152,7 +189,7 @@ def _load_in_place(engine, model: nn.Module, opt, resume, where: str):
         state = saved.rank_manifest(rank)
         record = saved.file(rank, "extra")
         if record is not None:
-            extra = torch.load(_io.BytesIO(read_small_file(saved.directory, record)), weights_only=False)
+            extra = load_extra(read_small_file(saved.directory, record), saved.path_of(record), trust_extra)
         record = saved.file(rank, "exceptions")
         if engine.store.split is not None:
             if record is None:
@@ -255,7 +292,7 @@ class _Verified:
     nothing]).
     """
 
-    def __init__(self, engine, model: nn.Module, opt, saved: SavedCheckpoint) -> None:
+    def __init__(self, engine, model: nn.Module, opt, saved: SavedCheckpoint, trust_extra: bool = False) -> None:
         self.engine, self.opt, self.saved = engine, opt, saved
         manifest = saved.manifest
         saved.refuse_in_place("infinity.load_checkpoint")
@@ -275,12 +312,7 @@ class _Verified:
         record = saved.file(twin, "extra")
         self.extra = None
         if record is not None:
-            raw = read_small_file(saved.directory, record)
-            try:
-                self.extra = torch.load(_io.BytesIO(raw), weights_only=False)
-            except Exception as exc:
-                raise CheckpointCorruptError(f"{saved.path_of(record)}: the saved `extra` cannot be "
-                                             f"unpickled ({type(exc).__name__}: {exc})") from exc
+            self.extra = load_extra(read_small_file(saved.directory, record), saved.path_of(record), trust_extra)
         if opt is not None:
             _restore_optimizer(opt, manifest)   # in memory only; _Undo puts it back on failure
 

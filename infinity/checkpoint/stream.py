@@ -382,5 +382,5 @@ def _verify(path: str, record: FileRecord, data: torch.Tensor, start: int) -> No
         if found != record.crc32[index]:
             raise CheckpointCorruptError(
                 f"{path}: bytes {index * chunk}..{index * chunk + b - a} fail their CRC-32 (expected "
-                f"{record.crc32[index]:08x}, found {found:08x}); the file is corrupt: load an older version "
+                f"{record.crc32[index]:08x}); the file is corrupt: load an older version "
                 "or a checkpoint saved elsewhere")

@@ -131,6 +131,20 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
     return os.path.join(root, name)
 
 
+def _warn_unless_data(raw: bytes) -> None:
+    """Say at the save when ``extra`` will need ``trust_extra=True`` to load ([Note: a checkpoint is data] in
+    infinity/checkpoint/reader.py)."""
+    import pickle
+
+    try:
+        torch.load(_io.BytesIO(raw), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        warnings.warn(f"infinity.save_checkpoint: `extra` is not plain data ({str(exc).splitlines()[0][:160]}): "
+                      "infinity.load_checkpoint will refuse it unless called with trust_extra=True. Keep extra to "
+                      "tensors, numbers, strings, lists and dicts (or register the type with "
+                      "torch.serialization.add_safe_globals)", RuntimeWarning, stacklevel=4)
+
+
 def check_ready(engine, opt, what: str, damaged_ok: bool = False):
     """The model's optimizer (``opt``, or the one created for it), once no backward runs and updates are published.
 
@@ -285,6 +299,7 @@ def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Te
         raw = _io.BytesIO()
         torch.save(extra, raw)
         small["extra"] = (f"rank{rank}/extra.pt", raw.getvalue())
+        _warn_unless_data(raw.getvalue())
     exceptions = swap_checkpoint.exceptions_bytes(engine.store) if seal_id is not None else None
     if exceptions is not None:
         small["exceptions"] = (f"rank{rank}/exceptions.pt", exceptions)

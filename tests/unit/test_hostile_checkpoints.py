@@ -1,0 +1,156 @@
+"""A checkpoint is data, never code ([Note: a checkpoint is data] in infinity/checkpoint/reader.py).
+
+A checkpoint whose ``extra`` names code (a pickle that calls a function when loaded, as a downloaded or
+edited checkpoint can: its CRC-32s are recomputed by anyone) is refused before anything is loaded, and the
+code does not run; only ``trust_extra=True`` unpickles it in full. Plain ``extra`` round-trips unchanged.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import infinity
+from infinity.checkpoint.errors import CheckpointUntrustedError
+from tests.support.tiny_gpt import TinyGPT, batches
+
+
+class _Planted:
+    """What an attacker's pickle does on load: here, make a directory (a shell command in the wild)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def _trained(tmp_path):
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host"}}):
+        model = TinyGPT()
+    opt = infinity.AdamW(model, lr=1e-2)
+    for idx, tgt in batches(2, 4):
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_an_extra_that_names_code_is_refused_and_runs_nothing(tmp_path):
+    model, opt = _trained(tmp_path)
+    marker = str(tmp_path / "code-ran")
+    with pytest.warns(RuntimeWarning, match="will refuse it unless called with trust_extra=True"):
+        infinity.save_checkpoint(tmp_path / "ckpt", model, opt, extra=_Planted(marker))
+    infinity.checkpoint.verify_checkpoint(tmp_path / "ckpt")      # valid bytes: the CRCs cannot tell
+    steps = opt.step_count
+    with pytest.raises(CheckpointUntrustedError, match=r"extra\.pt: the saved `extra` is not plain data .* "
+                                                       r"trust_extra=True"):
+        infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert not os.path.exists(marker), "the checkpoint's code ran on load"
+    assert opt.step_count == steps and not infinity.registry.engine_of(model, "test").damaged
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt, trust_extra=True)     # the documented opt-in
+    assert os.path.isdir(marker)
+    infinity.release(model)
+
+
+def test_a_plain_extra_round_trips_unchanged(tmp_path):
+    model, opt = _trained(tmp_path)
+    extra = {"epoch": 3, "lr": 0.25, "name": "run-7", "seen": [1, 2, 3], "pair": (4, "x"),
+             "rng": torch.arange(5), "nested": {"best": 1.5, "none": None, "flag": True}}
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt, extra=extra)
+    got = infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert got.keys() == extra.keys()
+    for key, value in extra.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value)
+        else:
+            assert got[key] == value, key
+    infinity.release(model)
+
+
+def _edit(version, rel, change):
+    """Change the JSON manifest ``rel`` of a checkpoint version as an attacker would, CRC-32 recomputed in COMMIT."""
+    import json
+    import zlib
+
+    path = os.path.join(version, rel)
+    with open(path) as f:
+        data = json.load(f)
+    change(data)
+    raw = (json.dumps(data) + "\n").encode()
+    with open(path, "wb") as f:
+        f.write(raw)
+    commit_path = os.path.join(version, "COMMIT")
+    with open(commit_path) as f:
+        commit = json.load(f)
+    if rel in commit.get("manifests", {}):
+        commit["manifests"][rel] = zlib.crc32(raw)
+    with open(commit_path, "w") as f:
+        json.dump(commit, f)
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("path", "../../secret", "is not rank<N>/<name> inside the checkpoint"),
+    ("path", "/etc/passwd", "is not rank<N>/<name> inside the checkpoint"),
+    ("path", "rank0/../../secret", "is not rank<N>/<name> inside the checkpoint"),
+    ("chunk_nbytes", 1, "chunk size 1 is not one a save writes"),
+    ("nbytes", -5, "size -5 out of range"),
+    ("nbytes", "12", "str where an integer belongs"),
+])
+def test_a_manifest_field_that_leaves_the_checkpoint_or_is_out_of_range_is_refused(tmp_path, field, value, said):
+    """Record paths were joined to the version directory unchecked (``../../x`` read any file the process could,
+    and with ``chunk_nbytes = 1`` the CRC messages leaked it a byte per run); every field of a file record is now
+    checked before use, and no error echoes bytes found in a file."""
+    import time
+
+    model, opt = _trained(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"0123456789abcdef")
+    version = infinity.save_checkpoint(tmp_path / "a" / "b" / "ckpt", model, opt, extra={"epoch": 1})
+
+    def change(manifest):
+        manifest["files"]["extra"][field] = value
+
+    _edit(version, os.path.join("rank0", "manifest.json"), change)
+    for call in (lambda: infinity.load_checkpoint(version, model, opt),
+                 lambda: infinity.checkpoint.verify_checkpoint(version)):
+        started = time.perf_counter()
+        with pytest.raises(infinity.checkpoint.CheckpointCorruptError, match=said) as info:
+            call()
+        assert time.perf_counter() - started < 1.0
+        assert "found" not in str(info.value) and "0123456789" not in str(info.value)
+    infinity.release(model)
+
+
+def test_a_symlink_planted_in_a_checkpoint_is_not_followed_out_of_it(tmp_path):
+    model, opt = _trained(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"0123456789abcdef")
+    version = infinity.save_checkpoint(tmp_path / "ckpt", model, opt, extra={"epoch": 1})
+    target = os.path.join(version, "rank0", "extra.pt")
+    os.unlink(target)
+    os.symlink(secret, target)
+    with pytest.raises(infinity.checkpoint.CheckpointCorruptError, match="leads outside the checkpoint"):
+        infinity.load_checkpoint(version, model, opt)
+    infinity.release(model)
+
+
+def test_an_absurd_world_size_is_refused_before_anything_is_built(tmp_path):
+    """``world_size = 10**9`` in COMMIT built a list of a billion manifest paths first (20 s, 2.6 GiB)."""
+    import json
+    import time
+
+    model, opt = _trained(tmp_path)
+    version = infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    commit_path = os.path.join(version, "COMMIT")
+    with open(commit_path) as f:
+        commit = json.load(f)
+    commit["world_size"] = 10 ** 9
+    with open(commit_path, "w") as f:
+        json.dump(commit, f)
+    started = time.perf_counter()
+    with pytest.raises(infinity.checkpoint.CheckpointCorruptError, match="world size 1000000000 is not 1 to"):
+        infinity.load_checkpoint(version, model, opt)
+    assert time.perf_counter() - started < 1.0
+    infinity.release(model)
