@@ -147,6 +147,7 @@ class UpdatePass:
             nbytes = 2 * store.layout.sub_group_size * torch.empty((), dtype=self.shards.dtype).element_size()
             self.staging = Arena(allocator.empty, nbytes, name="compute-copy-staging")
         self._staged: collections.deque = collections.deque()    # (write future, loan) not yet given back
+        self._lent: list = []       # every staging loan out, issued or not (a failed pass gives them all back)
         self._itemsize = torch.empty((), dtype=self.shards.dtype).element_size()
         # Told ``sub_done(sub, futures)`` after each sub-group of an overlapped job (the
         # ``BackgroundUpdate`` running it), so the next forward may fetch its groups.
@@ -218,12 +219,18 @@ class UpdatePass:
                 self._give_back_staging()
         except BaseException:
             # Wait for what this sub-group issued, then let the pass wait for the rest, before
-            # the error travels on: no transfer outlives a failed update.
+            # the error travels on: no transfer outlives a failed update. Every staging slice goes back,
+            # written, failed or never issued: the next update (after a load) finds the staging whole.
             wait_quietly(fut for fut, _ in copies)
             passes.close()
-            self._give_back_staging()
+            wait_quietly(fut for fut, _ in self._staged)
+            self._staged.clear()
+            lent, self._lent = self._lent, []
+            for loan in lent:
+                loan.release()      # a second release of one already given back does nothing
             raise
         self._give_back_staging()
+        self._lent = [loan for _, loan in self._staged]     # still out: their writes are still running
 
     def _step_compressed(self, st: dict, sub: int, parts: list, job: StepJob, hyper: dict,
                          staged: list = (), filled: list | None = None) -> None:
@@ -358,6 +365,7 @@ class UpdatePass:
         while True:
             loan = self.staging.take(nbytes, "compute copy")
             if loan is not None:
+                self._lent.append(loan)
                 return loan
             if not self._staged:
                 raise RuntimeError(f"compute-copy staging of {self.staging.capacity} bytes cannot hold "
