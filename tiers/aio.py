@@ -225,7 +225,7 @@ def open_file(path: str | os.PathLike[str], mode: str, *, direct: bool = True, c
     if direct:
         flags |= os.O_DIRECT
     try:
-        fd = os.open(spath, flags, 0o644)
+        fd = os.open(spath, flags, 0o600)     # swap files hold the model's weights: this user's only
     except OSError as e:
         if direct and e.errno == errno_mod.EINVAL:
             raise OSError(

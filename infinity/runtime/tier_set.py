@@ -11,11 +11,29 @@ machine, group rank 0 of each group would take the same directory.
 from __future__ import annotations
 
 import os
+import stat
 
 import torch
 
 from infinity.config import Config, ConfigError
 from infinity.config.paths import check_nvme_paths
+from infinity.errors import EngineError
+
+
+def private_directory(path: str) -> None:
+    """Make ``path`` (a rank's swap directory under ``nvme_path``) ``0700``, or check the one there: on a shared
+    scratch disk another user may have made it first, to plant links or read the swap files in it."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise EngineError(f"swap directory {path}: " + (
+            "not a directory (a symbolic link?)" if not stat.S_ISDIR(info.st_mode) else
+            f"owned by uid {info.st_uid}, not this user" if info.st_uid != os.geteuid() else
+            f"writable by others (mode {stat.S_IMODE(info.st_mode):o})") + "; refusing to keep the model's states "
+            "there. Remove it, or use an nvme_path of your own")
 
 
 class TierSet:
@@ -67,7 +85,7 @@ class TierSet:
             self.pool = BufferPool(t.pool_buffer_size, t.pool_buffers, self.allocator, name="nvme-io")
             dirs = [os.path.join(p, f"rank{rank}") for p in t.nvme_path]
             for d in dirs:
-                os.makedirs(d, exist_ok=True)
+                private_directory(d)
             try:
                 self.nvme_tier = NVMeTier(dirs, self.handle, self.pool, verify=t.verify, adopt=adopt)
             except BaseException:

@@ -154,3 +154,53 @@ def test_an_absurd_world_size_is_refused_before_anything_is_built(tmp_path):
         infinity.load_checkpoint(version, model, opt)
     assert time.perf_counter() - started < 1.0
     infinity.release(model)
+
+
+# -- files on a shared disk --------------------------------------------------------------------------------
+
+def _nvme_cfg(path):
+    return {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(path), "pool_buffer_size": "256KiB",
+                      "pool_buffers": 4}, "aio": {"engine": "threads"}}
+
+
+def test_a_lock_file_planted_as_a_symlink_is_not_followed(tmp_path):
+    """Another user who pre-creates ``nvme_path/rank0/`` with a ``.nvme.lock`` symlink made the trainer truncate
+    the link's target (a file of the trainer's); the checkpoint's ``.save-lock`` the same."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    rank = tmp_path / "nvme" / "rank0"
+    rank.mkdir(parents=True)
+    os.symlink(victim, rank / ".nvme.lock")
+    with pytest.raises(Exception, match="symbolic link"):
+        with infinity.Init(_nvme_cfg(tmp_path / "nvme")):
+            TinyGPT()
+    assert victim.read_bytes() == b"precious"
+    model, opt = _trained(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    os.symlink(victim, tmp_path / "ckpt" / ".save-lock")
+    with pytest.raises(Exception, match="symbolic link"):
+        infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    assert victim.read_bytes() == b"precious"
+    infinity.release(model)
+
+
+def test_swap_directories_and_files_are_this_users_only(tmp_path):
+    """Swap files and locks were 0644 and directories 0755: another user read the weights from a swap file. They
+    are 0600 and 0700 now, and a rank directory others can write is refused."""
+    import stat
+
+    (tmp_path / "nvme").mkdir()
+    with infinity.Init(_nvme_cfg(tmp_path / "nvme")):
+        model = TinyGPT()
+    rank = tmp_path / "nvme" / "rank0"
+    assert stat.S_IMODE(os.stat(rank).st_mode) == 0o700
+    files = [p for p in rank.iterdir() if p.is_file()]
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), \
+        [(p.name, oct(p.stat().st_mode)) for p in files]
+    infinity.release(model)
+    open_rank = tmp_path / "shared" / "rank0"
+    open_rank.mkdir(parents=True)
+    open_rank.chmod(0o777)
+    with pytest.raises(infinity.errors.EngineError, match=r"rank0: writable by others \(mode 777\)"):
+        with infinity.Init(_nvme_cfg(tmp_path / "shared")):
+            TinyGPT()

@@ -304,3 +304,4 @@ def test_an_io_error_at_every_tier_call_of_a_step_is_named_and_loses_nothing(tmp
         assert _same(got, reference), f"{name}: EIO at tier call {k} of {total} changed the weights ({said!r})"
         restored_runs += bool(restored)
     print(f"{name}: {total} tier calls in the step, {len(ks)} tried, {restored_runs} needed the checkpoint")
+
