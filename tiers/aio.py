@@ -195,7 +195,8 @@ _MODE_FLAGS = {"r": os.O_RDONLY, "w": os.O_WRONLY, "rw": os.O_RDWR}
 _PENDING_PRUNE = 1024
 
 
-def open_file(path: str | os.PathLike[str], mode: str, *, direct: bool = True, create: bool = False) -> AioFile:
+def open_file(path: str | os.PathLike[str], mode: str, *, direct: bool = True, create: bool = False,
+              perms: int = 0o644) -> AioFile:
     """Open ``path`` for asynchronous I/O.
 
     Parameters
@@ -225,7 +226,7 @@ def open_file(path: str | os.PathLike[str], mode: str, *, direct: bool = True, c
     if direct:
         flags |= os.O_DIRECT
     try:
-        fd = os.open(spath, flags, 0o600)     # swap files hold the model's weights: this user's only
+        fd = os.open(spath, flags, perms)     # the umask applies: swap files ask 0600, checkpoints 0644
     except OSError as e:
         if direct and e.errno == errno_mod.EINVAL:
             raise OSError(
@@ -442,9 +443,9 @@ class AioHandle:
     def closed(self) -> bool:
         return self._core.closed
 
-    def open(self, path: str | os.PathLike[str], mode: str, *, create: bool = False) -> AioFile:
+    def open(self, path: str | os.PathLike[str], mode: str, *, create: bool = False, perms: int = 0o644) -> AioFile:
         """:func:`open_file` with this handle's ``direct`` setting."""
-        return open_file(path, mode, direct=self.direct, create=create)
+        return open_file(path, mode, direct=self.direct, create=create, perms=perms)
 
     def pread(self, file: AioFile, buf: Any, file_offset: int) -> AioFuture:
         """Start reading ``nbytes(buf)`` bytes at ``file_offset`` of ``file`` into ``buf``."""

@@ -246,7 +246,7 @@ class SwapFile:
         try:
             self._clear_stale(stale)
             if adopt is None:
-                self.file = handle.open(self.path, "rw", create=True)
+                self.file = handle.open(self.path, "rw", create=True, perms=0o600)   # the weights: this user's
                 self._identity = self._check_identity()
                 self._header = _new_header(run_id, tier_name)
                 handle.pwrite(self.file, self._header, 0).wait()

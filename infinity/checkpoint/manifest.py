@@ -13,9 +13,11 @@ manifest for that). The manifests themselves are covered by the CRCs in ``COMMIT
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 import zlib
 from dataclasses import dataclass
 
@@ -210,10 +212,13 @@ def read_small_file(directory: str, record: FileRecord) -> bytes:
     """Read a small data file whole and verify it against its record."""
     path = inside(directory, record.path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(record.nbytes + 1)
+        data = _read_regular(path, record.nbytes)
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{path}: missing from the checkpoint") from exc
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise CheckpointCorruptError(f"{path}: a symbolic link; not followed") from None
     if len(data) != record.nbytes:
         raise CheckpointCorruptError(f"{path}: not the {record.nbytes} bytes the manifest says (truncated, or "
                                      "longer)")
@@ -233,18 +238,42 @@ def dump_json(data: dict) -> bytes:
     return (json.dumps(data, indent=1, sort_keys=False) + "\n").encode()
 
 
+def _read_regular(path: str, limit: int) -> bytes:
+    """The bytes of ``path``, a regular file (not followed through a final symlink; a FIFO would block, a
+    device never end) of at most ``limit`` bytes, checked before anything is read or allocated."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointCorruptError(f"{path}: not a regular file")
+        if info.st_size > limit:
+            raise CheckpointCorruptError(f"{path}: larger than the {limit} bytes expected")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit + 1)
+    finally:
+        os.close(fd)
+
+
+_MAX_MANIFEST_NBYTES = 256 << 20
+
+
 def load_json(path: str, what: str, expect_crc: int | None = None) -> dict:
     """Read a JSON manifest; a missing, unreadable or (given ``expect_crc``) altered one is corrupt."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError as exc:
-        raise CheckpointCorruptError(f"{path}: the {what} is missing") from exc
+        raw = _read_regular(path, _MAX_MANIFEST_NBYTES)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointCorruptError(f"{path}: the {what} is a symbolic link; not followed") from None
+        if isinstance(exc, FileNotFoundError):
+            raise CheckpointCorruptError(f"{path}: the {what} is missing") from exc
+        raise
     if expect_crc is not None and zlib.crc32(raw) != expect_crc:
         raise CheckpointCorruptError(f"{path}: the {what} fails its CRC-32 recorded in COMMIT "
                                      f"(expected {expect_crc:08x}); it was altered")
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise CheckpointCorruptError(f"{path}: the {what} is nested too deeply to be a manifest") from None
     except ValueError as exc:
         raise CheckpointCorruptError(f"{path}: the {what} is not valid JSON ({exc})") from exc
     if not isinstance(data, dict):

@@ -194,7 +194,8 @@ def _load_in_place(engine, model: nn.Module, opt, resume, where: str, trust_extr
         if engine.store.split is not None:
             if record is None:
                 raise CheckpointCorruptError(f"{saved.directory}: rank {rank} saved no split-master exceptions")
-            engine.store.split.exceptions.load(torch.load(_io.BytesIO(read_small_file(saved.directory, record))))
+            engine.store.split.exceptions.load(torch.load(_io.BytesIO(read_small_file(saved.directory, record)),
+                                                          weights_only=True))
         if opt is not None:
             _restore_optimizer(opt, saved.manifest)
         engine.store.moments_initialized = bool(saved.manifest.get("moments_initialized"))

@@ -161,10 +161,15 @@ class _OffloadAdam(torch.optim.Optimizer):
         engine.recover_aborted_backward()
         if engine.backward_running:
             raise EngineError(f"{self._name}.step() called while a backward pass is still running")
+
         engine.datapath.set_phase("step")
         try:
             local = None    # a refusal of this rank's: the exchange's all-reduce tells the others
             try:
+                if engine.reducer.faulted:
+                    raise EngineError(f"{self._name}.step(): a gradient hand-off of this step failed (the error "
+                                      "raised then says why), so part of its gradients may be in the store twice "
+                                      "or not at all; call opt.zero_grad() and redo the step")
                 engine.reducer.settle()     # shards still on their way to the host are added now
                 engine.grad_face.before_step()
                 if not self.store.has_grad:

@@ -122,6 +122,16 @@ class GradientBook:
         return out
 
 
+def _wait_quietly(datapath, events) -> None:
+    """Wait for downloads on an error path, ignoring theirs: the error already on its way is the one that counts."""
+    for done in events:
+        try:
+            if not done.query():
+                datapath.host_wait(done)
+        except Exception:  # noqa: BLE001
+            pass
+
+
 class _Landed:
     """Tier writes as an event: done when all are (the host buffer they read may then be reused).
 
@@ -201,6 +211,9 @@ class GradReducer:
         # Told ``taken(group index, every parameter had a gradient)`` and ``landed(group index)`` (the
         # shard is in the store): the update during backward (infinity/optim/in_backward.py), or None.
         self.watcher = None
+        # A hand-off failed in this step (an I/O error, the disk full, Ctrl-C): part of its gradients may be in
+        # the store; ``opt.step()`` refuses until ``zero_grad()`` (``settle(drop=True)``) clears them.
+        self.faulted = False
 
     def attach(self, store) -> None:
         """The groups are final and ``store`` accumulates their gradients from now on."""
@@ -404,7 +417,7 @@ class GradReducer:
         read until then. A failure on the way (the disk full while gradient keys widen, an I/O error)
         gives the bucket back once the data path has no copy reading it."""
         store = self.store
-        handed = False
+        handed, issued, host = False, [], None
         try:
             if store.tier.kind == "device":
                 store.accumulate_grad(group.index, shard)
@@ -415,6 +428,7 @@ class GradReducer:
             if direct is not None:     # fp32 into a host accumulator: no staging on the host
                 for offset, numel, target in direct:
                     done = self.datapath.download(target, shard[offset:offset + numel])
+                    issued.append(done)
                 handed = True
                 self._release_after(device_memory, done)
                 self._sent.append((group.index, None, done, 0, None))
@@ -430,11 +444,12 @@ class GradReducer:
             self._sent.append((group.index, host, done, group.shard_numel, group.dtype))
             self._sent_groups[group.index] += 1
         except BaseException:
+            self.faulted = True
             if not handed:
-                try:
-                    self.datapath.settle(wait=True)
-                finally:
-                    self._release_after(device_memory, None)
+                _wait_quietly(self.datapath, issued)      # downloads already reading the bucket
+                self._release_after(device_memory, None)
+                if host is not None:
+                    host.release()
             raise
         self.settle(wait=False)
         return done
@@ -478,13 +493,13 @@ class GradReducer:
         their buffers given back; stage 1's whole gradients are not reduced."""
         if drop:
             sent, self._sent = self._sent, []
-            for _, host, done, _, _ in sent:
-                if not done.query():
-                    self.datapath.host_wait(done)
+            _wait_quietly(self.datapath, (done for _, _, done, _, _ in sent))   # no copy still writes a buffer given back
+            for _, host, _, _, _ in sent:
                 if host is not None:
                     host.release()
             self._sent_groups.clear()
             self._waiting = []
+            self.faulted = False
             self.datapath.settle(wait=True)
             return
         if wait and reduce and self._waiting:
@@ -502,6 +517,7 @@ class GradReducer:
                     self.datapath.when_done(_Landed(writes), host.release)   # NVMe writes still read it
             except BaseException:       # this shard and the rest stay on their way (``settle(drop=True)`` drops them)
                 self._sent = left + sent[i:]
+                self.faulted = True
                 raise
             self._sent_groups[index] -= 1
             if self.watcher is not None:

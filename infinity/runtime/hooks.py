@@ -260,6 +260,7 @@ class GradArrivals:
         engine = self.engine()
         if engine is None:
             return
+        todo = []
         for group in order:
             if group in complete:
                 params, grads = complete.pop(group)
@@ -270,12 +271,13 @@ class GradArrivals:
                 grads = [None] * len(params)
             else:
                 continue
-            _hand_over(engine, group, params, grads)
-        for group, (params, grads) in complete.items():     # not trainable when the order was made
-            _hand_over(engine, group, params, grads)
-        for group, (params, grads, arrived) in armed.items():
-            if arrived or group in reopened:    # reopened: its first gradients' tokens come back at the take
-                _hand_over(engine, group, params, grads)
+            todo.append((group, params, grads))
+        todo += [(group, params, grads) for group, (params, grads) in complete.items()]   # trainable since the order
+        # reopened: its first gradients' tokens come back at the take
+        todo += [(group, params, grads) for group, (params, grads, arrived) in armed.items()
+                 if arrived or group in reopened]
+        for i, (group, params, grads) in enumerate(todo):
+            _hand_over(engine, group, params, grads, [g for g, _, _ in todo[i + 1:]])
 
     def remove(self) -> None:
         for handle in self._hooked.values():
@@ -333,15 +335,18 @@ def watch_backward(module: nn.Module, output, pre_backward, ended: list[int], in
         t.register_hook(on_input_grad)
 
 
-def _hand_over(engine, group, params, grads) -> None:
+def _hand_over(engine, group, params, grads, rest=()) -> None:
     """``engine.on_group_grads``; when it fails (an I/O error, the disk full, Ctrl-C) the step's gradients are
-    lost and the caller redoes it after ``zero_grad()``: autograd's ``.grad`` of the group would stay, which
+    lost and the caller redoes it after ``zero_grad()`` (``opt.step()`` refuses until then): autograd's
+    ``.grad`` of the group, and of ``rest`` (groups a flush had still to hand over), would stay, which
     ``zero_grad()`` does not see and the redone step would add in, so it goes."""
     try:
         engine.on_group_grads(group, params, grads)
     except BaseException:
-        for param in params:
-            param.grad = None
+        engine.reducer.faulted = True
+        for g in (group, *rest):
+            for slot in g.slots:
+                slot.param.grad = None
         raise
 
 

@@ -79,13 +79,13 @@ class TierSet:
             from tiers.nvme import NVMeTier
             from tiers.aio import AioHandle
 
+            dirs = [os.path.join(p, f"rank{rank}") for p in t.nvme_path]
+            for d in dirs:
+                private_directory(d)
             a = config.aio
             self.handle = AioHandle(block_size=a.block_size, queue_depth=a.queue_depth,
                                     threads=a.threads, engine=a.engine, direct=a.direct)
             self.pool = BufferPool(t.pool_buffer_size, t.pool_buffers, self.allocator, name="nvme-io")
-            dirs = [os.path.join(p, f"rank{rank}") for p in t.nvme_path]
-            for d in dirs:
-                private_directory(d)
             try:
                 self.nvme_tier = NVMeTier(dirs, self.handle, self.pool, verify=t.verify, adopt=adopt)
             except BaseException:

@@ -204,3 +204,24 @@ def test_swap_directories_and_files_are_this_users_only(tmp_path):
     with pytest.raises(infinity.errors.EngineError, match=r"rank0: writable by others \(mode 777\)"):
         with infinity.Init(_nvme_cfg(tmp_path / "shared")):
             TinyGPT()
+
+
+def test_a_fifo_or_a_device_inside_a_checkpoint_fails_at_once(tmp_path):
+    """A FIFO as extra.pt blocked the load forever; a manifest linked to /dev/zero was read without end."""
+    import time
+
+    model, opt = _trained(tmp_path)
+    version = infinity.save_checkpoint(tmp_path / "ckpt", model, opt, extra={"epoch": 1})
+    extra = os.path.join(version, "rank0", "extra.pt")
+    os.unlink(extra)
+    os.mkfifo(extra)
+    started = time.perf_counter()
+    with pytest.raises(infinity.checkpoint.CheckpointCorruptError, match="not a regular file"):
+        infinity.load_checkpoint(version, model, opt)
+    manifest = os.path.join(version, "rank0", "manifest.json")
+    os.unlink(manifest)
+    os.symlink("/dev/zero", manifest)
+    with pytest.raises(infinity.checkpoint.CheckpointCorruptError, match="symbolic link; not followed"):
+        infinity.load_checkpoint(version, model, opt)
+    assert time.perf_counter() - started < 2.0
+    infinity.release(model)

@@ -305,3 +305,25 @@ def test_an_io_error_at_every_tier_call_of_a_step_is_named_and_loses_nothing(tmp
         restored_runs += bool(restored)
     print(f"{name}: {total} tier calls in the step, {len(ks)} tried, {restored_runs} needed the checkpoint")
 
+
+
+def test_a_step_after_a_failed_hand_off_is_refused_until_zero_grad(tmp_path):
+    """Part of a failed backward's gradients may be in the store: opt.step() without zero_grad() would apply them
+    (some twice, after a retry); it refuses, naming the way on, and zero_grad() then lets the redo through."""
+    torch.manual_seed(0)
+    with infinity.Init(_config(tmp_path, "float32")):
+        model = TinyGPT(d=48)
+    engine = registry.engine_of(model, "test")
+    opt = infinity.AdamW(model, lr=1e-2)
+    fault = _Fault(3, OSError(errno.EIO, "Input/output error (injected)"))
+    _hand_offs(engine, fault)
+    x, y = batches(1, 4)[0]
+    fault.armed = True
+    with pytest.raises(OSError):
+        model(x, y).backward()
+    with pytest.raises(infinity.errors.EngineError, match=r"hand-off of this step failed .* call opt.zero_grad\(\)"):
+        opt.step()
+    opt.zero_grad()
+    model(x, y).backward()
+    opt.step()
+    infinity.release(model)
