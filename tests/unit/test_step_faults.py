@@ -23,6 +23,8 @@ from tests.support.tiny_gpt import TinyGPT, batches
 def _config(tmp_path, dtype, dpu=False):
     nvme = tmp_path / "nvme"
     nvme.mkdir(parents=True, exist_ok=True)
+    if dtype in infinity.config.presets():     # a host preset: nothing on NVMe, its own precision
+        return infinity.load_config(dtype, overrides={"partition": {"sub_group_size": 4096}})
     return {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(nvme),
                       "pool_buffer_size": "256KiB", "pool_buffers": 4},
             "partition": {"sub_group_size": 4096}, "precision": {"dtype": dtype},
@@ -170,10 +172,11 @@ def _engine_hooks(engine, fault):
     engine.on_group_grads = fault.wrap(engine.on_group_grads)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "offload-host", "offload-optimizer"])
 def test_ctrl_c_at_every_engine_hook_of_a_step_loses_nothing(tmp_path, dtype):
     """KeyboardInterrupt raised at each engine hook of a step in turn (forward, backward, gradient hand-off):
-    a save right after it works, and after opt.zero_grad() the redone step trains exactly as without it."""
+    a save right after it works, and after opt.zero_grad() the redone step trains exactly as without it.
+    The nvme preset in fp32 and bf16, and the host presets (``dtype`` names them)."""
     reference, _, _ = _train(tmp_path / "ref", dtype)
     k, tried = 1, 0
 
@@ -229,9 +232,11 @@ def _run_through(tmp_path, dtype, fault, overrides, at_step=1):
     """Three steps of two micro-batches, the place in the data from ``opt.step_count``; ``fault`` armed for step
     ``at_step`` and its update (waited for inside it). A failure: zero_grad() and redo; a failure that damaged
     the states (an update cut short): load the checkpoint saved before the step, and redo."""
+    micro = overrides.get("_micro", 2)     # micro-batches per step
     cfg = _config(tmp_path, dtype)
     for section, values in overrides.items():
-        cfg.setdefault(section, {}).update(values)
+        if not section.startswith("_"):
+            cfg.setdefault(section, {}).update(values)
     torch.manual_seed(0)
     with infinity.Init(cfg):
         model = TinyGPT(d=48)
@@ -253,7 +258,7 @@ def _run_through(tmp_path, dtype, fault, overrides, at_step=1):
         try:
             if fault is not None:
                 fault.armed = step == at_step and not fault.fired
-            for mb in range(2):
+            for mb in range(micro):
                 x, y = data[2 * step + mb]
                 model(x, y).backward()
             opt.step()
@@ -283,6 +288,8 @@ _ALL_FAULTS = os.environ.get("INFINITY_TEST_ALL_FAULTS") == "1"     # every k (t
     ("nvme, bf16, overlapped update", "bfloat16", {}),
     ("nvme, fp32, update inline", "float32", {"dpu": {"overlap": False}}),
     ("nvme, bf16, activations on NVMe", "bfloat16", {"activations": {"offload": "nvme", "min_nbytes": 1024}}),
+    ("nvme, bf16, one micro-batch", "bfloat16", {"_micro": 1}),
+    ("nvme, fp32, DPU", "float32", {"dpu": {"enabled": True, "warmup_steps": 0}}),
 ])
 def test_an_io_error_at_every_tier_call_of_a_step_is_named_and_loses_nothing(tmp_path, name, dtype, overrides):
     """EIO at the k-th reservation, read or write of the NVMe tier during a step (forward reads, gradient writes,
