@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 import torch
@@ -33,18 +34,23 @@ def _config(tmp_path, dtype, dpu=False):
 
 
 class _Fault:
-    """Raises ``error`` at the ``k``-th call of what it wraps while armed (k from 1); counts the calls."""
+    """Raises ``error`` at the ``k``-th call of what it wraps while armed (k from 1); counts the calls. The count
+    is shared with the tier's worker threads (an overlapped update's I/O), under a lock."""
 
     def __init__(self, k: int, error: BaseException) -> None:
         self.k, self.error, self.calls, self.armed, self.fired = k, error, 0, False, False
+        self._lock = threading.Lock()
 
     def wrap(self, fn):
         def wrapped(*args, **kwargs):
-            if self.armed:
-                self.calls += 1
-                if self.calls == self.k:
-                    self.armed, self.fired = False, True
-                    raise self.error
+            with self._lock:
+                fire = False
+                if self.armed:
+                    self.calls += 1
+                    if self.calls == self.k:
+                        self.armed, self.fired, fire = False, True, True
+            if fire:
+                raise self.error
             return fn(*args, **kwargs)
         return wrapped
 
@@ -197,29 +203,6 @@ def test_ctrl_c_at_every_engine_hook_of_a_step_loses_nothing(tmp_path, dtype):
 
 # -- every I/O call of a step, at the tier ------------------------------------------------------------------
 
-class _LockedFault(_Fault):
-    """A ``_Fault`` whose count is shared with the tier's worker threads (an overlapped update's I/O)."""
-
-    def __init__(self, k: int, error: BaseException) -> None:
-        import threading
-
-        super().__init__(k, error)
-        self._lock = threading.Lock()
-
-    def wrap(self, fn):
-        def wrapped(*args, **kwargs):
-            with self._lock:
-                fire = False
-                if self.armed:
-                    self.calls += 1
-                    if self.calls == self.k:
-                        self.armed, self.fired, fire = False, True, True
-            if fire:
-                raise self.error
-            return fn(*args, **kwargs)
-        return wrapped
-
-
 def _tier_calls(engine, fault):
     """Every reservation, read and write of the NVMe tier: parameters, masters, moments, gradients and, with
     activations offloaded to NVMe, the checkpointed activations (their tier writes into the same files)."""
@@ -298,13 +281,13 @@ def test_an_io_error_at_every_tier_call_of_a_step_is_named_and_loses_nothing(tmp
     a load) load_checkpoint of the save before the step, end with the weights of a run that never failed."""
     reference, _, _ = _run_through(tmp_path / "ref", dtype, None, overrides)
     error = OSError(errno.EIO, "Input/output error (injected)")
-    counting = _LockedFault(10 ** 9, error)
+    counting = _Fault(10 ** 9, error)
     _run_through(tmp_path / "count", dtype, counting, overrides)
     total = counting.calls
     ks = range(1, total + 1) if _ALL_FAULTS else sorted({1, 2, 3, total} | set(range(5, total, 9)))
     restored_runs = 0
     for k in ks:
-        fault = _LockedFault(k, error)
+        fault = _Fault(k, error)
         got, said, restored = _run_through(tmp_path / f"k{k}", dtype, fault, overrides)
         assert fault.fired, (k, total)
         assert said is not None and "Input/output error" in str(said) or "injected" in repr(said), (k, said)
