@@ -6,7 +6,7 @@ Reads TOML or JSON through ``infinity.config.text`` and builds the sections of
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from infinity.config.values import ConfigError
 
 
 def load_config(src: str | os.PathLike | Mapping[str, Any] | Config | None = None, *,
+                nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
                 overrides: Mapping[str, Any] | None = None) -> Config:
     """Read a config from a file, a preset name, a dict or a Config, and validate it.
 
@@ -24,9 +25,14 @@ def load_config(src: str | os.PathLike | Mapping[str, Any] | Config | None = Non
     src
         A ``.toml`` or ``.json`` path; the name of a shipped preset (``presets()``); a mapping of
         sections; a ``Config``; or ``None`` for all defaults.
+    nvme_path
+        The directory (or a list of directories, to stripe over several disks) for the NVMe tier's
+        swap files: ``tiers.nvme_path``, given beside the preset that needs it
+        (``load_config("nvme", nvme_path="/mnt/nvme")``) instead of through ``overrides``. It
+        replaces the file's value, such as the ``nvme`` preset's placeholder.
     overrides
         Sections and keys merged over ``src`` before validation, e.g.
-        ``{"tiers": {"nvme_path": "/mnt/nvme"}}``.
+        ``{"prefetch": {"nvme_bytes": "1GiB"}}``.
 
     Raises
     ------
@@ -36,9 +42,15 @@ def load_config(src: str | os.PathLike | Mapping[str, Any] | Config | None = Non
 
     Examples
     --------
+    >>> load_config("nvme", nvme_path="/tmp/swap").tiers.nvme_path
+    ('/tmp/swap',)
     >>> load_config("nvme", overrides={"tiers": {"nvme_path": "/tmp/swap"}}).tiers.params
     'nvme'
     """
+    if nvme_path is not None:
+        if overrides and _sets(overrides, "tiers.nvme_path"):
+            raise ConfigError("given twice, as nvme_path= and in overrides; give it once", "tiers.nvme_path")
+        overrides = text.merge(overrides or {}, {"tiers": {"nvme_path": nvme_path}})
     file = None
     if isinstance(src, Config):
         if not overrides:
@@ -57,6 +69,8 @@ def load_config(src: str | os.PathLike | Mapping[str, Any] | Config | None = Non
             data = text.merge(data, overrides)
         return Config.from_dict(data)
     except ConfigError as exc:
+        if nvme_path is not None and exc.key == "tiers.nvme_path":
+            raise exc.in_file("the nvme_path argument") from None
         if overrides and _sets(overrides, exc.key):     # the override's value, not the file's
             raise exc.in_file("overrides") from None
         raise exc.in_file(file if file is None or not overrides else f"{file} (with overrides)") from None

@@ -8,6 +8,15 @@ the rest, on the machine that will use the path: that it exists, is a directory 
 can write to and, when ``aio.direct`` is on, that its filesystem accepts ``O_DIRECT`` (a
 probe file is created and removed). Each problem is a ``ConfigError`` on
 ``tiers.nvme_path`` that says which of these the path is.
+
+[Note: the preset's placeholder path]
+The ``nvme`` preset must name some ``nvme_path`` to be a whole config, and no directory is
+right on every machine, so it names ``PRESET_PLACEHOLDER``. Left in place and missing, that
+path is said to be the placeholder, with the ways to give a real directory
+(``infinity.Init("nvme", nvme_path=DIR)``, ``infinity-plan --set tiers.nvme_path=DIR``, the
+config file), not "create it first": a directory made at the root of the filesystem because an
+error asked for it is the wrong disk more often than not. A ``/local_nvme`` that exists is used
+like any other directory.
 """
 from __future__ import annotations
 
@@ -16,6 +25,9 @@ import os
 import uuid
 
 from infinity.config.values import ConfigError
+
+PRESET_PLACEHOLDER = "/local_nvme"
+"""The ``tiers.nvme_path`` the ``nvme`` preset ships with ([Note: the preset's placeholder path])."""
 
 
 def not_a_directory(path: str) -> str | None:
@@ -31,6 +43,11 @@ def not_a_directory(path: str) -> str | None:
 def problem(path: str, direct: bool) -> str | None:
     """What is wrong with ``path`` as a swap directory on this machine, in words, or None."""
     if not os.path.lexists(path):
+        if path == PRESET_PLACEHOLDER:
+            return (f"{path!r} is the nvme preset's placeholder, not a directory on this machine: give your own "
+                    "directory on a fast local disk, as infinity.Init(\"nvme\", nvme_path=DIR) (also "
+                    "infinity.load_config and infinity.from_pretrained), infinity-plan --set tiers.nvme_path=DIR, "
+                    "or set tiers.nvme_path in your config file")
         parent = os.path.dirname(os.path.abspath(path))
         while parent and not os.path.exists(parent):
             parent = os.path.dirname(parent)

@@ -89,6 +89,10 @@ def coerce(key: str, hint: Any, value: object) -> object:
             raise ConfigError(f"{show(value)} is not a valid {kind.value}: {exc}", key) from None
     if kind in (Kind.PATHS, Kind.PATTERNS):
         what = "a path or a list of paths" if kind is Kind.PATHS else "a string or a list of strings"
+        if kind is Kind.PATHS:      # a pathlib.Path (pytest's tmp_path, say) is a path as much as its str
+            value = os.fspath(value) if isinstance(value, os.PathLike) else value
+            if isinstance(value, (list, tuple)):
+                value = [os.fspath(item) if isinstance(item, os.PathLike) else item for item in value]
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) and item for item in items):
             raise ConfigError(f"expected {what} (non-empty strings), {got}", key)

@@ -99,7 +99,12 @@ class Init:
     Parameters
     ----------
     config:
-        A path to a TOML/JSON config, a dict, a loaded ``Config``, or None for defaults.
+        A path to a TOML/JSON config, a preset name (``"nvme"``, ``"offload-host"``, ...), a dict, a
+        loaded ``Config``, or None for defaults.
+    nvme_path:
+        The directory (or directories) for the NVMe tier's swap files, ``tiers.nvme_path``, given
+        where the config is chosen: ``Init("nvme", nvme_path="/mnt/nvme")``. It replaces the
+        config's own value (the ``nvme`` preset's is a placeholder). See ``infinity.load_config``.
     group:
         A ``torch.distributed`` process group; None uses the default group when one is
         initialized (torchrun), else runs as a single rank.
@@ -123,8 +128,9 @@ class Init:
     True
     """
 
-    def __init__(self, config: str | dict | Config | None = None, *, group=None, resume=None) -> None:
-        self.config = load_config(config)
+    def __init__(self, config: str | dict | Config | None = None, *, nvme_path=None, group=None,
+                 resume=None) -> None:
+        self.config = load_config(config, nvme_path=nvme_path)
         self.group = group
         self.resume = None
         if resume is not None:
@@ -358,7 +364,7 @@ class Init:
             self.partitioner.dematerialize(group)
 
 
-def from_pretrained(model_class, path, infinity_config=None, *, group=None, **kwargs):
+def from_pretrained(model_class, path, infinity_config=None, *, nvme_path=None, group=None, **kwargs):
     """Load a Hugging Face model from a safetensors checkpoint straight into the engine's tiers.
 
     The same as ``with infinity.Init(infinity_config): model = model_class.from_pretrained(path, **kwargs)``:
@@ -372,7 +378,10 @@ def from_pretrained(model_class, path, infinity_config=None, *, group=None, **kw
     path:
         A local checkpoint directory, or a Hub model id.
     infinity_config:
-        What ``infinity.Init`` takes: a path to a TOML/JSON config, a dict, a ``Config`` or None.
+        What ``infinity.Init`` takes: a path to a TOML/JSON config, a preset name, a dict, a ``Config``
+        or None.
+    nvme_path:
+        The NVMe tier's directory, as for ``infinity.Init``.
     group:
         The ``torch.distributed`` process group, as for ``infinity.Init``.
     **kwargs:
@@ -382,10 +391,10 @@ def from_pretrained(model_class, path, infinity_config=None, *, group=None, **kw
     --------
     >>> import infinity, transformers
     >>> model = infinity.from_pretrained(transformers.AutoModelForCausalLM, "ckpt/",   # doctest: +SKIP
-    ...                                  {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": "/nvme"}})
+    ...                                  "nvme", nvme_path="/mnt/nvme")
     """
     import transformers  # noqa: F401  (imported before Init opens, so Init routes its from_pretrained)
 
-    with Init(infinity_config, group=group):
+    with Init(infinity_config, nvme_path=nvme_path, group=group):
         model = model_class.from_pretrained(path, **kwargs)
     return model

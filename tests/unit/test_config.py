@@ -347,6 +347,25 @@ def test_overrides_and_preset_names():
     assert "did you mean 'nvme'?" in str(pytest.raises(ConfigError, config.preset_path, "nvmee").value)
 
 
+def test_nvme_path_is_given_beside_the_preset(tmp_path):
+    """The preset's placeholder path could be replaced only through overrides={"tiers": {...}}."""
+    assert load_config("nvme", nvme_path=tmp_path).tiers.nvme_path == (str(tmp_path),)
+    assert load_config("nvme", nvme_path=[tmp_path / "a", "/b"]).tiers.nvme_path == (str(tmp_path / "a"), "/b")
+    assert load_config("nvme", nvme_path=str(tmp_path), overrides={"aio": {"queue_depth": 4}}).aio.queue_depth == 4
+    assert load_config({"tiers": {"params": "nvme", "nvme_path": tmp_path}}).tiers.nvme_path == (str(tmp_path),)
+    assert error_of("nvme", nvme_path="/x", overrides={"tiers": {"nvme_path": "/y"}}) == (
+        "tiers.nvme_path: given twice, as nvme_path= and in overrides; give it once")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert error_of("nvme", nvme_path=afile).startswith(f"the nvme_path argument: tiers.nvme_path: '{afile}' is a file")
+
+
+def test_the_nvme_presets_path_is_the_placeholder_its_error_names():
+    from infinity.config import paths
+
+    assert load_config("nvme").tiers.nvme_path == (paths.PRESET_PLACEHOLDER,)
+
+
 def test_a_directory_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
     """The swap files' directory is often ./nvme: load_config("nvme") read it as the config file."""
     monkeypatch.chdir(tmp_path)

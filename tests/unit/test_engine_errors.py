@@ -301,6 +301,26 @@ def test_optimizer_state_of_another_model(other, message):
         infinity.AdamW(different).load_state_dict(state)
 
 
+@pytest.mark.skipif(__import__("os").path.lexists("/local_nvme"), reason="this machine has a /local_nvme")
+def test_the_presets_placeholder_path_is_named_as_one_with_the_ways_to_give_a_directory():
+    """It said "'/local_nvme' does not exist ...; create it first", which invites mkdir /local_nvme."""
+    with pytest.raises(ConfigError) as info:
+        with infinity.Init("nvme"):
+            nn.Linear(4, 4)
+    message = str(info.value)
+    assert message.startswith("tiers.nvme_path: '/local_nvme' is the nvme preset's placeholder, not a directory")
+    assert 'infinity.Init("nvme", nvme_path=DIR)' in message and "--set tiers.nvme_path=DIR" in message
+    assert "create it" not in message
+
+
+def test_init_takes_the_nvme_directory_beside_the_preset(tmp_path):
+    with infinity.Init("nvme", nvme_path=tmp_path) as init:
+        model = nn.Linear(4, 4)
+    assert init.config.tiers.nvme_path == (str(tmp_path),)
+    assert any((tmp_path / "rank0").iterdir())       # the swap files are there
+    infinity.release(model)
+
+
 def test_nvme_path_that_is_a_file_is_refused_when_the_config_is_loaded(tmp_path):
     afile = tmp_path / "swap-here"
     afile.write_text("")
