@@ -6,6 +6,7 @@ Usage::
     infinity-plan model --model mypkg.models:build --config offload.toml --ranks 4 \\
         --bench-json nvme.json
     infinity-plan model --params 1.3e9 --config offload.toml --read-gbps 2.4 --write-gbps 3 --json
+    infinity-plan model --model mymodels:build --config nvme --set tiers.nvme_path=/mnt/nvme
 
 Exit status: 0 on success; 1 when ``model`` finds the plan does not fit this machine (a missing
 or unusable ``nvme_path`` included) or the work fails; 2 on bad input (one line on stderr naming
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,9 +54,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     what = model.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", metavar="PKG.MODULE:CALLABLE",
-                      help="a callable returning an nn.Module, built on the meta device")
+                      help="a callable returning an nn.Module, built on the meta device; the current "
+                           "directory is importable, as with python -m")
     what.add_argument("--params", help="a bare parameter count, e.g. 1.3e9 or 1.3B")
     model.add_argument("--config", required=True, help="config file (.toml/.json) or preset name")
+    model.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="change one config key, e.g. tiers.nvme_path=/mnt/nvme (the nvme preset's path is "
+                            "a placeholder); repeatable; values are JSON when they parse, else strings")
     model.add_argument("--ranks", type=int, default=1, help="data-parallel world size (default 1)")
     model.add_argument("--local-ranks", type=int, default=None,
                        help="ranks on this machine (default: all); must divide --ranks")
@@ -127,6 +133,32 @@ def _run_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace):
+    """``--config`` with ``--set`` and ``--activation-bytes`` applied; an error names the flag and the key."""
+    from infinity.config import ConfigError, load_config, parse_overrides
+    from infinity.plan import PlanError, resolve_config
+
+    flags = {}      # "section.key" -> the flag that set it, for the error
+    try:
+        overrides = parse_overrides(args.overrides)
+    except ConfigError as exc:
+        raise PlanError(f"--set {exc}") from None
+    for item in args.overrides:
+        flags[item.partition("=")[0].strip()] = f"--set {item}"
+    if args.activation_bytes is not None:
+        overrides.setdefault("activations", {})["checkpoint_nbytes"] = args.activation_bytes
+        flags["activations.checkpoint_nbytes"] = "--activation-bytes"
+    if not overrides:
+        return args.config
+    try:
+        return load_config(resolve_config(args.config), overrides=overrides)
+    except ConfigError as exc:
+        if exc.file != "overrides":
+            raise
+        flag = flags.get(exc.key or "") or next((f for k, f in flags.items() if k.startswith(f"{exc.key}.")), "--set")
+        raise PlanError(f"{flag}: {exc.key}: {exc.reason}" if exc.key else f"{flag}: {exc.reason}") from exc
+
+
 def _run_model(args: argparse.Namespace) -> int:
     from infinity.plan import Bandwidth, PlanError, plan
 
@@ -139,17 +171,11 @@ def _run_model(args: argparse.Namespace) -> int:
         raise PlanError("--read-gbps and --write-gbps go together")
     elif args.read_gbps is not None:
         bandwidth = Bandwidth(args.read_gbps, args.write_gbps, source="command line")
-    config = args.config
-    if args.activation_bytes is not None:
-        from infinity.plan import resolve_config
-        from infinity.config import ConfigError, load_config
-
-        try:
-            config = load_config(resolve_config(config),
-                                 overrides={"activations": {"checkpoint_nbytes": args.activation_bytes}})
-        except ConfigError as exc:
-            said = f"{exc.key}: {exc.reason}" if exc.file == "overrides" else str(exc)   # the override is the flag
-            raise PlanError(f"--activation-bytes: {said}") from exc
+    config = _config(args)
+    if args.model:
+        # A console script's sys.path holds its own bin/ directory, not the working directory, so
+        # `--model mymodels:build` failed until PYTHONPATH=. Put it first, as python -m does.
+        sys.path.insert(0, os.getcwd())
     result = plan(
         args.model if args.model else args.params,
         config,

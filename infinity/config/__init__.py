@@ -17,7 +17,7 @@ Examples
 from __future__ import annotations
 
 from infinity.config.deepspeed import from_deepspeed
-from infinity.config.load import dump, load_config, reference_markdown
+from infinity.config.load import dump, load_config, parse_overrides, reference_markdown
 from infinity.config.sections import (SECTIONS, AioConfig, CheckpointConfig, Config, DpuConfig, OptimizerConfig,
                                       PartitionConfig, PrecisionConfig, PrefetchConfig, TiersConfig, TilingConfig)
 from infinity.config.text import preset_path, presets
@@ -26,5 +26,5 @@ from infinity.config.values import ALIGNMENT, ConfigError
 __all__ = [
     "ALIGNMENT", "SECTIONS", "AioConfig", "CheckpointConfig", "Config", "ConfigError", "DpuConfig", "OptimizerConfig",
     "PartitionConfig", "PrecisionConfig", "PrefetchConfig", "TiersConfig", "TilingConfig",
-    "dump", "from_deepspeed", "load_config", "preset_path", "presets", "reference_markdown",
+    "dump", "from_deepspeed", "load_config", "parse_overrides", "preset_path", "presets", "reference_markdown",
 ]

@@ -5,6 +5,7 @@ Reads TOML or JSON through ``infinity.config.text`` and builds the sections of
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -74,6 +75,38 @@ def load_config(src: str | os.PathLike | Mapping[str, Any] | Config | None = Non
         if overrides and _sets(overrides, exc.key):     # the override's value, not the file's
             raise exc.in_file("overrides") from None
         raise exc.in_file(file if file is None or not overrides else f"{file} (with overrides)") from None
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``["prefetch.enabled=false", "tiers.nvme_path=/mnt/nvme"]`` -> ``overrides`` for ``load_config``.
+
+    What a command line's ``--set SECTION.KEY=VALUE`` means: each value is read as JSON when it
+    parses (``false``, ``8``, ``["/a", "/b"]``), else as the string written (``512MiB``,
+    ``/mnt/nvme``); a later setting of the same key wins. Whether the key exists and the value
+    fits it is ``load_config``'s to say, naming the key.
+
+    Raises
+    ------
+    ConfigError
+        On an item that is not ``SECTION.KEY=VALUE``, naming the item.
+
+    Examples
+    --------
+    >>> parse_overrides(["prefetch.enabled=false", "prefetch.nvme_bytes=1GiB"])
+    {'prefetch': {'enabled': False, 'nvme_bytes': '1GiB'}}
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name.strip():
+            raise ConfigError(f"{item!r}: expected section.key=value, e.g. prefetch.enabled=false")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out.setdefault(section, {})[name.strip()] = value
+    return out
 
 
 def _sets(overrides: Mapping[str, Any], key: str | None) -> bool:

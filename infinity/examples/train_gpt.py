@@ -113,20 +113,15 @@ class TrainOptions:
 def parse_overrides(items: tuple[str, ...] | list[str]) -> dict:
     """``["prefetch.enabled=false", "tiers.params=nvme"]`` -> nested config overrides.
 
-    Values are read as JSON when they parse (``false``, ``8``, ``[\"a\"]``), else as strings.
+    Read as ``infinity-plan --set`` reads them (``infinity.config.parse_overrides``): values as JSON
+    when they parse (``false``, ``8``, ``[\"a\"]``), else as strings.
     """
-    out: dict = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        section, dot, name = key.strip().partition(".")
-        if not sep or not dot or not section or not name:
-            raise ValueError(f"--set {item!r}: expected section.key=value, e.g. prefetch.enabled=false")
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            value = raw
-        out.setdefault(section, {})[name] = value
-    return out
+    from infinity.config import ConfigError, parse_overrides as parse
+
+    try:
+        return parse(items)
+    except ConfigError as exc:
+        raise ValueError(f"--set {exc}") from None
 
 
 def load_engine_config(options: TrainOptions):

@@ -182,3 +182,37 @@ def test_console_entry_runs_as_a_process(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
     assert "cannot import module 'nope_pkg_x'" in bad.stderr
+
+
+def test_set_changes_config_keys_and_an_error_names_the_flag_and_the_key(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["model", "--params", "1e6", "--config", "nvme", "--set", f"tiers.nvme_path={tmp_path}",
+                 "--set", "aio.direct=false", "--json", str(out)]) == 0
+    assert "Fits this machine (1 rank): yes" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["nvme_paths"] == [str(tmp_path)] and record["nvme_direct"] is False
+    for flag, says in (("prefetch.enabeld=false", "--set prefetch.enabeld=false: prefetch.enabeld: unknown key; "
+                                                  "did you mean prefetch.enabled?"),
+                       ("prefetchh.enabled=false", "--set prefetchh.enabled=false: prefetchh: unknown section"),
+                       ("aio.queue_depth=lots", "--set aio.queue_depth=lots: aio.queue_depth: expected"),
+                       ("prefetch=false", "--set 'prefetch=false': expected section.key=value")):
+        assert main(["model", "--params", "1e6", "--config", "nvme", "--set", flag]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"infinity-plan model: error: {says}"), err
+
+
+@pytest.mark.skipif(__import__("os").path.lexists("/local_nvme"), reason="this machine has a /local_nvme")
+def test_the_nvme_presets_placeholder_path_is_said_to_be_one_with_the_flag_to_give_a_directory(capsys):
+    assert main(["model", "--params", "1e6", "--config", "nvme"]) == 1
+    out = capsys.readouterr().out
+    assert "tiers.nvme_path: '/local_nvme' is the nvme preset's placeholder" in out
+    assert "infinity-plan --set tiers.nvme_path=DIR" in out and "create it" not in out
+
+
+def test_a_model_module_in_the_working_directory_is_importable(capsys, tmp_path, monkeypatch):
+    """A console script does not see the working directory; --model wd_models:build needed PYTHONPATH=."""
+    (tmp_path / "plan_cli_wd_models.py").write_text(MODEL_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert main(["model", "--model", "plan_cli_wd_models:build", "--config", "device"]) == 0, capsys.readouterr().err
+    assert "Plan for plan_cli_wd_models:build" in capsys.readouterr().out
