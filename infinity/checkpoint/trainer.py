@@ -19,7 +19,18 @@ model the Trainer's own save of ``infinity.state_dict`` (gathered a module at a 
 writes those weights in each checkpoint instead, which cannot be resumed (as with the plain Trainer).
 Over several processes (``torchrun``, ``accelerate launch``) the model is not wrapped in
 ``DistributedDataParallel``: the engine already splits it and reduces its gradients over the
-ranks. A model not built in ``infinity.Init`` trains and saves as with ``transformers.Trainer``.
+ranks.
+
+[Note: what infinity.Trainer trains]
+Given no optimizer (neither ``optimizers`` nor ``optimizer_cls_and_kwargs``), it builds
+``infinity.AdamW`` where ``transformers.Trainer`` would build ``torch.optim.AdamW``: from the same
+``TrainingArguments`` (``learning_rate``, ``adam_beta1``/``adam_beta2``, ``adam_epsilon``) and over the
+same groups (``weight_decay`` on all but biases and norms); a ``torch.optim`` optimizer over an engine
+model's parameters would update nothing and is refused at its first step. An ``optim`` that is not AdamW
+(Adafactor, SGD, 8-bit AdamW...) has no infinity version and is refused when the Trainer is built. A
+model none of whose parameters was built in ``infinity.Init`` is refused too: it would train whole on
+the device, as with ``transformers.Trainer``, the very thing ``infinity.Trainer`` was chosen to avoid.
+A model holding engine parameters among others (adapters added after ``Init``) is accepted.
 """
 from __future__ import annotations
 
@@ -36,12 +47,16 @@ from infinity import registry
 from infinity.checkpoint.errors import CheckpointNotFoundError
 from infinity.checkpoint.reader import load_checkpoint
 from infinity.checkpoint.writer import save_checkpoint
+from infinity.errors import EngineError
+from infinity.optim.adam import AdamW
 from infinity.runtime.gathered import state_dict
 from infinity.runtime.hf_save import save_pretrained
 
 SUBDIR = "infinity"
 SCHEDULER_NAME = "scheduler.pt"     # transformers.trainer's names, so its own checks find them
 TRAINING_ARGS_NAME = "training_args.bin"
+# TrainingArguments.optim values that are torch's AdamW (kernels aside): infinity.AdamW does their update.
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused")
 
 
 class Trainer(transformers.Trainer):
@@ -50,9 +65,8 @@ class Trainer(transformers.Trainer):
 
     Examples
     --------
-    >>> trainer = infinity.Trainer(model=model, args=transformers.TrainingArguments("out", save_steps=500),
-    ...                            train_dataset=data,
-    ...                            optimizer_cls_and_kwargs=(infinity.AdamW, {"lr": 3e-4}))  # doctest: +SKIP
+    >>> trainer = infinity.Trainer(model=model, train_dataset=data,         # infinity.AdamW, from the args
+    ...                            args=transformers.TrainingArguments("out", learning_rate=3e-4))  # doctest: +SKIP
     >>> trainer.train()                                   # doctest: +SKIP
     >>> trainer.train(resume_from_checkpoint=True)        # doctest: +SKIP
     """
@@ -61,11 +75,13 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        _refuse_plain(self.model)
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and _engine_params(self.model,
+                                                                                              trainable=True):
+            _adamw_kwargs(self.args)        # an optim with no infinity version is refused now, not at train()
         if _engine_model(self.model):
             engine = registry.engine_of(self.model)
             if engine.ranks.world_size != self.args.world_size:
-                from infinity.errors import EngineError
-
                 raise EngineError(
                     f"infinity.Trainer: the model's engine spans {engine.ranks.world_size} rank(s) and the "
                     f"Trainer {self.args.world_size} process(es): each process would train a model of its own "
@@ -84,6 +100,16 @@ class Trainer(transformers.Trainer):
             return prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
         self.accelerator.prepare_model = prepare_model
+
+    def create_optimizer(self, model=None):
+        """``transformers.Trainer.create_optimizer``, with ``infinity.AdamW`` for an engine model given no
+        optimizer ([Note: what infinity.Trainer trains])."""
+        opt_model = self.model if model is None else model
+        _refuse_plain(opt_model)        # model_init builds a model per trial
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and _engine_params(opt_model,
+                                                                                              trainable=True):
+            self.optimizer_cls_and_kwargs = (AdamW, _adamw_kwargs(self.args))
+        return super().create_optimizer(model)
 
     def _managed(self) -> bool:
         return _engine_model(self.model)
@@ -144,6 +170,38 @@ def _engine_model(model) -> bool:
     except registry.NotManagedError:
         return False
     return True
+
+
+def _engine_params(model, trainable: bool = False) -> bool:
+    """Whether any (trainable) parameter of ``model`` was built in ``infinity.Init``."""
+    return any(registry.engine_of_param(p) is not None for p in model.parameters()
+               if p.requires_grad or not trainable)
+
+
+def _refuse_plain(model) -> None:
+    """Refuse a model with no engine parameter ([Note: what infinity.Trainer trains])."""
+    if model is None or _engine_model(model) or _engine_params(model):
+        return
+    raise registry.NotManagedError(
+        f"infinity.Trainer: {type(model).__name__} was not built inside infinity.Init, so none of its parameters "
+        "is offloaded: it would train whole on the device, as with transformers.Trainer. Build it under `with "
+        "infinity.Init(config): model = ...` (or infinity.from_pretrained(cls, path, config)), or train a model "
+        "that fits without infinity with transformers.Trainer")
+
+
+def _adamw_kwargs(args) -> dict:
+    """``infinity.AdamW``'s arguments from ``TrainingArguments``, as the Trainer reads them for torch's AdamW."""
+    optim = getattr(args.optim, "value", args.optim)
+    if optim not in ADAMW_OPTIMS:
+        raise EngineError(
+            f"infinity.Trainer: TrainingArguments(optim={optim!r}) has no infinity version: an engine model's "
+            "parameters are updated over their shards by infinity.AdamW or infinity.Adam. Leave optim at its "
+            "default (AdamW, built as infinity.AdamW), or pass optimizer_cls_and_kwargs=(infinity.Adam, {...})")
+    if args.optim_args:
+        raise EngineError(
+            f"infinity.Trainer: TrainingArguments(optim_args={args.optim_args!r}): infinity.AdamW takes lr, betas, "
+            "eps and weight_decay, which TrainingArguments gives by their own names; drop optim_args")
+    return {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
 
 
 def _infinity_dir(checkpoint: str) -> str:

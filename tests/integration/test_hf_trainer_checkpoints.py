@@ -218,3 +218,47 @@ def test_init_under_a_launcher_before_the_process_group_is_refused(tmp_path, mon
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(EngineError, match=r"rank 1 of WORLD_SIZE=2.*no torch.distributed process group"):
         _model(str(tmp_path / "nvme"), "host")
+
+
+def test_given_no_optimizer_it_trains_with_infinity_adamw_as_the_trainer_would_with_torchs(tmp_path):
+    """Without optimizer_cls_and_kwargs, the first opt.step() refused torch.optim.AdamW over the engine's
+    parameters ([Note: what infinity.Trainer trains] in infinity/checkpoint/trainer.py)."""
+    from tests.integration.test_hf_trainer import _args, _train
+
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(_config())
+    ref_losses, ref_norms, _ = _train(ref, str(tmp_path / "plain"))      # optim: the default, torch's AdamW
+    model = _model(str(tmp_path / "nvme"), "host")
+    trainer = infinity.Trainer(model=model, args=_args(str(tmp_path / "engine")), train_dataset=_Tokens(4 * STEPS))
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, infinity.AdamW)
+    assert trainer.optimizer.param_groups[0]["betas"] == (0.9, 0.98) and trainer.optimizer.param_groups[0]["eps"] == 1e-6
+    assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.1, 0.0]
+    logs = [r for r in trainer.state.log_history if "loss" in r and "grad_norm" in r]
+    assert len(logs) == STEPS
+    assert max(abs(r["loss"] - want) for r, want in zip(logs, ref_losses)) <= 1e-5
+    assert max(abs(r["grad_norm"] - want) / want for r, want in zip(logs, ref_norms)) <= 1e-5
+    with infinity.gathered(model):
+        assert max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), ref.parameters())) <= 1e-5
+    infinity.release(model)
+
+
+def test_an_optim_with_no_infinity_version_is_refused_when_the_trainer_is_built(tmp_path):
+    from tests.integration.test_hf_trainer import _args
+
+    model = _model(str(tmp_path / "nvme"), "host")
+    with pytest.raises(EngineError, match=r"optim='sgd'\) has no infinity version.*optimizer_cls_and_kwargs"):
+        infinity.Trainer(model=model, args=_args(str(tmp_path / "out"), optim="sgd"), train_dataset=_Tokens(4))
+    infinity.Trainer(model=model, args=_args(str(tmp_path / "out"), optim="sgd"), train_dataset=_Tokens(4),
+                     optimizer_cls_and_kwargs=(infinity.Adam, {"lr": 1e-3}))     # its own choice: let through
+    infinity.release(model)
+
+
+def test_a_model_not_built_in_init_is_refused_instead_of_training_without_offload(tmp_path):
+    from tests.integration.test_hf_trainer import _args
+
+    with pytest.raises(infinity.registry.NotManagedError,
+                       match=r"infinity.Trainer: GPT2LMHeadModel was not built inside infinity.Init, so none of "
+                             r"its parameters is offloaded: it would train whole on the device"):
+        infinity.Trainer(model=transformers.GPT2LMHeadModel(_config()), args=_args(str(tmp_path / "out")),
+                         train_dataset=_Tokens(4))
