@@ -156,6 +156,8 @@ def check_ready(engine, opt, what: str, damaged_ok: bool = False):
     are always saved and loaded, so the step count (Adam's bias correction) must travel
     with them whether or not the caller passed the optimizer.
     """
+    if type(opt).__module__.startswith("accelerate.") and hasattr(opt, "optimizer"):
+        opt = opt.optimizer     # accelerator.prepare's AcceleratedOptimizer: the one it wraps is ours
     if opt is None:
         opt = engine.optimizer
     elif getattr(opt, "engine", None) is not engine:

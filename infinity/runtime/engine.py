@@ -412,6 +412,8 @@ class Engine:
         for name, p in module.named_parameters(recurse=False):
             group = self.coordinator.group_of.get(p)
             if group is not None and group.state is not ParamState.AVAILABLE:
+                if _in_accelerate_save_state():
+                    raise EngineError(ACCELERATE_SAVE_STATE)
                 raise EngineError(
                     f"state_dict(): parameter {prefix + name!r} is released (its values are shards over "
                     "ranks and tiers); take it with infinity.state_dict(model) (a transformers model: "
@@ -453,6 +455,34 @@ class Engine:
             "loss_scale": self.loss_scaler.as_dict() if self.loss_scaler is not None else None,
             "activations": self.activations.stats() if self.activations is not None else {"offload": "none"},
         }
+
+
+ACCELERATE_SAVE_STATE = (
+    "accelerator.save_state(): the model was built in infinity.Init, and accelerate saves a model through "
+    "model.state_dict() on every process, whole, before any hook of its own runs; an engine model's parameters and "
+    "optimizer states are shards over ranks and tiers, saved by infinity. No file was written. On every rank, save "
+    "with infinity.save_checkpoint(dir, model, opt) and resume with infinity.load_checkpoint(dir, model, opt) "
+    "(weights, optimizer states, step count and RNG); keep the scheduler's state_dict() beside them; "
+    "infinity-consolidate makes the weights one file")
+
+
+def _in_accelerate_save_state() -> bool:
+    """Whether ``accelerate.Accelerator.save_state`` is on the stack ([Note: accelerate's save_state]).
+
+    [Note: accelerate's save_state]
+    ``Accelerator.save_state`` takes ``model.state_dict()`` of every prepared model first and calls
+    the hooks of ``register_save_state_pre_hook`` only after, with those state dicts, so no hook can
+    route an engine model to ``infinity.save_checkpoint`` instead. Its ``state_dict()`` is refused
+    as any other is (before_state_dict), and this names what a user of ``save_state`` does instead.
+    ``load_state`` needs no word of ours: without the files save_state never wrote, it stops at
+    reading them, before it touches the model. Looked at only on that error path.
+    """
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "save_state" and frame.f_globals.get("__name__") == "accelerate.accelerator":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _close_parts(activations, tiers) -> None:

@@ -82,3 +82,23 @@ def test_saved_state_dict_holds_tensors_and_loads_back(tmp_path):
     assert not torch.equal(torch.cat(opt.state_dict()["shards"]["master"]), masters)
     opt.load_state_dict(saved)      # a plain dict of tensors is written back
     assert torch.equal(torch.cat(opt.state_dict()["shards"]["master"]), masters)
+
+
+def test_save_state_is_refused_naming_infinitys_checkpoints_which_take_the_prepared_pair(tmp_path):
+    """accelerator.save_state failed on state_dict() with advice for taking weights, not for checkpointing
+    ([Note: accelerate's save_state] in infinity/runtime/engine.py); the checkpoint it names takes the
+    prepared optimizer and resumes the run exactly."""
+    batches = _batches(4)
+    model, opt = _build(tmp_path / "nvme")
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, opt)
+    _steps(model, opt, batches[:2])
+    with pytest.raises(infinity.errors.EngineError,
+                       match=r"^accelerator\.save_state\(\): the model was built in infinity\.Init.*No file was "
+                             r"written.*infinity\.save_checkpoint\(dir, model, opt\).*infinity\.load_checkpoint"):
+        accelerator.save_state(str(tmp_path / "state"))
+    assert list((tmp_path / "state").iterdir()) == []
+    infinity.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    went_on = _steps(model, opt, batches[2:])
+    infinity.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    assert _steps(model, opt, batches[2:]) == went_on
