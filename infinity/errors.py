@@ -25,3 +25,12 @@ TORCHSCRIPT = (
     "To export, load infinity.state_dict(model) into the same model built outside infinity.Init (or "
     "consolidate a checkpoint with infinity-consolidate) and script or trace that; "
     "torch.compile(model) works on the managed model")
+
+
+def foreign_optimizer_message(what: str, name: str) -> str:
+    """A ``torch.optim`` optimizer over an engine parameter ([Note: foreign optimizers] in
+    infinity/optim/torch_guard.py): ``what`` is the call refused, ``name`` the parameter's."""
+    return (f"{what}: it holds {name!r}, a parameter of a model built in infinity.Init, whose values and gradients "
+            "live in infinity's shards, so it would update nothing; use infinity.AdamW (or infinity.Adam) with the "
+            "same arguments: infinity.AdamW(model.parameters(), lr=...) or torch-style param groups (under "
+            "transformers.Trainer: infinity.Trainer, which builds it)")

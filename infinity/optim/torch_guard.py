@@ -1,10 +1,16 @@
-"""A ``torch.optim`` optimizer over an engine's parameters is refused at its first step.
+"""A ``torch.optim`` optimizer over an engine's parameters is refused when built, else at its first step.
 
 [Note: foreign optimizers]
 An engine parameter holds no values between uses and its gradient lives in the engine's
 store (see [Note: gradient tokens] in infinity/optim/grad_face.py), so ``torch.optim.AdamW``
 over ``model.parameters()`` would step nothing, silently. torch offers no hook at an
-optimizer's construction, but a global one before every step
+optimizer's construction, but every optimizer's ``Optimizer.add_param_group`` reads each
+parameter's ``is_leaf``, and a released parameter answers that in its own
+``__torch_function__`` (infinity/runtime/placeholder.py): there, called from
+``add_param_group`` of an optimizer that is not the engine's, it refuses, before a forward
+and backward are spent on a step that would be refused. What that misses (an optimizer built
+over gathered parameters, inside ``infinity.gathered``, or with ``differentiable=True``, which
+skips the read) meets a global hook before every step
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``): each engine registers one
 while its model lives, and the hook raises for any optimizer other than the engine's own
 that holds one of its parameters. The verdict is kept per optimizer and its number of
@@ -19,7 +25,7 @@ import weakref
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from infinity.errors import EngineError
+from infinity.errors import EngineError, foreign_optimizer_message
 
 
 class TorchOptimizerGuard:
@@ -42,11 +48,8 @@ class TorchOptimizerGuard:
         for p in (p for group in optimizer.param_groups for p in group["params"]):
             if p in managed:
                 name = self._names.get(p, f"a parameter of shape {tuple(p.shape)}")
-                raise EngineError(
-                    f"{type(optimizer).__module__}.{type(optimizer).__name__}.step(): it holds {name!r}, a "
-                    "parameter of a model built in infinity.Init, whose values and gradients live in infinity's "
-                    "shards, so it would update nothing; use infinity.AdamW (or infinity.Adam) with the same "
-                    "arguments: infinity.AdamW(model.parameters(), lr=...) or torch-style param groups")
+                raise EngineError(foreign_optimizer_message(
+                    f"{type(optimizer).__module__}.{type(optimizer).__name__}.step()", name))
         self._checked[optimizer] = count
 
     def remove(self) -> None:

@@ -69,7 +69,7 @@ import weakref
 import torch
 from torch import nn
 
-from infinity.errors import EngineError
+from infinity.errors import EngineError, foreign_optimizer_message
 
 _T = torch.Tensor
 _GRAD, _REQUIRES_GRAD = torch._C.TensorBase.grad, torch._C.TensorBase.requires_grad
@@ -143,6 +143,8 @@ class ReleasedParameter(nn.Parameter):
         attribute = _attribute_of(func)
         with _NO_SUBCLASS():
             if attribute in _DESCRIBING_ATTRIBUTES and func.__name__ in ("__get__", "__set__", "__delete__"):
+                if attribute == "is_leaf":      # every optimizer's add_param_group reads it
+                    _refuse_a_foreign_optimizer(args[0], inspect.currentframe().f_back)
                 return func(*args, **kwargs)
             if attribute == "data" and func.__name__ == "__set__":
                 return func(*args, **kwargs)
@@ -172,6 +174,21 @@ class ReleasedParameter(nn.Parameter):
         if reason.endswith(_REPARAMETRIZED):
             _put_back(param)
         raise EngineError(refusal(param, _name(func, attribute), reason))
+
+
+def _refuse_a_foreign_optimizer(param, frame) -> None:
+    """Refuse a ``torch.optim`` optimizer that takes ``param`` into a param group, when it is not the engine's
+    own: ``frame`` reads ``param.is_leaf`` ([Note: foreign optimizers] in infinity/optim/torch_guard.py)."""
+    if frame is None or frame.f_code.co_name != "add_param_group" or \
+            frame.f_globals.get("__name__") != "torch.optim.optimizer":
+        return
+    optimizer = frame.f_locals.get("self")
+    held = _holder(param)
+    if held is None or getattr(optimizer, "engine", None) is held[0]:
+        return      # infinity.AdamW (its engine is set before torch's __init__ runs), or no live engine
+    engine, group, slot = held
+    name = engine.param_names.get(param) or f"{group.name}.{slot.name}"
+    raise EngineError(foreign_optimizer_message(f"{type(optimizer).__module__}.{type(optimizer).__name__}(...)", name))
 
 
 def _reason_on_path(func) -> str:

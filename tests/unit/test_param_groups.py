@@ -115,16 +115,30 @@ def test_parameters_not_built_in_init_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD])
-def test_a_torch_optimizer_over_engine_parameters_raises_at_its_first_step(tmp_path, cls):
+def test_a_torch_optimizer_over_engine_parameters_is_refused_as_it_is_built(tmp_path, cls):
+    """It was refused at its first step, after a whole forward and backward (minutes, on a large model)."""
     model, ref = engine_and_plain(_cfg("host", "host", tmp_path))
-    opt = cls(model.parameters(), lr=1e-2)
+    name = f"{cls.__module__}.{cls.__name__}"
+    with pytest.raises(EngineError, match=rf"^{name}\(\.\.\.\): it holds 'wpe', a parameter of a model built in "
+                                          r"infinity.Init.*use infinity.AdamW"):
+        cls(model.parameters(), lr=1e-2)
+    plain = cls(ref.parameters(), lr=1e-2)      # optimizers of other models are built and step as usual
+    with pytest.raises(EngineError, match=rf"^{name}\(\.\.\.\): it holds 'wpe'"):
+        plain.add_param_group({"params": [model.wpe]})
     idx, tgt = batches(1, 2)[0]
-    model(idx, tgt).backward()
-    with pytest.raises(EngineError, match=r"holds 'wpe', a parameter of a model built in infinity.Init.*use infinity.AdamW"):
-        opt.step()
-    plain = cls(ref.parameters(), lr=1e-2)      # optimizers of other models step as usual
     ref(idx, tgt).backward()
     plain.step()
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_a_torch_optimizer_built_over_gathered_parameters_raises_at_its_first_step(tmp_path, cls):
+    model, _ = engine_and_plain(_cfg("host", "host", tmp_path))
+    with infinity.gathered(model):      # plain parameters while gathered: the step's hook is what sees it
+        opt = cls(model.parameters(), lr=1e-2)
+    idx, tgt = batches(1, 2)[0]
+    model(idx, tgt).backward()
+    with pytest.raises(EngineError, match=r"\.step\(\): it holds 'wpe', a parameter of a model built in infinity.Init"):
+        opt.step()
 
 
 @pytest.mark.parametrize("key", ["maximize", "amsgrad"])
