@@ -56,10 +56,22 @@ def problem(path: str, direct: bool) -> str | None:
     if wrong:
         return wrong
     if not os.access(path, os.W_OK | os.X_OK):
+        if _read_only(path):
+            return (f"{path!r} is on a read-only file system (mounted read-only: no user can write there); give "
+                    "a directory on a writable local disk")
         return f"{path!r} is a directory this user (uid {os.getuid()}) cannot write to"
     if direct:
         return _refuses_direct_io(path)
     return None
+
+
+def _read_only(path: str) -> bool:
+    """Whether ``path``'s file system is mounted read-only (statvfs's ST_RDONLY), where permissions are not the
+    cause of a refused write and changing them would not help."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _refuses_direct_io(path: str) -> str | None:

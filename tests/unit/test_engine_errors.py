@@ -349,6 +349,22 @@ def test_nvme_path_on_a_filesystem_without_o_direct_says_so_at_init(tmp_path, mo
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".infinity-probe")]
 
 
+def test_nvme_path_on_a_read_only_file_system_says_so_not_that_the_user_cannot_write(tmp_path, monkeypatch):
+    """A read-only mount was called "a directory this user cannot write to", which sends one to chmod."""
+    import os as _os
+    from types import SimpleNamespace
+    from infinity.config import paths
+
+    real_statvfs = _os.statvfs
+    monkeypatch.setattr(paths.os, "access", lambda path, mode: False if str(path) == str(tmp_path) else True)
+    monkeypatch.setattr(paths.os, "statvfs", lambda path: SimpleNamespace(f_flag=_os.ST_RDONLY)
+                        if str(path) == str(tmp_path) else real_statvfs(path))
+    with pytest.raises(ConfigError, match=rf"tiers.nvme_path: '{tmp_path}' is on a read-only file system "
+                                          r"\(mounted read-only: no user can write there\)"):
+        with infinity.Init(_nvme_cfg(tmp_path)):
+            nn.Linear(4, 4)
+
+
 @pytest.mark.skipif(__import__("os").geteuid() == 0, reason="root writes to any directory")
 def test_nvme_path_not_writable_is_named(tmp_path):
     locked = tmp_path / "ro"
