@@ -169,7 +169,7 @@ class ReleasedParameter(nn.Parameter):
                 if out.dtype == param.dtype and _same_device(out.device, param.device):
                     return param    # "cpu:0" for "cpu" (transformers.Trainer's model.to(args.device) on CPU ranks)
                 _restore_buffers(param)
-                raise EngineError(refusal(param, _name(func, attribute), _CONVERSION_REASON))
+                raise EngineError(refusal(param, _name(func, attribute), _conversion_reason(param, out)))
         reason = _reason_on_path(func)
         if reason.endswith(_REPARAMETRIZED):
             _put_back(param)
@@ -388,9 +388,28 @@ _IN_BACKWARD_REASON = ("it is released during backward (a group goes as soon as 
                        "gradients taken, or its module's backward over), so a backward hook cannot read it; read "
                        "the gradient there (.grad, or a hook on the parameter), the values in a forward hook, or "
                        "both after backward inside `with infinity.gathered(model):`")
-_CONVERSION_REASON = ("infinity keeps parameters in the dtype and on the device its config names ([precision] "
-                      "dtype, [tiers] device), so converting the model would change nothing: change the config "
-                      "instead (to convert the values themselves, copy them inside `with infinity.gathered(model):`)")
+_CONFIG_DTYPES = ("float32", "bfloat16", "float16")
+_CONFIG_DEVICES = ("cpu", "cuda")
+
+
+def _conversion_reason(param, out: torch.Tensor) -> str:
+    """Why ``model.to(...)`` / ``.half()`` / ``.cuda()`` is refused: what infinity does with the parameters,
+    and the config key that gives what the conversion asked for (``out``: the placeholder converted)."""
+    dtype, target = str(param.dtype).removeprefix("torch."), str(out.dtype).removeprefix("torch.")
+    ways = []
+    if out.dtype != param.dtype:
+        ways.append(f'to compute in {target}, build the model under infinity.Init with precision.dtype = "{target}" '
+                    "in its config" if target in _CONFIG_DTYPES else
+                    f"infinity computes in {', '.join(_CONFIG_DTYPES)} (precision.dtype), not {target}")
+    if not _same_device(out.device, param.device):
+        device = out.device.type
+        ways.append(f'to compute on {device}, build it with tiers.device = "{device}"' if device in _CONFIG_DEVICES
+                    else f"infinity computes on {' or '.join(_CONFIG_DEVICES)} (tiers.device), not {device}")
+    return (f"infinity keeps this model's parameters as shards in its tiers, computed in {dtype} on "
+            f"{param.device.type} (the config's precision.dtype and tiers.device), with fp32 master weights and "
+            "Adam states beside them, so converting the model cannot convert them: "
+            + "; ".join(ways) + "; for converted copies of the values, convert infinity.state_dict(model) "
+            "(or infinity-consolidate --dtype)")
 
 
 def refusal(param, what: str, reason: str = _RELEASED_REASON) -> str:

@@ -638,7 +638,8 @@ def test_a_refused_conversion_leaves_the_buffers_converted_before_it_as_they_wer
     model, plain = _tabled(True), _tabled(False)
     opt, plain_opt = infinity.AdamW(model, lr=1e-2), torch.optim.AdamW(plain.parameters(), lr=1e-2)
     kept = {name: buf for name, buf in model.named_buffers()}
-    with pytest.raises(EngineError, match=r"'1\.weight'.*\[precision\] dtype"):
+    with pytest.raises(EngineError, match=r"'1\.weight': infinity keeps this model's parameters as shards.*"
+                                          r"the config's precision\.dtype and tiers\.device"):
         convert(model)
     assert {name: buf for name, buf in model.named_buffers()} == kept     # the very tensors, by identity
     for (name, buf), (_, want) in zip(model.named_buffers(), plain.named_buffers()):
@@ -646,6 +647,26 @@ def test_a_refused_conversion_leaves_the_buffers_converted_before_it_as_they_wer
     _one_step_matches_plain(model, opt, plain, plain_opt)
     with infinity.gathered(model):
         assert list(model.state_dict()) == list(plain.state_dict())     # the cache still not persistent
+    infinity.release(model)
+
+
+def test_a_refused_conversion_says_what_infinity_does_and_the_config_key_that_does_it():
+    """It said the conversion "would change nothing", as if it were harmless, and named no key to set."""
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"}}):
+        model = nn.Linear(4, 3)
+    with pytest.raises(EngineError) as info:
+        model.to(torch.bfloat16)
+    said = str(info.value)
+    assert said.startswith("Tensor.to on parameter 'weight': infinity keeps this model's parameters as shards in its "
+                           "tiers, computed in float32 on cpu (the config's precision.dtype and tiers.device), with "
+                           "fp32 master weights and Adam states beside them, so converting the model cannot convert "
+                           'them: to compute in bfloat16, build the model under infinity.Init with precision.dtype = '
+                           '"bfloat16" in its config; for converted copies of the values, convert '
+                           "infinity.state_dict(model)"), said
+    assert "change nothing" not in said
+    with pytest.raises(EngineError, match=r"infinity computes in float32, bfloat16, float16 \(precision\.dtype\), "
+                                          r"not float64; infinity computes on cpu or cuda \(tiers\.device\), not meta"):
+        model.to("meta", torch.float64)
     infinity.release(model)
 
 
