@@ -103,6 +103,18 @@ def pytest_terminal_summary(terminalreporter):
         f"late copies: {_tally['held']:,} data-path copies held as a GPU's copy streams may hold them, over "
         f"{_tally['tests']} tests (INFINITY_TEST_SEED={_SEED}); {len(_tally['at_once'])} ran with copies at once"
         + "".join(f"\n  copies at once: {nodeid}" for nodeid in _tally["at_once"]))
+    ranks = sys.modules.get("tests.support.ranks")
+    if ranks is not None and ranks.collectives_compared()[1]:
+        issued, calls = ranks.collectives_compared()
+        checked = "checked across the ranks at each call and " if ledger_checks_at_call() else ""
+        terminalreporter.write_line(f"collectives: {issued:,} issued by the ranks of {calls:,} distributed calls, "
+                                    f"{checked}compared at the end of each ([Note: the collective ledger])")
+
+
+def ledger_checks_at_call() -> bool:
+    from tests.support import ledger
+
+    return ledger.CHECK_AT_CALL
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -11,6 +11,12 @@ call the parent compares the ranks' sequences (tests/support/ranks.py) and fails
 entry that differs, naming it and the ranks. Collectives inside another (``all_gather_object`` issues
 two) count once, as the outer one.
 
+Like NCCL, the stand-in also refuses at the call a collective whose ranks disagree (another operation, reduce
+op, root, dtype or element count: NCCL hangs or reads past a buffer, gloo aborts the process or returns): before
+each collective every rank of its group all-reduces a fingerprint of the call (``CHECK_AT_CALL``), and when the
+fingerprints differ every rank raises ``CollectiveMismatch`` naming each rank's call and caller, instead of
+issuing it. The comparison at the end of the call stays: it also sees a rank that issued fewer collectives.
+
 Every collective also runs under a short timeout (``COLLECTIVE_TIMEOUT_S``, not gloo's 30 minutes): a
 rank left waiting in one raises an error naming the call, its place in the sequence and the caller, and
 the comparison then names where the ranks parted.
@@ -23,12 +29,19 @@ import inspect
 import os
 import sys
 import threading
+import zlib
 
 import torch
 import torch.distributed as dist
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("INFINITY_TEST_COLLECTIVE_TIMEOUT", "180"))
 _timeout_s = [COLLECTIVE_TIMEOUT_S]
+# INFINITY_TEST_CHECK_COLLECTIVES=0 turns the check at the call off (the end-of-call comparison stays).
+CHECK_AT_CALL = os.environ.get("INFINITY_TEST_CHECK_COLLECTIVES", "1") != "0"
+
+
+class CollectiveMismatch(RuntimeError):
+    """The ranks of a group called one collective with different operations, dtypes or element counts."""
 
 
 def timeout(seconds: float | None = None) -> datetime.timedelta:
@@ -41,6 +54,10 @@ _NAMES = ("all_reduce", "broadcast", "barrier", "all_gather_into_tensor", "all_g
           "scatter", "all_to_all_single", "all_to_all", "all_reduce_coalesced", "monitored_barrier",
           "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "new_group")
 _OBJECTS = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"}
+# Tensor arguments that only the root passes (and NCCL sizes from the other argument): not compared.
+_ROOT_ONLY = ("gather_list", "scatter_list")
+# Not checked at the call: ``new_group`` is not a collective of a group yet, ``monitored_barrier`` names its own.
+_UNCHECKED = {"new_group", "monitored_barrier"}
 # The caller named is the first frame outside torch.distributed, this file, contextlib (a ``with`` block's
 # exit) and the engine's thin wrapper.
 _SKIP = (os.path.dirname(dist.__file__), os.path.abspath(__file__), contextlib.__file__,
@@ -95,7 +112,7 @@ def _wrap(name: str, fn):
         sizes = () if name in _OBJECTS else tuple(
             (str(t.dtype).replace("torch.", ""), t.numel())
             for key in ("tensor", "output_tensor", "input_tensor", "output", "input", "tensor_list",
-                        "output_tensor_list", "input_tensor_list", "tensors", "scatter_list", "gather_list")
+                        "output_tensor_list", "input_tensor_list", "tensors")
             for t in _tensors(bound.get(key)))
         if name == "new_group":        # every process of the default group takes part
             what = (f"new_group[ranks={list(bound.get('ranks') or [])}]", "default", ())
@@ -108,7 +125,11 @@ def _wrap(name: str, fn):
             _entries.append((what, _site()))
         _depth.n = 1
         try:
+            if CHECK_AT_CALL and name not in _UNCHECKED:
+                _agree(what, index, bound.get("group"))
             return fn(*args, **kwargs)
+        except CollectiveMismatch:
+            raise
         except Exception as exc:
             try:
                 named = type(exc)(f"rank {dist.get_rank()}: collective #{index} {describe(what)}, called from "
@@ -122,6 +143,24 @@ def _wrap(name: str, fn):
 
     recorded.__wrapped__ = fn
     return recorded
+
+
+def _agree(what, index: int, group) -> None:
+    """Refuse, on every rank of ``group`` together, a collective that its ranks describe differently.
+
+    Runs inside the wrapper (``_depth`` is set), so its own collectives are neither recorded nor checked."""
+    if dist.get_backend(group) != "gloo":       # NCCL itself (a GPU run) refuses what it refuses
+        return
+    mark = zlib.crc32(describe(what).encode())
+    marks = torch.tensor([mark, -mark], dtype=torch.int64)
+    dist.all_reduce(marks, op=dist.ReduceOp.MAX, group=group)
+    if int(marks[0]) == mark and int(marks[1]) == -mark:
+        return
+    calls = [None] * dist.get_world_size(group)         # every rank saw the difference: all take part
+    dist.all_gather_object(calls, (dist.get_rank(), describe(what), _entries[index][1]), group=group)
+    lines = "\n".join(f"  rank {rank}: {said} at {site}" for rank, said, site in calls)
+    raise CollectiveMismatch(f"rank {dist.get_rank()}: collective #{index} differs between the ranks (NCCL "
+                             f"would hang or mix tensors; the stand-in refuses it):\n{lines}")
 
 
 def install() -> None:

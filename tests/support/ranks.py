@@ -37,6 +37,7 @@ _FAILED_EXITS: list = []   # "world W rank R: exit status S" of pool processes t
 # idle interpreters each; there the cores are many and spawning is cheap, so each call spawns.
 _UNDER_XDIST = "PYTEST_XDIST_WORKER" in os.environ
 _HELD_LATE = [0]           # data-path copies the ranks held late, over every call
+_COLLECTIVES = [0, 0]      # collectives the ranks issued (each rank's own counted once), calls with a group
 # A call's whole time, a backstop for a rank stuck outside collectives (a lock, a thread that never
 # ends); a rank waiting in a collective fails sooner ([Note: the collective ledger]).
 CALL_TIMEOUT_S = float(os.environ.get("INFINITY_TEST_CALL_TIMEOUT", "900"))
@@ -45,6 +46,12 @@ CALL_TIMEOUT_S = float(os.environ.get("INFINITY_TEST_CALL_TIMEOUT", "900"))
 def held_late_copies() -> int:
     """How many data-path copies the rank processes held late so far (see [Note: late copies])."""
     return _HELD_LATE[0]
+
+
+def collectives_compared() -> tuple[int, int]:
+    """(collectives issued on the ranks, calls with a process group) so far: every one of them was checked
+    across the ranks at the call and compared at the end ([Note: the collective ledger])."""
+    return _COLLECTIVES[0], _COLLECTIVES[1]
 
 
 def _late_copies() -> str | None:
@@ -240,6 +247,9 @@ def run_ranks(fn, world_size: int, workdir, *args, fresh: bool = False, group: b
     values = []
     _HELD_LATE[0] += sum(held for _, _, held, _ in results)
     parted = ledger.first_difference([calls for _, _, _, calls in results]) if group else None
+    if group:
+        _COLLECTIVES[0] += sum(len(calls) for _, _, _, calls in results)
+        _COLLECTIVES[1] += 1
     for r, (status, value, _, _) in enumerate(results):
         if status != "ok":
             raise AssertionError(f"rank {r} failed:\n{value}" + (f"\n{parted}" if parted else ""))
