@@ -40,6 +40,7 @@ from infinity.checkpoint.errors import CheckpointError, CheckpointWriteError
 from infinity.checkpoint.manifest import LATEST, dtype_of, fsync_dir, itemsize, read_small_file
 from infinity.checkpoint.reshard import SavedLayout
 from infinity.checkpoint.stream import Run, StreamIO, _Done, _pwrite_all, read_runs
+from tiers import newfile
 
 _STATES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -228,27 +229,25 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
     manifest = saved.manifest
     layout = SavedLayout(manifest)
     entries = _entries(manifest, layout, dtype, with_buffers=state == "master")
-    tmp = f"{out}.tmp-{os.getpid()}"
+    # A random name, created anew and written through its descriptor: [Note: temporary names on a shared disk].
+    fd, tmp = newfile.create(os.path.dirname(os.path.abspath(out)), prefix=f".{os.path.basename(out)}.tmp-")
     config = load_config(None)
     try:
-        if safetensors:
-            offsets = _safetensors_skeleton(tmp, entries, manifest)
-        else:
-            offsets = _torch_skeleton(tmp, entries)
-        fd = os.open(tmp, os.O_WRONLY)
-        try:
-            _fill(saved, layout, entries, offsets, fd, config, buffer_size or config.checkpoint.buffer_size, state)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with os.fdopen(fd, "r+b", closefd=False) as f:
+            if safetensors:
+                offsets = _safetensors_skeleton(f, entries, manifest)
+            else:
+                offsets = _torch_skeleton(f, tmp, entries)
+        _fill(saved, layout, entries, offsets, fd, config, buffer_size or config.checkpoint.buffer_size, state)
         if not safetensors:
-            _fix_zip_crcs(tmp)
+            with os.fdopen(fd, "r+b", closefd=False) as f:
+                _fix_zip_crcs(f)
+        os.fsync(fd)
         os.replace(tmp, out)
         fsync_dir(os.path.dirname(os.path.abspath(out)))
     except BaseException as exc:
-        need = os.path.getsize(tmp) if os.path.exists(tmp) else None
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        need = os.fstat(fd).st_size
+        os.unlink(tmp)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             free = free_bytes(os.path.dirname(os.path.abspath(out)))
             raise CheckpointWriteError(
@@ -257,6 +256,8 @@ def consolidate(ckpt: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
                 + (f", its filesystem has {human(free)} free" if free is not None else "")
                 + "; the partial file was removed, the checkpoint is untouched", exc.errno) from exc
         raise
+    finally:
+        os.close(fd)
     return {"directory": saved.directory, "tensors": len(entries), "nbytes": os.path.getsize(out),
             "seconds": time.perf_counter() - t0, "format": "safetensors" if safetensors else "torch"}
 
@@ -296,8 +297,9 @@ def _shares_storage(entry: _Entry, offsets: dict, done: set) -> bool:
     return True
 
 
-def _torch_skeleton(path: str, entries: list[_Entry]) -> dict[str, int]:
-    """``torch.save`` of fake tensors with data skipped; returns each key's data offset in the file."""
+def _torch_skeleton(f, path: str, entries: list[_Entry]) -> dict[str, int]:
+    """``torch.save`` of fake tensors with data skipped into the empty file ``f`` (named ``path`` in errors);
+    returns each key's data offset in the file."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     tensors, order = {}, []
@@ -308,9 +310,10 @@ def _torch_skeleton(path: str, entries: list[_Entry]) -> dict[str, int]:
                 order.append(e.identity)
     state = {e.key: tensors[e.identity] for e in entries}
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(state, path)
+        torch.save(state, f)
+    f.flush()
     nbytes = {e.identity: e.out_nbytes for e in entries}
-    records = _zip_data_records(path)
+    records = _zip_data_records(f)
     offsets_of = {}
     for index, identity in enumerate(order):
         record = records.get(str(index))
@@ -322,10 +325,11 @@ def _torch_skeleton(path: str, entries: list[_Entry]) -> dict[str, int]:
     return {e.key: offsets_of[e.identity] for e in entries}
 
 
-def _zip_data_records(path: str) -> dict[str, tuple[int, int]]:
-    """``{storage key: (data offset, size)}`` of the ``<archive>/data/<key>`` records."""
+def _zip_data_records(f) -> dict[str, tuple[int, int]]:
+    """``{storage key: (data offset, size)}`` of the ``<archive>/data/<key>`` records of the zip file ``f``."""
     out = {}
-    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+    f.seek(0)
+    with zipfile.ZipFile(f) as z:
         for info in z.infolist():
             head, _, key = info.filename.rpartition("/")
             if head.rpartition("/")[2] != "data":
@@ -337,52 +341,52 @@ def _zip_data_records(path: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _fix_zip_crcs(path: str) -> None:
+def _fix_zip_crcs(f) -> None:
     """Fill the CRC-32 of the data records (skipped by ``skip_data``) in descriptors and central directory."""
-    with zipfile.ZipFile(path) as z:
+    f.seek(0)
+    with zipfile.ZipFile(f) as z:
         infos = z.infolist()
         start_dir = z.start_dir
     crcs = {}
-    with open(path, "r+b") as f:
-        for info in infos:
-            if info.CRC != 0 or info.file_size == 0:
-                continue
-            f.seek(info.header_offset)
-            name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
-            data = info.header_offset + 30 + name_len + extra_len
-            f.seek(data)
-            crc, left = 0, info.file_size
-            while left:
-                block = f.read(min(left, 16 << 20))
-                crc = zlib.crc32(block, crc)
-                left -= len(block)
-            crcs[info.filename] = crc
-            if info.flag_bits & 0x08:
-                f.seek(data + info.compress_size)
-                at = data + info.compress_size + (4 if f.read(4) == b"PK\x07\x08" else 0)
-                f.seek(at)
-                f.write(struct.pack("<I", crc))
-        f.seek(start_dir)
-        position = start_dir
-        while True:
-            f.seek(position)
-            header = f.read(46)
-            if len(header) < 46 or header[:4] != b"PK\x01\x02":
-                break
-            name_len, extra_len, comment_len = struct.unpack("<HHH", header[28:34])
-            name = f.read(name_len).decode("utf-8")
-            if name in crcs:
-                f.seek(position + 16)
-                f.write(struct.pack("<I", crcs[name]))
-            position += 46 + name_len + extra_len + comment_len
+    for info in infos:
+        if info.CRC != 0 or info.file_size == 0:
+            continue
+        f.seek(info.header_offset)
+        name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
+        data = info.header_offset + 30 + name_len + extra_len
+        f.seek(data)
+        crc, left = 0, info.file_size
+        while left:
+            block = f.read(min(left, 16 << 20))
+            crc = zlib.crc32(block, crc)
+            left -= len(block)
+        crcs[info.filename] = crc
+        if info.flag_bits & 0x08:
+            f.seek(data + info.compress_size)
+            at = data + info.compress_size + (4 if f.read(4) == b"PK\x07\x08" else 0)
+            f.seek(at)
+            f.write(struct.pack("<I", crc))
+    f.seek(start_dir)
+    position = start_dir
+    while True:
+        f.seek(position)
+        header = f.read(46)
+        if len(header) < 46 or header[:4] != b"PK\x01\x02":
+            break
+        name_len, extra_len, comment_len = struct.unpack("<HHH", header[28:34])
+        name = f.read(name_len).decode("utf-8")
+        if name in crcs:
+            f.seek(position + 16)
+            f.write(struct.pack("<I", crcs[name]))
+        position += 46 + name_len + extra_len + comment_len
 
 
-def _safetensors_skeleton(path: str, entries: list[_Entry], manifest: dict) -> dict[str, int]:
-    """Write the safetensors header (tensors back to back, aliases as copies); returns each one's file offset."""
+def _safetensors_skeleton(f, entries: list[_Entry], manifest: dict) -> dict[str, int]:
+    """Write the safetensors header into the empty file ``f`` (tensors back to back, aliases as copies);
+    returns each one's file offset."""
     head, offsets = safetensors_file.header(
         [(e.key, e.out_dtype, e.shape, e.out_nbytes) for e in entries],
         {"format": "pt", "source": "infinity-consolidate", "step": str(manifest.get("step", 0))})
-    with open(path, "wb") as f:
-        f.write(head)
-        f.truncate(len(head) + sum(e.out_nbytes for e in entries))
+    f.write(head)
+    f.truncate(len(head) + sum(e.out_nbytes for e in entries))
     return offsets

@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Sequence
 
 from infinity.cli.common import Parser, run
 from infinity.config.sizes import format_size, parse_size
+from tiers import newfile
 
 from . import bench_nvme as nv
 
@@ -365,8 +366,11 @@ def _edited(out: Path, best: nv.Setting) -> Path:
             text = old + ("\n" if old and not old.endswith("\n\n") else "") + body
     else:
         raise BenchError(f"--write-config {out}: expected a .toml or .json file name")
-    tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}{out.suffix}")
-    tmp.write_text(text)
+    # A random name written through its descriptor: [Note: temporary names on a shared disk].
+    fd, name = newfile.create(str(out.parent), prefix=f".{out.stem}.tmp-", suffix=out.suffix)
+    tmp = Path(name)
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(text)
     try:
         from infinity.config import load_config
     except ImportError:  # the config module is optional for the benchmark itself

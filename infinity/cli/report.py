@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import fcntl
 import importlib
 import importlib.util
 import json
@@ -32,6 +33,7 @@ from typing import Any
 
 from infinity.cli.common import Parser, UsageError, run
 from infinity.config.sizes import human_size
+from tiers import newfile
 
 PROBE_NBYTES = 4096
 ENGINES = ("io_uring", "threads")
@@ -114,11 +116,13 @@ def _try_direct(directory: Path) -> tuple[bool, str]:
     """Open a new file with O_DIRECT in ``directory`` and write one aligned 4 KiB block to it."""
     if not hasattr(os, "O_DIRECT"):
         return False, "this platform has no O_DIRECT"
-    fd, name = tempfile.mkstemp(prefix=".infinity-report-", dir=directory)
-    os.close(fd)
+    # Created anew under a random name, then O_DIRECT set on that descriptor: never reopened by name (a name
+    # can be swapped for a symlink on a shared disk: [Note: temporary names on a shared disk]).
+    fd, name = newfile.create(str(directory), prefix=".infinity-report-", private=True)
     try:
-        fd = os.open(name, os.O_WRONLY | os.O_DIRECT)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
     except OSError as exc:
+        os.close(fd)
         os.unlink(name)
         return False, f"open refused: {exc.strerror}"
     try:

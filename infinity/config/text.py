@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 from infinity.config import sizes as _sizes, toml_io as _toml
 from infinity.config.values import ConfigError, Kind, type_name
+from tiers import newfile
 
 
 def presets() -> list[str]:
@@ -148,12 +149,15 @@ def write(data: Mapping[str, Any], path: Path) -> Path:
         text = json.dumps(data, indent=2) + "\n"
     else:
         raise ConfigError("expected a .toml or .json file name to write", file=str(path))
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = None      # a random name written through its descriptor: [Note: temporary names on a shared disk]
     try:
-        tmp.write_text(text, encoding="utf-8")
+        fd, tmp = newfile.create(str(path.parent), prefix=f".{path.name}.tmp-")
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise ConfigError(f"cannot write: {exc.strerror or exc}", file=str(path)) from None
     return path
 

@@ -45,6 +45,7 @@ from infinity.checkpoint import safetensors_file
 from infinity.checkpoint.stream import _pwrite_all
 from infinity.errors import EngineError
 from infinity.runtime.gathered import state_dict_parts
+from tiers import newfile
 
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -193,17 +194,19 @@ class _Writer:
         self.where: dict[str, tuple[int, int]] = {}     # key -> (fd, offset)
         self.pending = {key for names in plan.shards.values() for key in names}
         self.staging: str | None = None     # config.json and the like, until commit moves them in
+        self.temps: dict[str, str] = {}     # file name -> its temporary name until commit
 
-    def _tmp(self, name: str) -> str:
-        return os.path.join(self.directory, f".{name}.tmp-{os.getpid()}")
+    def _create(self, name: str) -> int:
+        """A new file under a random name (see [Note: temporary names on a shared disk]), for ``name``."""
+        fd, self.temps[name] = newfile.create(self.directory, prefix=f".{name}.tmp-")
+        return fd
 
     def open(self) -> None:
         os.makedirs(self.directory, exist_ok=True)
         for name, keys in self.plan.shards.items():
             head, offsets = safetensors_file.header(
                 [(key, *self.plan.entries[key]) for key in keys], {"format": "pt"})
-            fd = os.open(self._tmp(name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            self.fds[name] = fd
+            fd = self.fds[name] = self._create(name)
             os.pwrite(fd, head, 0)
             os.ftruncate(fd, len(head) + sum(self.plan.entries[key][2] for key in keys))
             self.where.update({key: (fd, offsets[key]) for key in keys})
@@ -235,7 +238,7 @@ class _Writer:
         if self.plan.weight_map is not None:
             content = {"metadata": {"total_parameters": self.plan.n_params, "total_size": self.plan.total_bytes},
                        "weight_map": self.plan.weight_map}
-            with open(self._tmp(_INDEX), "w", encoding="utf-8") as f:
+            with open(self._create(_INDEX), "w", encoding="utf-8") as f:
                 f.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
@@ -249,10 +252,12 @@ class _Writer:
     def commit(self) -> None:
         """Renames into place; then the files of an earlier save this one does not replace go."""
         for name in self.plan.shards:
-            os.replace(self._tmp(name), os.path.join(self.directory, name))
+            os.replace(self.temps[name], os.path.join(self.directory, name))
+            del self.temps[name]
         index = os.path.join(self.directory, _INDEX)
         if self.plan.weight_map is not None:
-            os.replace(self._tmp(_INDEX), index)
+            os.replace(self.temps[_INDEX], index)
+            del self.temps[_INDEX]
         elif os.path.exists(index):
             os.remove(index)        # it names the shards of an earlier save, removed below
         for name in os.listdir(self.directory):     # an earlier save's weights (transformers keeps model.safetensors)
@@ -268,9 +273,9 @@ class _Writer:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
-        for name in (*self.plan.shards, _INDEX):
+        for name in list(self.temps):
             try:
-                os.remove(self._tmp(name))
+                os.remove(self.temps.pop(name))
             except FileNotFoundError:
                 pass
         if self.staging is not None:

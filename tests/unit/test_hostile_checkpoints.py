@@ -225,3 +225,42 @@ def test_a_fifo_or_a_device_inside_a_checkpoint_fails_at_once(tmp_path):
         infinity.load_checkpoint(version, model, opt)
     assert time.perf_counter() - started < 2.0
     infinity.release(model)
+
+
+def _plant(directory, names, victim):
+    """Symlinks to ``victim`` under each name a temporary output used to take (``<pid>`` was the only secret)."""
+    for name in names:
+        os.symlink(victim, os.path.join(directory, name))
+
+
+@pytest.mark.parametrize("safetensors", [False, True])
+def test_temporary_outputs_do_not_follow_names_planted_on_a_shared_disk(tmp_path, safetensors):
+    """``infinity-consolidate`` wrote ``OUT.tmp-<pid>`` and the config writer ``.NAME.tmp<pid>``, opened following
+    links: another user's links there truncated and overwrote the victim's file (399 links did it in the
+    review). Now a random name is created anew (O_EXCL, O_NOFOLLOW) and written through its descriptor; the
+    output then gets the umask's mode, as ``torch.save`` gives it."""
+    from infinity.checkpoint.consolidate import consolidate
+
+    model, opt = _trained(tmp_path)
+    version = infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    infinity.release(model)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the victim's own bytes")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    out = shared / ("model.safetensors" if safetensors else "model.pt")
+    pid = os.getpid()
+    _plant(shared, [f"{out.name}.tmp-{pid}", f".{out.name}.tmp-{pid}", f"{out.name}.tmp{pid}"], victim)
+    consolidate(version, out, safetensors=safetensors)
+    assert victim.read_bytes() == b"the victim's own bytes"
+    assert out.is_file() and not out.is_symlink()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert (out.stat().st_mode & 0o777) == 0o666 & ~mask
+    assert sorted(p.name for p in shared.iterdir() if not p.is_symlink()) == [out.name]     # nothing left over
+
+    config_out = shared / "run.toml"
+    _plant(shared, [f".run.toml.tmp{pid}", f".run.toml.tmp-{pid}"], victim)
+    infinity.config.dump({"aio": {"queue_depth": 8}}, config_out)
+    assert victim.read_bytes() == b"the victim's own bytes"
+    assert infinity.config.load_config(config_out).aio.queue_depth == 8
