@@ -1,4 +1,5 @@
-"""README.md's config reference is generated from infinity/config/sections.py and must not drift from it."""
+"""docs/reference/config.md's key reference is generated from infinity/config/sections.py (by docs/generate.py)
+and must not drift from it; every toml block of the README and docs/ is a valid config."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,17 +9,18 @@ from pathlib import Path
 from infinity import config
 from infinity.config import toml_io as _toml
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+CONFIG_PAGE = ROOT / "docs" / "reference" / "config.md"
 BEGIN, END = "<!-- config-reference:begin -->\n", "<!-- config-reference:end -->"
 
 
-def test_readme_reference_equals_the_generated_one():
-    text = README.read_text(encoding="utf-8")
+def test_config_page_reference_equals_the_generated_one():
+    text = CONFIG_PAGE.read_text(encoding="utf-8")
     assert BEGIN in text and END in text
     embedded = text.split(BEGIN, 1)[1].split(END, 1)[0]
     assert embedded == config.reference_markdown(), (
-        "README.md's config reference is stale: replace the text between the config-reference markers with "
-        "the output of  python -c \"import infinity.config as c; print(c.reference_markdown(), end='')\"")
+        "docs/reference/config.md's config reference is stale: run  python docs/generate.py  and commit the page")
 
 
 def test_reference_documents_every_section_and_key():
@@ -29,10 +31,14 @@ def test_reference_documents_every_section_and_key():
             assert re.search(rf"^\| `{name}` \| .+ \| .+ \| .{{20,}} \|$", reference, re.M), f"{section.section}.{name}"
 
 
-def test_readme_examples_are_valid():
-    text = README.read_text(encoding="utf-8")
-    for block in re.findall(r"```toml\n(.*?)```", text, re.S):
+def test_doc_examples_are_valid():
+    pages = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+    blocks = [block for page in pages for block in re.findall(r"```toml\n(.*?)```", page.read_text(encoding="utf-8"), re.S)]
+    assert blocks
+    for block in blocks:
         config.load_config(_toml.loads(block))
+    text = CONFIG_PAGE.read_text(encoding="utf-8")
     for name in config.presets():
-        assert f"| `{name}` |" in text, f"preset {name} missing from README's table"
-    assert text.index("make demo") < text.index("## Your program") and "make test" in text.split("## Your program")[0]
+        assert f"| `{name}` |" in text, f"preset {name} missing from docs/reference/config.md's table"
+    readme = README.read_text(encoding="utf-8")
+    assert readme.index("make demo") < readme.index("## Quickstart") and "make test" in readme.split("## Quickstart")[0]
