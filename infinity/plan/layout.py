@@ -108,6 +108,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from infinity.optim.moments import MomentFormat
+from infinity.prefetch.prefetcher import read_ahead_arena_nbytes
 from infinity.plan.census import ModelCensus
 from infinity.plan.rows import PlanRow
 from infinity.plan.units import round_up
@@ -157,6 +158,7 @@ class Layout:
         self.trainable_numel = 0
         self.persistent_padded_numel = 0
         self.compute_nvme = 0  # compute-copy bytes as stored on NVMe (block aligned)
+        self.compute_shards: list[int] = []     # the same, per group
         self.read_nvme = 0  # compute-copy bytes read per step (forward + backward)
         self.gathered_numel = 0  # shard elements gathered per step (forward + backward; persistent once)
         self.rewrite_nvme = 0  # compute-copy bytes of trainable groups, rewritten by the update
@@ -175,6 +177,7 @@ class Layout:
             persistent = cfg.partition.stage < 3 or (threshold > 0 and group.numel < threshold)
             self.shard_numel += shard
             self.compute_nvme += on_disk
+            self.compute_shards.append(on_disk)
             fetches = 1 if persistent else group.uses + 1    # each use in forward, once in backward
             self.read_nvme += fetches * on_disk
             self.gathered_numel += fetches * shard
@@ -283,8 +286,10 @@ class Layout:
             yield PlanRow("nvme_staging", f"NVMe demand-read staging ({STAGING_BUFFERS} x "
                           f"{size / 2**20:.3g} MiB)", "host", STAGING_BUFFERS * size)
         if self.params_tier == "nvme" and (cfg.prefetch.enabled or not self.structured):
-            yield PlanRow("prefetch_arena", "NVMe read-ahead arena (prefetch.nvme_bytes)", "host",
-                          int(cfg.prefetch.nvme_bytes))
+            arena = read_ahead_arena_nbytes(cfg.prefetch.nvme_bytes, self.compute_shards)
+            what = ("prefetch.nvme_bytes" if arena == int(cfg.prefetch.nvme_bytes) else
+                    "twice the compute copies' shards, less than prefetch.nvme_bytes")
+            yield PlanRow("prefetch_arena", f"NVMe read-ahead arena ({what})", "host", arena)
         gather_buffer = int(cfg.partition.gather_buffer_bytes) if self.stage == 3 else 0
         if gather_buffer:
             yield PlanRow("gather_buffer", "buffer that groups gathered for one use borrow, prefetched ones "
@@ -368,7 +373,7 @@ class Layout:
         if not (self.params_tier == "nvme" and (overlapped or cfg.optimizer.update_in_backward)
                 and cfg.prefetch.enabled and self.structured):
             return 0
-        arena = int(cfg.prefetch.nvme_bytes)
+        arena = read_ahead_arena_nbytes(cfg.prefetch.nvme_bytes, self.compute_shards)
         ended = min(arena, self.rewrite_nvme)
         if not paced or not overlapped:     # the update during backward has ended before the forward
             return ended

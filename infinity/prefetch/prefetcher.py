@@ -56,6 +56,15 @@ afterwards), carved into 4096-aligned slices (``tiers.arena.Arena``, [Note: aren
 that does not fit is simply not taken and the read is left to demand: the arena
 can never hold more than its budget, and it never blocks.
 
+[Note: the arena sized to the model]
+A group is read ahead at most once at a time (both traces share the arena, and the inference
+pass's reads are dropped before training takes its trace up again), so the arena never holds
+more than every group's shard at once, each rounded up to 4096 bytes. The default budget
+(256 MiB, 512 MiB in the nvme preset) was allocated whole for a model of a few MiB. So the
+arena takes ``read_ahead_arena_nbytes``: the budget, or twice that sum when smaller (twice,
+so that free slices split among shards of different sizes never leave a read without room
+the whole budget would have had). ``infinity-plan`` counts the same.
+
 [Note: inference passes]
 An evaluation or ``generate`` between training steps runs forwards with gradients off, each of which
 asks for the forward half of the step's trace and then starts again from the top: against the training
@@ -86,6 +95,12 @@ from tiers.arena import Arena
 logger = logging.getLogger("infinity")
 
 
+def read_ahead_arena_nbytes(budget: int, shard_nbytes) -> int:
+    """The read-ahead arena's bytes: ``prefetch.nvme_bytes``, or twice every shard's bytes (each rounded up to
+    4096) when that is less ([Note: the arena sized to the model])."""
+    return min(int(budget), 2 * sum(-(-int(n) // 4096) * 4096 for n in shard_nbytes))
+
+
 class Prefetcher:
     """Records the request order of a step, then fetches ahead of it; also meters every step.
 
@@ -106,12 +121,13 @@ class Prefetcher:
         self.engine = engine
         self.coordinator = engine.coordinator
         self.enabled = cfg.enabled
-        self.nvme_bytes = cfg.nvme_bytes
+        # [Note: the arena sized to the model]
+        self.nvme_bytes = read_ahead_arena_nbytes(cfg.nvme_bytes, [g.shard_nbytes for g in engine.coordinator.groups])
         self.device_bytes = cfg.device_bytes
         self.reuse_distance = cfg.reuse_distance
         self.reads_ahead = engine.config.tiers.params == "nvme"
-        self.arena = (Arena(engine.tiers.allocator.empty, cfg.nvme_bytes, name="prefetch-staging")
-                      if self.enabled and self.reads_ahead and cfg.nvme_bytes > 0 else None)
+        self.arena = (Arena(engine.tiers.allocator.empty, self.nvme_bytes, name="prefetch-staging")
+                      if self.enabled and self.reads_ahead and self.nvme_bytes > 0 else None)
         self.telemetry = StepTelemetry(engine, cfg.log_every, logger)
         self.names: dict[nn.Module, str] = {}
         for root in engine.roots:
@@ -124,7 +140,7 @@ class Prefetcher:
         self._lanes = {}
         for lane in ("training", "inference"):
             trace = Trace()
-            self._lanes[lane] = (trace, Windows(self.coordinator, trace, self.arena, cfg.nvme_bytes,
+            self._lanes[lane] = (trace, Windows(self.coordinator, trace, self.arena, self.nvme_bytes,
                                                 cfg.device_bytes, ordered_gathers=engine.ranks.world_size > 1,
                                                 reads_ahead=self.reads_ahead))
         self.traces = tuple(trace for trace, _ in self._lanes.values())

@@ -167,3 +167,38 @@ def test_delayed_updates_move_the_planned_bytes_per_parameter(tmp_path):
     for key in ("stored", "stored_nvme", "nvme_read", "nvme_written"):
         assert measured[key] == pytest.approx(planned[key], rel=0.05), key
     assert planned["stored_nvme"] == pytest.approx(18, rel=0.05)
+
+
+def _hits_per_step(cfg: dict, steps: int = 4) -> tuple[list[int], dict]:
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = Small()
+    opt = infinity.AdamW(model, lr=1e-3)
+    hits = []
+    for _ in range(steps):
+        before = infinity.stats(model)["fetch"]["prefetch_hits"]
+        model(torch.randint(0, 500, (2, 8))).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()       # the overlapped update done: hits do not depend on how it raced the forward
+        hits.append(infinity.stats(model)["fetch"]["prefetch_hits"] - before)
+    arena = infinity.stats(model)["prefetch"]["arena"]
+    infinity.release(model)
+    return hits, arena
+
+
+def test_the_read_ahead_arena_is_sized_to_a_small_model_as_planned_and_prefetches_as_the_whole_budget(
+        tmp_path, monkeypatch):
+    """A model of a few hundred KiB got the whole prefetch.nvme_bytes (256 MiB; 512 in the nvme preset) of host
+    memory ([Note: the arena sized to the model] in infinity/prefetch/prefetcher.py)."""
+    from infinity.prefetch import prefetcher
+
+    cfg = _config(tmp_path, "nvme", "nvme", "bfloat16")
+    hits, arena = _hits_per_step(cfg)
+    shards = 2 * (65_536 + 36_864 + 36_864 + 4_096 + 36_864 + 36_864 + 4_096 + 65_536)     # bf16, 4 KiB each
+    assert arena["capacity"] == arena["nbytes"] == shards and arena["refused"] == 0
+    assert dict((r.key, r.nbytes) for r in plan(Small(), cfg, check_fit=False).rows)["prefetch_arena"] == shards
+    monkeypatch.setattr(prefetcher, "read_ahead_arena_nbytes", lambda budget, shard_nbytes: int(budget))
+    (tmp_path / "whole").mkdir()
+    whole_hits, whole = _hits_per_step(_config(tmp_path / "whole", "nvme", "nvme", "bfloat16"))
+    assert whole["capacity"] == 256 * 2**20 and whole_hits == hits and sum(hits) > 0
