@@ -12,13 +12,14 @@ from infinity.examples.meter import TIERS, StepRecord, format_bytes
 
 
 def step_fields(record: StepRecord) -> str:
-    """``loss 5.41 | 812 tok/s | stall 7% | nvme 1.2 GiB host 0 B | rss 0.9 GiB``"""
+    """``loss 5.41 | 812 tok/s | stall 7% | states nvme 1.2 GiB | rss 0.9 GiB``: the model states each tier
+    holds (tiers holding none left out), then the whole process's resident memory."""
     tiers = " ".join(f"{name} {format_bytes(record.tier_bytes[name])}"
                      for name in TIERS if record.tier_bytes.get(name))
     parts = [f"loss {record.loss:.4f}", f"{record.tokens_per_second:,.0f} tok/s",
              f"stall {100 * record.stall_fraction:.0f}%"]
     if tiers:
-        parts.append(tiers)
+        parts.append(f"states {tiers}")
     if record.io_read_bytes or record.io_write_bytes:
         parts.append(f"io {record.io_bytes_per_second / 1e9:.2f} GB/s")
     parts.append(f"rss {format_bytes(record.rss_bytes)}")
@@ -91,8 +92,13 @@ def summary_table(report: dict) -> str:
         ("  waiting for reads (stall)", _seconds(s.get("stall_seconds"), total)),
         ("  optimizer", _seconds(s.get("optimizer_seconds"), total)),
         ("tokens/s", f"{s.get('tokens_per_second') or 0:,.0f}"),
-        ("peak host RSS", format_bytes(s.get("peak_rss_bytes"))),
-        ("peak bytes per tier", " / ".join(f"{t} {format_bytes(peaks.get(t))}" for t in TIERS if t in peaks)
+        # RSS is the whole process (torch, Python, activations, infinity's buffers); the tiers' figures are the
+        # model states alone, so "host 0 B" (every state on NVMe) beside a large RSS is no contradiction.
+        ("peak host RSS", format_bytes(s.get("peak_rss_bytes")) + " (the whole process)"),
+        ("  of it infinity's buffers", f"{format_bytes(s.get('host_buffer_peak_bytes'))} (I/O pool, read-ahead, "
+                                       "optimizer sub-groups, host-tier states: infinity-plan lists them)"
+         if s.get("host_buffer_peak_bytes") else "-"),
+        ("model states per tier (peak)", " / ".join(f"{t} {format_bytes(peaks.get(t))}" for t in TIERS if t in peaks)
          or "-"),
         ("NVMe I/O per step", f"read {format_bytes(s.get('io_read_bytes_per_step'))}, "
                               f"written {format_bytes(s.get('io_write_bytes_per_step'))}"),

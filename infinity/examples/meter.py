@@ -81,6 +81,9 @@ class StepRecord:
     peak_rss_forward_backward_bytes: int = 0
     tier_bytes: dict = field(default_factory=dict)
     tier_peak_bytes: dict = field(default_factory=dict)
+    host_buffer_peak_bytes: int = 0
+    """infinity's host memory beside the model states (I/O pool, read-ahead arena, optimizer sub-groups, the
+    host tier's storage): the host allocator's peak, a part of ``peak_rss_bytes``."""
     io_read_bytes: int = 0
     io_write_bytes: int = 0
     hit_rate: float | None = None
@@ -202,6 +205,8 @@ class StepMeter:
             rss_bytes=rss, peak_rss_bytes=peak, peak_rss_forward_backward_bytes=self._peak_fb,
             tier_bytes={k: v[2] for k, v in c1.items()},
             tier_peak_bytes={k: v[3] for k, v in c1.items()},
+            host_buffer_peak_bytes=int((((after or {}).get("tiers") or {}).get("host_allocator") or {})
+                                       .get("peak_bytes", 0)),
             io_read_bytes=_delta(c0, c1, "nvme", 0),
             io_write_bytes=_delta(c0, c1, "nvme", 1),
             hit_rate=(hits / fetches) if fetches else None,
@@ -240,6 +245,7 @@ class StepMeter:
             "hit_rate": _median([r.hit_rate for r in recs if r.hit_rate is not None]),
             "peak_rss_bytes": max(r.peak_rss_bytes for r in self.records),
             "tier_peak_bytes": dict(last.tier_peak_bytes),
+            "host_buffer_peak_bytes": max(r.host_buffer_peak_bytes for r in self.records),
             "first_loss": self.records[0].loss,
             "last_loss": last.loss,
         }

@@ -82,8 +82,12 @@ def test_demo_prints_progress_summary_and_where_things_went(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0
     for text in ("step    4/4", "tok/s", "stall", "nvme", "step time (median of 3)", "waiting for reads (stall)",
-                 "optimizer", "peak host RSS", "peak bytes per tier", "achieved I/O", "JSON report", "checkpoint"):
+                 "optimizer", "peak host RSS", "model states per tier (peak)", "achieved I/O", "JSON report",
+                 "checkpoint"):
         assert text in out, text
+    # "host 0 B" (every state on NVMe) stood beside "rss 1.5 GiB" with nothing to say what each counts.
+    assert "(the whole process)" in out and "of it infinity's buffers" in out and "| states nvme " in out
+    assert 0 < json.loads((tmp_path / "demo.json").read_text())["summary"]["host_buffer_peak_bytes"]
     assert str(tmp_path / "demo.json") in out
     assert os.listdir(swap_parent) == [], "the temporary swap directory must be removed"
     report = json.loads((tmp_path / "demo.json").read_text())
