@@ -43,13 +43,13 @@ inside those two); peak RSS 6.3 GiB; swap files 54.1 GB allocated (8.03 B/param,
 50.40 GiB); NVMe 9.0 B/param read + 8.0 written per step (the median of steps 2 and 3, the first
 update, which reads no moments, included: about 10.0 steady, the plan's 10.03). A copied checkpoint does not
 fit: it stores fp32 master and moments (14 B/param, 94.3 GB), more than the free disk even without the
-54 GB of swap beside it; the README's 6.7B section has the run saved and resumed in place. Saved and resumed instead at llama-2B (2.07B,
+54 GB of swap beside it; docs/benchmarks/scale-6.7b.md has the run saved and resumed in place. Saved and resumed instead at llama-2B (2.07B,
 ``--sizes llama-2B``): a 28.9 GB checkpoint (14.00 B/param) in 166 s; the resumed step's loss
 10.347456932067871 equals the uninterrupted run's fourth (the same at llama-1B with
 ``--reference``: 5.609546184539795).
 On a CPU without AVX-512, torch's bf16 matmul runs 0.3-20 GFLOP/s: add
-``-- --set 'precision.cpu_linear="float32"'`` (linear layers multiplied in fp32; the README's 6.7B
-section has that run, saved and resumed, on a 2-core AMD EPYC).
+``-- --set 'precision.cpu_linear="float32"'`` (linear layers multiplied in fp32; docs/benchmarks/scale-6.7b.md
+has that run, saved and resumed, on a 2-core AMD EPYC).
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ gradient key go unchecked.) The sums live only in this process, as the keys do.
 What it catches: bytes changed on the disk under the running job (another process writing
 into the swap file, a bad disk), which would otherwise reach training as garbage. What it
 costs: one CRC pass over the bytes on each side (zlib's CRC-32, which releases the GIL), and
-8 bytes of host memory per 64 KiB of swap (128 MiB per TiB). The README states the measured
-overhead (``benchmarks/tier_io.py --verify``).
+8 bytes of host memory per 64 KiB of swap (128 MiB per TiB). docs/benchmarks/verify.md states the
+measured overhead (``python -m benchmarks.verify``).
 """
 from __future__ import annotations
 

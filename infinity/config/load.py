@@ -140,7 +140,7 @@ def dump(config: Config | Mapping[str, Any], path: str | os.PathLike) -> Path:
 def reference_markdown() -> str:
     """The config reference in Markdown, generated from the section dataclasses' docstrings.
 
-    README.md embeds it between ``<!-- config-reference:begin -->`` and
-    ``<!-- config-reference:end -->``; a test keeps the two equal.
+    docs/reference/config.md embeds it between ``<!-- config-reference:begin -->`` and
+    ``<!-- config-reference:end -->`` (written by ``python docs/generate.py``); a test keeps the two equal.
     """
     return text.reference_markdown(SECTIONS)

@@ -4,7 +4,7 @@
 A config has ten sections (``tiers``, ``aio``, ``precision``, ``partition``,
 ``prefetch``, ``tiling``, ``dpu``, ``optimizer``, ``checkpoint``, ``activations``). Each is a frozen dataclass whose
 fields carry their defaults, the only place a default is written, and a docstring
-that ``reference_markdown()`` turns into the README's reference. Validation lives in
+that ``reference_markdown()`` turns into docs/reference/config.md. Validation lives in
 each section's ``__post_init__``, so a section built from Python (``AioConfig(
 block_size="4MiB")``) is checked and coerced exactly like one read from a file.
 
@@ -113,7 +113,7 @@ class TiersConfig(Section):
     """Checksum (CRC-32) every 64 KiB block of the NVMe swap files as it is written, and check it
     on every read that covers the block whole: bytes changed on the disk under a running job raise
     an error naming the file and the key instead of training on them. Costs one CRC pass over the
-    bytes each way (README, "What survives what")."""
+    bytes each way (measured: docs/benchmarks/verify.md)."""
 
     def compute_device(self) -> str:
         """``device`` with "auto" resolved on this machine: "cpu" or "cuda"."""
@@ -431,7 +431,7 @@ class OptimizerConfig(Section):
     """Storage of Adam's m and v in the optimizer tier: "fp32" (4+4 bytes per parameter, exact),
     "bf16" (2+2, stochastic rounding) or "int8" (1+1 and one fp32 scale per block of
     `state_block_size`, with a non-linear code). The master weights stay fp32. Opt-in: the
-    compressed formats change the training dynamics slightly (the README's quality table)."""
+    compressed formats change training slightly (docs/benchmarks/compressed-states.md)."""
 
     state_block_size: int = 256
     """With "int8": elements per block, each block with its own scales. A power of two."""

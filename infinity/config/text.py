@@ -144,7 +144,7 @@ def file_dict(cfg: object, sections: Sequence[type]) -> dict[str, dict[str, Any]
 def write(data: Mapping[str, Any], path: Path) -> Path:
     """Write plain config data as TOML or JSON by ``path``'s suffix, under a temporary name then renamed."""
     if path.suffix == ".toml":
-        text = "# infinity config (see README.md, \"Config reference\")\n" + _toml.dumps(data)
+        text = "# infinity config (every key: docs/reference/config.md)\n" + _toml.dumps(data)
     elif path.suffix == ".json":
         text = json.dumps(data, indent=2) + "\n"
     else:

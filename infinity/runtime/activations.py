@@ -28,7 +28,7 @@ room for the next. A tensor asked for before its fetch was issued is fetched on 
 (``demand_fetches``); the time ``unpack`` waits is the stall it caused. With
 ``prefetch_bytes = 0`` nothing is fetched ahead: each tensor comes back when backward asks
 for it, so no fetched tensor waits beside the recompute of the region before it (the peak of
-a checkpointed backward: README, "Activations"), at the cost of a stall per tensor.
+a checkpointed backward: docs/benchmarks/activations.md), at the cost of a stall per tensor.
 
 What the room may touch: the tensors autograd hands it, the data path, the host
 allocator and the NVMe tier (through ``ActivationTier``).

@@ -32,8 +32,8 @@ The assumption, the one FSDP2 makes for its post-backward: the call's nodes run 
 device thread its arguments' producers run on (a model spread over several devices, whose
 backward runs on several threads, may break it). Groups with trainable parameters keep
 their own release (their gradients), those a frozen parameter shares after
-``requires_grad_(False)`` outside ``Init`` included. Measured: see the README ("frozen
-groups in backward").
+``requires_grad_(False)`` outside ``Init`` included. Measured: docs/benchmarks/frozen.md
+("Held during backward").
 """
 from __future__ import annotations
 

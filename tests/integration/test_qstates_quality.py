@@ -1,6 +1,6 @@
 """Compressed optimizer states train like fp32 states: GPT tiny on the demo corpus, 300 steps, three seeds.
 
-Why this model and these bounds (benchmarks/qstates.py, the README's "Compressed optimizer states"):
+Why this model and these bounds (benchmarks/qstates.py, docs/benchmarks/compressed-states.md):
 at 20M parameters, runs that differ only in rounding part chaotically (fp32 states against fp32
 states with the loss scaled by 1 + 2^-20 land up to a few percent apart after 300 steps), so a test
 there can only hold a final loss to a few percent, and one seed's gap says little about the format.

@@ -1,4 +1,5 @@
-"""Faults injected into a running engine, each with what must survive it (README, "What survives what").
+"""Faults injected into a running engine, each with what must survive it (docs/how-to/checkpoints.md,
+"What survives what").
 
 Every test breaks one thing (an exception in the user's code or a hook, a swap file truncated or
 overwritten, a disk that fills, a process killed) and checks that the error names what broke and that

@@ -56,8 +56,8 @@ def test_backward_never_waits_for_a_download_with_copies_as_late_as_a_gpu_runs_t
     """The gradient buckets on the device hold two buckets; a GPT with more blocks than that reuses a
     bucket whose download may not have run yet. The compute stream must wait for it, not the host: an
     H100 counted 16-18 host waits in each backward of GPT 1.3B (none at 350M, whose downloads kept up).
-    (``nvme`` still waits when both host staging buffers hold shards not yet written: see the README's
-    known limitations.)"""
+    (``nvme`` still waits when both host staging buffers hold shards not yet written: see
+    docs/explanation/limitations.md.)"""
     late_copies(10**9)      # no copy runs before something waits for it or uses it
     model, shape = gpt_runs.build(tmp_path, name, n_layer=6)
     gpt_runs.losses(model, shape, steps=3)
