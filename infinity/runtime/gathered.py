@@ -7,7 +7,11 @@ a model trained because it does not fit there cannot be saved that way (``save_p
 on a 24 GiB GPU). ``state_dict`` walks the module tree instead and gathers the largest subtrees whose groups
 together hold no more elements than the model's largest group (the most a forward already gathers at once),
 taking each one's ``state_dict()`` (so a module's own state-dict code, a tiled layer's joined weights, runs
-as usual) and copying it to host memory before the next is gathered. A module too big for that gives its own
+as usual) and copying it to host memory before the next is gathered. A subtree's groups are those that hold
+its parameters, not those its modules gather: the modules inside a unit gather nothing (the unit does), and
+a unit frozen in part (LoRA's base weights, a layer frozen in every block) holds two groups, together more
+than the largest, so its children are walked, each reading one of the unit's groups; a group the next
+subtree reads too stays gathered rather than be gathered again. A module too big for that gives its own
 parameters and buffers (``_save_to_state_dict``) and its children are walked; its state-dict hooks, if it
 has any, do not run. A parameter under two names (tied weights) is copied once: both keys hold the same host
 tensor, which ``save_pretrained`` recognises as tied. Host memory holds the whole state dict (on rank 0 only
@@ -200,19 +204,21 @@ def state_dict_parts(engine, model: nn.Module, skip=None):
     coordinator = engine.coordinator
     bound = max((g.numel for g in coordinator.groups), default=0)
 
+    held = _Held(coordinator)
+
     def walk(module: nn.Module, prefix: str):
         if skip is not None and skip(prefix):
             return
-        groups = _groups_of(coordinator, module)
+        groups = _groups_holding(coordinator, module)
         if sum(g.numel for g in groups) <= bound or type(module).state_dict is not nn.Module.state_dict:
-            with _reading(engine, groups):
-                yield module.state_dict(prefix=prefix)
+            held.only(groups)
+            yield module.state_dict(prefix=prefix)
             return
-        own = [coordinator.group_of[p] for p in module.parameters(recurse=False) if p in coordinator.group_of]
-        with _reading(engine, list(dict.fromkeys(own))):
-            part: dict = {}
-            module._save_to_state_dict(part, prefix, False)
-            yield part
+        held.only(list(dict.fromkeys(coordinator.group_of[p] for p in module.parameters(recurse=False)
+                                     if p in coordinator.group_of)))
+        part: dict = {}
+        module._save_to_state_dict(part, prefix, False)
+        yield part
         # Every child under each of its names, as state_dict() walks them (named_children() gives each once).
         for name, child in module.named_modules(remove_duplicate=False):
             if name and "." not in name:
@@ -222,21 +228,40 @@ def state_dict_parts(engine, model: nn.Module, skip=None):
     try:
         yield from walk(model, "")
     finally:
+        held.only([])
         _discard_recordings(marks)
+
+
+class _Held:
+    """The groups the walk holds gathered for reading (nothing written back): those of the part it gives now.
+
+    A group the next part reads too stays gathered (the children of a unit frozen in part read its two
+    groups by turns, each several times); the others are released before the next part's are gathered, so
+    no more than one part's groups are ever gathered at once."""
+
+    def __init__(self, coordinator) -> None:
+        self.coordinator = coordinator
+        self.groups: list = []
+
+    def only(self, groups: list) -> None:
+        for g in self.groups:
+            if g not in groups:
+                self.coordinator.unuse(g)
+        self.coordinator.use([g for g in groups if g not in self.groups])
+        self.groups = list(groups)
+
+
+def _groups_holding(coordinator, module: nn.Module) -> list:
+    """The groups that hold ``module``'s parameters (each once, in parameter order): what reading them takes.
+
+    Not the groups its modules gather (``_groups_of``): a unit gathers the groups of every module under it
+    ([Note: units] in infinity/runtime/construction.py), so a module inside a unit gathers none, and a unit
+    frozen in part holds two groups together larger than the largest one ([Note: frozen inside a group]).
+    The walk then descends into the unit's children, each of which reads a group of the unit's."""
+    group_of = coordinator.group_of
+    return list(dict.fromkeys(group_of[p] for p in module.parameters() if p in group_of))
 
 
 def _prefixed(model: nn.Module):
     for name, module in model.named_modules(remove_duplicate=False):
         yield (name + "." if name else ""), module
-
-
-@contextmanager
-def _reading(engine, groups: list):
-    """``groups`` gathered for reading only (nothing written back)."""
-    coordinator = engine.coordinator
-    coordinator.use(groups)
-    try:
-        yield
-    finally:
-        for g in groups:
-            coordinator.unuse(g)

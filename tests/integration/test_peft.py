@@ -1,0 +1,118 @@
+"""LoRA (peft) on an engine model, and a layer frozen in every block, saved as plain peft and torch save them.
+
+Under the presets each transformer block is one unit ([Note: units] in infinity/runtime/construction.py);
+frozen in part inside ``Init`` it becomes two groups, a trainable and a frozen one, together larger than the
+largest single group. The state-dict walk then descends into the block's children, which gather no group of
+their own (their unit does): it read them released, and every save path refused, naming
+``infinity.state_dict``, the call that failed. Each save is compared here with the plain model trained the same
+way (fp32, to 1e-5), with no more gathered at once than the model's largest group.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+import infinity
+from infinity import registry
+from infinity.config import load_config
+
+pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_STEPS = 3
+
+
+def _config(tmp_path, preset: str = "offload-host"):
+    return load_config(preset, overrides={"tiers": {"device": "cpu", "nvme_path": str(tmp_path)},
+                                          "precision": {"dtype": "float32"}})
+
+
+def _lora(model):
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def _freeze_down_proj(model):
+    for layer in model.model.layers:
+        layer.mlp.down_proj.weight.requires_grad_(False)
+    return model
+
+
+def _pair(tmp_path, edit, preset: str = "offload-host"):
+    """(engine model, plain model): the tiny Llama with ``edit`` applied, inside ``infinity.Init`` and without,
+    from the same seed, each trained ``_STEPS`` steps of AdamW on the same tokens."""
+    torch.manual_seed(0)
+    plain = edit(transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA)))
+    torch.manual_seed(0)
+    with infinity.Init(_config(tmp_path, preset)):
+        model = edit(transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA)))
+    pairs = [(model, infinity.AdamW(model, lr=1e-2, weight_decay=0.0)),
+             (plain, torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2,
+                                       weight_decay=0.0))]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(_STEPS):
+        ids = torch.randint(0, 64, (2, 8), generator=generator)
+        losses = []
+        for net, opt in pairs:
+            loss = net(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+    return model, plain
+
+
+def _peak_gathered(model, run):
+    """The most elements ``model``'s engine held gathered at once while ``run()`` ran, and its result."""
+    engine = registry.engine_of(model)
+    engine.coordinator.stats.reset()
+    result = run()
+    return infinity.stats(model)["fetch"]["peak_live_numel"], result
+
+
+def _largest_group(model) -> int:
+    return max(g.numel for g in registry.engine_of(model).coordinator.groups)
+
+
+def _assert_close(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for key, tensor in want.items():
+        assert got[key].shape == tensor.shape and got[key].dtype == tensor.dtype, key
+        torch.testing.assert_close(got[key], tensor, atol=1e-5, rtol=0, msg=key)
+
+
+def _weights(directory) -> dict:
+    """The tensors of every safetensors file in ``directory``, by key (in key order: a file's own order is
+    the writer's)."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(safetensors_torch.load_file(os.path.join(directory, name)))
+    return dict(sorted(out.items()))
+
+
+@pytest.mark.parametrize("edit", [_lora, _freeze_down_proj], ids=["lora", "frozen-layer"])
+def test_state_dict_of_a_block_frozen_in_part_is_the_plain_models(tmp_path, edit):
+    model, plain = _pair(tmp_path, edit)
+    peak, got = _peak_gathered(model, lambda: infinity.state_dict(model))
+    _assert_close(got, {k: v.detach() for k, v in plain.state_dict().items()})
+    assert peak <= _largest_group(model), peak
+    for p, q in zip(model.parameters(), plain.parameters()):    # frozen base weights untouched
+        assert p.requires_grad == q.requires_grad
+
+
+@pytest.mark.parametrize("edit", [_lora, _freeze_down_proj], ids=["lora", "frozen-layer"])
+def test_save_pretrained_of_a_block_frozen_in_part_writes_the_plain_models_files(tmp_path, edit):
+    model, plain = _pair(tmp_path, edit)
+    inner = model.base_model.model if edit is _lora else model        # the transformers model under peft's
+    plain_inner = plain.base_model.model if edit is _lora else plain
+    peak, _ = _peak_gathered(model, lambda: infinity.save_pretrained(inner, tmp_path / "ours"))
+    plain_inner.save_pretrained(tmp_path / "theirs")
+    assert sorted(os.listdir(tmp_path / "ours")) == sorted(os.listdir(tmp_path / "theirs"))
+    _assert_close(_weights(tmp_path / "ours"), _weights(tmp_path / "theirs"))
+    assert peak <= _largest_group(model), peak
