@@ -174,10 +174,12 @@ class AioConfig(Section):
         self._aligned("block_size")
         self._within("block_size", 4096, 1 * GiB, "one read or write; Linux moves at most 2GiB - 4KiB per "
                      "call, and a request larger than 1GiB only delays the first completion", "bytes")
-        self._within("queue_depth", 1, 32768, "at least one request must be in flight, and an io_uring ring "
-                     "holds at most 32768 entries")
-        self._within("threads", 1, _MAX_THREADS, "the thread-pool engine needs one thread; each is an OS "
-                     "thread doing pread/pwrite, and beyond 1024 they only contend for the disk")
+        # The I/O core's own limits (tiers.aio.MAX_QUEUE_DEPTH and MAX_THREADS; the config does not
+        # import the extension), checked here so that a bad value names its key.
+        self._within("queue_depth", 1, 4096, "at least one request must be in flight, and the I/O core "
+                     "keeps at most 4096 (its ring and slot table)")
+        self._within("threads", 1, 256, "the thread-pool engine needs one thread; the I/O core starts at "
+                     "most 256, and beyond that they only contend for the disk")
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}

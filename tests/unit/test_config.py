@@ -427,9 +427,9 @@ def test_every_numeric_key_has_a_range_whose_error_names_key_file_and_reason(tmp
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"aio": {"queue_depth": 10**20}}, "aio.queue_depth: expected an integer <= 32768, got 100000000000000000000: "
+    ({"aio": {"queue_depth": 10**20}}, "aio.queue_depth: expected an integer <= 4096, got 100000000000000000000: "
                                        "at least one request"),
-    ({"aio": {"threads": 100000}}, "aio.threads: expected an integer <= 1024, got 100000: "),
+    ({"aio": {"threads": 100000}}, "aio.threads: expected an integer <= 256, got 100000: "),
     ({"aio": {"block_size": "16TiB"}}, "aio.block_size: expected a size <= 1GiB, got 17592186044416 bytes: "
                                        "one read or write; Linux moves at most 2GiB - 4KiB per call"),
     ({"tiers": {"pool_buffer_size": "8GiB"}}, "tiers.pool_buffer_size: expected a size <= 4GiB"),
