@@ -21,10 +21,13 @@
 #define _GNU_SOURCE     /* RTLD_DEFAULT */
 #include <Python.h>
 #include <dlfcn.h>
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
@@ -622,6 +625,46 @@ static void run_threaded(const Job *base, int threads) {
     Py_END_ALLOW_THREADS
 }
 
+/* [Note: raw addresses]
+ * The entry points take raw addresses (tensors' data_ptr()) and no owner, so a slip in a caller (0
+ * for a tensor without memory, -1, a freed pointer) would crash the process in the middle of a
+ * step. Before any work, each span a call touches is checked: it must not start in the null page,
+ * must end below the top of the user address space, and its first and last pages must be mapped
+ * (mincore, two system calls; the copies' segments, which may be many, get the first two checks
+ * only). Alignment is not asked: the int8 scales follow the codes at any byte. Memory that is mapped but belongs to something else cannot be
+ * told from here: the Python callers pass data_ptr() and numel() of the same tensors. */
+#define NULL_PAGE 4096ULL
+#define USER_TOP (1ULL << 57)   /* no Linux user address reaches it (x86-64's five-level paging tops out there) */
+
+static int page_mapped(unsigned long long addr) {
+    static long page_size;
+    if (page_size == 0) page_size = sysconf(_SC_PAGESIZE);
+    unsigned char resident;
+    return mincore((void *)(uintptr_t)(addr & ~(unsigned long long)(page_size - 1)), 1, &resident) == 0 ||
+           errno != ENOMEM;
+}
+
+/* 0 when elements [first, end) of `itemsize` bytes from addr may be touched, else -1 with a ValueError
+ * naming the entry point and the argument ([Note: raw addresses]). */
+static int check_span(const char *fn, const char *name, unsigned long long addr, long long first, long long end,
+                      unsigned itemsize, int probe) {
+    if (end <= first) return 0;
+    const char *why = NULL;
+    if (addr < NULL_PAGE)
+        why = "is in the null page (a tensor without memory?)";
+    else if (first < 0 || addr >= USER_TOP || (unsigned long long)end > (USER_TOP - addr) / itemsize)
+        why = "runs past the user address space";
+    else if (probe && (!page_mapped(addr + (unsigned long long)first * itemsize) ||
+                       !page_mapped(addr + (unsigned long long)end * itemsize - 1)))
+        why = "is not mapped memory (a freed tensor?)";
+    if (why == NULL) return 0;
+    char message[256];
+    snprintf(message, sizeof(message), "%s: %s = %#llx (elements [%lld, %lld) of %u bytes) %s", fn, name, addr,
+             first, end, itemsize, why);
+    PyErr_SetString(PyExc_ValueError, message);
+    return -1;
+}
+
 /* outs: a sequence of (start, end, address) with lo <= start < end <= hi, sorted and disjoint, into
  * a new array of *count segments (NULL with *count 0 for none; NULL with an exception set on error). */
 static Seg *parse_segments(PyObject *outs, long long lo, long long hi, int *count) {
@@ -648,6 +691,7 @@ static Seg *parse_segments(PyObject *outs, long long lo, long long hi, int *coun
                          "overlaps another or leaves [%lld, %lld), or its address is 0", i, a, b, lo, hi);
             goto fail;
         }
+        if (check_span("qadam.step", "an output segment's address", addr, 0, b - a, 2, 0) < 0) goto fail;
         segs[i].start = a; segs[i].end = b; segs[i].out = (uint16_t *)(uintptr_t)addr;
         prev = b;
     }
@@ -691,6 +735,18 @@ static PyObject *qadam_step(PyObject *self, PyObject *args) {
     base.step_size = (float)(lr / (1.0 - pow(b1, (double)step)));
     base.inv_bc2_sqrt = (float)(1.0 / sqrt(1.0 - pow(b2, (double)step)));
     if (lo == hi) Py_RETURN_NONE;
+    /* [Note: raw addresses]. The moments are touched a whole block at a time, an int8 block's scales
+     * one per block; bf16 moments have no scales (m_scales and v_scales are 0). */
+    const char *fn = "qadam.step";
+    long long first = lo / block, last = (hi + block - 1) / block, moments_end = last * block < n ? last * block : n;
+    unsigned code = mode == MODE_INT8 ? 1 : 2;
+    if (check_span(fn, "p", p, lo, hi, 4, 1) < 0 || check_span(fn, "g", g, lo, hi, g_bf16 ? 2 : 4, 1) < 0 ||
+        check_span(fn, "m", m, first * block, moments_end, code, 1) < 0 ||
+        check_span(fn, "v", v, first * block, moments_end, code, 1) < 0)
+        return NULL;
+    if (mode == MODE_INT8 && (check_span(fn, "m_scales", ms, first, last, 4, 1) < 0 ||
+                              check_span(fn, "v_scales", vs, first, last, 4, 1) < 0))
+        return NULL;
     Seg *segs = parse_segments(outs, lo, hi, &base.nsegs);
     if (segs == NULL && PyErr_Occurred()) return NULL;
     base.segs = segs;
@@ -750,6 +806,11 @@ static PyObject *qadam_step_fp32(PyObject *self, PyObject *args) {
     base.lr = (float)lr;
     base.wd = (float)wd;
     if (lo == hi) Py_RETURN_NONE;
+    const char *fn = "qadam.step_fp32";   /* [Note: raw addresses]; out 0 is "no copy" */
+    if (check_span(fn, "p", p, lo, hi, 4, 1) < 0 || check_span(fn, "g", g, lo, hi, g_bf16 ? 2 : 4, 1) < 0 ||
+        check_span(fn, "m", m, lo, hi, 4, 1) < 0 || check_span(fn, "v", v, lo, hi, 4, 1) < 0 ||
+        (out != 0 && check_span(fn, "out", out, lo, hi, out_fp32 ? 4 : 2, 1) < 0))
+        return NULL;
     run_threaded(&base, threads);
     Py_RETURN_NONE;
 }
@@ -774,6 +835,10 @@ static PyObject *qadam_split_bf16(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "qadam.split_bf16: n=%lld and cap=%lld must be >= 0", n, cap);
         return NULL;
     }
+    const char *fn = "qadam.split_bf16";   /* [Note: raw addresses] */
+    if (check_span(fn, "master", pm, 0, n, 4, 1) < 0 || check_span(fn, "copy", pc, 0, n, 2, 1) < 0 ||
+        check_span(fn, "remainder", pr, 0, n, 2, 1) < 0 || check_span(fn, "index", pi, 0, cap, 8, 1) < 0)
+        return NULL;
     const uint32_t *restrict master = (const uint32_t *)(uintptr_t)pm;
     uint16_t *restrict copy = (uint16_t *)(uintptr_t)pc;
     int16_t *restrict rem = (int16_t *)(uintptr_t)pr;
