@@ -46,7 +46,9 @@
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -61,9 +63,14 @@
 #define R_FREE 0
 #define R_ACTIVE 1
 #define R_DONE 2
-#define STOP_TOKEN UINT64_MAX
+#define STOP_TOKEN UINT64_MAX       /* user_data of the NOP that stops the completion thread */
+#define CANCEL_TOKEN (UINT64_MAX - 1) /* user_data of an IORING_OP_ASYNC_CANCEL's own completion */
 /* A partial O_DIRECT read ending off this boundary means the file ended there. */
 #define SECTOR 512
+/* No user buffer starts in the first page: an address below it is a null pointer plus an offset. */
+#define NULL_PAGE 4096
+/* How long close waits without any piece finishing before it cancels ([Note: shutdown]). */
+#define CLOSE_TIMEOUT_S 10.0
 
 typedef struct {
     uint32_t gen; /* bumped on reuse so a stale id never matches a new request */
@@ -87,7 +94,10 @@ typedef struct {
 typedef struct {
     int req;
     int op, fd, direct;
-    int inject; /* errno to fail this piece with instead of issuing it (test hook) */
+    int inject;       /* errno to fail this piece with instead of issuing it (test hook) */
+    int64_t stall_ns; /* wait this long before issuing it (test hook, [Note: shutdown]) */
+    struct __kernel_timespec stall; /* io_uring: the stall as an IORING_OP_TIMEOUT's timespec */
+    int busy;         /* io_uring: this slot is in the kernel (close cancels it) */
     char *ptr;
     uint64_t len;
     int64_t off;
@@ -107,7 +117,11 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     int engine;
-    int closing, closed, started;
+    int started;
+    int closing;    /* no new requests: close or drain began */
+    int cancelling; /* drain cancelled what was in flight ([Note: shutdown]) */
+    int shutting;   /* a close is under way (it waits with the GIL released) */
+    int closed;     /* engine stopped, every buffer released */
     pid_t pid; /* process that created the handle: a fork child has the memory but not the threads */
     int queue_depth, nthreads;
     uint64_t block_size;
@@ -124,6 +138,8 @@ typedef struct {
     pthread_t *workers;
     int nworkers, stop;
     int inject_op, inject_errno, inject_countdown;
+    int stall_op, stall_countdown;
+    int64_t stall_ns;
     uint64_t pieces_issued;
     uint64_t pieces_done, depth_sum; /* depth_sum / pieces_done: pieces in flight seen by each completion */
     int pieces_in_flight;
@@ -144,11 +160,18 @@ static int parse_id(Handle *h, PyObject *obj, int *idx, uint32_t *gen) {
     return 0;
 }
 
+/* [Note: released requests]
+ * release(id) ends the id: lookup() no longer finds it, so reap, wait and done treat it as a reaped
+ * id (KeyError, True, True) and a second release does nothing. A released request that is complete
+ * is freed at once; one in flight is marked detached and, when it completes, goes on the zombie
+ * list, the only list it is on from then, which sweep_zombies (at the next submit) empties. So each
+ * request is freed exactly once: by reap, release, sweep_zombies or close. */
+
 /* Caller holds the mutex. Returns the request when the id still names a live one, else NULL. */
 static req_t *lookup(Handle *h, int idx, uint32_t gen) {
     if (idx < 0 || idx >= h->nchunks * CHUNK) return NULL;
     req_t *r = R(h, idx);
-    if (r->state == R_FREE || r->gen != gen) return NULL;
+    if (r->state == R_FREE || r->gen != gen || r->detached) return NULL;
     return r;
 }
 
@@ -164,6 +187,7 @@ static PyObject *submit_common(Handle *h, int op, int fd, long long file_offset,
     }
     int flags = fcntl(fd, F_GETFL);
     if (flags < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    if (check_file(fd) < 0) return NULL;
     int acc = flags & O_ACCMODE;
     if ((op == OP_READ && acc == O_WRONLY) || (op == OP_WRITE && acc == O_RDONLY)) {
         PyObject *exc = Py_BuildValue("(is)", EBADF, op == OP_READ ? "file is not open for reading"
@@ -237,32 +261,8 @@ static PyObject *Handle_submit_ptr(Handle *h, PyObject *args) {
     unsigned long long addr, nbytes;
     PyObject *owner;
     if (!PyArg_ParseTuple(args, "iiLKKO", &op, &fd, &off, &addr, &nbytes, &owner)) return NULL;
-    if (check_open(h) < 0) return NULL;
-    if (addr == 0 && nbytes > 0) {
-        PyErr_SetString(PyExc_ValueError, "address is NULL");
-        return NULL;
-    }
+    if (check_open(h) < 0 || check_span(op, addr, nbytes, owner) < 0) return NULL;
     return submit_common(h, op, fd, off, (char *)(uintptr_t)addr, nbytes, NULL, owner);
-}
-
-static void deadline_after(double timeout, struct timespec *ts) {
-    clock_gettime(CLOCK_REALTIME, ts);
-    double whole = (double)(long long)timeout;
-    ts->tv_sec += (time_t)whole;
-    ts->tv_nsec += (long)((timeout - whole) * 1e9);
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
-}
-
-/* Caller holds the mutex. Returns 0 when woken or -1 when the deadline passed. */
-static int wait_done_cv(Handle *h, int timed, struct timespec *ts) {
-    if (!timed) {
-        pthread_cond_wait(&h->done_cv, &h->mu);
-        return 0;
-    }
-    return pthread_cond_timedwait(&h->done_cv, &h->mu, ts) == ETIMEDOUT ? -1 : 0;
 }
 
 static PyObject *Handle_wait(Handle *h, PyObject *args) {
@@ -271,25 +271,22 @@ static PyObject *Handle_wait(Handle *h, PyObject *args) {
     int idx;
     uint32_t gen;
     if (!PyArg_ParseTuple(args, "O|d", &idobj, &timeout)) return NULL;
-    if (parse_id(h, idobj, &idx, &gen) < 0 || check_process(h) < 0) return NULL;
+    if (parse_id(h, idobj, &idx, &gen) < 0 || check_process(h) < 0 || parse_timeout(timeout) < 0) return NULL;
     if (!h->started || h->closed) Py_RETURN_TRUE;
-    int done = 1;
+    int done = 1, rc = 0;
     struct timespec ts;
-    int timed = timeout >= 0;
-    if (timed) deadline_after(timeout, &ts);
+    int timed = deadline_after(timeout, &ts);
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&h->mu);
     for (;;) {
         req_t *r = lookup(h, idx, gen);
-        if (!r || r->state == R_DONE) break;
-        if (wait_done_cv(h, timed, &ts) < 0) {
-            r = lookup(h, idx, gen);
-            done = !r || r->state == R_DONE;
-            break;
-        }
+        done = !r || r->state == R_DONE;
+        if (done || rc) break; /* after a failed wait, one last look */
+        rc = wait_done_cv(h, timed, &ts);
     }
     pthread_mutex_unlock(&h->mu);
     Py_END_ALLOW_THREADS
+    if (rc && rc != ETIMEDOUT && !done) return wait_failed(rc);
     return PyBool_FromLong(done);
 }
 
@@ -319,7 +316,7 @@ static PyObject *Handle_reap(Handle *h, PyObject *idobj) {
         int live = r != NULL;
         pthread_mutex_unlock(&h->mu);
         PyErr_Format(live ? PyExc_RuntimeError : PyExc_KeyError,
-                     live ? "request %S is still in flight" : "unknown or already reaped request %S",
+                     live ? "request %S is still in flight" : "unknown, released or already reaped request %S",
                      idobj);
         return NULL;
     }
@@ -359,7 +356,8 @@ static PyObject *Handle_release(Handle *h, PyObject *idobj) {
 static PyObject *Handle_wait_any(Handle *h, PyObject *args) {
     PyObject *seq;
     double timeout = -1.0;
-    if (!PyArg_ParseTuple(args, "O|d", &seq, &timeout) || check_process(h) < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "O|d", &seq, &timeout) || check_process(h) < 0 || parse_timeout(timeout) < 0)
+        return NULL;
     PyObject *fast = PySequence_Fast(seq, "wait_any expects a sequence of request ids");
     if (!fast) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -385,8 +383,7 @@ static PyObject *Handle_wait_any(Handle *h, PyObject *args) {
         goto out;
     }
     struct timespec ts;
-    int timed = timeout >= 0;
-    if (timed) deadline_after(timeout, &ts);
+    int timed = deadline_after(timeout, &ts), rc = 0;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&h->mu);
     for (;;) {
@@ -394,10 +391,12 @@ static PyObject *Handle_wait_any(Handle *h, PyObject *args) {
             req_t *r = lookup(h, idx[k], gen[k]);
             if (!r || r->state == R_DONE) found = k;
         }
-        if (found >= 0 || wait_done_cv(h, timed, &ts) < 0) break;
+        if (found >= 0 || rc) break; /* after a failed wait, one last look */
+        rc = wait_done_cv(h, timed, &ts);
     }
     pthread_mutex_unlock(&h->mu);
     Py_END_ALLOW_THREADS
+    if (found < 0 && rc && rc != ETIMEDOUT) wait_failed(rc);
 out : {
     PyObject *res = NULL;
     if (!PyErr_Occurred()) {
@@ -413,39 +412,82 @@ out : {
 
 static PyObject *Handle_wait_all(Handle *h, PyObject *args) {
     double timeout = -1.0;
-    if (!PyArg_ParseTuple(args, "|d", &timeout) || check_process(h) < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "|d", &timeout) || check_process(h) < 0 || parse_timeout(timeout) < 0) return NULL;
     if (!h->started || h->closed) Py_RETURN_TRUE;
-    int done = 1;
+    int rc = 0, done;
     struct timespec ts;
-    int timed = timeout >= 0;
-    if (timed) deadline_after(timeout, &ts);
+    int timed = deadline_after(timeout, &ts);
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&h->mu);
-    while (h->active > 0) {
-        if (wait_done_cv(h, timed, &ts) < 0) {
-            done = h->active == 0;
-            break;
-        }
-    }
+    while (h->active > 0 && rc == 0) rc = wait_done_cv(h, timed, &ts);
+    done = h->active == 0;
     pthread_mutex_unlock(&h->mu);
     Py_END_ALLOW_THREADS
+    if (!done && rc != ETIMEDOUT) return wait_failed(rc);
     return PyBool_FromLong(done);
 }
 
-static PyObject *Handle_close(Handle *h, PyObject *noargs) {
-    if (h->closing) Py_RETURN_NONE;
-    handle_shutdown(h);
+static PyObject *Handle_drain(Handle *h, PyObject *args) {
+    double timeout = CLOSE_TIMEOUT_S;
+    if (!PyArg_ParseTuple(args, "|d", &timeout) || check_process(h) < 0 || parse_timeout(timeout) < 0) return NULL;
+    if (!h->started || h->closed) return PyList_New(0);
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&h->mu);
+    drain_locked(h, timeout, &failed);
+    pthread_mutex_unlock(&h->mu);
+    Py_END_ALLOW_THREADS
+    if (failed) return wait_failed(failed);
+    return ids_in_flight(h);
+}
+
+static PyObject *Handle_close(Handle *h, PyObject *args) {
+    double timeout = CLOSE_TIMEOUT_S;
+    if (!PyArg_ParseTuple(args, "|d", &timeout) || parse_timeout(timeout) < 0) return NULL;
+    if (handle_shutdown(h, timeout) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
+/* The test hooks' shared checks: op is OP_READ, OP_WRITE or -1 (any), nth >= 0 (0 disarms). */
+static int check_hook(Handle *h, const char *hook, int op, long long nth) {
+    if (check_open(h) < 0) return -1;
+    if ((op != -1 && op != OP_READ && op != OP_WRITE) || nth < 0 || nth > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: op must be -1 (any), OP_READ or OP_WRITE and nth in [0, 2**31) "
+                     "(0 disarms), got op=%d nth=%lld", hook, op, nth);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *Handle_inject(Handle *h, PyObject *args) {
-    int op, err, nth;
-    if (!PyArg_ParseTuple(args, "iii", &op, &err, &nth)) return NULL;
-    if (check_open(h) < 0) return NULL;
+    int op, err;
+    long long nth;
+    if (!PyArg_ParseTuple(args, "iiL", &op, &err, &nth) || check_hook(h, "_inject", op, nth) < 0) return NULL;
+    if (err < 1 || err > 4095) { /* the kernel's errno range; a completion's result is -errno */
+        PyErr_Format(PyExc_ValueError, "_inject: errno must be a positive errno value (1..4095), got %d", err);
+        return NULL;
+    }
     pthread_mutex_lock(&h->mu);
     h->inject_op = op;
     h->inject_errno = err;
-    h->inject_countdown = nth;
+    h->inject_countdown = (int)nth;
+    pthread_mutex_unlock(&h->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Handle_stall(Handle *h, PyObject *args) {
+    int op;
+    long long nth;
+    double seconds;
+    if (!PyArg_ParseTuple(args, "iLd", &op, &nth, &seconds) || check_hook(h, "_stall", op, nth) < 0) return NULL;
+    if (!(seconds > 0.0 && seconds <= 86400.0)) {
+        PyErr_Format(PyExc_ValueError, "_stall: seconds must be in (0, 86400], got %R", PyTuple_GET_ITEM(args, 2));
+        return NULL;
+    }
+    pthread_mutex_lock(&h->mu);
+    h->stall_op = op;
+    h->stall_ns = (int64_t)(seconds * 1e9);
+    h->stall_countdown = (int)nth;
     pthread_mutex_unlock(&h->mu);
     Py_RETURN_NONE;
 }
@@ -504,10 +546,17 @@ static PyMethodDef Handle_methods[] = {
      "wait_any(ids, timeout=-1) -> id | None: the first completed id among ids."},
     {"wait_all", (PyCFunction)Handle_wait_all, METH_VARARGS,
      "wait_all(timeout=-1) -> bool: block until no request is in flight."},
-    {"close", (PyCFunction)Handle_close, METH_NOARGS,
-     "close(): wait for all requests, stop the engine, release every buffer."},
+    {"drain", (PyCFunction)Handle_drain, METH_VARARGS,
+     "drain(timeout=10) -> ids: refuse new requests, wait while those in flight progress, cancel them when "
+     "none finishes for timeout s; the ids still in flight timeout s after that."},
+    {"close", (PyCFunction)Handle_close, METH_VARARGS,
+     "close(timeout=10): drain, stop the engine, release every buffer; TimeoutError naming what could not "
+     "be ended (the handle then keeps it)."},
     {"_inject", (PyCFunction)Handle_inject, METH_VARARGS,
-     "_inject(op, errno, nth): test hook, the nth next piece of op (-1: any) fails with errno."},
+     "_inject(op, errno, nth): test hook, the nth next piece of op (-1: any) fails with errno (> 0)."},
+    {"_stall", (PyCFunction)Handle_stall, METH_VARARGS,
+     "_stall(op, nth, seconds): test hook, the nth next piece of op (-1: any) waits seconds before it is "
+     "issued: a kernel timer that close cancels (io_uring), or a sleep nothing interrupts (threads)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,5 @@
-/* requests.h: the request table, the pending list, and the completion rule ([Note: requests and pieces]).
+/* requests.h: the request table, the pending list, the completion rule ([Note: requests and pieces]), and
+ * what a request may address (the files and spans submit accepts).
  * Included once, by aio.c, after the type definitions (a single translation unit keeps setup.py at
  * one source and lets the compiler inline across files). */
 #ifndef INFINITY_AIO_REQUESTS_H
@@ -80,9 +81,12 @@ static int take_piece(Handle *h, piece_t *p) {
         p->off = r->file_offset + (int64_t)r->issued;
         p->len = len;
         p->inject = 0;
+        p->stall_ns = 0;
         if (h->inject_countdown > 0 && (h->inject_op < 0 || h->inject_op == r->op) &&
             --h->inject_countdown == 0)
             p->inject = h->inject_errno;
+        if (h->stall_countdown > 0 && (h->stall_op < 0 || h->stall_op == r->op) && --h->stall_countdown == 0)
+            p->stall_ns = h->stall_ns;
         r->issued += len;
         r->inflight++;
         h->pieces_issued++;
@@ -91,6 +95,19 @@ static int take_piece(Handle *h, piece_t *p) {
         return 1;
     }
     return 0;
+}
+
+/* Caller holds the mutex. Request i is complete: wake its waiters. A released request goes on the
+ * zombie list, its only list from now on, for sweep_zombies to free ([Note: released requests]). */
+static void req_complete(Handle *h, int i) {
+    req_t *r = R(h, i);
+    r->state = R_DONE;
+    h->active--;
+    if (r->detached) {
+        r->next = h->zombie_head;
+        h->zombie_head = i;
+    }
+    pthread_cond_broadcast(&h->done_cv);
 }
 
 /* Caller holds the mutex. One piece of request i is finished: err is 0 or -errno. */
@@ -105,14 +122,20 @@ static void finish_piece(Handle *h, int i, int err, int64_t err_offset) {
         r->err_offset = err_offset;
         if (r->in_pending) pend_unlink(h, i);
     }
-    if (r->inflight == 0 && (r->err || r->issued >= r->nbytes)) {
-        r->state = R_DONE;
-        h->active--;
-        if (r->detached) {
-            r->next = h->zombie_head;
-            h->zombie_head = i;
-        }
-        pthread_cond_broadcast(&h->done_cv);
+    if (r->inflight == 0 && (r->err || r->issued >= r->nbytes)) req_complete(h, i);
+}
+
+/* Caller holds the mutex. Drops every piece not yet issued ([Note: shutdown]): a request with
+ * nothing in flight completes now with -ECANCELED, one with pieces in flight when they come back. */
+static void cancel_pending(Handle *h) {
+    while (h->pend_head >= 0) {
+        int i = h->pend_head;
+        req_t *r = R(h, i);
+        pend_unlink(h, i);
+        if (r->err || r->issued >= r->nbytes) continue;
+        r->err = -ECANCELED;
+        r->err_offset = r->file_offset + (int64_t)r->issued;
+        if (r->inflight == 0) req_complete(h, i);
     }
 }
 
@@ -128,6 +151,76 @@ static int short_transfer(const piece_t *p, int64_t n, int *err) {
         return 0;
     }
     return 1;
+}
+
+/* ------------------------------------------------------------------ what a request may address */
+
+/* Why fd cannot take part in aio, or NULL when it can: requests address file offsets, which only
+ * regular files and block devices have (a pipe would also never complete a read; [Note: shutdown]). */
+static const char *unfit_file(const struct stat *st) {
+    if (S_ISREG(st->st_mode) || S_ISBLK(st->st_mode)) return NULL;
+    if (S_ISFIFO(st->st_mode)) return "a FIFO or pipe";
+    if (S_ISSOCK(st->st_mode)) return "a socket";
+    if (S_ISCHR(st->st_mode)) return "a character device";
+    if (S_ISDIR(st->st_mode)) return "a directory";
+    return "not a regular file";
+}
+
+/* 0 when fd is a regular file or a block device, else -1 with OSError (ESPIPE, or EISDIR) naming it. */
+static int check_file(int fd) {
+    struct stat st;
+    if (fstat(fd, &st) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    const char *unfit = unfit_file(&st);
+    if (!unfit) return 0;
+    PyObject *exc = PyUnicode_FromFormat("fd %d is %s: aio reads and writes regular files and block devices only",
+                                         fd, unfit);
+    PyObject *args = exc ? Py_BuildValue("(iN)", S_ISDIR(st.st_mode) ? EISDIR : ESPIPE, exc) : NULL;
+    if (args) {
+        PyErr_SetObject(PyExc_OSError, args);
+        Py_DECREF(args);
+    }
+    return -1;
+}
+
+/* [Note: raw spans]
+ * submit_ptr trusts an address, so a slip in the caller (0 for a tensor never allocated, a length
+ * past the buffer) would let the kernel write over whatever lies there. Refused: a span starting in
+ * the null page, one that wraps around the address space, and, when the owner exposes the buffer
+ * protocol, one that leaves the owner's buffer or, for a read, one whose owner is read-only. An
+ * owner without the buffer protocol (a tensor: this core does not know tensors) is the caller's to
+ * check, as tiers/aio.py does from the tensor itself. */
+static int check_span(int op, unsigned long long addr, unsigned long long nbytes, PyObject *owner) {
+    if (nbytes == 0) return 0;
+    char message[256];
+    if (addr < NULL_PAGE || addr + nbytes < addr || nbytes > (unsigned long long)PY_SSIZE_T_MAX) {
+        snprintf(message, sizeof(message), "submit_ptr: %llu bytes at address %#llx %s", nbytes, addr,
+                 addr < NULL_PAGE ? "start in the null page (a NULL pointer?)" : "run past the address space");
+        PyErr_SetString(PyExc_ValueError, message);
+        return -1;
+    }
+    if (owner == Py_None || !PyObject_CheckBuffer(owner)) return 0;
+    Py_buffer view;
+    if (PyObject_GetBuffer(owner, &view, PyBUF_ANY_CONTIGUOUS) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_BufferError)) return -1;
+        PyErr_Clear(); /* no contiguous span to hold the request against */
+        return 0;
+    }
+    unsigned long long start = (unsigned long long)(uintptr_t)view.buf, len = (unsigned long long)view.len;
+    int readonly = view.readonly;
+    PyBuffer_Release(&view);
+    if (op == OP_READ && readonly) {
+        PyErr_Format(PyExc_ValueError, "submit_ptr: the owner, a %s, is read-only: a read would write into it",
+                     Py_TYPE(owner)->tp_name);
+        return -1;
+    }
+    if (addr >= start && nbytes <= len && addr - start <= len - nbytes) return 0;
+    snprintf(message, sizeof(message), "submit_ptr: %llu bytes at address %#llx leave the owner's buffer (a %s of "
+             "%llu bytes at %#llx)", nbytes, addr, Py_TYPE(owner)->tp_name, len, start);
+    PyErr_SetString(PyExc_ValueError, message);
+    return -1;
 }
 
 #endif /* INFINITY_AIO_REQUESTS_H */

@@ -30,23 +30,37 @@ Example
 from __future__ import annotations
 
 import errno as errno_mod
+import math
 import os
 import threading
 import weakref
-from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from tiers import _aio
+from tiers.aio_file import AioFile, open_file
 
 ALIGNMENT = 4096
 """Alignment (bytes) required of buffer address, file offset and length under ``O_DIRECT``."""
+
+MAX_QUEUE_DEPTH = 4096
+"""Most pieces one handle keeps in flight: the C core's ring and slot table (aio_csrc/lifecycle.h)."""
+
+MAX_THREADS = 256
+"""Most worker threads of the thread-pool engine (aio_csrc/lifecycle.h)."""
+
+CLOSE_TIMEOUT_S = 10.0
+"""Seconds without any progress after which ``close`` cancels what is in flight ([Note: shutdown] in
+aio_csrc/lifecycle.h)."""
 
 ENGINES = ("io_uring", "threads")
 
 __all__ = [
     "ALIGNMENT",
+    "CLOSE_TIMEOUT_S",
+    "MAX_QUEUE_DEPTH",
+    "MAX_THREADS",
     "AioFile",
     "AioFuture",
     "AioHandle",
@@ -97,148 +111,6 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> torch.Tensor:
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
     start = (-raw.data_ptr()) % alignment
     return raw[start : start + nbytes]
-
-
-class AioFile:
-    """An open file for :class:`AioHandle` requests; owns its descriptor.
-
-    Attributes
-    ----------
-    path : str
-    fd : int
-    mode : str  ("r", "w" or "rw")
-    direct : bool  (opened with ``O_DIRECT``)
-    """
-
-    __slots__ = ("path", "fd", "mode", "direct", "_pending", "_prune_at", "__weakref__")
-
-    def __init__(self, path: str, fd: int, mode: str, direct: bool) -> None:
-        self.path = path
-        self.fd = fd
-        self.mode = mode
-        self.direct = direct
-        # Request id -> C core, for every request on this file not yet reaped (its future may be
-        # gone). close() waits for them so the descriptor is never closed, and its number reused
-        # by another open(), while the kernel still reads or writes through it.
-        self._pending: dict[int, Any] = {}
-        self._prune_at = _PENDING_PRUNE
-
-    @property
-    def closed(self) -> bool:
-        return self.fd < 0
-
-    @property
-    def pending_requests(self) -> int:
-        """Requests on this file not known to be reaped (finished ones are pruned from time to time)."""
-        return len(self._pending)
-
-    def track(self, rid: int, core: Any, awaited: Callable[[int], bool]) -> None:
-        """Remember request ``rid`` of ``core`` until it is reaped, so ``close`` can wait for it.
-
-        Requests whose futures were dropped unreaped stay listed; the finished ones nobody
-        ``awaited`` any more are forgotten. Pruning again only after the list doubles keeps the
-        cost amortised O(1) per request.
-        """
-        if len(self._pending) >= self._prune_at:
-            for old_id, old_core in list(self._pending.items()):
-                if old_core.done(old_id) and not awaited(old_id):
-                    del self._pending[old_id]
-            self._prune_at = max(_PENDING_PRUNE, 2 * len(self._pending))
-        self._pending[rid] = core
-
-    def untrack(self, rid: int) -> None:
-        """Request ``rid`` was reaped."""
-        self._pending.pop(rid, None)
-
-    def fileno(self) -> int:
-        if self.fd < 0:
-            raise ValueError(f"I/O operation on closed file {self.path}")
-        return self.fd
-
-    def size(self) -> int:
-        """Current size of the file in bytes."""
-        return os.fstat(self.fileno()).st_size
-
-    def truncate(self, nbytes: int) -> None:
-        """Set the file size (sparse growth); used to lay out swap files."""
-        os.ftruncate(self.fileno(), nbytes)
-
-    def close(self) -> None:
-        """Close the descriptor; wait for this file's in-flight requests first."""
-        if self.fd >= 0:
-            pid = os.getpid()
-            for rid, core in list(self._pending.items()):
-                if core.owner_pid == pid:  # a fork child only closes its copy of the descriptor
-                    core.wait(rid, -1.0)
-            self._pending.clear()
-            fd, self.fd = self.fd, -1
-            os.close(fd)
-
-    def __enter__(self) -> AioFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: nothing sensible left to do
-            pass
-
-    def __repr__(self) -> str:
-        state = "closed" if self.fd < 0 else f"fd={self.fd}"
-        return f"AioFile({self.path!r}, mode={self.mode!r}, direct={self.direct}, {state})"
-
-
-_MODE_FLAGS = {"r": os.O_RDONLY, "w": os.O_WRONLY, "rw": os.O_RDWR}
-_PENDING_PRUNE = 1024
-
-
-def open_file(path: str | os.PathLike[str], mode: str, *, direct: bool = True, create: bool = False,
-              perms: int = 0o644) -> AioFile:
-    """Open ``path`` for asynchronous I/O.
-
-    Parameters
-    ----------
-    path : path to the file.
-    mode : ``"r"``, ``"w"`` or ``"rw"``.
-    direct : open with ``O_DIRECT`` (bypass the page cache); requests must then be aligned.
-    create : create the file when missing (never truncates).
-
-    Raises
-    ------
-    OSError
-        ``FileNotFoundError`` for a missing file or directory, ``PermissionError`` for a read-only
-        one, ``OSError(EINVAL)`` when the filesystem refuses ``O_DIRECT`` (the message says to pass
-        ``direct=False``).
-
-    Examples
-    --------
-    >>> f = open_file("/tmp/swap.bin", "rw", create=True)  # doctest: +SKIP
-    """
-    if mode not in _MODE_FLAGS:
-        raise ValueError(f"open_file: mode must be one of 'r', 'w', 'rw', got {mode!r}")
-    spath = os.fspath(path)
-    flags = _MODE_FLAGS[mode] | os.O_CLOEXEC
-    if create:
-        flags |= os.O_CREAT
-    if direct:
-        flags |= os.O_DIRECT
-    try:
-        fd = os.open(spath, flags, perms)     # the umask applies: swap files ask 0600, checkpoints 0644
-    except OSError as e:
-        if direct and e.errno == errno_mod.EINVAL:
-            raise OSError(
-                e.errno,
-                "the filesystem refuses O_DIRECT (e.g. an old tmpfs or overlayfs); "
-                "open with direct=False (config [aio] direct = false)",
-                spath,
-            ) from e
-        if e.errno == errno_mod.ENOENT and not Path(spath).parent.exists():
-            raise FileNotFoundError(e.errno, f"directory {Path(spath).parent} does not exist", spath) from e
-        raise
-    return AioFile(spath, fd, mode, direct)
 
 
 def _buffer_span(buf: Any, writable: bool) -> tuple[int, int, Any]:
@@ -317,8 +189,12 @@ class AioFuture:
     def wait(self, timeout: float | None = None) -> int:
         """Block (GIL released) until this request completes; return the byte count.
 
+        ``timeout``: None (or ``math.inf``) waits until it completes; else seconds >= 0.
+
         Raises
         ------
+        ValueError
+            for a negative or NaN ``timeout``.
         OSError
             with ``errno``, a message naming the offset, and ``filename`` = the file's path.
             :class:`ShortReadError` (``ENODATA``) when a read ran past the end of the file.
@@ -373,9 +249,20 @@ def _make_error(fut: AioFuture, err: int, err_offset: int) -> OSError:
     return OSError(err, f"{what} failed at offset {err_offset}: {os.strerror(err)}{hint}", fut.file.path)
 
 
-def _check_positive(name: str, value: int) -> None:
+def _check_positive(name: str, value: int, most: int, spelled: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"AioHandle: {name} must be a positive int, got {value!r}")
+    if value > most:
+        raise ValueError(f"AioHandle: {name} must be at most {spelled}, got {value}")
+
+
+def _seconds(timeout: float | None) -> float:
+    """A timeout for the C core: None is no limit (-1.0 there); else seconds >= 0, ``inf`` included."""
+    if timeout is None:
+        return -1.0
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be None (no limit) or a number of seconds >= 0, got {timeout!r}")
+    return float(timeout)
 
 
 class AioHandle:
@@ -405,13 +292,11 @@ class AioHandle:
         engine: str = "auto",
         direct: bool = True,
     ) -> None:
-        _check_positive("block_size", block_size)
-        _check_positive("queue_depth", queue_depth)
-        _check_positive("threads", threads)
+        _check_positive("block_size", block_size, 1 << 30, "1 GiB")
+        _check_positive("queue_depth", queue_depth, MAX_QUEUE_DEPTH, str(MAX_QUEUE_DEPTH))
+        _check_positive("threads", threads, MAX_THREADS, str(MAX_THREADS))
         if block_size % ALIGNMENT:
             raise ValueError(f"AioHandle: block_size must be a multiple of {ALIGNMENT}, got {block_size}")
-        if block_size > 1 << 30:
-            raise ValueError(f"AioHandle: block_size must be at most 1 GiB, got {block_size}")
         if engine not in ("auto",) + ENGINES:
             raise ValueError(f"AioHandle: engine must be 'auto', 'io_uring' or 'threads', got {engine!r}")
         self.block_size = block_size
@@ -448,7 +333,12 @@ class AioHandle:
         return open_file(path, mode, direct=self.direct, create=create, perms=perms)
 
     def pread(self, file: AioFile, buf: Any, file_offset: int) -> AioFuture:
-        """Start reading ``nbytes(buf)`` bytes at ``file_offset`` of ``file`` into ``buf``."""
+        """Start reading ``nbytes(buf)`` bytes at ``file_offset`` of ``file`` into ``buf``.
+
+        A read-only buffer (``bytes``, a read-only memoryview or array) is refused. A tensor carries
+        no such flag: one made over read-only memory (``torch.frombuffer(some_bytes)``, which torch
+        warns about) cannot be told from a writable tensor here, and would be written into.
+        """
         return self._submit(_aio.OP_READ, "read", file, buf, file_offset)
 
     def pwrite(self, file: AioFile, buf: Any, file_offset: int) -> AioFuture:
@@ -479,13 +369,14 @@ class AioHandle:
         return fut
 
     def wait_any(self, futures: Sequence[AioFuture], timeout: float | None = None) -> AioFuture | None:
-        """Block until one of ``futures`` is done and return it (None when ``timeout`` passes)."""
+        """Block until one of ``futures`` is done and return it (None when ``timeout`` passes; as in
+        :meth:`AioFuture.wait`, None or ``math.inf`` is no limit)."""
         for f in futures:
             if f.settled:
                 return f
         if not futures:
             raise ValueError("wait_any needs at least one future")
-        rid = self._core.wait_any([f.rid for f in futures], -1.0 if timeout is None else timeout)
+        rid = self._core.wait_any([f.rid for f in futures], _seconds(timeout))
         if rid is None:
             return None
         return next(f for f in futures if f.rid == rid)
@@ -498,6 +389,11 @@ class AioHandle:
         if futures is None:
             self._core.wait_all(-1.0)
             futures = list(self._futures.values())
+        futures = list(futures)
+        for fut in futures:
+            if not isinstance(fut, AioFuture):
+                raise TypeError(f"AioHandle.wait_all: expected the AioFutures that pread/pwrite returned, got "
+                                f"{type(fut).__name__} {fut!r}")
         total = 0
         first: OSError | None = None
         for fut in futures:
@@ -509,17 +405,30 @@ class AioHandle:
             raise first
         return total
 
-    def close(self) -> None:
-        """Wait for all requests, settle their futures, stop the engine. Idempotent."""
+    def close(self, timeout: float | None = CLOSE_TIMEOUT_S) -> None:
+        """Wait for all requests, settle their futures, stop the engine. Idempotent.
+
+        Requests are waited for as long as they make progress; when none does for ``timeout``
+        seconds (None: never give up), the rest are cancelled and their futures raise ``OSError``
+        (``ECANCELED``). A request still in flight ``timeout`` seconds after that raises
+        ``TimeoutError`` naming its file, and the handle keeps its buffer ([Note: shutdown] in
+        aio_csrc/lifecycle.h).
+        """
         if self._core.closed:
             return
         if self._core.owner_pid != os.getpid():
             self._core.close()  # a fork child: see [Note: fork] in aio_csrc/lifecycle.h
             return
-        self._core.wait_all(-1.0)
+        left = set(self._core.drain(_seconds(timeout)))
         for fut in list(self._futures.values()):
-            if not fut.settled:
+            if not fut.settled and fut.rid not in left:
                 self.reap(fut)
+        if left:
+            stuck = [f"{fut.op} of {fut.nbytes} bytes at offset {fut.file_offset} of {fut.file.path}"
+                     for fut in self._futures.values() if fut.rid in left]
+            raise TimeoutError(f"AioHandle.close: {len(left)} request(s) still in flight {timeout} s after they "
+                               f"were cancelled ({'; '.join(stuck[:4])}); the handle keeps them and their "
+                               "buffers, which the kernel or a pool thread may still write into")
         self._core.close()
 
     def __enter__(self) -> AioHandle:
@@ -541,7 +450,7 @@ class AioHandle:
 
     def wait_request(self, rid: int, timeout: float | None) -> bool:
         """Block until request ``rid`` completes; False when ``timeout`` seconds pass first."""
-        return self._core.wait(rid, -1.0 if timeout is None else timeout)
+        return self._core.wait(rid, _seconds(timeout))
 
     def reap(self, fut: AioFuture) -> None:
         """Collect a completed request's outcome into ``fut`` (once)."""

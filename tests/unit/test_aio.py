@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from tiers import _aio, aio
+from tiers import _aio, aio, aio_file
 from tiers.aio import ALIGNMENT, AioFile, AioHandle, aligned_empty, open_file
 
 ENGINES = aio.available_engines()
@@ -167,7 +167,7 @@ def test_buffer_dropped_while_in_flight_is_held(tmp_path, engine: str) -> None:
 
 
 def test_dropped_futures_do_not_grow_the_file_list(tmp_path, engine: str, monkeypatch) -> None:
-    monkeypatch.setattr(aio, "_PENDING_PRUNE", 16)
+    monkeypatch.setattr(aio_file, "_PENDING_PRUNE", 16)
     with AioHandle(block_size=4096, engine=engine) as h, open_file(tmp_path / "f.bin", "rw", create=True) as f:
         h.pwrite(f, aligned_empty(4096), 0).wait()
         for _ in range(6):

@@ -285,3 +285,54 @@ def test_handle_used_after_fork(tmp_path, engine: str) -> None:
         assert os.WEXITSTATUS(status) == 0
         assert fut.wait() == 8192  # the parent's request is untouched
         assert h.pread(f, aligned_empty(4096), 0).wait() == 4096
+
+
+# ---------------------------------------------------------------------------------- raw spans, limits, misuse
+def test_submit_ptr_refuses_spans_it_can_see_are_wrong(tmp_path, handle) -> None:
+    # Before: the span was trusted, so a length past the owner's buffer read or wrote whatever lay
+    # beyond it. (The file is 4096 bytes, so that before the fix these reads wrote nothing past it.)
+    core = handle._core
+    with open_file(_file_with(tmp_path, 4096), "rw", direct=False) as f:
+        owner = bytearray(4096)
+        address, _ = _aio.buffer_info(owner, True)
+        for op in (_aio.OP_READ, _aio.OP_WRITE):
+            with pytest.raises(ValueError, match=r"submit_ptr: 8192 bytes at address 0x[0-9a-f]+ leave the owner's "
+                                                 r"buffer \(a bytearray of 4096 bytes at 0x"):
+                core.submit_ptr(op, f.fd, 0, address, 8192, owner)
+            with pytest.raises(ValueError, match=r"start in the null page \(a NULL pointer\?\)"):
+                core.submit_ptr(op, f.fd, 0, 16, 4096, None)
+            with pytest.raises(ValueError, match="run past the address space"):
+                core.submit_ptr(op, f.fd, 0, (1 << 64) - 4096, 8192, None)
+        with pytest.raises(ValueError, match="leave the owner's buffer"):
+            core.submit_ptr(_aio.OP_WRITE, f.fd, 0, address - 1, 4096, owner)
+        frozen = bytes(4096)
+        with pytest.raises(ValueError, match="the owner, a bytes, is read-only: a read would write into it"):
+            core.submit_ptr(_aio.OP_READ, f.fd, 0, _aio.buffer_info(frozen)[0], 4096, frozen)
+        assert core.active == 0
+        rid = core.submit_ptr(_aio.OP_READ, f.fd, 0, address + 96, 4000, owner)   # inside the owner: fine
+        assert core.wait(rid, 10.0) and core.reap(rid) == (4000, -1)
+        assert owner[96:100] == bytes([0, 1, 2, 3])
+
+
+def test_limits_of_the_config_are_the_cores(engine: str) -> None:
+    from infinity.config import Config, ConfigError
+
+    # Before: the config took queue_depth up to 32768 and threads up to 1024, and the core refused
+    # above 4096 and 256 with a traceback that named no key.
+    for key, most in (("queue_depth", aio.MAX_QUEUE_DEPTH), ("threads", aio.MAX_THREADS)):
+        assert getattr(Config(aio={key: most}).aio, key) == most
+        with pytest.raises(ConfigError, match=rf"aio\.{key}: expected an integer <= {most}, got {most + 1}"):
+            Config(aio={key: most + 1})
+        with pytest.raises(ValueError, match=f"AioHandle: {key} must be at most {most}, got {most + 1}"):
+            AioHandle(**{key: most + 1})
+    _aio.Handle(engine, aio.MAX_QUEUE_DEPTH, aio.MAX_THREADS, 4096).close()
+    with pytest.raises(ValueError, match=r"queue_depth must be in \[1, 4096\]"):
+        _aio.Handle(engine, aio.MAX_QUEUE_DEPTH + 1)
+    with pytest.raises(ValueError, match=r"threads must be in \[1, 256\]"):
+        _aio.Handle(engine, 32, aio.MAX_THREADS + 1)
+
+
+def test_wait_all_takes_futures_only(handle) -> None:
+    # Before: AttributeError: 'int' object has no attribute 'wait'.
+    with pytest.raises(TypeError, match=r"wait_all: expected the AioFutures that pread/pwrite returned, got int 1"):
+        handle.wait_all([1, 2])
