@@ -11,7 +11,7 @@ LATEST_VENV := .venv-latest
 LATEST_PY := $(LATEST_VENV)/bin/python
 HF_PACKAGES := transformers|accelerate|peft|trl|huggingface.hub|tokenizers|safetensors|kernels
 
-.PHONY: test test-latest constraints demo install clean bench-nvme
+.PHONY: test test-latest constraints demo install clean bench-nvme fuzz
 
 install: $(STAMP)
 
@@ -47,6 +47,13 @@ constraints:
 
 demo: $(STAMP)
 	$(PY) -m infinity.examples.demo
+
+# The random-sequence tests at length: `make test` runs a few seconds of each; this runs thousands of
+# cases (INFINITY_FUZZ_CASES; INFINITY_FUZZ_SEED moves to fresh seeds). A failure names its seed.
+FUZZ_CASES ?= 5000
+fuzz: $(STAMP)
+	INFINITY_FUZZ_CASES=$(FUZZ_CASES) $(PY) -m pytest -q -p no:cacheprovider \
+		$(wildcard tests/unit/test_aio_fuzz.py tests/unit/test_checkpoint_fuzz.py)
 
 bench-nvme: $(STAMP)
 	$(VENV)/bin/infinity-bench nvme --path $${TMPDIR:-/tmp}
