@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -33,6 +34,7 @@ from infinity.runtime.datapath import DataPath, late_copy_polls, with_per_parame
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
 from infinity.runtime.grads import GradReducer
+from infinity.runtime.inputs import explain_dtype_mismatch, in_compute_dtype
 from infinity.runtime.placeholder import parameter_free_buffers
 from infinity.runtime.hooks import (GradArrivals, install_hooks, install_released_guard, pinned_group_warning,
                                     unhook_idle, watch_backward)
@@ -236,6 +238,7 @@ class Engine:
             # have, or every later forward would count as nested in it (no step begun, stale values).
             for stale in reversed(self._stack[:]):
                 self.post_forward(stale, None)
+        cast = None
         if not self._stack:
             if _differentiating():
                 raise EngineError(_CREATE_GRAPH)
@@ -244,6 +247,9 @@ class Engine:
             self.recover_aborted_backward()
             self._begin_forward(module)
             if not self._backward_active:      # a forward inside backward recomputes for it
+                cast = in_compute_dtype(args, kwargs, self.dtype)   # [Note: inputs in the compute dtype]
+                if cast is not None:
+                    args, kwargs = cast
                 self.datapath.set_phase("forward")
                 if self.activations is not None and torch.is_grad_enabled():
                     self.activations.begin_forward()
@@ -261,7 +267,7 @@ class Engine:
             self._arm(groups)
         if ends:    # [Note: handed over at the call's end] in infinity/runtime/grads.py
             return self._arrivals.end_of_call(args, kwargs, ends)
-        return None
+        return cast
 
     def post_forward(self, module: nn.Module, output, inputs=None) -> None:
         grad = torch.is_grad_enabled()
@@ -276,6 +282,8 @@ class Engine:
             if not self._stack and self.loss_scaler is not None and not self._backward_active:
                 self.loss_scaler.watch_output(output)      # [Note: loss scaling] in infinity/optim/loss_scale.py
         if not self._stack:
+            if output is None:      # torch's always_call hooks run inside its `except`: the forward raised
+                explain_dtype_mismatch(sys.exc_info()[1], self.dtype)
             if self.coordinator.in_order:
                 gather_rest(self.coordinator)       # [Note: gathered in one order] in infinity/runtime/coordinator.py
                 if grad and self._arrivals.every and not self._backward_active:
