@@ -7,6 +7,14 @@ sub-groups) and in bytes where it thinks in bytes (prefetch budgets, pool buffer
 Element counts that become bytes are multiplied by the itemsize of the translated
 ``precision.dtype`` (and pool buffers rounded up to the 4 KiB I/O alignment).
 
+What infinity would choose for the same intent, where DeepSpeed's habit would cost more here:
+``partition.units = "auto"``, as every preset sets (one group per transformer block; DeepSpeed has
+no such key, so nothing in its config could ask for it). And ``sub_group_size``: DeepSpeed's usual
+1e9 is a sub-group of a billion elements, which infinity streams through host buffers of 16 bytes
+per element (fp32 master, gradient, Adam m and v): 16 GB per sub-group in flight. A value above
+infinity's default is kept at the default and reported; a smaller one, a choice to spend less, is
+translated as it is.
+
 Keys are sorted three ways: translated into a field; accepted because they ask for
 what infinity always does (``contiguous_gradients: true``, ``aio.overlap_events:
 true``); or reported, with their full path and the reason, in the list returned
@@ -21,7 +29,7 @@ from typing import Any
 
 from infinity.config import sizes as _sizes
 from infinity.config.load import load_config
-from infinity.config.sections import Config
+from infinity.config.sections import Config, PartitionConfig
 from infinity.config.text import read
 from infinity.config.values import ALIGNMENT, ConfigError
 
@@ -213,7 +221,9 @@ def _zero(t: _Translation, data: Mapping[str, Any]) -> None:
             if name in zero:
                 handled.add(name)
                 numel = t.count(f"zero_optimization.{name}", zero[name])
-                if numel is not None:
+                if numel is not None and our_key == "partition.sub_group_size":
+                    _sub_group_size(t, f"zero_optimization.{name}", numel)
+                elif numel is not None:
                     t.put(our_key, f"zero_optimization.{name}", numel * t.itemsize if to_bytes else numel)
     for name, value in zero.items():
         if name in handled:
@@ -230,6 +240,19 @@ def _zero(t: _Translation, data: Mapping[str, Any]) -> None:
             t.put("tiers.params", "zero_optimization.cpu_offload_params", "host")
         else:
             t.built_in_or_skip(f"zero_optimization.{name}", value)
+
+
+def _sub_group_size(t: _Translation, ds_key: str, numel: int) -> None:
+    """DeepSpeed's sub_group_size, kept at infinity's default when larger ([Note: DeepSpeed translation])."""
+    default = PartitionConfig.sub_group_size
+    if numel <= default:
+        t.put("partition.sub_group_size", ds_key, numel)
+        return
+    t.skip(ds_key, f"{numel:.3g} elements would be {_sizes.human_size(16 * numel)} of host memory per "
+           "optimizer sub-group in flight here (16 bytes per element: fp32 master, gradient, Adam m and v); "
+           f"kept infinity's default {_sizes.format_count(default)} ({_sizes.human_size(16 * default)}): a sub-group is only the "
+           "unit the host optimizer reads, steps and writes back, and larger ones lengthen each transfer. "
+           "Set partition.sub_group_size to choose another")
 
 
 def _aio(t: _Translation, data: Mapping[str, Any]) -> None:
@@ -273,7 +296,9 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike) -> tuple[Co
 
     Reads ``zero_optimization`` (offload_param, offload_optimizer, stage3_* prefetch and
     persistence keys, sub_group_size), the top-level ``aio`` section, ``bf16``/``fp16`` and
-    ``activation_checkpointing.cpu_checkpointing`` (as ``activations.offload = "host"``).
+    ``activation_checkpointing.cpu_checkpointing`` (as ``activations.offload = "host"``). Sets
+    ``partition.units = "auto"`` as the presets do, and keeps a ``sub_group_size`` above infinity's
+    default (DeepSpeed's usual 1e9: 16 GB of host memory per sub-group here) at the default, reporting it.
 
     Returns
     -------
@@ -299,6 +324,7 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike) -> tuple[Co
         _zero(t, ds_config)
         _aio(t, ds_config)
         _activations(t, ds_config)
+        t.ours.setdefault("partition", {}).setdefault("units", "auto")    # [Note: DeepSpeed translation]
         for name in ds_config:
             if name not in ("bf16", "fp16", "zero_optimization", "aio", "activation_checkpointing"):
                 t.skip(name, _PROGRAM_KEYS.get(name, _NO_EQUIVALENT))

@@ -53,7 +53,8 @@ def test_realistic_zero_infinity_config(tmp_path):
     assert (cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.threads) == (1 << 20, 8, 1)
     assert cfg.partition.persistence_threshold == 100_000
     assert cfg.partition.max_live_parameters == 10**9
-    assert cfg.partition.sub_group_size == 10**9
+    assert cfg.partition.sub_group_size == load_config().partition.sub_group_size    # 1e9: 16 GB a sub-group
+    assert cfg.partition.units == ("auto",)
     assert cfg.prefetch.device_bytes == 2 * 10**7  # 1e7 bf16 elements
     assert cfg.partition.reduce_bucket_bytes == 2 * 10**7
     assert cfg.prefetch.reuse_distance == 2 * 10**9
@@ -63,6 +64,7 @@ def test_realistic_zero_infinity_config(tmp_path):
         "zero_optimization.overlap_comm",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
         "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_param.max_in_cpu",
+        "zero_optimization.sub_group_size",
     ])
     assert "optimizer: create the optimizer in the program: infinity.AdamW(model, lr=...)" in skipped
     assert load_config(cfg.to_dict()) == cfg
@@ -81,13 +83,29 @@ def test_hugging_face_auto_values_keep_defaults_and_are_reported():
         "fp16.enabled: \"auto\" is filled in by the Hugging Face Trainer; kept float32",
         "zero_optimization.stage3_prefetch_bucket_size: \"auto\" is filled in by the Hugging Face Trainer; "
         "kept infinity's default",
+        "zero_optimization.sub_group_size: 1e+09 elements would be 14.9 GiB of host memory per optimizer "
+        "sub-group in flight here (16 bytes per element: fp32 master, gradient, Adam m and v); kept infinity's "
+        "default 32Mi (512.0 MiB): a sub-group is only the unit the host optimizer reads, steps and writes back, "
+        "and larger ones lengthen each transfer. Set partition.sub_group_size to choose another",
     ]
+
+
+def test_the_translation_chooses_what_the_presets_do_where_deepspeed_has_no_key_or_a_costly_habit():
+    cfg, skipped = from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    preset = load_config("offload-optimizer")
+    assert cfg.partition.units == preset.partition.units == ("auto",)     # one group per transformer block
+    assert cfg.partition.sub_group_size == preset.partition.sub_group_size and skipped == []
+    small = from_deepspeed({"zero_optimization": {"sub_group_size": 1e6}})     # a choice to spend less: kept
+    assert small == (load_config({"partition": {"sub_group_size": 10**6, "units": "auto"}}), [])
+    large = from_deepspeed({"zero_optimization": {"sub_group_size": 2**26}})
+    assert large[0].partition.sub_group_size == preset.partition.sub_group_size
+    assert large[1][0].startswith("zero_optimization.sub_group_size: 6.71e+07 elements would be 1.0 GiB of host memory")
 
 
 def test_both_aio_thread_names():
     assert from_deepspeed({"aio": {"thread_count": 3}})[0].aio.threads == 3
     assert from_deepspeed({"aio": {"intra_op_parallelism": 6}})[0].aio.threads == 6
-    assert from_deepspeed({"aio": {"thread_count": 2, "intra_op_parallelism": 2}}) == (load_config({"aio": {"threads": 2}}), [])
+    assert from_deepspeed({"aio": {"thread_count": 2, "intra_op_parallelism": 2}}) == (load_config({"aio": {"threads": 2}, "partition": {"units": "auto"}}), [])
     cfg, skipped = from_deepspeed({"aio": {"thread_count": 1, "intra_op_parallelism": 8}})
     assert cfg.aio.threads == 8
     assert skipped == ["aio.thread_count: 1 differs from aio.intra_op_parallelism (8), its newer name; "
