@@ -51,6 +51,7 @@ from infinity.errors import EngineError
 from infinity.optim.adam import AdamW
 from infinity.runtime.gathered import state_dict
 from infinity.runtime.hf_save import save_pretrained
+from infinity.runtime.peft_save import is_peft_model
 
 SUBDIR = "infinity"
 SCHEDULER_NAME = "scheduler.pt"     # transformers.trainer's names, so its own checks find them
@@ -127,7 +128,7 @@ class Trainer(transformers.Trainer):
         # Every rank (the gathers are collectives), a module at a time: a model bigger than the device saves too,
         # and a transformers model's files are written as each module is gathered (bigger than host memory too).
         model = self.accelerator.unwrap_model(self.model)
-        if not isinstance(model, transformers.PreTrainedModel):
+        if not isinstance(model, transformers.PreTrainedModel) and not is_peft_model(model):   # peft: its adapter
             self._save(output_dir, state_dict=state_dict(self.model, rank0_only=True))
             return
         save_pretrained(model, output_dir, is_main_process=self.args.should_save)    # save_on_each_node too

@@ -420,8 +420,10 @@ class Engine:
         for name, p in module.named_parameters(recurse=False):
             group = self.coordinator.group_of.get(p)
             if group is not None and group.state is not ParamState.AVAILABLE:
-                if _in_accelerate_save_state():
+                if _on_stack("accelerate.accelerator", "save_state"):
                     raise EngineError(ACCELERATE_SAVE_STATE)
+                if _on_stack("peft.utils.save_and_load", "get_peft_model_state_dict"):
+                    raise EngineError(PEFT_SAVE_PRETRAINED)
                 raise EngineError(
                     f"state_dict(): parameter {prefix + name!r} is released (its values are shards over "
                     "ranks and tiers); take it with infinity.state_dict(model) (a transformers model: "
@@ -474,8 +476,19 @@ ACCELERATE_SAVE_STATE = (
     "infinity-consolidate makes the weights one file")
 
 
-def _in_accelerate_save_state() -> bool:
-    """Whether ``accelerate.Accelerator.save_state`` is on the stack ([Note: accelerate's save_state]).
+PEFT_SAVE_PRETRAINED = (
+    "PeftModel.save_pretrained(): the model was built in infinity.Init, and peft takes model.state_dict() whole, "
+    "on this process alone, to keep the adapter's entries; the base weights are shards over ranks and tiers. No "
+    "weights were written. On every rank, save with infinity.save_pretrained(model, d): it writes what "
+    "PeftModel.save_pretrained writes (adapter_model.safetensors, adapter_config.json), gathering only the "
+    "adapter; or, on every rank, model.save_pretrained(d, state_dict=infinity.state_dict(model)) (the whole "
+    "model copied to host memory first)")
+
+
+def _on_stack(module: str, function: str) -> bool:
+    """Whether ``function`` of ``module`` is on the stack: a library that takes ``model.state_dict()`` whole on
+    its way (accelerate's ``save_state``, [Note: accelerate's save_state]; peft's ``save_pretrained``, which
+    ``infinity.save_pretrained`` does instead). Looked at only on the error path.
 
     [Note: accelerate's save_state]
     ``Accelerator.save_state`` takes ``model.state_dict()`` of every prepared model first and calls
@@ -487,7 +500,7 @@ def _in_accelerate_save_state() -> bool:
     """
     frame = inspect.currentframe()
     while frame is not None:
-        if frame.f_code.co_name == "save_state" and frame.f_globals.get("__name__") == "accelerate.accelerator":
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
             return True
         frame = frame.f_back
     return False

@@ -45,6 +45,7 @@ from infinity.checkpoint import safetensors_file
 from infinity.checkpoint.stream import _pwrite_all
 from infinity.errors import EngineError
 from infinity.runtime.gathered import state_dict_parts
+from infinity.runtime.peft_save import adapter_state_dict, is_peft_model
 from tiers import newfile
 
 _WEIGHTS, _INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -62,7 +63,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
     Parameters
     ----------
     model:
-        A ``transformers.PreTrainedModel`` built inside ``infinity.Init``.
+        A ``transformers.PreTrainedModel`` built inside ``infinity.Init``, or a ``peft.PeftModel`` whose base and
+        adapters were: then what ``PeftModel.save_pretrained`` writes, the adapter only, with only the adapter
+        gathered (``max_shard_size`` does not apply).
     save_directory:
         Created if missing. Shards of an earlier save that this one does not replace are removed.
     max_shard_size:
@@ -86,13 +89,15 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
         from transformers import PreTrainedModel
     except ImportError:
         PreTrainedModel = None     # then no model is one
+    writes = engine.ranks.rank == 0 if is_main_process is None else bool(is_main_process)
+    if is_peft_model(model):
+        return _save_adapter(engine, model, os.fspath(save_directory), dtype, writes, t0)
     if PreTrainedModel is None or not isinstance(model, PreTrainedModel):
         raise TypeError(f"infinity.save_pretrained: {type(model).__name__} is not a transformers model; save "
                         "torch.save(infinity.state_dict(model), path) instead")
     _refuse_conversions(model)
     plan = _Plan(model, dtype, max_shard_size)
     directory = os.fspath(save_directory)
-    writes = engine.ranks.rank == 0 if is_main_process is None else bool(is_main_process)
     writer = _Writer(directory, plan) if writes else None
     # Rank 0 keeps walking after a failure of its own: the walk's gathers are collectives every rank joins.
     failure = _attempt(writer, writer.open) if writer is not None else None
@@ -112,6 +117,22 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *, max_
     _agree(engine, failure, f"moving the written files into {directory!r} failed; it may hold part of this save "
                             "beside the earlier one: save again")
     return {"files": list(plan.shards), "bytes": plan.total_bytes, "seconds": time.perf_counter() - t0}
+
+
+def _save_adapter(engine, model: nn.Module, directory: str, dtype: torch.dtype | None, writes: bool,
+                  t0: float) -> dict:
+    """A ``PeftModel``: what its own ``save_pretrained`` writes, the adapter alone gathered ([Note: an adapter
+    gathered alone] in infinity/runtime/peft_save.py); peft writes the files, on the main process."""
+    state = adapter_state_dict(engine, model, dtype=dtype, keep=writes)
+    failure = None
+    if writes:
+        try:
+            model.save_pretrained(directory, state_dict=state)
+        except Exception as e:      # every rank raises it, below
+            failure = e
+    _agree(engine, failure, f"writing the adapter to {directory!r} failed")
+    files = [os.path.join("" if name == "default" else name, "adapter_model.safetensors") for name in model.peft_config]
+    return {"files": files, "bytes": sum(t.nbytes for t in state.values()), "seconds": time.perf_counter() - t0}
 
 
 def _attempt(writer: "_Writer", step, *args) -> Exception | None:

@@ -16,6 +16,7 @@ import torch
 import infinity
 from infinity import registry
 from infinity.config import load_config
+from infinity.errors import EngineError
 
 pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
 transformers = pytest.importorskip("transformers")
@@ -116,3 +117,74 @@ def test_save_pretrained_of_a_block_frozen_in_part_writes_the_plain_models_files
     assert sorted(os.listdir(tmp_path / "ours")) == sorted(os.listdir(tmp_path / "theirs"))
     _assert_close(_weights(tmp_path / "ours"), _weights(tmp_path / "theirs"))
     assert peak <= _largest_group(model), peak
+
+
+def _files(directory) -> dict:
+    """Each file of ``directory``: a safetensors file as its tensors (key order), any other as its bytes."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        out[name] = _weights_of(path) if name.endswith(".safetensors") else open(path, "rb").read()
+    return out
+
+
+def _weights_of(path) -> dict:
+    return dict(sorted(safetensors_torch.load_file(path).items()))
+
+
+def _same_adapter(ours, theirs) -> None:
+    """``ours`` holds what plain peft wrote in ``theirs``: the same files, config and model card byte for byte,
+    the adapter's tensors to 1e-5."""
+    got, want = _files(ours), _files(theirs)
+    assert list(got) == list(want) and "adapter_model.safetensors" in want
+    for name, value in want.items():
+        if isinstance(value, dict):
+            _assert_close(got[name], value)
+        elif name != "training_args.bin":
+            assert got[name] == value, name
+
+
+def _adapter_groups(model) -> int:
+    """How many groups hold LoRA parameters (one per block under the presets' units)."""
+    group_of = registry.engine_of(model).coordinator.group_of
+    return len({group_of[p] for name, p in model.named_parameters() if "lora_" in name})
+
+
+def test_infinity_save_pretrained_of_a_peft_model_writes_the_adapter_as_peft_does(tmp_path):
+    model, plain = _pair(tmp_path, _lora)
+    engine = registry.engine_of(model)
+    engine.coordinator.stats.reset()
+    result = infinity.save_pretrained(model, tmp_path / "ours")
+    fetch = infinity.stats(model)["fetch"]
+    plain.save_pretrained(tmp_path / "theirs")
+    _same_adapter(tmp_path / "ours", tmp_path / "theirs")
+    assert result["files"] == ["adapter_model.safetensors"]
+    # Only the adapter's groups are gathered, each once: the frozen base weights are not read.
+    assert fetch["fetches"] == _adapter_groups(model), fetch
+    # Plain peft loads it onto the plain base: the engine model's logits.
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA))
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "ours")
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_peft_save_pretrained_says_what_saves_the_adapter(tmp_path):
+    model, plain = _pair(tmp_path, _lora)
+    with pytest.raises(EngineError, match=r"PeftModel.save_pretrained\(\).*infinity.save_pretrained"
+                                                   r"\(model, d\).*gathering only the adapter"):
+        model.save_pretrained(tmp_path / "refused")
+    assert not os.path.exists(tmp_path / "refused" / "adapter_model.safetensors")
+    # What the message offers besides infinity.save_pretrained writes the same files.
+    model.save_pretrained(tmp_path / "ours", state_dict=infinity.state_dict(model))
+    plain.save_pretrained(tmp_path / "theirs")
+    _same_adapter(tmp_path / "ours", tmp_path / "theirs")
+
+
+def test_trainer_save_model_of_a_peft_model_writes_the_adapter(tmp_path):
+    model, plain = _pair(tmp_path, _lora)
+    args = transformers.TrainingArguments(str(tmp_path / "out"), report_to=[], use_cpu=True)
+    infinity.Trainer(model=model, args=args).save_model(str(tmp_path / "ours"))
+    transformers.Trainer(model=plain, args=args).save_model(str(tmp_path / "theirs"))
+    _same_adapter(tmp_path / "ours", tmp_path / "theirs")
