@@ -36,7 +36,7 @@ import torch
 from infinity.checkpoint import safetensors_file
 from infinity.checkpoint.directory import SavedCheckpoint
 from infinity.checkpoint.disk import free_bytes, human
-from infinity.checkpoint.errors import CheckpointError, CheckpointWriteError
+from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError
 from infinity.checkpoint.manifest import LATEST, dtype_of, fsync_dir, itemsize, read_small_file
 from infinity.checkpoint.reshard import SavedLayout
 from infinity.checkpoint.stream import Run, StreamIO, _Done, _pwrite_all, read_runs
@@ -272,17 +272,21 @@ def _fill(saved, layout, entries, offsets, fd, config, buffer_size, state: str =
             for rank, flat, rel, n in layout.locate(p.group, p.offset, p.numel):
                 key = f"rank{rank}/{state}"
                 if key not in files:
-                    record = saved.file(rank, state)
+                    record = saved.file(rank, state, needed=True)
                     files[key] = (saved.path_of(record), record)
                 runs.append(Run(key, flat * 4, n * 4, dest, rel * 4))
     with StreamIO(config.aio, buffer_size) as io:
         read_runs(io, files, runs)
     buffers = [e for e in entries if e.buffer is not None]
     if buffers:
-        raw = read_small_file(saved.directory, saved.file(0, "buffers"))
+        record = saved.file(0, "buffers", needed=True)
+        raw = read_small_file(saved.directory, record)
         for entry in buffers:
             b = entry.buffer
             chunk = bytearray(raw[b["offset"]:b["offset"] + b["nbytes"]])
+            if len(chunk) != b["nbytes"]:
+                raise CheckpointCorruptError(f"{saved.path_of(record)}: buffer {b['name']!r} reaches past the end "
+                                             f"of the file ({len(raw)} bytes)")
             if chunk:
                 _FileDest(fd, offsets[entry.key], entry.src_dtype, entry.out_dtype).write(
                     0, torch.frombuffer(chunk, dtype=torch.uint8))

@@ -71,6 +71,7 @@ import threading
 import time
 import zlib
 
+from infinity.checkpoint import schema
 from infinity.checkpoint.disk import SaveSize, writing
 from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointLockedError,
                                         CheckpointMismatchError, CheckpointNotFoundError, CheckpointWriteError)
@@ -349,10 +350,12 @@ class SavedCheckpoint:
             raise CheckpointCorruptError(f"{os.path.join(self.directory, COMMIT)}: world size {str(world_size)[:20]} "
                                          f"is not 1 to {MAX_WORLD_SIZE}, or no table of manifests")
         self.world_size = world_size
+        schema.check_commit(self.commit, os.path.join(self.directory, COMMIT))
         if sorted(self._crcs) != sorted(_manifest_paths(self.directory, self.world_size)):
             raise CheckpointCorruptError(f"{os.path.join(self.directory, COMMIT)}: lists manifests "
                                          f"{sorted(self._crcs)} for world size {self.world_size}")
         self.manifest = self._load(MANIFEST, "global manifest")
+        schema.check_global(self.manifest, os.path.join(self.directory, MANIFEST), self.world_size)
         self._ranks: dict[int, dict] = {}
 
     def _load(self, rel: str, what: str) -> dict:
@@ -374,13 +377,19 @@ class SavedCheckpoint:
         if not 0 <= rank < self.world_size:
             raise CheckpointError(f"{self.directory}: no rank {rank} (saved with world size {self.world_size})")
         if rank not in self._ranks:
-            self._ranks[rank] = self._load(os.path.join(f"rank{rank}", MANIFEST), f"manifest of rank {rank}")
+            rel = os.path.join(f"rank{rank}", MANIFEST)
+            manifest = self._load(rel, f"manifest of rank {rank}")
+            schema.check_rank(manifest, os.path.join(self.directory, rel), rank, self.world_size)
+            self._ranks[rank] = manifest
         return self._ranks[rank]
 
-    def file(self, rank: int, name: str) -> FileRecord | None:
-        """The record of data file ``name`` ("master", "buffers", ...) of ``rank``; None if not saved."""
+    def file(self, rank: int, name: str, needed: bool = False) -> FileRecord | None:
+        """The record of data file ``name`` ("master", "buffers", ...) of ``rank``; None if not saved, an error
+        when ``needed``."""
         data = self.rank_manifest(rank).get("files", {}).get(name)
         where = os.path.join(self.directory, f"rank{rank}", MANIFEST)
+        if data is None and needed:
+            raise CheckpointCorruptError(f"{where}: rank {rank} lists no {name!r} file, which this checkpoint needs")
         return None if data is None else FileRecord.from_json(data, where)
 
     def refuse_in_place(self, what: str) -> None:

@@ -48,6 +48,7 @@ from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, pl
 from infinity.checkpoint.staging import StagedSubGroups
 from infinity.checkpoint.stream import Run, StreamIO, _Done, read_runs
 from infinity.checkpoint.writer import check_ready, model_buffers, names_by_param
+from infinity.errors import EngineError
 from infinity.optim.moments import write_moments
 
 _F32 = 4
@@ -219,7 +220,7 @@ class _Undo:
         self.rng = rng.capture()
         self.optimizer = None
         if opt is not None:
-            hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+            hyper = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
             self.optimizer = (hyper, opt.step_count, getattr(opt, "skipped_steps", 0),
                               opt.param_steps() if hasattr(opt, "param_steps") else None)
 
@@ -228,10 +229,10 @@ class _Undo:
         if self.optimizer is None:
             return
         hyper, step_count, skipped, param_steps = self.optimizer
-        group = opt.param_groups[0]
-        for key in [k for k in group if k != "params" and k not in hyper]:
-            del group[key]
-        group.update(hyper)
+        for group, before in zip(opt.param_groups, hyper):     # every group: a load sets each one's
+            for key in [k for k in group if k != "params" and k not in before]:
+                del group[key]
+            group.update(before)
         opt.step_count = step_count
         if hasattr(opt, "skipped_steps"):
             opt.skipped_steps = skipped
@@ -399,9 +400,7 @@ def _plan(engine, model: nn.Module, saved: SavedCheckpoint, staged: StagedSubGro
     def source(rank: int, name: str) -> str:
         key = f"rank{rank}/{name}"
         if key not in files:
-            record = saved.file(rank, name)
-            if record is None:
-                raise CheckpointCorruptError(f"{saved.directory}: rank {rank} has no {name!r} file in its manifest")
+            record = saved.file(rank, name, needed=True)
             files[key] = (saved.path_of(record), record)
         return key
 
@@ -466,6 +465,9 @@ def _restore_optimizer(opt, manifest: dict) -> None:
     if len(per_group) != len(opt.param_groups):
         raise CheckpointMismatchError(f"infinity.load_checkpoint: the checkpoint's optimizer has {len(per_group)} param "
                               f"groups, this one {len(opt.param_groups)}")
+    for group, hyper in zip(opt.param_groups, per_group):     # checked whole before any is set
+        for key, value in hyper.items():
+            _check_hyper(key, group.get(key), value)
     for group, hyper in zip(opt.param_groups, per_group):
         for key, value in hyper.items():
             if isinstance(group.get(key), tuple) and isinstance(value, list):
@@ -475,10 +477,31 @@ def _restore_optimizer(opt, manifest: dict) -> None:
     if hasattr(opt, "skipped_steps"):
         opt.skipped_steps = int(saved.get("skipped_steps", 0))
     if hasattr(opt, "load_param_steps"):
-        opt.load_param_steps(saved.get("param_steps", {}), "checkpoint")
+        try:
+            opt.load_param_steps(saved.get("param_steps", {}), "checkpoint")
+        except EngineError as exc:      # names this model does not have: the checkpoint is another model's
+            raise CheckpointMismatchError(str(exc)) from None
     scaler = opt.engine.loss_scaler
     if scaler is not None and saved.get("loss_scale") is not None:    # fp16's loss scale goes on where it was
         scaler.load(saved["loss_scale"], "infinity.load_checkpoint")
+
+
+def _check_hyper(key: str, now, saved) -> None:
+    """A saved hyper-parameter must be what the optimizer holds there: a number for a number, a list of as many
+    numbers for a tuple of numbers (``betas``); the checkpoint cannot turn ``lr`` into a string."""
+    def number(value) -> bool:
+        return type(value) in (int, float)
+
+    def numeric(value) -> bool:      # what the optimizer holds: a number, or a one-element tensor (a tensor lr)
+        return number(value) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+
+    wrong = (numeric(now) and not number(saved)) or (isinstance(now, tuple) and (
+        type(saved) is not list or len(saved) != len(now)
+        or any(numeric(a) and not number(b) for a, b in zip(now, saved))))
+    if wrong:
+        raise CheckpointCorruptError(f"infinity.load_checkpoint: the checkpoint's optimizer hyper-parameter {key!r} "
+                                     f"is {str(saved)[:40]}, not the kind of value this optimizer holds there "
+                                     f"({str(now)[:40]}); nothing was changed")
 
 
 def _check_buffers(manifest: dict, buffers: dict[str, torch.Tensor]) -> None:
