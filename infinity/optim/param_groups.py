@@ -53,6 +53,11 @@ def resolve(params, what: str):
             raise TypeError(f"{what}: param group {i} must be a dict with a 'params' entry, as in torch.optim")
         for p in ([group["params"]] if isinstance(group["params"], nn.Parameter) else group["params"]):
             owner = registry.engine_of_param(p, what)
+            name = registry.name_in_engine(p) if owner is None else None
+            if name is not None:
+                raise registry.NotManagedError(
+                    f"{what}: parameter {name!r} (param group {i}) of a model built inside infinity.Init was added "
+                    f"after the block exited. {registry.ADAPTERS_INSIDE_INIT}")
             if owner is None:
                 raise registry.NotManagedError(
                     f"{what}: a parameter of shape {tuple(p.shape)} in param group {i} is not managed by infinity; "

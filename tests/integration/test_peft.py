@@ -188,3 +188,21 @@ def test_trainer_save_model_of_a_peft_model_writes_the_adapter(tmp_path):
     infinity.Trainer(model=model, args=args).save_model(str(tmp_path / "ours"))
     transformers.Trainer(model=plain, args=args).save_model(str(tmp_path / "theirs"))
     _same_adapter(tmp_path / "ours", tmp_path / "theirs")
+
+
+def test_get_peft_model_after_init_is_refused_naming_the_adapter_and_what_to_do(tmp_path):
+    with infinity.Init(_config(tmp_path)):
+        base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA))
+    model = _lora(base)
+    build_inside = r"Add the adapters inside the block: `with infinity.Init\(config\)"
+    with pytest.raises(TypeError,
+                       match=r"infinity.AdamW: PeftModel wraps 'base_model.model', built inside infinity.Init, but "
+                             r"was made after the block: its parameter 'base_model.model.model.layers.0.self_attn"
+                             r".q_proj.lora_A.default.weight' and 7 more are not managed by infinity.*" + build_inside):
+        infinity.AdamW(model, lr=1e-2)
+    with pytest.raises(TypeError, match=r"parameter 'model.layers.0.self_attn.q_proj.lora_A.default.weight' "
+                                        r"\(param group 0\) of a model built inside infinity.Init was added after the "
+                                        r"block exited.*" + build_inside):
+        infinity.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with pytest.raises(TypeError, match="infinity.save_pretrained: PeftModel wraps .*" + build_inside):
+        infinity.save_pretrained(model, tmp_path / "adapter")
