@@ -118,6 +118,14 @@ def sealed_name(tier_name: str, label: str) -> str:
     return f"{tier_name}.{label}.sealed"
 
 
+def has_swap_header(fd: int) -> bool:
+    """Whether the open file ``fd`` starts with an infinity swap header (a file a tier made), read by pread."""
+    try:
+        return os.pread(fd, len(_MAGIC), 0) == _MAGIC
+    except OSError:
+        return False
+
+
 def _read_header(path: str) -> str:
     """Who wrote the swap file at ``path``, in words (never trusted as data)."""
     try:

@@ -40,6 +40,8 @@ from __future__ import annotations
 import dataclasses
 import io as _io
 import os
+import re
+import stat
 import zlib
 
 import torch
@@ -47,6 +49,7 @@ import torch
 from infinity.checkpoint.directory import SavedCheckpoint
 from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from infinity.optim.split_master import ZERO
+from tiers.swapfile import has_swap_header
 from tiers.swapspace import Placement
 
 # Config keys on which where the bytes lie depends: a resume must match them.
@@ -162,6 +165,32 @@ def _sealed_runs(record: dict, files: list[str]):
         position += length
 
 
+def _open_sealed(saved: SavedCheckpoint, rank: int, swap: dict, name: str) -> int:
+    """Open a sealed swap file the manifest names, for reading: only a file this checkpoint sealed (named
+    ``<tier>.<label>.sealed``, in one of the rank's swap directories ``rank<N>``, not through a symlink, a
+    regular file starting with a swap header). A manifest is anyone's to edit: without this, verifying a
+    checkpoint in place read any file the process could and said its CRC-32."""
+    where = f"checkpoint in place {saved.directory}: rank {rank}'s sealed swap file {name[:200]!r}"
+    if not (os.path.isabs(name) and os.path.dirname(name) in swap["directories"]
+            and re.fullmatch(r"rank[0-9]{1,7}", os.path.basename(os.path.dirname(name)))
+            and re.fullmatch(r"[A-Za-z0-9_-]{1,64}\." + re.escape(label(saved.manifest["id"])) + r"\.sealed",
+                             os.path.basename(name))):
+        raise CheckpointCorruptError(f"{where} is not a file this checkpoint sealed (<tier>.{label('<id>')}.sealed "
+                                     "in one of its swap directories); nothing is read there")
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{where} is missing (deleted, or consumed by a run that resumed from it and "
+                                     "trained)") from None
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{where} cannot be opened ({exc.strerror}; a symbolic link is not "
+                                     "followed)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode) or not has_swap_header(fd):
+        os.close(fd)
+        raise CheckpointCorruptError(f"{where} is not a swap file (no swap header); nothing is read from it")
+    return fd
+
+
 def verify_sealed(saved: SavedCheckpoint, rank: int, chunk: int = 8 << 20) -> int:
     """Check every state in rank ``rank``'s sealed files against its CRC-32, without a model; returns the
     bytes checked (raises ``CheckpointCorruptError`` naming the state and the file)."""
@@ -170,12 +199,7 @@ def verify_sealed(saved: SavedCheckpoint, rank: int, chunk: int = 8 << 20) -> in
     for role, record in swap["roles"].items():
         crc = 0
         for name, offset, nbytes in _sealed_runs(record, swap["files"]):
-            try:
-                fd = os.open(name, os.O_RDONLY)
-            except FileNotFoundError:
-                raise CheckpointCorruptError(f"checkpoint in place {saved.directory}: rank {rank}'s sealed swap file "
-                                             f"{name} is missing (deleted, or consumed by a run that resumed from "
-                                             "it and trained)") from None
+            fd = _open_sealed(saved, rank, swap, name)
             try:
                 for start in range(0, nbytes, chunk):
                     data = os.pread(fd, min(chunk, nbytes - start), offset + start)
@@ -185,10 +209,10 @@ def verify_sealed(saved: SavedCheckpoint, rank: int, chunk: int = 8 << 20) -> in
                     crc = zlib.crc32(data, crc)
             finally:
                 os.close(fd)
-        if crc != record["crc32"]:
+        if crc != record["crc32"]:      # (the CRC found is not said: it would describe bytes of any file)
             raise CheckpointCorruptError(f"checkpoint in place {saved.directory}: the bytes of {role} in rank "
-                                         f"{rank}'s sealed swap files changed since the save (CRC-32 {crc:#010x}, "
-                                         f"saved {record['crc32']:#010x})")
+                                         f"{rank}'s sealed swap files changed since the save (they fail the CRC-32 "
+                                         "the manifest records)")
         total += record["nbytes"]
     return total
 

@@ -256,8 +256,42 @@ def check_rank(manifest: dict, where: str, rank: int, world_size: int) -> None:
     files = _dict(top.get(manifest, "files"), top.at("files"))
     for name, record in files.items():
         _dict(record, top.at("files").at(str(name)[:80]))
+    if manifest.get("swap") is not None:
+        _check_swap(_dict(manifest["swap"], top.at("swap")), top.at("swap"))
     if manifest.get("rng") is not None:
         try:
             rng.check(_dict(manifest["rng"], top.at("rng")))
         except ValueError as exc:
             raise top.at("rng").fail(f"is not a generator state a save writes ({exc})") from None
+
+
+def _check_swap(swap: dict, field: _Field) -> None:
+    """A checkpoint in place's record of its sealed swap files and where each state lies in them (the files'
+    names are checked again where they are opened: ``in_place._open_sealed``)."""
+    _str(field.get(swap, "label"), field.at("label"))
+    directories = _names(field.get(swap, "directories"), field.at("directories"))
+    files = _names(field.get(swap, "files"), field.at("files"))
+    if len(files) > max(len(directories), 1) * 64:
+        raise field.at("files").fail(f"names {len(files)} files for {len(directories)} directories")
+    roles = _dict(field.get(swap, "roles"), field.at("roles"))
+    for role, record in roles.items():
+        rfield = field.at("roles").at(str(role)[:80])
+        _dict(record, rfield)
+        nbytes = _int(rfield.get(record, "nbytes"), rfield.at("nbytes"))
+        _int(rfield.get(record, "crc32"), rfield.at("crc32"), 0, (1 << 32) - 1)
+        place = _dict(rfield.get(record, "placement"), rfield.at("placement"))
+        pfield = rfield.at("placement")
+        if set(place) != {"files", "offsets", "sizes", "stripe_nbytes"}:
+            raise pfield.fail("does not hold files, offsets, sizes and stripe_nbytes")
+        indices = _list(place["files"], pfield.at("files"), len(files))
+        offsets = _list(place["offsets"], pfield.at("offsets"), len(files))
+        sizes = _list(place["sizes"], pfield.at("sizes"), len(files))
+        if not indices or len(offsets) != len(indices) or len(sizes) != len(indices):
+            raise pfield.fail("lists files, offsets and sizes of different lengths")
+        for j, (index, offset, size) in enumerate(zip(indices, offsets, sizes)):
+            _int(index, pfield.at("files").at(j), 0, len(files) - 1)
+            _int(offset, pfield.at("offsets").at(j))
+            _int(size, pfield.at("sizes").at(j))
+        _int(place["stripe_nbytes"], pfield.at("stripe_nbytes"), 1)
+        if sum(sizes) != nbytes:
+            raise pfield.at("sizes").fail(f"add up to {sum(sizes)}, not the state's {nbytes} bytes")

@@ -288,3 +288,46 @@ def test_a_resume_killed_before_its_first_backward_leaves_the_checkpoint(tmp_pat
     infinity.load_checkpoint(ckpt, model, opt)
     assert _step(model, opt, 2, torch.float32) == reference[2]
     infinity.release(model)
+
+
+def test_verifying_reads_only_the_files_the_checkpoint_sealed(tmp_path):
+    """The rank manifest names the sealed files by absolute path, and anyone can edit it (the CRC-32s in COMMIT
+    are recomputed in a minute): verify_checkpoint opened whatever it named and said the CRC-32 of its bytes,
+    an oracle for any file the process could read. Now only a file the checkpoint sealed is opened, never
+    through a symlink, and a failed check says no CRC-32 found."""
+    import json
+    import zlib
+
+    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    nvme.mkdir()
+    model, opt = _build(_config(nvme))
+    _step(model, opt, 0, torch.float32)
+    version = infinity.save_checkpoint(ckpt, model, opt, in_place=True)
+    infinity.release(model)
+    rel = os.path.join("rank0", "manifest.json")
+    original = json.loads(open(os.path.join(version, rel)).read())
+    sealed = original["swap"]["files"][0]
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(1 << 16))
+    planted = os.path.join(os.path.dirname(sealed), "x." + os.path.basename(sealed).split(".", 1)[1])
+    os.symlink(sealed, planted)     # a link under a sealed file's own name pattern
+    infinity.checkpoint.verify_checkpoint(version)
+
+    def edited(path: str) -> None:
+        manifest = json.loads(json.dumps(original))
+        manifest["swap"]["files"][0] = path
+        raw = (json.dumps(manifest) + "\n").encode()
+        open(os.path.join(version, rel), "wb").write(raw)
+        commit = json.loads(open(os.path.join(version, "COMMIT")).read())
+        commit["manifests"][rel] = zlib.crc32(raw)
+        open(os.path.join(version, "COMMIT"), "w").write(json.dumps(commit))
+
+    for path, said in ((str(secret), "is not a file this checkpoint sealed"),
+                       (os.path.join(os.path.dirname(sealed), "..", "..", "secret"), "is not a file this checkpoint"),
+                       (planted, "cannot be opened .*a symbolic link is not followed")):
+        edited(path)
+        with pytest.raises(infinity.checkpoint.CheckpointCorruptError, match=said) as info:
+            infinity.checkpoint.verify_checkpoint(version)
+        assert "0x" not in str(info.value), str(info.value)
+    edited(sealed)
+    infinity.checkpoint.verify_checkpoint(version)
