@@ -336,6 +336,10 @@ class Engine:
             self._foreign.start()
 
     def _enter_backward(self) -> None:
+        if self.released:       # a graph built before infinity.release: its hooks outlive the engine's parts
+            raise EngineError("backward through a graph of a model released (infinity.release) after its forward: "
+                              "the engine's tiers and gradients are gone, so nothing can be computed or stored; "
+                              "call backward (and opt.step()) before infinity.release(model)")
         if not self._backward_active:
             if torch.is_grad_enabled():     # autograd records the backward itself: create_graph=True
                 raise EngineError(_CREATE_GRAPH)

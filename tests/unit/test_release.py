@@ -136,3 +136,24 @@ def test_a_model_dropped_without_release_takes_its_engine_with_it(tmp_path, para
     del model, opt
     gc.collect()
     assert engine() is None
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_backward_after_release_names_release(tmp_path, stage):
+    """A graph from a forward before ``infinity.release`` keeps the engine's hooks: its backward gave
+    ``AttributeError: 'NoneType' object has no attribute 'before_backward'``; now the error says what happened
+    and what to do, every time it is tried, and the swap files stay gone."""
+    cfg = _cfg(tmp_path)
+    cfg["partition"] = {"stage": stage}
+    if stage < 3:       # whole parameters on the compute device, the optimizer's states on NVMe
+        cfg["tiers"]["params"] = "device"
+    with infinity.Init(cfg):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    infinity.AdamW(model, lr=1e-2)
+    loss = model(torch.randn(4, 8)).float().pow(2).mean()
+    infinity.release(model)
+    for _ in range(2):
+        with pytest.raises(EngineError, match=r"released \(infinity\.release\) after its forward.*call backward "
+                                              r"\(and opt\.step\(\)\) before infinity\.release\(model\)"):
+            loss.backward(retain_graph=True)
+    assert _swap_files(tmp_path) == []
