@@ -35,14 +35,13 @@ def engine_of(model: nn.Module, what: str = "this call"):
     # attribute accelerate's unwrap_model reads too): infinity calls accept the compiled model.
     while isinstance(getattr(model, "_orig_mod", None), nn.Module):
         model = model._orig_mod
-    ref = _ENGINES.get(model)
-    engine = ref() if ref is not None else None
+    engine = _engine(model)
     if engine is None:
-        inner = next(((name, m) for name, m in model.named_modules() if name and _engine(m) is not None), None)
-        if inner is not None:
-            raise NotManagedError(f"{what}: {type(model).__name__} wraps {inner[0]!r}, built inside infinity.Init, "
-                                  f"but was made after the block{_added_after(model, _engine(inner[1]))}. "
-                                  f"{ADAPTERS_INSIDE_INIT}")
+        # A wrapper made after the block (peft.get_peft_model's PeftModel): the engine of the model it wraps,
+        # whose parameters added since are trained beside it ([Note: unmanaged parameters] in
+        # infinity/optim/unmanaged.py).
+        engine = next((_engine(m) for name, m in model.named_modules() if name and _engine(m) is not None), None)
+    if engine is None:
         raise NotManagedError(
             f"{what}: {type(model).__name__} was not built inside infinity.Init, so its parameters "
             "are not sharded; construct it under `with infinity.Init(config): model = ...`")
@@ -51,42 +50,25 @@ def engine_of(model: nn.Module, what: str = "this call"):
     return engine
 
 
-ADAPTERS_INSIDE_INIT = (
-    "Parameters added after infinity.Init exited (peft.get_peft_model on a model built earlier, as TRL's "
-    "SFTTrainer(peft_config=...) does) are plain tensors, whole on the device, that infinity neither shards, "
-    "steps nor saves. Add the adapters inside the block: `with infinity.Init(config): model = ...; model = "
-    "peft.get_peft_model(model, lora_config)`; then infinity.AdamW, infinity.save_pretrained (the adapter, as "
-    "PeftModel.save_pretrained writes it) and infinity.Trainer take the PeftModel (to TRL's SFTTrainer pass it "
-    "with no peft_config)")
-
-
 def _engine(module: nn.Module):
     ref = _ENGINES.get(module)
     return ref() if ref is not None else None
 
 
-def _added_after(model: nn.Module, engine) -> str:
-    """``: its parameter 'x' (and n more) is not managed by infinity`` for the first parameter of ``model`` the
-    engine does not manage, or nothing."""
-    if engine is None:
-        return ""
-    names = [name for name, p in model.named_parameters() if p not in engine.coordinator.group_of]
-    if not names:
-        return ""
-    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-    return f": its parameter {names[0]!r}{more} {'are' if more else 'is'} not managed by infinity"
-
-
-def name_in_engine(param) -> str | None:
-    """The name of ``param`` in a model some engine manages (a parameter added to it after ``infinity.Init``
-    exited), or None."""
+def engines_by_added_param() -> dict:
+    """``{parameter: engine}`` for the parameters added to a model some engine manages after ``infinity.Init``
+    exited (held by its roots, managed by none)."""
+    out, seen = {}, set()
     for ref in list(_ENGINES.values()):
         engine = ref()
-        for root in (getattr(engine, "roots", None) or []) if engine is not None else []:
-            for name, p in root.named_parameters():
-                if p is param:
-                    return name
-    return None
+        if engine is None or engine.released or id(engine) in seen:
+            continue
+        seen.add(id(engine))
+        for root in getattr(engine, "roots", None) or []:
+            for p in root.parameters():
+                if p not in engine.coordinator.group_of:
+                    out.setdefault(p, engine)
+    return out
 
 
 def engine_of_param(param, what: str = "this call"):

@@ -90,6 +90,9 @@ def _join_parts(join: dict, layout: SavedLayout) -> list:
 
 def _entries(manifest: dict, layout: SavedLayout, dtype: torch.dtype, with_buffers: bool = True) -> list[_Entry]:
     buffers = {e["name"]: e for e in manifest["buffers"]} if with_buffers else {}
+    if with_buffers:    # parameters added after Init, saved whole ([Note: unmanaged parameters in checkpoints])
+        buffers.update({e["name"]: dict(e, file="unmanaged") for e in manifest.get("unmanaged", [])
+                        if e["state"] == "param"})
     joins = {j["key"]: j for j in manifest.get("joins", [])}
     tiles = {name for j in joins.values() for name in j["parts"]}
     keys = list(manifest["state_dict_keys"])
@@ -277,9 +280,11 @@ def _fill(saved, layout, entries, offsets, fd, config, buffer_size, state: str =
                 runs.append(Run(key, flat * 4, n * 4, dest, rel * 4))
     with StreamIO(config.aio, buffer_size) as io:
         read_runs(io, files, runs)
-    buffers = [e for e in entries if e.buffer is not None]
-    if buffers:
-        record = saved.file(0, "buffers", needed=True)
+    for file in ("buffers", "unmanaged"):
+        buffers = [e for e in entries if e.buffer is not None and e.buffer.get("file", "buffers") == file]
+        if not buffers:
+            continue
+        record = saved.file(0, file, needed=True)
         raw = read_small_file(saved.directory, record)
         for entry in buffers:
             b = entry.buffer

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from infinity import registry
-from infinity.checkpoint import rng
+from infinity.checkpoint import rng, unmanaged
 from infinity.checkpoint.agreement import agree
 from infinity.checkpoint.directory import SavedCheckpoint
 from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointUntrustedError
@@ -186,6 +186,7 @@ def _load_in_place(engine, model: nn.Module, opt, resume, where: str, trust_extr
         buffers = model_buffers(model)
         _check_buffers(saved.manifest, buffers)
         values = _read_buffers(saved, saved.manifest)
+        added = unmanaged.read(saved, saved.manifest, engine, model)
         rank = engine.ranks.rank
         state = saved.rank_manifest(rank)
         record = saved.file(rank, "extra")
@@ -203,6 +204,7 @@ def _load_in_place(engine, model: nn.Module, opt, resume, where: str, trust_extr
         with torch.no_grad():
             for name, value in values.items():
                 buffers[name].copy_(value)
+        unmanaged.apply(added, engine, model, opt)
         rng.restore(state["rng"])
     except BaseException as exc:
         error = exc
@@ -307,6 +309,8 @@ class _Verified:
         with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
             read_runs(io, self.files, [dataclasses.replace(run, dest=None) for run in self.runs])
         self.buffer_values = _read_buffers(saved, manifest)
+        self.unmanaged = unmanaged.read(saved, manifest, engine, model)    # [Note: unmanaged parameters in ...]
+        self.model = model
         twin = engine.ranks.rank % saved.world_size
         self.rng = saved.rank_manifest(twin).get("rng")
         if not isinstance(self.rng, dict):
@@ -340,6 +344,7 @@ class _Verified:
         with torch.no_grad():
             for name, value in self.buffer_values.items():
                 self.buffers[name].copy_(value)
+        unmanaged.apply(self.unmanaged, engine, self.model, self.opt)
         rng.restore(self.rng)
         return self.extra
 

@@ -137,6 +137,7 @@ def check_global(manifest: dict, where: str, world_size: int) -> None:
     _number(manifest.get("created", 0), top.at("created"))
     _check_groups(manifest, top, world_size)
     _check_buffers(_list(top.get(manifest, "buffers"), top.at("buffers")), top.at("buffers"))
+    _check_unmanaged(_list(manifest.get("unmanaged", []), top.at("unmanaged")), top.at("unmanaged"))
     _names(top.get(manifest, "state_dict_keys"), top.at("state_dict_keys"))
     _names(manifest.get("skipped_keys", []), top.at("skipped_keys"))
     _check_joins(_list(manifest.get("joins", []), top.at("joins")), top.at("joins"))
@@ -197,6 +198,17 @@ def _check_buffers(buffers: list, field: _Field) -> None:
         nbytes = count * itemsize(getattr(torch, dtype))
         if _int(bfield.get(entry, "nbytes"), bfield.at("nbytes")) != nbytes:
             raise bfield.at("nbytes").fail(f"is {entry['nbytes']}; a {dtype} tensor of that shape has {nbytes}")
+
+
+def _check_unmanaged(entries: list, field: _Field) -> None:
+    """Parameters added after Init ([Note: unmanaged parameters in checkpoints]): buffers with a state."""
+    _check_buffers(entries, field)
+    for i, entry in enumerate(entries):
+        if entry.get("state") not in _UNMANAGED_STATES:
+            raise field.at(i).at("state").fail(f"is {str(entry.get('state'))[:40]!r}, not one of {_UNMANAGED_STATES}")
+
+
+_UNMANAGED_STATES = ("param", "exp_avg", "exp_avg_sq", "step")
 
 
 def _check_joins(joins: list, field: _Field) -> None:

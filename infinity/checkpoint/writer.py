@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from infinity import registry
-from infinity.checkpoint import directory, in_place as swap_checkpoint, rng
+from infinity.checkpoint import directory, in_place as swap_checkpoint, rng, unmanaged
 from infinity.checkpoint.agreement import agree, agree_id
 from infinity.checkpoint.disk import SaveSize, check_room, free_bytes, writing
 from infinity.checkpoint.errors import CheckpointError
@@ -83,8 +83,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
     try:
         if in_place:
             swap_checkpoint.check_can_save(engine)
-        description = describe(engine, model)
-        size = SaveSize(root, _rank_nbytes(engine, description["buffer_tensors"], in_place), ranks.rank)
+        description = describe(engine, model, opt)
+        size = SaveSize(root, _rank_nbytes(engine, description, in_place), ranks.rank)
         if ranks.rank == 0:                         # [Note: one saver per directory]
             lock = directory.SaveLock(root, size)
             directory.refuse_another_model(root, description["groups"])
@@ -98,7 +98,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, extra=N
             check_room(size)
             with writing(size, directory.rank_dir(tmp, ranks.rank), None, "creating"):
                 os.makedirs(directory.rank_dir(tmp, ranks.rank), exist_ok=True)
-            _write_rank(engine, tmp, chunk, extra, description["buffer_tensors"], size,
+            _write_rank(engine, tmp, chunk, extra, description, size,
                         save_id if in_place else None)
         except BaseException as exc:
             error = exc
@@ -216,17 +216,21 @@ def tiled_joins(model: nn.Module) -> list[dict]:
     return joins
 
 
-def describe(engine, model: nn.Module) -> dict:
-    """Groups with parameter names, buffers, and state-dict keys, as the manifest records them."""
+def describe(engine, model: nn.Module, opt=None) -> dict:
+    """Groups with parameter names, buffers, state-dict keys, and the parameters added after ``infinity.Init``
+    with ``opt``'s Adam states of them ([Note: unmanaged parameters in checkpoints]), as the manifest records
+    them."""
     names = names_by_param(model)
     managed = engine.coordinator.group_of
     stray = [n for n, p in model.named_parameters() if p not in managed]
-    if stray:       # assigned or added since infinity.Init: a save would leave them out
+    if stray and any(s.param not in names for g in engine.coordinator.groups for s in g.slots):
+        # A managed parameter replaced by a new one after Init: the new one is saved (as an added parameter,
+        # [Note: unmanaged parameters in checkpoints]) but the managed one would be left out.
         more = f" ({len(stray) - 1} more)" if len(stray) > 1 else ""
         raise CheckpointError(
             f"infinity.save_checkpoint: parameter {stray[0]!r}{more} of the {type(model).__name__} is not managed "
-            "by infinity (an nn.Parameter assigned or added after infinity.Init exited), so the checkpoint would "
-            "leave it out; nothing was written. Build it inside infinity.Init, or change a parameter's values "
+            "by infinity (an nn.Parameter assigned after infinity.Init exited, in place of a managed one), so the "
+            "checkpoint would leave out the one it replaced; nothing was written. Change a parameter's values "
             "inside `with infinity.gathered(model):` instead of assigning a new one")
     groups = []
     for g in engine.coordinator.groups:
@@ -246,12 +250,15 @@ def describe(engine, model: nn.Module) -> dict:
         warnings.warn(f"infinity.save_checkpoint: state-dict entries that are not tensors are not saved: {skipped}",
                       RuntimeWarning, stacklevel=3)
     return {"groups": groups, "buffer_tensors": model_buffers(model), "skipped_keys": skipped,
+            "unmanaged": unmanaged.tensors(engine, model, opt),
             "state_dict_keys": list(state_dict), "joins": tiled_joins(model)}
 
 
-def _rank_nbytes(engine, buffers: dict[str, torch.Tensor], in_place: bool = False) -> int:
-    """About the bytes this rank's save writes (data files and buffers; ``extra`` and manifests are small)."""
-    own_buffers = sum(t.numel() * t.element_size() for t in buffers.values()) if engine.ranks.rank == 0 else 0
+def _rank_nbytes(engine, description: dict, in_place: bool = False) -> int:
+    """About the bytes this rank's save writes (data files, buffers and unmanaged parameters; ``extra`` and
+    manifests are small)."""
+    whole = list(description["buffer_tensors"].values()) + [t for _, t in description["unmanaged"]]
+    own_buffers = sum(t.numel() * t.element_size() for t in whole) if engine.ranks.rank == 0 else 0
     if in_place:
         return own_buffers
     params = sum(g.shard_numel for g in engine.coordinator.groups) * itemsize(engine.coordinator.dtype)
@@ -284,7 +291,7 @@ def _rank_spans(engine) -> dict[str, list]:
     return files
 
 
-def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Tensor], size: SaveSize,
+def _write_rank(engine, tmp: str, chunk: int, extra, description: dict, size: SaveSize,
                 seal_id: str | None = None) -> None:
     """This rank's files; with ``seal_id``, no state files: its swap files are sealed as the checkpoint."""
     rank = engine.ranks.rank
@@ -298,7 +305,10 @@ def _write_rank(engine, tmp: str, chunk: int, extra, buffers: dict[str, torch.Te
                     files[name] = write_file(io, tmp, relpath, spans, chunk)
     small = {}
     if rank == 0:
-        small["buffers"] = (f"rank{rank}/buffers.bin", _buffer_bytes(buffers))
+        small["buffers"] = (f"rank{rank}/buffers.bin", _buffer_bytes(description["buffer_tensors"]))
+        if description["unmanaged"]:
+            small[unmanaged.FILE] = (f"rank{rank}/{unmanaged.FILE}.bin",
+                                     b"".join(_raw(t) for _, t in description["unmanaged"]))
     if extra is not None:
         raw = _io.BytesIO()
         torch.save(extra, raw)
@@ -378,6 +388,7 @@ def _global_manifest(engine, opt, description: dict, save_id: str, step: int, ch
                    "group_starts": list(layout.group_starts)},
         "groups": description["groups"],
         "buffers": _buffer_entries(description["buffer_tensors"]),
+        "unmanaged": [entry for entry, _ in description["unmanaged"]],
         "state_dict_keys": description["state_dict_keys"],
         "joins": description["joins"],
         "skipped_keys": description["skipped_keys"],

@@ -27,6 +27,7 @@ from infinity.optim.ranges import ParamSteps, UpdateRanges
 from infinity.optim.relayout import relayout_frozen, warn_frozen_in_part
 from infinity.optim.scheduler import UpdateScheduler
 from infinity.optim.shard_states import ShardStates
+from infinity.optim.unmanaged import UnmanagedAdam
 from infinity.optim.update import UpdatePass
 
 
@@ -58,6 +59,9 @@ class _OffloadAdam(torch.optim.Optimizer):
         self.store = engine.store
         self._ranges = None
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        # Parameters added after Init (peft's adapters): torch's Adam(W) beside ([Note: unmanaged parameters]).
+        self.unmanaged = UnmanagedAdam(self._name, self._decoupled, self.param_groups, engine.coordinator.group_of,
+                                        engine.ranks.world_size)
         self.step_count = 0
         self.skipped_steps = 0
         self._calls = 0
@@ -83,12 +87,14 @@ class _OffloadAdam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         param_groups.check_hyper(group, self._name, len(self.param_groups) - 1)
         group["betas"] = tuple(group["betas"])
-        for p in group["params"]:
-            if p not in self.engine.coordinator.group_of:
-                raise EngineError(f"{self._name}.add_param_group: a parameter of shape {tuple(p.shape)} is not "
-                                  "managed by this model's infinity engine")
-        if self._ranges is not None:
-            self._select()
+        if self._ranges is None:
+            return      # the constructor's groups: resolved there
+        engine, _ = param_groups.resolve([group], f"{self._name}.add_param_group")
+        if engine is not self.engine:
+            raise EngineError(f"{self._name}.add_param_group: a parameter of shape {tuple(group['params'][0].shape)} "
+                              "is not managed by this model's infinity engine")
+        self.unmanaged.add(len(self.param_groups) - 1, group)
+        self._select()
 
     def _select(self) -> None:
         """Which parameters the update changes, in which groups (the constructor, ``add_param_group``)."""
@@ -96,7 +102,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         groups = engine.coordinator.groups
         # Every parameter it holds, frozen or not, as torch.optim: one without a gradient is left alone
         # (see [Note: parameters without a gradient]), one unfrozen later is stepped from then on.
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"] if p in engine.coordinator.group_of]
         chosen = {id(p) for p in params}
         slots = [(g, s) for g in groups for s in g.slots if id(s.param) in chosen]
         self._hyper_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
@@ -172,7 +178,7 @@ class _OffloadAdam(torch.optim.Optimizer):
                                       "or not at all; call opt.zero_grad() and redo the step")
                 engine.reducer.settle()     # shards still on their way to the host are added now
                 engine.grad_face.before_step()
-                if not self.store.has_grad:
+                if not self.store.has_grad and not self.unmanaged.has_grad():
                     raise EngineError(f"{self._name}.step() called before backward(): there are no gradients "
                                       "to apply (call loss.backward() first)")
                 if self._updates.delay is not None:
@@ -191,6 +197,7 @@ class _OffloadAdam(torch.optim.Optimizer):
                 raise
             if local is not None:
                 raise local
+            nonfinite = nonfinite or self.unmanaged.nonfinite()
             self._calls += 1
             engine.agree_at_forward = True      # every rank is here: the next forward agrees first
             stepped = frozenset()
@@ -212,6 +219,7 @@ class _OffloadAdam(torch.optim.Optimizer):
                 # Sub-groups stepped during backward began this update (and its fresh shards): continue it.
                 job = self._job(delayed, with_grad, clip_coef, stepped)
                 self._updates.run(job, continues=bool(stepped))
+                self.unmanaged.step(self.param_groups, self._unmanaged_factor)
             except BaseException as exc:
                 if not engine.damaged:      # a failure the background reported has marked it already
                     self._updates.damaged(f"the optimizer step {self.step_count} (opt.step() call {self._calls}) "
@@ -274,10 +282,12 @@ class _OffloadAdam(torch.optim.Optimizer):
     def _clip_coef(self) -> float | None:
         """The factor of this step's gradients: ``infinity.clip_grad_norm_``'s times torch's (``.grad.mul_``),
         times ``1 / loss scale`` in fp16."""
-        factors = [self._checks.take_clip_coef(), self.engine.grad_face.common_factor()]
-        if self.engine.loss_scaler is not None:
-            factors.append(1.0 / self.engine.loss_scaler.scale)
-        factors = [f for f in factors if f is not None]
+        clip = self._checks.take_clip_coef()
+        unscale = 1.0 / self.engine.loss_scaler.scale if self.engine.loss_scaler is not None else None
+        # Parameters added after Init: their .grad is torch's own, so only the clipping and the loss scale.
+        unmanaged = [f for f in (clip, unscale) if f is not None]
+        self._unmanaged_factor = math.prod(unmanaged) if unmanaged else None
+        factors = [f for f in (clip, self.engine.grad_face.common_factor(), unscale) if f is not None]
         return math.prod(factors) if factors else None
 
     def _skip(self) -> None:
@@ -288,6 +298,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         if self._in_backward is not None:
             self._in_backward.reset("")
         self.store.zero_grad()
+        self.unmanaged.zero_grad()
         self._checks.reset()
         self.engine.grad_face.forget()
         nonfinite = self._nonfinite
@@ -312,6 +323,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         if self._in_backward is not None:
             self._in_backward.reset(f"{self._name}.zero_grad()")
         self.store.zero_grad()
+        self.unmanaged.zero_grad(set_to_none)
         self._checks.reset()
         self.engine.grad_face.forget(keep_zeros=not set_to_none)
 
@@ -319,7 +331,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         """Clip this step's gradients by their global L2 norm (applied by the step, DPU included)."""
         if self._in_backward is not None:
             self._in_backward.refuse(f"{self._name}.clip_grad_norm_")
-        return self._checks.clip_grad_norm_(max_norm)
+        return self._checks.clip_grad_norm_(max_norm, self.unmanaged.norm_sq())
 
     # -- telemetry and state -------------------------------------------------------------------
     def stats(self) -> dict:
@@ -360,6 +372,7 @@ class _OffloadAdam(torch.optim.Optimizer):
                 "param_steps": self.param_steps(),
                 "rank": self.engine.ranks.rank, "world_size": self.engine.ranks.world_size,
                 "shard_numels": [g.shard_numel for g in groups], "shards": shards,
+                "unmanaged": self.unmanaged.state_dict(),
                 "loss_scale": self.engine.loss_scaler.as_dict() if self.engine.loss_scaler is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -396,6 +409,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         self.load_param_steps(state_dict.get("param_steps", {}), "state dict")
         if self.engine.loss_scaler is not None and state_dict.get("loss_scale") is not None:
             self.engine.loss_scaler.load(state_dict["loss_scale"], f"{self._name}.load_state_dict")
+        self.unmanaged.load_state_dict(state_dict.get("unmanaged"))
         saved = state_dict["shards"]
         if isinstance(saved, ShardStates) and saved.is_stored_in(self.store):
             return      # this optimizer's own states: nothing to write ([Note: a lazy optimizer state dict])

@@ -97,8 +97,11 @@ class GradientChecks:
             "rank use every trainable parameter in each forward (a branch not taken can add 0 * its output), or "
             "freeze what some ranks do not use")
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """The global L2 norm of this step's gradients; the update scales them to ``max_norm``."""
+    def clip_grad_norm_(self, max_norm: float, extra_norm_sq: float = 0.0) -> torch.Tensor:
+        """The global L2 norm of this step's gradients; the update scales them to ``max_norm``.
+
+        ``extra_norm_sq``: the squares of gradients outside the store (parameters added after Init,
+        [Note: unmanaged parameters] in infinity/optim/unmanaged.py), this rank's."""
         # A collective user code may call on one rank only: [Note: collectives user code calls].
         self.ranks.arrive("infinity.clip_grad_norm_")
         # The shards still on their way reach the store first (stage 1: the whole gradients their owners): a
@@ -107,6 +110,8 @@ class GradientChecks:
         book = self.reducer.book
         norm_sq = book.norm_sq if book.exact else self.store.grad_norm_sq()
         norm_sq = norm_sq.reshape(1).to(self.datapath.device, copy=True)
+        if extra_norm_sq:
+            norm_sq += extra_norm_sq
         self.ranks.all_reduce_sum(norm_sq)
         total = math.sqrt(self.datapath.scalar(norm_sq))
         if self.loss_scaler is not None:

@@ -10,7 +10,9 @@ call per sub-group); when they differ, the update carries per-parameter ranges, 
 with the index of its group's hyper-parameters, and the kernel runs once per set present
 in a chunk (see ``StepJob.runs`` in infinity/optim/job.py). These param groups have
 nothing to do with the engine's parameter groups (one per module, the unit of transfer):
-a module's weight and bias may sit in different optimizer groups.
+a module's weight and bias may sit in different optimizer groups. Parameters added to an engine
+model after ``infinity.Init`` exited (peft's adapters) belong to its engine too, unmanaged: see
+[Note: unmanaged parameters] in infinity/optim/unmanaged.py.
 
 What the room may touch: the registry (which engine manages a parameter) and the
 engine's coordinator (read only: which parameters it manages, and their names).
@@ -28,17 +30,12 @@ HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 def resolve(params, what: str):
     """``(engine, groups)``: the engine managing ``params`` and torch-style group dicts for them.
 
-    ``params`` is the model built in ``infinity.Init``, an iterable of its parameters, or an
-    iterable of param-group dicts. Every parameter must belong to one engine.
+    ``params`` is the model built in ``infinity.Init`` (or a wrapper of it made later, a ``PeftModel``), an
+    iterable of its parameters, or an iterable of param-group dicts. Every parameter must belong to one
+    engine's model: managed, or added to it after the block ([Note: unmanaged parameters]).
     """
     if isinstance(params, nn.Module):
         engine = registry.engine_of(params, what)
-        for name, p in params.named_parameters():
-            if engine.coordinator.group_of.get(p) is None:
-                raise EngineError(
-                    f"{what}: parameter {name!r} of {type(params).__name__} is not managed by infinity "
-                    "(added after infinity.Init exited?), so it would never be updated; build the whole "
-                    "model inside infinity.Init")
         return engine, [{"params": list(params.parameters())}]     # as torch.optim.AdamW(model.parameters())
     if isinstance(params, nn.Parameter):
         params = [params]
@@ -47,17 +44,15 @@ def resolve(params, what: str):
         raise ValueError(f"{what} got an empty parameter list")
     if not isinstance(groups[0], dict):
         groups = [{"params": groups}]
-    engine = None
+    engine, added = None, None
     for i, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError(f"{what}: param group {i} must be a dict with a 'params' entry, as in torch.optim")
         for p in ([group["params"]] if isinstance(group["params"], nn.Parameter) else group["params"]):
             owner = registry.engine_of_param(p, what)
-            name = registry.name_in_engine(p) if owner is None else None
-            if name is not None:
-                raise registry.NotManagedError(
-                    f"{what}: parameter {name!r} (param group {i}) of a model built inside infinity.Init was added "
-                    f"after the block exited. {registry.ADAPTERS_INSIDE_INIT}")
+            if owner is None:
+                added = registry.engines_by_added_param() if added is None else added
+                owner = added.get(p)
             if owner is None:
                 raise registry.NotManagedError(
                     f"{what}: a parameter of shape {tuple(p.shape)} in param group {i} is not managed by infinity; "

@@ -16,6 +16,7 @@ import torch
 import infinity
 from infinity import registry
 from infinity.config import load_config
+from infinity.checkpoint.errors import CheckpointMismatchError
 from infinity.errors import EngineError
 
 pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
@@ -190,19 +191,74 @@ def test_trainer_save_model_of_a_peft_model_writes_the_adapter(tmp_path):
     _same_adapter(tmp_path / "ours", tmp_path / "theirs")
 
 
-def test_get_peft_model_after_init_is_refused_naming_the_adapter_and_what_to_do(tmp_path):
+def _lora_after(tmp_path, seed: int = 0):
+    """The tiny Llama built in ``Init``, its LoRA added after the block as most people (and TRL's SFTTrainer with
+    a ``peft_config``) add it: the adapters are plain parameters the engine does not manage ([Note: unmanaged
+    parameters] in infinity/optim/unmanaged.py)."""
+    torch.manual_seed(seed)
     with infinity.Init(_config(tmp_path)):
         base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA))
-    model = _lora(base)
-    build_inside = r"Add the adapters inside the block: `with infinity.Init\(config\)"
-    with pytest.raises(TypeError,
-                       match=r"infinity.AdamW: PeftModel wraps 'base_model.model', built inside infinity.Init, but "
-                             r"was made after the block: its parameter 'base_model.model.model.layers.0.self_attn"
-                             r".q_proj.lora_A.default.weight' and 7 more are not managed by infinity.*" + build_inside):
-        infinity.AdamW(model, lr=1e-2)
-    with pytest.raises(TypeError, match=r"parameter 'model.layers.0.self_attn.q_proj.lora_A.default.weight' "
-                                        r"\(param group 0\) of a model built inside infinity.Init was added after the "
-                                        r"block exited.*" + build_inside):
-        infinity.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    with pytest.raises(TypeError, match="infinity.save_pretrained: PeftModel wraps .*" + build_inside):
-        infinity.save_pretrained(model, tmp_path / "adapter")
+    return _lora(base)
+
+
+def _train(pairs, steps: int, generator) -> list:
+    """``steps`` steps of each (model, optimizer) on the same tokens; the losses of each step, per pair."""
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (2, 8), generator=generator)
+        losses = []
+        for net, opt in pairs:
+            loss = net(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out.append(losses)
+    return out
+
+
+def test_get_peft_model_after_init_trains_saves_and_resumes_as_plain_peft(tmp_path):
+    model = _lora_after(tmp_path)
+    torch.manual_seed(0)
+    plain = _lora(transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA)))
+    base_before = {k: v.clone() for k, v in infinity.state_dict(model).items() if "lora_" not in k}
+    added = [n for n, p in model.named_parameters() if p not in registry.engine_of(model).coordinator.group_of]
+    assert len(added) == 8 and all("lora_" in n for n in added)
+    opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.01)
+    pairs = [(model, opt), (plain, torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2,
+                                                      weight_decay=0.01))]
+    generator = torch.Generator().manual_seed(1)
+    for ours, theirs in _train(pairs, _STEPS, generator):
+        assert ours == pytest.approx(theirs, abs=1e-5)
+    got = infinity.state_dict(model)
+    _assert_close(got, {k: v.detach() for k, v in plain.state_dict().items()})
+    for key, value in base_before.items():      # the frozen base weights untouched
+        assert torch.equal(got[key], value), key
+    infinity.save_pretrained(model, tmp_path / "ours")
+    plain.save_pretrained(tmp_path / "theirs")
+    _same_adapter(tmp_path / "ours", tmp_path / "theirs")
+    # A checkpoint holds the adapters and their Adam states: a fresh model resumes where this one goes on.
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    fresh = _lora_after(tmp_path / "fresh", seed=5)
+    fresh_opt = infinity.AdamW(fresh, lr=1e-2, weight_decay=0.01)
+    infinity.load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
+    state = generator.get_state()
+    (went_on, plain_on), = _train(pairs, 1, generator)
+    generator.set_state(state)
+    (resumed, _), = _train([(fresh, fresh_opt), (plain, pairs[1][1])], 1, generator)
+    assert resumed == pytest.approx(went_on, abs=1e-5) and went_on == pytest.approx(plain_on, abs=1e-5)
+
+
+def test_a_checkpoint_of_adapters_added_after_init_loads_only_into_the_same_adapters(tmp_path):
+    model = _lora_after(tmp_path)
+    opt = infinity.AdamW(model, lr=1e-2)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    with infinity.Init(_config(tmp_path / "inside")):     # the same names, the adapters managed
+        inside = _lora(transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA)))
+    with pytest.raises(CheckpointMismatchError, match=r"8 parameter\(s\) of the model are not in the checkpoint: "
+                                                      r"'base_model.model.model.layers.0.self_attn.q_proj.lora_A"):
+        infinity.load_checkpoint(tmp_path / "ckpt", inside)
+    consolidated = infinity.checkpoint.consolidate(tmp_path / "ckpt", tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    _assert_close({k: whole[k] for k in sorted(whole)}, dict(sorted(infinity.state_dict(model).items())))
+    assert consolidated

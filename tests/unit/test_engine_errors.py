@@ -236,13 +236,23 @@ def test_optimizer_given_parameters_of_a_model_built_outside_init():
     (lambda m: m.register_parameter("extra", nn.Parameter(torch.ones(4))), "extra"),
     (lambda m: m.add_module("adapter", nn.Linear(4, 4)), "adapter.weight"),
 ], ids=["parameter", "module"])
-def test_parameter_added_after_init(add, name):
+def test_parameter_added_after_init_is_stepped_by_torch_adamw(add, name):
     with infinity.Init({}):
         model = nn.Linear(4, 4)
     add(model)
-    with pytest.raises(EngineError, match=rf"infinity\.AdamW: parameter '{name}' of Linear is not managed by "
-                                          r"infinity \(added after infinity\.Init exited\?\)"):
-        infinity.AdamW(model)
+    # Trained as torch trains it, beside the engine ([Note: unmanaged parameters] in infinity/optim/unmanaged.py).
+    added = dict(model.named_parameters())[name]
+    copy = nn.Parameter(added.detach().clone())
+    opt, reference = infinity.AdamW(model, lr=0.1), torch.optim.AdamW([copy], lr=0.1)
+    assert any(p is added for p in opt.unmanaged.params)
+    model(torch.randn(2, 4)).sum().backward()
+    added.grad = torch.ones_like(added)
+    copy.grad = torch.ones_like(copy)
+    opt.step()
+    reference.step()
+    assert torch.equal(added, copy)
+    opt.zero_grad()
+    assert added.grad is None
 
 
 def test_step_with_closure():
