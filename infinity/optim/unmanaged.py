@@ -19,12 +19,17 @@ world size is above 1 (add the adapters inside the ``Init`` block there: then th
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from infinity.errors import EngineError
 from infinity.optim.param_groups import HYPER_KEYS
 
 STATES = ("exp_avg", "exp_avg_sq", "step")
+# Past this many elements added after Init, say so: they stay whole on the compute device with their Adam
+# states (16 bytes each in fp32), which is what offloading was for (an embedding resized after the block).
+WARN_NUMEL = 1 << 24
 
 
 class UnmanagedAdam:
@@ -64,6 +69,13 @@ class UnmanagedAdam:
                 "need averaging over the ranks, which infinity does not do for them yet. Add them inside the block "
                 "(`with infinity.Init(config): model = ...; model = peft.get_peft_model(model, lora_config)`), where "
                 "they are sharded and reduced as the rest of the model")
+        numel = sum(p.numel() for p in self.params) + sum(p.numel() for p in params)
+        if numel > WARN_NUMEL >= numel - sum(p.numel() for p in params):
+            biggest = max(params, key=lambda p: p.numel())
+            warnings.warn(f"{self.what}: {numel:,} elements of parameters added after infinity.Init exited (the "
+                          f"largest of shape {tuple(biggest.shape)}) are trained whole on the compute device with "
+                          "their Adam states, not offloaded; a layer replaced after the block (an embedding "
+                          "resized by resize_token_embeddings, say) belongs inside it", RuntimeWarning, stacklevel=5)
         torch_group = {"params": params, **{k: group[k] for k in HYPER_KEYS}}
         if self.optimizer is None:
             self.optimizer = self.cls([torch_group])

@@ -255,6 +255,24 @@ def test_parameter_added_after_init_is_stepped_by_torch_adamw(add, name):
     assert added.grad is None
 
 
+def test_a_large_layer_added_after_init_is_trained_with_a_warning_that_it_is_not_offloaded(monkeypatch):
+    """Parameters added after the block stay whole on the compute device with their Adam states: an adapter's
+    few elements are what that is for, an embedding resized after the block is not, so past a size it says so."""
+    from infinity.optim import unmanaged
+
+    monkeypatch.setattr(unmanaged, "WARN_NUMEL", 100)
+    with infinity.Init({}):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model.add_module("small", nn.Linear(4, 4))      # 20 elements: quiet
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = infinity.AdamW(model)
+    model.add_module("resized", nn.Linear(4, 30))   # 150 more: past the size
+    with pytest.warns(RuntimeWarning, match=r"170 elements of parameters added after infinity.Init exited \(the "
+                                            r"largest of shape \(30, 4\)\) are trained whole on the compute device"):
+        opt.add_param_group({"params": list(model.resized.parameters())})
+
+
 def test_step_with_closure():
     with infinity.Init({}):
         model = _TwoLayers()
