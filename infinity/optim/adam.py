@@ -61,7 +61,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         # Parameters added after Init (peft's adapters): torch's Adam(W) beside ([Note: unmanaged parameters]).
         self.unmanaged = UnmanagedAdam(self._name, self._decoupled, self.param_groups, engine.coordinator.group_of,
-                                        engine.ranks.world_size)
+                                        engine.ranks)
         self.step_count = 0
         self.skipped_steps = 0
         self._calls = 0
@@ -144,6 +144,7 @@ class _OffloadAdam(torch.optim.Optimizer):
     def drop_engine_state(self) -> None:
         """The engine was released (see [Note: releasing] in infinity/runtime/engine.py): let go of its
         parts, so their buffers are freed; every later use of this optimizer raises, naming infinity.release."""
+        self.unmanaged.remove()
         gone = _Released(self._name)
         self.engine = self.store = self._updates = self._checks = self._ranges = self._param_steps = gone
         self._in_backward = None

@@ -13,9 +13,16 @@ autograd's ``.grad``; clipping counts them in the global norm and scales them by
 non-finite one skips the whole step, and ``zero_grad`` clears them. Checkpoints hold their values and
 Adam states whole (written by rank 0, see infinity/checkpoint/unmanaged.py).
 
-On several ranks each rank would hold its own copy, updated with its own gradients: DDP would
-all-reduce them, the engine does not yet, so an optimizer over such parameters is refused when the
-world size is above 1 (add the adapters inside the ``Init`` block there: then they are managed).
+On several ranks each rank holds its own copy, so their gradients are averaged over the ranks as torch
+DDP averages them: at the end of every backward in which one of them got a gradient (a post-accumulate
+hook notes the first, and queues a callback for the end of that backward), all of them are summed in one
+all-reduce in the optimizer's parameter order, the same on every rank, and divided by the world size. A
+parameter without a gradient on a rank adds zeros there (DDP's ``find_unused_parameters``), and one that has
+none on any rank keeps ``None`` (a flag per parameter rides in the same all-reduce). So ``.grad`` after
+``backward()`` is the average, as under DDP, for ``clip_grad_norm_`` (torch's or infinity's), for a user's
+``p.grad.norm()`` and for the step. The same caveat as the engine's own hand-over holds: every rank must run
+the backward (a backward in which a rank's adapters got no gradient at all, ``torch.autograd.grad`` on one
+rank, issues no all-reduce there).
 """
 from __future__ import annotations
 
@@ -23,7 +30,6 @@ import warnings
 
 import torch
 
-from infinity.errors import EngineError
 from infinity.optim.param_groups import HYPER_KEYS
 
 STATES = ("exp_avg", "exp_avg_sq", "step")
@@ -45,15 +51,17 @@ class UnmanagedAdam:
         The infinity optimizer's torch-style groups; the parameters not in ``managed`` are taken.
     managed:
         What the engine manages (its coordinator's ``group_of``).
-    world_size:
-        The engine's; above 1 the parameters are refused (see [Note: unmanaged parameters]).
+    ranks:
+        The engine's ranks: on several, the gradients are averaged over them (see [Note: unmanaged parameters]).
     """
 
-    def __init__(self, what: str, decoupled: bool, param_groups: list, managed, world_size: int) -> None:
-        self.what, self.managed, self.world_size = what, managed, world_size
+    def __init__(self, what: str, decoupled: bool, param_groups: list, managed, ranks) -> None:
+        self.what, self.managed, self.ranks = what, managed, ranks
         self.cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         self.optimizer: torch.optim.Optimizer | None = None
         self.outer: list[int] = []      # per torch group, the index of its infinity param group
+        self.hooks: list = []
+        self.queued = False             # this backward's average is queued for its end
         for index, group in enumerate(param_groups):
             self.add(index, group)
 
@@ -62,13 +70,6 @@ class UnmanagedAdam:
         params = [p for p in group["params"] if p not in self.managed]
         if not params:
             return
-        if self.world_size > 1:
-            raise EngineError(
-                f"{self.what}: {len(params)} parameters of param group {index} (shape {tuple(params[0].shape)} the "
-                f"first) were added after infinity.Init exited, and on {self.world_size} ranks their gradients would "
-                "need averaging over the ranks, which infinity does not do for them yet. Add them inside the block "
-                "(`with infinity.Init(config): model = ...; model = peft.get_peft_model(model, lora_config)`), where "
-                "they are sharded and reduced as the rest of the model")
         numel = sum(p.numel() for p in self.params) + sum(p.numel() for p in params)
         if numel > WARN_NUMEL >= numel - sum(p.numel() for p in params):
             biggest = max(params, key=lambda p: p.numel())
@@ -82,6 +83,41 @@ class UnmanagedAdam:
         else:
             self.optimizer.add_param_group(torch_group)
         self.outer.append(index)
+        if self.ranks.world_size > 1:
+            self.hooks += [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
+
+    def _arrived(self, param) -> None:
+        """A gradient of one of them is in: average them all at the end of this backward (once)."""
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._average)
+
+    def _average(self) -> None:
+        """Every one's ``.grad`` becomes the mean over the ranks (zeros where a rank has none; ``None`` where no
+        rank has one): one all-reduce, in the optimizer's order ([Note: unmanaged parameters])."""
+        self.queued = False
+        params = self.params
+        device = params[0].device
+        flat = torch.cat([(p.grad.detach() if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in params] + [torch.tensor([float(p.grad is not None) for p in params], device=device)])
+        self.ranks.all_reduce_sum(flat)
+        flat[:-len(params)] /= self.ranks.world_size
+        position = 0
+        for p, had in zip(params, flat[-len(params):].tolist()):
+            mean = flat[position:position + p.numel()].view_as(p)
+            position += p.numel()
+            if had == 0:
+                continue
+            if p.grad is None:
+                p.grad = mean.to(p.dtype).clone()
+            else:
+                p.grad.copy_(mean)
+
+    def remove(self) -> None:
+        """Take the hooks off (the optimizer is dropped)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

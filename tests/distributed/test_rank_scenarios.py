@@ -255,3 +255,58 @@ def test_an_argument_every_layer_shares_does_not_hold_the_layers_to_the_end(tmp_
                                                           collective_timeout=60)):
             assert worst <= 1e-5, (stage, rank, worst)
             assert waiting <= 1, (stage, rank, waiting)
+
+
+class _Adapted(torch.nn.Module):
+    """Two layers built in Init; adapters added after it (peft's get_peft_model does so), one used only where
+    ``extra`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x, extra: bool = False):
+        h = torch.tanh(self.inner(x))
+        h = h + self.lora(h)
+        if extra:
+            h = h + self.extra(h)
+        return self.outer(h).pow(2).mean()
+
+
+def _adapters_after_init(rank, world, workdir):
+    """Parameters added after Init are averaged over the ranks as DDP averages them ([Note: unmanaged
+    parameters]): ``.grad`` after backward is the mean (torch's clip_grad_norm_ sees it), one used on rank 0
+    only is averaged with zeros; the base is the engine's as ever. Before, a world size above 1 was refused."""
+    def adapters(net):
+        torch.manual_seed(1)
+        net.lora, net.extra = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    torch.manual_seed(0)
+    ref = _Adapted()
+    adapters(ref)
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
+                        "precision": {"dtype": "float32"}}):
+        model = _Adapted()
+    adapters(model)
+    opt = infinity.AdamW(model, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = torch.randn(3, 4 * world, 8, generator=torch.Generator().manual_seed(2))
+    for x in data:
+        loss = model(x[4 * rank:4 * rank + 4], extra=rank == 0)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = sum(ref(x[4 * r:4 * r + 4], extra=r == 0) for r in range(world)) / world
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got, want = infinity.state_dict(model), ref.state_dict()
+    infinity.release(model)
+    return max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+def test_parameters_added_after_init_are_averaged_over_the_ranks_as_ddp_averages_them(tmp_path):
+    assert max(run_ranks(_adapters_after_init, 2, tmp_path)) <= 1e-6
