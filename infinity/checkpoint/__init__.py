@@ -24,18 +24,11 @@ from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
                                         CheckpointWriteError)
 from infinity.checkpoint.reader import load_checkpoint, verify_checkpoint
 from infinity.checkpoint.writer import save_checkpoint
+# Bound here, after its submodule is imported: ``infinity.checkpoint.consolidate`` is then the function
+# whatever imports the submodule later (a lazy attribute lost to the submodule once something imported it).
+from infinity.checkpoint.consolidate import consolidate  # noqa: E402  (the name, not the module)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "consolidate", "CheckpointError",
            "CheckpointCorruptError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointWriteError",
            "CheckpointLockedError", "CheckpointUntrustedError"]
 
-
-def __getattr__(name: str):
-    if name == "consolidate":
-        from infinity.checkpoint.consolidate import consolidate
-
-        # Importing the submodule set this package's attribute ``consolidate`` to the module: the
-        # function takes it back, or every later ``infinity.checkpoint.consolidate(...)`` would fail.
-        globals()["consolidate"] = consolidate
-        return consolidate
-    raise AttributeError(f"module 'infinity.checkpoint' has no attribute {name!r}")

@@ -25,7 +25,8 @@ _MAX_NUMEL = 1 << 50       # elements of one group or tensor: past any real mode
 _MAX_ITEMS = 1 << 24       # groups, parameters, buffers, keys
 _MAX_DIMS = 64
 _MAX_NAME = 4096
-_HYPER_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_HYPER_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}")
+_MAX_HYPER_ITEMS = 256
 
 
 class _Field:
@@ -242,17 +243,28 @@ def _check_optimizer(saved: dict, field: _Field) -> None:
         _dict(saved["loss_scale"], field.at("loss_scale"))
 
 
+def hyper_problem(key, value) -> str | None:
+    """What keeps an optimizer hyper-parameter out of a checkpoint, in words (None: it can be saved). The
+    writer refuses at the save what the reader would call damage at the load."""
+    if type(key) is not str or not _HYPER_KEY.fullmatch(key) or key == "params":
+        return f"its name {str(key)[:40]!r} is not a hyper-parameter name a checkpoint holds"
+    items = value if type(value) is list else [value]
+    if len(items) > _MAX_HYPER_ITEMS:
+        return f"a list of {len(items)} values (at most {_MAX_HYPER_ITEMS})"
+    for item in items:
+        if item is not None and type(item) not in (bool, int, float, str):
+            return f"it holds {type(item).__name__} (numbers, strings, None, or a flat list of them)"
+        if type(item) is str and len(item) > _MAX_NAME:
+            return "a string longer than a checkpoint holds"
+    return None
+
+
 def _hyper(hyper: dict, field: _Field) -> None:
-    """An optimizer group's hyper-parameters: names a save writes (never ``params``), plain numbers."""
+    """An optimizer group's hyper-parameters: what a save writes (``hyper_problem``), never ``params``."""
     for key, value in hyper.items():
-        if not _HYPER_KEY.fullmatch(key) or key == "params":
-            raise field.fail(f"names a hyper-parameter {key[:40]!r} no save writes")
-        values = value if type(value) is list else [value]
-        for item in _list(values, field.at(key), 16):
-            if item is not None and type(item) not in (bool, int, float, str):
-                raise field.at(key).fail(f"holds {type(item).__name__}; hyper-parameters are numbers or strings")
-            if type(item) is float and not math.isfinite(item):
-                raise field.at(key).fail(f"is {item}, not a finite number")
+        problem = hyper_problem(key, value)
+        if problem is not None:
+            raise field.at(str(key)[:40]).fail(problem)
 
 
 def check_rank(manifest: dict, where: str, rank: int, world_size: int) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from infinity import registry
-from infinity.checkpoint import directory, in_place as swap_checkpoint, rng, unmanaged
+from infinity.checkpoint import directory, in_place as swap_checkpoint, rng, schema, unmanaged
 from infinity.checkpoint.agreement import agree, agree_id
 from infinity.checkpoint.disk import SaveSize, check_room, free_bytes, writing
 from infinity.checkpoint.errors import CheckpointError
@@ -361,9 +361,12 @@ def _jsonable_hyper(group: dict) -> dict:
             value = value.item()
         if isinstance(value, tuple):
             value = list(value)
-        if not (value is None or isinstance(value, (bool, int, float, str, list))):
-            raise CheckpointError(f"infinity.save_checkpoint: optimizer hyper-parameter {key!r} = {value!r} "
-                                  "cannot be recorded (numbers, strings and tuples can)")
+        value = [v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in value] \
+            if isinstance(value, list) else value
+        problem = schema.hyper_problem(key, value)      # what a load would refuse fails the save instead
+        if problem is not None:
+            raise CheckpointError(f"infinity.save_checkpoint: optimizer hyper-parameter {str(key)[:40]!r} = "
+                                  f"{str(value)[:60]} cannot be recorded: {problem}")
         out[key] = value
     return out
 

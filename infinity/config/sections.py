@@ -192,8 +192,8 @@ class PrecisionConfig(Section):
     section: ClassVar[str] = "precision"
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of the parameters' compute copy in forward and backward, and of the floating-point inputs of the
-    model's outermost forward, cast to it. Master weights, gradients and optimizer states are float32."""
+    """Dtype of the parameters' compute copy in forward and backward, as after ``model.to(dtype)`` (give the
+    model's floating-point inputs in it). Master weights, gradients and optimizer states are float32."""
 
     cpu_linear: Literal["native", "float32"] = "native"
     """How linear layers multiply in bfloat16 or float16 when the compute device is the CPU. "native":

@@ -59,9 +59,6 @@ class _OffloadAdam(torch.optim.Optimizer):
         self.store = engine.store
         self._ranges = None
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        # Parameters added after Init (peft's adapters): torch's Adam(W) beside ([Note: unmanaged parameters]).
-        self.unmanaged = UnmanagedAdam(self._name, self._decoupled, self.param_groups, engine.coordinator.group_of,
-                                        engine.ranks)
         self.step_count = 0
         self.skipped_steps = 0
         self._calls = 0
@@ -78,7 +75,14 @@ class _OffloadAdam(torch.optim.Optimizer):
         if engine.config.optimizer.update_in_backward:
             self._in_backward = InBackwardUpdate(self, engine, update.run, self._job_in_backward,
                                                  self._ranges.trainable)
-        engine.attach_optimizer(self, self._updates)
+        # Parameters added after Init (peft's adapters): torch's Adam(W) beside ([Note: unmanaged parameters]).
+        # Built last: its hooks must not outlive a constructor that raises.
+        self.unmanaged = UnmanagedAdam(self._name, self._decoupled, self.param_groups, engine)
+        try:
+            engine.attach_optimizer(self, self._updates)
+        except BaseException:
+            self.unmanaged.remove()
+            raise
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group, as ``torch.optim.Optimizer.add_param_group`` (its parameters are updated
@@ -285,9 +289,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         times ``1 / loss scale`` in fp16."""
         clip = self._checks.take_clip_coef()
         unscale = 1.0 / self.engine.loss_scaler.scale if self.engine.loss_scaler is not None else None
-        # Parameters added after Init: their .grad is torch's own, so only the clipping and the loss scale.
-        unmanaged = [f for f in (clip, unscale) if f is not None]
-        self._unmanaged_factor = math.prod(unmanaged) if unmanaged else None
+        # Parameters added after Init: their .grad is torch's own, unscaled as it arrives: only the clipping.
+        self._unmanaged_factor = clip
         factors = [f for f in (clip, self.engine.grad_face.common_factor(), unscale) if f is not None]
         return math.prod(factors) if factors else None
 
@@ -332,7 +335,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         """Clip this step's gradients by their global L2 norm (applied by the step, DPU included)."""
         if self._in_backward is not None:
             self._in_backward.refuse(f"{self._name}.clip_grad_norm_")
-        return self._checks.clip_grad_norm_(max_norm, self.unmanaged.norm_sq())
+        # Their gradients are the same on every rank (averaged at the end of backward): counted once.
+        return self._checks.clip_grad_norm_(max_norm, self.unmanaged.norm_sq() / self.engine.ranks.world_size)
 
     # -- telemetry and state -------------------------------------------------------------------
     def stats(self) -> dict:

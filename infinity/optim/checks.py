@@ -101,7 +101,8 @@ class GradientChecks:
         """The global L2 norm of this step's gradients; the update scales them to ``max_norm``.
 
         ``extra_norm_sq``: the squares of gradients outside the store (parameters added after Init,
-        [Note: unmanaged parameters] in infinity/optim/unmanaged.py), this rank's."""
+        [Note: unmanaged parameters] in infinity/optim/unmanaged.py), this rank's share of the sum over the
+        ranks (their gradients are the same on every rank: divided by the world size)."""
         # A collective user code may call on one rank only: [Note: collectives user code calls].
         self.ranks.arrive("infinity.clip_grad_norm_")
         # The shards still on their way reach the store first (stage 1: the whole gradients their owners): a

@@ -14,15 +14,20 @@ non-finite one skips the whole step, and ``zero_grad`` clears them. Checkpoints 
 Adam states whole (written by rank 0, see infinity/checkpoint/unmanaged.py).
 
 On several ranks each rank holds its own copy, so their gradients are averaged over the ranks as torch
-DDP averages them: at the end of every backward in which one of them got a gradient (a post-accumulate
-hook notes the first, and queues a callback for the end of that backward), all of them are summed in one
-all-reduce in the optimizer's parameter order, the same on every rank, and divided by the world size. A
-parameter without a gradient on a rank adds zeros there (DDP's ``find_unused_parameters``), and one that has
-none on any rank keeps ``None`` (a flag per parameter rides in the same all-reduce). So ``.grad`` after
-``backward()`` is the average, as under DDP, for ``clip_grad_norm_`` (torch's or infinity's), for a user's
+DDP averages them: a post-accumulate hook notes that one of them got a gradient in this backward (and makes
+sure the engine's end-of-backward runs, as an engine module's backward hook would), and the engine's end of
+that backward (``Engine._end_backward``, one per backward, reentrant checkpoints' nested ones included)
+sums all of them in one all-reduce, in the optimizer's parameter order, after its own hand-over: the same
+place in every rank's sequence of collectives. A parameter without a gradient on a rank adds zeros there
+(DDP's ``find_unused_parameters``), and one that has none on any rank keeps ``None`` (a flag per parameter
+rides in the same all-reduce). So ``.grad`` after ``backward()`` is the mean, as under DDP, for
+``clip_grad_norm_`` (torch's or infinity's, which counts them once, not once per rank), for a user's
 ``p.grad.norm()`` and for the step. The same caveat as the engine's own hand-over holds: every rank must run
-the backward (a backward in which a rank's adapters got no gradient at all, ``torch.autograd.grad`` on one
-rank, issues no all-reduce there).
+the backward (one in which a rank's adapters got no gradient at all, ``torch.autograd.grad`` on one rank,
+issues no all-reduce there). In fp16 with loss scaling, a gradient hook divides each incoming gradient by
+the loss scale before it accumulates, so ``.grad`` reads unscaled, as the engine's gradients do through
+``.grad`` ([Note: the grad face] in infinity/optim/grad_face.py), and torch's ``clip_grad_norm_`` over
+``model.parameters()`` sees one scale.
 """
 from __future__ import annotations
 
@@ -51,17 +56,19 @@ class UnmanagedAdam:
         The infinity optimizer's torch-style groups; the parameters not in ``managed`` are taken.
     managed:
         What the engine manages (its coordinator's ``group_of``).
-    ranks:
-        The engine's ranks: on several, the gradients are averaged over them (see [Note: unmanaged parameters]).
+    engine:
+        The model's engine: what it manages, its ranks (on several, the gradients are averaged over them) and
+        its loss scaler (see [Note: unmanaged parameters]).
     """
 
-    def __init__(self, what: str, decoupled: bool, param_groups: list, managed, ranks) -> None:
-        self.what, self.managed, self.ranks = what, managed, ranks
+    def __init__(self, what: str, decoupled: bool, param_groups: list, engine) -> None:
+        self.what, self.engine = what, engine
+        self.managed, self.ranks = engine.coordinator.group_of, engine.ranks
         self.cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         self.optimizer: torch.optim.Optimizer | None = None
         self.outer: list[int] = []      # per torch group, the index of its infinity param group
         self.hooks: list = []
-        self.queued = False             # this backward's average is queued for its end
+        self.arrived = False            # one of them got a gradient in the backward now running
         for index, group in enumerate(param_groups):
             self.add(index, group)
 
@@ -83,19 +90,26 @@ class UnmanagedAdam:
         else:
             self.optimizer.add_param_group(torch_group)
         self.outer.append(index)
-        if self.ranks.world_size > 1:
-            self.hooks += [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
+        self.hooks += [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
+        if self.engine.loss_scaler is not None:
+            self.hooks += [p.register_hook(self._unscale) for p in params]
+
+    def _unscale(self, grad: torch.Tensor) -> torch.Tensor:
+        """fp16: a gradient of the scaled loss, divided by the scale before it accumulates into ``.grad``."""
+        return grad * (1.0 / self.engine.loss_scaler.scale)
 
     def _arrived(self, param) -> None:
-        """A gradient of one of them is in: average them all at the end of this backward (once)."""
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._average)
+        """A gradient of one of them is in: the engine's end of this backward averages them all."""
+        self.arrived = True
+        self.engine.pre_backward(None)      # that end runs even when no engine module's backward hook fires
 
-    def _average(self) -> None:
-        """Every one's ``.grad`` becomes the mean over the ranks (zeros where a rank has none; ``None`` where no
-        rank has one): one all-reduce, in the optimizer's order ([Note: unmanaged parameters])."""
-        self.queued = False
+    def end_backward(self) -> None:
+        """The engine's backward is over (``Engine._end_backward``): on several ranks, when one of them got a
+        gradient, every one's ``.grad`` becomes the mean over the ranks (zeros where a rank has none; ``None``
+        where no rank has one): one all-reduce, in the optimizer's order ([Note: unmanaged parameters])."""
+        arrived, self.arrived = self.arrived, False
+        if not arrived or self.ranks.world_size == 1:
+            return
         params = self.params
         device = params[0].device
         flat = torch.cat([(p.grad.detach() if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
@@ -127,11 +141,14 @@ class UnmanagedAdam:
         return any(p.grad is not None for p in self.params)
 
     def norm_sq(self) -> float:
-        """The sum of their gradients' squares (fp32), for the global norm."""
-        return sum(float(p.grad.detach().float().pow(2).sum()) for p in self.params if p.grad is not None)
+        """The sum of their gradients' squares (fp32), for the global norm (one host sync)."""
+        grads = [p.grad.detach().float() for p in self.params if p.grad is not None]
+        return float(torch.stack(torch._foreach_norm(grads)).pow(2).sum()) if grads else 0.0
 
     def nonfinite(self) -> bool:
-        return any(not bool(torch.isfinite(p.grad).all()) for p in self.params if p.grad is not None)
+        """Whether a gradient holds inf or NaN (one host sync; the same on every rank once averaged)."""
+        grads = [p.grad.detach() for p in self.params if p.grad is not None]
+        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any()) if grads else False
 
     def step(self, param_groups: list, factor: float | None) -> None:
         """One torch step with the hyper-parameters ``param_groups`` hold now, the gradients first multiplied
@@ -147,6 +164,7 @@ class UnmanagedAdam:
         self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.arrived = False
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 

@@ -34,7 +34,7 @@ from infinity.runtime.datapath import DataPath, late_copy_polls, with_per_parame
 from infinity.runtime.device import ComputeDevice
 from infinity.runtime.foreign import ForeignParamWatch
 from infinity.runtime.grads import GradReducer
-from infinity.runtime.inputs import explain_dtype_mismatch, in_compute_dtype
+from infinity.runtime.inputs import explain_dtype_mismatch
 from infinity.runtime.placeholder import parameter_free_buffers
 from infinity.runtime.hooks import (GradArrivals, install_hooks, install_released_guard, pinned_group_warning,
                                     unhook_idle, watch_backward)
@@ -247,9 +247,6 @@ class Engine:
             self.recover_aborted_backward()
             self._begin_forward(module)
             if not self._backward_active:      # a forward inside backward recomputes for it
-                cast = in_compute_dtype(args, kwargs, self.dtype)   # [Note: inputs in the compute dtype]
-                if cast is not None:
-                    args, kwargs = cast
                 self.datapath.set_phase("forward")
                 if self.activations is not None and torch.is_grad_enabled():
                     self.activations.begin_forward()
@@ -352,8 +349,13 @@ class Engine:
             if self.activations is not None:
                 self.activations.begin_backward()
 
-    def pre_backward(self, module: nn.Module) -> None:
+    def pre_backward(self, module: nn.Module | None) -> None:
+        """A module's backward starts; ``None``: a gradient the engine does not hand over arrived (a parameter
+        added after Init, [Note: unmanaged parameters] in infinity/optim/unmanaged.py), so this backward must
+        end through ``_end_backward`` too."""
         self._enter_backward()
+        if module is None:
+            return
         self.coordinator.hold_for_backward(module)
         self._holds.held(module)
         # Armed by the forward; a second backward through a retained graph (retain_graph=True) arms
@@ -402,6 +404,8 @@ class Engine:
         self._backwards_ended[0] += 1
         self._arrivals.flush()      # groups short of a gradient (a parameter unused in this backward)
         self.reducer.finish_backward()
+        if self.optimizer is not None:      # after the engine's own collectives, on every rank
+            self.optimizer.unmanaged.end_backward()
         self._holds.clear()
         self.coordinator.end_backward()
         if self.activations is not None:

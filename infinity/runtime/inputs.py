@@ -1,44 +1,21 @@
-"""What the engine does to the inputs of a model's outermost forward, and to the dtype errors they cause.
+"""What the engine says when a model's forward meets its compute dtype with a tensor of another dtype.
 
 [Note: inputs in the compute dtype]
 With precision.dtype "bfloat16" or "float16" (every preset), a model's parameters are in that dtype in
-forward and backward, as after ``model.to(dtype)``: a plain fp32 model given fp32 inputs would fail in
-its first layer ("mat1 and mat2 must have the same dtype"). So the floating-point tensors given to the
-outermost forward (args and kwargs, inside lists, tuples and dicts) are cast to the compute dtype first,
-as DeepSpeed's engine casts its inputs under fp16/bf16 (``auto_cast``): differentiable, so an input that
-requires grad gets its gradient in its own dtype. Integer tensors (token ids, masks, labels) stay as they
-are. The output is in the compute dtype; torch's losses take an fp32 target beside it. A recompute
-inside backward is not cast (its inputs were the forward's). A float32 tensor made inside the forward
-(a buffer, ``torch.randn``) is not the engine's to see: when one meets a compute-dtype weight, torch's
-error gets a note naming precision.dtype and what to do (``explain_dtype_mismatch``).
+forward and backward, as after ``model.to(dtype)``: a plain fp32 model given fp32 inputs fails in its
+first layer ("mat1 and mat2 must have the same dtype"), as it would after ``model.to(dtype)``. The inputs
+are not cast for the user: the engine cannot tell an input from a regression target, a mask of weights or
+a timestep given to the same forward, and rounding those to 8 bits of mantissa would change the training
+silently (a target cast to bf16 keeps 3 significant digits). So torch's dtype error stands, and infinity
+adds a note to it naming precision.dtype and the ways out: give the inputs in the compute dtype
+(``x.to(torch.bfloat16)``; token ids and other integer tensors need nothing), make a tensor created inside
+the forward in the weights' dtype, or compute in float32 (``explain_dtype_mismatch``).
 """
 from __future__ import annotations
 
 import re
 
 import torch
-from torch.utils._pytree import tree_map
-
-_CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def in_compute_dtype(args, kwargs, dtype: torch.dtype):
-    """``(args, kwargs)`` with their floating-point tensors cast to ``dtype``; None when none needs it (see
-    [Note: inputs in the compute dtype])."""
-    if dtype == torch.float32:
-        return None
-    changed = False
-
-    def cast(x):
-        nonlocal changed
-        if isinstance(x, torch.Tensor) and x.dtype in _CASTABLE and x.dtype != dtype:
-            changed = True
-            return x.to(dtype)
-        return x
-
-    out = tree_map(cast, (args, kwargs or {}))
-    return out if changed else None
-
 
 _DTYPE_MISMATCH = re.compile(r"same dtype|scalar type|should be the same|expected .*dtype", re.I)
 _TORCH_NAMES = {torch.bfloat16: ("BFloat16", "bfloat16"), torch.float16: ("Half", "float16")}
@@ -55,8 +32,9 @@ def explain_dtype_mismatch(error, dtype: torch.dtype) -> None:
     name = names[1]
     error.add_note(
         f"infinity: this model computes in {name} ([precision] dtype = \"{name}\", as in every preset): its "
-        f"parameters are {name} in forward and backward, and the floating-point inputs of its outermost "
-        f"forward are cast to {name}, but a tensor of another dtype made inside the forward (a buffer, "
-        "torch.randn, torch.zeros(..., dtype=torch.float32)) met one of them. Make it in the weights' dtype "
-        f"(`t.to(self.weight.dtype)`), or compute in float32: infinity.Init(infinity.load_config(preset, "
-        "overrides={\"precision\": {\"dtype\": \"float32\"}})).")
+        f"parameters are {name} in forward and backward, as after model.to(torch.{name}), and a tensor of "
+        f"another dtype met one of them. Give floating-point inputs in {name} (`x.to(torch.{name})`; token "
+        "ids need nothing; infinity does not cast them for you, a target or a mask would be rounded), make a "
+        "tensor created inside the forward in the weights' dtype (`t.to(self.weight.dtype)`), or compute in "
+        "float32: infinity.Init(infinity.load_config(preset, overrides={\"precision\": {\"dtype\": "
+        "\"float32\"}})).")

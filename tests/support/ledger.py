@@ -56,8 +56,9 @@ _NAMES = ("all_reduce", "broadcast", "barrier", "all_gather_into_tensor", "all_g
 _OBJECTS = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"}
 # Tensor arguments that only the root passes (and NCCL sizes from the other argument): not compared.
 _ROOT_ONLY = ("gather_list", "scatter_list")
-# Not checked at the call: ``new_group`` is not a collective of a group yet, ``monitored_barrier`` names its own.
-_UNCHECKED = {"new_group", "monitored_barrier"}
+# Not checked at the call: ``new_group`` is not a collective of a group yet, ``monitored_barrier`` names its own,
+# an all-to-all's sizes may differ by rank (uneven splits).
+_UNCHECKED = {"new_group", "monitored_barrier", "all_to_all", "all_to_all_single"}
 # The caller named is the first frame outside torch.distributed, this file, contextlib (a ``with`` block's
 # exit) and the engine's thin wrapper.
 _SKIP = (os.path.dirname(dist.__file__), os.path.abspath(__file__), contextlib.__file__,
@@ -80,7 +81,7 @@ def _tensors(value):
 
 def _group(bound: dict):
     group = bound.get("group")
-    if group is None:
+    if group is None or group is dist.group.WORLD:     # the same group, named either way
         return "default"
     try:
         return tuple(dist.get_process_group_ranks(group))
@@ -125,7 +126,8 @@ def _wrap(name: str, fn):
             _entries.append((what, _site()))
         _depth.n = 1
         try:
-            if CHECK_AT_CALL and name not in _UNCHECKED:
+            # An async collective is not made a rendezvous (the check would block where it must not).
+            if CHECK_AT_CALL and name not in _UNCHECKED and not bound.get("async_op"):
                 _agree(what, index, bound.get("group"))
             return fn(*args, **kwargs)
         except CollectiveMismatch:
@@ -149,6 +151,8 @@ def _agree(what, index: int, group) -> None:
     """Refuse, on every rank of ``group`` together, a collective that its ranks describe differently.
 
     Runs inside the wrapper (``_depth`` is set), so its own collectives are neither recorded nor checked."""
+    if group is not None and group is not dist.group.WORLD and dist.get_rank(group) < 0:
+        return      # not a member: torch's collective returns at once there
     if dist.get_backend(group) != "gloo":       # NCCL itself (a GPU run) refuses what it refuses
         return
     mark = zlib.crc32(describe(what).encode())

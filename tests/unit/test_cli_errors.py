@@ -2,6 +2,7 @@
 traceback only under --debug ([Note: command-line errors] in infinity/cli/common.py)."""
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def test_consolidate_missing_checkpoint_is_a_failure_and_bad_arguments_are_usage
         assert consolidate.main([str(checkpoint), str(tmp_path / "m.pt"), "--buffer-size", size]) == 2
         assert f"--buffer-size '{size}'" in (err := one_line_error(capsys, "infinity-consolidate")) and says in err
     assert not (tmp_path / "m.pt").exists()
-    from infinity.checkpoint import consolidate as library      # sizes as the config takes them
+    library = importlib.import_module("infinity.checkpoint.consolidate")      # sizes as the config takes them
     for size in ("1MiB", 1048576.0):
         library.consolidate(checkpoint, tmp_path / "m.pt", buffer_size=size)
         assert (tmp_path / "m.pt").exists()
@@ -66,7 +67,7 @@ def test_consolidate_missing_checkpoint_is_a_failure_and_bad_arguments_are_usage
 
 def test_an_unexpected_error_is_one_line_naming_its_type_and_debug_shows_the_traceback(tmp_path, checkpoint,
                                                                                      capsys, monkeypatch):
-    from infinity.checkpoint import consolidate as library
+    library = importlib.import_module("infinity.checkpoint.consolidate")     # the module, not the function
 
     def broken(*args, **kwargs):
         raise KeyError("a bug")

@@ -273,6 +273,39 @@ def test_a_large_layer_added_after_init_is_trained_with_a_warning_that_it_is_not
         opt.add_param_group({"params": list(model.resized.parameters())})
 
 
+def test_fp16_gradients_of_parameters_added_after_init_read_unscaled_as_the_engines_do():
+    """In fp16 the engine's gradients read unscaled through ``.grad``; an adapter's stayed scaled until the step,
+    so torch's clip_grad_norm_ over model.parameters() (the Trainer's) saw a norm ~1000x too large and cut every
+    step to nothing. Now each adapter gradient is divided by the loss scale as it arrives."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            return self.b(h + self.lora(h)).float().pow(2).mean()
+
+    torch.manual_seed(0)
+    ref = Net()
+    torch.manual_seed(1)
+    ref.lora = nn.Linear(8, 8)
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
+                        "precision": {"dtype": "float16", "initial_scale": 1024}}):
+        model = Net()
+    torch.manual_seed(1)
+    model.lora = nn.Linear(8, 8).half()
+    infinity.AdamW(model, lr=1e-2)
+    x = torch.randn(4, 8)
+    model(x.half()).backward()
+    ref(x).backward()
+    assert torch.allclose(model.lora.weight.grad.float(), ref.lora.weight.grad, rtol=2e-2, atol=1e-3)
+    total, want = (float(torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)) for m in (model, ref))
+    assert abs(total - want) <= 2e-2 * want, (total, want)
+    infinity.release(model)
+
+
 def test_step_with_closure():
     with infinity.Init({}):
         model = _TwoLayers()

@@ -264,3 +264,21 @@ def test_temporary_outputs_do_not_follow_names_planted_on_a_shared_disk(tmp_path
     infinity.config.dump({"aio": {"queue_depth": 8}}, config_out)
     assert victim.read_bytes() == b"the victim's own bytes"
     assert infinity.config.load_config(config_out).aio.queue_depth == 8
+
+
+def test_a_hyper_parameter_a_load_would_refuse_fails_the_save_and_one_it_takes_round_trips(tmp_path):
+    """The manifest schema and the writer agree: an infinite ``max_norm`` in a param group saves and loads;
+    a value no checkpoint holds (a nested list) fails the save, naming it, not the load as "damaged"."""
+    import math
+
+    model, opt = _trained(tmp_path)
+    opt.param_groups[0]["max_norm"] = math.inf
+    opt.param_groups[0]["note"] = "run-7"
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert opt.param_groups[0]["max_norm"] == math.inf and opt.param_groups[0]["note"] == "run-7"
+    opt.param_groups[0]["schedule"] = [[1, 2], [3, 4]]
+    with pytest.raises(infinity.checkpoint.CheckpointError, match=r"hyper-parameter 'schedule' .* cannot be "
+                                                                  r"recorded: it holds list"):
+        infinity.save_checkpoint(tmp_path / "ckpt2", model, opt)
+    infinity.release(model)
