@@ -97,3 +97,18 @@ def batches(steps: int, batch: int, seq: int = 16, vocab: int = 64, seed: int = 
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (batch, seq), generator=g),
              torch.randint(0, vocab, (batch, seq), generator=g)) for _ in range(steps)]
+
+
+def trained_on_host(model_cls=None, steps: int = 2):
+    """A model of ``model_cls`` (TinyGPT) built in ``infinity.Init`` with host tiers and its ``infinity.AdamW``,
+    trained ``steps`` steps: what a checkpoint test saves."""
+    import infinity
+
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host"}}):
+        model = (model_cls or TinyGPT)()
+    opt = infinity.AdamW(model, lr=1e-2)
+    for idx, tgt in batches(steps, 4):
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt

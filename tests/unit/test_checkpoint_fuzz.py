@@ -21,13 +21,12 @@ import signal
 import time
 import zlib
 
-import pytest
 import torch
 
 import infinity
 from infinity.checkpoint.consolidate import consolidate
 from infinity.checkpoint.errors import CheckpointError
-from tests.support.tiny_gpt import TinyGPT, batches
+from tests.support.tiny_gpt import TinyGPT, trained_on_host
 
 _CASES = int(os.environ.get("INFINITY_FUZZ_CASES", "80"))       # 0: every case
 _SEED = int(os.environ.get("INFINITY_TEST_SEED", "0"))
@@ -138,14 +137,7 @@ def _trained():
             self.register_buffer("offsets", torch.arange(6, dtype=torch.float32).reshape(2, 3))
 
     torch.manual_seed(0)
-    with infinity.Init({"tiers": {"params": "host", "optimizer": "host"}}):
-        model = WithBuffer()
-    opt = infinity.AdamW(model, lr=1e-2)
-    for idx, tgt in batches(2, 4):
-        model(idx, tgt).backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt
+    return trained_on_host(WithBuffer)
 
 
 def test_every_manifest_field_mutated_fails_clearly_or_loads(tmp_path):

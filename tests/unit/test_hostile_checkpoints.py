@@ -13,7 +13,7 @@ import torch
 
 import infinity
 from infinity.checkpoint.errors import CheckpointUntrustedError
-from tests.support.tiny_gpt import TinyGPT, batches
+from tests.support.tiny_gpt import TinyGPT, trained_on_host
 
 
 class _Planted:
@@ -27,14 +27,7 @@ class _Planted:
 
 
 def _trained(tmp_path):
-    with infinity.Init({"tiers": {"params": "host", "optimizer": "host"}}):
-        model = TinyGPT()
-    opt = infinity.AdamW(model, lr=1e-2)
-    for idx, tgt in batches(2, 4):
-        model(idx, tgt).backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt
+    return trained_on_host()
 
 
 def test_an_extra_that_names_code_is_refused_and_runs_nothing(tmp_path):
