@@ -70,16 +70,18 @@ def _str(value, field: _Field, limit: int = _MAX_NAME) -> str:
     return value
 
 
-def _bool(value, field: _Field) -> bool:
-    if type(value) is not bool:
-        raise field.fail(f"is {type(value).__name__}, not true or false")
-    return value
+def _exactly(kind: type, words: str):
+    """A check that a value is of JSON type ``kind`` (no subclass: a bool is no int), said as ``words``."""
+    def check(value, field: _Field):
+        if type(value) is not kind:
+            raise field.fail(f"is {type(value).__name__}, not {words}")
+        return value
+
+    return check
 
 
-def _dict(value, field: _Field) -> dict:
-    if type(value) is not dict:
-        raise field.fail(f"is {type(value).__name__}, not an object")
-    return value
+_bool = _exactly(bool, "true or false")
+_dict = _exactly(dict, "an object")
 
 
 def _list(value, field: _Field, limit: int = _MAX_ITEMS) -> list:

@@ -55,17 +55,8 @@ def _pair(tmp_path, edit, preset: str = "offload-host"):
     pairs = [(model, infinity.AdamW(model, lr=1e-2, weight_decay=0.0)),
              (plain, torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2,
                                        weight_decay=0.0))]
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(_STEPS):
-        ids = torch.randint(0, 64, (2, 8), generator=generator)
-        losses = []
-        for net, opt in pairs:
-            loss = net(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+    for ours, theirs in _train(pairs, _STEPS, torch.Generator().manual_seed(1)):
+        assert ours == pytest.approx(theirs, abs=1e-5)
     return model, plain
 
 
