@@ -30,7 +30,11 @@ model's parameters would update nothing and is refused at its first step. An ``o
 (Adafactor, SGD, 8-bit AdamW...) has no infinity version and is refused when the Trainer is built. A
 model none of whose parameters was built in ``infinity.Init`` is refused too: it would train whole on
 the device, as with ``transformers.Trainer``, the very thing ``infinity.Trainer`` was chosen to avoid.
-A model holding engine parameters among others (adapters added after ``Init``) is accepted.
+A model holding engine parameters among others (adapters added after ``Init``: ``trl.SFTTrainer`` given a
+``peft_config`` adds them so) is accepted, and ``infinity.AdamW`` is built for it even when its only trainable
+parameters are those adapters: it steps them with torch's AdamW beside the base, saves their Adam states in
+the checkpoints and averages their gradients over the ranks, none of which a torch AdamW built by the Trainer
+would do ([Note: unmanaged parameters] in infinity/optim/unmanaged.py).
 """
 from __future__ import annotations
 
@@ -77,8 +81,7 @@ class Trainer(transformers.Trainer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         _refuse_plain(self.model)
-        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and _engine_params(self.model,
-                                                                                              trainable=True):
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and _trains_engine_params(self.model):
             _adamw_kwargs(self.args)        # an optim with no infinity version is refused now, not at train()
         if _engine_model(self.model):
             engine = registry.engine_of(self.model)
@@ -107,8 +110,7 @@ class Trainer(transformers.Trainer):
         optimizer ([Note: what infinity.Trainer trains])."""
         opt_model = self.model if model is None else model
         _refuse_plain(opt_model)        # model_init builds a model per trial
-        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and _engine_params(opt_model,
-                                                                                              trainable=True):
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and _trains_engine_params(opt_model):
             self.optimizer_cls_and_kwargs = (AdamW, _adamw_kwargs(self.args))
         return super().create_optimizer(model)
 
@@ -173,10 +175,26 @@ def _engine_model(model) -> bool:
     return True
 
 
-def _engine_params(model, trainable: bool = False) -> bool:
-    """Whether any (trainable) parameter of ``model`` was built in ``infinity.Init``."""
-    return any(registry.engine_of_param(p) is not None for p in model.parameters()
-               if p.requires_grad or not trainable)
+def _engine_params(model) -> bool:
+    """Whether any parameter of ``model`` was built in ``infinity.Init``."""
+    return any(registry.engine_of_param(p) is not None for p in model.parameters())
+
+
+def _trains_engine_params(model) -> bool:
+    """Whether a trainable parameter of ``model`` belongs to an engine: built in ``infinity.Init``, or added to
+    an engine model after the block (peft's adapters, [Note: unmanaged parameters] in infinity/optim/unmanaged.py),
+    which ``infinity.AdamW`` steps with torch's AdamW beside the base, saves in its checkpoints and, on several
+    ranks, averages over them; a torch AdamW the Trainer built would do none of the last two."""
+    added = None
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if registry.engine_of_param(p) is not None:
+            return True
+        added = registry.engines_by_added_param() if added is None else added
+        if p in added:
+            return True
+    return False
 
 
 def _refuse_plain(model) -> None:

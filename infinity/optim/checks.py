@@ -159,11 +159,16 @@ def refuse_trainer_checkpoints(who: str) -> None:
             evaluation = getattr(args, "eval_strategy", "no")
             evaluating = str(getattr(evaluation, "value", evaluation)) != "no"
             if strategy not in ("no", "best") or (strategy == "best" and evaluating):     # "best" saves after an eval
+                cls = type(trainer).__name__
+                plain = type(trainer).__module__ == "transformers.trainer"
                 raise EngineError(
-                    f"{who}: transformers.Trainer with save_strategy={strategy!r} would save its checkpoints "
+                    f"{who}: {'transformers.' if plain else ''}{cls}{'' if plain else ' (a transformers.Trainer)'} "
+                    f"with save_strategy={strategy!r} would save its checkpoints "
                     "through model.state_dict() on the main process only, which an infinity model (its "
                     "parameters shards over ranks and tiers) refuses: the run would stop at its first save "
-                    "(save_steps, or the end of training). Use infinity.Trainer, which saves and resumes them "
+                    "(save_steps, or the end of training). Use infinity.Trainer"
+                    f"{'' if plain else f' in front of it, class T(infinity.Trainer, {cls}),'}"
+                    " which saves and resumes them "
                     "with infinity.save_checkpoint and infinity.load_checkpoint, or give TrainingArguments "
                     "save_strategy=\"no\"")
             return

@@ -16,8 +16,17 @@ while its model lives, and the hook raises for any optimizer other than the engi
 that holds one of its parameters. The verdict is kept per optimizer and its number of
 parameters, so a step of an unrelated optimizer costs one dictionary lookup.
 
+One over parameters added to the engine's model after ``Init`` (peft's adapters: [Note: unmanaged
+parameters] in infinity/optim/unmanaged.py) steps them as it would on a plain model, but is refused
+at its first step where it would fail later or silently: under a ``transformers.Trainer`` that
+saves checkpoints (``trl.SFTTrainer(peft_config=...)`` builds one so: its first save takes
+``model.state_dict()`` on one process, [Note: Trainer's checkpoints] in infinity/optim/checks.py),
+and on several ranks, where nothing averages their gradients (no DDP wraps an engine model;
+``infinity.AdamW`` does it).
+
 What the room may touch: the engine's coordinator (read only: which parameters it
-manages) and its ``optimizer``.
+manages), its ``roots`` (read only: which parameters were added to them), its ``ranks`` and its
+``optimizer``.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ import weakref
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from infinity.errors import EngineError, foreign_optimizer_message
+from infinity.optim.checks import refuse_trainer_checkpoints
 
 
 class TorchOptimizerGuard:
@@ -45,11 +55,22 @@ class TorchOptimizerGuard:
         if self._checked.get(optimizer) == count:
             return
         managed = engine.coordinator.group_of
-        for p in (p for group in optimizer.param_groups for p in group["params"]):
+        what = f"{type(optimizer).__module__}.{type(optimizer).__name__}.step()"
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for p in params:
             if p in managed:
                 name = self._names.get(p, f"a parameter of shape {tuple(p.shape)}")
-                raise EngineError(foreign_optimizer_message(
-                    f"{type(optimizer).__module__}.{type(optimizer).__name__}.step()", name))
+                raise EngineError(foreign_optimizer_message(what, name))
+        added = {p for root in engine.roots for p in root.parameters() if p not in managed}
+        if any(p in added for p in params):
+            refuse_trainer_checkpoints(what)
+            if engine.ranks.world_size > 1:
+                raise EngineError(
+                    f"{what}: it holds parameters added to a model built in infinity.Init after the block (peft's "
+                    f"adapters), which each of the {engine.ranks.world_size} ranks holds whole; nothing averages "
+                    "their gradients over the ranks (DistributedDataParallel does not wrap an infinity model), so the "
+                    "ranks' copies would drift apart. Step them with infinity.AdamW(model, lr=...), which averages "
+                    "them as DDP does (under transformers.Trainer: infinity.Trainer, which builds it)")
         self._checked[optimizer] = count
 
     def remove(self) -> None:
