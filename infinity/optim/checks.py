@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 
 import torch
 
+from infinity import registry
 from infinity.errors import EngineError
 from infinity.runtime.ranks import RanksFailedError
 
@@ -173,3 +175,48 @@ def refuse_trainer_checkpoints(who: str) -> None:
                     "save_strategy=\"no\"")
             return
         frame = frame.f_back
+
+
+def refuse_accelerate_load_state() -> None:
+    """Called by an infinity optimizer's ``load_state_dict``: when accelerate's ``prepare`` is the caller, give its
+    ``Accelerator`` a load-state pre-hook that refuses ``load_state`` on an engine model.
+
+    [Note: accelerate's load_state]
+    ``Accelerator.save_state`` is refused on an engine model ([Note: accelerate's save_state] in
+    infinity/runtime/engine.py), so no directory holds what ``load_state`` reads for it, and given the
+    directory ``infinity.save_checkpoint`` wrote it stopped at its own "no such file" for
+    ``pytorch_model.bin``, saying nothing of infinity. Loading through infinity instead is not possible:
+    its pre-hooks may take a model out of its list, not an optimizer, which it would still read from
+    ``optimizer.bin``. So the hook refuses before anything is read, naming ``infinity.load_checkpoint``.
+    accelerate calls no method of an engine model it prepares, but ``prepare`` of an optimizer calls
+    ``opt.load_state_dict(opt.state_dict())``; there the ``Accelerator`` is found up the stack and the
+    hook registered (by its public ``register_load_state_pre_hook``). A model prepared with no infinity
+    optimizer keeps accelerate's own error. Looked at only when ``accelerate.optimizer`` is the caller.
+    """
+    frame = inspect.currentframe().f_back.f_back
+    if frame is None or frame.f_globals.get("__name__") != "accelerate.optimizer":
+        return
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "accelerate.accelerator" and frame.f_code.co_name == "prepare_optimizer":
+            accelerator = frame.f_locals.get("self")
+            if hasattr(accelerator, "register_load_state_pre_hook"):
+                accelerator.register_load_state_pre_hook(_refuse_load_state)
+            return
+        frame = frame.f_back
+
+
+def _refuse_load_state(models: list, input_dir: str) -> None:
+    """``Accelerator.load_state``'s pre-hook ([Note: accelerate's load_state])."""
+    for model in models:
+        try:
+            registry.engine_of(model)
+        except registry.NotManagedError:
+            continue
+        holds = os.path.isfile(os.path.join(str(input_dir), "latest"))
+        raise EngineError(
+            f"accelerator.load_state({str(input_dir)!r}): the model was built in infinity.Init, and accelerate reads "
+            "a model from the files its save_state writes, which it refuses to write for such a model (its "
+            "parameters and optimizer states are shards over ranks and tiers). Nothing was loaded. On every rank, "
+            "resume with infinity.load_checkpoint(dir, model, opt) from what infinity.save_checkpoint(dir, model, opt) "
+            "wrote (weights, optimizer states, step count and RNG)"
+            + (f": {str(input_dir)!r} is such a checkpoint" if holds else ""))

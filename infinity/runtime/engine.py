@@ -503,8 +503,8 @@ def _on_stack(module: str, function: str) -> bool:
     the hooks of ``register_save_state_pre_hook`` only after, with those state dicts, so no hook can
     route an engine model to ``infinity.save_checkpoint`` instead. Its ``state_dict()`` is refused
     as any other is (before_state_dict), and this names what a user of ``save_state`` does instead.
-    ``load_state`` needs no word of ours: without the files save_state never wrote, it stops at
-    reading them, before it touches the model. Looked at only on that error path.
+    ``load_state`` is refused by a pre-hook before it reads a file ([Note: accelerate's load_state] in
+    infinity/optim/checks.py). Looked at only on that error path.
     """
     frame = inspect.currentframe()
     while frame is not None:

@@ -102,3 +102,22 @@ def test_save_state_is_refused_naming_infinitys_checkpoints_which_take_the_prepa
     went_on = _steps(model, opt, batches[2:])
     infinity.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
     assert _steps(model, opt, batches[2:]) == went_on
+
+
+def test_load_state_is_refused_naming_infinitys_checkpoints_before_reading_a_file(tmp_path):
+    """Given the directory infinity.save_checkpoint wrote, accelerator.load_state stopped at its own missing
+    pytorch_model.bin, saying nothing of infinity ([Note: accelerate's load_state] in infinity/optim/checks.py);
+    it is refused before anything is read, naming infinity.load_checkpoint, which resumes the run exactly."""
+    batches = _batches(4)
+    model, opt = _build(tmp_path / "nvme")
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, opt)
+    _steps(model, opt, batches[:2])
+    infinity.save_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    went_on = _steps(model, opt, batches[2:])
+    with pytest.raises(infinity.errors.EngineError,
+                       match=r"^accelerator\.load_state\('[^']*ckpt'\): the model was built in infinity\.Init.*"
+                             r"Nothing was loaded.*infinity\.load_checkpoint\(dir, model, opt\).*is such a checkpoint"):
+        accelerator.load_state(str(tmp_path / "ckpt"))
+    infinity.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
+    assert _steps(model, opt, batches[2:]) == went_on
