@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -239,7 +240,16 @@ def add_modes(specs: list[str]) -> None:
             PEER[name] = PEER[base]
 
 
+def provenance(argv: list[str], measured_on: dict) -> dict:
+    """When, on what, at which commit and by which command a run was measured: what every stored run in
+    docs/benchmarks/data/ carries, so this file can be added there as it is (benchmarks/plots.py)."""
+    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": f"{measured_on['gpu'] or 'CPU'}, {measured_on['cpus']} cores, {measured_on['host']}",
+            "commit": measured_on["source"], "command": shlex.join(["python", "benchmarks/gpu.py", *argv])}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
         add_modes(args.mode)
@@ -278,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "machine": machine(), "rows": rows, "raw": raw}, f, indent=1)
+            measured_on = machine()
+            json.dump({"provenance": provenance(argv, measured_on), "settings": vars(args), "machine": measured_on,
+                       "rows": rows, "raw": raw}, f, indent=1)
     return 0 if any(not r.get("error") for r in rows) else 1
 
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 
@@ -26,6 +28,7 @@ import torch
 
 import infinity
 from infinity.examples.gpt import GPT, preset
+from infinity.examples.train_gpt import machine
 from infinity.plan import CensusGroup, ModelCensus, plan
 
 
@@ -56,6 +59,15 @@ def planned(engine, with_uses: bool) -> dict:
     return plan(census, engine.config, world_size=1, local_ranks=1, check_fit=False).per_parameter()
 
 
+def provenance(argv: list[str]) -> dict:
+    """When, on what, at which commit and by which command a run was measured: what every stored run in
+    docs/benchmarks/data/ carries, so this file can be added there as it is (benchmarks/plots.py)."""
+    measured_on = machine()
+    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": f"{measured_on['gpu'] or 'CPU'}, {measured_on['cpus']} cores, {measured_on['host']}",
+            "commit": measured_on["source"], "command": shlex.join(["python", "benchmarks/in_backward.py", *argv])}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="125M")
@@ -66,6 +78,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--sub-group-size", type=int, default=8 << 20)
     ap.add_argument("--workdir", default=None, help="directory for the NVMe files (default: a temporary one)")
     ap.add_argument("--json", help="write the figures here")
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp()
     runs = {mode: build(args, mode == "in_backward", workdir) for mode in ("ordinary", "in_backward")}
@@ -89,7 +102,8 @@ def main(argv=None) -> dict:
             last = infinity.stats(model)["transfers"]   # the last closed step (forward to forward)
             if last is not None:
                 per_param[mode] = last["per_parameter"]
-    out = {"settings": vars(args), "equal_losses": losses["ordinary"] == losses["in_backward"], "modes": {}}
+    out = {"provenance": provenance(argv), "settings": vars(args),
+           "equal_losses": losses["ordinary"] == losses["in_backward"], "modes": {}}
     for mode, (model, opt, structure) in runs.items():
         moved = per_param[mode]["nvme_read"] + per_param[mode]["nvme_written"]
         with_uses = planned(opt.engine, with_uses=True)
