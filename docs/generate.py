@@ -36,7 +36,7 @@ API_GROUPS = (("Building a model", ("Init", "from_pretrained", "load_config")),
               ("Training", ("AdamW", "Adam", "clip_grad_norm_", "activation_checkpoint", "Trainer")),
               ("Whole parameters and weights", ("gathered", "state_dict", "save_pretrained")),
               ("Checkpoints", ("save_checkpoint", "load_checkpoint")),
-              ("Telemetry and lifetime", ("stats", "release")),
+              ("Telemetry and lifetime", ("stats", "trace", "release")),
               ("Tiled layers", ("TiledLinear", "TiledEmbedding")))
 # Where notes are looked for, and the files' suffixes.
 NOTE_FOLDERS = ("infinity", "tiers", "aio_csrc", "optim_csrc", "benchmarks", "tests")

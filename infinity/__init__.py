@@ -31,6 +31,7 @@ _LAZY = {
     "state_dict": "infinity.runtime.gathered",
     "release": "infinity.runtime.release",
     "stats": "infinity.telemetry",
+    "trace": "infinity.timeline",
     "save_checkpoint": "infinity.checkpoint",
     "load_checkpoint": "infinity.checkpoint",
     "TiledLinear": "infinity.tiling",

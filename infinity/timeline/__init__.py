@@ -1,0 +1,79 @@
+"""infinity.timeline: one training step as a Chrome / Perfetto trace (``infinity.trace``).
+
+What the room holds: ``trace`` (the public context manager), ``record`` (the spans and the trace
+file), ``probes`` (what times the engine while a trace runs), ``predicted`` (the plan's phases beside
+the step) and ``draw`` (a trace file drawn as an SVG timeline). What it may touch: the engine's public
+parts, for the trace's duration only; nothing stays on the model or the engine after it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from torch import nn
+
+from infinity import registry
+from infinity.timeline.predicted import predicted_phases
+from infinity.timeline.probes import Probes
+from infinity.timeline.record import Timeline
+
+
+@contextlib.contextmanager
+def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None):
+    """Record what the engine does inside the block and write it to ``path`` as a Chrome trace.
+
+    Run one training step inside the block (forward, backward, ``opt.step()``), best a steady one
+    (after the first step, which records the prefetch trace). On exit the running optimizer update
+    is waited for (``opt.synchronize()``), so the file holds the whole step, and ``path`` is written
+    under a temporary name, then renamed into place; a block that raises writes nothing. Open the
+    file in https://ui.perfetto.dev or ``chrome://tracing``.
+
+    Tracks, one per kind of work (see [Note: probes, not hooks] in infinity/timeline/probes.py):
+    ``compute`` (each group's forward and backward), ``copies`` (gathers, releases, host<->device
+    copies), ``nvme read`` and ``nvme write`` (each request from submission to completion),
+    ``update`` (each optimizer sub-group, and ``opt.step()``), ``host waits``; and, in a process of
+    its own, ``plan``: the NVMe traffic ``infinity.plan`` predicts for the step (see [Note: the plan
+    beside the step] in infinity/timeline/predicted.py).
+
+    Outside the block nothing is installed: no hook, no wrapper, no timestamp.
+
+    Parameters
+    ----------
+    model:
+        A model built in ``infinity.Init``.
+    path:
+        The trace file to write (JSON).
+    nvme_bandwidth:
+        For the plan track's phase lengths: a ``(read_gbps, write_gbps)`` pair, an
+        ``infinity-bench nvme --json`` file, an ``infinity.plan.Bandwidth``, or None (the plan's byte
+        counts only).
+
+    Examples
+    --------
+    >>> with infinity.trace(model, "step.json"):  # doctest: +SKIP
+    ...     model(x, y).backward()
+    ...     opt.step()
+    ...     opt.zero_grad()
+    """
+    engine = registry.engine_of(model, "infinity.trace")
+    timeline = Timeline()
+    phases = predicted_phases(engine, nvme_bandwidth)      # before the step: planning is no part of it
+    probes = Probes(engine, timeline)
+    probes.install()
+    try:
+        start = timeline.now()
+        yield timeline
+        if engine.optimizer is not None:
+            engine.optimizer.synchronize()
+        probes.poll()
+        end = timeline.now()
+    finally:
+        probes.remove()
+    for phase in phases:
+        timeline.plan(phase.name, start + phase.start_s * 1e6, phase.seconds * 1e6, phase.args)
+    timeline.meta.update(step_us=end - start, rank=engine.ranks.rank, world_size=engine.ranks.world_size,
+                         nvme_in_flight_at_end=len(probes.inflight))
+    timeline.write(path)
+
+
+__all__ = ["Timeline", "trace"]
