@@ -55,7 +55,7 @@ CONFIGS = {
 OTHER_COLOURS = ("#1b9e77", "#d95f02", "#e7298a", "#66a61e", "#e6ab02", "#a6761d")
 TIERS = {"nvme_read": ("NVMe read", "#2166ac"), "nvme_written": ("NVMe written", "#92c5de"),
          "host_to_device": ("host->device", "#b2182b"), "device_to_host": ("device->host", "#f4a582")}
-# [Note: deterministic SVG] matplotlib names clip paths and glyphs by hashes salted at random and stamps
+# Deterministic SVG: matplotlib names clip paths and glyphs by hashes salted at random and stamps
 # the date and its version into the file; a fixed salt, no date, a fixed creator and text written as text
 # (not as glyph outlines of whatever font is installed) make the same data give the same bytes.
 RC = {"svg.hashsalt": "infinity-benchmarks", "svg.fonttype": "none", "font.family": "DejaVu Sans",
