@@ -70,16 +70,16 @@ class TiersConfig(Section):
 
     section: ClassVar[str] = "tiers"
 
-    params: Literal["device", "host", "nvme"] = "device"
-    """Tier holding each rank's shard of the parameters (the compute copy, in `precision.dtype`)
-    between uses: "device" on the compute device, "host" in pinned host RAM, "nvme" in files under
-    `nvme_path`. A whole parameter exists only while a module uses it."""
+    params: Literal["device", "host", "nvme", "auto"] = "device"
+    """Tier holding each rank's shard of the parameters (the compute copy, in `precision.dtype`) between
+    uses: "device" on the compute device, "host" in pinned host RAM, "nvme" in files under `nvme_path`,
+    "auto": the tier predicted fastest ([Note: auto placement] in infinity/plan/placement.py)."""
 
-    optimizer: Literal["device", "host", "nvme"] = "host"
+    optimizer: Literal["device", "host", "nvme", "auto"] = "host"
     """Tier holding the fp32 master weights, Adam's m and v, and the accumulated fp32 gradients:
     "device" keeps them on the compute device and steps there (models that fit: the baseline),
     "host" in host RAM with the step on the host, "nvme" streams them through host buffers one
-    sub-group at a time."""
+    sub-group at a time; "auto" as for `params`."""
 
     nvme_path: Paths = ()
     """Directory for swap files, or a list of directories to stripe them over; required when
@@ -568,7 +568,7 @@ class Config:
             elif not isinstance(value, cls):
                 raise ConfigError(f"expected a table of settings, got {show(value)} ({type_name(value)})", cls.section)
         stage, params = self.partition.stage, self.tiers.params
-        if stage < 3 and params != "device":
+        if stage < 3 and params not in ("device", "auto"):
             raise ConfigError(
                 f"stage {stage} keeps whole parameters on every rank's compute device, so tiers.params must be "
                 f"\"device\" (it is {json.dumps(params)}); parameters in host memory or on NVMe are sharded over "

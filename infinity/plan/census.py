@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -338,3 +339,40 @@ def _split_by_trainable(name: str, params: list[nn.Parameter], holders: dict[int
             groups.append(CensusGroup(name=name, param_numels=tuple(p.numel() for p in chosen),
                                       trainable=trainable, uses=uses))
     return groups
+
+
+def take_census(model_or_num_params: object, cfg, param_bytes: int) -> ModelCensus:
+    """The census of a module, callable spec, parameter count or ready census, under ``cfg`` (a Config: its
+    ``[tiling]`` and ``partition.units``) with compute copies of ``param_bytes`` bytes per element."""
+    if isinstance(model_or_num_params, ModelCensus):
+        return model_or_num_params
+    source = None
+    model = model_or_num_params
+    if isinstance(model, str) and ":" in model:
+        source = model
+        model = load_model(model)
+    if isinstance(model, nn.Module):
+        tiling = cfg.tiling
+        return census_of_module(
+            model,
+            tiling_enabled=bool(tiling.enabled),
+            tiling_threshold=int(tiling.threshold),
+            tiles=int(tiling.tiles),
+            max_tile_bytes=int(tiling.max_tile_bytes),
+            tiling_modules=tuple(tiling.modules),
+            param_bytes=param_bytes,
+            source=source,
+            units=tuple(cfg.partition.units),
+        )
+    if isinstance(model, str) and re.search(r"[A-Za-z_]{2,}", model):
+        # Words, not a count such as "1.3B": a callable spec missing its ":callable".
+        raise PlanError(
+            f"model must look like 'package.module:callable' or be a parameter count such as "
+            f"1.3e9, got {model!r}"
+        )
+    if isinstance(model, (int, float, str)):
+        return ModelCensus.from_num_params(parse_count(model, "number of parameters"))
+    raise PlanError(
+        f"model must be an nn.Module, a 'package.module:callable' string or a parameter "
+        f"count, got {type(model).__name__}"
+    )

@@ -13,24 +13,25 @@ Compute, PCIe copies and collectives can only add to it.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from infinity.plan.activations import activation_rows
 from infinity.plan.bandwidth import Bandwidth
-from infinity.plan.census import ModelCensus, census_of_module, load_model
+from infinity.plan.census import ModelCensus, take_census
 from infinity.plan.errors import PlanError
 from infinity.plan.layout import Layout
 from infinity.plan.rows import PlanRow
-from infinity.plan.units import parse_count, parse_positive_int
+from infinity.plan.units import parse_positive_int
 
 if TYPE_CHECKING:
     from infinity.config import Config
+    from infinity.plan.machine import MachineProfile, Workload
+    from infinity.plan.placement import AutoDecision
+    from infinity.plan.step_model import StepPrediction
     from tiers.budget import Need
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -177,6 +178,11 @@ class Plan:
         For the step-time bound.
     fit : FitCheck or None
         The check against this machine, when made.
+    prediction : StepPrediction or None
+        The predicted step per phase and its governing term, when a machine profile was given or
+        probed ([Note: step-time model] in infinity/plan/step_model.py).
+    auto : AutoDecision or None
+        What "auto" tiers resolved to, and the pairs it weighed ([Note: auto placement]).
     """
 
     source: str
@@ -193,6 +199,8 @@ class Plan:
     nvme_read_bytes_max: int = 0
     bandwidth: Bandwidth | None = None
     fit: FitCheck | None = field(default=None, compare=False)
+    prediction: "StepPrediction | None" = field(default=None, compare=False)
+    auto: "AutoDecision | None" = field(default=None, compare=False)
 
     def tier_bytes(self, tier: str) -> int:
         """Bytes one rank needs in ``tier`` (``device``, ``host`` or ``nvme``)."""
@@ -332,6 +340,11 @@ class Plan:
             "reduce_scatter_bytes_per_step": self.reduce_scatter_bytes,
             "bandwidth": None if self.bandwidth is None else self.bandwidth.to_dict(),
             "step_time_lower_bound_s": self.step_time_lower_bound_s,
+            "prediction": None if self.prediction is None else self.prediction.to_dict(),
+            "auto": None if self.auto is None else {
+                "chosen": self.auto.chosen.placement.pair, "summary": self.auto.summary(),
+                "split": None if self.auto.split is None else self.auto.split.to_dict(),
+                "candidates": [c.to_dict() for c in self.auto.candidates]},
             "fit": None
             if self.fit is None
             else {
@@ -350,13 +363,15 @@ class Plan:
 
 
 def plan(
-    model_or_num_params: "nn.Module | str | int | float | ModelCensus",
+    model_or_num_params: "torch.nn.Module | str | int | float | ModelCensus",
     config: "Config | str | Path | dict",
     *,
     world_size: int = 1,
     nvme_bandwidth: Bandwidth | tuple[float, float] | str | Path | None = None,
     local_ranks: int | None = None,
     check_fit: bool = True,
+    machine: "MachineProfile | str | Path | None" = None,
+    workload: "Workload | None" = None,
 ) -> Plan:
     """Plan where each rank's bytes live for a model under a config.
 
@@ -376,6 +391,11 @@ def plan(
         ``world_size``: every machine runs the same number of ranks.
     check_fit : bool
         Check the needs against this machine now (``Plan.fit``).
+    machine : MachineProfile, profile file, or None
+        The machine the step is predicted on (``Plan.prediction``). With "auto" tiers and None, this
+        machine is probed once and its rates cached ([Note: machine probes] in infinity/plan/probes.py).
+    workload : Workload, optional
+        Tokens per rank and step, activation bytes, recompute (``infinity.plan.machine.Workload``).
 
     Returns
     -------
@@ -405,6 +425,10 @@ def plan(
         raise PlanError(f"precision.dtype must be one of {list(DTYPE_BYTES)}, got {dtype!r}")
     param_bytes = DTYPE_BYTES[dtype]
     census = take_census(model_or_num_params, cfg, param_bytes)
+    from infinity.plan.placement import predict_uniform, resolve_auto
+
+    cfg, decision = resolve_auto(cfg, census, world_size=ranks, local_ranks=local, machine=machine,
+                                 workload=workload)
     bandwidth = resolve_bandwidth(nvme_bandwidth)
     layout = Layout(census, cfg, ranks, param_bytes)
     settings = PlanSettings(
@@ -441,6 +465,9 @@ def plan(
         reduce_scatter_bytes=layout.reduce_scatter_bytes(),
         nvme_read_bytes_max=layout.nvme_read_bytes(paced=False),
         bandwidth=bandwidth,
+        auto=decision,
+        prediction=decision.chosen if decision is not None else
+        None if machine is None else predict_uniform(cfg, census, ranks, local, machine, workload),
     )
     if not check_fit:
         return result
@@ -457,44 +484,6 @@ def resolve_config(config: object) -> "Config":
         return load_config(config)
     except (ConfigError, OSError, ValueError, TypeError) as exc:
         raise PlanError(f"config {config!s} does not load: {exc}") from exc
-
-
-def take_census(
-    model_or_num_params: object, cfg: "Config", param_bytes: int
-) -> ModelCensus:
-    """The census of a module, callable spec, parameter count or ready census."""
-    if isinstance(model_or_num_params, ModelCensus):
-        return model_or_num_params
-    source = None
-    model = model_or_num_params
-    if isinstance(model, str) and ":" in model:
-        source = model
-        model = load_model(model)
-    if isinstance(model, nn.Module):
-        tiling = cfg.tiling
-        return census_of_module(
-            model,
-            tiling_enabled=bool(tiling.enabled),
-            tiling_threshold=int(tiling.threshold),
-            tiles=int(tiling.tiles),
-            max_tile_bytes=int(tiling.max_tile_bytes),
-            tiling_modules=tuple(tiling.modules),
-            param_bytes=param_bytes,
-            source=source,
-            units=tuple(cfg.partition.units),
-        )
-    if isinstance(model, str) and re.search(r"[A-Za-z_]{2,}", model):
-        # Words, not a count such as "1.3B": a callable spec missing its ":callable".
-        raise PlanError(
-            f"model must look like 'package.module:callable' or be a parameter count such as "
-            f"1.3e9, got {model!r}"
-        )
-    if isinstance(model, (int, float, str)):
-        return ModelCensus.from_num_params(parse_count(model, "number of parameters"))
-    raise PlanError(
-        f"model must be an nn.Module, a 'package.module:callable' string or a parameter "
-        f"count, got {type(model).__name__}"
-    )
 
 
 def resolve_bandwidth(value: object) -> Bandwidth | None:

@@ -69,6 +69,7 @@ def render_plan(plan) -> str:
             f"{format_gib(plan.all_gather_bytes)} GiB, reduce-scatter {format_gib(plan.reduce_scatter_bytes)} GiB"
         )
     lines.append(_step_time_line(plan))
+    lines.extend(prediction_lines(plan.prediction, plan.auto))
     if plan.fit is not None:
         lines.append(_fit_line(plan))
     return "\n".join(lines)
@@ -92,6 +93,35 @@ def _step_time_line(plan) -> str:
     )
 
 
+_TERM_NAMES = {"compute": "compute", "host_to_device": "host->device copies", "device_to_host": "device->host copies",
+               "host_update": "host update", "nvme": "NVMe"}
+
+
+def prediction_lines(prediction, auto=None) -> list[str]:
+    """The predicted step per phase and the bound's governing term ([Note: step-time model] in
+    infinity/plan/step_model.py), and what "auto" weighed ([Note: auto placement] in infinity/plan/placement.py)."""
+    if prediction is None:
+        return []
+    p = prediction
+    lines = ["", f"Placement: {p.placement.describe()}" + (" (tiers \"auto\")" if auto is not None else "")]
+    phases = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in p.phases.items())
+    lines.append(f"Predicted step: {p.step_s:.3f} s ({p.schedule}; phases alone: {phases})")
+    terms = ", ".join(f"{_TERM_NAMES[k]} {v:.3f} s" for k, v in p.bound_terms.items())
+    lines.append(f"Bound: {p.bound_s:.3f} s, governed by {_TERM_NAMES[p.governing]} ({terms})")
+    if auto is None:
+        return lines
+    lines.append(f"{'params':<8}{'optimizer':<11}{'fits':<6}{'step s':>10}  governed by")
+    for c in auto.candidates:
+        params, optimizer = c.placement.pair
+        lines.append(f"{params:<8}{optimizer:<11}{'yes' if c.fits else 'no':<6}{c.step_s:>10.3f}  "
+                     f"{_TERM_NAMES[c.governing]}")
+    split = auto.split
+    if split is not None and split.step_s < p.step_s * 0.999:
+        lines.append(f"Per sub-group, {split.placement.describe()} would predict {split.step_s:.3f} s "
+                     "(the engine holds each kind of state in one tier, so it runs the pair above)")
+    return lines
+
+
 def _fit_line(plan) -> str:
     fit = plan.fit
     if fit is None:
@@ -102,4 +132,4 @@ def _fit_line(plan) -> str:
     return f"Fits {machine}: NO:\n" + "\n".join(f"  - {line}" for line in fit.shortfalls)
 
 
-__all__ = ["render_plan"]
+__all__ = ["prediction_lines", "render_plan"]

@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten
 
 from infinity import registry
 from infinity.config import Config, load_config
+from infinity.plan.placement import resolve_at_init
 from infinity.runtime.construction import Partitioner
 from infinity.runtime.engine import Engine
 from infinity.runtime.pretrained import FromPretrainedRoute, is_pretrained_base
@@ -112,6 +113,14 @@ class Init:
         A checkpoint saved with ``save_checkpoint(..., in_place=True)``: the model built takes over its
         sealed swap files instead of writing initial values (see [Note: checkpoints in place] in
         infinity/checkpoint/in_place.py); call ``infinity.load_checkpoint(resume, model, opt)`` next.
+    model:
+        With ``tiers.params`` or ``tiers.optimizer`` "auto" (the ``auto`` preset): the model the placement
+        is sized for, before it exists: a parameter count (``7e9``), a ``"package.module:callable"`` or a
+        module built on the meta device. ``Init.placement`` then holds the decision ([Note: auto
+        placement] in infinity/plan/placement.py).
+    machine:
+        With "auto": the machine profile to place for (``infinity.plan.machine.MachineProfile`` or a file);
+        None probes this machine once and caches its rates.
 
     Examples
     --------
@@ -129,8 +138,9 @@ class Init:
     """
 
     def __init__(self, config: str | dict | Config | None = None, *, nvme_path=None, group=None,
-                 resume=None) -> None:
-        self.config = load_config(config, nvme_path=nvme_path)
+                 resume=None, model=None, machine=None) -> None:
+        self.config, self.placement = resolve_at_init(load_config(config, nvme_path=nvme_path), model, machine,
+                                                      group)
         self.group = group
         self.resume = None
         if resume is not None:

@@ -185,7 +185,7 @@ def test_unknown_keys_in_overrides_and_in_mapping_sections():
 
 @pytest.mark.parametrize("data, message", [
     ({"tiers": {"params": "gpu"}}, 'tiers.params: "gpu" is not allowed; expected one of "device", "host", "nvme"'),
-    ({"tiers": {"params": "Host"}}, '"Host" is not allowed; expected one of "device", "host", "nvme"; did you mean "host"?'),
+    ({"tiers": {"params": "Host"}}, '"Host" is not allowed; expected one of "device", "host", "nvme", "auto"; did you mean "host"?'),
     ({"tiers": {"optimizer": "gpu"}}, 'tiers.optimizer: "gpu" is not allowed; expected one of "device", "host", "nvme"'),
     ({"aio": {"direct": "yes"}}, 'aio.direct: expected true or false, got "yes" (string)'),
     ({"aio": {"queue_depth": "32"}}, 'aio.queue_depth: expected an integer, got "32" (string)'),
@@ -290,11 +290,11 @@ def test_value_error_in_a_file_names_the_file(tmp_path):
 # ---------------------------------------------------------------------------------------------- presets, dump
 
 
-def test_the_four_presets_ship():
-    assert set(config.presets()) == {"device", "offload-optimizer", "offload-host", "nvme"}
+def test_the_five_presets_ship():
+    assert set(config.presets()) == {"device", "offload-optimizer", "offload-host", "nvme", "auto"}
     tiers = {name: (load_config(name).tiers.params, load_config(name).tiers.optimizer) for name in config.presets()}
     assert tiers == {"device": ("device", "device"), "offload-optimizer": ("device", "host"),
-                     "offload-host": ("host", "host"), "nvme": ("nvme", "nvme")}
+                     "offload-host": ("host", "host"), "nvme": ("nvme", "nvme"), "auto": ("auto", "auto")}
 
 
 def test_presets_are_documented_with_comments():
@@ -304,7 +304,7 @@ def test_presets_are_documented_with_comments():
         assert len([line for line in text.splitlines() if line.startswith("#")]) >= 5, name
 
 
-@pytest.mark.parametrize("name", ["device", "offload-optimizer", "offload-host", "nvme"])
+@pytest.mark.parametrize("name", ["device", "offload-optimizer", "offload-host", "nvme", "auto"])
 @pytest.mark.parametrize("suffix", [".toml", ".json"])
 def test_every_preset_round_trips(name, suffix, tmp_path):
     cfg = load_config(name)

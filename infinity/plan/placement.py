@@ -1,0 +1,242 @@
+"""``auto`` placement: where each sub-group's states cost the step least, and the placement the engine runs.
+
+[Note: auto placement]
+Two searches over the step-time model ([Note: step-time model] in infinity/plan/step_model.py):
+
+* ``best_split``: per slice of sub-groups ([Note: placements]), fastest tier first. Device memory
+  left after activations goes to compute copies of ``a`` slices and optimizer states of ``b`` slices
+  (their update on the device: the same AdamW, exact), host memory to copies of ``c`` and states of
+  ``d`` more, the rest to NVMe; the fastest tiers hold the same slices (a slice with its states on the
+  device has its copy there too when it can). Every ``a``, and every ``b`` up to what fits beside
+  it, is tried: the device need not be filled with states, since a host update that runs beside the
+  forward can cost the step less than the same update on the device, which holds up compute. For each
+  ``c`` the host takes as many state slices as fit: host memory is never left with room for a slice
+  that NVMe then holds. Among those the fastest predicted step wins. Tests enumerate every placement
+  of the slices over the nine (params, optimizer) pairs and check that none that fits predicts a
+  faster step.
+* ``best_uniform``: the engine holds all of a rank's optimizer states in one tier and all compute copies
+  in one tier (``infinity/optim/flat_state.py``), so ``tiers = "auto"`` resolves to the fastest
+  predicted pair that fits; ``infinity-plan`` prints both, and the gap is what a per-sub-group
+  split in the engine would gain.
+
+Ties go to the pair with fewer bytes off the device (device before host before NVMe).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from infinity.plan.census import take_census
+from infinity.plan.errors import PlanError
+from infinity.plan.machine import MachineProfile, Workload
+from infinity.plan.step_model import PAIRS, Placement, StepModel, StepPrediction
+
+if TYPE_CHECKING:
+    from infinity.config import Config
+
+AUTO = "auto"
+DEFAULT_SLICES = 16
+
+
+def best_split(model: StepModel, slices: int = DEFAULT_SLICES) -> StepPrediction | None:
+    """The fastest fitting placement that fills faster tiers first (see [Note: auto placement]); None when
+    nothing fits."""
+    best: StepPrediction | None = None
+    budget = model.budget()
+    for a in range(slices, -1, -1):
+        most = next((b for b in range(slices, -1, -1) if _device_fits(model, slices, a, b, budget)), None)
+        for b, c in itertools.product(range(most if most is not None else -1, -1, -1), range(slices - a, -1, -1)):
+            for d in range(slices - b, -1, -1):
+                placement = Placement.from_counts(slices, (a, c), (b, d))
+                if not runnable(model, placement) or not fits(model, placement, budget):
+                    continue
+                prediction = model.predict(placement)
+                if best is None or prediction.step_s < best.step_s * (1 - 1e-12):
+                    best = prediction
+                break
+    return best
+
+
+def runnable(model: StepModel, placement: Placement) -> bool:
+    """Whether every pair of the placement is one the engine allows under the config."""
+    return all(pair in model.pairs for pair, _ in placement.cells)
+
+
+def fits(model: StepModel, placement: Placement, budget: dict[str, float]) -> bool:
+    return all(n <= budget[t] for t, n in model.need(placement).items())
+
+
+def _device_fits(model: StepModel, slices: int, a: int, b: int, budget: dict[str, float]) -> bool:
+    """Whether ``a`` slices of copies and ``b`` of states fit the device, the rest in the slowest tier there
+    is (with the CPU as compute device, device and host share one budget)."""
+    host = not model.profile.has_nvme
+    placement = Placement.from_counts(slices, (a, slices - a if host else 0), (b, slices - b if host else 0))
+    if not runnable(model, placement):
+        return False
+    return model.need(placement)["device"] <= budget["device"]
+
+
+def all_placements(slices: int, pairs=PAIRS):
+    """Every placement of ``slices`` slices over ``pairs`` (what the tests search exhaustively)."""
+    for split in itertools.combinations(range(slices + len(pairs) - 1), len(pairs) - 1):
+        bounds = (-1, *split, slices + len(pairs) - 1)
+        counts = [bounds[i + 1] - bounds[i] - 1 for i in range(len(pairs))]
+        yield Placement(slices, tuple(zip(pairs, counts)))
+
+
+def uniform_predictions(model: StepModel, params: str = AUTO, optimizer: str = AUTO) -> list[StepPrediction]:
+    """The prediction of every pair the engine runs that ``params`` / ``optimizer`` allow ("auto": any)."""
+    return [model.predict(Placement.uniform(p, o)) for p, o in PAIRS
+            if (p, o) in model.pairs and params in (AUTO, p) and optimizer in (AUTO, o)]
+
+
+def best_uniform(model: StepModel, params: str = AUTO, optimizer: str = AUTO) -> StepPrediction | None:
+    """The fastest fitting pair (see [Note: auto placement]); None when none fits."""
+    fitting = [p for p in uniform_predictions(model, params, optimizer) if p.fits]
+    return min(fitting, key=lambda p: p.step_s) if fitting else None
+
+
+@dataclass(frozen=True)
+class AutoDecision:
+    """What ``auto`` chose, and why.
+
+    Attributes
+    ----------
+    chosen : StepPrediction
+        The pair the engine will run.
+    split : StepPrediction or None
+        The best per-sub-group placement (not run by the engine yet), for comparison.
+    candidates : tuple of StepPrediction
+        Every pair considered, fitting or not.
+    """
+
+    chosen: StepPrediction
+    split: StepPrediction | None
+    candidates: tuple[StepPrediction, ...]
+
+    def summary(self) -> str:
+        c = self.chosen
+        line = (f"auto placement: {c.placement.describe()} (predicted step {c.step_s:.3f} s, bound by "
+                f"{c.governing})")
+        if self.split is not None and self.split.step_s < c.step_s * 0.999:
+            line += (f"; a per-sub-group split ({self.split.placement.describe()}) would predict "
+                     f"{self.split.step_s:.3f} s, which the engine cannot run yet")
+        return line
+
+
+def decide(model: StepModel, params: str = AUTO, optimizer: str = AUTO,
+           slices: int = DEFAULT_SLICES) -> AutoDecision:
+    """Choose the tiers ``auto`` stands for; a PlanError names every pair's shortfall when none fits."""
+    candidates = uniform_predictions(model, params, optimizer)
+    chosen = best_uniform(model, params, optimizer)
+    if chosen is None:
+        lines = [f"  {p.placement.describe()}: " + "; ".join(p.shortfalls()) for p in candidates]
+        raise PlanError("tiers \"auto\": no placement fits this machine "
+                        f"({model.profile.name}):\n" + "\n".join(lines))
+    split = best_split(model, slices) if AUTO == params == optimizer else None
+    return AutoDecision(chosen=chosen, split=split, candidates=tuple(candidates))
+
+
+def resolve_auto(cfg: "Config", model: object, *, world_size: int = 1, local_ranks: int | None = None,
+                 machine: "MachineProfile | str | None" = None, workload: Workload | None = None,
+                 slices: int = DEFAULT_SLICES) -> tuple["Config", AutoDecision | None]:
+    """``cfg`` with "auto" tiers resolved for ``model`` on ``machine``, and the decision (None: nothing was auto).
+
+    Parameters
+    ----------
+    cfg : Config
+    model : nn.Module, "pkg.module:callable", parameter count or ModelCensus
+        What the placement is sized for (``infinity.plan.plan`` takes the same).
+    world_size, local_ranks : int
+        Ranks in all and on this machine (default: all on this machine).
+    machine : MachineProfile, profile file, or None
+        None probes this machine once and caches the rates ([Note: machine probes] in
+        infinity/plan/probes.py).
+    workload : Workload, optional
+        Tokens per rank and step (default ``Workload()``); activation bytes default to
+        ``activations.checkpoint_nbytes`` when activations stay on the device.
+
+    Raises
+    ------
+    PlanError
+        When ``model`` is missing or no placement fits, naming each pair's shortfall.
+    """
+    if AUTO not in (cfg.tiers.params, cfg.tiers.optimizer):
+        return cfg, None
+    if model is None:
+        raise PlanError('tiers "auto" places states for a model of known size: give it, as '
+                        'infinity.Init("auto", model=7e9) (a parameter count), model="pkg.module:build" '
+                        "(built on the meta device) or a module")
+    local = world_size if local_ranks is None else local_ranks
+    profile = _machine(cfg, machine, local)
+    workload = workload or default_workload(cfg)
+    census = take_census(model, cfg, cfg.precision.itemsize)
+    decision = decide(StepModel(census, cfg, world_size, profile, workload), cfg.tiers.params,
+                      cfg.tiers.optimizer, slices)
+    return resolve_tiers(cfg, decision), decision
+
+
+def default_workload(cfg: "Config") -> Workload:
+    """``Workload()`` with ``activations.checkpoint_nbytes`` taking device memory when activations stay there."""
+    on_device = cfg.activations.offload == "none"
+    return Workload(activation_bytes=int(cfg.activations.checkpoint_nbytes) if on_device else 0)
+
+
+def predict_uniform(cfg: "Config", census, world_size: int, local_ranks: int, machine: object,
+                    workload: Workload | None = None) -> StepPrediction:
+    """The predicted step of ``cfg``'s own tiers on ``machine`` (a profile or a profile file)."""
+    model = StepModel(census, cfg, world_size, _machine(cfg, machine, local_ranks), workload or default_workload(cfg))
+    return model.predict(Placement.uniform(cfg.tiers.params, cfg.tiers.optimizer))
+
+
+def _machine(cfg: "Config", machine: object, local_ranks: int) -> MachineProfile:
+    if isinstance(machine, MachineProfile):
+        return dataclasses.replace(machine, ranks=local_ranks) if machine.ranks != local_ranks else machine
+    if machine is not None:
+        return dataclasses.replace(MachineProfile.from_file(machine), ranks=local_ranks)
+    from infinity.plan.probes import machine_profile
+
+    return machine_profile(cfg.tiers.compute_device(), cfg.precision.dtype, ranks=local_ranks,
+                           nvme_paths=tuple(cfg.tiers.nvme_path), host_budget=int(cfg.tiers.host_budget))
+
+
+def resolve_at_init(cfg: "Config", model: object, machine: object, group=None) -> tuple["Config", AutoDecision | None]:
+    """What ``infinity.Init`` runs for "auto" tiers: rank 0 decides and every rank takes its pair, so the
+    ranks agree whatever each one's probes measured. A decision that fails is a ConfigError naming the key."""
+    from infinity.config import ConfigError
+
+    if AUTO not in (cfg.tiers.params, cfg.tiers.optimizer):
+        return cfg, None
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    key = "tiers.params" if cfg.tiers.params == AUTO else "tiers.optimizer"
+    try:
+        resolved, decision = resolve_auto(cfg, model, world_size=world, machine=machine)
+    except PlanError as exc:
+        raise ConfigError(str(exc), key) from None
+    if world > 1:
+        chosen = [(resolved.tiers.params, resolved.tiers.optimizer)]
+        dist.broadcast_object_list(chosen, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                   group=group)
+        params, optimizer = chosen[0]
+        resolved = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, params=params, optimizer=optimizer))
+    import logging
+
+    logging.getLogger("infinity").info("%s", decision.summary())
+    return resolved, decision
+
+
+def resolve_tiers(cfg: "Config", decision: AutoDecision) -> "Config":
+    """``cfg`` with its "auto" tiers replaced by the decision's pair."""
+    params, optimizer = decision.chosen.placement.pair
+    tiers = cfg.tiers
+    return dataclasses.replace(cfg, tiers=dataclasses.replace(
+        tiers, params=params if tiers.params == AUTO else tiers.params,
+        optimizer=optimizer if tiers.optimizer == AUTO else tiers.optimizer))
+
+
+__all__ = ["AUTO", "AutoDecision", "all_placements", "best_split", "best_uniform", "decide", "default_workload", "predict_uniform", "resolve_at_init", "resolve_auto", "resolve_tiers",
+           "fits", "runnable", "uniform_predictions"]

@@ -1,0 +1,145 @@
+"""This machine's rates, measured once and cached: the inputs of ``auto`` placement's step-time model.
+
+[Note: machine probes]
+Four short probes (about ``seconds`` each, 0.2 by default) measure what the step-time model divides by:
+a copy each way through a pinned buffer on a GPU (a memory copy with the CPU as compute device), torch's
+fused host AdamW (``torch._fused_adamw_``, the update pass's kernel, fp32 states), a matmul in the dtype
+the model's linear layers run in, and a large host memory copy (bandwidth counts the bytes read and
+written). Disk rates come from an ``infinity-bench nvme --json`` file when one is given ([Note: reading
+infinity-bench JSON] in infinity/plan/bandwidth.py), and are kept with the rest. The rates are cached in
+``~/.cache/infinity/machine.json`` under a key of hostname, CPU model, GPU name and compute dtype, so
+later runs probe nothing; memory sizes (device, host available, NVMe free) are read fresh each time,
+since they change between runs. Tests never probe: they give a ``MachineProfile``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from infinity.plan.bandwidth import Bandwidth
+from infinity.plan.machine import MachineProfile
+
+CACHE_PATH = Path.home() / ".cache" / "infinity" / "machine.json"
+_PROBE_NUMEL = 1 << 22          # 4Mi fp32 elements per AdamW pass: a sub-group's slice, well past caches
+_COPY_BYTES = 64 << 20
+
+
+def machine_key(device: str, dtype: str) -> str:
+    """What identifies this machine's rates: hostname, CPU model, GPU name, compute device and dtype."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else "no gpu"
+    return f"{socket.gethostname()} | {cpu} | {gpu} | {device} {dtype}"
+
+
+def _timed(fn, seconds: float, sync=lambda: None) -> float:
+    """Seconds per call of ``fn``, the best of calls over about ``seconds`` after one warm-up call."""
+    fn()
+    sync()
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == float("inf"):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def probe_rates(device: str, dtype: str, seconds: float = 0.2) -> dict[str, float]:
+    """Measure the rates of [Note: machine probes] (takes about 5 x ``seconds``)."""
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    host = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=cuda)
+    other = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+    h2d = _COPY_BYTES / _timed(lambda: other.copy_(host, non_blocking=True), seconds, sync) / 1e9
+    d2h = _COPY_BYTES / _timed(lambda: host.copy_(other, non_blocking=True), seconds, sync) / 1e9
+    big = torch.empty(4 * _COPY_BYTES, dtype=torch.uint8)
+    dst = torch.empty_like(big)
+    memory = 2 * big.numel() / _timed(lambda: dst.copy_(big), seconds) / 1e9
+    p, g, m, v = (torch.rand(_PROBE_NUMEL) for _ in range(4))
+    steps = torch.zeros((), dtype=torch.float32)
+
+    def adam() -> None:
+        torch._fused_adamw_([p], [g], [m], [v], [], [steps], lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    adam_rate = _PROBE_NUMEL / _timed(adam, seconds)
+    mm_dtype = getattr(torch, dtype) if cuda else torch.float32
+    a = torch.randn(2048, 2048, device=device, dtype=mm_dtype)
+    flops = 2 * 2048**3 / _timed(lambda: a @ a, seconds, sync)
+    return {"h2d_gbps": h2d, "d2h_gbps": d2h, "host_memory_gbps": memory, "host_adam_params_per_s": adam_rate,
+            "device_flops": flops, "device_update_params_per_s": adam_rate if not cuda else 20 * adam_rate}
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def machine_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tuple[str, ...] = (),
+                    host_budget: int = 0, bench_json: str | Path | None = None, cache: Path | None = CACHE_PATH,
+                    seconds: float = 0.2) -> MachineProfile:
+    """This machine's profile: rates from the cache (probed and cached when missing), sizes read now.
+
+    Parameters
+    ----------
+    device, dtype : str
+        The compute device ("cpu" or "cuda") and ``precision.dtype``.
+    ranks : int
+        Ranks on this machine.
+    nvme_paths : tuple of str
+        ``tiers.nvme_path``; their free space is the NVMe room (none: no NVMe tier).
+    host_budget : int
+        ``tiers.host_budget`` (0: the memory available now).
+    bench_json : path, optional
+        An ``infinity-bench nvme --json`` result; its rates replace the cached disk rates.
+    cache : Path or None
+        The cache file; None probes without reading or writing one.
+    """
+    key = machine_key(device, dtype)
+    data = _read_cache(cache) if cache is not None else {}
+    entry = data.get(key) if isinstance(data.get(key), dict) else None
+    if entry is None or not isinstance(entry.get("rates"), dict):
+        entry = {"rates": probe_rates(device, dtype, seconds), "probed": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if bench_json is not None:
+        bw = Bandwidth.from_bench_json(bench_json)
+        entry["disk"] = {"disk_read_gbps": bw.read_gbps, "disk_write_gbps": bw.write_gbps, "source": bw.source}
+    if cache is not None and data.get(key) != entry:
+        data[key] = entry
+        _write_cache(cache, data)
+    import psutil
+
+    host = float(host_budget or psutil.virtual_memory().available)
+    device_bytes = float(torch.cuda.mem_get_info()[1]) if device == "cuda" and torch.cuda.is_available() else 0.0
+    disk = entry.get("disk") or {}
+    nvme = float(sum(shutil.disk_usage(p).free for p in nvme_paths if os.path.isdir(p))) if disk else 0.0
+    return MachineProfile(
+        name=key, device_bytes=device_bytes, host_bytes=host, nvme_bytes=nvme, ranks=ranks,
+        unified=device != "cuda", source=f"probed, cached in {cache}" if cache else "probed",
+        disk_read_gbps=float(disk.get("disk_read_gbps", 0.0)), disk_write_gbps=float(disk.get("disk_write_gbps", 0.0)),
+        **{k: float(v) for k, v in entry["rates"].items()})
+
+
+__all__ = ["CACHE_PATH", "machine_key", "machine_profile", "probe_rates"]

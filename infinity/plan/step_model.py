@@ -1,0 +1,355 @@
+"""The step-time model: from a placement of one rank's states and a machine profile to a predicted step.
+
+[Note: placements]
+Sub-groups of one rank's flat shard are alike, so a placement is a count, not a list: the shard is cut
+into ``slices`` equal slices (each some whole sub-groups; a slice stands for its share of every group),
+and each slice puts its compute copies in one tier and its optimizer states (fp32 master, Adam m and v,
+gradient) in one tier: ``cells[(params tier, optimizer tier)]`` counts the slices of each pair. A uniform
+placement, the only kind the engine runs today (one ``tiers.params`` and one ``tiers.optimizer`` per run,
+``infinity/optim/flat_state.py`` holds every sub-group's states in one tier), has all slices in one
+cell.
+
+[Note: step-time model]
+Bytes and traffic of a cell are its share of the uniform plan of that pair (``infinity.plan.layout``:
+[Note: where each byte lives], [Note: PCIe traffic per step], [Note: NVMe traffic per step]), so the
+model of a uniform placement is exactly what ``infinity-plan`` counts. Buffers that exist once per rank
+(I/O pool, sub-group buffers, staging, the gathered working set) are taken once, at the largest size any
+present pair needs. The step has three phases; each is a window in which every resource works at once,
+so a window takes as long as its busiest resource:
+
+* forward: compute 2 x params x tokens / FLOP/s; host->device copies of the parameters not on the
+  device (every fetch but the last of each group) and their NVMe reads;
+* backward: compute 4 x params x tokens (6 with activation checkpointing, which runs the forward
+  again); the last fetch of each group; gradients device->host for the states off the device, and
+  their NVMe writes;
+* update: AdamW on the device for the states there (on the compute resource), on the host for the
+  rest (host time: the elements over the measured AdamW rate, or the pass's bytes over the memory
+  bandwidth, whichever is longer; the machine's ranks share it); optimizer states and rewritten
+  compute copies to and from NVMe; new compute copies across the link where copy and states are on
+  different sides.
+
+Resources: compute, host->device link, device->host link, host update, disk (reads / read rate +
+writes / write rate, shared by the machine's ranks). The engine's schedule decides which windows merge
+([Note: update modes] in infinity/optim/scheduler.py): the overlapped update (``dpu.overlap``; when
+the pass touches NVMe or, on a GPU, host states) runs beside the next forward, so update and forward
+are one window; the update during backward joins the backward's window; DPU runs it beside the whole
+next iteration (one window); otherwise the three follow each other. With the CPU as compute device the
+host update runs on the cores that compute: both count on the compute resource.
+
+The bound (shared/DESIGN.md, "Placement and the bound") is one window of everything: no schedule
+beats the busiest resource's total. The governing term is that resource.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from infinity.plan.census import ModelCensus
+from infinity.plan.layout import Layout
+from infinity.plan.machine import MachineProfile, Workload
+
+if TYPE_CHECKING:
+    from infinity.config import Config
+
+TIERS = ("device", "host", "nvme")
+PAIRS = tuple(itertools.product(TIERS, TIERS))     # (params tier, optimizer tier)
+RESOURCES = ("compute", "host_to_device", "device_to_host", "host_update", "nvme")
+PHASES = ("forward", "backward", "update")
+STATE_ROWS = ("compute_copy", "master", "adam_moments", "grad_accumulator", "dpu_grad_accumulator",
+              "dpu_compute_copy")
+FP32_BYTES = 4
+PLACEHOLDER_NVME = "/nonexistent/infinity-plan"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Slices of one rank's shard per (params tier, optimizer tier) pair (see [Note: placements]).
+
+    Examples
+    --------
+    >>> Placement.uniform("device", "host").describe()
+    'params device, optimizer host'
+    """
+
+    slices: int
+    cells: tuple[tuple[tuple[str, str], int], ...]
+
+    def __post_init__(self) -> None:
+        if sum(n for _, n in self.cells) != self.slices or any(n < 0 for _, n in self.cells):
+            raise ValueError(f"cells {self.cells} must count {self.slices} slices")
+        object.__setattr__(self, "cells", tuple(sorted(((p, n) for p, n in self.cells if n),
+                                                       key=lambda c: PAIRS.index(c[0]))))
+
+    @classmethod
+    def uniform(cls, params: str, optimizer: str) -> "Placement":
+        return cls(1, (((params, optimizer), 1),))
+
+    @classmethod
+    def from_counts(cls, slices: int, params: tuple[int, int], optimizer: tuple[int, int]) -> "Placement":
+        """Slice i holds its copies on the device while i < params[0], in host memory while i < params[0] +
+        params[1], else on NVMe; its states likewise by ``optimizer``: fastest tiers on the same slices."""
+        counts: dict[tuple[str, str], int] = {}
+        for i in range(slices):
+            pair = (_tier_of(i, params), _tier_of(i, optimizer))
+            counts[pair] = counts.get(pair, 0) + 1
+        return cls(slices, tuple(counts.items()))
+
+    @property
+    def pair(self) -> tuple[str, str] | None:
+        """(params, optimizer) tiers when uniform, else None."""
+        return self.cells[0][0] if len(self.cells) == 1 else None
+
+    def share(self, params: str | None = None, optimizer: str | None = None) -> float:
+        """Fraction of the shard whose copies (or states) are in the given tiers."""
+        return sum(n for (p, o), n in self.cells if params in (None, p) and optimizer in (None, o)) / self.slices
+
+    def describe(self) -> str:
+        if self.pair is not None:
+            return f"params {self.pair[0]}, optimizer {self.pair[1]}"
+        params = " / ".join(f"{t} {self.share(params=t):.0%}" for t in TIERS if self.share(params=t))
+        states = " / ".join(f"{t} {self.share(optimizer=t):.0%}" for t in TIERS if self.share(optimizer=t))
+        return f"params {params}, optimizer {states}"
+
+
+def _tier_of(i: int, counts: tuple[int, int]) -> str:
+    return "device" if i < counts[0] else "host" if i < counts[0] + counts[1] else "nvme"
+
+
+@dataclass(frozen=True)
+class PairCosts:
+    """One rank's bytes and traffic per step under a uniform (params, optimizer) pair: the uniform plan's."""
+
+    state: dict[str, float]           # tier -> bytes of model states
+    buffers: dict[str, dict[str, int]]   # tier -> row key -> bytes of buffers held once per rank
+    h2d: tuple[float, float, float]   # forward, backward, update
+    d2h: tuple[float, float, float]
+    nvme_read: tuple[float, float, float]
+    nvme_write: tuple[float, float, float]
+    host_elements: float              # elements the host AdamW steps
+    host_bytes: float                 # bytes the host update pass moves through memory
+    device_elements: float            # elements AdamW steps on the device
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """A placement's predicted step (see [Note: step-time model]).
+
+    Attributes
+    ----------
+    placement : Placement
+    phases : dict
+        Seconds of each phase on its own: ``forward``, ``backward``, ``update``.
+    schedule : str
+        How the phases overlap: ``sequential``, ``update beside forward``, ``update beside backward``,
+        ``update beside the whole step`` (DPU).
+    step_s : float
+        The predicted step.
+    bound_terms : dict
+        Seconds each resource needs per step in total; the bound is their largest.
+    governing : str
+        The resource with the largest total.
+    need : dict
+        Bytes needed per tier on the machine (``device``: per device).
+    budget : dict
+        Bytes available per tier.
+    fits : bool
+    """
+
+    placement: Placement
+    phases: dict[str, float]
+    schedule: str
+    step_s: float
+    bound_terms: dict[str, float]
+    governing: str
+    need: dict[str, float]
+    budget: dict[str, float]
+    fits: bool
+
+    @property
+    def bound_s(self) -> float:
+        return max(self.bound_terms.values())
+
+    def shortfalls(self) -> list[str]:
+        return [f"{tier}: needs {self.need[tier] / 2**30:.1f} GiB, has {self.budget[tier] / 2**30:.1f} GiB"
+                for tier in TIERS if self.need[tier] > self.budget[tier]]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"placement": {"slices": self.placement.slices,
+                              "cells": [{"params": p, "optimizer": o, "slices": n}
+                                        for (p, o), n in self.placement.cells],
+                              "describe": self.placement.describe()},
+                "phases_s": dict(self.phases), "schedule": self.schedule, "step_s": self.step_s,
+                "bound_terms_s": dict(self.bound_terms), "bound_s": self.bound_s, "governing": self.governing,
+                "need_bytes": dict(self.need), "budget_bytes": dict(self.budget), "fits": self.fits}
+
+
+class StepModel:
+    """Predicts the step of any placement of one model under one config, world size and machine.
+
+    Parameters
+    ----------
+    census : ModelCensus
+    cfg : Config
+        Its ``tiers.params`` / ``tiers.optimizer`` are not used: the placement says where states go.
+    world_size : int
+        Data-parallel ranks (``profile.ranks`` of them per machine).
+    profile : MachineProfile
+    workload : Workload
+    """
+
+    def __init__(self, census: ModelCensus, cfg: "Config", world_size: int, profile: MachineProfile,
+                 workload: Workload) -> None:
+        self.census, self.cfg, self.world_size = census, cfg, world_size
+        self.profile, self.workload = profile, workload
+        self.pb = cfg.precision.itemsize
+        self.pairs = {pair: self.pair_costs(*pair) for pair in PAIRS if allowed(cfg, *pair)}
+        self.num_params = census.num_params
+
+    def pair_costs(self, params: str, optimizer: str) -> PairCosts:
+        """The uniform plan of (params, optimizer), split by phase (see [Note: step-time model])."""
+        cfg = with_tiers(self.cfg, params, optimizer)
+        layout = Layout(self.census, cfg, self.world_size, self.pb)
+        state = {tier: 0.0 for tier in TIERS}
+        buffers: dict[str, dict[str, int]] = {tier: {} for tier in TIERS}
+        for row in layout.rows():
+            if row.key in STATE_ROWS:
+                state[row.tier] += row.nbytes
+            elif row.key != "persistent_params" or params == "device":
+                buffers[row.tier][row.key] = row.nbytes
+        t, pb = layout.trainable_numel, self.pb
+        fetched = pb * layout.gathered_numel if params != "device" else 0.0
+        fetch_fwd = fetched * max(0.0, 1 - layout.shard_numel / max(1, layout.gathered_numel))
+        h2d_update = layout.host_to_device_bytes() - fetched
+        d2h_grads = pb * t if optimizer != "device" else 0.0
+        d2h_update = layout.device_to_host_bytes() - d2h_grads
+        read_params = (layout.read_nvme - layout.fresh_bytes()) if params == "nvme" else 0.0
+        read_fwd = read_params * max(0.0, 1 - layout.compute_nvme / max(1, layout.read_nvme))
+        grads_written = layout.grad_bytes * t if optimizer == "nvme" and not layout.grads_held else 0.0
+        mom = layout.moments.bytes_per_element()
+        host_elements = t if optimizer != "device" else 0.0
+        # The pass reads master, m, v and gradient and writes master, m, v and the new compute copy.
+        host_bytes = host_elements * (2 * (FP32_BYTES + 2 * mom) + layout.grad_bytes + pb)
+        return PairCosts(
+            state=state, buffers=buffers,
+            h2d=(fetch_fwd, fetched - fetch_fwd, h2d_update),
+            d2h=(0.0, d2h_grads, d2h_update),
+            nvme_read=(read_fwd, read_params - read_fwd, layout.nvme_read_bytes() - read_params),
+            nvme_write=(0.0, grads_written, layout.nvme_write_bytes() - grads_written),
+            host_elements=host_elements, host_bytes=host_bytes,
+            device_elements=t if optimizer == "device" else 0.0)
+
+    def budget(self) -> dict[str, float]:
+        prof = self.profile
+        host = float(prof.host_bytes)
+        if int(self.cfg.tiers.host_budget):
+            host = min(host, float(self.cfg.tiers.host_budget))
+        device = host if prof.unified else float(prof.device_bytes)
+        # NVMe only where the config names a directory for it: the engine has nowhere else to put files.
+        nvme = float(prof.nvme_bytes) if self.cfg.tiers.nvme_path else 0.0
+        return {"device": device, "host": host, "nvme": nvme}
+
+    def need(self, placement: Placement) -> dict[str, float]:
+        """Bytes per tier on the machine: host and NVMe for all its ranks, device per device."""
+        per_rank = {tier: 0.0 for tier in TIERS}
+        buffers: dict[str, dict[str, int]] = {tier: {} for tier in TIERS}
+        for pair, n in placement.cells:
+            costs = self.pairs[pair]
+            for tier in TIERS:
+                per_rank[tier] += costs.state[tier] * n / placement.slices
+                for key, nbytes in costs.buffers[tier].items():
+                    buffers[tier][key] = max(buffers[tier].get(key, 0), nbytes)
+        for tier in TIERS:
+            per_rank[tier] += sum(buffers[tier].values())
+        per_rank["device"] += self.workload.activation_bytes
+        ranks = self.profile.ranks
+        need = {"device": per_rank["device"], "host": per_rank["host"] * ranks, "nvme": per_rank["nvme"] * ranks}
+        if self.profile.unified:     # the device is host memory: one budget for both
+            need["host"] += per_rank["device"] * ranks
+            need["device"] = need["host"]
+        return need
+
+    def usage(self, placement: Placement) -> list[dict[str, float]]:
+        """Seconds each resource is busy in each phase (forward, backward, update)."""
+        prof, wl = self.profile, self.workload
+        flops = self.num_params * wl.tokens
+        compute = (2 * flops / prof.device_flops, (4 + 2 * wl.recompute) * flops / prof.device_flops, 0.0)
+        out = []
+        for phase in range(3):
+            use = dict.fromkeys(RESOURCES, 0.0)
+            use["compute"] = compute[phase]
+            read = write = 0.0
+            for pair, n in placement.cells:
+                c, share = self.pairs[pair], n / placement.slices
+                use["host_to_device"] += share * c.h2d[phase] / (prof.h2d_gbps * 1e9)
+                use["device_to_host"] += share * c.d2h[phase] / (prof.d2h_gbps * 1e9)
+                read += share * c.nvme_read[phase]
+                write += share * c.nvme_write[phase]
+                if phase == 2:
+                    use["compute"] += share * c.device_elements / prof.device_update_params_per_s
+                    host = prof.ranks * share * max(c.host_elements / prof.host_adam_params_per_s,
+                                                    c.host_bytes / (prof.host_memory_gbps * 1e9))
+                    use["compute" if prof.unified else "host_update"] += host
+            if read or write:
+                use["nvme"] = prof.ranks * (read / _rate(prof.disk_read_gbps) + write / _rate(prof.disk_write_gbps))
+            out.append(use)
+        return out
+
+    def schedule(self, placement: Placement) -> str:
+        """Which phases share a window ([Note: update modes] in infinity/optim/scheduler.py)."""
+        cfg = self.cfg
+        if cfg.dpu.enabled:
+            return "update beside the whole step"
+        if cfg.optimizer.update_in_backward:
+            return "update beside backward"
+        streamed = placement.share(optimizer="nvme") > 0 or placement.share(params="nvme") > 0
+        host_on_gpu = placement.share(optimizer="host") > 0 and not self.profile.unified
+        if cfg.dpu.overlap and (streamed or host_on_gpu):
+            return "update beside forward"
+        return "sequential"
+
+    def predict(self, placement: Placement) -> StepPrediction:
+        """The predicted step of ``placement`` (see [Note: step-time model])."""
+        fwd, bwd, upd = self.usage(placement)
+        window = lambda *uses: max(sum(u[r] for u in uses) for r in RESOURCES)   # noqa: E731
+        schedule = self.schedule(placement)
+        step = {"sequential": lambda: window(fwd) + window(bwd) + window(upd),
+                "update beside forward": lambda: window(fwd, upd) + window(bwd),
+                "update beside backward": lambda: window(fwd) + window(bwd, upd),
+                "update beside the whole step": lambda: window(fwd, bwd, upd)}[schedule]()
+        terms = {r: fwd[r] + bwd[r] + upd[r] for r in RESOURCES}
+        need, budget = self.need(placement), self.budget()
+        return StepPrediction(
+            placement=placement, phases={"forward": window(fwd), "backward": window(bwd), "update": window(upd)},
+            schedule=schedule, step_s=step, bound_terms=terms, governing=max(terms, key=terms.get),
+            need=need, budget=budget, fits=all(need[t] <= budget[t] for t in TIERS))
+
+
+def _rate(gbps: float) -> float:
+    """Bytes per second of a disk rate; no disk at all makes any byte on it take forever."""
+    return gbps * 1e9 if gbps > 0 else 1e-30
+
+
+def allowed(cfg: "Config", params: str, optimizer: str) -> bool:
+    """Whether the engine runs this (params, optimizer) pair under ``cfg``'s other settings."""
+    if int(cfg.partition.stage) < 3 and params != "device":
+        return False
+    if optimizer == "device" and (cfg.optimizer.state_dtype != "fp32" or cfg.optimizer.update_in_backward):
+        return False
+    return True
+
+
+def with_tiers(cfg: "Config", params: str, optimizer: str) -> "Config":
+    """``cfg`` with these tiers (a placeholder NVMe path when it names none: the plan only counts bytes)."""
+    tiers = cfg.tiers
+    paths = tiers.nvme_path
+    if "nvme" in (params, optimizer) and not paths:
+        paths = (PLACEHOLDER_NVME,)
+    if (tiers.params, tiers.optimizer, tiers.nvme_path) == (params, optimizer, paths):
+        return cfg
+    return dataclasses.replace(cfg, tiers=dataclasses.replace(tiers, params=params, optimizer=optimizer,
+                                                              nvme_path=paths))
+
+
+__all__ = ["PAIRS", "Placement", "StepModel", "StepPrediction", "allowed", "with_tiers"]

@@ -1,0 +1,241 @@
+"""``auto`` placement and the step-time model (infinity/plan/step_model.py, placement.py): decisions for
+machine profiles given as data, checked against an exhaustive search and the uniform plan's own bytes."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import pytest
+
+from infinity.config import ConfigError, load_config
+from infinity.plan import PlanError, plan
+from infinity.plan.census import ModelCensus
+from infinity.plan.machine import MachineProfile, Workload
+from infinity.plan.placement import best_split, decide, resolve_auto
+from infinity.plan.shapes import KNOWN_SHAPES, known_census
+from infinity.plan.step_model import PAIRS, RESOURCES, TIERS, Placement, StepModel
+
+GiB = 2**30
+
+# The machines of the issue, as data: rates are typical of each class of machine, not measured here.
+PROFILES = {
+    "1x80GB": dict(name="1x80GB", device_bytes=80e9, host_bytes=128 * GiB, nvme_bytes=4e12, disk_read_gbps=2.0,
+                   disk_write_gbps=2.0, h2d_gbps=25.0, d2h_gbps=25.0, device_flops=400e12,
+                   host_adam_params_per_s=1.5e9, host_memory_gbps=100.0),
+    "1x24GB": dict(name="1x24GB", device_bytes=24e9, host_bytes=64 * GiB, nvme_bytes=2e12, disk_read_gbps=3.0,
+                   disk_write_gbps=2.0, h2d_gbps=12.0, d2h_gbps=12.0, device_flops=80e12,
+                   host_adam_params_per_s=0.8e9, host_memory_gbps=50.0),
+    "8x80GB": dict(name="8x80GB", ranks=8, device_bytes=80e9, host_bytes=1024 * GiB, nvme_bytes=16e12,
+                   disk_read_gbps=12.0, disk_write_gbps=10.0, h2d_gbps=25.0, d2h_gbps=25.0, device_flops=400e12,
+                   host_adam_params_per_s=4e9, host_memory_gbps=200.0),
+}
+WORKLOAD = Workload(tokens=8192, activation_bytes=4 * GiB)
+CFG = load_config("auto", nvme_path="/nonexistent/infinity-plan")
+SLICES = 6
+
+
+def _model(profile: str, model: str, cfg=CFG, **changes) -> StepModel:
+    prof = MachineProfile(**{**PROFILES[profile], **changes})
+    return StepModel(known_census(model), cfg, prof.ranks, prof, WORKLOAD)
+
+
+def _every_placement(model: StepModel, slices: int):
+    """Every way to put ``slices`` slices into the pairs the engine allows: written here apart from the
+    library's search, so a shortcut there cannot hide in both."""
+    pairs = [pair for pair in PAIRS if pair in model.pairs]
+    for counts in itertools.product(range(slices + 1), repeat=len(pairs) - 1):
+        rest = slices - sum(counts)
+        if rest >= 0:
+            yield Placement(slices, tuple(zip(pairs, (*counts, rest))))
+
+
+def _fits(model: StepModel, placement: Placement) -> bool:
+    need, budget = model.need(placement), model.budget()
+    return all(need[t] <= budget[t] for t in TIERS)
+
+
+CASES = list(itertools.product(PROFILES, KNOWN_SHAPES))
+
+
+@pytest.mark.parametrize("profile,model_name", CASES)
+def test_no_placement_that_fits_predicts_a_faster_step_than_the_split(profile, model_name):
+    model = _model(profile, model_name)
+    best = best_split(model, SLICES)
+    assert best is not None and _fits(model, best.placement)
+    faster = [p for p in _every_placement(model, SLICES)
+              if _fits(model, p) and model.predict(p).step_s < best.step_s * (1 - 1e-9)]
+    assert not faster, (f"{best.placement.describe()} predicts {best.step_s:.4f} s but "
+                        f"{faster[0].describe()} fits and predicts {model.predict(faster[0]).step_s:.4f} s")
+
+
+@pytest.mark.parametrize("profile,model_name", CASES)
+def test_auto_runs_the_fastest_pair_that_fits(profile, model_name):
+    model = _model(profile, model_name)
+    decision = decide(model, slices=SLICES)
+    chosen = decision.chosen
+    assert chosen.fits and _fits(model, chosen.placement)
+    for pair in model.pairs:
+        other = model.predict(Placement.uniform(*pair))
+        if _fits(model, other.placement):
+            assert chosen.step_s <= other.step_s, f"{pair} fits and predicts {other.step_s} < {chosen.step_s}"
+    # Every pair is a placement the split search considers too, so the split is never slower.
+    assert decision.split.step_s <= chosen.step_s * (1 + 1e-12)
+
+
+def test_decisions_follow_from_the_sizes():
+    """What the sizes alone settle: 1.3B x 16 bytes fits one 80 GB device whole, and nothing beats no
+    transfers; 70B's optimizer states (70e9 x 12 bytes) fit neither 128 nor 64 GiB of host memory; on
+    eight 80 GB devices 70B's states are 140 GB per rank, more than a device holds."""
+    pair = lambda p, m: decide(_model(p, m), slices=SLICES).chosen.placement.pair   # noqa: E731
+    assert pair("1x80GB", "gpt-1.3b") == ("device", "device")
+    assert pair("1x80GB", "llama-70b")[1] == "nvme"
+    assert pair("1x24GB", "llama-70b")[1] == "nvme"
+    assert pair("8x80GB", "llama-70b")[1] != "device"
+    assert pair("8x80GB", "llama-7b") == ("device", "device")
+
+
+@pytest.mark.parametrize("params,optimizer", [pair for pair in PAIRS])
+def test_a_uniform_placement_costs_what_the_plan_counts(params, optimizer):
+    """The model's bytes and traffic of a pair are the uniform plan's (infinity/plan/layout.py)."""
+    prof = MachineProfile(**{**PROFILES["1x80GB"]})
+    census = known_census("gpt-1.3b")
+    model = StepModel(census, CFG, 1, prof, Workload(tokens=8192))
+    cfg = load_config(CFG, overrides={"tiers": {"params": params, "optimizer": optimizer}})
+    expected = plan(census, cfg, check_fit=False)
+    need = model.need(Placement.uniform(params, optimizer))
+    for tier in TIERS:
+        assert need[tier] == pytest.approx(expected.tier_bytes(tier), rel=1e-12), tier
+    costs = model.pairs[(params, optimizer)]
+    assert sum(costs.h2d) == pytest.approx(expected.host_to_device_bytes)
+    assert sum(costs.d2h) == pytest.approx(expected.device_to_host_bytes)
+    assert sum(costs.nvme_read) == pytest.approx(expected.nvme_read_bytes)
+    assert sum(costs.nvme_write) == pytest.approx(expected.nvme_write_bytes)
+
+
+def test_the_step_by_hand_with_the_update_beside_the_forward():
+    """fp32, params on the device, states on NVMe: the update overlaps the next forward, so the step is
+    max(forward compute, the update's NVMe time, its copies) + max(backward compute, gradients out)."""
+    census = ModelCensus.from_num_params(10**9)
+    cfg = load_config({"tiers": {"params": "device", "optimizer": "nvme", "nvme_path": "/x"}})
+    prof = MachineProfile(name="hand", device_bytes=1e12, host_bytes=1e12, nvme_bytes=1e13, device_flops=1e14,
+                          h2d_gbps=1000.0, d2h_gbps=3.0, disk_read_gbps=2.0, disk_write_gbps=1.5)
+    tokens = 4096
+    model = StepModel(census, cfg, 1, prof, Workload(tokens=tokens))
+    got = model.predict(Placement.uniform("device", "nvme"))
+    p = plan(census, cfg, check_fit=False)
+    t = p.shards.trainable_shard_numel
+    grads = 4 * t                                   # fp32 gradients, written as backward makes them
+    update_disk = p.nvme_read_bytes / 2e9 + (p.nvme_write_bytes - grads) / 1.5e9
+    forward = max(2 * 10**9 * tokens / 1e14, update_disk, 4 * t / 1000e9)
+    backward = max(4 * 10**9 * tokens / 1e14, grads / 1.5e9, 4 * t / 3e9)
+    assert got.schedule == "update beside forward"
+    assert got.step_s == pytest.approx(forward + backward, rel=1e-12)
+    assert got.governing == "nvme"
+    assert got.bound_terms["nvme"] == pytest.approx(p.nvme_read_bytes / 2e9 + p.nvme_write_bytes / 1.5e9)
+
+
+@pytest.mark.parametrize("overrides,schedule", [
+    ({}, "update beside forward"),
+    ({"dpu": {"enabled": True}}, "update beside the whole step"),
+    ({"optimizer": {"update_in_backward": True}}, "update beside backward"),
+    ({"dpu": {"overlap": False}}, "sequential"),
+])
+def test_schedules_merge_windows_and_never_beat_the_bound(overrides, schedule):
+    cfg = load_config(CFG, overrides={**overrides})
+    model = _model("1x24GB", "llama-7b", cfg=cfg)
+    for placement in itertools.islice(_every_placement(model, 3), 0, None, 7):
+        got = model.predict(placement)
+        assert got.step_s >= got.bound_s * (1 - 1e-12)
+        assert got.step_s <= sum(got.phases.values()) * (1 + 1e-12)
+        assert got.bound_terms[got.governing] == max(got.bound_terms.values())
+        assert set(got.bound_terms) == set(RESOURCES)
+    got = model.predict(Placement.uniform("host", "nvme"))
+    assert got.schedule == schedule
+    if schedule == "sequential":
+        assert got.step_s == pytest.approx(sum(got.phases.values()))
+
+
+def test_more_room_or_a_faster_disk_never_predicts_a_slower_choice():
+    for profile, name in [("1x24GB", "llama-13b"), ("1x80GB", "llama-70b"), ("1x80GB", "llama-7b")]:
+        base = decide(_model(profile, name), slices=SLICES).chosen.step_s
+        prof = PROFILES[profile]
+        for change in ({"disk_read_gbps": prof["disk_read_gbps"] * 2}, {"host_bytes": prof["host_bytes"] * 2},
+                       {"device_bytes": prof["device_bytes"] * 2}):
+            assert decide(_model(profile, name, **change), slices=SLICES).chosen.step_s <= base * (1 + 1e-12)
+
+
+def test_auto_without_nvme_path_never_chooses_nvme_and_says_when_nothing_fits():
+    cfg = load_config("auto")
+    model = _model("1x80GB", "llama-7b", cfg=cfg)
+    assert "nvme" not in decide(model, slices=SLICES).chosen.placement.pair
+    with pytest.raises(PlanError, match=r'no placement fits this machine \(1x80GB\):\n  params device, '
+                                        r'optimizer device: device: needs'):
+        decide(_model("1x80GB", "llama-70b", cfg=cfg), slices=SLICES)
+
+
+def test_a_fixed_tier_beside_auto_is_kept():
+    cfg = load_config(CFG, overrides={"tiers": {"params": "host"}})
+    resolved, decision = resolve_auto(cfg, known_census("llama-7b"), machine=MachineProfile(**PROFILES["1x80GB"]))
+    assert resolved.tiers.params == "host" and resolved.tiers.optimizer != "auto"
+    assert all(c.placement.pair[0] == "host" for c in decision.candidates)
+    stage2 = load_config(CFG, overrides={"partition": {"stage": 2}})
+    resolved, _ = resolve_auto(stage2, 1.3e9, machine=MachineProfile(**PROFILES["1x80GB"]))
+    assert resolved.tiers.params == "device"
+
+
+def test_plan_of_auto_resolves_the_tiers_and_predicts(tmp_path):
+    prof = tmp_path / "box.toml"
+    prof.write_text('name = "box"\ndevice_bytes = "24GB"\nhost_bytes = "64GiB"\nnvme_bytes = "2TB"\n'
+                    "disk_read_gbps = 3.0\ndisk_write_gbps = 2.0\n")
+    p = plan(known_census("llama-13b"), CFG, machine=prof, check_fit=False)
+    assert (p.settings.params_tier, p.settings.optimizer_tier) == p.auto.chosen.placement.pair
+    assert p.prediction is p.auto.chosen
+    text = p.table()
+    assert "Placement: params" in text and "Predicted step:" in text and "governed by" in text
+    data = json.loads(json.dumps(p.to_dict()))
+    assert data["prediction"]["governing"] in RESOURCES
+    assert data["auto"]["chosen"] == list(p.auto.chosen.placement.pair)
+
+
+def test_machine_profiles_are_checked_and_read_from_files(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({**PROFILES["8x80GB"], "host_bytes": "1TiB"}))
+    prof = MachineProfile.from_file(path)
+    assert prof.host_bytes == 2**40 and prof.ranks == 8 and prof.source == str(path)
+    assert MachineProfile.from_dict(prof.to_dict()) == prof
+    path.write_text(json.dumps({"name": "x", "device_bytes": 1, "host_bytes": 1, "host_gb": 3}))
+    with pytest.raises(PlanError, match=r"unknown keys \['host_gb'\]"):
+        MachineProfile.from_file(path)
+    with pytest.raises(PlanError, match="no disk bandwidth"):
+        MachineProfile(name="x", device_bytes=1, host_bytes=1, nvme_bytes=10)
+    with pytest.raises(PlanError, match="h2d_gbps must be positive"):
+        MachineProfile(name="x", device_bytes=1, host_bytes=1, h2d_gbps=0)
+
+
+def test_init_with_auto_needs_the_model_size():
+    import infinity
+
+    with pytest.raises(ConfigError, match=r'tiers.params: tiers "auto" places states for a model of known size'):
+        infinity.Init("auto")
+
+
+def test_init_with_auto_resolves_and_trains(monkeypatch):
+    import torch
+
+    import infinity
+
+    monkeypatch.setenv("INFINITY_DEVICE", "cpu")
+    # 8 GiB of memory for a 4,160-element model: everything fits "on the device", the CPU's memory.
+    box = MachineProfile(name="cpu box", device_bytes=0, host_bytes=8 * GiB, unified=True)
+    with infinity.Init("auto", model=64 * 64 + 64, machine=box) as init:
+        model = torch.nn.Linear(64, 64)
+    assert (init.config.tiers.params, init.config.tiers.optimizer) == ("device", "device")
+    assert init.placement.chosen.placement.pair == ("device", "device")
+    opt = infinity.AdamW(model, lr=1e-3)
+    model(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    # 4,160 parameters and 1 MiB of host memory: the states do not all fit in memory, and there is no NVMe.
+    tiny = dataclasses.replace(box, host_bytes=2**20)
+    with pytest.raises(ConfigError, match="no placement fits this machine"):
+        infinity.Init("auto", model=64 * 64 + 64, machine=tiny)
