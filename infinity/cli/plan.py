@@ -7,6 +7,7 @@ Usage::
         --bench-json nvme.json
     infinity-plan model --params 1.3e9 --config offload.toml --read-gbps 2.4 --write-gbps 3 --json
     infinity-plan model --model mymodels:build --config nvme --set tiers.nvme_path=/mnt/nvme
+    infinity-plan model --params 13B --config auto --set tiers.nvme_path=/mnt/nvme --machine box.toml
 
 Exit status: 0 on success; 1 when ``model`` finds the plan does not fit this machine (a missing
 or unusable ``nvme_path`` included) or the work fails; 2 on bad input (one line on stderr naming
@@ -72,6 +73,16 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="bytes of checkpointed activations per rank, e.g. 32MiB (sets "
                             "activations.checkpoint_nbytes; blocks x batch x sequence x hidden x dtype bytes "
                             "for a transformer with every block checkpointed)")
+    model.add_argument("--machine", metavar="FILE",
+                       help="a machine profile (JSON or TOML: device_bytes, host_bytes, nvme_bytes, rates; see "
+                            "infinity.plan.machine.MachineProfile) to predict the step on; with tiers \"auto\" and "
+                            "no profile, this machine is probed once and cached (~/.cache/infinity/machine.json)")
+    model.add_argument("--probe", action="store_true",
+                       help="predict the step on this machine, probed once and cached, whatever the tiers")
+    model.add_argument("--tokens", default="16384", metavar="N",
+                       help="tokens per rank and step for the predicted compute (default 16384)")
+    model.add_argument("--recompute", action="store_true",
+                       help="activation checkpointing: backward runs the forward again")
     model.add_argument("--no-check", action="store_true",
                        help="do not check the plan against this machine's memory and disks")
     model.add_argument("--json", nargs="?", const="-", metavar="PATH",
@@ -159,6 +170,34 @@ def _config(args: argparse.Namespace):
         raise PlanError(f"{flag}: {exc.key}: {exc.reason}" if exc.key else f"{flag}: {exc.reason}") from exc
 
 
+def _prediction_inputs(args: argparse.Namespace, config) -> dict:
+    """``machine`` and ``workload`` for ``plan``: the profile file, or this machine probed (``--probe``; "auto"
+    tiers probe without it), and the tokens and recompute of ``--tokens`` / ``--recompute``."""
+    from infinity.plan import PlanError, resolve_config
+    from infinity.plan.machine import Workload
+    from infinity.plan.placement import default_workload
+
+    if args.machine and args.probe:
+        raise PlanError("give --machine or --probe, not both")
+    cfg = resolve_config(config)
+    try:
+        workload = Workload(tokens=args.tokens, recompute=args.recompute,
+                            activation_bytes=default_workload(cfg).activation_bytes)
+    except PlanError as exc:
+        raise PlanError(f"--tokens: {exc}") from None
+    if args.machine:
+        return {"machine": args.machine, "workload": workload}
+    if args.probe or "auto" in (cfg.tiers.params, cfg.tiers.optimizer):
+        from infinity.plan.probes import machine_profile
+
+        local = args.local_ranks or args.ranks
+        profile = machine_profile(cfg.tiers.compute_device(), cfg.precision.dtype, ranks=local,
+                                  nvme_paths=tuple(cfg.tiers.nvme_path), host_budget=int(cfg.tiers.host_budget),
+                                  bench_json=args.bench_json)
+        return {"machine": profile, "workload": workload}
+    return {"workload": workload}
+
+
 def _run_model(args: argparse.Namespace) -> int:
     from infinity.plan import Bandwidth, PlanError, plan
 
@@ -183,6 +222,7 @@ def _run_model(args: argparse.Namespace) -> int:
         nvme_bandwidth=bandwidth,
         local_ranks=args.local_ranks,
         check_fit=not args.no_check,
+        **_prediction_inputs(args, config),
     )
     if args.json != "-":
         print(result.table())

@@ -239,3 +239,26 @@ def test_init_with_auto_resolves_and_trains(monkeypatch):
     tiny = dataclasses.replace(box, host_bytes=2**20)
     with pytest.raises(ConfigError, match="no placement fits this machine"):
         infinity.Init("auto", model=64 * 64 + 64, machine=tiny)
+
+
+def test_infinity_plan_prints_the_placement_phases_and_governing_term(capsys, tmp_path):
+    from infinity.cli.plan import main
+
+    box = tmp_path / "box.json"
+    box.write_text(json.dumps(PROFILES["1x24GB"]))
+    assert main(["model", "--params", "7B", "--config", "auto", "--set", "tiers.nvme_path=/nonexistent/x",
+                 "--machine", str(box), "--tokens", "8192", "--no-check"]) == 0
+    out = capsys.readouterr().out
+    decision = decide(StepModel(ModelCensus.from_num_params(7 * 10**9), CFG, 1, MachineProfile(**PROFILES["1x24GB"]),
+                                Workload(tokens=8192)), slices=16)
+    params, optimizer = decision.chosen.placement.pair
+    assert f"Placement: params {params}, optimizer {optimizer} (tiers \"auto\")" in out
+    assert f"Predicted step: {decision.chosen.step_s:.3f} s" in out
+    assert "governed by" in out and out.count("\n") > 20
+    # A fixed preset with a profile: the same lines, without the candidates.
+    assert main(["model", "--params", "7B", "--config", "offload-host", "--machine", str(box), "--no-check",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["prediction"]["placement"]["describe"] == "params host, optimizer host" and data["auto"] is None
+    assert main(["model", "--params", "7B", "--config", "auto", "--machine", str(box), "--tokens", "many"]) == 2
+    assert "--tokens: tokens must be a positive whole number" in capsys.readouterr().err
