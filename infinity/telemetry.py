@@ -23,9 +23,11 @@ tier are read and the differences become one record in ``engine.step_stats``
   that had to be fetched (not persistent, not already gathered for another user),
   how many the prefetcher had read or gathered ahead, or kept for reuse; ``late``
   counts the hits whose read was still in flight when asked for;
-- ``tiers``: bytes read and written per tier in the step and the rates achieved
-  over the step (decimal GB/s), plus ``bytes_read`` / ``bytes_written`` / ``GBps``
-  summed over tiers.
+- ``tiers``: bytes read and written per tier in the step's wall time and the rates
+  achieved over it (decimal GB/s), plus ``bytes_read`` / ``bytes_written`` / ``GBps``
+  summed over tiers. An overlapped update runs across the boundary, so these bytes
+  are one step's only on average; the transfer ledger books each step's own
+  (``stats(model)["transfers"]``, see [Note: a step's bytes] in infinity/runtime/datapath.py).
 
 Only the last ``MAX_RECORDS`` records are kept, so a long run does not grow memory.
 With ``prefetch.log_every = N`` > 0 a one-line summary goes to the ``infinity``

@@ -280,7 +280,9 @@ class BackgroundUpdate:
             # Gradients of an in-place device tier were accumulated on the compute stream.
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device.device))
-        self._queue.put((job, ready))
+        # The job's transfers are this step's, whenever they run
+        # ([Note: a step's bytes] in infinity/runtime/datapath.py).
+        self._queue.put((job, ready, self.coordinator.datapath.ledger.hold()))
 
     def wait(self) -> StepJob | None:
         """Wait for the running job; return the finished job not yet published (or None).
@@ -319,13 +321,22 @@ class BackgroundUpdate:
         with torch.no_grad():
             run(job)
 
-    def work(self, job: StepJob, ready) -> None:
+    def work(self, job: StepJob, ready, held) -> None:
         """One job on the worker thread (timed, failures kept for the main thread).
 
         On CUDA the job runs on the worker's own stream, after the compute stream's work
         that produced its gradients (``ready``), and the stream is drained before the job
-        counts as done, so publishing never exposes device work still in flight.
+        counts as done, so publishing never exposes device work still in flight. Its
+        transfers are booked to the step that handed it over (``held``, its ledger record).
         """
+        ledger = self.coordinator.datapath.ledger
+        try:
+            with ledger.booking(held):
+                self._work(job, ready)
+        finally:
+            ledger.release(held)
+
+    def _work(self, job: StepJob, ready) -> None:
         t0 = time.perf_counter()
         try:
             if self.device is not None and self.device.is_cuda:
