@@ -27,7 +27,7 @@ from infinity.plan.bandwidth import Bandwidth
 from infinity.plan.machine import MachineProfile
 
 CACHE_PATH = Path.home() / ".cache" / "infinity" / "machine.json"
-_PROBE_NUMEL = 1 << 22          # 4Mi fp32 elements per AdamW pass: a sub-group's slice, well past caches
+_PROBE_NUMEL = 1 << 24          # 16Mi fp32 elements per AdamW pass (256 MiB of states): past any CPU cache
 _COPY_BYTES = 64 << 20
 
 
@@ -120,7 +120,7 @@ def machine_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tupl
     """
     key = machine_key(device, dtype)
     data = _read_cache(cache) if cache is not None else {}
-    entry = data.get(key) if isinstance(data.get(key), dict) else None
+    entry = dict(data[key]) if isinstance(data.get(key), dict) else None     # a copy: compared with the cached one
     if entry is None or not isinstance(entry.get("rates"), dict):
         entry = {"rates": probe_rates(device, dtype, seconds), "probed": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if bench_json is not None:

@@ -262,3 +262,34 @@ def test_infinity_plan_prints_the_placement_phases_and_governing_term(capsys, tm
     assert data["prediction"]["placement"]["describe"] == "params host, optimizer host" and data["auto"] is None
     assert main(["model", "--params", "7B", "--config", "auto", "--machine", str(box), "--tokens", "many"]) == 2
     assert "--tokens: tokens must be a positive whole number" in capsys.readouterr().err
+
+
+def test_probes_are_cached_per_machine_and_take_the_disk_from_a_bench_file(tmp_path, monkeypatch):
+    from infinity.plan import probes
+
+    cache = tmp_path / "machine.json"
+    rates = {"h2d_gbps": 7.0, "d2h_gbps": 6.0, "host_memory_gbps": 11.0, "host_adam_params_per_s": 3e8,
+             "device_flops": 5e10, "device_update_params_per_s": 3e8}
+    key = probes.machine_key("cpu", "bfloat16")
+    cache.write_text(json.dumps({key: {"rates": rates}, "another box | cpu": {"rates": {}}}))
+
+    def no_probing(*args, **kwargs):
+        raise AssertionError("a cached machine was probed again")
+    monkeypatch.setattr(probes, "probe_rates", no_probing)
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"best": {"read_gbps": 2.5, "write_gbps": 1.25}}))
+    prof = probes.machine_profile("cpu", "bfloat16", nvme_paths=(str(tmp_path),), host_budget=GiB, cache=cache,
+                                  bench_json=bench)
+    assert (prof.h2d_gbps, prof.host_adam_params_per_s, prof.host_bytes) == (7.0, 3e8, GiB)
+    assert (prof.disk_read_gbps, prof.disk_write_gbps) == (2.5, 1.25) and prof.nvme_bytes > 0 and prof.unified
+    stored = json.loads(cache.read_text())
+    assert stored[key]["disk"]["disk_read_gbps"] == 2.5 and "another box | cpu" in stored
+    # Without a bench file the cached disk rates stay; a machine never benched has no NVMe room.
+    again = probes.machine_profile("cpu", "bfloat16", nvme_paths=(str(tmp_path),), cache=cache)
+    assert again.disk_write_gbps == 1.25
+    # Another dtype is another key: probed once, then read from the cache.
+    calls = []
+    monkeypatch.setattr(probes, "probe_rates", lambda *a, **k: calls.append(a) or dict(rates, device_flops=9e10))
+    first = probes.machine_profile("cpu", "float32", cache=cache)
+    second = probes.machine_profile("cpu", "float32", cache=cache)
+    assert len(calls) == 1 and first.device_flops == second.device_flops == 9e10 and first.nvme_bytes == 0
