@@ -16,6 +16,11 @@ replaced by a temporary directory. A block is steered by an HTML comment on the 
 - ``<!-- continue -->``: runs in the same process as the block above, after it, as one script.
 - ``<!-- expect-exit: N, ... -->``: each command of a shell block may exit with one of these statuses (a
   plan that says "does not fit" on a small machine exits 1); otherwise it must exit 0.
+- ``<!-- ranks: N -->``: a python block run as ``accelerate launch --num_processes N`` (or torchrun) runs it
+  on a machine without a GPU: N processes at once, each with the launcher's ``RANK``, ``LOCAL_RANK``,
+  ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port), and
+  accelerate's ``ACCELERATE_USE_CPU``, so the block makes its process group (gloo) as it would under the
+  launcher; it passes when every rank exits 0.
 A page that only records measurements says ``<!-- docs-test: skip-page REASON -->`` once, anywhere:
 each of its blocks is then skipped with REASON. Blocks in other languages (toml, text) are not run;
 tests/unit/test_config_reference.py loads the toml ones.
@@ -41,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 NVME_PLACEHOLDER = "/mnt/nvme"
 RUN_LANGS = {"python": "python", "py": "python", "sh": "sh", "bash": "sh", "console": "sh"}
-MARKER = re.compile(r"<!--\s*(skip|needs|file|continue|expect-exit)\s*(?::\s*(.*?))?\s*-->")
+MARKER = re.compile(r"<!--\s*(skip|needs|file|continue|expect-exit|ranks)\s*(?::\s*(.*?))?\s*-->")
 PAGE_SKIP = re.compile(r"<!--\s*docs-test:\s*skip-page\s+(.*?)\s*-->")
 FENCE = re.compile(r"^```(\S*)\s*$")
 JOB_TIMEOUT_S = 120
@@ -134,7 +139,7 @@ def jobs() -> list[dict]:
         out.append({"id": block.name, "page": block.page, "lang": block.lang, "code": block.code,
                     "file": m.get("file") or None,
                     "expect_exit": [int(n) for n in (m.get("expect-exit") or "0").split(",")],
-                    "blocks": [block.name], "skip": skip})
+                    "blocks": [block.name], "skip": skip, "ranks": int(m.get("ranks") or 1)})
     return out
 
 
@@ -213,6 +218,12 @@ def _exit_status(call) -> int:
 
 def _fork(call, cwd: str, log: str, timeout_s: float) -> int:
     """Runs ``call`` in a forked child with cwd ``cwd`` and output to ``log``; its exit status (-9 on timeout)."""
+    return _wait_all([_start(call, cwd, log)], log, timeout_s)[0]
+
+
+def _start(call, cwd: str, log: str, env: dict | None = None) -> int:
+    """Forks a child that runs ``call`` with cwd ``cwd``, output to ``log`` and ``env`` added to its environment;
+    its pid."""
     pid = os.fork()
     if pid == 0:     # the child: never returns
         code = 1
@@ -222,6 +233,7 @@ def _fork(call, cwd: str, log: str, timeout_s: float) -> int:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             os.chdir(cwd)
+            os.environ.update(env or {})
             sys.path.insert(0, cwd)
             code = _exit_status(call)
             import atexit
@@ -235,18 +247,57 @@ def _fork(call, cwd: str, log: str, timeout_s: float) -> int:
                 sys.stderr.flush()
             finally:
                 os._exit(code if 0 <= code < 256 else 1)
+    return pid
+
+
+def _wait_all(pids: list[int], log: str, timeout_s: float) -> list[int]:
+    """The exit status of each child in ``pids`` (-9 for one killed at the timeout, with the others left)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.killpg(pid, 9)
-            os.waitpid(pid, 0)
+    statuses: dict[int, int] = {}
+    while len(statuses) < len(pids):
+        for pid in pids:
+            if pid in statuses:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                statuses[pid] = os.waitstatus_to_exitcode(status)
+        if len(statuses) < len(pids) and time.monotonic() > deadline:
+            for pid in pids:
+                if pid not in statuses:
+                    os.killpg(pid, 9)
+                    os.waitpid(pid, 0)
+                    statuses[pid] = -9
             with open(log, "a") as f:
                 f.write(f"\n[killed after {timeout_s:.0f} s]\n")
-            return -9
         time.sleep(0.02)
+    return [statuses[pid] for pid in pids]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(run, ranks: int, cwd: str, log: str) -> int:
+    """Runs ``run`` in ``ranks`` children at once, as torchrun starts them on one machine; the first nonzero exit
+    status. Each rank's output goes to the job's log after a line naming the rank and its exit status."""
+    port = str(_free_port())
+    pids = []
+    for rank in range(ranks):
+        rank_log = f"{log}.rank{rank}"
+        # ACCELERATE_USE_CPU as `accelerate launch` sets it on a machine without a GPU: accelerate then splits
+        # the batches over the ranks (MULTI_CPU); under torchrun alone it makes the group but keeps every batch.
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ACCELERATE_USE_CPU": "true"}
+        pids.append(_start(run, cwd, rank_log, env))
+    statuses = _wait_all(pids, log, JOB_TIMEOUT_S)
+    with open(log, "a") as f:
+        for rank, status in enumerate(statuses):
+            f.write(f"[rank {rank}: exit status {status}]\n{Path(f'{log}.rank{rank}').read_text(errors='replace')}")
+    return next((status for status in statuses if status != 0), 0)
 
 
 def _run_job(job: dict, cwd: str, nvme: str, scripts: dict[str, str], log: str) -> int:
@@ -261,6 +312,8 @@ def _run_job(job: dict, cwd: str, nvme: str, scripts: dict[str, str], log: str) 
             sys.argv = [path or "-c"]
             compiled = compile(code, path or f"<{job['id']}>", "exec")
             exec(compiled, {"__name__": "__main__", "__file__": path or f"<{job['id']}>", "__builtins__": __builtins__})
+        if job["ranks"] > 1:
+            return _launch(run, job["ranks"], cwd, log)
         return _fork(run, cwd, log, JOB_TIMEOUT_S)
     status = 0
     for command in _shell_commands(code):
