@@ -49,9 +49,9 @@ def predicted_phases(engine, nvme_bandwidth=None) -> list[Phase]:
     read_s, write_s = bw.seconds(read, 0), bw.seconds(0, written)
     source = {"bandwidth": bw.to_dict()}
     return [
-        Phase(f"plan: NVMe read {read} B at {bw.read_gbps:g} GB/s", 0.0, read_s,
+        Phase(f"plan: NVMe read {read} B at {bw.read_gbps:.3g} GB/s", 0.0, read_s,
               {"nvme_read_bytes": read, **source}),
-        Phase(f"plan: NVMe write {written} B at {bw.write_gbps:g} GB/s", read_s, write_s,
+        Phase(f"plan: NVMe write {written} B at {bw.write_gbps:.3g} GB/s", read_s, write_s,
               {"nvme_write_bytes": written, **source}),
         Phase(f"plan: step >= {p.step_time_lower_bound_s:.6f} s (NVMe bound)", read_s + write_s, 0.0,
               {"step_time_lower_bound_s": p.step_time_lower_bound_s, **moved}),

@@ -186,3 +186,16 @@ def test_the_drawing_is_the_same_svg_every_time(traced, tmp_path):
     assert b"dc:date" not in svg
     for kind in KINDS:
         assert kind.encode() in svg
+
+
+def test_the_overhead_benchmark_runs_at_a_tiny_size(tmp_path, capsys):
+    from tests.support.benchmarks import load_benchmark
+
+    out = tmp_path / "overhead.json"
+    assert load_benchmark("step_trace").main(["--steps", "1", "--layers", "1", "--nvme", str(tmp_path / "nvme"),
+                                              "--trace", str(tmp_path / "step.json"), "--json", str(out)]) == 0
+    assert "traced" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert len(result["samples"]["plain_s"]) == len(result["samples"]["traced_s"]) == 1
+    assert result["samples"]["spans"][0] > 0
+    assert json.loads((tmp_path / "step.json").read_text())["traceEvents"]
