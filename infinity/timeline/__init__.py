@@ -42,7 +42,8 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None):
     model:
         A model built in ``infinity.Init``.
     path:
-        The trace file to write (JSON).
+        The trace file to write (JSON). ``{rank}`` in it stands for this process's rank in the job, so
+        that every rank of a distributed run writes a file of its own.
     nvme_bandwidth:
         For the plan track's phase lengths: a ``(read_gbps, write_gbps)`` pair, an
         ``infinity-bench nvme --json`` file, an ``infinity.plan.Bandwidth``, or None (the plan's byte
@@ -73,7 +74,7 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None):
         timeline.plan(phase.name, start + phase.start_s * 1e6, phase.seconds * 1e6, phase.args)
     timeline.meta.update(step_us=end - start, rank=engine.ranks.rank, world_size=engine.ranks.world_size,
                          nvme_in_flight_at_end=len(probes.inflight))
-    timeline.write(path)
+    timeline.write(str(path).replace("{rank}", str(engine.ranks.global_rank)))
 
 
 __all__ = ["Timeline", "trace"]

@@ -131,9 +131,10 @@ def test_tracing_off_leaves_nothing_and_the_losses_are_the_same(tmp_path):
     expected = [plain_step() for _ in range(4)]
     losses = [step(), step()]
     before = _installed(model)      # after the second step, which unhooks the modules without groups
-    with infinity.trace(model, tmp_path / "step.json") as timeline:
+    with infinity.trace(model, tmp_path / "step-{rank}.json") as timeline:
         assert _installed(model) != before      # the check below can see what a trace installs
         losses.append(step())
+    assert json.loads((tmp_path / "step-0.json").read_text())["traceEvents"]
     assert _installed(model) == before
     recorded = len(timeline.spans)
     assert recorded
