@@ -68,12 +68,13 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None):
             engine.optimizer.synchronize()
         probes.poll()
         end = timeline.now()
+        in_flight = len(probes.inflight)
     finally:
         probes.remove()
     for phase in phases:
         timeline.plan(phase.name, start + phase.start_s * 1e6, phase.seconds * 1e6, phase.args)
     timeline.meta.update(step_us=end - start, rank=engine.ranks.rank, world_size=engine.ranks.world_size,
-                         nvme_in_flight_at_end=len(probes.inflight))
+                         nvme_in_flight_at_end=in_flight)
     timeline.write(str(path).replace("{rank}", str(engine.ranks.global_rank)))
 
 

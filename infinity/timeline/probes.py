@@ -144,6 +144,8 @@ class Probes:
         undo, self._undo = self._undo, []
         for fn in reversed(undo):
             fn()
+        self.inflight = []
+        self.engine = None      # a future or a graph made in the trace may outlive it: it keeps no engine alive
 
     def _wrap(self, obj, name: str, make) -> None:
         original = getattr(obj, name)
@@ -193,7 +195,8 @@ class Probes:
                 for state, keys in engine.store.keys.items():
                     for sub, k in enumerate(keys):
                         self.labels.setdefault(k, f"{state} sub {sub}")
-        return self.labels.get(key, f"key {key}")
+            self.labels.setdefault(key, f"key {key}")     # looked for once: an activation's, a spare copy's
+        return self.labels[key]
 
     # -- the wrappers --------------------------------------------------------------------------
     def _copy(self, what: str):
