@@ -180,8 +180,16 @@ class Workload:
     recompute: bool = False
     """Activation checkpointing: backward runs the forward again (2 x params x tokens more FLOPs)."""
 
+    compute_s: float = 0.0
+    """Seconds of one step's forward and backward compute, measured (a plain PyTorch step of the model, or
+    the engine's first step); 0 derives it from FLOPs: 6 x params x tokens / ``device_flops`` (8 with
+    ``recompute``). Measured, a third of it is the forward (a quarter with ``recompute``)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", parse_count(self.tokens, "tokens"))
+        if isinstance(self.compute_s, bool) or not isinstance(self.compute_s, (int, float)) or not \
+                self.compute_s >= 0 or self.compute_s == float("inf"):
+            raise PlanError(f"compute_s must be a finite number of seconds >= 0, got {self.compute_s!r}")
         if isinstance(self.activation_bytes, bool) or not isinstance(self.activation_bytes, int) \
                 or self.activation_bytes < 0:
             raise PlanError(f"activation_bytes must be a whole number of bytes >= 0, got {self.activation_bytes!r}")

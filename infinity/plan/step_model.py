@@ -17,7 +17,8 @@ model of a uniform placement is exactly what ``infinity-plan`` counts. Buffers t
 present pair needs. The step has three phases; each is a window in which every resource works at once,
 so a window takes as long as its busiest resource:
 
-* forward: compute 2 x params x tokens / FLOP/s; host->device copies of the parameters not on the
+* forward: compute 2 x params x tokens / FLOP/s (or a third of a measured compute time,
+  ``Workload.compute_s``); host->device copies of the parameters not on the
   device (every fetch but the last of each group) and their NVMe reads;
 * backward: compute 4 x params x tokens (6 with activation checkpointing, which runs the forward
   again); the last fetch of each group; gradients device->host for the states off the device, and
@@ -275,6 +276,9 @@ class StepModel:
         prof, wl = self.profile, self.workload
         flops = self.num_params * wl.tokens
         compute = (2 * flops / prof.device_flops, (4 + 2 * wl.recompute) * flops / prof.device_flops, 0.0)
+        if wl.compute_s:
+            share = 4 if wl.recompute else 3
+            compute = (wl.compute_s / share, wl.compute_s * (share - 1) / share, 0.0)
         out = []
         for phase in range(3):
             use = dict.fromkeys(RESOURCES, 0.0)

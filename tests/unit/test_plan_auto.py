@@ -293,3 +293,19 @@ def test_probes_are_cached_per_machine_and_take_the_disk_from_a_bench_file(tmp_p
     first = probes.machine_profile("cpu", "float32", cache=cache)
     second = probes.machine_profile("cpu", "float32", cache=cache)
     assert len(calls) == 1 and first.device_flops == second.device_flops == 9e10 and first.nvme_bytes == 0
+
+
+def test_a_measured_compute_time_replaces_the_flops():
+    cfg = load_config(CFG, overrides={"dpu": {"overlap": False}})
+    prof = MachineProfile(**PROFILES["1x80GB"])
+    census = known_census("gpt-1.3b")
+    flops = StepModel(census, cfg, 1, prof, Workload(tokens=8192)).predict(Placement.uniform("device", "device"))
+    measured = StepModel(census, cfg, 1, prof, Workload(tokens=8192, compute_s=3.0))
+    got = measured.predict(Placement.uniform("device", "device"))
+    update = flops.phases["update"]
+    assert got.phases["forward"] == pytest.approx(1.0) and got.phases["backward"] == pytest.approx(2.0)
+    assert got.step_s == pytest.approx(3.0 + update) and update > 0
+    recompute = StepModel(census, cfg, 1, prof, Workload(tokens=8192, compute_s=4.0, recompute=True))
+    assert recompute.predict(Placement.uniform("device", "device")).phases["forward"] == pytest.approx(1.0)
+    with pytest.raises(PlanError, match="compute_s must be a finite number"):
+        Workload(compute_s=-1.0)

@@ -1,0 +1,148 @@
+"""The plan's predicted step against the measured one: every preset and ``auto``, CPU compute, three sizes.
+
+For each size (a GPT of about that many parameters, ``shape_for_params``) and each preset, the model is
+built under ``infinity.Init`` with the CPU as compute device (bf16 compute copies, linear layers widened
+to fp32: ``precision.cpu_linear = "float32"``, the rate the FLOP probe measures); all of them and a plain
+PyTorch copy are trained side by side, step by step in turn (so each sees the same machine load), each
+engine step timed from the forward to the end of its update (``opt.synchronize()``; ``dpu.overlap`` is
+off unless ``--overlap``, so the model predicts the sequential schedule the run has). The median of
+the measured steps is compared with ``infinity.plan.plan(...).prediction`` for the same census, config
+and machine profile ([Note: step-time model] in infinity/plan/step_model.py). Its compute term is a plain
+PyTorch forward + backward of the same model measured beside the runs (``--compute measured``: on a
+shared CPU the FLOP rate of a large matmul says little about a small model's step), or FLOPs over the
+probed matmul rate (``--compute flops``). The profile is this
+machine's, probed once and cached ([Note: machine probes] in infinity/plan/probes.py), or ``--machine``;
+the disk rates come from ``--bench-json`` (``infinity-bench nvme --json``). ``auto`` is resolved by
+``Init("auto", model=census, machine=profile)`` as a user would.
+
+    python benchmarks/plan_vs_measured.py --sizes 4M,8M,16M --bench-json nvme.json --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import infinity
+from infinity.config import load_config
+from infinity.examples.gpt import GPT, shape_for_params
+from infinity.examples.train_gpt import machine
+from infinity.plan import plan
+from infinity.plan.census import take_census
+from infinity.plan.machine import MachineProfile, Workload
+from infinity.plan.units import parse_count
+
+PRESETS = ("device", "offload-optimizer", "offload-host", "nvme", "auto")
+
+
+def build(preset: str, shape, meta, profile, args, nvme_dir: str):
+    """The engine model of ``preset`` and its optimizer, its census and config (tiers as Init resolved them)."""
+    overrides = {"tiers": {"device": "cpu", "nvme_path": nvme_dir}, "precision": {"cpu_linear": "float32"},
+                 "partition": {"sub_group_size": args.sub_group_size}, "dpu": {"overlap": args.overlap}}
+    cfg = load_config(preset, overrides=overrides)
+    census = take_census(meta, cfg, cfg.precision.itemsize)
+    torch.manual_seed(0)
+    with infinity.Init(cfg, model=census, machine=profile) as init:
+        model = GPT(shape)
+    return model, infinity.AdamW(model, lr=1e-4), census, cfg, init.config
+
+
+def run(args, argv) -> dict:
+    from infinity.plan.probes import machine_profile
+
+    nvme_dir = args.workdir or tempfile.mkdtemp(prefix="plan-vs-measured-")
+    if args.machine:
+        profile = MachineProfile.from_file(args.machine)
+    else:
+        profile = machine_profile("cpu", "bfloat16", nvme_paths=(nvme_dir,), bench_json=args.bench_json)
+    rows = []
+    for size in args.sizes.split(","):
+        shape = shape_for_params(parse_count(size, "--sizes"), vocab_size=args.vocab, seq_len=args.seq)
+        with torch.device("meta"):
+            meta = GPT(shape)
+        runs = {preset: build(preset, shape, meta, profile, args, nvme_dir) for preset in args.presets.split(",")}
+        torch.manual_seed(0)
+        plain = GPT(shape)
+        times: dict[str, list[float]] = {name: [] for name in ["plain", *runs]}
+        g = torch.Generator().manual_seed(1)
+        # Step by step, each run in turn: every one sees the same load (the plain compute included).
+        for _ in range(args.warmup + args.steps):
+            batch = torch.randint(0, shape.vocab_size, (args.batch, args.seq + 1), generator=g)
+            start = time.perf_counter()
+            plain(batch[:, :-1], batch[:, 1:]).backward()
+            times["plain"].append(time.perf_counter() - start)
+            plain.zero_grad(set_to_none=True)
+            for preset, (model, opt, *_) in runs.items():
+                start = time.perf_counter()
+                model(batch[:, :-1], batch[:, 1:]).backward()
+                opt.step()
+                opt.zero_grad()
+                opt.synchronize()
+                times[preset].append(time.perf_counter() - start)
+        compute_s = statistics.median(times["plain"][args.warmup:]) if args.compute == "measured" else 0.0
+        workload = Workload(tokens=args.batch * args.seq, compute_s=compute_s)
+        for preset, (model, opt, census, cfg, resolved) in runs.items():
+            predicted = plan(census, cfg, machine=profile, workload=workload, check_fit=False).prediction
+            steps = times[preset][args.warmup:]
+            measured = statistics.median(steps)
+            tiers = (resolved.tiers.params, resolved.tiers.optimizer)
+            rows.append({"size": size, "params": census.num_params, "preset": preset, "tiers": list(tiers),
+                         "predicted_s": predicted.step_s, "measured_s": measured, "ratio": measured / predicted.step_s,
+                         "compute_s": compute_s, "governing": predicted.governing, "schedule": predicted.schedule,
+                         "phases_s": predicted.phases, "steps_s": steps})
+            print(f"{size:>6} {preset:<18} {tiers[0]:>6}/{tiers[1]:<6} predicted {predicted.step_s:8.3f} s  "
+                  f"measured {measured:8.3f} s  measured/predicted {rows[-1]['ratio']:5.2f}  "
+                  f"({predicted.governing}; compute {compute_s:.3f} s)", flush=True)
+            infinity.release(model)
+    return {"provenance": provenance(argv), "settings": vars(args), "profile": profile.to_dict(), "rows": rows}
+
+
+def provenance(argv: list[str]) -> dict:
+    measured_on = machine()
+    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": f"{measured_on['gpu'] or 'CPU'}, {measured_on['cpus']} cores, {measured_on['host']}",
+            "load_average": measured_on["load_average"], "commit": measured_on["source"],
+            "command": shlex.join(["python", "benchmarks/plan_vs_measured.py", *argv])}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="4M,8M,16M", help="comma-separated parameter counts (GPT shapes)")
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per run (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--sub-group-size", type=int, default=4 << 20)
+    ap.add_argument("--compute", choices=("measured", "flops"), default="measured",
+                    help="the compute term: a plain PyTorch forward + backward measured before each run "
+                         "(default), or FLOPs over the probed matmul rate")
+    ap.add_argument("--overlap", action="store_true",
+                    help="keep dpu.overlap (default off: runs are interleaved step by step, and an update left "
+                         "running would overlap the next run's step, not its own model's forward)")
+    ap.add_argument("--machine", help="a machine profile file (default: this machine, probed and cached)")
+    ap.add_argument("--bench-json", help="an infinity-bench nvme --json result for the disk rates")
+    ap.add_argument("--workdir", help="directory for the NVMe files (default: a temporary one)")
+    ap.add_argument("--json", help="write the settings, the profile and every sample here")
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+    out = run(args, argv)
+    ratios = [r["ratio"] for r in out["rows"]]
+    within = sum(abs(r - 1) <= 0.15 for r in ratios)
+    print(f"{within} of {len(ratios)} within 15%; measured/predicted median {statistics.median(ratios):.2f}, "
+          f"range {min(ratios):.2f}-{max(ratios):.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Smoke run of benchmarks/plan_vs_measured.py at a tiny size: every row pairs the plan's prediction with a
+measured step of the same model, and ``auto`` runs the tiers Init resolved."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("plan_vs_measured", ROOT / "benchmarks" / "plan_vs_measured.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_vs_measured_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("INFINITY_DEVICE", "cpu")
+    box = tmp_path / "box.json"
+    box.write_text(json.dumps({"name": "test box", "device_bytes": 0, "host_bytes": 4 * 2**30, "unified": True,
+                               "device_flops": 1e10, "host_adam_params_per_s": 1e8}))
+    out = tmp_path / "out.json"
+    result = _bench().main(["--sizes", "2e5", "--vocab", "256", "--seq", "16", "--batch", "1", "--steps", "2",
+                            "--warmup", "0", "--presets", "offload-host,auto", "--machine", str(box),
+                            "--workdir", str(tmp_path), "--json", str(out)])
+    rows = result["rows"]
+    assert [r["preset"] for r in rows] == ["offload-host", "auto"]
+    for row in rows:
+        assert len(row["steps_s"]) == 2 and row["measured_s"] > 0 and row["compute_s"] > 0
+        assert row["ratio"] == row["measured_s"] / row["predicted_s"]
+        assert row["predicted_s"] >= row["compute_s"]    # the compute measured is a floor of the prediction
+    assert rows[0]["tiers"] == ["host", "host"]
+    # 4 GiB for a 200k-parameter model: everything fits the (CPU) device, which nothing beats.
+    assert rows[1]["tiers"] == ["device", "device"]
+    assert json.loads(out.read_text())["profile"]["name"] == "test box"
+    assert "within 15%" in capsys.readouterr().out
