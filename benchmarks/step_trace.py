@@ -8,8 +8,8 @@ Steps alternate, one plain then one traced (each traced step writes its file), a
 so both kinds see the same disk cache and the same neighbours; the table gives the median and the least
 wall time of each, and the CPU time of the process (every thread: the trace's own poller included);
 "in the block" is the traced step alone, without the plan made before it and the file written after.
-On a shared, loaded machine the least is the steadier figure. ``--trace PATH`` keeps the last traced step's file (the one the docs
-draw, docs/img/step-trace.svg). The plain steps are what a run without tracing costs: the trace module
+On a shared, loaded machine the least is the steadier figure. ``--trace PATH`` keeps the last traced
+step's file (the one the docs draw, docs/img/step-trace.svg). The plain steps are what a run without tracing costs: the trace module
 installs nothing outside its block.
 """
 from __future__ import annotations

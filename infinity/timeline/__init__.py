@@ -60,8 +60,8 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None):
     timeline = Timeline()
     phases = predicted_phases(engine, nvme_bandwidth)      # before the step: planning is no part of it
     probes = Probes(engine, timeline)
-    probes.install()
     try:
+        probes.install()        # inside: what a failed install put on comes off again
         start = timeline.now()
         yield timeline
         if engine.optimizer is not None:
