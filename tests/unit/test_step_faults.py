@@ -1,6 +1,7 @@
 """Faults in the middle of a step (issue: a full disk, an interrupt or a preemption loses nothing).
 
-Each fault is injected at every call of its kind in a step, in turn: the k-th new gradient key while the
+Each fault is injected at calls of its kind in a step, in turn (a sample: the first calls, the last and every
+17th; INFINITY_TEST_ALL_FAULTS=1 tries each): the k-th new gradient key while the
 gradients widen to fp32 (the disk full), the k-th write there (an I/O error), the k-th group's gradient
 hand-off in backward (an I/O error, or Ctrl-C). After each the error names what failed, ``opt.zero_grad()``
 and the redone step train exactly (bit for bit) as a run that never met the fault, and a checkpoint saves.
@@ -119,28 +120,41 @@ def _same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+_ALL_FAULTS = os.environ.get("INFINITY_TEST_ALL_FAULTS") == "1"     # every k (the closing-note figures)
+# The sample: the first calls, the last, and every 17th from an offset INFINITY_TEST_SEED moves, so that runs
+# with other seeds try other calls (trying each call of every harness took about 4 of the suite's 20 minutes on
+# the 2-core machine).
+_STRIDE = 17
+_OFFSET = 5 + int(os.environ.get("INFINITY_TEST_SEED", "0")) % _STRIDE
+
+
+def _fault_points(total: int) -> list[int]:
+    """Which calls of ``total`` a harness fails in turn: each of them with INFINITY_TEST_ALL_FAULTS=1."""
+    if _ALL_FAULTS:
+        return list(range(1, total + 1))
+    return sorted({k for k in (1, 2, 3, 4, total) if k <= total} | set(range(_OFFSET, total, _STRIDE)))
+
+
 @pytest.mark.parametrize("kind", ["disk full at a new key", "I/O error at a write", "disk full, DPU"])
 def test_a_fault_while_gradients_widen_loses_nothing_at_every_call(tmp_path, kind):
     """bf16, states on NVMe, several sub-groups: the first step with two micro-batches moves the gradient keys
     to fp32. A failure at any new key or write of that move used to leave the store with keys freed and not
     replaced ('unknown key' at every later call); now the keys widened so far are narrowed back, and the step
-    redone after zero_grad() trains exactly as without the fault."""
+    redone after zero_grad() trains exactly as without the fault (the calls of ``_fault_points``)."""
     dpu = "DPU" in kind     # its spare set of gradient keys widens first, and back
     reference, _, _ = _train(tmp_path / "ref", "bfloat16", dpu=dpu)
     error = OSError(errno.ENOSPC, "No space left on device") if kind.startswith("disk") else \
         OSError(errno.EIO, "Input/output error")
     where = _allocations if kind.startswith("disk") else _grad_writes
-    k, tried = 1, 0
-    while True:
+    counting = _Fault(10 ** 9, error)
+    _train(tmp_path / "count", "bfloat16", counting, where, at_step=0, dpu=dpu)
+    assert counting.calls >= 4, f"only {counting.calls} fault points"
+    for k in _fault_points(counting.calls):
         fault = _Fault(k, error)
         got, said, calls = _train(tmp_path / f"k{k}", "bfloat16", fault, where, at_step=0, dpu=dpu)   # step 0 widens
-        if not fault.fired:
-            break
-        tried += 1
+        assert fault.fired, (k, counting.calls)
         assert said is not None and str(error.strerror) in str(said), (k, said)
-        assert _same(got, reference), f"{kind} at call {k} changed the weights"
-        k += 1
-    assert tried >= 4, f"only {tried} fault points"
+        assert _same(got, reference), f"{kind} at call {k} of {counting.calls} changed the weights"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -180,25 +194,23 @@ def _engine_hooks(engine, fault):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "offload-host", "offload-optimizer"])
 def test_ctrl_c_at_every_engine_hook_of_a_step_loses_nothing(tmp_path, dtype):
-    """KeyboardInterrupt raised at each engine hook of a step in turn (forward, backward, gradient hand-off):
+    """KeyboardInterrupt raised at engine hooks of a step in turn (``_fault_points``) (forward, backward, gradient hand-off):
     a save right after it works, and after opt.zero_grad() the redone step trains exactly as without it.
     The nvme preset in fp32 and bf16, and the host presets (``dtype`` names them)."""
     reference, _, _ = _train(tmp_path / "ref", dtype)
-    k, tried = 1, 0
+    counting = _Fault(10 ** 9, KeyboardInterrupt())
+    _train(tmp_path / "count", dtype, counting, _engine_hooks)
+    assert counting.calls >= 12, f"only {counting.calls} fault points"
+    for k in _fault_points(counting.calls):
 
-    def save(model, opt):
-        infinity.save_checkpoint(tmp_path / "ckpt", model, opt, keep=1)
+        def save(model, opt):
+            infinity.save_checkpoint(tmp_path / "ckpt", model, opt, keep=1)
 
-    while True:
         fault = _Fault(k, KeyboardInterrupt())
         got, said, calls = _train(tmp_path / f"k{k}", dtype, fault, _engine_hooks, save)
-        if not fault.fired:
-            break
-        tried += 1
+        assert fault.fired, (k, counting.calls)
         assert isinstance(said, KeyboardInterrupt), (k, said)
-        assert _same(got, reference), f"Ctrl-C at engine hook {k} of {calls} changed the weights"
-        k += 1 if k < 8 else 5      # the first hooks one by one, then every fifth
-    assert tried >= 12, f"only {tried} fault points"
+        assert _same(got, reference), f"Ctrl-C at engine hook {k} of {counting.calls} changed the weights"
 
 
 # -- every I/O call of a step, at the tier ------------------------------------------------------------------
@@ -264,13 +276,6 @@ def _run_through(tmp_path, dtype, fault, overrides, at_step=1):
     return weights, said, restored
 
 
-_ALL_FAULTS = os.environ.get("INFINITY_TEST_ALL_FAULTS") == "1"     # every k (the closing-note figures)
-# The sample: the first calls, the last, and every 17th from an offset INFINITY_TEST_SEED moves, so that runs
-# with other seeds try other calls (every 9th took 2 minutes of the suite's 20 on the 2-core machine).
-_STRIDE = 17
-_OFFSET = 4 + int(os.environ.get("INFINITY_TEST_SEED", "0")) % _STRIDE
-
-
 @pytest.mark.parametrize("name,dtype,overrides", [
     ("nvme, bf16, overlapped update", "bfloat16", {}),
     ("nvme, fp32, update inline", "float32", {"dpu": {"overlap": False}}),
@@ -288,7 +293,7 @@ def test_an_io_error_at_every_tier_call_of_a_step_is_named_and_loses_nothing(tmp
     counting = _Fault(10 ** 9, error)
     _run_through(tmp_path / "count", dtype, counting, overrides)
     total = counting.calls
-    ks = range(1, total + 1) if _ALL_FAULTS else sorted({1, 2, 3, total} | set(range(_OFFSET, total, _STRIDE)))
+    ks = _fault_points(total)
     restored_runs = 0
     for k in ks:
         fault = _Fault(k, error)
