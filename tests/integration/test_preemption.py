@@ -113,7 +113,7 @@ def test_sigterm_at_random_moments_then_resume_gives_the_uninterrupted_weights(t
     expected = torch.load(tmp_path / "ref" / "weights.pt")
     rng = random.Random(int(os.environ.get("INFINITY_TEST_SEED", "0")))
     outcomes = []
-    for trial in range(5):     # the first: the signal in the middle of a backward; then at random moments
+    for trial in range(3):     # the first: the signal in the middle of a backward; then at random moments (the seed moves them)
         work = str(tmp_path / f"t{trial}")
         child = _start(work, *(("mid-backward",) if trial == 0 else ()))
         _until_training(child)
