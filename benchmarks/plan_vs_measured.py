@@ -10,7 +10,9 @@ the measured steps is compared with ``infinity.plan.plan(...).prediction`` for t
 and machine profile ([Note: step-time model] in infinity/plan/step_model.py). Its compute term is a plain
 PyTorch forward + backward of the same model measured beside the runs (``--compute measured``: on a
 shared CPU the FLOP rate of a large matmul says little about a small model's step), or FLOPs over the
-probed matmul rate (``--compute flops``). The profile is this
+probed matmul rate (``--compute flops``). Beside the ratio of medians, each step is divided by the prediction
+made from the plain step measured beside it, and the median of those is reported ([Note: paired ratios] in
+benchmarks/prefetch.py). The profile is this
 machine's, probed once and cached ([Note: machine probes] in infinity/plan/probes.py), or ``--machine``;
 the disk rates come from ``--bench-json`` (``infinity-bench nvme --json``). ``auto`` is resolved by
 ``Init("auto", model=census, machine=profile)`` as a user would.
@@ -85,19 +87,25 @@ def run(args, argv) -> dict:
                 opt.zero_grad()
                 opt.synchronize()
                 times[preset].append(time.perf_counter() - start)
-        compute_s = statistics.median(times["plain"][args.warmup:]) if args.compute == "measured" else 0.0
-        workload = Workload(tokens=args.batch * args.seq, compute_s=compute_s)
+        plains = times["plain"][args.warmup:]
+        compute_s = statistics.median(plains) if args.compute == "measured" else 0.0
         for preset, (model, opt, census, cfg, resolved) in runs.items():
-            predicted = plan(census, cfg, machine=profile, workload=workload, check_fit=False).prediction
+            predict = lambda compute: plan(census, cfg, machine=profile, check_fit=False,   # noqa: E731
+                                           workload=Workload(tokens=args.batch * args.seq, compute_s=compute)).prediction
+            predicted = predict(compute_s)
             steps = times[preset][args.warmup:]
             measured = statistics.median(steps)
+            # [Note: paired ratios] in benchmarks/prefetch.py: each step against the plain step beside it.
+            paired = (statistics.median(m / predict(c).step_s for m, c in zip(steps, plains))
+                      if args.compute == "measured" else measured / predicted.step_s)
             tiers = (resolved.tiers.params, resolved.tiers.optimizer)
             rows.append({"size": size, "params": census.num_params, "preset": preset, "tiers": list(tiers),
                          "predicted_s": predicted.step_s, "measured_s": measured, "ratio": measured / predicted.step_s,
-                         "compute_s": compute_s, "governing": predicted.governing, "schedule": predicted.schedule,
-                         "phases_s": predicted.phases, "steps_s": steps})
+                         "paired_ratio": paired, "compute_s": compute_s, "governing": predicted.governing,
+                         "schedule": predicted.schedule, "phases_s": predicted.phases, "steps_s": steps,
+                         "plain_s": plains})
             print(f"{size:>6} {preset:<18} {tiers[0]:>6}/{tiers[1]:<6} predicted {predicted.step_s:8.3f} s  "
-                  f"measured {measured:8.3f} s  measured/predicted {rows[-1]['ratio']:5.2f}  "
+                  f"measured {measured:8.3f} s  ratio {rows[-1]['ratio']:5.2f}  paired {paired:5.2f}  "
                   f"({predicted.governing}; compute {compute_s:.3f} s)", flush=True)
             infinity.release(model)
     return {"provenance": provenance(argv), "settings": vars(args), "profile": profile.to_dict(), "rows": rows}
@@ -134,10 +142,11 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     out = run(args, argv)
-    ratios = [r["ratio"] for r in out["rows"]]
-    within = sum(abs(r - 1) <= 0.15 for r in ratios)
-    print(f"{within} of {len(ratios)} within 15%; measured/predicted median {statistics.median(ratios):.2f}, "
-          f"range {min(ratios):.2f}-{max(ratios):.2f}")
+    for key in ("ratio", "paired_ratio"):
+        ratios = [r[key] for r in out["rows"]]
+        within = sum(abs(r - 1) <= 0.15 for r in ratios)
+        print(f"{key}: {within} of {len(ratios)} within 15%; measured/predicted median "
+              f"{statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

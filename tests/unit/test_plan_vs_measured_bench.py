@@ -29,7 +29,7 @@ def test_plan_vs_measured_smoke(tmp_path, monkeypatch, capsys):
     assert [r["preset"] for r in rows] == ["offload-host", "auto"]
     for row in rows:
         assert len(row["steps_s"]) == 2 and row["measured_s"] > 0 and row["compute_s"] > 0
-        assert row["ratio"] == row["measured_s"] / row["predicted_s"]
+        assert row["ratio"] == row["measured_s"] / row["predicted_s"] and row["paired_ratio"] > 0
         assert row["predicted_s"] >= row["compute_s"]    # the compute measured is a floor of the prediction
     assert rows[0]["tiers"] == ["host", "host"]
     # 4 GiB for a 200k-parameter model: everything fits the (CPU) device, which nothing beats.
