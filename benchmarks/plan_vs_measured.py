@@ -2,8 +2,9 @@
 
 For each size (a GPT of about that many parameters, ``shape_for_params``) and each preset, the model is
 built under ``infinity.Init`` with the CPU as compute device (bf16 compute copies, linear layers widened
-to fp32: ``precision.cpu_linear = "float32"``, the rate the FLOP probe measures); all of them and a plain
-PyTorch copy are trained side by side, step by step in turn (so each sees the same machine load), each
+to fp32: ``precision.cpu_linear = "float32"``, the rate the FLOP probe measures; the tied head through
+``widened_linear``); all of them and a plain PyTorch copy (bf16, its linear layers widened the same way)
+are trained side by side, step by step in turn (so each sees the same machine load), each
 engine step timed from the forward to the end of its update (``opt.synchronize()``; ``dpu.overlap`` is
 off unless ``--overlap``, so the model predicts the sequential schedule the run has). The median of
 the measured steps is compared with ``infinity.plan.plan(...).prediction`` for the same census, config
@@ -39,6 +40,7 @@ from infinity.plan import plan
 from infinity.plan.census import take_census
 from infinity.plan.machine import MachineProfile, Workload
 from infinity.plan.units import parse_count
+from infinity.tiling.widened import widen_linears, widened_linear
 
 PRESETS = ("device", "offload-optimizer", "offload-host", "nvme", "auto")
 
@@ -51,7 +53,7 @@ def build(preset: str, shape, meta, profile, args, nvme_dir: str):
     census = take_census(meta, cfg, cfg.precision.itemsize)
     torch.manual_seed(0)
     with infinity.Init(cfg, model=census, machine=profile) as init:
-        model = GPT(shape)
+        model = GPT(shape, linear=widened_linear)
     return model, infinity.AdamW(model, lr=1e-4), census, cfg, init.config
 
 
@@ -70,7 +72,8 @@ def run(args, argv) -> dict:
             meta = GPT(shape)
         runs = {preset: build(preset, shape, meta, profile, args, nvme_dir) for preset in args.presets.split(",")}
         torch.manual_seed(0)
-        plain = GPT(shape)
+        plain = GPT(shape, linear=widened_linear).to(torch.bfloat16)
+        widen_linears([plain])      # the engine's compute policy, in plain PyTorch
         times: dict[str, list[float]] = {name: [] for name in ["plain", *runs]}
         g = torch.Generator().manual_seed(1)
         # Step by step, each run in turn: every one sees the same load (the plain compute included).

@@ -217,7 +217,7 @@ class StepModel:
         for row in layout.rows():
             if row.key in STATE_ROWS:
                 state[row.tier] += row.nbytes
-            elif row.key != "persistent_params" or params == "device":
+            else:
                 buffers[row.tier][row.key] = row.nbytes
         t, pb = layout.trainable_numel, self.pb
         fetched = pb * layout.gathered_numel if params != "device" else 0.0
