@@ -6,7 +6,8 @@ to fp32: ``precision.cpu_linear = "float32"``, the rate the FLOP probe measures;
 ``widened_linear``); all of them and a plain PyTorch copy (bf16, its linear layers widened the same way)
 are trained side by side, step by step in turn (so each sees the same machine load), each
 engine step timed from the forward to the end of its update (``opt.synchronize()``; ``dpu.overlap`` is
-off unless ``--overlap``, so the model predicts the sequential schedule the run has). The median of
+off, since an update left running would overlap the next run's step, not its own model's forward: the
+model predicts the sequential schedule the run has, and the overlapped one is not measured here). The median of
 the measured steps is compared with ``infinity.plan.plan(...).prediction`` for the same census, config
 and machine profile ([Note: step-time model] in infinity/plan/step_model.py). Its compute term is a plain
 PyTorch forward + backward of the same model measured beside the runs (``--compute measured``: on a
@@ -48,7 +49,7 @@ PRESETS = ("device", "offload-optimizer", "offload-host", "nvme", "auto")
 def build(preset: str, shape, meta, profile, args, nvme_dir: str):
     """The engine model of ``preset`` and its optimizer, its census and config (tiers as Init resolved them)."""
     overrides = {"tiers": {"device": "cpu", "nvme_path": nvme_dir}, "precision": {"cpu_linear": "float32"},
-                 "partition": {"sub_group_size": args.sub_group_size}, "dpu": {"overlap": args.overlap}}
+                 "partition": {"sub_group_size": args.sub_group_size}, "dpu": {"overlap": False}}
     cfg = load_config(preset, overrides=overrides)
     census = take_census(meta, cfg, cfg.precision.itemsize)
     torch.manual_seed(0)
@@ -135,9 +136,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--compute", choices=("measured", "flops"), default="measured",
                     help="the compute term: a plain PyTorch forward + backward measured before each run "
                          "(default), or FLOPs over the probed matmul rate")
-    ap.add_argument("--overlap", action="store_true",
-                    help="keep dpu.overlap (default off: runs are interleaved step by step, and an update left "
-                         "running would overlap the next run's step, not its own model's forward)")
     ap.add_argument("--machine", help="a machine profile file (default: this machine, probed and cached)")
     ap.add_argument("--bench-json", help="an infinity-bench nvme --json result for the disk rates")
     ap.add_argument("--workdir", help="directory for the NVMe files (default: a temporary one)")
