@@ -9,12 +9,17 @@ the shard yet).
 
 [Note: staging buffers]
 Direct (O_DIRECT) reads need page-aligned destinations. The demand pool is created at
-the first fetch after construction, with DEMAND_STAGING_BUFFERS buffers as large as
-the largest shard (one being read, one being gathered, one spare), and reused for the
-rest of training: no allocation on the hot path, whatever the shard. (A pool capped
-below the largest shard sent the larger shards through memory allocated per fetch: a
-C-heap block per fetch that the allocator keeps, so the resident set grew with the
-number of such groups.) A very wide layer makes these buffers large: tile it
+the first fetch after construction, with buffers as large as the largest shard, and
+reused for the rest of training: no allocation on the hot path, whatever the shard. (A
+pool capped below the largest shard sent the larger shards through memory allocated per
+fetch: a C-heap block per fetch that the allocator keeps, so the resident set grew with
+the number of such groups.) A buffer is made when a read first finds every existing one
+lent, up to DEMAND_STAGING_BUFFERS (one being read, one being gathered, one spare), so
+the pool holds as many as demand reads ever overlapped: with the prefetcher reading ahead
+into its arena, and one group per transformer block, that is one (GPT 1B, fp32, everything
+on NVMe: 1 of 3 in use over four steps; each buffer is zeroed when made, so the two never
+used held 737 MiB of the process's resident set). ``infinity-plan`` counts all three, the
+most there can be. A very wide layer makes these buffers large: tile it
 (``[tiling]``), which also bounds the device working set. Reads issued ahead by the
 prefetcher land in their own arena of ``prefetch.nvme_bytes``
 (infinity/prefetch/prefetcher.py).
@@ -23,6 +28,7 @@ What the room may touch: the parameter tier and the host allocator; the groups' 
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -48,7 +54,8 @@ class DemandStaging:
     def __init__(self, allocator, largest_shard_nbytes: Callable[[], int]) -> None:
         self.allocator = allocator
         self.largest_shard_nbytes = largest_shard_nbytes
-        self._pool = None
+        self._pools: list = []      # one buffer each, made as overlapping reads first need them
+        self._lock = threading.Lock()
 
     def try_acquire(self, nbytes: int, owner: str):
         """A buffer of at least ``nbytes`` bytes, or None when shards this size bypass the pool or none is free.
@@ -56,17 +63,36 @@ class DemandStaging:
         Never waits: the holders are reads issued ahead of the one being waited for (a
         gather issues all, then waits in order), so waiting could deadlock.
         """
-        if self._pool is None:
+        with self._lock:
+            for pool in self._pools:
+                if nbytes > pool.buffer_nbytes:
+                    return None
+                loan = pool.try_acquire(owner=owner)
+                if loan is not None:
+                    return loan
+            if len(self._pools) == DEMAND_STAGING_BUFFERS:
+                return None
             from tiers.pool import BufferPool
 
-            self._pool = BufferPool(self.largest_shard_nbytes(), DEMAND_STAGING_BUFFERS, self.allocator,
-                                    name="param-staging")
-        if nbytes > self._pool.buffer_nbytes:
-            return None
-        return self._pool.try_acquire(owner=owner)
+            size = self._pools[0].buffer_nbytes if self._pools else self.largest_shard_nbytes()
+            if nbytes > size:
+                return None
+            pool = BufferPool(size, 1, self.allocator, name="param-staging")
+            self._pools.append(pool)
+            return pool.try_acquire(owner=owner)
 
     def stats(self) -> dict | None:
-        return None if self._pool is None else self._pool.stats()
+        """The buffers made so far (``buffers``, at most DEMAND_STAGING_BUFFERS) and their use, as one pool's."""
+        with self._lock:
+            parts = [pool.stats() for pool in self._pools]
+        if not parts:
+            return None
+        out = dict(parts[0], buffers=len(parts), nbytes=sum(p["nbytes"] for p in parts))
+        for key in ("in_use", "acquires", "waits", "wait_seconds"):
+            out[key] = sum(p[key] for p in parts)
+        # Buffer i is made only when buffers 0..i-1 are all lent, so the most in use at once is the count made.
+        out["peak_in_use"] = sum(p["peak_in_use"] for p in parts)
+        return out
 
 
 class ParamShards:
