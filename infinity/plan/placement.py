@@ -135,7 +135,7 @@ def decide(model: StepModel, params: str = AUTO, optimizer: str = AUTO,
         lines = [f"  {p.placement.describe()}: " + "; ".join(p.shortfalls()) for p in candidates]
         raise PlanError("tiers \"auto\": no placement fits this machine "
                         f"({model.profile.name}):\n" + "\n".join(lines))
-    split = best_split(model, slices) if AUTO == params == optimizer else None
+    split = best_split(model, slices) if params == optimizer == AUTO else None
     return AutoDecision(chosen=chosen, split=split, candidates=tuple(candidates))
 
 

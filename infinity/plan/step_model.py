@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from infinity.plan.census import ModelCensus
+from infinity.plan.errors import PlanError
 from infinity.plan.layout import Layout
 from infinity.plan.machine import MachineProfile, Workload
 
@@ -79,7 +80,7 @@ class Placement:
 
     def __post_init__(self) -> None:
         if sum(n for _, n in self.cells) != self.slices or any(n < 0 for _, n in self.cells):
-            raise ValueError(f"cells {self.cells} must count {self.slices} slices")
+            raise PlanError(f"a placement's cells must count its {self.slices} slices, got {self.cells}")
         object.__setattr__(self, "cells", tuple(sorted(((p, n) for p, n in self.cells if n),
                                                        key=lambda c: PAIRS.index(c[0]))))
 

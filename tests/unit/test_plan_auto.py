@@ -309,3 +309,10 @@ def test_a_measured_compute_time_replaces_the_flops():
     assert recompute.predict(Placement.uniform("device", "device")).phases["forward"] == pytest.approx(1.0)
     with pytest.raises(PlanError, match="compute_s must be a finite number"):
         Workload(compute_s=-1.0)
+
+
+def test_a_placement_counts_its_slices():
+    assert Placement.from_counts(4, (1, 2), (0, 4)).cells == ((("device", "host"), 1), (("host", "host"), 2),
+                                                               (("nvme", "host"), 1))
+    with pytest.raises(PlanError, match="must count its 3 slices"):
+        Placement(3, ((("device", "device"), 2),))
