@@ -85,7 +85,8 @@ class TierSet:
             a = config.aio
             self.handle = AioHandle(block_size=a.block_size, queue_depth=a.queue_depth,
                                     threads=a.threads, engine=a.engine, direct=a.direct)
-            self.pool = BufferPool(t.pool_buffer_size, t.pool_buffers, self.allocator, name="nvme-io")
+            # Made at its first loan: only unaligned transfers use it ([Note: constant-size buffers] in tiers/pool.py).
+            self.pool = BufferPool(t.pool_buffer_size, t.pool_buffers, self.allocator, name="nvme-io", lazy=True)
             try:
                 self.nvme_tier = NVMeTier(dirs, self.handle, self.pool, verify=t.verify, adopt=adopt)
             except BaseException:

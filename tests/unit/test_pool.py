@@ -100,3 +100,18 @@ def test_many_threads_share_a_small_pool(pool):
     for t in threads:
         t.join()
     assert counter["max"] <= 3 and pool.in_use() == 0 and pool.stats()["acquires"] == 120
+
+
+def test_a_lazy_pool_allocates_at_its_first_loan():
+    allocator = HostAllocator(pin="never")
+    pool = BufferPool(10_000, 2, allocator, name="lazy-pool", lazy=True)
+    assert not pool.allocated and allocator.stats()["bytes_allocated"] == 0
+    assert pool.nbytes == 2 * 12288 and pool.stats()["buffers"] == 2     # its peak, known before
+    first = pool.acquire("first")
+    assert pool.allocated and allocator.stats()["bytes_allocated"] == 2 * 12288
+    assert first.tensor.data_ptr() % 4096 == 0 and int(first.tensor.sum()) == 0
+    second = pool.try_acquire("second")
+    assert second is not None and pool.try_acquire("third") is None
+    first.release()
+    second.release()
+    assert allocator.stats()["allocations"] == 1        # one allocation, kept
