@@ -26,10 +26,18 @@ together, ours runs in a second phase against its own triad:
   fused kernel with the gradient widened before and the copy converted after (what the engine did
   before the C pass; [Note: the fused fp32 step] in optim_csrc/qadam.c).
 
+- ``kernel ...`` rows: the host Adam C kernels (optim_csrc/qadam.c) called directly over one flat
+  sub-group of ``n`` elements, no engine around them: ``kernel fp32`` (the fused fp32 step, fp32
+  gradient: 28 B), ``kernel fp32, bf16 grad + copy`` (the bf16 gradient read and the bf16 compute
+  copy written in the same pass, as bf16 training runs it: 28 B), ``kernel bf16 moments`` (20 B),
+  ``kernel int8 moments`` (16 B and the block scales). ``--kernels`` picks them.
+
 An Adam step moves 28 bytes per parameter (read parameter, gradient, m, v; write parameter,
 m, v); ours also writes the compute copy (32). The bound is triad bandwidth / 28 bytes. The
 triad is counted the STREAM way (12 bytes per element); its store also reads the line first
 (write-allocate), which Adam's in-place stores do not: the header also shows that 16-byte figure.
+Each row's ``GB/s moved`` is its parameters per second times the bytes it reads and writes per
+parameter, and ``% triad`` that rate over the triad's (STREAM count) measured in the same phase.
 """
 from __future__ import annotations
 
@@ -160,6 +168,52 @@ def ours_step(n: int, workdir: str, state_dtype: str = "fp32", compute: str = "f
     return opt.step, sum(g.numel for g in opt.engine.coordinator.groups), (model, opt)
 
 
+# The direct kernel rows, by their --kernels key: (row name, bytes read and written per element).
+KERNEL_ROWS = {
+    "fp32": ("kernel fp32", ADAM_BYTES),
+    "fp32-bf16": ("kernel fp32, bf16 grad + copy", 4 + 2 + 8 + 12 + 2),
+    "bf16": ("kernel bf16 moments", 8 + 4 + 8),
+    "int8": ("kernel int8 moments", 8 + 2 + 4 + 2 + 2 * 2 * 4 / 256),
+}
+
+
+KERNEL_BYTES = dict(KERNEL_ROWS.values())
+
+
+def kernel_step(shared: Shared, kind: str):
+    """One call of a host Adam C kernel over the whole flat sub-group of ``shared`` (p, g; m, v too with
+    fp32 moments, else moments of its own in ``kind``'s format), or why it cannot run."""
+    from infinity.optim import moments
+
+    if not moments.native():
+        return "unavailable: infinity.optim._qadam is not built (python setup.py build_ext --inplace)"
+    n, p, g = shared.p.numel(), shared.p, shared.g
+    counter = [0]
+    if kind in ("fp32", "fp32-bf16"):
+        if not moments.fused_native():
+            return "unavailable: this build of infinity.optim._qadam has no fused fp32 step"
+        grad = g.bfloat16() if kind == "fp32-bf16" else g
+        out = torch.empty(n, dtype=torch.bfloat16) if kind == "fp32-bf16" else None
+
+        def step():
+            counter[0] += 1
+            moments.fused_fp32_step(n, p.data_ptr(), grad.data_ptr(), grad.dtype == torch.bfloat16,
+                                    shared.m.data_ptr(), shared.v.data_ptr(), 0 if out is None else out.data_ptr(),
+                                    counter[0], KW["lr"], *KW["betas"], KW["eps"], KW["weight_decay"], 0.0, True,
+                                    torch.get_num_threads())
+        return step
+    fmt = moments.MomentFormat(kind)
+    m_raw, v_raw = torch.zeros(fmt.nbytes(n), dtype=torch.uint8), torch.zeros(fmt.nbytes(n), dtype=torch.uint8)
+    kernel = moments.MomentStep(fmt, use_native=True)
+
+    def step():
+        counter[0] += 1
+        hyper = moments.AdamHyper(step=counter[0], lr=KW["lr"], beta1=KW["betas"][0], beta2=KW["betas"][1],
+                                  eps=KW["eps"], weight_decay=KW["weight_decay"], grad_mul=1.0, decoupled=True)
+        kernel(p, g, m_raw, v_raw, 0, n, hyper, seed=counter[0])
+    return step
+
+
 def ours_name(state_dtype: str) -> str:
     return OURS_ROWS[state_dtype][0]
 
@@ -201,8 +255,14 @@ def main(argv=None) -> dict:
                          "int8 states, bf16 compute copies, the kernel reading the bf16 gradient and writing "
                          "the copies; int8-bf16-compute-passes: the same with the gradient widened before "
                          "and the copies converted after")
+    ap.add_argument("--kernels", default=",".join(KERNEL_ROWS),
+                    help=f"the C kernels called directly over one flat sub-group, from {', '.join(KERNEL_ROWS)} "
+                         "(empty: none)")
     ap.add_argument("--json", help="write settings, machine and raw samples here")
     args = ap.parse_args(argv)
+    unknown = [k for k in args.kernels.split(",") if k and k not in KERNEL_ROWS]
+    if unknown:
+        ap.error(f"--kernels: {unknown[0]!r} is not one of {', '.join(KERNEL_ROWS)}")
     unknown = [d for d in args.state_dtypes.split(",") if d and d not in OURS_ROWS]
     if unknown:
         ap.error(f"--state-dtypes: {unknown[0]!r} is not one of {', '.join(OURS_ROWS)}")
@@ -237,6 +297,12 @@ def main(argv=None) -> dict:
                         notes["deepspeed CPUAdam"] = got
                     else:
                         phase["deepspeed CPUAdam"] = got
+                for kind in filter(None, args.kernels.split(",")):
+                    got = kernel_step(shared, kind)
+                    if isinstance(got, str):
+                        notes[KERNEL_ROWS[kind][0]] = got
+                    else:
+                        phase[KERNEL_ROWS[kind][0]] = got
                 if not together:
                     run_phase(phase, args.repeats, raw)
                     del shared
@@ -251,12 +317,22 @@ def main(argv=None) -> dict:
                 del phase, keep, triad
                 shared = None
                 gc.collect()
-            results["sizes"][n] = {"raw_seconds": raw, "notes": notes, "numel": counts, "one_phase": together}
+            results["sizes"][n] = {"raw_seconds": raw, "notes": notes, "numel": counts, "one_phase": together,
+                                   "bytes_per_param": {name: row_bytes(name) for name in raw
+                                                       if not name.startswith("triad")},
+                                   "triad_bytes_per_element": 12}
             print_table(n, raw, notes, counts, together)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return results
+
+
+def row_bytes(name: str) -> float:
+    """Bytes a row reads and writes per parameter it steps."""
+    if name.startswith("ours"):
+        return _BYTES_OF[name]
+    return KERNEL_BYTES.get(name, ADAM_BYTES)
 
 
 def print_table(n: int, raw: dict, notes: dict, counts: dict, together: bool) -> None:
@@ -269,21 +345,23 @@ def print_table(n: int, raw: dict, notes: dict, counts: dict, together: bool) ->
           f"(STREAM count; {bw * 16 / 12 / 1e9:.1f} GB/s with write-allocate); "
           f"bound {bound / 1e9:.2f} G params/s at {ADAM_BYTES} B/param"
           + ("" if together else "; ours measured in its own phase, against its own triad"))
-    print(f"{'variant':56} {'median s':>9} {'G params/s':>11} {'GB/s moved':>11} {'x bound':>8} {'x fp32 ours':>12}")
+    print(f"{'variant':56} {'median s':>9} {'G params/s':>11} {'GB/s moved':>11} {'% triad':>8} {'x bound':>8} "
+          f"{'x fp32 ours':>12}")
     for name, samples in raw.items():
         if name.startswith("triad"):
             continue
         mine = name.startswith("ours")
-        _, b = bound_of("triad" if together or not mine else "triad (ours' phase)")
+        triad_bw, b = bound_of("triad" if together or not mine else "triad (ours' phase)")
         count = counts["ours"] if mine else n
-        nbytes = _BYTES_OF[name] if mine else ADAM_BYTES
+        nbytes = row_bytes(name)
         med = statistics.median(samples)
         rate = count / med
         # Side by side in the same phase: the ratio of medians to the engine step's with fp32 states
         # and the same compute dtype.
         ref = raw.get(_REFERENCE_OF[name]) if mine else None
         ratio = f"{statistics.median(ref) / med:12.2f}" if mine and ref else ""
-        print(f"{name:56} {med:9.4f} {rate / 1e9:11.2f} {rate * nbytes / 1e9:11.1f} {b / rate:8.2f} {ratio}")
+        print(f"{name:56} {med:9.4f} {rate / 1e9:11.2f} {rate * nbytes / 1e9:11.1f} "
+              f"{100 * rate * nbytes / triad_bw:8.0f} {b / rate:8.2f} {ratio}")
     for name, why in notes.items():
         print(f"{name:30} {why}")
 

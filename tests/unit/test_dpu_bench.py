@@ -28,12 +28,13 @@ def test_adam_benchmark_tiny(tmp_path, capsys):
     table = capsys.readouterr().out
     for row in ("torch fused, 1 tensor", "torch fused, 100 tensors", "torch foreach, 100 tensors",
                 "ours (engine step)", "ours (engine step, bf16 states)", "ours (engine step, int8 states)",
-                "G params/s", "x fp32 ours"):
+                "kernel fp32", "kernel fp32, bf16 grad + copy", "kernel bf16 moments", "kernel int8 moments",
+                "G params/s", "x fp32 ours", "% triad"):
         assert row in table, row
     record = json.loads(out.read_text())
     size = record["sizes"]["300000"]
     assert set(size["raw_seconds"]) >= {"triad", "torch fused, 1 tensor", "ours (engine step)",
-                                        "ours (engine step, int8 states)"}
+                                        "ours (engine step, int8 states)", "kernel fp32", "kernel int8 moments"}
     assert all(len(v) == 2 and min(v) > 0 for v in size["raw_seconds"].values())
     assert 0.5 * 300_000 < size["numel"]["ours"] < 2 * 300_000  # whole layers
     assert record["machine"]["torch"] == torch.__version__
