@@ -117,7 +117,7 @@ class Init:
         With ``tiers.params`` or ``tiers.optimizer`` "auto" (the ``auto`` preset): the model the placement
         is sized for, before it exists: a parameter count (``7e9``), a ``"package.module:callable"`` or a
         module built on the meta device. ``Init.placement`` then holds the decision ([Note: auto
-        placement] in infinity/plan/placement.py).
+        placement] in infinity/plan/placement.py); on several ranks, rank 0's pair is the one every rank runs.
     machine:
         With "auto": the machine profile to place for (``infinity.plan.machine.MachineProfile`` or a file);
         None probes this machine once and caches its rates.
