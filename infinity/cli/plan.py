@@ -79,6 +79,8 @@ def _build_parser() -> argparse.ArgumentParser:
                             "no profile, this machine is probed once and cached (~/.cache/infinity/machine.json)")
     model.add_argument("--probe", action="store_true",
                        help="predict the step on this machine, probed once and cached, whatever the tiers")
+    model.add_argument("--reprobe", action="store_true",
+                       help="probe this machine again and replace its cached rates (implies --probe)")
     model.add_argument("--tokens", default="16384", metavar="N",
                        help="tokens per rank and step for the predicted compute (default 16384)")
     model.add_argument("--recompute", action="store_true",
@@ -177,8 +179,8 @@ def _prediction_inputs(args: argparse.Namespace, config) -> dict:
     from infinity.plan.machine import Workload
     from infinity.plan.placement import default_workload
 
-    if args.machine and args.probe:
-        raise PlanError("give --machine or --probe, not both")
+    if args.machine and (args.probe or args.reprobe):
+        raise PlanError("give --machine or --probe/--reprobe, not both")
     cfg = resolve_config(config)
     try:
         workload = Workload(tokens=args.tokens, recompute=args.recompute,
@@ -187,13 +189,13 @@ def _prediction_inputs(args: argparse.Namespace, config) -> dict:
         raise PlanError(f"--tokens: {exc}") from None
     if args.machine:
         return {"machine": args.machine, "workload": workload}
-    if args.probe or "auto" in (cfg.tiers.params, cfg.tiers.optimizer):
+    if args.probe or args.reprobe or "auto" in (cfg.tiers.params, cfg.tiers.optimizer):
         from infinity.plan.probes import machine_profile
 
         local = args.local_ranks or args.ranks
         profile = machine_profile(cfg.tiers.compute_device(), cfg.precision.dtype, ranks=local,
                                   nvme_paths=tuple(cfg.tiers.nvme_path), host_budget=int(cfg.tiers.host_budget),
-                                  bench_json=args.bench_json)
+                                  bench_json=args.bench_json, refresh=args.reprobe)
         return {"machine": profile, "workload": workload}
     return {"workload": workload}
 

@@ -100,7 +100,7 @@ def _write_cache(path: Path, data: dict) -> None:
 
 def machine_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tuple[str, ...] = (),
                     host_budget: int = 0, bench_json: str | Path | None = None, cache: Path | None = CACHE_PATH,
-                    seconds: float = 0.2) -> MachineProfile:
+                    seconds: float = 0.2, refresh: bool = False) -> MachineProfile:
     """This machine's profile: rates from the cache (probed and cached when missing), sizes read now.
 
     Parameters
@@ -117,12 +117,16 @@ def machine_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tupl
         An ``infinity-bench nvme --json`` result; its rates replace the cached disk rates.
     cache : Path or None
         The cache file; None probes without reading or writing one.
+    refresh : bool
+        Probe again and replace the cached rates (a probe taken while other jobs loaded the machine
+        reads it slower than it is; the disk rates are kept).
     """
     key = machine_key(device, dtype)
     data = _read_cache(cache) if cache is not None else {}
     entry = dict(data[key]) if isinstance(data.get(key), dict) else None     # a copy: compared with the cached one
-    if entry is None or not isinstance(entry.get("rates"), dict):
-        entry = {"rates": probe_rates(device, dtype, seconds), "probed": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if refresh or entry is None or not isinstance(entry.get("rates"), dict):
+        entry = {**(entry or {}), "rates": probe_rates(device, dtype, seconds),
+                 "probed": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if bench_json is not None:
         bw = Bandwidth.from_bench_json(bench_json)
         entry["disk"] = {"disk_read_gbps": bw.read_gbps, "disk_write_gbps": bw.write_gbps, "source": bw.source}

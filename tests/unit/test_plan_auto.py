@@ -293,6 +293,9 @@ def test_probes_are_cached_per_machine_and_take_the_disk_from_a_bench_file(tmp_p
     first = probes.machine_profile("cpu", "float32", cache=cache)
     second = probes.machine_profile("cpu", "float32", cache=cache)
     assert len(calls) == 1 and first.device_flops == second.device_flops == 9e10 and first.nvme_bytes == 0
+    # refresh probes again and keeps the disk rates a bench file gave.
+    fresh = probes.machine_profile("cpu", "bfloat16", nvme_paths=(str(tmp_path),), cache=cache, refresh=True)
+    assert len(calls) == 2 and fresh.device_flops == 9e10 and fresh.disk_read_gbps == 2.5
 
 
 def test_a_measured_compute_time_replaces_the_flops():
