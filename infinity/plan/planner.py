@@ -469,6 +469,11 @@ def plan(
         prediction=decision.chosen if decision is not None else
         None if machine is None else predict_uniform(cfg, census, ranks, local, machine, workload),
     )
+    disk = result.prediction.machine if result.prediction is not None else None
+    if bandwidth is None and disk is not None and disk.disk_read_gbps > 0 and disk.disk_write_gbps > 0:
+        # One source of disk rates for the NVMe bound and the prediction.
+        result = dataclasses.replace(result, bandwidth=Bandwidth(disk.disk_read_gbps, disk.disk_write_gbps,
+                                                                 source=f"machine profile {disk.name}"))
     if not check_fit:
         return result
     return dataclasses.replace(result, fit=result.check_fit())

@@ -157,6 +157,8 @@ class StepPrediction:
     budget : dict
         Bytes available per tier.
     fits : bool
+    machine : MachineProfile
+        The profile it was predicted on.
     """
 
     placement: Placement
@@ -168,6 +170,7 @@ class StepPrediction:
     need: dict[str, float]
     budget: dict[str, float]
     fits: bool
+    machine: MachineProfile | None = dataclasses.field(default=None, compare=False)
 
     @property
     def bound_s(self) -> float:
@@ -328,7 +331,7 @@ class StepModel:
         return StepPrediction(
             placement=placement, phases={"forward": window(fwd), "backward": window(bwd), "update": window(upd)},
             schedule=schedule, step_s=step, bound_terms=terms, governing=max(terms, key=terms.get),
-            need=need, budget=budget, fits=all(need[t] <= budget[t] for t in TIERS))
+            need=need, budget=budget, fits=all(need[t] <= budget[t] for t in TIERS), machine=self.profile)
 
 
 def _rate(gbps: float) -> float:

@@ -191,6 +191,9 @@ def test_plan_of_auto_resolves_the_tiers_and_predicts(tmp_path):
     p = plan(known_census("llama-13b"), CFG, machine=prof, check_fit=False)
     assert (p.settings.params_tier, p.settings.optimizer_tier) == p.auto.chosen.placement.pair
     assert p.prediction is p.auto.chosen
+    # The planner's NVMe bound, from the profile's disk rates, is the model's NVMe term.
+    assert p.bandwidth.source == "machine profile box"
+    assert p.step_time_lower_bound_s == pytest.approx(p.prediction.bound_terms["nvme"], rel=1e-12)
     text = p.table()
     assert "Placement: params" in text and "Predicted step:" in text and "governed by" in text
     data = json.loads(json.dumps(p.to_dict()))
