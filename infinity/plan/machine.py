@@ -77,6 +77,10 @@ class MachineProfile:
     disk_write_gbps: float = 0.0
     """NVMe write bandwidth of the machine, GB/s (0: no disk)."""
 
+    interconnect_gbps: float = 0.0
+    """What one rank sends per second through collectives (all-gather, reduce-scatter), GB/s; 0 leaves
+    collectives out of the step."""
+
     unified: bool = False
     """The compute device is the CPU: device memory is host memory."""
 

@@ -94,7 +94,7 @@ def _step_time_line(plan) -> str:
 
 
 _TERM_NAMES = {"compute": "compute", "host_to_device": "host->device copies", "device_to_host": "device->host copies",
-               "host_update": "host update", "nvme": "NVMe"}
+               "host_update": "host update", "nvme": "NVMe", "interconnect": "collectives"}
 
 
 def prediction_lines(prediction, auto=None) -> list[str]:

@@ -30,7 +30,9 @@ so a window takes as long as its busiest resource:
   different sides.
 
 Resources: compute, host->device link, device->host link, host update, disk (reads / read rate +
-writes / write rate, shared by the machine's ranks). The engine's schedule decides which windows merge
+writes / write rate, shared by the machine's ranks), and with ``interconnect_gbps`` in the profile the
+collectives (what one rank sends in the step's all-gathers, every fetch but the last of a group in the
+forward, and reduce-scatters, in the backward: [Note: communication volume] in infinity/runtime/ranks.py). The engine's schedule decides which windows merge
 ([Note: update modes] in infinity/optim/scheduler.py): the overlapped update (``dpu.overlap``; when
 the pass touches NVMe or, on a GPU, host states) runs beside the next forward, so update and forward
 are one window; the update during backward joins the backward's window; DPU runs it beside the whole
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
 
 TIERS = ("device", "host", "nvme")
 PAIRS = tuple(itertools.product(TIERS, TIERS))     # (params tier, optimizer tier)
-RESOURCES = ("compute", "host_to_device", "device_to_host", "host_update", "nvme")
+RESOURCES = ("compute", "host_to_device", "device_to_host", "host_update", "nvme", "interconnect")
 PHASES = ("forward", "backward", "update")
 STATE_ROWS = ("compute_copy", "master", "adam_moments", "grad_accumulator", "dpu_grad_accumulator",
               "dpu_compute_copy")
@@ -129,6 +131,7 @@ class PairCosts:
     d2h: tuple[float, float, float]
     nvme_read: tuple[float, float, float]
     nvme_write: tuple[float, float, float]
+    collectives: tuple[float, float, float]   # bytes one rank sends in all-gathers and reduce-scatters
     host_elements: float              # elements the host AdamW steps
     host_bytes: float                 # bytes the host update pass moves through memory
     device_elements: float            # elements AdamW steps on the device
@@ -234,6 +237,7 @@ class StepModel:
         grads_written = layout.grad_bytes * t if optimizer == "nvme" and not layout.grads_held else 0.0
         mom = layout.moments.bytes_per_element()
         host_elements = t if optimizer != "device" else 0.0
+        gathered_fwd = layout.all_gather_bytes() * max(0.0, 1 - layout.shard_numel / max(1, layout.gathered_numel))
         # The pass reads master, m, v and gradient and writes master, m, v and the new compute copy.
         host_bytes = host_elements * (2 * (FP32_BYTES + 2 * mom) + layout.grad_bytes + pb)
         return PairCosts(
@@ -242,6 +246,7 @@ class StepModel:
             d2h=(0.0, d2h_grads, d2h_update),
             nvme_read=(read_fwd, read_params - read_fwd, layout.nvme_read_bytes() - read_params),
             nvme_write=(0.0, grads_written, layout.nvme_write_bytes() - grads_written),
+            collectives=(gathered_fwd, layout.all_gather_bytes() - gathered_fwd + layout.reduce_scatter_bytes(), 0.0),
             host_elements=host_elements, host_bytes=host_bytes,
             device_elements=t if optimizer == "device" else 0.0)
 
@@ -293,6 +298,8 @@ class StepModel:
                 use["host_to_device"] += share * c.h2d[phase] / (prof.h2d_gbps * 1e9)
                 use["device_to_host"] += share * c.d2h[phase] / (prof.d2h_gbps * 1e9)
                 read += share * c.nvme_read[phase]
+                if prof.interconnect_gbps:
+                    use["interconnect"] += share * c.collectives[phase] / (prof.interconnect_gbps * 1e9)
                 write += share * c.nvme_write[phase]
                 if phase == 2:
                     use["compute"] += share * c.device_elements / prof.device_update_params_per_s

@@ -28,7 +28,7 @@ PROFILES = {
                    host_adam_params_per_s=0.8e9, host_memory_gbps=50.0),
     "8x80GB": dict(name="8x80GB", ranks=8, device_bytes=80e9, host_bytes=1024 * GiB, nvme_bytes=16e12,
                    disk_read_gbps=12.0, disk_write_gbps=10.0, h2d_gbps=25.0, d2h_gbps=25.0, device_flops=400e12,
-                   host_adam_params_per_s=4e9, host_memory_gbps=200.0),
+                   host_adam_params_per_s=4e9, host_memory_gbps=200.0, interconnect_gbps=150.0),
 }
 WORKLOAD = Workload(tokens=8192, activation_bytes=4 * GiB)
 CFG = load_config("auto", nvme_path="/nonexistent/infinity-plan")
@@ -111,6 +111,20 @@ def test_a_uniform_placement_costs_what_the_plan_counts(params, optimizer):
     assert sum(costs.d2h) == pytest.approx(expected.device_to_host_bytes)
     assert sum(costs.nvme_read) == pytest.approx(expected.nvme_read_bytes)
     assert sum(costs.nvme_write) == pytest.approx(expected.nvme_write_bytes)
+
+
+def test_collectives_are_what_the_plan_sends_over_the_interconnect():
+    cfg = load_config(CFG, overrides={"tiers": {"params": "host", "optimizer": "host"}})
+    census = known_census("llama-7b")
+    expected = plan(census, cfg, world_size=8, check_fit=False)
+    model = _model("8x80GB", "llama-7b")
+    costs = model.pairs[("host", "host")]
+    assert sum(costs.collectives) == pytest.approx(expected.all_gather_bytes + expected.reduce_scatter_bytes)
+    got = model.predict(Placement.uniform("host", "host"))
+    assert got.bound_terms["interconnect"] == pytest.approx(sum(costs.collectives) / 150e9)
+    # Without a rate the collectives are left out, and nothing else changes.
+    alone = _model("8x80GB", "llama-7b", interconnect_gbps=0.0).predict(Placement.uniform("host", "host"))
+    assert alone.bound_terms["interconnect"] == 0 and alone.bound_terms["nvme"] == got.bound_terms["nvme"]
 
 
 def test_the_step_by_hand_with_the_update_beside_the_forward():
