@@ -49,7 +49,10 @@ class TorchOptimizerGuard:
 
     def __call__(self, optimizer, args, kwargs) -> None:
         engine = self._engine()
-        if engine is None or optimizer is engine.optimizer:
+        if engine is None:
+            return
+        own = engine.optimizer      # and the torch AdamW it steps parameters added after Init with
+        if own is not None and (optimizer is own or optimizer is own.unmanaged.optimizer):
             return
         count = sum(len(group["params"]) for group in optimizer.param_groups)
         if self._checked.get(optimizer) == count:

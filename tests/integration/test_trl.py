@@ -15,6 +15,7 @@ import torch
 import infinity
 from infinity.errors import EngineError
 from tests.integration.test_peft import _LLAMA, _assert_close, _config, _same_adapter
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.hf     # `make test-latest` runs these against the newest releases
 transformers = pytest.importorskip("transformers")
@@ -47,9 +48,10 @@ def _lora_config():
 
 
 def _args(out, **kw):
-    return trl.SFTConfig(str(out), max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-2,
-                         weight_decay=0.01, max_grad_norm=0.5, warmup_steps=1, logging_steps=1, save_steps=SAVE,
-                         report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True, **kw)
+    kw = {"per_device_train_batch_size": 2, **kw}
+    return trl.SFTConfig(str(out), max_steps=STEPS, learning_rate=1e-2, weight_decay=0.01, max_grad_norm=0.5,
+                         warmup_steps=1, logging_steps=1, save_steps=SAVE, report_to=[], use_cpu=True, seed=0,
+                         data_seed=0, disable_tqdm=True, **kw)
 
 
 def _engine_model(nvme, preset: str = "offload-host"):
@@ -131,3 +133,52 @@ def test_sft_trainer_alone_is_refused_at_its_first_step_naming_infinity_trainer(
         trainer.train()
     assert trainer.state.global_step == 0
     assert not os.path.exists(tmp_path / "out" / f"checkpoint-{SAVE}")
+
+
+
+
+def _two_ranks(rank, world, workdir):
+    """On each of two ranks launched as torchrun launches them: the SFT run, plain trl.SFTTrainer on the plain
+    model (which the Trainer wraps in DistributedDataParallel), then on the engine model trl.SFTTrainer alone
+    with save_strategy="no" and a plain loop's torch AdamW over the adapters."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29544")
+    ours = _trainer(SFTTrainer, _engine_model(os.path.join(workdir, f"nvme{rank}")), os.path.join(workdir, "out"))
+    ours.train()
+    torch.manual_seed(0)
+    plain = _trainer(trl.SFTTrainer, transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA)),
+                     os.path.join(workdir, "plain"), save_strategy="no")
+    plain.train()
+    refused = []
+    try:        # wraps the model in DistributedDataParallel, as on a plain model
+        _trainer(trl.SFTTrainer, _engine_model(os.path.join(workdir, f"alone{rank}")), os.path.join(workdir, "alone"),
+                 save_strategy="no").train()
+    except EngineError as exc:
+        refused.append(str(exc))
+    model = peft.get_peft_model(_engine_model(os.path.join(workdir, f"loop{rank}")), _lora_config())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(1, _LLAMA["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    try:
+        opt.step()
+    except EngineError as exc:
+        refused.append(str(exc))
+    adapters = {k: v for k, v in infinity.state_dict(ours.model).items() if "lora_" in k}
+    want = {k: v.detach().clone() for k, v in plain.model.state_dict().items() if "lora_" in k}
+    return _max_difference(_logged(ours), _logged(plain)), adapters, want, type(plain.model_wrapped).__name__, refused
+
+
+def test_two_ranks_train_as_plain_trl_under_ddp_and_a_torch_optimizer_is_refused(tmp_path):
+    """On two ranks the SFT run logs the losses, grad norms and learning rates of plain torch + peft +
+    trl.SFTTrainer there (DistributedDataParallel), and ends with its adapters. trl.SFTTrainer alone is refused
+    as it wraps the engine model in DDP; a torch AdamW over the adapters in a loop of one's own, whose
+    gradients nothing averages over the ranks, at its first step: before, each rank trained its own copy,
+    silently."""
+    for difference, adapters, want, wrapper, refused in run_ranks(_two_ranks, 2, tmp_path):
+        assert wrapper == "DistributedDataParallel" and difference <= 1e-5, (wrapper, difference)
+        _assert_close(adapters, want)
+        assert len(refused) == 2, refused
+        assert "DistributedDataParallel wraps a model infinity manages" in refused[0], refused[0]
+        assert refused[1].startswith("torch.optim.adamw.AdamW.step(): it holds parameters added to a model built "
+                                     "in infinity.Init after the block") and "copies would drift apart" in refused[1] \
+            and "infinity.AdamW(model" in refused[1], refused[1]
