@@ -7,7 +7,9 @@ to fp32: ``precision.cpu_linear = "float32"``, the rate the FLOP probe measures;
 are trained side by side, step by step in turn (so each sees the same machine load), each
 engine step timed from the forward to the end of its update (``opt.synchronize()``; ``dpu.overlap`` is
 off, since an update left running would overlap the next run's step, not its own model's forward: the
-model predicts the sequential schedule the run has, and the overlapped one is not measured here). The median of
+model predicts the sequential schedule the run has). ``--schedule engine`` measures the presets as shipped
+instead (the overlapped update where they use it), each run alone, timed from one iteration's start to the
+next, between two blocks of plain steps: less steady, since minutes pass between the figures compared. The median of
 the measured steps is compared with ``infinity.plan.plan(...).prediction`` for the same census, config
 and machine profile ([Note: step-time model] in infinity/plan/step_model.py). Its compute term is a plain
 PyTorch forward + backward of the same model measured beside the runs (``--compute measured``: on a
@@ -49,13 +51,69 @@ PRESETS = ("device", "offload-optimizer", "offload-host", "nvme", "auto")
 def build(preset: str, shape, meta, profile, args, nvme_dir: str):
     """The engine model of ``preset`` and its optimizer, its census and config (tiers as Init resolved them)."""
     overrides = {"tiers": {"device": "cpu", "nvme_path": nvme_dir}, "precision": {"cpu_linear": "float32"},
-                 "partition": {"sub_group_size": args.sub_group_size}, "dpu": {"overlap": False}}
+                 "partition": {"sub_group_size": args.sub_group_size}}
+    if args.schedule == "sequential":
+        overrides["dpu"] = {"overlap": False}
     cfg = load_config(preset, overrides=overrides)
     census = take_census(meta, cfg, cfg.precision.itemsize)
     torch.manual_seed(0)
     with infinity.Init(cfg, model=census, machine=profile) as init:
         model = GPT(shape, linear=widened_linear)
     return model, infinity.AdamW(model, lr=1e-4), census, cfg, init.config
+
+
+def _batches(shape, args):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(args.warmup + args.steps):
+        yield torch.randint(0, shape.vocab_size, (args.batch, args.seq + 1), generator=g)
+
+
+def _plain_step(plain, batch) -> float:
+    start = time.perf_counter()
+    plain(batch[:, :-1], batch[:, 1:]).backward()
+    plain.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def interleaved(runs, plain, shape, args):
+    """Step by step, each run in turn, every step synchronized: each sees the same load (the plain compute
+    included). Returns each run's step times and the plain times beside them (the same list for all)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    plains: list[float] = []
+    for batch in _batches(shape, args):
+        plains.append(_plain_step(plain, batch))
+        for preset, (model, opt, *_) in runs.items():
+            start = time.perf_counter()
+            model(batch[:, :-1], batch[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+            opt.synchronize()
+            times[preset].append(time.perf_counter() - start)
+    return ({k: v[args.warmup:] for k, v in times.items()},
+            dict.fromkeys(runs, plains[args.warmup:]))
+
+
+def blocks(runs, plain, shape, args):
+    """Each run alone, as the engine schedules it (an overlapped update beside the next forward): steps timed
+    from one iteration's start to the next, the last up to the end of its update, between two blocks of
+    plain steps whose medians' mean is its compute."""
+    times: dict[str, list[float]] = {}
+    plains: dict[str, list[float]] = {}
+    for preset, (model, opt, *_) in runs.items():
+        before = [_plain_step(plain, b) for b in _batches(shape, args)][args.warmup:]
+        starts = []
+        for batch in _batches(shape, args):
+            starts.append(time.perf_counter())
+            model(batch[:, :-1], batch[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        starts.append(time.perf_counter())
+        after = [_plain_step(plain, b) for b in _batches(shape, args)][args.warmup:]
+        times[preset] = [b - a for a, b in zip(starts, starts[1:])][args.warmup:]
+        middle = (statistics.median(before) + statistics.median(after)) / 2
+        plains[preset] = [middle] * len(times[preset])
+    return times, plains
 
 
 def run(args, argv) -> dict:
@@ -75,33 +133,19 @@ def run(args, argv) -> dict:
         torch.manual_seed(0)
         plain = GPT(shape, linear=widened_linear).to(torch.bfloat16)
         widen_linears([plain])      # the engine's compute policy, in plain PyTorch
-        times: dict[str, list[float]] = {name: [] for name in ["plain", *runs]}
-        g = torch.Generator().manual_seed(1)
-        # Step by step, each run in turn: every one sees the same load (the plain compute included).
-        for _ in range(args.warmup + args.steps):
-            batch = torch.randint(0, shape.vocab_size, (args.batch, args.seq + 1), generator=g)
-            start = time.perf_counter()
-            plain(batch[:, :-1], batch[:, 1:]).backward()
-            times["plain"].append(time.perf_counter() - start)
-            plain.zero_grad(set_to_none=True)
-            for preset, (model, opt, *_) in runs.items():
-                start = time.perf_counter()
-                model(batch[:, :-1], batch[:, 1:]).backward()
-                opt.step()
-                opt.zero_grad()
-                opt.synchronize()
-                times[preset].append(time.perf_counter() - start)
-        plains = times["plain"][args.warmup:]
-        compute_s = statistics.median(plains) if args.compute == "measured" else 0.0
+        timed = interleaved if args.schedule == "sequential" else blocks
+        times, plain_times = timed(runs, plain, shape, args)
         for preset, (model, opt, census, cfg, resolved) in runs.items():
+            plains = plain_times[preset]
+            compute_s = statistics.median(plains) if args.compute == "measured" else 0.0
             predict = lambda compute: plan(census, cfg, machine=profile, check_fit=False,   # noqa: E731
                                            workload=Workload(tokens=args.batch * args.seq, compute_s=compute)).prediction
             predicted = predict(compute_s)
-            steps = times[preset][args.warmup:]
+            steps = times[preset]
             measured = statistics.median(steps)
             # [Note: paired ratios] in benchmarks/prefetch.py: each step against the plain step beside it.
             paired = (statistics.median(m / predict(c).step_s for m, c in zip(steps, plains))
-                      if args.compute == "measured" else measured / predicted.step_s)
+                      if args.compute == "measured" and args.schedule == "sequential" else measured / predicted.step_s)
             tiers = (resolved.tiers.params, resolved.tiers.optimizer)
             rows.append({"size": size, "params": census.num_params, "preset": preset, "tiers": list(tiers),
                          "predicted_s": predicted.step_s, "measured_s": measured, "ratio": measured / predicted.step_s,
@@ -136,6 +180,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--compute", choices=("measured", "flops"), default="measured",
                     help="the compute term: a plain PyTorch forward + backward measured before each run "
                          "(default), or FLOPs over the probed matmul rate")
+    ap.add_argument("--schedule", choices=("sequential", "engine"), default="sequential",
+                    help="sequential: dpu.overlap off and the runs interleaved step by step (default); engine: "
+                         "the presets as shipped (an overlapped update beside the next forward), each run "
+                         "alone between two blocks of plain steps")
     ap.add_argument("--machine", help="a machine profile file (default: this machine, probed and cached)")
     ap.add_argument("--bench-json", help="an infinity-bench nvme --json result for the disk rates")
     ap.add_argument("--workdir", help="directory for the NVMe files (default: a temporary one)")

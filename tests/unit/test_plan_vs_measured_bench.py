@@ -36,3 +36,15 @@ def test_plan_vs_measured_smoke(tmp_path, monkeypatch, capsys):
     assert rows[1]["tiers"] == ["device", "device"]
     assert json.loads(out.read_text())["profile"]["name"] == "test box"
     assert "within 15%" in capsys.readouterr().out
+
+
+def test_plan_vs_measured_engine_schedule_smoke(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINITY_DEVICE", "cpu")
+    box = tmp_path / "box.json"
+    box.write_text(json.dumps({"name": "test box", "device_bytes": 0, "host_bytes": 4 * 2**30, "unified": True}))
+    result = _bench().main(["--sizes", "2e5", "--vocab", "256", "--seq", "16", "--batch", "1", "--steps", "2",
+                            "--warmup", "1", "--presets", "offload-host", "--schedule", "engine",
+                            "--machine", str(box), "--workdir", str(tmp_path)])
+    (row,) = result["rows"]
+    assert len(row["steps_s"]) == 2 and len(row["plain_s"]) == 2 and row["paired_ratio"] == row["ratio"]
+    assert row["predicted_s"] >= row["compute_s"] > 0
