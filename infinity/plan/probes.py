@@ -1,9 +1,9 @@
 """This machine's rates, measured once and cached: the inputs of ``auto`` placement's step-time model.
 
 [Note: machine probes]
-Four short probes (about ``seconds`` each, 0.2 by default) measure what the step-time model divides by:
+Short probes (about ``seconds`` each, 0.2 by default) measure what the step-time model divides by:
 a copy each way through a pinned buffer on a GPU (a memory copy with the CPU as compute device), torch's
-fused host AdamW (``torch._fused_adamw_``, the update pass's kernel, fp32 states), a matmul in the dtype
+fused AdamW (``torch._fused_adamw_``, the update pass's kernel, fp32 states) on the host and on the GPU, a matmul in the dtype
 the model's linear layers run in, and a large host memory copy (bandwidth counts the bytes read and
 written). Disk rates come from an ``infinity-bench nvme --json`` file when one is given ([Note: reading
 infinity-bench JSON] in infinity/plan/bandwidth.py), and are kept with the rest. The rates are cached in
@@ -69,18 +69,21 @@ def probe_rates(device: str, dtype: str, seconds: float = 0.2) -> dict[str, floa
     big = torch.empty(4 * _COPY_BYTES, dtype=torch.uint8)
     dst = torch.empty_like(big)
     memory = 2 * big.numel() / _timed(lambda: dst.copy_(big), seconds) / 1e9
-    p, g, m, v = (torch.rand(_PROBE_NUMEL) for _ in range(4))
-    steps = torch.zeros((), dtype=torch.float32)
+    def adam_rate(on: str) -> float:
+        p, g, m, v = (torch.rand(_PROBE_NUMEL, device=on) for _ in range(4))
+        steps = torch.zeros((), dtype=torch.float32, device=on)
 
-    def adam() -> None:
-        torch._fused_adamw_([p], [g], [m], [v], [], [steps], lr=1e-3, beta1=0.9, beta2=0.999,
-                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
-    adam_rate = _PROBE_NUMEL / _timed(adam, seconds)
+        def adam() -> None:
+            torch._fused_adamw_([p], [g], [m], [v], [], [steps], lr=1e-3, beta1=0.9, beta2=0.999,
+                                weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        return _PROBE_NUMEL / _timed(adam, seconds, sync if on != "cpu" else (lambda: None))
+
+    host_adam = adam_rate("cpu")
     mm_dtype = getattr(torch, dtype) if cuda else torch.float32
     a = torch.randn(2048, 2048, device=device, dtype=mm_dtype)
     flops = 2 * 2048**3 / _timed(lambda: a @ a, seconds, sync)
-    return {"h2d_gbps": h2d, "d2h_gbps": d2h, "host_memory_gbps": memory, "host_adam_params_per_s": adam_rate,
-            "device_flops": flops, "device_update_params_per_s": adam_rate if not cuda else 20 * adam_rate}
+    return {"h2d_gbps": h2d, "d2h_gbps": d2h, "host_memory_gbps": memory, "host_adam_params_per_s": host_adam,
+            "device_flops": flops, "device_update_params_per_s": adam_rate(device) if cuda else host_adam}
 
 
 def _read_cache(path: Path) -> dict:
