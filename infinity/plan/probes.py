@@ -149,4 +149,16 @@ def machine_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tupl
         **{k: float(v) for k, v in entry["rates"].items()})
 
 
-__all__ = ["CACHE_PATH", "machine_key", "machine_profile", "probe_rates"]
+def cached_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tuple[str, ...] = (),
+                   host_budget: int = 0, cache: Path | None = None) -> MachineProfile | None:
+    """This machine's profile when its rates are cached, else None: what a caller that must not spend
+    a second probing (``infinity.trace``) reads. Arguments as :func:`machine_profile`'s; ``cache``
+    None reads ``CACHE_PATH``."""
+    cache = CACHE_PATH if cache is None else cache
+    entry = _read_cache(cache).get(machine_key(device, dtype))
+    if not isinstance(entry, dict) or not isinstance(entry.get("rates"), dict):
+        return None
+    return machine_profile(device, dtype, ranks=ranks, nvme_paths=nvme_paths, host_budget=host_budget, cache=cache)
+
+
+__all__ = ["CACHE_PATH", "cached_profile", "machine_key", "machine_profile", "probe_rates"]

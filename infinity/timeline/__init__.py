@@ -19,7 +19,7 @@ from infinity.timeline.record import Timeline
 
 
 @contextlib.contextmanager
-def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None):
+def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None, machine=None, workload=None):
     """Record what the engine does inside the block and write it to ``path`` as a Chrome trace.
 
     Run one training step inside the block (forward, backward, ``opt.step()``), best a steady one
@@ -32,8 +32,9 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None):
     ``compute`` (each group's forward and backward), ``copies`` (gathers, releases, host<->device
     copies), ``nvme read`` and ``nvme write`` (each request from submission to completion),
     ``update`` (each optimizer sub-group, and ``opt.step()``), ``host waits``; and, in a process of
-    its own, ``plan``: the NVMe traffic ``infinity.plan`` predicts for the step (see [Note: the plan
-    beside the step] in infinity/timeline/predicted.py).
+    its own, ``plan``: the NVMe traffic ``infinity.plan`` predicts for the step and, with a machine
+    profile, the predicted forward, backward and update (see [Note: the plan beside the step] in
+    infinity/timeline/predicted.py).
 
     Outside the block nothing is installed: no hook, no wrapper, no timestamp.
 
@@ -47,7 +48,15 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None):
     nvme_bandwidth:
         For the plan track's phase lengths: a ``(read_gbps, write_gbps)`` pair, an
         ``infinity-bench nvme --json`` file, an ``infinity.plan.Bandwidth``, or None (the plan's byte
-        counts only).
+        counts only). Without it, a machine profile's disk rates.
+    machine:
+        For the predicted forward, backward and update: an ``infinity.plan.MachineProfile`` or a profile
+        file; None reads this machine's cached profile (``infinity-plan model --probe`` or
+        ``infinity.Init("auto")`` caches one) and, where none is cached, leaves them out: a trace never
+        probes.
+    workload:
+        The step's work for the compute term: an ``infinity.plan.Workload`` or the tokens of one step
+        (batch x sequence); None: ``Workload()``'s 16384 tokens.
 
     Examples
     --------
@@ -58,7 +67,7 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None):
     """
     engine = registry.engine_of(model, "infinity.trace")
     timeline = Timeline()
-    phases = predicted_phases(engine, nvme_bandwidth)      # before the step: planning is no part of it
+    phases = predicted_phases(engine, nvme_bandwidth, machine, workload)    # before the step: no part of it
     probes = Probes(engine, timeline)
     try:
         probes.install()        # inside: what a failed install put on comes off again

@@ -11,6 +11,7 @@ import torch
 import infinity
 from infinity import registry
 from infinity.examples.data import batches
+from infinity.plan import MachineProfile, probes
 from infinity.timeline import record
 from infinity.timeline.draw import draw
 from infinity.timeline.record import KINDS, Timeline
@@ -33,15 +34,19 @@ def _stepper(model, shape):
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    """The third step of the tiny GPT (2 blocks, nvme preset) traced with a given NVMe bandwidth."""
+    """The third step of the tiny GPT (2 blocks, nvme preset) traced with a given NVMe bandwidth and no
+    machine profile cached (the plan track's NVMe figures only)."""
     tmp = tmp_path_factory.mktemp("trace")
     model, shape = build(tmp / "nvme", "nvme", n_layer=2)
     opt, step = _stepper(model, shape)
     step()
     step()
     path = tmp / "step.json"
-    with infinity.trace(model, path, nvme_bandwidth=(2.0, 1.0)):
-        step()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(probes, "CACHE_PATH", tmp / "no-cache" / "machine.json")
+        with infinity.trace(model, path, nvme_bandwidth=(2.0, 1.0)):
+            step()
+    assert not (tmp / "no-cache").exists()      # looked up, never probed
     yield json.loads(path.read_text()), path, model
     opt.synchronize()
     infinity.release(model)
@@ -67,6 +72,7 @@ def test_a_traced_step_has_every_kind_of_event_on_its_own_track(traced):
         assert {threads[e["pid"], e["tid"]].rstrip("0123456789 ") for e in spans} == {kind}
     assert _spans(events, "plan"), "no predicted phases"
     assert any(e["name"].startswith("plan: NVMe read") and e["dur"] > 0 for e in _spans(events, "plan"))
+    assert not any(e["name"].startswith("plan: forward") for e in _spans(events, "plan"))     # no profile
     names = {e["name"] for e in _spans(events)}
     assert {"forward blocks.0", "backward blocks.0", "gather blocks.0", "update sub 0", "opt.step()"} <= names
     assert any(n.startswith("read param blocks.") for n in names) and any(n == "write grad sub 0" for n in names)
@@ -80,6 +86,39 @@ def test_a_traced_step_has_every_kind_of_event_on_its_own_track(traced):
             stack.pop()
         assert not stack or _end(e) <= _end(stack[-1]) + 0.002, (e["name"], stack[-1]["name"])
         stack.append(e)
+
+
+PROFILE = MachineProfile(name="test box", device_bytes=0, host_bytes=64 * 2**30, nvme_bytes=1e12, unified=True,
+                         device_flops=2e10, host_adam_params_per_s=1e8, host_memory_gbps=10.0,
+                         disk_read_gbps=2.0, disk_write_gbps=1.0)
+
+
+def test_with_a_machine_profile_the_plan_track_has_the_predicted_phases(tmp_path):
+    model, shape = build(tmp_path / "nvme", "nvme", n_layer=1)
+    opt, step = _stepper(model, shape)
+    step()
+    step()
+    path = tmp_path / "step.json"
+    with infinity.trace(model, path, machine=PROFILE, workload=4 * 32):
+        step()
+    opt.synchronize()
+    infinity.release(model)
+    events = json.loads(path.read_text())["traceEvents"]
+    plan = {e["name"].split()[1]: e for e in events if e.get("cat") == "plan"}
+    mark = plan["step"]
+    predicted = mark["args"]["phases_s"]
+    assert mark["ph"] == "i" and mark["args"]["machine"] == "test box" and mark["args"]["tokens"] == 128
+    assert mark["name"].endswith(f"({mark['args']['schedule']}; {mark['args']['governing']} governs)")
+    fwd, bwd, upd = plan["forward"], plan["backward"], plan["update"]
+    for name, e in (("forward", fwd), ("backward", bwd), ("update", upd)):
+        assert e["dur"] == pytest.approx(predicted[name] * 1e6, abs=0.002), name
+    # Laid end to end from the step's start, where the NVMe reads start too (at the profile's disk rate).
+    read = next(e for e in _spans(events, "plan") if e["name"].startswith("plan: NVMe read"))
+    assert read["name"].endswith("at 2 GB/s") and read["ts"] == fwd["ts"]
+    assert bwd["ts"] == pytest.approx(_end(fwd), abs=0.002)
+    update_after = fwd if mark["args"]["schedule"] == "update beside backward" else bwd
+    assert upd["ts"] == pytest.approx(_end(update_after), abs=0.002)
+    assert mark["ts"] == pytest.approx(fwd["ts"] + mark["args"]["step_s"] * 1e6, abs=0.002)
 
 
 def test_reads_end_before_compute_and_gradients_land_before_their_update(traced):

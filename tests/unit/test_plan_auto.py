@@ -315,6 +315,23 @@ def test_probes_are_cached_per_machine_and_take_the_disk_from_a_bench_file(tmp_p
     assert len(calls) == 2 and fresh.device_flops == 9e10 and fresh.disk_read_gbps == 2.5
 
 
+def test_the_cached_profile_is_read_without_probing_or_is_none(tmp_path, monkeypatch):
+    from infinity.plan import probes
+
+    def no_probing(*args, **kwargs):
+        raise AssertionError("cached_profile probed")
+    monkeypatch.setattr(probes, "probe_rates", no_probing)
+    cache = tmp_path / "machine.json"
+    assert probes.cached_profile("cpu", "bfloat16", cache=cache) is None and not cache.exists()
+    cache.write_text(json.dumps({probes.machine_key("cpu", "float32"): {"rates": {"h2d_gbps": 1.0}}}))
+    assert probes.cached_profile("cpu", "bfloat16", cache=cache) is None      # another dtype's rates only
+    rates = {"h2d_gbps": 7.0, "d2h_gbps": 6.0, "host_memory_gbps": 11.0, "host_adam_params_per_s": 3e8,
+             "device_flops": 5e10, "device_update_params_per_s": 3e8}
+    cache.write_text(json.dumps({probes.machine_key("cpu", "bfloat16"): {"rates": rates}}))
+    prof = probes.cached_profile("cpu", "bfloat16", host_budget=GiB, cache=cache)
+    assert (prof.device_flops, prof.host_bytes, prof.unified) == (5e10, GiB, True)
+
+
 def test_a_measured_compute_time_replaces_the_flops():
     cfg = load_config(CFG, overrides={"dpu": {"overlap": False}})
     prof = MachineProfile(**PROFILES["1x80GB"])
