@@ -105,31 +105,6 @@ static inline __attribute__((always_inline)) Hyper hyper_of(const Job *j) {
     return h;
 }
 
-/* Adam on elements [0, len) of the given arrays; w receives sqrt of the new v. */
-static inline __attribute__((always_inline)) void adam_span(Hyper h, int64_t len, float *restrict p, const float *restrict g, float *restrict m,
-                             float *restrict v, float *restrict w) {
-    float c1 = 1.0f - h.b1, c2 = 1.0f - h.b2;
-    if (h.decoupled) {
-        for (int64_t i = 0; i < len; i++) {
-            float gi = g[i] * h.gmul, pi = p[i] * h.decay;
-            float mi = h.b1 * m[i] + c1 * gi;
-            float vi = h.b2 * v[i] + c2 * gi * gi;
-            float wi = sqrtf(vi);
-            p[i] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
-            m[i] = mi; v[i] = vi; w[i] = wi;
-        }
-    } else {
-        for (int64_t i = 0; i < len; i++) {
-            float pi = p[i], gi = g[i] * h.gmul + h.wd * p[i];
-            float mi = h.b1 * m[i] + c1 * gi;
-            float vi = h.b2 * v[i] + c2 * gi * gi;
-            float wi = sqrtf(vi);
-            p[i] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
-            m[i] = mi; v[i] = vi; w[i] = wi;
-        }
-    }
-}
-
 #define CHUNK 1024
 
 /* [Note: one kernel per instruction set] The loops are compiled three times: for AVX-512 with
