@@ -107,6 +107,18 @@ class UpdateScheduler:
             # A failed one is reported here at the latest.
             self.overlap.wait()
 
+    def wait_running(self, report: bool = True) -> None:
+        """Wait for the running background update without publishing it: a DPU step's parameters become
+        current at the ``opt.step()`` they would have anyway, so an observer (``infinity.trace``) changes no
+        result. ``report``: raise a failed update's error (once, as ``opt.step()`` would), else leave it to
+        be raised there."""
+        if self.background is None:
+            return
+        if report:
+            self.background.wait()
+        else:
+            self.background.wait_idle()
+
     def synchronize(self) -> None:
         """Wait for the running update; with DPU publish it (the delay restarts from there)."""
         if self.delay is not None:

@@ -24,7 +24,8 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None, mac
 
     Run one training step inside the block (forward, backward, ``opt.step()``), best a steady one
     (after the first step, which records the prefetch trace). On exit the running optimizer update
-    is waited for (``opt.synchronize()``), so the file holds the whole step, and ``path`` is written
+    is waited for (not published: with DPU it becomes current at the next ``opt.step()`` as untraced), so
+    the file holds the whole step, and ``path`` is written
     under a temporary name, then renamed into place; a block that raises writes nothing. Open the
     file in https://ui.perfetto.dev or ``chrome://tracing``.
 
@@ -74,11 +75,15 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None, mac
         start = timeline.now()
         yield timeline
         if engine.optimizer is not None:
-            engine.optimizer.synchronize()
+            # The step's update, not published: with DPU ``synchronize()`` would make it current a step
+            # early and change what the next forward computes (on the traced ranks only).
+            engine.optimizer.updates.wait_running()
         probes.poll()
         end = timeline.now()
         in_flight = len(probes.inflight)
     finally:
+        if engine.optimizer is not None:
+            engine.optimizer.updates.wait_running(report=False)    # no worker inside a probe as it comes off
         probes.remove()
     for phase in phases:
         timeline.plan(phase.name, start + phase.start_s * 1e6, phase.seconds * 1e6, phase.args)

@@ -239,3 +239,23 @@ def test_the_overhead_benchmark_runs_at_a_tiny_size(tmp_path, capsys):
     assert len(result["samples"]["plain_s"]) == len(result["samples"]["traced_s"]) == 1
     assert result["samples"]["spans"][0] > 0
     assert json.loads((tmp_path / "step.json").read_text())["traceEvents"]
+
+
+def test_a_traced_step_under_dpu_trains_as_the_untraced_one(tmp_path):
+    """DPU: the trace waits for the step's delayed update without publishing it. Its exit called
+    ``opt.synchronize()``, which made that update current a step early: the traced run's next losses differed
+    (and a trace on some ranks only would gather shards of two different steps)."""
+    dpu = {"dpu": {"enabled": True, "warmup_steps": 1}}
+    plain, shape = build(tmp_path / "a", "offload-host", n_layer=1, **dpu)
+    _, plain_step = _stepper(plain, shape)
+    model, shape = build(tmp_path / "b", "offload-host", n_layer=1, **dpu)
+    opt, step = _stepper(model, shape)
+    expected = [plain_step() for _ in range(5)]
+    losses = [step(), step()]
+    with infinity.trace(model, tmp_path / "step.json"):
+        losses.append(step())
+    losses += [step(), step()]
+    assert losses == expected
+    opt.synchronize()
+    infinity.release(plain)
+    infinity.release(model)
