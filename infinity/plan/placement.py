@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -204,29 +205,56 @@ def _machine(cfg: "Config", machine: object, local_ranks: int) -> MachineProfile
 
 def resolve_at_init(cfg: "Config", model: object, machine: object, group=None) -> tuple["Config", AutoDecision | None]:
     """What ``infinity.Init`` runs for "auto" tiers: rank 0 decides and every rank takes its pair, so the
-    ranks agree whatever each one's probes measured. A decision that fails is a ConfigError naming the key."""
+    ranks agree whatever each one's probes would measure. A decision that fails is a ConfigError naming the
+    key, on every rank: rank 0's failure travels in the one broadcast every rank makes, so no rank waits in it
+    while another has raised (and only rank 0 probes, so the cached rates are not measured under N-way
+    contention)."""
     from infinity.config import ConfigError
 
     if AUTO not in (cfg.tiers.params, cfg.tiers.optimizer):
         return cfg, None
     import torch.distributed as dist
 
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if distributed else 1
+    rank = dist.get_rank(group) if distributed else 0
     key = "tiers.params" if cfg.tiers.params == AUTO else "tiers.optimizer"
-    try:
-        resolved, decision = resolve_auto(cfg, model, world_size=world, machine=machine)
-    except PlanError as exc:
-        raise ConfigError(str(exc), key) from None
+    outcome: tuple = ("error", "auto placement was not decided on rank 0")
+    if rank == 0:
+        try:
+            resolved, decision = resolve_auto(cfg, model, world_size=world, local_ranks=_local_ranks(world),
+                                              machine=machine)
+            outcome = ("ok", resolved.tiers.params, resolved.tiers.optimizer, decision)
+        except PlanError as exc:
+            outcome = ("error", str(exc))
+        except Exception as exc:        # a probe, a profile file, the cache: every rank must hear of it
+            outcome = ("error", f"auto placement failed on rank 0: {exc!r}")
     if world > 1:
-        chosen = [(resolved.tiers.params, resolved.tiers.optimizer)]
-        dist.broadcast_object_list(chosen, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                                   group=group)
-        params, optimizer = chosen[0]
-        resolved = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, params=params, optimizer=optimizer))
+        box = [outcome]
+        device = None
+        if dist.get_backend(group) == "nccl":   # this rank's GPU, not whatever device the thread has current
+            import torch
+
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                   group=group, device=device)
+        outcome = box[0]
+    if outcome[0] != "ok":
+        raise ConfigError(outcome[1], key)
+    _, params, optimizer, decision = outcome
+    resolved = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, params=params, optimizer=optimizer))
     import logging
 
     logging.getLogger("infinity").info("%s", decision.summary())
     return resolved, decision
+
+
+def _local_ranks(world: int) -> int:
+    """Ranks sharing this machine's host memory and disks: the launcher's LOCAL_WORLD_SIZE, else all."""
+    try:
+        return max(1, min(world, int(os.environ["LOCAL_WORLD_SIZE"])))
+    except (KeyError, ValueError):
+        return world
 
 
 def resolve_tiers(cfg: "Config", decision: AutoDecision) -> "Config":

@@ -5,19 +5,28 @@ from __future__ import annotations
 import torch
 
 import infinity
+from infinity.config import ConfigError, load_config
 from infinity.plan.machine import MachineProfile
+from infinity.plan.placement import resolve_auto
 from tests.support.ranks import run_ranks
 from tests.support.tiny_gpt import TinyGPT, batches
 
 
-def _auto(rank, world, workdir):
+_AUTO = {"tiers": {"params": "auto", "optimizer": "auto"}, "precision": {"dtype": "float32"}}
+
+
+def _size() -> int:
     with torch.device("meta"):
-        size = sum(p.numel() for p in TinyGPT().parameters())
+        return sum(p.numel() for p in TinyGPT().parameters())
+
+
+def _auto(rank, world, workdir):
+    size = _size()
     box = MachineProfile(name=f"rank {rank}", device_bytes=0, host_bytes=4 * 2**30, unified=True,
                          device_update_params_per_s=1e9 if rank == 0 else 1.0)
+    _, alone = resolve_auto(load_config(_AUTO), size, world_size=world, machine=box)     # what this rank would pick
     torch.manual_seed(0)
-    with infinity.Init({"tiers": {"params": "auto", "optimizer": "auto"}, "precision": {"dtype": "float32"}},
-                       model=size, machine=box) as init:
+    with infinity.Init(_AUTO, model=size, machine=box) as init:
         model = TinyGPT()
     opt = infinity.AdamW(model, lr=1e-2)
     losses = []
@@ -28,7 +37,7 @@ def _auto(rank, world, workdir):
         opt.zero_grad()
         losses.append(loss.item())
     infinity.release(model)
-    return (init.config.tiers.params, init.config.tiers.optimizer), init.placement.chosen.placement.pair, losses
+    return (init.config.tiers.params, init.config.tiers.optimizer), alone.chosen.placement.pair, losses
 
 
 def test_every_rank_runs_rank_0s_placement(tmp_path):
@@ -38,3 +47,23 @@ def test_every_rank_runs_rank_0s_placement(tmp_path):
     assert own0 == ("device", "device") and own1[1] != "device"
     assert ran0 == ran1 == own0
     assert all(torch.isfinite(torch.tensor(losses1)))
+
+
+def _rank_0_fails(rank, world, workdir):
+    """Rank 0's profile leaves no room for the model: it cannot decide. Every rank must raise, none wait."""
+    box = MachineProfile(name=f"rank {rank}", device_bytes=0, host_bytes=(1024 if rank == 0 else 4 * 2**30),
+                         unified=True)
+    try:
+        with infinity.Init(_AUTO, model=_size(), machine=box):
+            TinyGPT()
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_placement_rank_0_cannot_decide_is_an_error_on_every_rank(tmp_path):
+    """Each rank decided and then broadcast: rank 0 raised before the broadcast and rank 1 waited in it until
+    the group's timeout (a hang under NCCL); now rank 0's error is what every rank raises."""
+    said = run_ranks(_rank_0_fails, 2, tmp_path)
+    assert said[0] is not None and said[0] == said[1], said
+    assert "tiers.params" in said[0]
