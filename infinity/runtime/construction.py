@@ -479,8 +479,10 @@ class Partitioner:
             beyond = sum(r.nbytes for r in the_plan.rows if r.tier == "nvme") - self._resume.adopted_nbytes()
             needs += [Need("model states beyond the checkpoint's swap files", "nvme", max(0, beyond) // len(paths), p)
                       for p in paths]
+        pool = self.engine.tiers.pool
+        not_yet = _NOT_YET_ALLOCATED | ({"pool_buffers"} if pool is not None and not pool.allocated else set())
         for row in the_plan.rows:
-            if row.key not in _NOT_YET_ALLOCATED or row.nbytes == 0 or (self._resume is not None and row.tier == "nvme"):
+            if row.key not in not_yet or row.nbytes == 0 or (self._resume is not None and row.tier == "nvme"):
                 continue
             if row.tier == "nvme":
                 needs += [Need(row.what, "nvme", row.nbytes // len(paths), p) for p in paths]

@@ -762,3 +762,14 @@ def test_init_says_when_accumulating_micro_batches_will_not_fit_the_disk(tmp_pat
         with infinity.Init(cfg):
             model = nn.Linear(256, 256)
     infinity.release(model)
+
+
+def test_the_nvme_io_pool_made_at_its_first_loan_is_in_the_host_budget(tmp_path):
+    """The NVMe I/O pool is made when an unaligned transfer first needs it, possibly mid-step: the budget check
+    at construction counts it as still to come (it was left out once the pool became lazy, so 512 MiB per rank
+    went unchecked)."""
+    cfg = _nvme_cfg(tmp_path)
+    cfg["tiers"].update(pool_buffer_size="64MiB", pool_buffers=8, host_budget="256MiB")
+    with pytest.raises(BudgetError, match=r"(?s)NVMe I/O .*pool.*host_budget"):
+        with infinity.Init(cfg):
+            nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
