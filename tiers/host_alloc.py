@@ -254,6 +254,9 @@ class HostAllocator:
         self.pin = pin
         self.huge_pages = huge_pages
         self._cudart = torch.cuda.cudart() if pin != "never" and torch.cuda.is_available() else None
+        # Registration happens in the context of the thread's current device; a buffer made later on a worker
+        # thread (whose current device is 0) must still go to this rank's GPU.
+        self._device = torch.cuda.current_device() if self._cudart is not None else None
         self._libc = _libc()
         self._numa_lib: ctypes.CDLL | None = None
         self.numa = self._place(numa_node)
@@ -355,7 +358,8 @@ class HostAllocator:
     def _register(self, base: int, length: int) -> None:
         if self._cudart is None:
             return
-        status = self._cudart.cudaHostRegister(base, length, 0)
+        with torch.cuda.device(self._device):
+            status = self._cudart.cudaHostRegister(base, length, 0)
         if int(status) != 0:
             raise HostAllocatorError(
                 f"cudaHostRegister of {length} bytes failed with CUDA error {int(status)}; "
