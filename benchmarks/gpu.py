@@ -29,6 +29,19 @@ infinity's from that ledger (``per_parameter``), DeepSpeed's from the bytes its 
 and wrote to storage (``/proc/self/io``), a mean over the steps after the first two. Ratios:
 against ``torch``, and each preset against its DeepSpeed peer. Without a GPU everything runs on
 the CPU, which checks the benchmark itself.
+
+A ``--configs`` entry ``CONFIG@SIZE`` runs at that size only (``auto@6.7B,device@4B``), after the
+entries run at every ``--sizes`` size, in the order given.
+
+``--predict`` sets beside each infinity row what ``infinity.plan``'s step-time model predicts for it
+([Note: step-time model] in infinity/plan/step_model.py): the machine profile is probed once, in a
+process of its own so that this one never touches the GPU (or read from ``--machine``; disk rates from
+``--bench-json``, an ``infinity-bench nvme --json`` file), the config is the row's own, with ``auto``
+tiers as its run resolved them, and the compute term is the ``torch`` row's measured step at that
+size (its AdamW included; from ``--compute-json``, an earlier run's JSON, when this run has none), else
+FLOPs over the probed rate. Rows with NVMe bytes get the bound max(compute, NVMe bytes read / read
+rate + written / write rate), the bytes their own ledger's. A table of predicted phases follows the
+rows. The JSON is rewritten after every row, so a run cut short keeps the rows it finished.
 """
 from __future__ import annotations
 
@@ -139,13 +152,14 @@ def run_infinity(size: str, config: str, args, nvme_dir: str) -> dict:
         return {"error": result.error, "wall_seconds": result.wall_seconds}
     r = result.report
     s = r["summary"]
+    tiers = [r["config"]["tiers"]["params"], r["config"]["tiers"]["optimizer"]] if config != "torch" else None
     transfers = (r.get("engine_stats") or {}).get("transfers")
     per = (transfers or {}).get("per_parameter") or {}
     nvme = {"read": per["nvme_read"], "written": per["nvme_written"]} if per.get("stored_nvme") else None
     return {"error": None, "step_seconds": s["step_seconds_median"], "tokens_per_second": s["tokens_per_second"],
             "peak_rss_bytes": s["peak_rss_bytes"], "gpu_peak_bytes": r.get("gpu_peak_bytes"),
             "flops_per_token": r["model"]["flops_per_token"], "transfers": transfers, "nvme_per_parameter": nvme,
-            "first_loss": s["first_loss"], "last_loss": s["last_loss"], "device": r["machine"]["gpu"] or "cpu",
+            "tiers": tiers, "first_loss": s["first_loss"], "last_loss": s["last_loss"], "device": r["machine"]["gpu"] or "cpu",
             "samples": [st["seconds"] for st in r["steps"]], "losses": [st["loss"] for st in r["steps"]]}
 
 
@@ -180,9 +194,14 @@ def _nvme_per_parameter(nvme: dict | None) -> str:
     return f"{nvme['read']:.2f}/{nvme['written']:.2f}" if nvme else "-"
 
 
+def _against(row: dict, seconds: float | None) -> str:
+    """A predicted or bounding step and the measured one over it: "0.412 (1.21x)"."""
+    return f"{seconds:.3f} ({row['step_seconds'] / seconds:.2f}x)" if seconds else "-"
+
+
 def table(rows: list[dict]) -> str:
     head = ("size", "config", "s/step", "TFLOPS", "GPU peak", "host RSS", "vs torch", "vs peer",
-            "H->D", "D->H", "NVMe r/w", "NVMe B/param r/w", "unpooled / f+b waits")
+            "H->D", "D->H", "NVMe r/w", "NVMe B/param r/w", "unpooled / f+b waits", "predicted", "NVMe bound")
     step = {(r["size"], r["config"]): r.get("step_seconds") for r in rows if not r.get("error")}
     lines = []
     for r in rows:
@@ -196,13 +215,104 @@ def table(rows: list[dict]) -> str:
                       format_bytes(r["peak_rss_bytes"]),
                       f"{r['step_seconds'] / ref:.2f}x" if ref else "-",
                       f"{r['step_seconds'] / peer:.2f}x" if peer else "-",
-                      h2d, d2h, nvme_bytes, _nvme_per_parameter(r.get("nvme_per_parameter")), waits))
+                      h2d, d2h, nvme_bytes, _nvme_per_parameter(r.get("nvme_per_parameter")), waits,
+                      _against(r, (r.get("predicted") or {}).get("step_s")), _against(r, r.get("nvme_bound_s"))))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
 
     def fmt(row) -> str:
         return "  ".join(str(x).rjust(w) if i >= 2 else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths)))
 
     return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, lines)])
+
+
+def probed_profile(dtype: str, nvme_dir: str, bench_json: str | None):
+    """This machine's profile (``infinity.plan.probes``: cached rates, sizes read now), probed in a child
+    process, so that this one, which only starts the rows, never holds a CUDA context."""
+    from infinity.plan import MachineProfile
+
+    code = ("import json, sys\nfrom infinity.config import load_config\nfrom infinity.plan.probes import machine_profile\n"
+            "p = machine_profile(load_config(None).tiers.compute_device(), sys.argv[1], nvme_paths=(sys.argv[2],), "
+            "bench_json=sys.argv[3] or None)\nprint(json.dumps(p.to_dict()))")
+    out = subprocess.run([sys.executable, "-c", code, dtype, nvme_dir, bench_json or ""], capture_output=True,
+                         text=True, timeout=300, env=_child_env())
+    if out.returncode != 0:
+        raise RuntimeError(f"probing the machine failed: {out.stderr.strip()[-500:]}")
+    return MachineProfile.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+class Predictor:
+    """``infinity.plan``'s predicted step and the NVMe bound beside each row (see ``--predict`` above)."""
+
+    def __init__(self, args, nvme_dir: str) -> None:
+        from infinity.plan import MachineProfile
+
+        self.args, self.nvme_dir = args, nvme_dir
+        self.profile = (MachineProfile.from_file(args.machine) if args.machine
+                        else probed_profile(args.dtype, nvme_dir, args.bench_json))
+        self.compute: dict[str, float] = {}      # size -> the torch row's step
+        if args.compute_json:
+            with open(args.compute_json) as f:
+                self.compute = {r["size"]: r["step_seconds"] for r in json.load(f)["rows"]
+                                if r["config"] == "torch" and not r.get("error")}
+
+    def annotate(self, row: dict, raw: list[dict]) -> None:
+        """Add ``predicted`` (infinity rows) and ``nvme_bound_s`` (rows with NVMe bytes) to ``row``."""
+        if row["config"] == "torch":
+            self.compute[row["size"]] = row["step_seconds"]
+        compute = self.compute.get(row["size"], 0.0)
+        if row["config"] not in DEEPSPEED and row["config"] != "torch":
+            row["predicted"] = self.predict(row, compute)
+        nvme, prof = row.get("nvme_per_parameter"), self.profile
+        if nvme and prof.disk_read_gbps > 0 and prof.disk_write_gbps > 0:
+            disk = row["n_params"] * (nvme["read"] / (prof.disk_read_gbps * 1e9) +
+                                      nvme["written"] / (prof.disk_write_gbps * 1e9))
+            row["nvme_bound_s"] = max(compute, disk)
+            row["nvme_bound_terms_s"] = {"compute": compute, "nvme": disk}
+
+    def predict(self, row: dict, compute_s: float) -> dict:
+        """The step-time model's prediction for the row's config, model and tokens."""
+        import torch
+
+        from infinity.config import load_config
+        from infinity.examples.train_gpt import build_model, parse_overrides
+        from infinity.plan import Workload, plan
+        from infinity.plan.census import take_census
+
+        base, extra = MODES.get(row["config"], (row["config"], []))
+        overrides = parse_overrides([f'precision.dtype="{self.args.dtype}"', *extra])
+        tiers = overrides.setdefault("tiers", {})
+        tiers["nvme_path"] = self.nvme_dir
+        if row.get("tiers"):        # "auto" as the run resolved it
+            tiers.update(params=row["tiers"][0], optimizer=row["tiers"][1])
+        cfg = load_config(base, overrides=overrides)
+        shape = preset(row["size"])
+        with torch.device("meta"):
+            meta = build_model(preset(row["size"], seq_len=max(shape.seq_len, self.args.seq)))
+        census = take_census(meta, cfg, cfg.precision.itemsize)
+        workload = Workload(tokens=self.args.batch * self.args.seq, compute_s=compute_s)
+        predicted = plan(census, cfg, machine=self.profile, check_fit=False, workload=workload).prediction
+        return {**predicted.to_dict(), "compute_s": compute_s, "machine": self.profile.name,
+                "compute_from": "the torch row's step" if compute_s else "FLOPs / the probed device_flops"}
+
+
+def prediction_table(rows: list[dict]) -> str:
+    """Per infinity row: the tiers, the predicted phases, schedule and governing resource, predicted and
+    measured step."""
+    head = ("size", "config", "params/optimizer", "forward", "backward", "update", "schedule", "governs",
+            "predicted", "measured", "measured/predicted", "compute from")
+    lines = []
+    for r in rows:
+        p = r.get("predicted")
+        if r.get("error") or not p:
+            continue
+        ph = p["phases_s"]
+        lines.append((r["size"], r["config"], "/".join(r.get("tiers") or ["-"]), f"{ph['forward']:.3f}",
+                      f"{ph['backward']:.3f}", f"{ph['update']:.3f}", p["schedule"], p["governing"],
+                      f"{p['step_s']:.3f}", f"{r['step_seconds']:.3f}", f"{r['step_seconds'] / p['step_s']:.2f}x",
+                      p["compute_from"]))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+    return "\n".join(["", "predicted (infinity.plan, s) beside measured",
+                      *("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in [head, *lines])])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,6 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interpreter for the DeepSpeed rows (one that imports deepspeed)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
     p.add_argument("--json", default=None, help="write settings, machine, rows and raw runs here")
+    p.add_argument("--predict", action="store_true",
+                   help="set infinity.plan's predicted step (and the NVMe bound) beside each row")
+    p.add_argument("--machine", default=None, help="with --predict: a machine profile file (default: probed)")
+    p.add_argument("--bench-json", default=None,
+                   help="with --predict: an infinity-bench nvme --json file, the disk's rates")
+    p.add_argument("--compute-json", default=None,
+                   help="with --predict: an earlier gpu.py --json whose torch rows give the compute term")
     p.add_argument("--mode", action="append", default=[], metavar="NAME=PRESET:SECTION.KEY=VALUE[,...]",
                    help="an extra row: a preset with config keys set, e.g. "
                         "oo-sync=offload-optimizer:dpu.overlap=false (repeatable; name it in --configs)")
@@ -248,6 +365,23 @@ def provenance(argv: list[str], measured_on: dict) -> dict:
             "commit": measured_on["source"], "command": shlex.join(["python", "benchmarks/gpu.py", *argv])}
 
 
+def row_order(sizes: list[str], entries: list[str]) -> list[tuple[str, str]]:
+    """(size, config) in running order: plain entries at every size (size by size), then ``CONFIG@SIZE``
+    entries as given."""
+    plain = [e for e in entries if "@" not in e]
+    return [(s, c) for s in sizes for c in plain] + [tuple(reversed(e.split("@", 1))) for e in entries if "@" in e]
+
+
+def _bad_argument(args, pairs) -> str | None:
+    for names, known, what in (([s for s, _ in pairs], PRESETS, "size"), ([c for _, c in pairs], CONFIGS, "config")):
+        bad = [x for x in names if x not in known]
+        if bad:
+            return f"unknown {what} {bad[0]!r}; choose from {', '.join(known)}"
+    if args.steps < 2:
+        return f"--steps {args.steps}: at least 2 (the first step is not counted)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -257,41 +391,79 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    for names, known, what in ((sizes, PRESETS, "size"), (configs, CONFIGS, "config")):
-        bad = [x for x in names if x not in known]
-        if bad:
-            print(f"unknown {what} {bad[0]!r}; choose from {', '.join(known)}", file=sys.stderr)
-            return 2
-    if args.steps < 2:
-        print(f"--steps {args.steps}: at least 2 (the first step is not counted)", file=sys.stderr)
+    pairs = row_order(sizes, [c.strip() for c in args.configs.split(",") if c.strip()])
+    said = _bad_argument(args, pairs)
+    if said:
+        print(said, file=sys.stderr)
         return 2
     nvme_dir = args.nvme_dir or tempfile.gettempdir()
     os.makedirs(nvme_dir, exist_ok=True)
-    no_deepspeed = deepspeed_missing(args.deepspeed_python) if any(c in DEEPSPEED for c in configs) else None
+    no_deepspeed = deepspeed_missing(args.deepspeed_python) if any(c in DEEPSPEED for _, c in pairs) else None
+    predictor = None
+    if args.predict:
+        try:
+            predictor = Predictor(args, nvme_dir)
+        except (RuntimeError, OSError, ValueError) as exc:     # the rows still run, without predictions
+            print(f"--predict: {exc}", file=sys.stderr)
     raw: list[dict] = []
     for rep in range(args.repeat):
-        for size in sizes:
-            for config in configs if rep % 2 == 0 else list(reversed(configs)):
-                if config in DEEPSPEED and no_deepspeed:
-                    if rep == 0:
-                        raw.append({"size": size, "config": config, "repeat": rep, "error": no_deepspeed})
-                    continue
-                row = (run_deepspeed(size, config, args, nvme_dir) if config in DEEPSPEED
-                       else run_infinity(size, config, args, nvme_dir))
-                row.update(size=size, config=config, repeat=rep, n_params=preset(size).n_params)
-                raw.append(row)
-                status = row["error"] or f"{row['step_seconds']:.3f} s/step"
-                print(f"[{rep + 1}/{args.repeat}] {size:>6} {config:<18} {status}", file=sys.stderr, flush=True)
-    rows = [median_row([r for r in raw if r["size"] == s and r["config"] == c])
-            for s in sizes for c in configs if any(r["size"] == s and r["config"] == c for r in raw)]
+        for size, config in pairs if rep % 2 == 0 else list(reversed(pairs)):
+            if config in DEEPSPEED and no_deepspeed:
+                if rep == 0:
+                    raw.append({"size": size, "config": config, "repeat": rep, "error": no_deepspeed})
+                continue
+            row = (run_deepspeed(size, config, args, nvme_dir) if config in DEEPSPEED
+                   else run_infinity(size, config, args, nvme_dir))
+            row.update(size=size, config=config, repeat=rep, n_params=preset(size).n_params)
+            raw.append(row)
+            status = row["error"] or f"{row['step_seconds']:.3f} s/step"
+            print(f"[{rep + 1}/{args.repeat}] {size:>6} {config:<18} {status}", file=sys.stderr, flush=True)
+            if predictor is not None and not row["error"]:
+                try:
+                    predictor.annotate(row, raw)
+                except Exception as exc:     # noqa: BLE001  a prediction that fails leaves the row measured
+                    row["predicted_error"] = f"{type(exc).__name__}: {exc}"
+                    print(f"--predict {size} {config}: {row['predicted_error']}", file=sys.stderr)
+            write_json(args, argv, raw, pairs, complete=False)
+    rows = _rows(raw, pairs)
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            measured_on = machine()
-            json.dump({"provenance": provenance(argv, measured_on), "settings": vars(args), "machine": measured_on,
-                       "rows": rows, "raw": raw}, f, indent=1)
+    if predictor is not None:
+        print(prediction_table(rows))
+    write_json(args, argv, raw, pairs, complete=True)
     return 0 if any(not r.get("error") for r in rows) else 1
+
+
+def _rows(raw: list[dict], pairs) -> list[dict]:
+    return [median_row([r for r in raw if (r["size"], r["config"]) == pair])
+            for pair in dict.fromkeys(pairs) if any((r["size"], r["config"]) == pair for r in raw)]
+
+
+def _measured_on(raw: list[dict]) -> dict:
+    """``machine()`` without asking CUDA here, whose context would take GPU memory from every later row:
+    the GPU is the one the rows so far ran on."""
+    import platform
+
+    import psutil
+    import torch
+
+    from infinity.examples.train_gpt import source_revision
+
+    gpu = next((r["device"] for r in raw if r.get("device") not in (None, "cpu")), None)
+    return {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total, "load_average": os.getloadavg(),
+            "source": source_revision(), "gpu": gpu}
+
+
+def write_json(args, argv: list[str], raw: list[dict], pairs, complete: bool) -> None:
+    """The settings, machine, rows and raw runs so far (``complete`` false: the run goes on, or was cut)."""
+    if not args.json:
+        return
+    measured_on = machine() if complete else _measured_on(raw)
+    tmp = f"{args.json}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"provenance": provenance(argv, measured_on), "settings": vars(args), "machine": measured_on,
+                   "complete": complete, "rows": _rows(raw, pairs), "raw": raw}, f, indent=1)
+    os.replace(tmp, args.json)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,31 @@
 #    run beside ours at the same size.
 # 5. benchmarks/gpu_profile.py: one steady step at 350M per preset in PROFILE_CONFIGS (offload-host), forward/backward/step times
 #    and the profiler's top operators.
+# 6. PHASES="side-by-side" (everything below side by side in one 15-minute lease), in priority order, so that
+#    a cut leaves the most important rows: build, the DeepSpeed install and its CPU Adam's build, then
+#    offload13: GPT 1.3B, plain torch, offload-optimizer and offload-host, ZeRO-2 and ZeRO-3 CPU offload, then
+#      the two presets with optimizer.update_in_backward=true (oo-uib, oh-uib) (gpu-1.3B-offload.json);
+#    disk (the NVMe bandwidth, 2 GiB), then
+#    auto7: infinity.Init("auto") at GPT 6.7B beside the `device` preset at the largest size that fits the GPU
+#      (DEVICE_SIZE: 4B where the GPU has over 100 GB, else 2.7B: 18 B/param of states and about 17 GB of
+#      activations at 2 x 1024 tokens) and DeepSpeed ZeRO-2 CPU offload (its best CPU-offload config where the
+#      bf16 params and grads fit the GPU; it needs about 16 B/param of host memory, 107 GB at 6.7B, and may
+#      not fit a 128 GiB host: its row then says how it ended), batch 2 x 1024 (gpu-6.7B-auto.json);
+#    nvme13 with the bound: `nvme` at 1.3B beside ZeRO-Infinity, 3 steps, the NVMe bound
+#      max(torch's 1.3B step from offload13, ledger bytes / disk.json's rates) in its own column.
+#    Every gpu.py run there has --predict: the step infinity.plan predicts (phases, schedule, governing term,
+#    on a machine profile probed once and cached, the disk rates from disk.json) beside the measured one.
+#    Bounds (s): build 60, ds 45 + its CPU Adam 75, offload13 210, disk 25, auto7 150, nvme13 95: 660, 11
+#    minutes of a 15-minute lease whose start takes 2-3; nvme13 (a 1.3B NVMe step takes 20-30 s) is the
+#    likeliest to be cut, ZeRO-Infinity's row first (its async_io op is built at its first use). gpu.py
+#    rewrites its JSON after every row, so a phase cut at its bound keeps the rows it finished; each row's
+#    own --timeout is under its phase's bound. The environment: SIZE13, SIZE7, DEVICE_SIZE, BATCH (BATCH7
+#    for auto7), SEQ, DTYPE, STEPS13, STEPS7, RUN_TIMEOUT13, RUN_TIMEOUT7, CONFIGS_OFFLOAD13, CONFIGS_AUTO7,
+#    MACHINE (a profile file instead of the probe), DISK_SIZE, BOUND_OFFLOAD13, BOUND_AUTO7, BOUND_DS_ADAM.
+#    SIDE_BY_SIDE_PHASES narrows them. On a CPU machine SIDE_BY_SIDE_PHASES="offload13 disk auto7 nvme13"
+#    SIZE13=tiny SIZE7=tiny DEVICE_SIZE=tiny BATCH=2 BATCH7=2 SEQ=16 DTYPE=float32 runs the same commands at a
+#    tiny size (75-95 s on 2 cores); DRY_RUN=1 prints each phase's command and bound instead of running it
+#    (tests/integration/test_benchmarks_gpu.py checks them).
 # Each phase has its own time bound, so one that hangs leaves the others their time; what each
 # printed is in OUT_DIR (log-*.txt, gpu-350M.json). The environment narrows a session:
 # PHASES (default "build tests ds bench profile"; "bench13" adds the benchmark at 1.3B (CONFIGS13), "adam" adds the host Adam benchmark, "nvme13" the NVMe rows at 1.3B
@@ -27,16 +52,25 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 phase() {   # phase NAME SECONDS COMMAND...: run it bounded, keep its output, say how it ended
   local name=$1 limit=$2; shift 2
+  if [[ -n ${DRY_RUN:-} ]]; then echo "== $name (bound $limit s): $*"; return 0; fi
   local t0=$SECONDS
   timeout "$limit" "$@" >"$out/log-$name.txt" 2>&1
   local rc=$?
   echo "== $name: exit $rc after $((SECONDS - t0)) s (bound $limit s)"
   tail -n 15 "$out/log-$name.txt"
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| storage lending:',
-  hasattr(torch.UntypedStorage, '_swap_data_ptr_') and hasattr(torch._C, '_construct_storage_from_data_pointer'))"
+if [[ -z ${DRY_RUN:-} ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| storage lending:',
+    hasattr(torch.UntypedStorage, '_swap_data_ptr_') and hasattr(torch._C, '_construct_storage_from_data_pointer'))"
+fi
 phases=" ${PHASES:-build tests ds bench profile} "
+side_by_side=""
+if [[ $phases == *" side-by-side "* ]]; then   # its phases, with its bounds unless BOUND_* says otherwise
+  side_by_side=1 phases+="${SIDE_BY_SIDE_PHASES:-build ds offload13 disk auto7 nvme13} "
+  : "${BOUND_BUILD:=60}" "${BOUND_DS:=45}" "${BOUND_DISK:=25}" "${BOUND_NVME13:=95}" "${NVME_STEPS:=3}"
+  : "${RUN_TIMEOUT_NVME:=90}" "${NVME_CONFIGS:=nvme}" "${DISK_SIZE:=2GiB}"
+fi
 want() { [[ $phases == *" $1 "* ]]; }
 want build && phase build "${BOUND_BUILD:-120}" python3 setup.py build_ext --inplace -q
 [[ -n ${DIAG:-} ]] && phase diag "${BOUND_DIAG:-60}" bash -c "$DIAG"
@@ -73,8 +107,25 @@ if want ds && ls .whl/deepspeed-* >/dev/null 2>&1; then
       --no-build-isolation --target /tmp/site .whl/*.whl .whl/*.tar.gz; then
     export PYTHONPATH=$PYTHONPATH:/tmp/site
     ds=",ds-zero2,ds-zero3"
+    # Under side-by-side DeepSpeed's CPU Adam is built here (DS_BUILD_OPS=0 builds it at first use, a minute or
+    # more), so that no row's own timeout spends it.
+    [[ -n $side_by_side ]] && phase deepspeed-cpu-adam "${BOUND_DS_ADAM:-75}" python3 -c \
+      "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
   fi
 fi
+# The side-by-side rows (item 6 above). The sizes, batch and dtype are the environment's so that a CPU machine
+# can run the same commands at a tiny size.
+size13=${SIZE13:-1.3B} size7=${SIZE7:-6.7B} batch=${BATCH:-8} seq=${SEQ:-1024} dtype=${DTYPE:-bfloat16}
+if [[ -z ${DEVICE_SIZE:-} ]]; then
+  gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+  DEVICE_SIZE=$([[ ${gpu_mib:-0} -gt 100000 ]] && echo 4B || echo 2.7B)
+fi
+predict=(--predict ${MACHINE:+--machine "$MACHINE"})
+want offload13 && phase gpu-1.3B-offload "${BOUND_OFFLOAD13:-210}" python3 benchmarks/gpu.py --sizes "$size13" \
+  --configs "${CONFIGS_OFFLOAD13:-torch,offload-optimizer,offload-host${ds},oo-uib,oh-uib}" --steps "${STEPS13:-4}" \
+  --repeat 1 --batch "$batch" --seq "$seq" --dtype "$dtype" --timeout "${RUN_TIMEOUT13:-90}" \
+  --mode oo-uib=offload-optimizer:optimizer.update_in_backward=true \
+  --mode oh-uib=offload-host:optimizer.update_in_backward=true "${predict[@]}" --json "$out/gpu-1.3B-offload.json"
 want bench && phase gpu-350M "${BOUND_BENCH:-420}" python3 benchmarks/gpu.py --sizes 350M \
   --configs "${CONFIGS:-torch,device,offload-optimizer,offload-host}$ds" --steps "${STEPS:-6}" --repeat "${REPEAT:-2}" \
   --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT:-200}" --json "$out/gpu-350M.json" ${BENCH_ARGS:-}
@@ -91,11 +142,22 @@ want bench13 && phase gpu-1.3B "${BOUND_BENCH13:-240}" python3 benchmarks/gpu.py
 # the same command), the disk's read and write bandwidth with the engine's own I/O (8 MiB blocks, where the
 # swap directories go: the system temp dir) the second; the bytes are each row's ledger. 22 s on a CPU machine.
 { want disk || want nvme13; } && phase disk "${BOUND_DISK:-90}" python3 -m infinity.cli.bench nvme \
-  --path "${TMPDIR:-/tmp}" --size 4GiB --block-sizes 8MiB --queue-depths 32 --threads 4 --no-baselines --repeats 3 \
+  --path "${TMPDIR:-/tmp}" --size "${DISK_SIZE:-4GiB}" --block-sizes 8MiB --queue-depths 32 --threads 4 --no-baselines --repeats 3 \
   --no-progress --json "$out/disk.json"
-want nvme13 && phase gpu-1.3B-nvme "${BOUND_NVME13:-480}" python3 benchmarks/gpu.py --sizes 1.3B \
+# auto7 after the disk phase: its profile probe records disk.json's rates in the machine's cached profile, so
+# that Init("auto") may choose NVMe where host memory is short.
+want auto7 && phase gpu-6.7B-auto "${BOUND_AUTO7:-150}" python3 benchmarks/gpu.py --sizes "$size7" \
+  --configs "${CONFIGS_AUTO7:-auto@$size7,device@$DEVICE_SIZE${ds:+,ds-zero2@$size7}}" --steps "${STEPS7:-4}" \
+  --repeat 1 --batch "${BATCH7:-2}" --seq "$seq" --dtype "$dtype" --timeout "${RUN_TIMEOUT7:-120}" "${predict[@]}" \
+  --bench-json "$out/disk.json" --json "$out/gpu-6.7B-auto.json"
+# Under side-by-side: no torch row (the bound's compute is offload13's torch step: --compute-json), the disk's
+# rates from disk.json for the bound and the prediction.
+nvme_predict=()
+[[ -n $side_by_side ]] && nvme_predict=("${predict[@]}" --bench-json "$out/disk.json" --compute-json "$out/gpu-1.3B-offload.json")
+want nvme13 && phase gpu-1.3B-nvme "${BOUND_NVME13:-480}" python3 benchmarks/gpu.py --sizes "$size13" \
   --configs "${NVME_CONFIGS:-torch,nvme,nvme-int8}${ds:+,ds-infinity}" --steps "${NVME_STEPS:-4}" --repeat 1 \
-  --batch 8 --seq 1024 --dtype bfloat16 --timeout "${RUN_TIMEOUT_NVME:-240}" --json "$out/gpu-1.3B-nvme.json"
+  --batch "$batch" --seq "$seq" --dtype "$dtype" --timeout "${RUN_TIMEOUT_NVME:-240}" "${nvme_predict[@]}" \
+  --json "$out/gpu-1.3B-nvme.json"
 # The host Adam on this machine's cores: the engine step with bf16 compute copies by the C pass and by
 # torch's kernel with two conversions (the update the offload presets' forward waits for), and with int8
 # states (issue 23: at least fp32's rate; on 2 cores of a Zen 3 (AVX2) 0.90-1.0x, of a Zen 4 (AVX-512 block) 1.02-1.15x with
@@ -108,3 +170,5 @@ for config in ${PROFILE_CONFIGS:-offload-host}; do
   want profile && phase "profile-$config" "${BOUND_PROFILE:-90}" python3 benchmarks/gpu_profile.py --model-size 350M \
     --config "$config" --batch 8 --seq 1024 --dtype bfloat16
 done
+# Each phase's own line says how it ended; the session ends 0 (a last phase left out is no failure).
+exit 0

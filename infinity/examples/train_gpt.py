@@ -212,6 +212,7 @@ class _Run:
     optimizer: torch.optim.Optimizer
     device: torch.device
     autocast_dtype: torch.dtype | None = None
+    config: object = None       # the engine's config, "auto" tiers resolved (None: plain PyTorch)
 
 
 def _build(options: TrainOptions, model_cfg, config) -> _Run:
@@ -233,13 +234,18 @@ def _build(options: TrainOptions, model_cfg, config) -> _Run:
     # With [precision] cpu_linear = "float32", Init converts the linear layers; the tied head is a
     # function of the embedding weight, so it is built with the fp32 product ([Note: tied output head]).
     linear = widened_linear if config.precision.cpu_linear == "float32" else F.linear
-    with infinity.Init(config, resume=resume):
+    sized = {}
+    if "auto" in (config.tiers.params, config.tiers.optimizer):
+        # "auto" tiers place the states of a model of known size: the same model, on the meta device.
+        with torch.device("meta"):
+            sized["model"] = build_model(model_cfg, linear)
+    with infinity.Init(config, resume=resume, **sized) as init:
         model = build_model(model_cfg, linear)
     opt = infinity.AdamW(model, lr=options.lr, weight_decay=options.weight_decay)
     from infinity import registry
 
     device = registry.engine_of(model, "train_gpt").device.device
-    return _Run(model, opt, device)
+    return _Run(model, opt, device, config=init.config)
 
 
 def _resume(run: _Run, options: TrainOptions) -> None:
@@ -312,6 +318,7 @@ def train(options: TrainOptions, progress: Progress | None = None) -> dict:
     rss_before = peak_rss_bytes()
     t0 = time.perf_counter()
     run = _build(options, model_cfg, config)
+    config = run.config or config       # the report names the tiers "auto" chose
     construct_s = time.perf_counter() - t0
     rss_built = peak_rss_bytes()
     if options.resume:

@@ -22,20 +22,28 @@ def _load(script: str):
     return load_benchmark(script[:-3])
 
 
-def test_gpu_benchmark_rows_ledger_and_missing_deepspeed(tmp_path):
-    out = tmp_path / "gpu.json"
+PROFILE = {"name": "tiny test box", "device_bytes": 0, "host_bytes": 64 * 2**30, "nvme_bytes": 1e12, "unified": True,
+           "device_flops": 2e10, "host_adam_params_per_s": 1e8, "host_memory_gbps": 10.0,
+           "disk_read_gbps": 2.0, "disk_write_gbps": 1.0}
+
+
+def test_gpu_benchmark_rows_ledger_predictions_and_missing_deepspeed(tmp_path):
+    out, profile = tmp_path / "gpu.json", tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--sizes", "tiny",
-                           "--configs", "torch,device,offload-host,nvme-int8-uib,ds-zero3", "--steps", "3", "--batch", "2",
-                           "--seq", "16", "--dtype", "float32", "--nvme-dir", str(tmp_path / "nvme"),
-                           "--deepspeed-python", "/bin/false", "--json", str(out)],
+                           "--configs", "torch,device,offload-host,nvme-int8-uib,ds-zero3,auto@tiny", "--steps", "3",
+                           "--batch", "2", "--seq", "16", "--dtype", "float32", "--nvme-dir", str(tmp_path / "nvme"),
+                           "--deepspeed-python", "/bin/false", "--predict", "--machine", str(profile),
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})     # on the CPU on a GPU machine too
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     head = proc.stdout.splitlines()[0].split()
     assert head[:4] == ["size", "config", "s/step", "TFLOPS"] and "H->D" in head
-    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["torch", "device", "offload-host", "nvme-int8-uib", "ds-zero3"]
-    for name in ("torch", "device", "offload-host", "nvme-int8-uib"):
+    result = json.loads(out.read_text())
+    rows = {r["config"]: r for r in result["rows"]}
+    assert result["complete"] and list(rows) == ["torch", "device", "offload-host", "nvme-int8-uib", "ds-zero3", "auto"]
+    for name in ("torch", "device", "offload-host", "nvme-int8-uib", "auto"):
         row = rows[name]
         assert row["error"] is None, row["error"]
         assert row["step_seconds"] > 0 and row["tflops"] > 0 and row["peak_rss_bytes"] > 0, row
@@ -54,6 +62,61 @@ def test_gpu_benchmark_rows_ledger_and_missing_deepspeed(tmp_path):
     assert host["unpooled"] == 0 and host["host_waits"]["forward"] == host["host_waits"]["backward"] == 0, host
     assert "pip install deepspeed" in rows["ds-zero3"]["error"] and "/bin/false" in rows["ds-zero3"]["error"]
     assert "pip install deepspeed" in proc.stdout
+    # --predict: each infinity row beside the step-time model's step on the given profile, its compute the
+    # torch row's step; "auto" predicted with the tiers its run chose.
+    compute = rows["torch"]["step_seconds"]
+    assert "predicted" not in rows["torch"] and rows["auto"]["tiers"] == ["device", "device"]
+    for name in ("device", "offload-host", "nvme-int8-uib", "auto"):
+        predicted = rows[name]["predicted"]
+        assert predicted["machine"] == "tiny test box" and predicted["compute_s"] == compute, predicted
+        assert predicted["step_s"] >= compute / 3 and set(predicted["phases_s"]) == {"forward", "backward", "update"}
+    assert rows["nvme-int8-uib"]["predicted"]["schedule"] == "update beside backward"
+    assert rows["offload-host"]["tiers"] == ["host", "host"]
+    # The NVMe bound: max(compute, the ledger's bytes over the profile's disk rates).
+    nvme, n = rows["nvme-int8-uib"]["nvme_per_parameter"], rows["nvme-int8-uib"]["n_params"]
+    disk = n * (nvme["read"] / 2e9 + nvme["written"] / 1e9)
+    assert rows["nvme-int8-uib"]["nvme_bound_s"] == pytest.approx(max(compute, disk))
+    assert "nvme_bound_s" not in rows["offload-host"]
+    table = proc.stdout.split("predicted (infinity.plan, s) beside measured")[1]
+    assert [line.split()[1] for line in table.strip().splitlines()[1:]] == ["device", "offload-host", "nvme-int8-uib",
+                                                                          "auto"]
+
+
+def test_rows_at_one_size_follow_the_rows_at_every_size():
+    gpu = _load("gpu.py")
+    assert gpu.row_order(["350M", "1.3B"], ["torch", "auto@6.7B", "device", "device@4B"]) == [
+        ("350M", "torch"), ("350M", "device"), ("1.3B", "torch"), ("1.3B", "device"), ("6.7B", "auto"),
+        ("4B", "device")]
+    assert gpu.main(["--configs", "auto@70B"]) == 2
+
+
+def test_the_side_by_side_session_runs_its_phases_in_order_within_eleven_minutes(tmp_path):
+    """DRY_RUN: each phase's command and bound, DeepSpeed's rows where its wheels are, every gpu.py
+    command one its parser takes."""
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "deepspeed-0.19.8-py3-none-any.whl").touch()
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "DRY_RUN": "1", "PHASES": "side-by-side"})
+    assert proc.returncode == 0, proc.stderr
+    phases = [line[3:].split(": ", 1) for line in proc.stdout.splitlines() if line.startswith("== ")]
+    names = [head.split(" (bound ")[0] for head, _ in phases]
+    assert names == ["build", "deepspeed-install", "deepspeed-cpu-adam", "gpu-1.3B-offload", "disk", "gpu-6.7B-auto",
+                     "gpu-1.3B-nvme"]
+    bounds = [int(head.split(" (bound ")[1].split()[0]) for head, _ in phases]
+    assert sum(bounds) <= 660, bounds
+    commands = dict(zip(names, (command for _, command in phases)))
+    for name in ("gpu-1.3B-offload", "gpu-6.7B-auto", "gpu-1.3B-nvme"):
+        gpu = _load("gpu.py")
+        argv = commands[name].split()[2:]
+        args = gpu.build_parser().parse_args(argv)
+        gpu.add_modes(args.mode)
+        pairs = gpu.row_order(args.sizes.split(","), args.configs.split(","))
+        assert gpu._bad_argument(args, pairs) is None and args.predict, (name, argv)
+        assert args.timeout < bounds[names.index(name)]
+    assert "offload-optimizer,offload-host,ds-zero2,ds-zero3,oo-uib,oh-uib" in commands["gpu-1.3B-offload"]
+    assert "auto@6.7B,device@" in commands["gpu-6.7B-auto"] and "ds-zero2@6.7B" in commands["gpu-6.7B-auto"]
+    assert "nvme,ds-infinity" in commands["gpu-1.3B-nvme"] and "--compute-json" in commands["gpu-1.3B-nvme"]
 
 
 def test_gpu_benchmark_rejects_bad_arguments(capsys):
