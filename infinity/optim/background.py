@@ -265,6 +265,10 @@ class BackgroundUpdate:
             self._thread = threading.Thread(target=self._worker_loop, name="infinity-dpu", daemon=True,
                                             args=(self._queue, weakref.ref(self)))
             self._thread.start()
+        # The job's transfers are this step's, whenever they run ([Note: a step's bytes] in
+        # infinity/runtime/datapath.py); held before the worker counts as busy, so nothing between leaves
+        # ``wait()`` waiting for a job never queued.
+        held = self.coordinator.datapath.ledger.hold()
         self.idle.clear()
         if job.delayed:
             self.stats.delayed_steps += 1
@@ -280,9 +284,7 @@ class BackgroundUpdate:
             # Gradients of an in-place device tier were accumulated on the compute stream.
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device.device))
-        # The job's transfers are this step's, whenever they run
-        # ([Note: a step's bytes] in infinity/runtime/datapath.py).
-        self._queue.put((job, ready, self.coordinator.datapath.ledger.hold()))
+        self._queue.put((job, ready, held))
 
     def wait(self) -> StepJob | None:
         """Wait for the running job; return the finished job not yet published (or None).
