@@ -22,9 +22,11 @@ place in every rank's sequence of collectives. A parameter without a gradient on
 (DDP's ``find_unused_parameters``), and one that has none on any rank keeps ``None`` (a flag per parameter
 rides in the same all-reduce). So ``.grad`` after ``backward()`` is the mean, as under DDP, for
 ``clip_grad_norm_`` (torch's or infinity's, which counts them once, not once per rank), for a user's
-``p.grad.norm()`` and for the step. The same caveat as the engine's own hand-over holds: every rank must run
-the backward (one in which a rank's adapters got no gradient at all, ``torch.autograd.grad`` on one rank,
-issues no all-reduce there). In fp16 with loss scaling, a gradient hook divides each incoming gradient by
+``p.grad.norm()`` and for the step. Every rank reduces at every end of backward, whether its own adapters
+got a gradient or not (which did is rank-local: a branch on it would leave a rank out of a collective the
+others issue). The same caveat as the engine's own hand-over holds: every rank must run the backward (one in
+which nothing reaches the engine, neither an engine module's backward nor an adapter's gradient,
+``torch.autograd.grad`` on one rank, ends no backward there). In fp16 with loss scaling, a gradient hook divides each incoming gradient by
 the loss scale before it accumulates, so ``.grad`` reads unscaled, as the engine's gradients do through
 ``.grad`` ([Note: the grad face] in infinity/optim/grad_face.py), and torch's ``clip_grad_norm_`` over
 ``model.parameters()`` sees one scale.
@@ -104,11 +106,14 @@ class UnmanagedAdam:
         self.engine.pre_backward(None)      # that end runs even when no engine module's backward hook fires
 
     def end_backward(self) -> None:
-        """The engine's backward is over (``Engine._end_backward``): on several ranks, when one of them got a
-        gradient, every one's ``.grad`` becomes the mean over the ranks (zeros where a rank has none; ``None``
+        """The engine's backward is over (``Engine._end_backward``, on every rank): on several ranks every
+        one's ``.grad`` becomes the mean over the ranks (zeros where a rank has none; ``None``
         where no rank has one): one all-reduce, in the optimizer's order ([Note: unmanaged parameters])."""
-        arrived, self.arrived = self.arrived, False
-        if not arrived or self.ranks.world_size == 1:
+        # Every rank reduces at every backward's end, whether its own adapters got a gradient or not: which
+        # rank got one is rank-local, and a branch on it around the all-reduce left a rank whose adapters sat
+        # out this backward out of a collective the others issued.
+        self.arrived = False
+        if self.ranks.world_size == 1 or not self.params:
             return
         params = self.params
         device = params[0].device
