@@ -77,7 +77,14 @@ class DemandStaging:
             size = self._pools[0].buffer_nbytes if self._pools else self.largest_shard_nbytes()
             if nbytes > size:
                 return None
-            pool = BufferPool(size, 1, self.allocator, name="param-staging")
+            try:
+                pool = BufferPool(size, 1, self.allocator, name="param-staging")
+            except (MemoryError, RuntimeError) as exc:     # the allocator's own errors say only the bytes
+                raise type(exc)(
+                    f"NVMe read staging buffer {len(self._pools) + 1} of {DEMAND_STAGING_BUFFERS} (each the size of "
+                    f"the largest parameter shard, {size:,} bytes) could not be made while reading for {owner}: "
+                    f"{exc}. Nothing was lost; a smaller largest group (tiling.modules for a wide layer, or "
+                    "partition.units) or more host memory (tiers.host_budget) makes it fit") from exc
             self._pools.append(pool)
             return pool.try_acquire(owner=owner)
 

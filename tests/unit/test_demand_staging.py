@@ -45,3 +45,23 @@ def test_a_shard_above_the_largest_bypasses_the_buffers():
     assert allocator.stats()["bytes_allocated"] == 0
     pool.try_acquire(10, owner="param:small").release()
     assert pool.try_acquire(LARGEST + 4096, owner="param:grown") is None
+
+
+def test_a_buffer_that_cannot_be_made_is_named_with_its_size_and_what_to_change(monkeypatch):
+    pool, allocator = staging()
+    first = pool.try_acquire(4096, owner="param:g0")
+
+    def refuse(*args, **kwargs):
+        raise MemoryError("cannot allocate 16384 bytes")
+    monkeypatch.setattr(allocator, "empty", refuse)
+    try:
+        pool.try_acquire(4096, owner="param:g1")
+    except MemoryError as exc:
+        said = str(exc)
+    else:
+        raise AssertionError("no error")
+    assert "staging buffer 2 of 3" in said and f"{-(-LARGEST // 4096) * 4096:,} bytes" in said and "param:g1" in said, said
+    assert "tiling.modules" in said and "tiers.host_budget" in said, said
+    first.release()
+    assert pool.stats()["buffers"] == 1      # the failed one is not counted, the made one still lends
+    assert pool.try_acquire(4096, owner="param:g2") is not None
