@@ -15,7 +15,9 @@ together, ours runs in a second phase against its own triad:
   (its kernel is built by DeepSpeed's JIT the first time);
 - ``ours (engine step)``: ``infinity.AdamW.step()`` on a model of Linear layers built in
   ``infinity.Init`` with every state on the host: the flat sub-group pass plus the fp32 compute
-  copies it writes, as training runs it;
+  copies it writes, as training runs it (the C kernel steps; the copies go to the compute device's
+  tier after it: on a GPU the host->device copy, here a memcpy of 8 B/param that is part of the row);
+  ``ours (engine step, torch kernel)``: the same model stepped by torch's fused kernel instead;
 - ``ours (engine step, bf16 states)``, ``ours (engine step, int8 states)``: the same with
   ``[optimizer] state_dtype`` "bf16" / "int8" (same sub-group size), stepped by the compressed
   kernel (``infinity.optim.moments``); their rows give the bytes they move (bf16 24, int8 about 20
@@ -132,6 +134,7 @@ class _Stack(nn.Module):
 _INT8_MV = 4 + 4 * 4 / 256
 OURS_ROWS = {
     "fp32": ("ours (engine step)", "fp32", "float32", True, 32),
+    "fp32-torch": ("ours (engine step, torch kernel)", "fp32", "float32", False, 32),
     "bf16": ("ours (engine step, bf16 states)", "bf16", "float32", True, 24),
     "int8": ("ours (engine step, int8 states)", "int8", "float32", True, 16 + _INT8_MV),
     "bf16-compute": ("ours (engine step, bf16 compute)", "fp32", "bfloat16", True, 32),
@@ -148,8 +151,9 @@ _REFERENCE_OF = {row[0]: OURS_ROWS["bf16-compute" if row[2] == "bfloat16" else "
 
 def ours_step(n: int, workdir: str, state_dtype: str = "fp32", compute: str = "float32", c_pass: bool = True):
     """``infinity.AdamW.step`` on Linear layers of about ``n`` parameters, all states on the host, the
-    compute copies in ``compute``; ``c_pass`` False steps bf16 copies with torch's kernel and a
-    conversion instead of the fused C pass ([Note: the fused fp32 step] in optim_csrc/qadam.c)."""
+    compute copies in ``compute``; ``c_pass`` False steps fp32 states with torch's kernel (and a
+    conversion for bf16 copies) instead of the fused C pass ([Note: the fused fp32 step] in
+    optim_csrc/qadam.c)."""
     import infinity
 
     d = max(64, min(4096, int(n ** 0.5) // 64 * 64))
@@ -160,7 +164,8 @@ def ours_step(n: int, workdir: str, state_dtype: str = "fp32", compute: str = "f
     with infinity.Init(cfg):
         model = _Stack(d, layers)
     opt = infinity.AdamW(model, **KW)
-    opt._updates.update.fused = opt._updates.update.fused and c_pass
+    update = opt._updates.update
+    update.fused, update.c_kernel = update.fused and c_pass, update.c_kernel and c_pass
     # One real backward, so that every parameter has its gradient (as the step sees it: arrived through
     # the engine, in the compute dtype); each timed step then updates every parameter with it (no
     # zero_grad between them).
@@ -248,8 +253,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--skip", default="", help="comma-separated variants to leave out (foreach, deepspeed, ours, "
                     "torch: every torch-side one)")
-    ap.add_argument("--state-dtypes", default="fp32,bf16,int8,bf16-compute,bf16-compute-torch",
+    ap.add_argument("--state-dtypes", default="fp32,fp32-torch,bf16,int8,bf16-compute,bf16-compute-torch",
                     help="[optimizer] state_dtype of the engine-step rows (fp32 is the engine's default); "
+                         "fp32-torch: fp32 states stepped by torch's kernel instead of the C one; "
                          "bf16-compute: fp32 states, bf16 compute copies, stepped by the fused C pass; "
                          "bf16-compute-torch: the same by torch's kernel and a conversion; int8-bf16-compute: "
                          "int8 states, bf16 compute copies, the kernel reading the bf16 gradient and writing "

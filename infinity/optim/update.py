@@ -31,9 +31,14 @@ stepping with it trains exactly as one stepping with torch's kernel
 and the parameters in host memory it writes them there in fp32, where a copy of the masters after the
 kernel read and wrote 8 more bytes a parameter. Compressed
 moments get the same from their own kernel ([Note: the compressed step] in
-infinity/optim/moments.py): bf16 gradient read, copies written in the pass. Without the built
-extension, or with fp16 compute copies, torch's kernel (or the compressed one) and the
-conversion run as before.
+infinity/optim/moments.py): bf16 gradient read, copies written in the pass. Where the pass
+writes no copies (fp32 copies on the compute device, fp16 ones) it still steps fp32 moments in
+host memory, and the copies are written after: the same bits as torch's kernel, and no
+unscaled gradient written back when clipping (torch's kernel stores it: 4 more bytes a
+parameter). The engine step at 50M parameters, fp32 copies on the CPU device, side by side on
+2 loaded cores: 1.03-1.07x in four runs, 1.0-1.2x with clipping (benchmarks/adam.py, rows
+"ours (engine step)" and "..., torch kernel"); most of the rest is the copies' memcpy. Without
+the built extension torch's kernel (or the compressed one) and the conversion run as before.
 
 [Note: the update pass]
 Every update, synchronous, overlapped or delayed, is one :class:`StepJob` run by
@@ -142,6 +147,9 @@ class UpdatePass:
         fp32_in_place = (self.states_on == "host" and self.shards.kind == "host" and self.moment_step is None
                          and self.shards.dtype == torch.float32 and native and moments.fused_fp32_copies_native())
         self.fused = (converts and native and self.shards.dtype == torch.bfloat16) or fp32_in_place
+        # fp32 moments in host memory whose copies the pass does not write: still stepped by the C pass,
+        # the copies written after ([Note: host Adam kernel]).
+        self.c_kernel = self.states_on == "host" and self.moment_step is None and moments.fused_native()
         # The C pass writes copies of parameters in host memory in place (``ParamShards.update_place``).
         if converts and not (self.fused and self.shards.kind == "host"):
             nbytes = 2 * store.layout.sub_group_size * torch.empty((), dtype=self.shards.dtype).element_size()
@@ -200,13 +208,16 @@ class UpdatePass:
                             self._fill_unstepped(staged, filled, st["master"])
                             self._issue_copies(job, staged, copies, by_group)
                             continue
-                        for h in sorted({h for *_, h in parts}):   # one kernel call per set of hyper-parameters
-                            mine = [part for part in parts if part[3] == h]
-                            if self.moment_step is not None:
-                                self._step_compressed(st, sub, mine, job, _hyper_set(hyper, job, h))
-                                continue
-                            kernel(*[[t[a:b] for a, b, _, _ in mine] for t in states], [],
-                                   [step_t(k) for _, _, k, _ in mine], **_hyper_set(hyper, job, h))
+                        if self.c_kernel:
+                            self._fused_step(st, parts, [], job, hyper, step_t)
+                        else:
+                            for h in sorted({h for *_, h in parts}):   # one call per set of hyper-parameters
+                                mine = [part for part in parts if part[3] == h]
+                                if self.moment_step is not None:
+                                    self._step_compressed(st, sub, mine, job, _hyper_set(hyper, job, h))
+                                    continue
+                                kernel(*[[t[a:b] for a, b, _, _ in mine] for t in states], [],
+                                       [step_t(k) for _, _, k, _ in mine], **_hyper_set(hyper, job, h))
                         self._write_compute_copies(job, sub, st["master"], c0, c1, copies, by_group)
                 if job.overlapped:
                     # The next forward may fetch this sub-group's groups: it waits for the host or NVMe

@@ -87,12 +87,15 @@ def _train(tmp_path, monkeypatch, preset: str, fused: bool, sections: dict):
     ("offload-optimizer", {"dpu": {"enabled": True, "warmup_steps": 1}}),   # DPU: both gradient sets compact
     ("offload-host", {"precision": {"dtype": "float32"}}),  # fp32 copies written into the host shards
     ("offload-host", {"precision": {"dtype": "float32"}, "dpu": {"enabled": True, "warmup_steps": 1}}),
+    ("offload-optimizer", {"precision": {"dtype": "float32"}, "dpu": {"overlap": False}}),  # copies on the device
+    ("nvme", {"precision": {"dtype": "float32"}}),          # fp32 copies written to NVMe after the pass
 ])
 def test_an_engine_stepping_with_the_c_pass_trains_exactly_as_with_torchs_kernel(tmp_path, monkeypatch, preset,
                                                                                  sections):
     """bf16 compute, states in host memory: the compute copies staged per group, the parts' tails
     stepped by torch, the other elements converted; the same losses and weights, bit for bit. fp32
-    compute with host parameters: the copies written into the shards (DPU: the spare ones)."""
+    compute with host parameters: the copies written into the shards (DPU: the spare ones); elsewhere
+    the C pass steps without copies, and they are written after it."""
     fused = _train(tmp_path, monkeypatch, preset, True, sections)
     plain = _train(tmp_path, monkeypatch, preset, False, sections)
     assert fused[2] > 0 and plain[2] == 0, "the first run steps with the C pass, the second without"

@@ -228,6 +228,7 @@ def test_failed_update_is_raised_by_the_next_forward(tmp_path, monkeypatch):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(torch, "_fused_adamw_", broken)
+    monkeypatch.setattr(infinity.optim.moments, "fused_fp32_step", broken)     # the C pass, where it steps
     opt.step()   # handed over: returns at once
     opt.zero_grad()
     with pytest.raises(UpdateWorkerError, match=r"background optimizer step 1 .*kernel exploded.*partly updated"):
