@@ -36,9 +36,11 @@ writes no copies (fp32 copies on the compute device, fp16 ones) it still steps f
 host memory, and the copies are written after: the same bits as torch's kernel, and no
 unscaled gradient written back when clipping (torch's kernel stores it: 4 more bytes a
 parameter). The engine step at 50M parameters, fp32 copies on the CPU device, side by side on
-2 loaded cores: 1.03-1.07x in four runs, 1.0-1.2x with clipping (benchmarks/adam.py, rows
-"ours (engine step)" and "..., torch kernel"); most of the rest is the copies' memcpy. Without
-the built extension torch's kernel (or the compressed one) and the conversion run as before.
+2 cores shared with other work: 0.94-1.28x over ten runs, median 1.03x (1.28x in the one run on
+a quiet machine); with clipping 0.97-1.26x, median 1.00x (benchmarks/adam.py, rows "ours (engine
+step)" and "..., torch kernel"). A third of that step is the copies' memcpy into the CPU device's
+tier (on a GPU the host->device copy). Without the built extension torch's kernel (or the
+compressed one) and the conversion run as before.
 
 [Note: the update pass]
 Every update, synchronous, overlapped or delayed, is one :class:`StepJob` run by
