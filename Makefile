@@ -25,7 +25,7 @@ $(STAMP): $(SOURCES)
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 # The Hugging Face, accelerate and peft tests against the newest releases (torch stays 2.13.0): run it before
 # starting new work; when it passes, `make constraints` moves the pins forward (then `make test`).
