@@ -7,7 +7,12 @@ turn, ``--repeats`` times; ``--rounds`` rebuilds everything), the torch-side var
 set of arrays (16 B/param); when that and ours (20 B/param) do not fit in half the free memory
 together, ours runs in a second phase against its own triad:
 
-- ``triad``: the STREAM triad ``a = b + s * c`` with torch, the bandwidth bound's basis;
+- ``stream triad``, ``stream copy``: STREAM's triad ``a = b + s * c`` and copy ``a = b`` over doubles in C
+  (``infinity.optim._qadam.triad`` / ``copy``, [Note: the STREAM baselines] in optim_csrc/qadam.c), on the
+  kernels' threads (``torch.get_num_threads()``), over three separate arrays of 4x the last-level cache
+  each (``--stream-numel``), the best sample of the run: the memory bandwidth, the bound's basis;
+- ``triad``: the same triad with torch (fp32, ``torch.add(b, c, alpha=s, out=a)``), the median: a second
+  reference (torch's loop reaches well under the C one's bandwidth on some machines);
 - ``torch fused, 1 tensor``: ``torch.optim.AdamW(fused=True)`` on one flat parameter;
 - ``torch fused, 100 tensors``: the same on 100 parameters (views of the same memory);
 - ``torch foreach, 100 tensors``: ``torch.optim.AdamW(foreach=True)``;
@@ -35,11 +40,12 @@ together, ours runs in a second phase against its own triad:
   ``kernel int8 moments`` (16 B and the block scales). ``--kernels`` picks them.
 
 An Adam step moves 28 bytes per parameter (read parameter, gradient, m, v; write parameter,
-m, v); ours also writes the compute copy (32). The bound is triad bandwidth / 28 bytes. The
-triad is counted the STREAM way (12 bytes per element); its store also reads the line first
-(write-allocate), which Adam's in-place stores do not: the header also shows that 16-byte figure.
-Each row's ``GB/s moved`` is its parameters per second times the bytes it reads and writes per
-parameter, and ``% triad`` that rate over the triad's (STREAM count) measured in the same phase.
+m, v); ours also writes the compute copy (32). The bound is the C triad's bandwidth / 28 bytes. The
+baselines are counted the STREAM way (triad 24 bytes per element, copy 16; torch's fp32 triad 12); their
+stores also read the line first (write-allocate), which Adam's in-place stores do not: the table also
+shows those figures (32, 24, 16). Each row's ``GB/s moved`` is its parameters per second times the bytes
+it reads and writes per parameter, and ``% triad`` that rate over the C triad's (STREAM count) measured
+in the same phase (over torch's when the extension is not built).
 """
 from __future__ import annotations
 
@@ -67,6 +73,10 @@ def parse_count(text: str) -> int:
 
 
 TRIAD_MAX_NUMEL = 100_000_000
+# The STREAM baselines' bytes an element (doubles), as STREAM counts them and with the write-allocate read.
+STREAM_BYTES = {"stream triad": 24, "stream copy": 16}
+STREAM_WRITE_ALLOCATE_BYTES = {"stream triad": 32, "stream copy": 24}
+TORCH_TRIAD_BYTES = 12
 
 
 class Shared:
@@ -93,6 +103,46 @@ def triad_step(n: int):
     n = min(n, TRIAD_MAX_NUMEL)
     a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
     return (lambda: torch.add(b, c, alpha=3.0, out=a)), n
+
+
+def llc_nbytes() -> int:
+    """The last-level caches' bytes, all instances together (sysfs; 32 MiB where it says nothing)."""
+    root, seen = "/sys/devices/system/cpu", {}
+    try:
+        cpus = [d for d in os.listdir(root) if d.startswith("cpu") and d[3:].isdigit()]
+        for cpu in cpus:
+            base = f"{root}/{cpu}/cache"
+            for index in os.listdir(base) if os.path.isdir(base) else ():
+                def read(name: str) -> str:
+                    with open(f"{base}/{index}/{name}") as f:
+                        return f.read().strip()
+                if read("type") == "Instruction":
+                    continue
+                size = read("size")
+                nbytes = int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]] if size[-1] in "KM" else int(size)
+                seen[(int(read("level")), read("shared_cpu_list"))] = nbytes
+    except (OSError, ValueError, KeyError):
+        seen = {}
+    if not seen:
+        return 32 << 20
+    top = max(level for level, _ in seen)
+    return sum(nbytes for (level, _), nbytes in seen.items() if level == top)
+
+
+def stream_steps(numel: int):
+    """STREAM's triad and copy in C over ``numel`` doubles an array, on the kernels' threads, or why not."""
+    try:
+        from infinity.optim import _qadam
+    except ImportError:
+        return "unavailable: infinity.optim._qadam is not built (python setup.py build_ext --inplace)"
+    if not hasattr(_qadam, "triad"):
+        return "unavailable: this build of infinity.optim._qadam has no triad (rebuild it)"
+    # Three arrays, none aliasing another, each written before it is timed (no first-touch faults).
+    a, b, c = torch.zeros(numel, dtype=torch.float64), torch.rand(numel, dtype=torch.float64), \
+        torch.rand(numel, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    return {"stream triad": lambda: _qadam.triad(numel, a.data_ptr(), b.data_ptr(), c.data_ptr(), 3.0, threads),
+            "stream copy": lambda: _qadam.copy(numel, a.data_ptr(), b.data_ptr(), threads)}
 
 
 def torch_adamw_step(shared: Shared, tensors: int, **flags):
@@ -264,6 +314,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--kernels", default=",".join(KERNEL_ROWS),
                     help=f"the C kernels called directly over one flat sub-group, from {', '.join(KERNEL_ROWS)} "
                          "(empty: none)")
+    ap.add_argument("--stream-numel", default="0", help="doubles in each array of the C triad and copy "
+                    "(0: 4x the last-level caches' bytes, as STREAM asks: arrays of 4x the cache each)")
     ap.add_argument("--json", help="write settings, machine and raw samples here")
     args = ap.parse_args(argv)
     unknown = [k for k in args.kernels.split(",") if k and k not in KERNEL_ROWS]
@@ -276,7 +328,9 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
     sizes = [parse_count(s) for s in args.sizes.split(",")]
-    results = {"settings": vars(args), "machine": machine(), "sizes": {}}
+    llc = llc_nbytes()
+    stream_numel = parse_count(args.stream_numel) or 4 * llc // 8
+    results = {"settings": vars(args), "machine": {**machine(), "llc_bytes": llc}, "sizes": {}}
     with tempfile.TemporaryDirectory() as workdir:
         for n in sizes:
             raw: dict[str, list[float]] = {}
@@ -290,8 +344,12 @@ def main(argv=None) -> dict:
             together = (16 + ours_nbytes) * n < psutil.virtual_memory().available // 2
             for _ in range(args.rounds):
                 triad, counts["triad"] = triad_step(n)
+                stream = stream_steps(stream_numel)
+                if isinstance(stream, str):
+                    notes["stream triad"], stream = stream, {}
+                counts["stream"] = stream_numel
                 shared = Shared(n)
-                phase = {"triad": triad}
+                phase = {**stream, "triad": triad}
                 if "torch" not in skip:
                     phase["torch fused, 1 tensor"] = torch_adamw_step(shared, 1, fused=True)
                     phase["torch fused, 100 tensors"] = torch_adamw_step(shared, 100, fused=True)
@@ -312,7 +370,8 @@ def main(argv=None) -> dict:
                 if not together:
                     run_phase(phase, args.repeats, raw)
                     del shared
-                    phase = {"triad (ours' phase)": triad}
+                    phase = {**{f"{name} (ours' phase)": fn for name, fn in stream.items()},
+                             "triad (ours' phase)": triad}
                     gc.collect()
                 keep = []
                 for dtype in dtypes:
@@ -320,18 +379,36 @@ def main(argv=None) -> dict:
                     phase[name], counts["ours"], kept = ours_step(n, workdir, state_dtype, compute, c_pass=one_pass)
                     keep.append(kept)
                 run_phase(phase, args.repeats, raw)
-                del phase, keep, triad
+                del phase, keep, triad, stream
                 shared = None
                 gc.collect()
             results["sizes"][n] = {"raw_seconds": raw, "notes": notes, "numel": counts, "one_phase": together,
                                    "bytes_per_param": {name: row_bytes(name) for name in raw
-                                                       if not name.startswith("triad")},
-                                   "triad_bytes_per_element": 12}
+                                                       if not is_baseline(name)},
+                                   "triad_bytes_per_element": TORCH_TRIAD_BYTES,
+                                   "stream": stream_summary(raw, stream_numel),
+                                   "bandwidth_basis": "stream triad" if "stream triad" in raw else "triad"}
             print_table(n, raw, notes, counts, together)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return results
+
+
+def is_baseline(name: str) -> bool:
+    return name.startswith(("triad", "stream"))
+
+
+def stream_summary(raw: dict, numel: int) -> dict:
+    """Each C baseline's best GB/s, STREAM's count and with the write-allocate reads, per phase."""
+    out = {"numel": numel, "array_nbytes": 8 * numel, "threads": torch.get_num_threads(),
+           "bytes_per_element": STREAM_BYTES, "write_allocate_bytes_per_element": STREAM_WRITE_ALLOCATE_BYTES}
+    for name, samples in raw.items():
+        base = name.split(" (")[0]
+        if base in STREAM_BYTES:
+            out[name] = {"best_s": min(samples), "gbps": STREAM_BYTES[base] * numel / min(samples) / 1e9,
+                         "gbps_write_allocate": STREAM_WRITE_ALLOCATE_BYTES[base] * numel / min(samples) / 1e9}
+    return out
 
 
 def row_bytes(name: str) -> float:
@@ -341,23 +418,44 @@ def row_bytes(name: str) -> float:
     return KERNEL_BYTES.get(name, ADAM_BYTES)
 
 
+def baseline_gbps(name: str, raw: dict, counts: dict) -> float:
+    """A baseline's bytes per second, STREAM's count: the C ones' best sample, torch's triad's median."""
+    base = name.split(" (")[0]
+    if base in STREAM_BYTES:
+        return STREAM_BYTES[base] * counts["stream"] / min(raw[name])
+    return TORCH_TRIAD_BYTES * counts["triad"] / statistics.median(raw[name])
+
+
 def print_table(n: int, raw: dict, notes: dict, counts: dict, together: bool) -> None:
-    def bound_of(triad_name: str) -> tuple[float, float]:
-        bw = 12 * counts["triad"] / statistics.median(raw[triad_name])
+    basis = "stream triad" if "stream triad" in raw else "triad"
+
+    def bound_of(phase: str) -> tuple[float, float]:
+        bw = baseline_gbps(basis + phase, raw, counts)
         return bw, bw / ADAM_BYTES
 
-    bw, bound = bound_of("triad")
-    print(f"\n{n / 1e6:.0f}M fp32 parameters, {torch.get_num_threads()} threads; triad {bw / 1e9:.1f} GB/s "
-          f"(STREAM count; {bw * 16 / 12 / 1e9:.1f} GB/s with write-allocate); "
-          f"bound {bound / 1e9:.2f} G params/s at {ADAM_BYTES} B/param"
-          + ("" if together else "; ours measured in its own phase, against its own triad"))
+    bw, bound = bound_of("")
+    print(f"\n{n / 1e6:.0f}M fp32 parameters, {torch.get_num_threads()} threads; {basis} {bw / 1e9:.1f} GB/s "
+          f"(STREAM count), bound {bound / 1e9:.2f} G params/s at {ADAM_BYTES} B/param"
+          + ("" if together else "; ours measured in its own phase, against its own baselines"))
+    print(f"{'baseline':56} {'s':>9} {'G elem/s':>11} {'GB/s':>11} {'% triad':>8} {'GB/s w-a':>8}")
+    for name, samples in raw.items():
+        if not is_baseline(name):
+            continue
+        base = name.split(" (")[0]
+        secs = min(samples) if base in STREAM_BYTES else statistics.median(samples)
+        per = STREAM_BYTES.get(base, TORCH_TRIAD_BYTES)
+        rate = baseline_gbps(name, raw, counts)
+        ref, _ = bound_of(" (ours' phase)" if name.endswith("(ours' phase)") else "")
+        label = f"{name} (C, best)" if base in STREAM_BYTES else f"{name} (torch, median)"
+        print(f"{label:56} {secs:9.4f} {rate / per / 1e9:11.2f} {rate / 1e9:11.1f} {100 * rate / ref:8.0f} "
+              f"{rate * STREAM_WRITE_ALLOCATE_BYTES.get(base, 16) / per / 1e9:8.1f}")
     print(f"{'variant':56} {'median s':>9} {'G params/s':>11} {'GB/s moved':>11} {'% triad':>8} {'x bound':>8} "
           f"{'x fp32 ours':>12}")
     for name, samples in raw.items():
-        if name.startswith("triad"):
+        if is_baseline(name):
             continue
         mine = name.startswith("ours")
-        triad_bw, b = bound_of("triad" if together or not mine else "triad (ours' phase)")
+        triad_bw, b = bound_of("" if together or not mine else " (ours' phase)")
         count = counts["ours"] if mine else n
         nbytes = row_bytes(name)
         med = statistics.median(samples)

@@ -35,6 +35,8 @@
 #define MODE_BF16 1
 #define MODE_INT8 2
 #define MODE_FP32 3     /* fp32 moments, torch's fused arithmetic: see step_fp32 */
+#define MODE_COPY 4     /* the memory-bandwidth baselines: see [Note: the STREAM baselines] */
+#define MODE_TRIAD 5
 #define MAX_BLOCK 2048
 #define MAX_THREADS 256
 #define CODE_TOP 1.9375f
@@ -60,6 +62,8 @@ typedef struct {
     const Seg *segs;
     int nsegs;
     struct { float b1c, b2, b2c, eps, decay, wd, step_size, bc2_sqrt, scale; int has_scale; } T;
+    /* MODE_COPY, MODE_TRIAD: a = b, a = b + s c, over doubles */
+    double *sa; const double *sb, *sc; double s;
 } Job;
 
 static inline __attribute__((always_inline)) float as_float(int32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -496,7 +500,33 @@ static int isa_in_use(void) {
     return isa_supported(ISA_AVX512) ? ISA_AVX512 : isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_BASE;
 }
 
+/* [Note: the STREAM baselines]
+ * copy a = b and triad a = b + s c over doubles, STREAM's own loops, split over threads as a step is
+ * (run_threaded: the same team, the same thread count), so that benchmarks/adam.py can put each
+ * kernel's bytes per second over the memory bandwidth measured with the kernels' threads. torch's
+ * fp32 triad (torch.add(b, c, alpha=s, out=a)), the benchmark's basis before, came out well under
+ * STREAM's figure on the 2-core VMs (docs/benchmarks/host-adam.md), so the Adam rows read up to twice
+ * "the bandwidth". Plain stores, as STREAM compiled with gcc
+ * -O3: each also reads its line first (write-allocate), which STREAM's count (16 B an element for copy,
+ * 24 for triad) leaves out. */
+static void run_stream(const Job *j) {
+    int64_t a = j->first_block * j->block, b = j->last_block * j->block;
+    if (a < j->lo) a = j->lo;
+    if (b > j->hi) b = j->hi;
+    double *restrict x = j->sa;
+    const double *restrict y = j->sb, *restrict z = j->sc;
+    const double s = j->s;
+    if (j->mode == MODE_COPY)
+        for (int64_t i = a; i < b; i++) x[i] = y[i];
+    else
+        for (int64_t i = a; i < b; i++) x[i] = y[i] + s * z[i];
+}
+
 static void run(const Job *j) {
+    if (j->mode == MODE_COPY || j->mode == MODE_TRIAD) {
+        run_stream(j);
+        return;
+    }
     switch (isa_in_use()) {
 #if defined(__x86_64__) && defined(__GNUC__)
     case ISA_AVX512:
@@ -790,6 +820,57 @@ static PyObject *qadam_step_fp32(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* 1 when [a, a + nbytes) and [b, b + nbytes) share a byte. */
+static int overlap(unsigned long long a, unsigned long long b, unsigned long long nbytes) {
+    return a < b + nbytes && b < a + nbytes;
+}
+
+/* copy(n, a, b, threads), triad(n, a, b, c, s, threads): [Note: the STREAM baselines]. a, b, c: the
+ * addresses of n doubles each; a may overlap neither (the loops are restrict). */
+static PyObject *stream(int mode, long long n, unsigned long long a, unsigned long long b, unsigned long long c,
+                        double s, int threads) {
+    const char *fn = mode == MODE_COPY ? "qadam.copy" : "qadam.triad";
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: n=%lld must be >= 0", fn, n);
+        return NULL;
+    }
+    if (n == 0) Py_RETURN_NONE;
+    if (check_span(fn, "a", a, 0, n, 8, 1) < 0 || check_span(fn, "b", b, 0, n, 8, 1) < 0 ||
+        (mode == MODE_TRIAD && check_span(fn, "c", c, 0, n, 8, 1) < 0))   /* [Note: raw addresses] */
+        return NULL;
+    unsigned long long nbytes = (unsigned long long)n * 8;
+    if (overlap(a, b, nbytes) || (mode == MODE_TRIAD && overlap(a, c, nbytes))) {
+        char message[160];
+        snprintf(message, sizeof(message), "%s: a = %#llx overlaps %s (%lld doubles each); pass separate arrays",
+                 fn, a, overlap(a, b, nbytes) ? "b" : "c", n);
+        PyErr_SetString(PyExc_ValueError, message);
+        return NULL;
+    }
+    Job base = {0};
+    base.mode = mode; base.n = n; base.lo = 0; base.hi = n; base.block = CHUNK;
+    base.sa = (double *)(uintptr_t)a; base.sb = (const double *)(uintptr_t)b;
+    base.sc = (const double *)(uintptr_t)c; base.s = s;
+    run_threaded(&base, threads);
+    Py_RETURN_NONE;
+}
+
+static PyObject *qadam_copy(PyObject *self, PyObject *args) {
+    long long n;
+    unsigned long long a, b;
+    int threads;
+    if (!PyArg_ParseTuple(args, "LKKi", &n, &a, &b, &threads)) return NULL;
+    return stream(MODE_COPY, n, a, b, 0, 0.0, threads);
+}
+
+static PyObject *qadam_triad(PyObject *self, PyObject *args) {
+    long long n;
+    unsigned long long a, b, c;
+    double s;
+    int threads;
+    if (!PyArg_ParseTuple(args, "LKKKdi", &n, &a, &b, &c, &s, &threads)) return NULL;
+    return stream(MODE_TRIAD, n, a, b, c, s, threads);
+}
+
 static const char *const isa_names[] = {"auto", "avx512", "avx2", "base"};
 
 /* split_bf16(n, master, copy, remainder, index, cap) -> count
@@ -903,6 +984,11 @@ static PyMethodDef methods[] = {
     {"split_bf16", qadam_split_bf16, METH_VARARGS,
      "split_bf16(n, master, copy, remainder, index, cap) -> count: the split master's bf16 copies, int16 "
      "remainders and exception indices (at most cap written) in one pass"},
+    {"copy", qadam_copy, METH_VARARGS,
+     "copy(n, a, b, threads): STREAM's copy a = b over n doubles, on the kernels' threads (benchmarks)"},
+    {"triad", qadam_triad, METH_VARARGS,
+     "triad(n, a, b, c, s, threads): STREAM's triad a = b + s * c over n doubles, on the kernels' threads "
+     "(benchmarks)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,3 +27,15 @@ def split_bf16(n: int, master: int, copy: int, remainder: int, index: int, cap: 
     0xFFFF) at ``copy``, their low 16 bits at ``remainder`` (int16), and the indices (ascending, at most
     ``cap``, int64 at ``index``) of the elements those two do not restore; returns how many there are.
     Releases the GIL."""
+
+
+def copy(n: int, a: int, b: int, threads: int) -> None:
+    """STREAM's copy ``a = b`` over ``n`` doubles at addresses ``a``, ``b`` ([Note: the STREAM baselines] in
+    qadam.c), split over up to ``threads`` threads as a step is; for benchmarks/adam.py's bandwidth baseline.
+    Releases the GIL. Raises ``ValueError`` when ``n`` < 0, an address cannot be touched or ``a`` overlaps
+    ``b``."""
+
+
+def triad(n: int, a: int, b: int, c: int, s: float, threads: int) -> None:
+    """STREAM's triad ``a = b + s * c`` over ``n`` doubles at addresses ``a``, ``b``, ``c``, as :func:`copy`.
+    Raises ``ValueError`` when ``n`` < 0, an address cannot be touched or ``a`` overlaps ``b`` or ``c``."""

@@ -24,7 +24,7 @@ def keep_threads():
 def test_adam_benchmark_tiny(tmp_path, capsys):
     out = tmp_path / "adam.json"
     load("adam").main(["--sizes", "300K", "--repeats", "2", "--rounds", "1", "--skip", "deepspeed",
-                       "--json", str(out)])
+                       "--stream-numel", "200K", "--json", str(out)])
     table = capsys.readouterr().out
     for row in ("torch fused, 1 tensor", "torch fused, 100 tensors", "torch foreach, 100 tensors",
                 "ours (engine step)", "ours (engine step, torch kernel)", "ours (engine step, bf16 states)", "ours (engine step, int8 states)",
@@ -38,6 +38,10 @@ def test_adam_benchmark_tiny(tmp_path, capsys):
     assert all(len(v) == 2 and min(v) > 0 for v in size["raw_seconds"].values())
     assert 0.5 * 300_000 < size["numel"]["ours"] < 2 * 300_000  # whole layers
     assert record["machine"]["torch"] == torch.__version__
+    if "stream triad" in size["raw_seconds"]:    # the C baselines, where the extension is built
+        assert "stream triad (C, best)" in table and size["bandwidth_basis"] == "stream triad"
+        assert size["stream"]["numel"] == 200_000 and size["stream"]["stream triad"]["gbps"] > 0
+        assert size["stream"]["bytes_per_element"] == {"stream triad": 24, "stream copy": 16}
 
 
 def test_dpu_benchmark_tiny(tmp_path, capsys):

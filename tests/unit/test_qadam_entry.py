@@ -1,6 +1,6 @@
 """The host Adam kernels' raw entry points refuse addresses that would crash the process.
 
-``_qadam.step``, ``step_fp32`` and ``split_bf16`` take tensors' data_ptr() as plain ints ([Note: raw
+``_qadam.step``, ``step_fp32``, ``split_bf16``, ``triad`` and ``copy`` take tensors' data_ptr() as plain ints ([Note: raw
 addresses] in optim_csrc/qadam.c). Before the check, 0 or -1 there was a segfault, so each case
 runs in a fresh interpreter: a regression fails the test instead of killing the suite.
 """
@@ -31,6 +31,9 @@ _CALLS = {
                      "1.0, True, 5, 1)",
     "step outs": "_qadam.step(1, N, 0, N, 256, ptr(p), ptr(g), ptr(m16), ptr(v16), 0, 0, 1, *HYPER, 1.0, True, 5, "
                  "1, False, [(0, 10, ADDR)])",
+    "triad a": "_qadam.triad(N, ADDR, ptr(db), ptr(dc), 3.0, 1)",
+    "triad c": "_qadam.triad(N, ptr(da), ptr(db), ADDR, 3.0, 1)",
+    "copy b": "_qadam.copy(N, ptr(da), ADDR, 1)",
 }
 
 _SETUP = f"""
@@ -43,6 +46,7 @@ p, g, m, v = (torch.zeros(N) for _ in range(4))
 m16, v16, copy, rem = (torch.zeros(N, dtype=torch.int16) for _ in range(4))
 m8, v8 = torch.zeros(N, dtype=torch.uint8), torch.zeros(N, dtype=torch.uint8)
 vs = torch.zeros(4)
+da, db, dc = (torch.zeros(N, dtype=torch.float64) for _ in range(3))
 index = torch.zeros(16, dtype=torch.int64)
 """
 
