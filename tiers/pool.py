@@ -1,19 +1,26 @@
 """Constant-size buffer pools (ZeRO-R): a fixed number of fixed-size aligned host buffers.
 
 [Note: constant-size buffers]
-Every staging buffer the NVMe path needs comes from a pool made once, at start-up:
-``count`` buffers of ``buffer_nbytes`` each, carved out of ONE allocation (one
-``mmap``, one pinning: pinning costs ~0.35 s/GiB, see host_alloc). In the steady
-state nothing is allocated, nothing fragments, and the peak host memory of I/O is
-``count * buffer_nbytes``, known from the config. A transfer larger than a buffer is
-moved in buffer-sized pieces (tiers/staging.py), never refused. A pool made ``lazy``
-makes its one allocation at the first loan instead: the NVMe tier's, which only
-transfers not aligned to 4096 bytes use, and the engine aligns every key it moves
-while training (GPT 1B fp32 on NVMe: no loan in four steps, where the 512 MiB made
-and zeroed at start-up were all resident). When every buffer is
-out, ``acquire`` waits for one to come back; after ``timeout`` seconds it raises
-:class:`PoolTimeoutError` naming who holds them, because a silent hang is the worst
-way to learn about a leak.
+Every staging buffer the NVMe path needs comes from a pool of ``count`` buffers of
+``buffer_nbytes`` each, each made once and kept: nothing is freed or made again, nothing
+fragments, and the peak host memory of I/O is at most ``count * buffer_nbytes``, known
+from the config. A transfer larger than a buffer is moved in buffer-sized pieces
+(tiers/staging.py), never refused. An eager pool makes all of them at start-up in ONE
+allocation (one ``mmap``, one pinning: pinning costs ~0.35 s/GiB, see host_alloc). A
+pool made ``lazy`` makes each buffer (one allocation, zeroed) at the first loan that
+finds no made buffer free, so it holds as many as were ever on loan at once. The NVMe
+tier's pool is lazy: only transfers not aligned to 4096 bytes use it (a tensor the
+engine does not own, the tail of a key whose size is no multiple of 4096), and the
+engine page-aligns the host memory of the transfers it makes while training, at
+construction and in checkpoint saves. The demo (GPT 20M on NVMe) made all 8 x 64 MiB,
+zeroed and resident, because construction wrote the cast parameter shards and split
+masters from unaligned tensors, every step read the gradients for their norm into one
+and a checkpoint save read the split masters into them; aligned, it takes no loan. A
+budget check counts the buffers not made yet (``nbytes`` less ``made_nbytes``).
+
+When every buffer is out, ``acquire`` waits for one to come back; after ``timeout``
+seconds it raises :class:`PoolTimeoutError` naming who holds them, because a silent
+hang is the worst way to learn about a leak.
 """
 from __future__ import annotations
 
@@ -92,7 +99,8 @@ class BufferPool:
     name : str
         Named in errors and telemetry.
     lazy : bool
-        Allocate (and touch) the memory at the first loan, not now (see [Note: constant-size buffers]).
+        Make (and touch) each buffer at the first loan that needs it, not all now (see [Note: constant-size
+        buffers]).
 
     Examples
     --------
@@ -112,9 +120,10 @@ class BufferPool:
         self.buffer_nbytes = -(-buffer_nbytes // ALIGNMENT) * ALIGNMENT
         self.count = count
         self.allocator = allocator if allocator is not None else HostAllocator(pin="never")
-        self._buffers: list = []
+        # A lazy pool's buffers are made one at a time (None until then); an eager pool's, in one allocation.
+        self._buffers: list[torch.Tensor | None] = [None] * count
         if not lazy:
-            self._allocate()
+            self._allocate_all()
         self._free = collections.deque(range(count))
         self._owners: dict[int, str] = {}
         self._cond = threading.Condition()
@@ -125,7 +134,7 @@ class BufferPool:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held by the pool in all (its fixed peak)."""
+        """Host bytes of all ``count`` buffers: the most the pool holds (a lazy one, once all are made)."""
         return self.buffer_nbytes * self.count
 
     def acquire(self, owner: str, timeout: float = 60) -> PoolBuffer:
@@ -145,33 +154,58 @@ class BufferPool:
                         self._wait_seconds += time.perf_counter() - start
                         raise PoolTimeoutError(self._timeout_message(owner, timeout))
                 self._wait_seconds += time.perf_counter() - start
-            return self._lend(owner)
+            index = self._take(owner)
+        return self._lend(index, owner)
 
     def try_acquire(self, owner: str) -> PoolBuffer | None:
         """A buffer if one is free right now, else None (never waits)."""
         with self._cond:
-            return self._lend(owner) if self._free else None
+            if not self._free:
+                return None
+            index = self._take(owner)
+        return self._lend(index, owner)
 
-    def _allocate(self) -> None:
-        memory = self.allocator.empty(self.buffer_nbytes * self.count)
-        # Touch every page now: a first-use page fault costs more than the copy it serves,
-        # and the pool's peak should be real from the start, not grow on the hot path.
-        memory.zero_()
+    def _allocate_all(self) -> None:
+        memory = self._zeroed(self.buffer_nbytes * self.count)
         self._buffers = [memory[i * self.buffer_nbytes:(i + 1) * self.buffer_nbytes] for i in range(self.count)]
+
+    def _zeroed(self, nbytes: int) -> torch.Tensor:
+        memory = self.allocator.empty(nbytes)
+        # Touch every page now: a first-use page fault costs more than the copy it serves,
+        # and a buffer's bytes should be resident from its first loan, not grow on the hot path.
+        memory.zero_()
+        return memory
+
+    @property
+    def made(self) -> int:
+        """Buffers whose memory exists: ``count`` for an eager pool; a ``lazy`` pool's, as many as were ever on
+        loan at once."""
+        return sum(buf is not None for buf in self._buffers)
 
     @property
     def allocated(self) -> bool:
-        """Whether the pool's memory exists (a ``lazy`` pool's, from its first loan on)."""
-        return bool(self._buffers)
+        """Whether all ``count`` buffers exist (a ``lazy`` pool's, once that many were on loan at once)."""
+        return self.made == self.count
 
-    def _lend(self, owner: str) -> PoolBuffer:
-        if not self._buffers:
-            self._allocate()
-        # Last in, first out: the buffer released most recently is warm in cache and TLB.
+    def _take(self, owner: str) -> int:
+        """Reserve a free buffer's index for ``owner`` (under the lock; the caller checked one is free)."""
+        # Last in, first out: the buffer released most recently is warm in cache and TLB, and a lazy
+        # pool's made buffers (every one released goes to the right end) are lent before an unmade one.
         index = self._free.pop()
         self._owners[index] = owner
         self._acquires += 1
         self._peak_in_use = max(self._peak_in_use, len(self._owners))
+        return index
+
+    def _lend(self, index: int, owner: str) -> PoolBuffer:
+        """The loan of reserved buffer ``index``, made first if it never was (outside the lock: zeroing 64 MiB
+        should not hold up a release)."""
+        if self._buffers[index] is None:
+            try:
+                self._buffers[index] = self._zeroed(self.buffer_nbytes)
+            except BaseException:
+                self._return(index)
+                raise
         return Loan(self._buffers[index], lambda: self._return(index), owner,
                     f"buffer {index} of pool {self.name!r}")
 
@@ -201,15 +235,19 @@ class BufferPool:
             return len(self._owners)
 
     def stats(self) -> dict:
-        """``buffers``, ``buffer_nbytes``, ``nbytes``, ``allocated`` (False: a lazy pool before its first loan),
-        ``in_use``, ``peak_in_use``, ``acquires``, ``waits``, ``wait_seconds``."""
+        """``buffers``, ``buffer_nbytes``, ``nbytes`` (all ``buffers``), ``buffers_made`` and ``made_nbytes`` (a lazy
+        pool's made so far), ``allocated`` (all made), ``in_use``, ``peak_in_use``, ``acquires``, ``waits``,
+        ``wait_seconds``."""
         with self._cond:
+            made = self.made
             return {
                 "name": self.name,
                 "buffers": self.count,
                 "buffer_nbytes": self.buffer_nbytes,
                 "nbytes": self.nbytes,
-                "allocated": self.allocated,
+                "buffers_made": made,
+                "made_nbytes": made * self.buffer_nbytes,
+                "allocated": made == self.count,
                 "in_use": len(self._owners),
                 "peak_in_use": self._peak_in_use,
                 "acquires": self._acquires,

@@ -486,6 +486,8 @@ class Partitioner:
                 continue
             if row.tier == "nvme":
                 needs += [Need(row.what, "nvme", row.nbytes // len(paths), p) for p in paths]
+            elif row.key == "pool_buffers":     # the lazy I/O pool: only the buffers its loans have not made yet
+                needs.append(Need(row.what, row.tier, max(0, row.nbytes - pool.made * pool.buffer_nbytes)))
             else:
                 needs.append(Need(row.what, row.tier, row.nbytes))
         short = check_budget(needs, host_budget=config.tiers.host_budget,

@@ -102,16 +102,31 @@ def test_many_threads_share_a_small_pool(pool):
     assert counter["max"] <= 3 and pool.in_use() == 0 and pool.stats()["acquires"] == 120
 
 
-def test_a_lazy_pool_allocates_at_its_first_loan():
+def test_a_lazy_pool_makes_a_buffer_only_when_no_made_one_is_free():
     allocator = HostAllocator(pin="never")
-    pool = BufferPool(10_000, 2, allocator, name="lazy-pool", lazy=True)
-    assert not pool.allocated and allocator.stats()["bytes_allocated"] == 0
-    assert pool.nbytes == 2 * 12288 and pool.stats()["buffers"] == 2     # its peak, known before
+    pool = BufferPool(10_000, 3, allocator, name="lazy-pool", lazy=True)
+    assert pool.made == 0 and allocator.stats()["bytes_allocated"] == 0
+    assert pool.nbytes == 3 * 12288 and pool.stats()["buffers"] == 3     # its peak, known before
     first = pool.acquire("first")
-    assert pool.allocated and allocator.stats()["bytes_allocated"] == 2 * 12288
+    assert pool.made == 1 and not pool.allocated and allocator.stats()["bytes_allocated"] == 12288
     assert first.tensor.data_ptr() % 4096 == 0 and int(first.tensor.sum()) == 0
-    second = pool.try_acquire("second")
-    assert second is not None and pool.try_acquire("third") is None
+    ptr = first.tensor.data_ptr()
     first.release()
-    second.release()
-    assert allocator.stats()["allocations"] == 1        # one allocation, kept
+    for _ in range(3):      # one at a time: the made buffer again, nothing new
+        with pool.acquire("again") as buf:
+            assert buf.tensor.data_ptr() == ptr
+    assert pool.made == 1 and allocator.stats()["allocations"] == 1
+    held = [pool.acquire("a"), pool.try_acquire("b"), pool.acquire("c")]
+    assert pool.allocated and pool.try_acquire("d") is None and len({b.tensor.data_ptr() for b in held}) == 3
+    for buf in held:
+        buf.release()
+    [pool.acquire(f"e{i}") for i in range(3)]
+    stats = pool.stats()
+    assert allocator.stats()["allocations"] == 3 and stats["buffers_made"] == 3     # each made once, kept
+    assert stats["made_nbytes"] == stats["nbytes"] == 3 * 12288 and stats["allocated"]
+
+
+def test_an_eager_pool_makes_every_buffer_in_one_allocation():
+    allocator = HostAllocator(pin="never")
+    pool = BufferPool(10_000, 3, allocator, name="eager-pool")
+    assert pool.made == 3 and pool.allocated and allocator.stats()["allocations"] == 1
