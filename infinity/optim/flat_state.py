@@ -1,10 +1,9 @@
 """Each rank's fp32 master weights, Adam moments and gradient accumulator, flat per sub-group.
 
-The flat space and its sub-groups are ``FlatLayout``'s ([Note: flat layout] in
-infinity/optim/flat_layout.py). Two states may be stored narrower and widened for the
-kernel: the master as the compute copy plus a 16-bit remainder ([Note: split master] in
-infinity/optim/split_master.py) and the gradient in the compute dtype ([Note: compact
-gradients] in infinity/optim/compact_grads.py).
+The flat space and its sub-groups are ``FlatLayout``'s ([Note: flat layout] in infinity/optim/flat_layout.py).
+Two states may be stored narrower and widened for the kernel: the master as the compute copy plus a 16-bit
+remainder ([Note: split master] in infinity/optim/split_master.py) and the gradient in the compute dtype
+([Note: compact gradients] in infinity/optim/compact_grads.py).
 
 [Note: dormant sub-groups]
 A sub-group holding only groups that were frozen at ``infinity.Init``'s exit, or when the optimizer
@@ -45,6 +44,7 @@ from infinity.errors import EngineError
 from infinity.optim import compact_grads, split_master
 from infinity.optim.flat_layout import FlatLayout
 from infinity.optim.moments import MomentFormat, read_moments, write_moments
+from tiers.aio import aligned_empty
 from tiers.base import wait_quietly
 
 STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
@@ -343,7 +343,7 @@ class OptimizerStateStore:
             elif state == "grad" and self.held is not None:
                 self.held.read(piece, dst)
             elif state == "grad" and self.grad_dtype != torch.float32:
-                compact = torch.empty(piece.numel, dtype=self.grad_dtype)
+                compact = aligned_empty(piece.numel * self.grad_dtype.itemsize).view(self.grad_dtype)  # no I/O pool
                 self.io.read(self.tier, self.keys[state][piece.sub_index], compact,
                              offset=piece.sub_offset * compact.element_size()).wait()
                 dst.copy_(compact)

@@ -48,6 +48,8 @@ import threading
 
 import torch
 
+from tiers.aio import aligned_empty
+
 try:    # the C kernels (optim_csrc/qadam.c); without them split takes torch's passes
     from infinity.optim import _qadam
 except ImportError:    # pragma: no cover - a checkout whose extension is not built
@@ -314,8 +316,9 @@ class SplitMasters:
     def write_piece(self, piece, src: torch.Tensor) -> list:
         """Start storing fp32 ``src`` as ``piece``'s masters: remainder and compute copy. Returns the
         ``(future, tensor)`` pairs of the writes."""
-        copy = torch.empty(piece.numel, dtype=torch.bfloat16)
-        remainder = torch.empty(piece.numel, dtype=torch.int16)
+        # Page-aligned: an NVMe tier writes them straight from here, not through its I/O pool.
+        copy = aligned_empty(piece.numel * 2).view(torch.bfloat16)
+        remainder = aligned_empty(piece.numel * REMAINDER_ITEMSIZE).view(torch.int16)
         found = split(src.contiguous(), copy, remainder)
         sub = piece.sub_index
         if self.keys[sub] == ZERO and _host_flag(torch.any(remainder)):
@@ -329,8 +332,9 @@ class SplitMasters:
 
     def read_piece(self, piece, dst: torch.Tensor) -> torch.Tensor:
         """``piece``'s fp32 masters, joined into ``dst``."""
-        copy = torch.empty(piece.numel, dtype=torch.bfloat16)
-        remainder = torch.empty(piece.numel, dtype=torch.int16)
+        # Page-aligned: an NVMe tier reads straight into them, not through its I/O pool.
+        copy = aligned_empty(piece.numel * 2).view(torch.bfloat16)
+        remainder = aligned_empty(piece.numel * REMAINDER_ITEMSIZE).view(torch.int16)
         futures = (self.copies.read(piece, copy), self._read_remainder(piece.sub_index, remainder, piece.sub_offset))
         for fut in futures:
             fut.wait()
@@ -339,8 +343,8 @@ class SplitMasters:
     def read_sub(self, sub: int) -> torch.Tensor:
         """Sub-group ``sub``'s fp32 masters as a new tensor (checkpoint writes)."""
         numel = self.layout.sub_ranges[sub][1]
-        copy = torch.empty(numel, dtype=torch.bfloat16)
-        remainder = torch.empty(numel, dtype=torch.int16)
+        copy = aligned_empty(numel * 2).view(torch.bfloat16)     # page-aligned, as in write_piece
+        remainder = aligned_empty(numel * REMAINDER_ITEMSIZE).view(torch.int16)
         futures = self.read_copies(sub, copy)
         futures.append(self._read_remainder(sub, remainder))
         for fut in futures:

@@ -35,6 +35,7 @@ import torch
 
 from infinity.param_group import ParamGroup
 from infinity.prefetch.fresh_shards import FreshShards
+from tiers.aio import aligned_empty
 from tiers.base import CompletedFuture
 
 DEMAND_STAGING_BUFFERS = 3
@@ -138,7 +139,9 @@ class ParamShards:
         group.param_key = self.tier.allocate(group.shard_nbytes, tag=f"param:{group.name}")
         if shard is None:
             return
-        src = shard if shard.dtype == self.dtype else shard.to(self.dtype)
+        src = shard
+        if shard.dtype != self.dtype:   # page-aligned, so an NVMe write goes straight from it, not through the I/O pool
+            src = aligned_empty(shard.numel() * self.dtype.itemsize).view(self.dtype).copy_(shard)
         self.datapath.write(self.tier, group.param_key, src).wait()
 
     def free(self, group: ParamGroup) -> None:
