@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -60,7 +59,7 @@ from infinity.config import presets
 from infinity.examples.gpt import PRESETS, preset
 from infinity.examples.meter import format_bytes
 from infinity.examples.runs import run_training
-from infinity.examples.train_gpt import machine
+from infinity.examples.train_gpt import machine, provenance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -357,14 +356,6 @@ def add_modes(specs: list[str]) -> None:
             PEER[name] = PEER[base]
 
 
-def provenance(argv: list[str], measured_on: dict) -> dict:
-    """When, on what, at which commit and by which command a run was measured: what every stored run in
-    docs/benchmarks/data/ carries, so this file can be added there as it is (benchmarks/plots.py)."""
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": f"{measured_on['gpu'] or 'CPU'}, {measured_on['cpus']} cores, {measured_on['host']}",
-            "commit": measured_on["source"], "command": shlex.join(["python", "benchmarks/gpu.py", *argv])}
-
-
 def row_order(sizes: list[str], entries: list[str]) -> list[tuple[str, str]]:
     """(size, config) in running order: plain entries at every size (size by size), then ``CONFIG@SIZE``
     entries as given."""
@@ -461,7 +452,7 @@ def write_json(args, argv: list[str], raw: list[dict], pairs, complete: bool) ->
     measured_on = machine() if complete else _measured_on(raw)
     tmp = f"{args.json}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"provenance": provenance(argv, measured_on), "settings": vars(args), "machine": measured_on,
+        json.dump({"provenance": provenance("benchmarks/gpu.py", argv, measured_on), "settings": vars(args), "machine": measured_on,
                    "complete": complete, "rows": _rows(raw, pairs), "raw": raw}, f, indent=1)
     os.replace(tmp, args.json)
 

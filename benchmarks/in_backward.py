@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import torch
 
 import infinity
 from infinity.examples.gpt import GPT, preset
-from infinity.examples.train_gpt import machine
+from infinity.examples.train_gpt import machine, provenance
 from infinity.plan import CensusGroup, ModelCensus, plan
 
 
@@ -57,15 +56,6 @@ def planned(engine, with_uses: bool) -> dict:
                                                     uses.get(g.index, 1))
                                         for g in engine.coordinator.groups))
     return plan(census, engine.config, world_size=1, local_ranks=1, check_fit=False).per_parameter()
-
-
-def provenance(argv: list[str]) -> dict:
-    """When, on what, at which commit and by which command a run was measured: what every stored run in
-    docs/benchmarks/data/ carries, so this file can be added there as it is (benchmarks/plots.py)."""
-    measured_on = machine()
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": f"{measured_on['gpu'] or 'CPU'}, {measured_on['cpus']} cores, {measured_on['host']}",
-            "commit": measured_on["source"], "command": shlex.join(["python", "benchmarks/in_backward.py", *argv])}
 
 
 def main(argv=None) -> dict:
@@ -102,7 +92,7 @@ def main(argv=None) -> dict:
             last = infinity.stats(model)["transfers"]   # the last closed step (forward to forward)
             if last is not None:
                 per_param[mode] = last["per_parameter"]
-    out = {"provenance": provenance(argv), "settings": vars(args),
+    out = {"provenance": provenance("benchmarks/in_backward.py", argv), "settings": vars(args),
            "equal_losses": losses["ordinary"] == losses["in_backward"], "modes": {}}
     for mode, (model, opt, structure) in runs.items():
         moved = per_param[mode]["nvme_read"] + per_param[mode]["nvme_written"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import torch
 import infinity
 from infinity.config import load_config
 from infinity.examples.gpt import GPT, shape_for_params
-from infinity.examples.train_gpt import machine
+from infinity.examples.train_gpt import machine, provenance
 from infinity.plan import plan
 from infinity.plan.census import take_census
 from infinity.plan.machine import MachineProfile, Workload
@@ -156,15 +155,8 @@ def run(args, argv) -> dict:
                   f"measured {measured:8.3f} s  ratio {rows[-1]['ratio']:5.2f}  paired {paired:5.2f}  "
                   f"({predicted.governing}; compute {compute_s:.3f} s)", flush=True)
             infinity.release(model)
-    return {"provenance": provenance(argv), "settings": vars(args), "profile": profile.to_dict(), "rows": rows}
-
-
-def provenance(argv: list[str]) -> dict:
-    measured_on = machine()
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": f"{measured_on['gpu'] or 'CPU'}, {measured_on['cpus']} cores, {measured_on['host']}",
-            "load_average": measured_on["load_average"], "commit": measured_on["source"],
-            "command": shlex.join(["python", "benchmarks/plan_vs_measured.py", *argv])}
+    return {"provenance": {**provenance("benchmarks/plan_vs_measured.py", argv, measured_on := machine()),
+                           "load_average": measured_on["load_average"]}, "settings": vars(args), "profile": profile.to_dict(), "rows": rows}
 
 
 def main(argv=None) -> dict:

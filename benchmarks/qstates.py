@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ if ROOT not in sys.path:
 import infinity  # noqa: E402
 from infinity.examples.data import batches  # noqa: E402
 from infinity.examples.gpt import GPT, preset  # noqa: E402
-from infinity.examples.train_gpt import machine  # noqa: E402
+from infinity.examples.train_gpt import machine, provenance  # noqa: E402
 
 MODES = ("fp32", "bf16", "int8")
 PERTURBED = "fp32~"
@@ -242,15 +241,6 @@ def run_curves(args) -> dict:
             "figures": {key(s): f for s, f in figures.items()}, "summary": summary}
 
 
-def provenance(argv: list[str]) -> dict:
-    """When, on what, at which commit and by which command a run was measured: what every stored run in
-    docs/benchmarks/data/ carries, so this file can be added there as it is (benchmarks/plots.py)."""
-    measured_on = machine()
-    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": f"{measured_on['gpu'] or 'CPU'}, {measured_on['cpus']} cores, {measured_on['host']}",
-            "commit": measured_on["source"], "command": shlex.join(["python", "benchmarks/qstates.py", *argv])}
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="20M", help="GPT preset (infinity.examples.gpt.PRESETS): 20M, 125M, ...")
@@ -277,7 +267,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = ["fp32"] + [m for m in args.modes.split(",") if m and m not in ("fp32", PERTURBED)]
-    result = {"provenance": provenance(argv), "settings": vars(args),
+    result = {"provenance": provenance("benchmarks/qstates.py", argv), "settings": vars(args),
               "machine": {"platform": platform.platform(), "cores": os.cpu_count(),
                           "torch": torch.__version__, "threads": torch.get_num_threads()}}
     if not args.bytes_only:

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -189,6 +190,16 @@ def machine() -> dict:
             "cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
             "load_average": os.getloadavg(), "source": source_revision(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def provenance(script: str, argv: list[str], measured_on: dict | None = None) -> dict:
+    """When, on what, at which commit and by which command a run was measured: what every stored run in
+    docs/benchmarks/data/ carries, so a benchmark's --json file can be added there as it is
+    (benchmarks/plots.py). ``script``: the benchmark's path from the repository root."""
+    measured_on = measured_on or machine()
+    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": f"{measured_on['gpu'] or 'CPU'}, {measured_on['cpus']} cores, {measured_on['host']}",
+            "commit": measured_on["source"], "command": shlex.join(["python", script, *argv])}
 
 
 def source_revision() -> str | None:
