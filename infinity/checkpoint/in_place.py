@@ -71,6 +71,12 @@ def label(save_id: str) -> str:
 def check_can_save(engine) -> None:
     """Raise unless the engine's states can be saved in place (all on NVMe, not sealed already)."""
     t = engine.config.tiers
+    if t.optimizer_device_share or t.optimizer_host_share:
+        raise CheckpointError(
+            "infinity.save_checkpoint(in_place=True): the optimizer states are split over tiers "
+            f"(tiers.optimizer_device_share = {t.optimizer_device_share:g}, tiers.optimizer_host_share = "
+            f"{t.optimizer_host_share:g}): those in device or host memory are not in the swap files. Save an "
+            "ordinary checkpoint (in_place=False), or set both shares to 0")
     if t.params != "nvme" or t.optimizer != "nvme":
         raise CheckpointError(
             "infinity.save_checkpoint(in_place=True): needs tiers.params and tiers.optimizer both 'nvme' (they are "

@@ -263,7 +263,7 @@ class _WakingDest:
         if self.sub in self.store.dormant and not data.any():
             return _Done()
         self.store.wake([self.sub])
-        return self.store.tier.write(self.store.keys[self.state][self.sub], data, self.base + dest_offset)
+        return self.store.sub_tiers[self.sub].write(self.store.keys[self.state][self.sub], data, self.base + dest_offset)
 
 
 class _ParamDest:
@@ -368,7 +368,7 @@ def _write_masters(store, sub: int, values: torch.Tensor) -> None:
     if store.resting.keys[sub] is not None:
         store.resting.write_sub(sub, values)
     else:
-        store.tier.write(store.keys["master"][sub], values).wait()
+        store.sub_tiers[sub].write(store.keys["master"][sub], values).wait()
 
 
 # Elements of a gathered sub-group encoded at a time: the encoding's temporaries are several times
@@ -433,7 +433,7 @@ def _state_dest(store, staged: StagedSubGroups | None, state: str, sub: int, wit
         return staged.dest(state, sub, within * _F32, nbytes)
     if state != "master" and sub in store.dormant:
         return _WakingDest(store, state, sub, within * _F32)
-    return _StateDest(store.tier, store.keys[state][sub], within * _F32)
+    return _StateDest(store.sub_tiers[sub], store.keys[state][sub], within * _F32)
 
 
 def _fill_zeros(io, coordinator, store, layout, fills, staged: StagedSubGroups | None = None) -> None:
@@ -452,7 +452,7 @@ def _fill_zeros(io, coordinator, store, layout, fills, staged: StagedSubGroups |
                     if staged is not None and staged.handles(state):
                         staged.pad(state, sub)      # the staged buffer is zeros already
                     elif state == "master" or sub not in store.dormant:     # a dormant one's moments are zero
-                        futures.append(_StateDest(store.tier, store.keys[state][sub], within * _F32)
+                        futures.append(_StateDest(store.sub_tiers[sub], store.keys[state][sub], within * _F32)
                                        .write(0, zeros[:m * _F32]))
         if len(futures) > 64:
             for fut in futures:

@@ -284,7 +284,7 @@ def _rank_spans(engine) -> dict[str, list]:
             return TierSpan(resting, sub, 0, n * 4)     # a dormant sub-group's, split meanwhile
         if state in _MOMENTS and store.moment_format.compressed:    # [Note: moments in checkpoints]
             return DecodedMoments(store, state, sub, n * 4)
-        return TierSpan(store.tier, store.keys[state][sub], 0, n * 4)
+        return TierSpan(store.sub_tiers[sub], store.keys[state][sub], 0, n * 4)
 
     for state in STATE_FILES[1:]:
         files[state] = [span(state, sub, n) for sub, (_, n) in enumerate(layout.sub_ranges)]

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Literal
 
 from infinity.config import sizes as _sizes
 from infinity.config.paths import not_a_directory
+from infinity.config.rules import check_across_sections
 from infinity.config.sizes import GiB, TiB
 from infinity.config.values import (Bytes, ConfigError, LossScale, Numel, NumaNode, Paths, Patterns, Section, check_keys,
                                     show, type_name)
@@ -81,6 +82,16 @@ class TiersConfig(Section):
     "host" in host RAM with the step on the host, "nvme" streams them through host buffers one
     sub-group at a time; "auto" as for `params`."""
 
+    optimizer_device_share: float = 0.0
+    """Fraction of each rank's optimizer states kept on the compute device and stepped there (exact: the same
+    AdamW), the rest staying in `optimizer` ("host" or "nvme"). Whole parameter groups in model order, so the
+    first groups the next forward needs are stepped first, on the device; the share is rounded to a group
+    boundary (`infinity.stats(model)["optimizer"]["tiers"]` says what each tier got). 0: none."""
+
+    optimizer_host_share: float = 0.0
+    """With `optimizer` = "nvme": fraction of each rank's optimizer states kept in host memory (after the
+    device share's groups), the rest on NVMe. 0: none."""
+
     nvme_path: Paths = ()
     """Directory for swap files, or a list of directories to stripe them over; required when
     `params` or `optimizer` is "nvme". Each rank keeps its own files below it."""
@@ -124,6 +135,11 @@ class TiersConfig(Section):
         if on_nvme and not self.nvme_path:
             raise ConfigError(f"required when tiers.{on_nvme[0]} is \"nvme\"; give a directory on a fast local disk",
                               "tiers.nvme_path")
+        for name in ("optimizer_device_share", "optimizer_host_share"):
+            self._within(name, 0.0, 1.0, "a fraction of the optimizer states")
+        if self.optimizer_device_share + self.optimizer_host_share > 1.0:
+            raise ConfigError(f"{self.optimizer_device_share:g} + {self.optimizer_host_share:g} is more than the "
+                              "whole of the optimizer states", "tiers.optimizer_host_share")
         self._within("host_budget", 0, _MAX_MEMORY, "a budget of host RAM; no machine has more than 64TiB",
                      "bytes")
         if self.numa_node is not None:
@@ -515,20 +531,6 @@ class ActivationsConfig(Section):
                      "than 64TiB", "bytes")
 
 
-def _check_update_in_backward(cfg: "Config") -> None:
-    """The settings with which a step during backward could not equal the ordinary step."""
-    key = "optimizer.update_in_backward"
-    if cfg.dpu.enabled:
-        raise ConfigError("the update during backward steps with this step's gradients; dpu.enabled delays "
-                          "the step by one iteration: turn one of them off", key)
-    if cfg.precision.dtype == "float16":
-        raise ConfigError("float16 loss scaling skips a step when any gradient overflows, which is known only "
-                          "after the whole backward; use bfloat16 or float32, or turn the key off", key)
-    if cfg.tiers.optimizer == "device":
-        raise ConfigError("the update during backward runs the host optimizer; with tiers.optimizer = "
-                          "\"device\" use the ordinary step (or put the states in \"host\" or \"nvme\")", key)
-
-
 SECTIONS: tuple[type[Section], ...] = (TiersConfig, AioConfig, PrecisionConfig, PartitionConfig,
                                         PrefetchConfig, TilingConfig, DpuConfig, OptimizerConfig,
                                         CheckpointConfig, ActivationsConfig)
@@ -567,21 +569,7 @@ class Config:
                 object.__setattr__(self, cls.section, cls(**value))
             elif not isinstance(value, cls):
                 raise ConfigError(f"expected a table of settings, got {show(value)} ({type_name(value)})", cls.section)
-        stage, params = self.partition.stage, self.tiers.params
-        if stage < 3 and params not in ("device", "auto"):
-            raise ConfigError(
-                f"stage {stage} keeps whole parameters on every rank's compute device, so tiers.params must be "
-                f"\"device\" (it is {json.dumps(params)}); parameters in host memory or on NVMe are sharded over "
-                "the ranks, which is stage 3", "partition.stage")
-        if self.optimizer.state_dtype != "fp32" and self.tiers.optimizer == "device":
-            raise ConfigError(f"{json.dumps(self.optimizer.state_dtype)} moments are stepped by the host kernel; with "
-                              "tiers.optimizer = \"device\" they must be \"fp32\" (or put the optimizer states in "
-                              "\"host\" or \"nvme\")", "optimizer.state_dtype")
-        if self.optimizer.update_in_backward:
-            _check_update_in_backward(self)
-        if self.activations.offload == "nvme" and not self.tiers.nvme_path:
-            raise ConfigError("\"nvme\" needs tiers.nvme_path, a directory on a fast local disk, for the "
-                              "activations' files", "activations.offload")
+        check_across_sections(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:

@@ -28,7 +28,7 @@ from infinity.optim.relayout import relayout_frozen, warn_frozen_in_part
 from infinity.optim.scheduler import UpdateScheduler
 from infinity.optim.shard_states import ShardStates
 from infinity.optim.unmanaged import UnmanagedAdam
-from infinity.optim.update import UpdatePass
+from infinity.optim.update import update_lanes
 
 
 class _Released:
@@ -68,9 +68,10 @@ class _OffloadAdam(torch.optim.Optimizer):
                 self._names.setdefault(id(p), name)
         self._select()
         self._nonfinite = NonFiniteSteps(engine, self._name)
-        update = UpdatePass(self.store, engine.coordinator, self._ranges, engine.device, engine.tiers.allocator)
+        update, device_lane = update_lanes(self.store, engine.coordinator, self._ranges, engine.device,
+                                           engine.tiers.allocator)
         # DPU's second compute copies: for the groups training now (one unfrozen later is refused at step()).
-        self._updates = UpdateScheduler(engine, update, self._ranges.training, self._name)
+        self._updates = UpdateScheduler(engine, update, self._ranges.training, self._name, device_lane)
         self._in_backward = None    # [Note: update during backward] in infinity/optim/in_backward.py
         if engine.config.optimizer.update_in_backward:
             self._in_backward = InBackwardUpdate(self, engine, update.run, self._job_in_backward,

@@ -43,7 +43,7 @@ def itemsize(dtype: torch.dtype) -> int:
 
 def widen(store, allocate) -> None:
     """Move ``store``'s gradient keys to fp32 for good (a second micro-batch arrived); exact.
-    ``allocate(nbytes, tag)``: a new gradient key in the store's tier.
+    ``allocate(nbytes, tag, sub)``: a new gradient key in sub-group ``sub``'s tier.
 
     All or nothing: each sub-group's fp32 key takes the place of its compact key once written, and when
     one fails (the disk full, an I/O error, an interrupt) the ones already widened are narrowed back
@@ -64,13 +64,13 @@ def widen(store, allocate) -> None:
         try:
             for sub, (_, numel) in enumerate(store.layout.sub_ranges):
                 if keys[sub] is not None:   # else dormant: gets an fp32 key when it wakes
-                    keys[sub] = _recast(store, keys[sub], numel, old_dtype, torch.float32, sub in filled, allocate,
-                                        f"grad:sub{sub}")
+                    keys[sub] = _recast(store, sub, keys[sub], numel, old_dtype, torch.float32, sub in filled,
+                                        allocate)
                     widened.append(sub)
         except BaseException:
             for sub in widened:     # the fp32 key is freed first: narrowing back needs no room beyond it
-                keys[sub] = _narrow(store, keys[sub], store.layout.sub_ranges[sub][1], old_dtype, sub in filled,
-                                    allocate, f"grad:sub{sub}")
+                keys[sub] = _narrow(store, sub, keys[sub], store.layout.sub_ranges[sub][1], old_dtype, sub in filled,
+                                    allocate)
             raise
     except BaseException:
         if undo is not None:
@@ -79,36 +79,38 @@ def widen(store, allocate) -> None:
     store.grad_dtype = torch.float32
 
 
-def _recast(store, key, numel: int, dtype: torch.dtype, to: torch.dtype, filled: bool, allocate, tag: str):
-    """A new key holding ``key``'s ``numel`` values (in ``dtype``) in ``to``; ``key`` is freed once it is written
-    (a failure frees the new key and leaves ``key`` as it was)."""
-    new = allocate(numel * itemsize(to), tag)
+def _recast(store, sub: int, key, numel: int, dtype: torch.dtype, to: torch.dtype, filled: bool, allocate):
+    """A new key holding sub-group ``sub``'s ``numel`` gradient values of ``key`` (in ``dtype``) in ``to``; ``key``
+    is freed once it is written (a failure frees the new key and leaves ``key`` as it was)."""
+    tier = store.sub_tiers[sub]
+    new = allocate(numel * itemsize(to), f"grad:sub{sub}", sub)
     try:
-        if store.in_place:
-            store.tier.view(new).view(to)[:numel].copy_(store.tier.view(key).view(dtype)[:numel])
+        if store.in_place_of(sub):
+            tier.view(new).view(to)[:numel].copy_(tier.view(key).view(dtype)[:numel])
         elif filled:
             values = torch.empty(numel, dtype=dtype)
-            store.io.read(store.tier, key, values).wait()
-            store.io.write(store.tier, new, values.to(to)).wait()
+            store.io.read(tier, key, values).wait()
+            store.io.write(tier, new, values.to(to)).wait()
     except BaseException:
-        store.tier.free(new)
+        tier.free(new)
         raise
-    store.tier.free(key)
+    tier.free(key)
     return new
 
 
-def _narrow(store, key, numel: int, to: torch.dtype, filled: bool, allocate, tag: str):
+def _narrow(store, sub: int, key, numel: int, to: torch.dtype, filled: bool, allocate):
     """``_recast`` of an fp32 key back to ``to`` (exact: it was widened from it), reading it and freeing it
     before the new key is allocated."""
+    tier = store.sub_tiers[sub]
     values = torch.empty(numel, dtype=torch.float32)
-    if store.in_place:
-        values.copy_(store.tier.view(key).view(torch.float32)[:numel])
+    if store.in_place_of(sub):
+        values.copy_(tier.view(key).view(torch.float32)[:numel])
     elif filled:
-        store.io.read(store.tier, key, values).wait()
-    store.tier.free(key)
-    new = allocate(numel * itemsize(to), tag)
-    if store.in_place:
-        store.tier.view(new).view(to)[:numel].copy_(values)
+        store.io.read(tier, key, values).wait()
+    tier.free(key)
+    new = allocate(numel * itemsize(to), f"grad:sub{sub}", sub)
+    if store.in_place_of(sub):
+        tier.view(new).view(to)[:numel].copy_(values)
     elif filled:
-        store.io.write(store.tier, new, values.to(to)).wait()
+        store.io.write(tier, new, values.to(to)).wait()
     return new

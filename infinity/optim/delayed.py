@@ -108,7 +108,7 @@ class DelayedUpdate(BackgroundUpdate):
 
     def _grad_key(self, sub: int, dtype: torch.dtype) -> int:
         zeros = torch.zeros(self.store.layout.sub_ranges[sub][1], dtype=dtype)
-        key = allocate_key(self.store, "grad", zeros.numel() * zeros.element_size(), f"grad-next:sub{sub}")
+        key = allocate_key(self.store, "grad", zeros.numel() * zeros.element_size(), f"grad-next:sub{sub}", sub)
         self.store.tier.write(key, zeros).wait()
         return key
 

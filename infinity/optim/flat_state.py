@@ -20,16 +20,6 @@ parameter instead of 4, exact. The join and split that make split masters slow t
 here, since a dormant sub-group is never stepped; it is joined into an fp32 master once, when it
 wakes (with the copies on the device, a read of them to host memory then, and at checkpoint saves).
 
-[Note: pipelined sub-groups]
-``OptimizerStateStore.sub_groups`` is the one pass over the sub-groups that every
-update runs. On the host (or device) tier it yields the stored states themselves.
-With the states on NVMe it keeps two sets of sub-group buffers: while the caller
-steps sub-group i in one set, sub-group i+1 is being read into the other, and
-sub-group i-1's write-back is still in flight. The host holds at most two
-sub-groups of states, whatever the model size. Sub-groups an update does not
-change are neither read nor written, except in the first pass, which writes every
-sub-group's (zero) moments so that their keys hold data (dormant ones have none).
-
 What the room may touch: the optimizer tier (keys, reads, writes) and the host
 allocator for the streaming buffers; it knows nothing of modules or the coordinator.
 """
@@ -41,14 +31,13 @@ from typing import Iterator, Sequence
 import torch
 
 from infinity.errors import EngineError
-from infinity.optim import compact_grads, split_master
+from infinity.optim import compact_grads, pipeline, split_master
 from infinity.optim.flat_layout import FlatLayout
 from infinity.optim.moments import MomentFormat, read_moments, write_moments
+from infinity.optim.pipeline import MOMENTS, STATES, stored_len
 from tiers.aio import aligned_empty
 from tiers.base import wait_quietly
 
-STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
-MOMENTS = ("exp_avg", "exp_avg_sq")
 # The arrays the update streams side by side start apart in host memory ([Note: staggered starts] in
 # tiers/host_alloc.py): 2x on torch's fused AdamW over 128 MiB sub-groups here.
 _STAGGER = {"master": 0, "exp_avg": 1, "exp_avg_sq": 2, "grad": 3, "grad_compact": 4, "copy": 5, "remainder": 6}
@@ -56,17 +45,12 @@ _F32 = 4
 _MAX_PENDING_BYTES = 64 * 2**20
 
 
-def _stored_len(fmt: MomentFormat, state: str, numel: int) -> int:
-    """Length, in the elements of its buffer's dtype, of one state of a sub-group of ``numel``."""
-    return fmt.stored_nbytes(state, numel) // torch.empty((), dtype=fmt.stored_dtype(state)).element_size()
-
-
-def allocate_key(store, state: str, nbytes: int, tag: str) -> int:
-    """A key of ``nbytes`` in ``store``'s tier for one sub-group's ``state`` (also a second or
-    widened gradient key), in host memory started apart from the other states' ([Note: staggered
-    starts] in tiers/host_alloc.py)."""
-    stagger = {"stagger": _STAGGER[state]} if store.in_place else {}
-    return store.tier.allocate(nbytes, tag=tag, **stagger)
+def allocate_key(store, state: str, nbytes: int, tag: str, sub: int) -> int:
+    """A key of ``nbytes`` in sub-group ``sub``'s tier for its ``state`` (also a second or widened
+    gradient key), in host memory started apart from the other states' ([Note: staggered starts] in
+    tiers/host_alloc.py)."""
+    stagger = {"stagger": _STAGGER[state]} if store.in_place_of(sub) else {}
+    return store.sub_tiers[sub].allocate(nbytes, tag=tag, **stagger)
 
 
 class _Unbooked:
@@ -84,11 +68,12 @@ class _Unbooked:
 def _fill_fresh(store, sub: int, fresh: dict, zero: bool) -> None:
     """What sub-group ``sub``'s new keys ``fresh`` start with as it wakes: its resting masters, joined; zeros
     (on NVMe only with ``zero``: else a first pass or an adopted checkpoint in place fills them)."""
+    tier = store.sub_tiers[sub]
     if ("master", sub) in fresh:
-        store.io.write(store.tier, fresh["master", sub], store.resting.read_sub(sub)).wait()
-    if store.in_place:
+        store.io.write(tier, fresh["master", sub], store.resting.read_sub(sub)).wait()
+    if store.in_place_of(sub):
         for s in (*MOMENTS, "grad"):
-            store.tier.view(fresh[s, sub]).zero_()
+            tier.view(fresh[s, sub]).zero_()
         return
     if not zero:
         return
@@ -100,7 +85,7 @@ def _fill_fresh(store, sub: int, fresh: dict, zero: bool) -> None:
     for s in MOMENTS:
         size = store.moment_format.stored_nbytes(s, numel)
         for at in range(0, size, zeros.numel()):
-            store.io.write(store.tier, fresh[s, sub], zeros[:size - at], offset=at).wait()
+            store.io.write(tier, fresh[s, sub], zeros[:size - at], offset=at).wait()
 
 
 def _master_split(store, sub: int):
@@ -113,13 +98,13 @@ def _master_split(store, sub: int):
 
 
 class OptimizerStateStore:
-    """The optimizer states of one rank, in the host or NVMe tier.
+    """The optimizer states of one rank, in the device, host or NVMe tier, or split over them.
 
     Parameters
     ----------
     tier:
-        ``tiers.HostTier`` (states viewed in place) or ``tiers.NVMeTier`` (states
-        streamed through two sets of sub-group buffers).
+        ``tiers.DeviceTier`` or ``tiers.HostTier`` (states viewed in place) or ``tiers.NVMeTier``
+        (states streamed through two sets of sub-group buffers).
     layout:
         The flat layout.
     allocator:
@@ -143,19 +128,29 @@ class OptimizerStateStore:
         Sub-groups without moments and gradient until they wake ([Note: dormant sub-groups]).
     dormant_copies:
         ``CopyAccess`` to store the dormant sub-groups' masters split while they sleep, or None.
+    sub_tiers:
+        The tier of each sub-group when the states are split over tiers ([Note: optimizer states over
+        tiers] in infinity/optim/tier_split.py): runs of sub-groups, fastest tier first; None: all in ``tier``.
+        A split store keeps fp32 masters (neither ``copies`` nor ``dormant_copies``).
     """
 
     def __init__(self, tier, layout: FlatLayout, allocator=None, *, defer_states: bool = False,
                  datapath=None, copies=None, grad_dtype: torch.dtype = torch.float32,
-                 moment_format: MomentFormat | None = None, dormant=(), dormant_copies=None) -> None:
-        self.tier = tier
+                 moment_format: MomentFormat | None = None, dormant=(), dormant_copies=None,
+                 sub_tiers=None) -> None:
+        # Each sub-group's tier ([Note: optimizer states over tiers] in infinity/optim/tier_split.py).
+        self.sub_tiers = list(sub_tiers) if sub_tiers is not None else [tier] * layout.num_subs
+        if len(self.sub_tiers) != layout.num_subs:
+            raise EngineError(f"{len(self.sub_tiers)} sub-group tiers for {layout.num_subs} sub-groups (internal error)")
+        self.tiers = list({id(t): t for t in self.sub_tiers}.values()) or [tier]    # each tier once, fastest first
+        if len(self.tiers) > 1 and (copies is not None or dormant_copies is not None):
+            raise EngineError("optimizer states split over tiers keep fp32 masters (internal error)")
         self.moment_format = moment_format or MomentFormat()
         self.io = datapath if datapath is not None else _Unbooked()
         self.layout = layout
-        self.in_place = hasattr(tier, "view")
+        self.streamed_subs = [sub for sub, t in enumerate(self.sub_tiers) if not hasattr(t, "view")]
+        self.in_place = all(hasattr(t, "view") for t in self.tiers)     # every sub-group's states viewed in memory
         self.grad_dtype = grad_dtype
-        # Where gradient shards must arrive: the tier's device for in-place tiers, else the host.
-        self.device = getattr(tier, "device", torch.device("cpu"))
         # The masters split into compute copy and remainder (see [Note: split master]), or None.
         self.split = None
         # Sub-groups without moment and gradient keys yet ([Note: dormant sub-groups]); ``on_wake``:
@@ -166,47 +161,47 @@ class OptimizerStateStore:
         # The dormant sub-groups' masters stored split meanwhile (their remainder keys), or None.
         self.resting = None
         self._pending_writes: list = []
-        self._buffers = None     # allocated before any key: short of host memory, no key is left behind
         n = layout.sub_group_size
         def empty(nbytes: int, state: str) -> torch.Tensor:
             if allocator is None:
                 return torch.empty(nbytes, dtype=torch.uint8)
             return allocator.empty(nbytes, stagger=_STAGGER[state])
 
-        if not self.in_place:
+        # Allocated before any key (short of host memory, no key is left behind): two sets of sub-group buffers the streamed sub-groups pass through ([Note: pipelined sub-groups] in
+        # infinity/optim/pipeline.py), and the scratch of the sub-group stepped in place.
+        self.slots: list[dict] = []
+        self.scratch: dict = {}
+        streams, in_place = bool(self.streamed_subs), len(self.streamed_subs) < layout.num_subs
+        if streams:
             fmt = self.moment_format
-            self._buffers = [{s: empty(fmt.stored_nbytes(s, n), s).view(fmt.stored_dtype(s)) for s in STATES}
-                             for _ in range(2)]
-        elif copies is not None:    # the joined masters of the sub-group being stepped
-            self._buffers = [{"master": empty(n * _F32, "master").view(torch.float32)}]
+            self.slots = [{s: empty(fmt.stored_nbytes(s, n), s).view(fmt.stored_dtype(s)) for s in STATES}
+                          for _ in range(2)]
+        if copies is not None and in_place:    # the joined masters of the sub-group being stepped
+            self.scratch["master"] = empty(n * _F32, "master").view(torch.float32)
         if copies is not None:
-            for bufs in self._buffers:
+            for bufs in [*self.slots, *([self.scratch] if in_place else [])]:
                 bufs["copy"] = empty(n * 2, "copy").view(torch.bfloat16)
                 bufs["remainder"] = empty(n * 2, "remainder").view(torch.int16)
         if grad_dtype != torch.float32:     # a compact gradient sub-group, widened into "grad"
-            if self._buffers is None:
-                self._buffers = [{}]
-            if self.in_place:
-                self._buffers[0]["grad"] = empty(n * _F32, "grad_compact").view(torch.float32)
-            else:
-                for bufs in self._buffers:
-                    bufs["grad_compact"] = empty(n * compact_grads.itemsize(grad_dtype),
-                                                 "grad_compact").view(grad_dtype)
+            if in_place:
+                self.scratch["grad"] = empty(n * _F32, "grad_compact").view(torch.float32)
+            for bufs in self.slots:
+                bufs["grad_compact"] = empty(n * compact_grads.itemsize(grad_dtype), "grad_compact").view(grad_dtype)
         # Dormant sub-groups' remainder keys come with the first nonzero remainder ([Note: zero remainders]).
         def allocate_remainder(sub: int, nbytes: int) -> int:
-            return allocate_key(self, "remainder", nbytes, f"remainder:sub{sub}")
+            return allocate_key(self, "remainder", nbytes, f"remainder:sub{sub}", sub)
 
         if copies is not None:
             keys = self._allocate("remainder", split_master.REMAINDER_ITEMSIZE, skip=self.dormant)
             self.keys = {"remainder": [split_master.ZERO if sub in self.dormant else k for sub, k in enumerate(keys)]}
-            self.split = split_master.SplitMasters(copies, layout, tier, self.io, self.keys["remainder"],
+            self.split = split_master.SplitMasters(copies, layout, self.tier, self.io, self.keys["remainder"],
                                                    allocate=allocate_remainder)
         else:
             resting = self.dormant if dormant_copies is not None else set()
             self.keys = {"master": self._allocate("master", skip=resting)}
             if resting:
                 self.resting = split_master.SplitMasters(
-                    dormant_copies, layout, tier, self.io,
+                    dormant_copies, layout, self.tier, self.io,
                     [split_master.ZERO if sub in resting else None for sub in range(layout.num_subs)],
                     allocate=allocate_remainder)
         # Groups whose compute copy this store writes with their masters (split masters).
@@ -236,11 +231,11 @@ class OptimizerStateStore:
         try:
             for i, (_, n) in enumerate(self.layout.sub_ranges):
                 nbytes = n * itemsize if itemsize is not None else self.moment_format.stored_nbytes(state, n)
-                keys.append(None if i in skip else allocate_key(self, state, nbytes, f"{state}:sub{i}"))
+                keys.append(None if i in skip else allocate_key(self, state, nbytes, f"{state}:sub{i}", i))
         except BaseException:
-            for key in keys:
+            for i, key in enumerate(keys):
                 if key is not None:
-                    self.tier.free(key)
+                    self.sub_tiers[i].free(key)
             raise
         return keys
 
@@ -260,7 +255,7 @@ class OptimizerStateStore:
         # On NVMe the first pass over the sub-groups writes their zero moments.
         self.wake([sub for sub in range(num_subs) if sub not in asleep], zero=False)
         self.woken.clear()
-        self.moments_initialized = self.in_place
+        self.moments_initialized = not self.streamed_subs
 
     def wake(self, subs, zero: bool = True) -> None:
         """Give the dormant sub-groups among ``subs`` their moment, gradient (and split masters' remainder)
@@ -281,7 +276,7 @@ class OptimizerStateStore:
                     nbytes = (n * compact_grads.itemsize(self.grad_dtype) if s == "grad" else n * _F32
                               if s == "master" else n * split_master.REMAINDER_ITEMSIZE if s == "remainder"
                               else self.moment_format.stored_nbytes(s, n))
-                    fresh[s, sub] = allocate_key(self, s, nbytes, f"{s}:sub{sub}")
+                    fresh[s, sub] = allocate_key(self, s, nbytes, f"{s}:sub{sub}", sub)
             for sub in subs:
                 undo.extend(hook(sub) for hook in self.on_wake)
             for sub in subs:    # every byte into the new keys first: a failure here keeps nothing either
@@ -289,8 +284,8 @@ class OptimizerStateStore:
         except BaseException as exc:
             for step_back in reversed(undo):
                 step_back()
-            for key in fresh.values():
-                self.tier.free(key)
+            for (_, sub), key in fresh.items():
+                self.sub_tiers[sub].free(key)
             exc.add_note(f"infinity: while giving sub-group(s) {subs} their optimizer states (nothing kept): groups "
                          "frozen when infinity.Init exited (or when the optimizer was created) get Adam moments and "
                          "gradients when they first train or load moments, beyond what infinity-plan counted")
@@ -309,12 +304,25 @@ class OptimizerStateStore:
         self.dormant.difference_update(subs)
         self.woken.update(subs)
 
+    # -- where the states are -------------------------------------------------------------------
+    @property
+    def tier(self):
+        """The tier holding every sub-group's states (a store split over tiers has none: ``sub_tiers``)."""
+        if len(self.tiers) > 1:
+            raise EngineError("the optimizer states are split over the " + ", ".join(t.kind for t in self.tiers) +
+                              " tiers; this path takes one tier (internal error: ask sub_tiers[sub])")
+        return self.tiers[0]
+
+    def in_place_of(self, sub: int) -> bool:
+        """Whether sub-group ``sub``'s states are viewed in memory (device or host tier), not streamed."""
+        return hasattr(self.sub_tiers[sub], "view")
+
     # -- access ---------------------------------------------------------------------------------
     def view(self, state: str, sub: int) -> torch.Tensor:
-        """The in-place view of one state of one sub-group (host tier only): fp32, gradients in
+        """The in-place view of one state of one sub-group (device or host tier): fp32, gradients in
         ``grad_dtype``, the raw bytes of compressed moments."""
         dtype = self.grad_dtype if state == "grad" else self.moment_format.stored_dtype(state)
-        return self.tier.view(self.keys[state][sub]).view(dtype)
+        return self.sub_tiers[sub].view(self.keys[state][sub]).view(dtype)
 
     def write_master_shard(self, group_index: int, fp32_shard: torch.Tensor) -> None:
         """Set the master weights of one group (initial values, resharded loads); split masters
@@ -336,7 +344,8 @@ class OptimizerStateStore:
             dst = out[piece.group_offset:piece.group_offset + piece.numel]
             if state == "master" and _master_split(self, piece.sub_index) is not None:
                 _master_split(self, piece.sub_index).read_piece(piece, dst)
-            elif state in MOMENTS and (not self.moments_initialized or piece.sub_index in self.dormant):
+            elif state in MOMENTS and (piece.sub_index in self.dormant or not (
+                    self.moments_initialized or self.in_place_of(piece.sub_index))):
                 dst.zero_()
             elif state == "grad" and group_index not in self.grad_written:
                 dst.zero_()
@@ -344,13 +353,13 @@ class OptimizerStateStore:
                 self.held.read(piece, dst)
             elif state == "grad" and self.grad_dtype != torch.float32:
                 compact = aligned_empty(piece.numel * self.grad_dtype.itemsize).view(self.grad_dtype)  # no I/O pool
-                self.io.read(self.tier, self.keys[state][piece.sub_index], compact,
+                self.io.read(self.sub_tiers[piece.sub_index], self.keys[state][piece.sub_index], compact,
                              offset=piece.sub_offset * compact.element_size()).wait()
                 dst.copy_(compact)
             elif state in MOMENTS and self.moment_format.compressed:
                 dst.copy_(read_moments(self, state, piece.sub_index, piece.sub_offset, piece.sub_offset + piece.numel))
             else:
-                self.io.read(self.tier, self.keys[state][piece.sub_index], dst,
+                self.io.read(self.sub_tiers[piece.sub_index], self.keys[state][piece.sub_index], dst,
                                offset=piece.sub_offset * _F32).wait()
         return out
 
@@ -381,7 +390,7 @@ class OptimizerStateStore:
     def _write(self, where, src: torch.Tensor):
         state, piece = where
         src = src.contiguous()
-        fut = self.io.write(self.tier, self.keys[state][piece.sub_index], src,
+        fut = self.io.write(self.sub_tiers[piece.sub_index], self.keys[state][piece.sub_index], src,
                             offset=piece.sub_offset * src.element_size())
         self._pending_writes.append((fut, src))
         # Gradient shards arrive throughout backward: keep only unfinished writes (and
@@ -420,7 +429,7 @@ class OptimizerStateStore:
         futures = []
         for piece in self.layout.pieces_of_group[group_index]:
             src = shard_grad[piece.group_offset:piece.group_offset + piece.numel]
-            if self.in_place:
+            if self.in_place_of(piece.sub_index):
                 dst = self.view("grad", piece.sub_index)[piece.sub_offset:piece.sub_offset + piece.numel]
                 dst.copy_(src) if first else dst.add_(src)
             elif first:
@@ -428,7 +437,7 @@ class OptimizerStateStore:
             else:
                 self.flush()  # this group's earlier writes must land before read-add-write
                 old = torch.empty(piece.numel, dtype=torch.float32)
-                self.io.read(self.tier, self.keys["grad"][piece.sub_index], old,
+                self.io.read(self.sub_tiers[piece.sub_index], self.keys["grad"][piece.sub_index], old,
                              offset=piece.sub_offset * _F32).wait()
                 self._write(("grad", piece), old.add_(src))
         self.grad_written.add(group_index)
@@ -448,7 +457,8 @@ class OptimizerStateStore:
         (any dtype, converted by ``copy_``): ``[(shard offset, numel, view)]``, or None when the
         states are not in memory or the group was written since ``zero_grad``. The group counts
         as written from here on."""
-        if not self.in_place or group_index in self.grad_written:
+        pieces = self.layout.pieces_of_group[group_index]
+        if not all(self.in_place_of(p.sub_index) for p in pieces) or group_index in self.grad_written:
             return None
         if self.dormant:
             self.wake(p.sub_index for p in self.layout.pieces_of_group[group_index])
@@ -484,117 +494,9 @@ class OptimizerStateStore:
         self.keys["grad"] = list(keys)
         return filled
 
-    # -- the sub-group pipeline (see [Note: pipelined sub-groups]) ----------------------------------
+    # -- the sub-group pipeline ([Note: pipelined sub-groups] in infinity/optim/pipeline.py) ------------
     def sub_groups(self, grad_keys: Sequence[int], changed: Sequence[bool], grads: dict | None = None,
                    compact: bool = False) -> Iterator[tuple]:
-        """Yield ``(sub, {state: tensor}, writes)`` for each sub-group an update must visit (fp32
-        tensors; compressed moments as their raw bytes; with ``compact``, a compact gradient as it
-        is stored, in the compute dtype, for a kernel that widens it itself).
-
-        ``grad_keys`` are the gradient keys of the update (DPU's may be the second set);
-        ``changed[sub]`` says whether the update changes anything in ``sub``. ``grads``: the
-        gradients of the changed sub-groups in host memory instead of ``grad_keys`` (streamed
-        stores; each is dropped once stepped). The caller may
-        change the tensors in place and append ``(future, tensor)`` pairs of its own transfers
-        to ``writes``; each is waited before the buffers it reads are reused and at the end.
-        Master weights and moments are written back after the caller returns from a sub-group.
-        A failed pass waits for every transfer it issued before its error travels on, so
-        none outlives it (into buffers or keys the next pass, a fetch or a load uses).
-        """
-        if self.in_place:
-            yield from self._in_place(grad_keys, [sub for sub, c in enumerate(changed) if c], compact)
-        else:
-            yield from self._streamed(grad_keys, changed, grads, compact)
-
-    def _in_place(self, grad_keys, subs: list[int], compact: bool = False):
-        writes: list = []
-        try:
-            for sub in subs:
-                st = {s: self.view(s, sub) for s in MOMENTS}
-                numel = self.layout.sub_ranges[sub][1]
-                st["grad"] = self.tier.view(grad_keys[sub]).view(self.grad_dtype)[:numel]
-                if self.grad_dtype != torch.float32 and not compact:
-                    st["grad"] = self._buffers[0]["grad"][:numel].copy_(st["grad"])
-                if self.split is None:
-                    st["master"] = self.view("master", sub)
-                    yield sub, st, writes
-                    continue
-                bufs = self._buffers[0]
-                remainder = self.tier.view(self.keys["remainder"][sub]).view(torch.int16)[:numel]
-                for fut in self.split.read_copies(sub, bufs["copy"]):
-                    fut.wait()
-                st["master"] = split_master.join(bufs["copy"][:numel], remainder, self.split.exceptions.get(sub),
-                                                 bufs["master"][:numel])
-                yield sub, st, writes
-                for fut, _ in writes:   # the caller's writes may read the joined masters
-                    fut.wait()
-                self.split.exceptions.set(sub, split_master.split(st["master"], bufs["copy"][:numel], remainder))
-        except BaseException:
-            wait_quietly(f for f, _ in writes)
-            raise
-        for fut, _ in writes:
-            fut.wait()
-
-    def _streamed(self, grad_keys, changed: Sequence[bool], grads: dict | None = None, compact: bool = False):
-        tier, io, layout, bufs = self.tier, self.io, self.layout, self._buffers
-        moments_known = self.moments_initialized
-        subs = [sub for sub, c in enumerate(changed) if c or not (moments_known or sub in self.dormant)]
-        reads: list[list] = [[], []]
-        writes: list[list] = [[], []]
-
-        def issue_reads(i: int) -> None:
-            sub, slot = subs[i], i % 2
-            for fut, _ in writes[slot]:
-                fut.wait()
-            writes[slot] = []
-            numel = layout.sub_ranges[sub][1]
-            reads[slot] = []
-            for s in STATES:
-                buf = bufs[slot][s][:_stored_len(self.moment_format, s, numel)]
-                if s in MOMENTS and not moments_known:
-                    buf.zero_()
-                elif s == "grad" and (not changed[sub] or grads is not None):
-                    continue
-                elif s == "grad" and self.grad_dtype != torch.float32:
-                    reads[slot].append(io.read(tier, grad_keys[sub], bufs[slot]["grad_compact"][:numel]))
-                elif s == "master" and self.split is not None:
-                    reads[slot].extend(self.split.read_copies(sub, bufs[slot]["copy"]))
-                    reads[slot].append(io.read(tier, self.keys["remainder"][sub], bufs[slot]["remainder"][:numel]))
-                else:
-                    key = grad_keys[sub] if s == "grad" else self.keys[s][sub]
-                    reads[slot].append(io.read(tier, key, buf))
-
-        try:
-            if subs:
-                issue_reads(0)
-            for i, sub in enumerate(subs):
-                slot = i % 2
-                for fut in reads[slot]:
-                    fut.wait()
-                if i + 1 < len(subs):
-                    issue_reads(i + 1)
-                numel = layout.sub_ranges[sub][1]
-                st = {s: bufs[slot][s][:_stored_len(self.moment_format, s, numel)] for s in STATES}
-                if grads is not None and changed[sub]:
-                    st["grad"].copy_(grads.pop(sub))    # KeyError: a changed sub-group without a held gradient
-                elif self.grad_dtype != torch.float32 and changed[sub]:
-                    if compact:
-                        st["grad"] = bufs[slot]["grad_compact"][:numel]
-                    else:
-                        st["grad"].copy_(bufs[slot]["grad_compact"][:numel])
-                if self.split is not None:
-                    copy, remainder = bufs[slot]["copy"][:numel], bufs[slot]["remainder"][:numel]
-                    split_master.join(copy, remainder, self.split.exceptions.get(sub), st["master"])
-                yield sub, st, writes[slot]
-                if self.split is not None:
-                    self.split.exceptions.set(sub, split_master.split(st["master"], copy, remainder))
-                    writes[slot].append((io.write(tier, self.keys["remainder"][sub], remainder), remainder))
-                for s in MOMENTS if self.split is not None else ("master", *MOMENTS):
-                    writes[slot].append((io.write(tier, self.keys[s][sub], st[s]), st[s]))
-        except BaseException:
-            wait_quietly([f for slot in reads for f in slot] + [f for slot in writes for f, _ in slot])
-            raise
-        for slot in range(2):
-            for fut, _ in writes[slot]:
-                fut.wait()
-        self.moments_initialized = True
+        """Yield ``(sub, {state: tensor}, writes)`` for each sub-group an update must visit, in order
+        (``infinity.optim.pipeline.sub_groups``)."""
+        return pipeline.sub_groups(self, grad_keys, changed, grads, compact)

@@ -98,6 +98,7 @@ class UpdateStats:
     optimizer_seconds: float = 0.0
     exposed_seconds: float = 0.0
     last_job_seconds: float = 0.0
+    device_share_seconds: float = 0.0
     worker_thread_ids: set = field(default_factory=set)
 
     def add_sync(self, seconds: float) -> None:
@@ -107,10 +108,17 @@ class UpdateStats:
         self.exposed_seconds += seconds
         self.last_job_seconds = seconds
 
+    def add_device_share(self, seconds: float) -> None:
+        """Book the device share's update of a split store, run on the calling thread before the rest of the
+        step's update ([Note: optimizer states over tiers] in infinity/optim/tier_split.py): exposed."""
+        self.optimizer_seconds += seconds
+        self.exposed_seconds += seconds
+        self.device_share_seconds += seconds
+
     def as_dict(self) -> dict:
         hidden = 1.0 - self.exposed_seconds / self.optimizer_seconds if self.optimizer_seconds else 0.0
         return {"sync_steps": self.sync_steps, "delayed_steps": self.delayed_steps,
                 "overlapped_steps": self.overlapped_steps, "skipped_steps": self.skipped_steps,
                 "optimizer_seconds": self.optimizer_seconds,
                 "exposed_seconds": self.exposed_seconds, "hidden_fraction": hidden,
-                "last_job_seconds": self.last_job_seconds}
+                "last_job_seconds": self.last_job_seconds, "device_share_seconds": self.device_share_seconds}

@@ -202,7 +202,7 @@ def read_moments(store, state: str, sub: int, a: int, b: int) -> torch.Tensor:
     parts = []
     for offset, nbytes in fmt.regions(numel, a0, b0):
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        store.io.read(store.tier, store.keys[state][sub], buf, offset=offset).wait()
+        store.io.read(store.sub_tiers[sub], store.keys[state][sub], buf, offset=offset).wait()
         parts.append(buf)
     return fmt.decode(parts, state)[a - a0:b - a0]
 
@@ -215,7 +215,7 @@ def write_moments(store, state: str, sub: int, a: int, values: torch.Tensor) -> 
     parts = [torch.empty(nbytes, dtype=torch.uint8) for _, nbytes in regions]
     fmt.encode(values.float(), parts, state)
     for (offset, _), part in zip(regions, parts):
-        store.io.write(store.tier, store.keys[state][sub], part, offset=offset).wait()
+        store.io.write(store.sub_tiers[sub], store.keys[state][sub], part, offset=offset).wait()
 
 
 def _encode_mag(u: torch.Tensor, bits: int, bias: int, top: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 
 from tiers.base import format_nbytes
 from tiers.host_alloc import HostAllocatorError
+from infinity.optim import tier_split
 from infinity.optim.compact_grads import grad_dtype_for
 from infinity.optim.flat_layout import FlatLayout
 from infinity.optim.flat_state import MOMENTS, OptimizerStateStore
@@ -42,13 +43,16 @@ from infinity.runtime.ranks import RanksFailedError
 _PER_ELEMENT = 12     # what a dormant sub-group does not hold per element: fp32 m, v and gradient (at most)
 
 
-def frozen_apart(groups, sub_group_size: int) -> tuple[FlatLayout, list[int]]:
+def frozen_apart(groups, config) -> tuple[FlatLayout, list[int]]:
     """The flat layout with sub-groups broken where the groups change between trainable and frozen (as
     ``requires_grad`` says now), and its dormant sub-groups ([Note: sub-groups apart for frozen groups]
-    in infinity/optim/flat_layout.py)."""
+    in infinity/optim/flat_layout.py); broken too where ``config`` splits the optimizer states over tiers
+    ([Note: optimizer states over tiers] in infinity/optim/tier_split.py)."""
     training = [g.has_trainable for g in groups]
+    numels = [g.shard_numel for g in groups]
     breaks = [i for i in range(1, len(groups)) if training[i] != training[i - 1]]
-    layout = FlatLayout([g.shard_numel for g in groups], sub_group_size, breaks)
+    breaks += tier_split.breaks(tier_split.cuts_for(config, numels))
+    layout = FlatLayout(numels, config.partition.sub_group_size, breaks)
     dormant = [sub for sub, pieces in enumerate(layout.pieces_of_sub)
                if not any(training[p.group_index] for p in pieces)]
     return layout, dormant
@@ -60,14 +64,19 @@ def build_store(engine, layout: FlatLayout, dormant) -> OptimizerStateStore:
     infinity/optim/split_master.py)."""
     coordinator, tiers, config = engine.coordinator, engine.tiers, engine.config
     copies = dormant_copies = None
+    cuts = tier_split.cuts_for(config, [g.shard_numel for g in coordinator.groups])
+    per_sub = tier_split.sub_tiers(layout, cuts, tiers.by_name, config.tiers.optimizer)
     kinds = (coordinator.dtype, tiers.params.kind, tiers.optimizer.kind)
-    if use_split_master(*kinds):
+    if per_sub is not None:     # split over tiers: fp32 masters ([Note: optimizer states over tiers])
+        pass
+    elif use_split_master(*kinds):
         copies = CopyAccess(coordinator.shards, coordinator.groups)
     elif rest_split(*kinds):
         dormant_copies = CopyAccess(coordinator.shards, coordinator.groups)
+    fastest = per_sub[0].kind if per_sub else tiers.optimizer.kind    # a device share keeps fp32 gradients
     return OptimizerStateStore(tiers.optimizer, layout, tiers.allocator, defer_states=True,
-                               datapath=engine.datapath, copies=copies,
-                               grad_dtype=grad_dtype_for(coordinator.dtype, tiers.optimizer.kind),
+                               datapath=engine.datapath, copies=copies, sub_tiers=per_sub,
+                               grad_dtype=grad_dtype_for(coordinator.dtype, fastest),
                                moment_format=MomentFormat(config.optimizer.state_dtype,
                                                           config.optimizer.state_block_size),
                                dormant=dormant, dormant_copies=dormant_copies)
@@ -90,7 +99,7 @@ def _free_keys(store: OptimizerStateStore) -> None:
     for keys in store.keys.values():
         for sub, key in enumerate(keys):
             if key is not None and key != ZERO:
-                store.tier.free(key)
+                store.sub_tiers[sub].free(key)
             keys[sub] = None
     if store.resting is not None:
         for sub, key in enumerate(store.resting.keys):
@@ -127,7 +136,7 @@ def warn_frozen_in_part(engine, who: str) -> None:
         _warn(f"{who}: {numel:,} frozen parameters share parameter groups with trainable ones ({first!r} "
               f"first; requires_grad changed after infinity.Init): a group trains whole, so they keep their Adam "
               f"moments and gradient (up to {format_nbytes(per_rank * _PER_ELEMENT)} of the "
-              f"{engine.store.tier.kind} tier per rank) and move with it at every step. Set requires_grad as "
+              f"{tier_split.named(engine.store)} tier per rank) and move with it at every step. Set requires_grad as "
               "training has it inside the infinity.Init block: its exit puts frozen parameters in groups of "
               "their own, which hold their masters only.")
 
@@ -152,9 +161,9 @@ def relayout_frozen(engine, who: str) -> bool:
         return False
     if any_why:
         if gain:
-            _kept(who, why or _ANOTHER_RANK, gain, old.tier.kind)
+            _kept(who, why or _ANOTHER_RANK, gain, tier_split.named(old))
         return False
-    layout, dormant = frozen_apart(groups, engine.config.partition.sub_group_size)
+    layout, dormant = frozen_apart(groups, engine.config)
     new, kept, failed = None, None, None
     try:
         new = build_store(engine, layout, dormant)     # its master keys: all of them or none
@@ -188,7 +197,7 @@ def relayout_frozen(engine, who: str) -> bool:
                                    "frozen after infinity.Init apart (see the error raised there); this rank "
                                    "keeps its layout and stops too")
         if gain:
-            _kept(who, kept, gain, old.tier.kind)
+            _kept(who, kept, gain, tier_split.named(old))
         return False
     _free(old)
     engine.store = new

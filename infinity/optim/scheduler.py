@@ -21,9 +21,11 @@ the coordinator's availability (``release_all``, the fresh-shard hand-off).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from infinity.errors import EngineError
+from infinity.optim import tier_split
 from infinity.optim.background import BackgroundUpdate, damage
 from infinity.optim.delayed import DelayedUpdate
 from infinity.optim.job import StepJob, UpdateStats
@@ -43,13 +45,18 @@ class UpdateScheduler:
         Indices of the groups with parameters in the optimizer (DPU gives them a second key).
     what:
         The optimizer's name, for messages.
+    device_lane:
+        With the optimizer states split over tiers, the pass over the device share, run inside ``opt.step()``
+        before the rest ([Note: optimizer states over tiers] in infinity/optim/tier_split.py); else None.
     """
 
-    def __init__(self, engine, update: UpdatePass, trainable: set[int], what: str) -> None:
+    def __init__(self, engine, update: UpdatePass, trainable: set[int], what: str,
+                 device_lane: UpdatePass | None = None) -> None:
         dpu = engine.config.dpu
         self.store = engine.store
         self.coordinator = engine.coordinator
         self.update = update
+        self.device_lane = device_lane
         self.what = what
         self.stats = UpdateStats()
         self.warmup_steps = dpu.warmup_steps
@@ -84,7 +91,7 @@ class UpdateScheduler:
         if not dpu.overlap or dpu.enabled:
             return False
         streamed = not engine.store.in_place or tiers.params == "nvme"
-        return streamed or (engine.device.is_cuda and engine.store.tier.kind == "host")
+        return streamed or (engine.device.is_cuda and any(t.kind == "host" for t in engine.store.tiers))
 
     # -- the engine's lifecycle --------------------------------------------------------------------
     def before_forward(self) -> None:
@@ -165,6 +172,8 @@ class UpdateScheduler:
         """
         if not (job.delayed or continues):
             self.coordinator.shards.reset_fresh()
+        if self.device_lane is not None:
+            job = self._run_device_share(job)
         if job.delayed:
             self.delay.submit(job)
         elif self.overlap is not None:
@@ -178,6 +187,17 @@ class UpdateScheduler:
             self.update.run(job)
             self.stats.add_sync(time.perf_counter() - t0)
             self._after_update(synchronous=True)
+
+    def _run_device_share(self, job: StepJob) -> StepJob:
+        """Step the device share's groups now, on the compute stream, and return the job over the rest (see
+        [Note: optimizer states over tiers] in infinity/optim/tier_split.py): the next forward needs them
+        first, and their update is the device's fast one."""
+        on_device = frozenset(g for g in job.updated if tier_split.group_tier(self.store, g).kind == "device")
+        if on_device:
+            t0 = time.perf_counter()
+            self.device_lane.run(dataclasses.replace(job, updated=on_device, overlapped=False, offer_fresh=False))
+            self.stats.add_device_share(time.perf_counter() - t0)
+        return dataclasses.replace(job, updated=job.updated - on_device)
 
     def after_load(self) -> None:
         """States were loaded: gathered copies are stale."""

@@ -80,6 +80,21 @@ _IN_PLACE = object()
 _WHOLE = 1 << 62
 
 
+def lane_of(tier) -> str:
+    """Where a tier's states are stepped: "device" (the device tier), or "host" (host memory, NVMe)."""
+    return "device" if tier.kind == "device" else "host"
+
+
+def update_lanes(store, coordinator, ranges: UpdateRanges, device, allocator) -> tuple["UpdatePass", "UpdatePass | None"]:
+    """The pass over the states in host memory or on NVMe (or over all of them, in one tier), and the pass over
+    a split store's device share, or None ([Note: optimizer states over tiers] in infinity/optim/tier_split.py)."""
+    if len(store.tiers) == 1:
+        return UpdatePass(store, coordinator, ranges, device, allocator), None
+    lanes = {lane_of(t) for t in store.tiers}
+    device_lane = UpdatePass(store, coordinator, ranges, device, allocator, "device") if "device" in lanes else None
+    return UpdatePass(store, coordinator, ranges, device, allocator, "host"), device_lane
+
+
 def chunk_numel() -> int:
     """Elements per chunk of the update pass on the calling thread.
 
@@ -121,13 +136,21 @@ class UpdatePass:
         The compute device (``infinity.runtime.device.ComputeDevice``).
     allocator:
         Host memory for compute copies converted from host master weights (``tiers.HostAllocator``).
+    lane:
+        With the states split over tiers ([Note: optimizer states over tiers] in infinity/optim/tier_split.py),
+        the sub-groups this pass steps: "device" (the device tier's), or "host" (those in host memory and on
+        NVMe); None: every sub-group, in the store's one tier.
     """
 
-    def __init__(self, store, coordinator, ranges: UpdateRanges, device, allocator) -> None:
+    def __init__(self, store, coordinator, ranges: UpdateRanges, device, allocator, lane: str | None = None) -> None:
         self.store, self.ranges, self.device = store, ranges, device
         self.groups, self.shards = coordinator.groups, coordinator.shards
+        self.lane = lane
         # Where the states (and so the new compute copies) are: the optimizer tier's memory.
-        self.states_on = "device" if store.tier.kind == "device" else "host"
+        self.states_on = lane or lane_of(store.tier)
+        # The kernel reads the step and the scale where the states are (a device optimizer tier).
+        self.kernel_device = next(getattr(t, "device", torch.device("cpu")) for t in store.tiers
+                                  if lane_of(t) == self.states_on)
         # A compute copy in another dtype than the fp32 master is converted into this staging
         # (two sub-groups' worth, reused; infinity-plan's "compute_copy_staging" row), never into
         # memory allocated per write: on a GPU that would be a pageable host->device copy.
@@ -170,8 +193,7 @@ class UpdatePass:
         regions]): the kernel on a chunk, then that chunk's compute copies while it is in cache.
         """
         kernel = torch._fused_adamw_ if job.decoupled else torch._fused_adam_
-        # The kernel reads the step and the scale where the states are (a device optimizer tier).
-        device = self.store.device
+        device = self.kernel_device
         step_ts: dict[int, torch.Tensor] = {}
 
         def step_t(step: int) -> torch.Tensor:
@@ -184,8 +206,8 @@ class UpdatePass:
                      eps=job.eps, maximize=False, grad_scale=grad_scale, found_inf=None)
         num_subs = self.store.layout.num_subs
         runs = job.runs or self.ranges.runs(job.updated, job.step)
-        spans = [self.ranges.spans(sub, job.updated) if job.subs is None or sub in job.subs else []
-                 for sub in range(num_subs)]
+        spans = [self.ranges.spans(sub, job.updated) if (job.subs is None or sub in job.subs) and (
+                 self.lane is None or lane_of(self.store.sub_tiers[sub]) == self.lane) else [] for sub in range(num_subs)]
         passes = self.store.sub_groups(job.grad_keys, [bool(r) for r in spans], job.grads, compact=self.fused)
         chunk = chunk_numel()
         copies: list = []

@@ -371,7 +371,7 @@ class Partitioner:
         # infinity/optim/flat_layout.py). The frozen ones' sub-groups get moments and gradients when they
         # first need them ([Note: dormant sub-groups] in infinity/optim/flat_state.py); one frozen after
         # the block, when the optimizer is created ([Note: frozen after Init] in infinity/optim/relayout.py).
-        layout, dormant = frozen_apart(self.coordinator.groups, config.partition.sub_group_size)
+        layout, dormant = frozen_apart(self.coordinator.groups, config)
         store = build_store(self.engine, layout, dormant)
         if self._resume is None:
             self._move_masters(store)

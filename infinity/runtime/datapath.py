@@ -305,7 +305,7 @@ def with_per_parameter(last: dict | None, numel: int, tiers) -> dict | None:
     if last is None:
         return None
     numel = max(1, numel)
-    used = {id(t): t for t in (tiers.params, tiers.optimizer)}.values()
+    used = {id(t): t for t in (tiers.params, *tiers.optimizer_parts)}.values()
     stored = {t.kind: t.stats()["bytes_in_use"] for t in used}
     return dict(last, per_parameter={
         "stored": sum(stored.values()) / numel, "stored_nvme": stored.get("nvme", 0) / numel,

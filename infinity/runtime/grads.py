@@ -342,7 +342,7 @@ class GradReducer:
         straight into it instead of a bucket: one rank (nothing to reduce), states on the compute
         device, the group in one piece of one sub-group, first gradient since ``zero_grad``."""
         store = self.store
-        if self.ranks.world_size != 1 or store.tier.kind != "device":
+        if self.ranks.world_size != 1 or _states_tier(store, group).kind != "device":
             return None
         pieces = store.layout.pieces_of_group[group.index]
         if len(pieces) != 1 or pieces[0].numel != group.padded_numel:
@@ -419,7 +419,7 @@ class GradReducer:
         store = self.store
         handed, issued, host = False, [], None
         try:
-            if store.tier.kind == "device":
+            if _states_tier(store, group).kind == "device":
                 store.accumulate_grad(group.index, shard)
                 handed = True
                 device_memory.release()     # the addition may still be queued: the next bucket is filled after it
@@ -533,3 +533,8 @@ class GradReducer:
     def pending(self) -> bool:
         """Whether groups taken in this backward are still held for autograd."""
         return bool(self._stale)
+
+
+def _states_tier(store, group: ParamGroup):
+    """The tier holding ``group``'s optimizer states (one per group, also when they are split over tiers)."""
+    return store.sub_tiers[store.layout.pieces_of_group[group.index][0].sub_index]

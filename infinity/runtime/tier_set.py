@@ -95,6 +95,11 @@ class TierSet:
         self.by_name = {"device": self.device_tier, "host": self.host_tier, "nvme": self.nvme_tier}
         self.params = self.by_name[t.params]
         self.optimizer = self.by_name[t.optimizer]
+        # Every tier holding optimizer states, fastest first ([Note: optimizer states over tiers] in
+        # infinity/optim/tier_split.py).
+        self.optimizer_parts = [tier for kind, share in (("device", t.optimizer_device_share),
+                                                         ("host", t.optimizer_host_share)) if share
+                                for tier in (self.by_name[kind],)] + [self.optimizer]
 
     def check(self) -> None:
         """Raise when a swap file was cut or overwritten under this run (tiers' ``SwapFileDamagedError``)."""

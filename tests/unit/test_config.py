@@ -20,7 +20,8 @@ MiB = 1 << 20
 # The contract (notes/CONTRACTS.md), written out once more on purpose: a changed default must
 # show up here as a failing test, not slip through.
 CONTRACT_DEFAULTS = {
-    "tiers": {"params": "device", "optimizer": "host", "nvme_path": (), "host_budget": 0, "device": "auto",
+    "tiers": {"params": "device", "optimizer": "host", "optimizer_device_share": 0.0, "optimizer_host_share": 0.0,
+              "nvme_path": (), "host_budget": 0, "device": "auto",
               "numa_node": None, "pin_memory": "auto", "pool_buffer_size": 64 * MiB, "pool_buffers": 8,
               "verify": False},
     "aio": {"block_size": 8 * MiB, "queue_depth": 32, "threads": 4, "engine": "auto", "direct": True},

@@ -161,7 +161,8 @@ def test_states_in_host_memory_overlap_only_beside_a_gpu():
 
     def engine(device, kind="host", in_place=True, params="host", overlap=True, dpu=False):
         return SimpleNamespace(device=SimpleNamespace(is_cuda=device == "cuda"),
-                               store=SimpleNamespace(in_place=in_place, tier=SimpleNamespace(kind=kind)),
+                               store=SimpleNamespace(in_place=in_place, tiers=[SimpleNamespace(kind=k) for k in
+                                                                                kind.split("+")]),
                                config=SimpleNamespace(dpu=SimpleNamespace(overlap=overlap, enabled=dpu),
                                                       tiers=SimpleNamespace(params=params)))
 
@@ -171,6 +172,9 @@ def test_states_in_host_memory_overlap_only_beside_a_gpu():
     assert UpdateScheduler.overlap_wanted(engine("cpu", params="nvme")) is True
     assert UpdateScheduler.overlap_wanted(engine("cuda", overlap=False)) is False
     assert UpdateScheduler.overlap_wanted(engine("cuda", dpu=True)) is False
+    # The states split over tiers: a host share overlaps beside a GPU (the device share is stepped in opt.step()).
+    assert UpdateScheduler.overlap_wanted(engine("cuda", kind="device+host")) is True
+    assert UpdateScheduler.overlap_wanted(engine("cpu", kind="device+host")) is False
 
 
 @pytest.mark.parametrize("params", ["host", "device"])

@@ -1,0 +1,155 @@
+"""The one pass over the sub-groups that every update runs: stored states in memory, streamed ones from NVMe.
+
+[Note: pipelined sub-groups]
+``OptimizerStateStore.sub_groups`` is the one pass over the sub-groups that every
+update runs. On the host (or device) tier it yields the stored states themselves.
+With the states on NVMe it keeps two sets of sub-group buffers: while the caller
+steps sub-group i in one set, sub-group i+1 is being read into the other, and
+sub-group i-1's write-back is still in flight. The host holds at most two
+sub-groups of states, whatever the model size. Sub-groups an update does not
+change are neither read nor written, except in the first pass, which writes every
+sub-group's (zero) moments so that their keys hold data (dormant ones have none).
+With the states split over tiers ([Note: optimizer states over tiers] in infinity/optim/tier_split.py)
+one pass visits the sub-groups in memory, then the streamed ones, each in order: the tiers hold
+consecutive runs of sub-groups, fastest first, so the pass still goes up the sub-groups.
+
+What the room may touch: the store's keys, buffers and tiers; nothing of the engine.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from infinity.optim import split_master
+from infinity.optim.moments import MomentFormat
+from tiers.base import wait_quietly
+
+STATES = ("master", "exp_avg", "exp_avg_sq", "grad")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def stored_len(fmt: MomentFormat, state: str, numel: int) -> int:
+    """Length, in the elements of its buffer's dtype, of one state of a sub-group of ``numel``."""
+    return fmt.stored_nbytes(state, numel) // torch.empty((), dtype=fmt.stored_dtype(state)).element_size()
+
+
+def sub_groups(store, grad_keys: Sequence[int], changed: Sequence[bool], grads: dict | None = None,
+               compact: bool = False):
+    """Yield ``(sub, {state: tensor}, writes)`` for each sub-group of ``store`` an update must visit (fp32
+    tensors; compressed moments as their raw bytes; with ``compact``, a compact gradient as it is stored,
+    in the compute dtype, for a kernel that widens it itself).
+
+    ``grad_keys`` are the gradient keys of the update (DPU's may be the second set);
+    ``changed[sub]`` says whether the update changes anything in ``sub``. ``grads``: the
+    gradients of the changed sub-groups in host memory instead of ``grad_keys`` (streamed
+    stores; each is dropped once stepped). The caller may
+    change the tensors in place and append ``(future, tensor)`` pairs of its own transfers
+    to ``writes``; each is waited before the buffers it reads are reused and at the end.
+    Master weights and moments are written back after the caller returns from a sub-group.
+    A failed pass waits for every transfer it issued before its error travels on, so
+    none outlives it (into buffers or keys the next pass, a fetch or a load uses).
+    """
+    yield from _in_place(store, grad_keys, [sub for sub, c in enumerate(changed) if c and store.in_place_of(sub)],
+                         compact)
+    if store.streamed_subs:
+        yield from _streamed(store, grad_keys, changed, grads, compact)
+
+
+def _in_place(store, grad_keys, subs: list[int], compact: bool = False):
+    writes: list = []
+    try:
+        for sub in subs:
+            tier = store.sub_tiers[sub]
+            st = {s: store.view(s, sub) for s in MOMENTS}
+            numel = store.layout.sub_ranges[sub][1]
+            st["grad"] = tier.view(grad_keys[sub]).view(store.grad_dtype)[:numel]
+            if store.grad_dtype != torch.float32 and not compact:
+                st["grad"] = store.scratch["grad"][:numel].copy_(st["grad"])
+            if store.split is None:
+                st["master"] = store.view("master", sub)
+                yield sub, st, writes
+                continue
+            bufs = store.scratch
+            remainder = tier.view(store.keys["remainder"][sub]).view(torch.int16)[:numel]
+            for fut in store.split.read_copies(sub, bufs["copy"]):
+                fut.wait()
+            st["master"] = split_master.join(bufs["copy"][:numel], remainder, store.split.exceptions.get(sub),
+                                             bufs["master"][:numel])
+            yield sub, st, writes
+            for fut, _ in writes:   # the caller's writes may read the joined masters
+                fut.wait()
+            store.split.exceptions.set(sub, split_master.split(st["master"], bufs["copy"][:numel], remainder))
+    except BaseException:
+        wait_quietly(f for f, _ in writes)
+        raise
+    for fut, _ in writes:
+        fut.wait()
+
+
+def _streamed(store, grad_keys, changed: Sequence[bool], grads: dict | None = None, compact: bool = False):
+    io, layout, bufs = store.io, store.layout, store.slots
+    moments_known = store.moments_initialized
+    subs = [sub for sub in store.streamed_subs
+            if changed[sub] or not (moments_known or sub in store.dormant)]
+    reads: list[list] = [[], []]
+    writes: list[list] = [[], []]
+
+    def issue_reads(i: int) -> None:
+        sub, slot = subs[i], i % 2
+        tier = store.sub_tiers[sub]
+        for fut, _ in writes[slot]:
+            fut.wait()
+        writes[slot] = []
+        numel = layout.sub_ranges[sub][1]
+        reads[slot] = []
+        for s in STATES:
+            buf = bufs[slot][s][:stored_len(store.moment_format, s, numel)]
+            if s in MOMENTS and not moments_known:
+                buf.zero_()
+            elif s == "grad" and (not changed[sub] or grads is not None):
+                continue
+            elif s == "grad" and store.grad_dtype != torch.float32:
+                reads[slot].append(io.read(tier, grad_keys[sub], bufs[slot]["grad_compact"][:numel]))
+            elif s == "master" and store.split is not None:
+                reads[slot].extend(store.split.read_copies(sub, bufs[slot]["copy"]))
+                reads[slot].append(io.read(tier, store.keys["remainder"][sub], bufs[slot]["remainder"][:numel]))
+            else:
+                key = grad_keys[sub] if s == "grad" else store.keys[s][sub]
+                reads[slot].append(io.read(tier, key, buf))
+
+    try:
+        if subs:
+            issue_reads(0)
+        for i, sub in enumerate(subs):
+            slot = i % 2
+            tier = store.sub_tiers[sub]
+            for fut in reads[slot]:
+                fut.wait()
+            if i + 1 < len(subs):
+                issue_reads(i + 1)
+            numel = layout.sub_ranges[sub][1]
+            st = {s: bufs[slot][s][:stored_len(store.moment_format, s, numel)] for s in STATES}
+            if grads is not None and changed[sub]:
+                st["grad"].copy_(grads.pop(sub))    # KeyError: a changed sub-group without a held gradient
+            elif store.grad_dtype != torch.float32 and changed[sub]:
+                if compact:
+                    st["grad"] = bufs[slot]["grad_compact"][:numel]
+                else:
+                    st["grad"].copy_(bufs[slot]["grad_compact"][:numel])
+            if store.split is not None:
+                copy, remainder = bufs[slot]["copy"][:numel], bufs[slot]["remainder"][:numel]
+                split_master.join(copy, remainder, store.split.exceptions.get(sub), st["master"])
+            yield sub, st, writes[slot]
+            if store.split is not None:
+                store.split.exceptions.set(sub, split_master.split(st["master"], copy, remainder))
+                writes[slot].append((io.write(tier, store.keys["remainder"][sub], remainder), remainder))
+            for s in MOMENTS if store.split is not None else ("master", *MOMENTS):
+                writes[slot].append((io.write(tier, store.keys[s][sub], st[s]), st[s]))
+    except BaseException:
+        wait_quietly([f for slot in reads for f in slot] + [f for slot in writes for f, _ in slot])
+        raise
+    for slot in range(2):
+        for fut, _ in writes[slot]:
+            fut.wait()
+    store.moments_initialized = True
