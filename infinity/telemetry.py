@@ -204,6 +204,8 @@ def stats(model: nn.Module) -> dict:
     last step, see [Note: communication volume] in infinity/runtime/ranks.py) and ``activations``
     (with ``activations.offload`` set: the bytes checkpoints saved in the last forward and moved,
     ``checkpoint_nbytes``; per cycle and in total, the bytes moved and fetched back and the stall
-    they caused, ``stall_seconds``; see infinity/runtime/activations.py), on this rank.
+    they caused, ``stall_seconds``; see infinity/runtime/activations.py) and ``optimizer_tiers`` (per tier
+    holding optimizer states: this rank's elements there, their fraction and the parameter groups; see
+    [Note: optimizer states over tiers] in infinity/optim/tier_split.py), on this rank.
     """
     return registry.engine_of(model, "infinity.stats").stats()

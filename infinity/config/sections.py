@@ -86,7 +86,7 @@ class TiersConfig(Section):
     """Fraction of each rank's optimizer states kept on the compute device and stepped there (exact: the same
     AdamW), the rest staying in `optimizer` ("host" or "nvme"). Whole parameter groups in model order, so the
     first groups the next forward needs are stepped first, on the device; the share is rounded to a group
-    boundary (`infinity.stats(model)["optimizer"]["tiers"]` says what each tier got). 0: none."""
+    boundary (`infinity.stats(model)["optimizer_tiers"]` says what each tier got). 0: none."""
 
     optimizer_host_share: float = 0.0
     """With `optimizer` = "nvme": fraction of each rank's optimizer states kept in host memory (after the

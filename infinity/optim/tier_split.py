@@ -86,10 +86,19 @@ def named(store) -> str:
     return " and ".join(t.kind for t in store.tiers)
 
 
-def shares(store) -> dict[str, int]:
-    """Elements of the flat space per tier kind (``infinity.stats``: what each tier got)."""
-    out: dict[str, int] = {}
-    for sub, (_, n) in enumerate(store.layout.sub_ranges):
-        kind = store.sub_tiers[sub].kind
-        out[kind] = out.get(kind, 0) + n
+def shares(store) -> dict[str, dict]:
+    """Per tier kind holding optimizer states: this rank's ``elements`` of the flat space there, their
+    ``fraction``, and the parameter ``groups`` (``infinity.stats(model)["optimizer_tiers"]``: what each tier
+    got once the shares were rounded to group boundaries)."""
+    total = max(1, store.layout.total_numel)
+    out: dict[str, dict] = {}
+    for gi, pieces in enumerate(store.layout.pieces_of_group):
+        if not pieces:
+            continue
+        kind = store.sub_tiers[pieces[0].sub_index].kind
+        entry = out.setdefault(kind, {"elements": 0, "fraction": 0.0, "groups": 0})
+        entry["elements"] += store.layout.shard_numels[gi]
+        entry["groups"] += 1
+    for entry in out.values():
+        entry["fraction"] = entry["elements"] / total
     return out

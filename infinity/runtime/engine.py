@@ -21,6 +21,7 @@ from torch import nn
 
 from infinity.config import Config
 from infinity.errors import TORCHSCRIPT, EngineError
+from infinity.optim import tier_split
 from infinity.optim.flat_state import OptimizerStateStore
 from infinity.optim.grad_face import GradFace
 from infinity.optim.loss_scale import LossScaler
@@ -472,6 +473,7 @@ class Engine:
             "whole_gradient_bytes": self.reducer.whole_nbytes,
             "loss_scale": self.loss_scaler.as_dict() if self.loss_scaler is not None else None,
             "activations": self.activations.stats() if self.activations is not None else {"offload": "none"},
+            "optimizer_tiers": tier_split.shares(self.store) if self.store is not None else None,
         }
 
 
