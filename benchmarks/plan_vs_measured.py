@@ -19,7 +19,9 @@ made from the plain step measured beside it, and the median of those is reported
 benchmarks/prefetch.py). The profile is this
 machine's, probed once and cached ([Note: machine probes] in infinity/plan/probes.py), or ``--machine``;
 the disk rates come from ``--bench-json`` (``infinity-bench nvme --json``). ``auto`` is resolved by
-``Init("auto", model=census, machine=profile)`` as a user would.
+``Init("auto", model=census, machine=profile)`` as a user would. A preset may carry ``tiers`` keys after a
+colon, ``nvme:params=host+optimizer_host_share=0.5``: the optimizer states split over tiers ([Note: optimizer
+states over tiers] in infinity/optim/tier_split.py), measured and predicted like the presets.
 
     python benchmarks/plan_vs_measured.py --sizes 4M,8M,16M --bench-json nvme.json --json out.json
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -47,13 +50,27 @@ from infinity.tiling.widened import widen_linears, widened_linear
 PRESETS = ("device", "offload-optimizer", "offload-host", "nvme", "auto")
 
 
+def tier_keys(spec: str) -> tuple[str, dict]:
+    """``preset[:key=value+...]`` as the preset's name and its ``tiers`` keys (numbers where they parse)."""
+    name, _, rest = spec.partition(":")
+    keys = {}
+    for item in filter(None, rest.split("+")):
+        key, _, value = item.partition("=")
+        try:
+            keys[key] = float(value)
+        except ValueError:
+            keys[key] = value
+    return name, keys
+
+
 def build(preset: str, shape, meta, profile, args, nvme_dir: str):
     """The engine model of ``preset`` and its optimizer, its census and config (tiers as Init resolved them)."""
-    overrides = {"tiers": {"device": "cpu", "nvme_path": nvme_dir}, "precision": {"cpu_linear": "float32"},
+    name, tiers = tier_keys(preset)
+    overrides = {"tiers": {"device": "cpu", "nvme_path": nvme_dir, **tiers}, "precision": {"cpu_linear": "float32"},
                  "partition": {"sub_group_size": args.sub_group_size}}
     if args.schedule == "sequential":
         overrides["dpu"] = {"overlap": False}
-    cfg = load_config(preset, overrides=overrides)
+    cfg = load_config(name, overrides=overrides)
     census = take_census(meta, cfg, cfg.precision.itemsize)
     torch.manual_seed(0)
     with infinity.Init(cfg, model=census, machine=profile) as init:
@@ -128,7 +145,10 @@ def run(args, argv) -> dict:
         shape = shape_for_params(parse_count(size, "--sizes"), vocab_size=args.vocab, seq_len=args.seq)
         with torch.device("meta"):
             meta = GPT(shape)
-        runs = {preset: build(preset, shape, meta, profile, args, nvme_dir) for preset in args.presets.split(",")}
+        runs = {}
+        for i, preset in enumerate(args.presets.split(",")):   # each run its own swap directory
+            os.makedirs(where := os.path.join(nvme_dir, f"{size}-{i}"), exist_ok=True)
+            runs[preset] = build(preset, shape, meta, profile, args, where)
         torch.manual_seed(0)
         plain = GPT(shape, linear=widened_linear).to(torch.bfloat16)
         widen_linears([plain])      # the engine's compute policy, in plain PyTorch
@@ -145,13 +165,17 @@ def run(args, argv) -> dict:
             # [Note: paired ratios] in benchmarks/prefetch.py: each step against the plain step beside it.
             paired = (statistics.median(m / predict(c).step_s for m, c in zip(steps, plains))
                       if args.compute == "measured" and args.schedule == "sequential" else measured / predicted.step_s)
-            tiers = (resolved.tiers.params, resolved.tiers.optimizer)
+            t = resolved.tiers
+            tiers = (t.params, t.optimizer + "".join(f"+{k[0]}{v:g}" for k, v in (
+                ("device", t.optimizer_device_share), ("host", t.optimizer_host_share)) if v))
+            ledger = (infinity.stats(model)["transfers"] or {}).get("per_parameter") or {}
             rows.append({"size": size, "params": census.num_params, "preset": preset, "tiers": list(tiers),
                          "predicted_s": predicted.step_s, "measured_s": measured, "ratio": measured / predicted.step_s,
                          "paired_ratio": paired, "compute_s": compute_s, "governing": predicted.governing,
                          "schedule": predicted.schedule, "phases_s": predicted.phases, "steps_s": steps,
-                         "plain_s": plains})
-            print(f"{size:>6} {preset:<18} {tiers[0]:>6}/{tiers[1]:<6} predicted {predicted.step_s:8.3f} s  "
+                         "plain_s": plains, "shares": {"device": t.optimizer_device_share, "host": t.optimizer_host_share},
+                         "nvme_bytes_per_param": ledger.get("nvme_read", 0) + ledger.get("nvme_written", 0)})
+            print(f"{size:>6} {preset:<18} {tiers[0]:>6}/{tiers[1]:<10} predicted {predicted.step_s:8.3f} s  "
                   f"measured {measured:8.3f} s  ratio {rows[-1]['ratio']:5.2f}  paired {paired:5.2f}  "
                   f"({predicted.governing}; compute {compute_s:.3f} s)", flush=True)
             infinity.release(model)

@@ -180,6 +180,8 @@ def _offload(t: _Translation, zero: Mapping[str, Any], what: str, nvme_paths: li
             t.origin["tiers.nvme_path"] = ds_key
         elif name == "pin_memory":
             pins[ds_key] = value
+        elif name == "ratio" and what == "optimizer":
+            _ratio(t, ds_key, value)
         elif name == "buffer_count":
             count = t.count(ds_key, value)
             previous = t.ours.get("tiers", {}).get("pool_buffers", 0)
@@ -192,6 +194,15 @@ def _offload(t: _Translation, zero: Mapping[str, Any], what: str, nvme_paths: li
                 t.put("tiers.pool_buffer_size", ds_key, nbytes)
         else:
             t.built_in_or_skip(ds_key, value)
+
+
+def _ratio(t: _Translation, ds_key: str, value: Any) -> None:
+    """ZeRO-Offload++'s ``ratio``, the fraction of the optimizer states offloaded: the rest stays on the device
+    ([Note: optimizer states over tiers] in infinity/optim/tier_split.py), the model's first groups there."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"expected a fraction from 0 to 1, got {value!r}", ds_key)
+    if value < 1:
+        t.put("tiers.optimizer_device_share", ds_key, round(1.0 - float(value), 12))
 
 
 def _zero(t: _Translation, data: Mapping[str, Any]) -> None:

@@ -186,3 +186,18 @@ def test_fp16_loss_scaling_keys():
         from_deepspeed({"fp16": {"enabled": True, "loss_scale_window": 0}})
     with pytest.raises(ConfigError, match=r"fp16.initial_scale_power: expected an integer"):
         from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 1.5}})
+
+
+def test_zero_offload_ratio_keeps_the_rest_of_the_optimizer_states_on_the_device():
+    """ZeRO-Offload++'s ratio: the fraction offloaded; the rest is the device share (the model's first groups)."""
+    cfg, skipped = from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
+    assert (cfg.tiers.optimizer, cfg.tiers.optimizer_device_share, skipped) == ("host", 0.7, [])
+    cfg, _ = from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp",
+                                                                         "ratio": 0.75}}})
+    assert (cfg.tiers.optimizer, cfg.tiers.optimizer_device_share) == ("nvme", 0.25)
+    cfg, _ = from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.0}}})
+    assert cfg.tiers.optimizer_device_share == 0.0
+    with pytest.raises(ConfigError, match=r"^zero_optimization.offload_optimizer.ratio: expected a fraction"):
+        from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.5}}})
+    with pytest.raises(ConfigError, match=r"^zero_optimization.offload_optimizer.ratio \(as tiers.optimizer_device_share\)"):
+        from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "none", "ratio": 0.5}}})
