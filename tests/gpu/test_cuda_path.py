@@ -19,22 +19,30 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 PRESETS = ["device", "offload-optimizer", "offload-host", "nvme"]
+# The optimizer states split over tiers ([Note: optimizer states over tiers] in infinity/optim/tier_split.py):
+# a preset, then tiers keys. The device share is stepped on the GPU inside opt.step(), the rest on the host.
+SPLITS = ["offload-host:optimizer_device_share=0.5",
+          "nvme:params=device+optimizer_device_share=0.3+optimizer_host_share=0.3",
+          "nvme:optimizer_host_share=0.5"]
 SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
 
 
 def _config(tmp_path, preset: str, **sections):
+    name, _, rest = preset.partition(":")
+    tiers = {k: (float(v) if k.endswith("_share") else v) for k, _, v in
+             (item.partition("=") for item in filter(None, rest.split("+")))}
     overrides = {"tiers": {"device": "cuda", "nvme_path": str(tmp_path), "pool_buffer_size": "1MiB",
-                           "pool_buffers": 4},
+                           "pool_buffers": 4, **tiers},
                  "partition": {"sub_group_size": 8192},
                  "prefetch": {"nvme_bytes": "4MiB", "device_bytes": "1MiB"}, **sections}
-    return load_config(preset, overrides=overrides)
+    return load_config(name, overrides=overrides)
 
 
 def _cuda_batches(n: int):
     return [(idx.cuda(), tgt.cuda()) for idx, tgt in batches(n, 2)]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PRESETS + SPLITS)
 def test_every_preset_trains_like_plain_torch_on_the_gpu(tmp_path, preset):
     # fp32 compute on both sides (the presets compute in bf16): differences are the engine's, not rounding.
     torch.manual_seed(0)
@@ -108,7 +116,7 @@ def _within(prof, region: str) -> list[str]:
     return [e.name for e in events if e.name != region and span.start <= e.time_range.start <= span.end]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PRESETS + SPLITS)
 def test_the_profiler_sees_no_pageable_copy_and_no_sync_in_forward_and_backward(tmp_path, preset):
     # Synchronous updates, so that nothing of the step runs on a worker thread during the profiled
     # forward and backward (the overlapped update's own waits belong to the step).
@@ -129,7 +137,7 @@ def test_the_profiler_sees_no_pageable_copy_and_no_sync_in_forward_and_backward(
 
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PRESETS + SPLITS)
 def test_a_bf16_run_repeats_bit_for_bit_with_deterministic_kernels(tmp_path, preset):
     # A race between a copy stream and the compute stream shows as runs that differ: on the H100 the
     # uploads into freshly resized gathered memory did not wait for the compute stream, and
