@@ -193,8 +193,9 @@ class Probes:
                 self.labels[g.param_key] = f"param {g.name}"
             if engine.store is not None:
                 for state, keys in engine.store.keys.items():
-                    for sub, k in enumerate(keys):
-                        self.labels.setdefault(k, f"{state} sub {sub}")
+                    for sub, k in enumerate(keys):     # keys are unique per tier: the NVMe tier's only
+                        if engine.store.sub_tiers[sub].kind == "nvme":
+                            self.labels.setdefault(k, f"{state} sub {sub}")
             self.labels.setdefault(key, f"key {key}")     # looked for once: an activation's, a spare copy's
         return self.labels[key]
 
