@@ -42,7 +42,7 @@ def make(tmp_path, params, optimizer, overlap=True, prefetch=True, sub_group_siz
 @pytest.fixture
 def slow_update(monkeypatch):
     """The next forward catches the update midway, whatever the machine's load: each job holds back
-    its first sub-group until a fetch waits for a group the job has not rewritten yet, or the main
+    the first sub-group it steps until a fetch waits for a group the job has not rewritten yet, or the main
     thread waits for the whole job (``synchronize``, the next step), and announces the others 3 ms late.
 
     The word to go on is given only to the job still holding its first sub-group, and only once the
@@ -63,7 +63,7 @@ def slow_update(monkeypatch):
         return submit(self, job)
 
     def late(self, sub, copy_writes=()):
-        if sub == 0:
+        if not past_first[0]:     # the job's first sub-group (not sub-group 0 when a device share was stepped)
             asked.wait(30.0)    # only a guard: one of the two waits below always comes
             asked.clear()
             past_first[0] = True

@@ -1,0 +1,321 @@
+"""Optimizer states split over tiers by sub-group: exact, and refused where a path takes one tier.
+
+See [Note: optimizer states over tiers] in infinity/optim/tier_split.py. ``tiers.optimizer_device_share``
+and ``tiers.optimizer_host_share`` keep the first parameter groups' states on the compute device (the CPU
+here: ``tiers.device = "cpu"``) and in host memory, the rest in ``tiers.optimizer``. The device share is
+stepped inside ``opt.step()``, the rest beside the next forward. Every split must train exactly as the
+uniform run does (bit for bit) and as ``torch.optim.AdamW`` does (step by step, what the forward computes
+with), through accumulation, frozen groups, clipping, skipped steps, state dicts and checkpoints.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+import infinity
+from infinity.checkpoint.errors import CheckpointError
+from infinity.config.values import ConfigError
+from infinity.optim import tier_split
+from infinity.optim.scheduler import UpdateScheduler
+from infinity.registry import engine_of
+from tests.unit.test_dpu import TOL, Tiny, batches, gathered_diff, run_schedule
+from tests.unit.test_overlap_step import slow_update  # noqa: F401 (a fixture)
+
+# (params, optimizer, device share, host share)
+SPLITS = [("device", "nvme", 0.5, 0.0), ("host", "nvme", 0.3, 0.4), ("nvme", "nvme", 0.0, 0.5),
+          ("device", "host", 0.5, 0.0), ("nvme", "host", 0.5, 0.0)]
+IDS = [f"{p}-{o}-d{d:g}-h{h:g}" for p, o, d, h in SPLITS]
+_dirs = itertools.count()
+
+
+def config(tmp_path, params, states, device_share=0.0, host_share=0.0, dtype="float32", **sections) -> dict:
+    """The config of a run with parameters in ``params`` and the optimizer states in ``states`` but for the shares;
+    ``sections``: more keys, by section."""
+    path = tmp_path / f"swap{next(_dirs)}"      # each engine its own swap directory (the tier locks it)
+    path.mkdir()
+    cfg = {"tiers": {"params": params, "optimizer": states, "nvme_path": str(path), "device": "cpu",
+                     "optimizer_device_share": device_share, "optimizer_host_share": host_share},
+           "precision": {"dtype": dtype}, "partition": {"sub_group_size": 4096}}
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def make(tmp_path, *split, freeze_norm=False, **kw):
+    torch.manual_seed(0)
+    with infinity.Init(config(tmp_path, *split, **kw)):
+        model = Tiny(freeze_norm)
+    torch.manual_seed(0)
+    return model, Tiny(freeze_norm)
+
+
+def uniform(split):
+    return split[0], split[1], 0.0, 0.0
+
+
+def train(model, data, opt=None, accumulate=1, clip=0.5, skip_at=()):
+    """Steps over ``data`` (``accumulate`` micro-batches each): the losses and clipping norms, and the optimizer."""
+    opt = opt or infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+    out = []
+    for it in range(len(data) // accumulate):
+        for idx, tgt in data[it * accumulate:(it + 1) * accumulate]:
+            loss = model(idx, tgt)
+            (loss * float("inf") if it in skip_at else loss).backward()
+            out.append(loss.item())
+        if clip is not None:
+            norm = infinity.clip_grad_norm_(model, clip)
+            out.append(float(norm) if it not in skip_at else 0.0)
+        opt.step()
+        opt.zero_grad()
+    return out, opt
+
+
+def gathered(model) -> dict:
+    with infinity.gathered(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def kinds(model) -> list[str]:
+    return [t.kind for t in engine_of(model).store.sub_tiers]
+
+
+def assert_cut(model, device_share, host_share, base) -> None:
+    """Each sub-group's states are in the tier its groups' cut gives, the first groups on the device."""
+    engine = engine_of(model)
+    store = engine.store
+    numels = [g.shard_numel for g in engine.coordinator.groups]
+    d, h = tier_split.cut_groups(numels, device_share, host_share)
+    assert (d > 0) == (device_share > 0) and (h > d) == (host_share > 0) and h < len(numels)
+    for sub, pieces in enumerate(store.layout.pieces_of_sub):
+        for p in pieces:
+            assert store.sub_tiers[sub].kind == tier_split.group_kind((d, h), base, p.group_index), (sub, p)
+    expected = [k for k in ("device", "host") if {"device": device_share, "host": host_share}[k]] + [base]
+    assert [t.kind for t in store.tiers] == expected
+    assert kinds(model) == sorted(kinds(model), key=("device", "host", "nvme").index)     # fastest first
+
+
+# -- 1. step by step against torch's AdamW, the update overlapping the next forward ------------------------------
+@pytest.mark.parametrize("split", SPLITS, ids=IDS)
+def test_split_matches_torch_adamw_step_by_step(tmp_path, slow_update, monkeypatch, split):  # noqa: F811
+    # What a GPU run does (the host share's update beside the next forward), forced on the CPU.
+    monkeypatch.setattr(UpdateScheduler, "overlap_wanted", staticmethod(lambda engine: True))
+    model, ref = make(tmp_path, *split)
+    assert_cut(model, split[2], split[3], split[1])
+    opt, _, out, covered = run_schedule(model, ref, 5, warmup=10 ** 6, clip=0.5, lr_at=lambda k: 1e-2 * 0.8 ** k)
+    assert all(d <= TOL and l <= 1e-5 for d, l in out), out
+    assert covered == set(n for n, _ in ref.named_parameters(remove_duplicate=False))
+    stats = opt.stats()
+    assert stats["overlapped_steps"] == 5 and stats["sync_steps"] == 0, stats
+    assert (stats["device_share_seconds"] > 0) == (split[2] > 0), stats
+    # The forwards ran into the host or NVMe share's groups before the update had rewritten them.
+    assert engine_of(model).coordinator.stats.update_wait_seconds > 0
+    assert gathered_diff(model, ref) <= TOL
+
+
+# -- 2. bit for bit the uniform run, fp32 and bf16 compute --------------------------------------------------------
+BF16_SPLITS = [("nvme", "nvme", 0.0, 0.5), ("host", "nvme", 0.0, 0.5), ("device", "nvme", 0.5, 0.0),
+               ("device", "host", 0.5, 0.0)]
+
+
+@pytest.mark.parametrize("dtype,split", [("float32", s) for s in SPLITS] + [("bfloat16", s) for s in BF16_SPLITS],
+                         ids=[f"fp32-{i}" for i in IDS] + [f"bf16-{p}-{o}-d{d:g}-h{h:g}" for p, o, d, h in BF16_SPLITS])
+def test_split_trains_bit_identically_to_the_uniform_run(tmp_path, dtype, split):
+    data = batches(4)
+    runs = []
+    for s in (split, uniform(split)):
+        model, _ = make(tmp_path, *s, dtype=dtype)
+        grad_dtype = engine_of(model).store.grad_dtype
+        runs.append((train(model, data)[0], gathered(model), grad_dtype))
+        infinity.release(model)
+    (losses, params, grad_dtype), (ref_losses, ref_params, _) = runs
+    assert losses == ref_losses
+    assert_same(params, ref_params)
+    # bf16 compute: compact gradients unless a share is stepped on the device (fp32 gradients there).
+    compact = dtype == "bfloat16" and split[2] == 0
+    assert grad_dtype == (torch.bfloat16 if compact else torch.float32)
+
+
+# -- 3. accumulation, frozen groups, skipped steps, state dicts, checkpoints -------------------------------------
+@pytest.mark.parametrize("dtype,split", [("bfloat16", ("host", "nvme", 0.0, 0.5)),
+                                         ("float32", ("device", "nvme", 0.3, 0.4))], ids=["bf16-compact", "fp32"])
+def test_accumulated_micro_batches_widen_each_sub_groups_gradient_in_its_tier(tmp_path, dtype, split):
+    data = batches(6)
+    runs = []
+    for s in (split, uniform(split)):
+        model, _ = make(tmp_path, *s, dtype=dtype)
+        store = engine_of(model).store
+        before = store.grad_dtype
+        runs.append((train(model, data, accumulate=2)[0], gathered(model), before, store.grad_dtype))
+        infinity.release(model)
+    (losses, params, before, after), (ref_losses, ref_params, _, _) = runs
+    assert losses == ref_losses
+    assert_same(params, ref_params)
+    assert (before, after) == ((torch.bfloat16, torch.float32) if dtype == "bfloat16" else (torch.float32,) * 2)
+
+
+@pytest.mark.parametrize("when", ["inside-init", "after-init"])
+@pytest.mark.parametrize("split", [("device", "nvme", 0.3, 0.4), ("nvme", "host", 0.5, 0.0)], ids=IDS[1:2] + IDS[4:])
+def test_frozen_groups_keep_the_cuts(tmp_path, when, split):
+    data = batches(3)
+    runs = []
+    for s in (split, uniform(split)):
+        model, _ = make(tmp_path, *s, freeze_norm=when == "inside-init")
+        if when == "after-init":
+            model.ln_f.requires_grad_(False)
+        store = engine_of(model).store
+        opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+        assert (engine_of(model).store is not store) == (when == "after-init")     # rebuilt, frozen apart
+        if s is split:
+            assert_cut(model, *split[2:], split[1])
+            assert engine_of(model).store.dormant      # the frozen norm's sub-group holds masters only
+        runs.append((train(model, data, opt)[0], gathered(model)))
+        infinity.release(model)
+    assert runs[0][0] == runs[1][0]
+    assert_same(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("split", [SPLITS[0], SPLITS[2]], ids=[IDS[0], IDS[2]])
+def test_a_non_finite_gradient_skips_the_step_in_every_tier(tmp_path, split):
+    model, ref = make(tmp_path, *split)
+    opt, _, out, _ = run_schedule(model, ref, 4, warmup=10 ** 6, clip=0.5, skip_at=(1,))
+    assert all(d <= TOL and l <= 1e-5 for d, l in out), out
+    assert opt.stats()["skipped_steps"] == 1
+    assert gathered_diff(model, ref) <= TOL
+
+
+def test_state_dict_round_trip_and_equal_to_the_uniform_runs(tmp_path):
+    split = ("device", "nvme", 0.3, 0.4)
+    data = batches(5)
+    dicts, losses = [], []
+    for s in (split, uniform(split)):
+        model, _ = make(tmp_path, *s)
+        _, opt = train(model, data[:2])
+        sd = copy.deepcopy(opt.state_dict())
+        dicts.append(sd)
+        first = train(model, data[2:], opt)[0]
+        opt.load_state_dict(sd)     # back to step 2, in every tier
+        assert train(model, data[2:], opt)[0] == first
+        losses.append(first)
+        infinity.release(model)
+    assert losses[0] == losses[1]
+    (a, b) = (d["shards"] for d in dicts)
+    for state in ("master", "exp_avg", "exp_avg_sq"):
+        for x, y in zip(a[state], b[state]):
+            assert torch.equal(x, y), state
+
+
+@pytest.mark.parametrize("saved,loaded", [("split", "uniform"), ("uniform", "split")])
+def test_checkpoint_moves_between_split_and_uniform_runs(tmp_path, saved, loaded):
+    split = ("nvme", "nvme", 0.3, 0.4)
+    pick = {"split": split, "uniform": uniform(split)}
+    data = batches(5)
+    straight, _ = make(tmp_path, *uniform(split))
+    expected = train(straight, data)[0]
+    expected_params = gathered(straight)
+    infinity.release(straight)
+    model, _ = make(tmp_path, *pick[saved])
+    first, opt = train(model, data[:2])
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    infinity.release(model)
+    resumed, _ = make(tmp_path, *pick[loaded])
+    ropt = infinity.AdamW(resumed, lr=1e-2, weight_decay=0.1)
+    infinity.load_checkpoint(tmp_path / "ckpt", resumed, ropt)
+    assert first + train(resumed, data[2:], ropt)[0] == expected
+    assert_same(gathered(resumed), expected_params)
+    infinity.release(resumed)
+
+
+# -- 4. compressed moments ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("state_dtype", ["int8", "bf16"])
+def test_compressed_moments_in_a_host_and_nvme_split(tmp_path, state_dtype):
+    split = ("host", "nvme", 0.0, 0.5)
+    data = batches(4)
+    runs = []
+    for s in (split, uniform(split)):
+        model, _ = make(tmp_path, *s, optimizer={"state_dtype": state_dtype})
+        store = engine_of(model).store
+        runs.append((train(model, data)[0], gathered(model), store.layout.sub_ranges))
+        assert store.moment_format.compressed and kinds(model)[0] == ("host" if s is split else "nvme")
+        infinity.release(model)
+    (losses, params, subs), (ref_losses, ref_params, ref_subs) = runs
+    # The cut falls on a sub-group boundary of the uniform layout here, so the stochastic rounding draws the
+    # same numbers (seeded by step and sub-group): the compressed steps are the same, bit for bit.
+    assert subs == ref_subs
+    assert losses == ref_losses and losses[-2] < losses[0]
+    assert_same(params, ref_params)
+
+
+def test_compressed_moments_are_refused_with_a_device_share(tmp_path):
+    with pytest.raises(ConfigError, match=r"^optimizer.state_dtype: \"int8\" moments .*tiers.optimizer_device_share"):
+        infinity.load_config(config(tmp_path, "device", "nvme", 0.5, 0.0, optimizer={"state_dtype": "int8"}))
+
+
+# -- 5. refusals -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("split,sections,key,words", [
+    (("device", "nvme", 0.5, 0.0), {"dpu": {"enabled": True}}, "tiers.optimizer_device_share", "dpu.enabled"),
+    (("device", "nvme", 0.0, 0.5), {"dpu": {"enabled": True}}, "tiers.optimizer_host_share", "dpu.enabled"),
+    (("device", "host", 0.5, 0.0), {"optimizer": {"update_in_backward": True}}, "tiers.optimizer_device_share",
+     "update_in_backward"),
+    (("device", "device", 0.5, 0.0), {}, "tiers.optimizer_device_share", "already the device"),
+    (("device", "auto", 0.5, 0.0), {}, "tiers.optimizer_device_share", "chooses the shares itself"),
+    (("device", "auto", 0.0, 0.5), {}, "tiers.optimizer_host_share", "chooses the shares itself"),
+    (("device", "host", 0.0, 0.5), {}, "tiers.optimizer_host_share", "needs them on \"nvme\""),
+    (("device", "nvme", 0.6, 0.5), {}, "tiers.optimizer_host_share", "more than the whole"),
+    (("device", "nvme", 1.5, 0.0), {}, "tiers.optimizer_device_share", ""),
+], ids=["dpu-device", "dpu-host", "in-backward", "optimizer-device", "auto-device", "auto-host", "host-with-host",
+        "sum", "range"])
+def test_what_a_split_cannot_run_with_is_refused_naming_the_key(tmp_path, split, sections, key, words):
+    with pytest.raises(ConfigError, match=rf"^{key}: .*{words}") as err:
+        infinity.load_config(config(tmp_path, *split, **sections))
+    assert err.value.key == key
+
+
+def test_a_checkpoint_in_place_is_refused_with_a_split(tmp_path):
+    model, _ = make(tmp_path, "nvme", "nvme", 0.0, 0.5)
+    _, opt = train(model, batches(1))
+    with pytest.raises(CheckpointError, match=r"in_place=True.*split over tiers.*tiers.optimizer_host_share = 0.5"):
+        infinity.save_checkpoint(tmp_path / "ckpt", model, opt, in_place=True)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)     # an ordinary save still works
+    infinity.release(model)
+
+
+# -- 6. where the bytes are --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("split", [SPLITS[1], SPLITS[3]], ids=[IDS[1], IDS[3]])
+def test_each_tier_holds_its_shares_states(tmp_path, split):
+    in_use = []
+    for s in (split, uniform(split)):
+        model, _ = make(tmp_path, *s)
+        _, opt = train(model, batches(2))
+        tiers = engine_of(model).tiers.stats()
+        in_use.append({k: tiers[k]["bytes_in_use"] for k in ("device", "host", "nvme") if k in tiers})
+        if s is split:
+            assert_cut(model, *split[2:], split[1])
+            shares = infinity.stats(model)["optimizer_tiers"]
+            assert set(shares) == set(kinds(model))
+            assert sum(v["elements"] for v in shares.values()) == engine_of(model).store.layout.total_numel
+            assert (opt.stats()["device_share_seconds"] > 0) == (split[2] > 0)
+        infinity.release(model)
+    got, base = in_use
+    # What the shares moved out of tiers.optimizer is now in the share tiers, nonzero in each.
+    for kind, share in (("device", split[2]), ("host", split[3])):
+        if share:
+            assert got[kind] > base[kind], (got, base)
+    assert got[split[1]] < base[split[1]], (got, base)
+
+
+# -- 7. stage 2 ---------------------------------------------------------------------------------------------------
+def test_stage_2_with_a_device_share_trains_as_torch(tmp_path):
+    model, ref = make(tmp_path, "device", "host", 0.5, 0.0, partition={"stage": 2})
+    opt, _, out, _ = run_schedule(model, ref, 4, warmup=10 ** 6, clip=0.5, lr_at=lambda k: 1e-2 * 0.8 ** k)
+    assert all(d <= TOL and l <= 1e-5 for d, l in out), out
+    assert opt.stats()["device_share_seconds"] > 0
+    assert gathered_diff(model, ref) <= TOL
