@@ -496,7 +496,7 @@ class OptimizerStateStore:
 
     # -- the sub-group pipeline ([Note: pipelined sub-groups] in infinity/optim/pipeline.py) ------------
     def sub_groups(self, grad_keys: Sequence[int], changed: Sequence[bool], grads: dict | None = None,
-                   compact: bool = False) -> Iterator[tuple]:
+                   compact: bool = False, streamed: bool = True) -> Iterator[tuple]:
         """Yield ``(sub, {state: tensor}, writes)`` for each sub-group an update must visit, in order
         (``infinity.optim.pipeline.sub_groups``)."""
-        return pipeline.sub_groups(self, grad_keys, changed, grads, compact)
+        return pipeline.sub_groups(self, grad_keys, changed, grads, compact, streamed)

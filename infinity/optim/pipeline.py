@@ -35,7 +35,7 @@ def stored_len(fmt: MomentFormat, state: str, numel: int) -> int:
 
 
 def sub_groups(store, grad_keys: Sequence[int], changed: Sequence[bool], grads: dict | None = None,
-               compact: bool = False):
+               compact: bool = False, streamed: bool = True):
     """Yield ``(sub, {state: tensor}, writes)`` for each sub-group of ``store`` an update must visit (fp32
     tensors; compressed moments as their raw bytes; with ``compact``, a compact gradient as it is stored,
     in the compute dtype, for a kernel that widens it itself).
@@ -49,10 +49,14 @@ def sub_groups(store, grad_keys: Sequence[int], changed: Sequence[bool], grads: 
     Master weights and moments are written back after the caller returns from a sub-group.
     A failed pass waits for every transfer it issued before its error travels on, so
     none outlives it (into buffers or keys the next pass, a fetch or a load uses).
+
+    ``streamed`` False: a pass over sub-groups in memory only (a split store's device share), which leaves
+    the streamed ones, their first pass included, to the pass over the rest: it would stream every one of
+    them once more, inside ``opt.step()``.
     """
     yield from _in_place(store, grad_keys, [sub for sub, c in enumerate(changed) if c and store.in_place_of(sub)],
                          compact)
-    if store.streamed_subs:
+    if store.streamed_subs and streamed:
         yield from _streamed(store, grad_keys, changed, grads, compact)
 
 

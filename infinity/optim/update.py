@@ -208,7 +208,8 @@ class UpdatePass:
         runs = job.runs or self.ranges.runs(job.updated, job.step)
         spans = [self.ranges.spans(sub, job.updated) if (job.subs is None or sub in job.subs) and (
                  self.lane is None or lane_of(self.store.sub_tiers[sub]) == self.lane) else [] for sub in range(num_subs)]
-        passes = self.store.sub_groups(job.grad_keys, [bool(r) for r in spans], job.grads, compact=self.fused)
+        passes = self.store.sub_groups(job.grad_keys, [bool(r) for r in spans], job.grads, compact=self.fused,
+                                       streamed=self.lane != "device")
         chunk = chunk_numel()
         copies: list = []
         by_group: dict[int, list] | None = {} if job.overlapped else None     # what a fetch waits for

@@ -27,7 +27,12 @@ from tests.unit.test_overlap_step import slow_update  # noqa: F401 (a fixture)
 # (params, optimizer, device share, host share)
 SPLITS = [("device", "nvme", 0.5, 0.0), ("host", "nvme", 0.3, 0.4), ("nvme", "nvme", 0.0, 0.5),
           ("device", "host", 0.5, 0.0), ("nvme", "host", 0.5, 0.0)]
-IDS = [f"{p}-{o}-d{d:g}-h{h:g}" for p, o, d, h in SPLITS]
+
+
+def ident(split) -> str:
+    params, states, device_share, host_share = split
+    return f"{params}-{states}-d{device_share:g}-h{host_share:g}"
+
 _dirs = itertools.count()
 
 
@@ -104,7 +109,7 @@ def assert_cut(model, device_share, host_share, base) -> None:
 
 
 # -- 1. step by step against torch's AdamW, the update overlapping the next forward ------------------------------
-@pytest.mark.parametrize("split", SPLITS, ids=IDS)
+@pytest.mark.parametrize("split", SPLITS, ids=ident)
 def test_split_matches_torch_adamw_step_by_step(tmp_path, slow_update, monkeypatch, split):  # noqa: F811
     # What a GPU run does (the host share's update beside the next forward), forced on the CPU.
     monkeypatch.setattr(UpdateScheduler, "overlap_wanted", staticmethod(lambda engine: True))
@@ -127,7 +132,7 @@ BF16_SPLITS = [("nvme", "nvme", 0.0, 0.5), ("host", "nvme", 0.0, 0.5), ("device"
 
 
 @pytest.mark.parametrize("dtype,split", [("float32", s) for s in SPLITS] + [("bfloat16", s) for s in BF16_SPLITS],
-                         ids=[f"fp32-{i}" for i in IDS] + [f"bf16-{p}-{o}-d{d:g}-h{h:g}" for p, o, d, h in BF16_SPLITS])
+                         ids=[f"fp32-{ident(s)}" for s in SPLITS] + [f"bf16-{ident(s)}" for s in BF16_SPLITS])
 def test_split_trains_bit_identically_to_the_uniform_run(tmp_path, dtype, split):
     data = batches(4)
     runs = []
@@ -163,7 +168,7 @@ def test_accumulated_micro_batches_widen_each_sub_groups_gradient_in_its_tier(tm
 
 
 @pytest.mark.parametrize("when", ["inside-init", "after-init"])
-@pytest.mark.parametrize("split", [("device", "nvme", 0.3, 0.4), ("nvme", "host", 0.5, 0.0)], ids=IDS[1:2] + IDS[4:])
+@pytest.mark.parametrize("split", [("device", "nvme", 0.3, 0.4), ("nvme", "host", 0.5, 0.0)], ids=ident)
 def test_frozen_groups_keep_the_cuts(tmp_path, when, split):
     data = batches(3)
     runs = []
@@ -183,7 +188,7 @@ def test_frozen_groups_keep_the_cuts(tmp_path, when, split):
     assert_same(runs[0][1], runs[1][1])
 
 
-@pytest.mark.parametrize("split", [SPLITS[0], SPLITS[2]], ids=[IDS[0], IDS[2]])
+@pytest.mark.parametrize("split", [SPLITS[0], SPLITS[2]], ids=ident)
 def test_a_non_finite_gradient_skips_the_step_in_every_tier(tmp_path, split):
     model, ref = make(tmp_path, *split)
     opt, _, out, _ = run_schedule(model, ref, 4, warmup=10 ** 6, clip=0.5, skip_at=(1,))
@@ -289,7 +294,7 @@ def test_a_checkpoint_in_place_is_refused_with_a_split(tmp_path):
 
 
 # -- 6. where the bytes are --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("split", [SPLITS[1], SPLITS[3]], ids=[IDS[1], IDS[3]])
+@pytest.mark.parametrize("split", [SPLITS[1], SPLITS[3]], ids=ident)
 def test_each_tier_holds_its_shares_states(tmp_path, split):
     in_use = []
     for s in (split, uniform(split)):
@@ -310,6 +315,30 @@ def test_each_tier_holds_its_shares_states(tmp_path, split):
         if share:
             assert got[kind] > base[kind], (got, base)
     assert got[split[1]] < base[split[1]], (got, base)
+
+
+def test_the_device_shares_update_moves_no_nvme_bytes(tmp_path, monkeypatch):
+    """The device share's pass, inside ``opt.step()``, leaves the NVMe share to the overlapped pass, also the
+    first one, which writes every NVMe sub-group's zero moments (before, it streamed them all a second time)."""
+    from infinity.optim.update import UpdatePass
+
+    model, _ = make(tmp_path, "device", "nvme", 0.5, 0.0)
+    nvme = engine_of(model).tiers.by_name["nvme"]
+    moved = []
+    run = UpdatePass.run
+
+    def counted(self, job):
+        before = nvme.stats()
+        run(self, job)
+        after = nvme.stats()
+        moved.append((self.lane, after["bytes_read"] - before["bytes_read"],
+                      after["bytes_written"] - before["bytes_written"]))
+
+    monkeypatch.setattr(UpdatePass, "run", counted)
+    train(model, batches(2))[1].synchronize()
+    assert [lane for lane, *_ in moved] == ["device", "host"] * 2, moved
+    assert all(nbytes == [0, 0] for lane, *nbytes in moved if lane == "device"), moved
+    assert all(written > 0 for lane, _, written in moved if lane == "host"), moved
 
 
 # -- 7. stage 2 ---------------------------------------------------------------------------------------------------
