@@ -257,7 +257,24 @@ def census_of_module(
         else:
             groups.extend(_split_by_trainable(qualified, direct, holders))
     widened = max((tiled.get(id(m)) or _widened_numel(m) for m in model.modules()), default=0)
+    # The engine's order: a module's group forms when its construction ends, after its children's, so the
+    # optimizer states' tier cuts ([Note: optimizer states over tiers] in infinity/optim/tier_split.py) fall
+    # where the engine's do. (A stable sort: a module's own groups, tiles and frozen parts, keep their order.)
+    ends = _construction_order(model)
+    groups.sort(key=lambda g: ends.get(g.name.split("[tile")[0], len(ends)))
     return ModelCensus(source=source or type(model).__name__, groups=tuple(groups), widened_numel=widened)
+
+
+def _construction_order(model: nn.Module) -> dict[str, int]:
+    """Each qualified module name's place when modules end construction children first (post-order)."""
+    order: dict[str, int] = {}
+
+    def visit(module: nn.Module, name: str) -> None:
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name)
+        order.setdefault(name or ROOT_NAME, len(order))
+    visit(model, "")
+    return order
 
 
 def _widened_numel(module: nn.Module) -> int:

@@ -21,6 +21,12 @@ Following shared/DESIGN.md ("Where each byte lives") and the engine's allocation
   infinity/optim/split_master.py); in bf16/fp16 with the optimizer in host memory or on NVMe
   the gradients are stored in the compute dtype ([Note: compact gradients] in
   infinity/optim/compact_grads.py; the plan assumes one micro-batch per step).
+* with the optimizer states split over tiers (``tiers.optimizer_device_share`` / ``optimizer_host_share``,
+  [Note: optimizer states over tiers] in infinity/optim/tier_split.py): master, m, v and gradient of the
+  first groups on the compute device, of the next in host memory, of the rest in ``tiers.optimizer``, cut
+  at the group boundary nearest each share as the engine cuts (a bare parameter count, one group, is cut
+  at the shares themselves). Such a store keeps fp32 masters (no split master) and, with a device share,
+  fp32 gradients everywhere; each tier's rows count its own elements.
 * when anything is on NVMe: the I/O buffer pool (``tiers.pool_buffers`` x
   ``tiers.pool_buffer_size``) in host memory.
 * when the optimizer is on NVMe: its sub-group pipeline buffers in host memory: 4 buffers
@@ -108,6 +114,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from infinity.optim.moments import MomentFormat
+from infinity.optim.tier_split import cut_groups, group_kind
 from infinity.prefetch.prefetcher import read_ahead_arena_nbytes
 from infinity.plan.census import ModelCensus
 from infinity.plan.rows import PlanRow
@@ -170,8 +177,10 @@ class Layout:
         self.largest_trainable_shard = 0
         self.trainable_padded_numel = 0   # stage 1: whole gradients held on every rank
         self.stage = int(cfg.partition.stage)
+        shards: list[tuple[int, bool]] = []     # each group's shard and whether it trains
         for group in census.groups:
             shard = shard_numel(group.numel, world_size)
+            shards.append((shard, group.trainable))
             padded = shard * world_size
             on_disk = round_up(shard * param_bytes, NVME_ALIGN_BYTES)
             persistent = cfg.partition.stage < 3 or (threshold > 0 and group.numel < threshold)
@@ -196,16 +205,24 @@ class Layout:
                 self.largest_name, self.largest_numel = group.name, padded
         if not census.structured:
             self.largest_trainable_numel = 0
+        # Elements (all, trainable) of the optimizer states per tier, fastest first (see [Note: where each
+        # byte lives]): one tier, or split over tiers by the config's shares.
+        self.split_states = bool(cfg.tiers.optimizer_device_share or cfg.tiers.optimizer_host_share)
+        self.state_numel = _state_numel(shards, cfg, self.opt_tier, census.structured)
+        # The tier of the first group's states: with a split store its kind sets the gradients' dtype.
+        fastest = next(iter(self.state_numel), self.opt_tier)
         # See [Note: split master] in infinity/optim/split_master.py and [Note: compact gradients]
         # in infinity/optim/compact_grads.py: the engine's own rules, so plan and run agree.
-        self.split_master = cfg.precision.dtype == "bfloat16" and self.params_tier == self.opt_tier == "nvme"
+        self.split_master = (not self.split_states and cfg.precision.dtype == "bfloat16"
+                             and self.params_tier == self.opt_tier == "nvme")
         self.grad_bytes = (param_bytes if cfg.precision.dtype in ("bfloat16", "float16")
-                           and self.opt_tier in ("host", "nvme") else FP32_BYTES)
+                           and fastest in ("host", "nvme") else FP32_BYTES)
         self.master_bytes = 2 if self.split_master else FP32_BYTES
         # Frozen groups' masters are split while their sub-groups are dormant ([Note: dormant sub-groups]
-        # in infinity/optim/flat_state.py; ``rest_split`` in infinity/optim/split_master.py).
+        # in infinity/optim/flat_state.py; ``rest_split`` in infinity/optim/split_master.py); a store split
+        # over tiers keeps them fp32.
         self.frozen_master_bytes = (2 if cfg.precision.dtype == "bfloat16" and self.opt_tier in ("host", "nvme")
-                                    else self.master_bytes)
+                                    and not self.split_states else self.master_bytes)
         # [Note: update during backward] in infinity/optim/in_backward.py: gradients held in host memory.
         self.grads_held = cfg.optimizer.update_in_backward and self.opt_tier == "nvme"
 
@@ -213,15 +230,24 @@ class Layout:
     def grad_staging_nbytes(self) -> int:
         """Host buffers that gradient shards are downloaded into before the fp32 accumulator takes them:
         none when the states are on the compute device, or fp32 shards go straight into a host accumulator."""
-        if self.opt_tier == "device" or not self.trainable_numel or not self.structured:
+        if not self.trainable_off_device() or not self.structured:
             return 0
-        if self.opt_tier == "host" and self.cfg.precision.dtype == "float32":
+        if not self.trainable_on("nvme") and self.cfg.precision.dtype == "float32":
             return 0
         return 2 * round_up(self.largest_trainable_shard * self.pb, NVME_ALIGN_BYTES)
 
     @property
     def uses_nvme(self) -> bool:
-        return "nvme" in (self.params_tier, self.opt_tier)
+        return self.params_tier == "nvme" or "nvme" in self.state_numel
+
+    def trainable_on(self, tier: str) -> int:
+        """Elements of groups that train whose optimizer states are in ``tier``."""
+        return self.state_numel.get(tier, (0, 0))[1]
+
+    def trainable_off_device(self) -> int:
+        """Elements of groups that train whose optimizer states are in host memory or on NVMe: their
+        gradients leave the device and their update runs on the host."""
+        return self.trainable_numel - self.trainable_on("device")
 
     def rows(self) -> Iterator[PlanRow]:
         """Every byte one rank holds, by purpose (see [Note: where each byte lives])."""
@@ -230,24 +256,7 @@ class Layout:
         yield PlanRow("compute_copy", f"compute copy of params ({dtype}, "
                       f"{self.shard_numel:,} elements)", self.params_tier, nbytes)
         t = self.trainable_numel
-        # Masters of every element, frozen ones too; the other states of the groups that train (see [Note:
-        # where each byte lives]).
-        n, which = self.shard_numel, f"{self.shard_numel:,} elements, {t:,} in groups that train"
-        if self.split_master:
-            yield PlanRow("master", f"fp32 master params: 16-bit remainders beside the compute copy ({which})",
-                          self.opt_tier, self.master_bytes * n)
-        elif self.frozen_master_bytes != self.master_bytes:
-            yield PlanRow("master", f"fp32 master params ({which}; frozen ones as 16-bit remainders beside the "
-                          "compute copy)", self.opt_tier, FP32_BYTES * t + self.frozen_master_bytes * (n - t))
-        else:
-            yield PlanRow("master", f"fp32 master params ({which})", self.opt_tier, FP32_BYTES * n)
-        yield PlanRow("adam_moments", f"Adam m and v ({self.moments.dtype}, {t:,} elements of groups that "
-                      "train)", self.opt_tier, self.moment_nbytes())
-        if self.grad_bytes == FP32_BYTES:
-            yield PlanRow("grad_accumulator", "fp32 gradient accumulator", self.opt_tier, FP32_BYTES * t)
-        else:
-            yield PlanRow("grad_accumulator", f"gradient shards ({dtype}, {self.grad_bytes} bytes; twice that, fp32, "
-                          "once micro-batches accumulate)", self.opt_tier, self.grad_bytes * t)
+        yield from self._state_rows()
         if cfg.dpu.enabled and t:
             yield PlanRow("dpu_grad_accumulator", "second gradient accumulator (DPU; "
                           + ("fp32)" if self.grad_bytes == FP32_BYTES else f"{dtype} until micro-batches accumulate)"),
@@ -259,7 +268,7 @@ class Layout:
             count, size = int(cfg.tiers.pool_buffers), int(cfg.tiers.pool_buffer_size)
             yield PlanRow("pool_buffers", f"NVMe I/O buffer pool ({count} x "
                           f"{size / 2**20:g} MiB)", "host", count * size)
-        if self.opt_tier == "nvme" and t:
+        if self.trainable_on("nvme"):
             sub = min(round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL),
                       max(t, SHARD_ALIGN_NUMEL))
             extra = (4 if self.split_master else 0) + (self.grad_bytes if self.grad_bytes != FP32_BYTES else 0)
@@ -267,7 +276,7 @@ class Layout:
                           f"{sub:,} elements: 2 fp32 + m, v in {self.moments.dtype}"
                           f"{f' + {extra} bytes' if extra else ''})", "host",
                           2 * ((2 * FP32_BYTES + extra) * sub + 2 * self.moments.nbytes(sub)))
-        elif self.opt_tier == "host" and t and (self.split_master or self.grad_bytes != FP32_BYTES):
+        if self.trainable_on("host") and (self.split_master or self.grad_bytes != FP32_BYTES):
             sub = min(round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL),
                       max(t, SHARD_ALIGN_NUMEL))
             per = (8 if self.split_master else 0) + (FP32_BYTES if self.grad_bytes != FP32_BYTES else 0)
@@ -307,7 +316,7 @@ class Layout:
         # bf16 copies of parameters in host memory are written in place by the C pass ([Note: the fused
         # fp32 step] in optim_csrc/qadam.c): no staging. (A build without the C extension stages them.)
         in_place = self.params_tier == "host" and dtype == "bfloat16"
-        if self.opt_tier != "device" and t and dtype != "float32" and not in_place:
+        if self.trainable_off_device() and dtype != "float32" and not in_place:
             sub = min(max(SHARD_ALIGN_NUMEL, round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL)),
                       max(self.shard_numel, SHARD_ALIGN_NUMEL))
             yield PlanRow("compute_copy_staging", f"new compute copies converted from the fp32 master "
@@ -334,24 +343,48 @@ class Layout:
                           f"reduce-scatter (stage 1, {self.trainable_padded_numel:,} elements, {dtype})", "device",
                           self.trainable_padded_numel * pb)
 
-    def moment_nbytes(self) -> int:
-        """Bytes of Adam's m and v of this rank's elements in groups that train, as stored (blocks tile the
-        2048-element aligned shards, so the int8 scales add exactly 4 bytes per block)."""
-        return 2 * self.moments.nbytes(self.trainable_numel)
+    def _state_rows(self) -> Iterator[PlanRow]:
+        """Masters of every element, frozen ones too, and the other states of the groups that train, in each
+        tier that holds states (see [Note: where each byte lives])."""
+        dtype = self.cfg.precision.dtype
+        for tier, (n, t) in self.state_numel.items():
+            share = f"; the {tier} share" if self.split_states else ""
+            which = f"{n:,} elements, {t:,} in groups that train{share}"
+            if self.split_master:
+                yield PlanRow("master", f"fp32 master params: 16-bit remainders beside the compute copy ({which})",
+                              tier, self.master_bytes * n)
+            elif self.frozen_master_bytes != self.master_bytes:
+                yield PlanRow("master", f"fp32 master params ({which}; frozen ones as 16-bit remainders beside the "
+                              "compute copy)", tier, FP32_BYTES * t + self.frozen_master_bytes * (n - t))
+            else:
+                yield PlanRow("master", f"fp32 master params ({which})", tier, FP32_BYTES * n)
+            yield PlanRow("adam_moments", f"Adam m and v ({self.moments.dtype}, {t:,} elements of groups that "
+                          f"train{share})", tier, 2 * self.moments.nbytes(t))
+            if self.grad_bytes == FP32_BYTES:
+                yield PlanRow("grad_accumulator", "fp32 gradient accumulator" + (f" (the {tier} share)"
+                              if self.split_states else ""), tier, FP32_BYTES * t)
+            else:
+                yield PlanRow("grad_accumulator", f"gradient shards ({dtype}, {self.grad_bytes} bytes; twice that, "
+                              f"fp32, once micro-batches accumulate{share})", tier, self.grad_bytes * t)
+
+    def moment_nbytes(self, tier: str | None = None) -> int:
+        """Bytes of Adam's m and v of this rank's elements in groups that train (those in ``tier``), as stored
+        (blocks tile the 2048-element aligned shards, so the int8 scales add exactly 4 bytes per block)."""
+        return 2 * self.moments.nbytes(self.trainable_numel if tier is None else self.trainable_on(tier))
 
     def host_to_device_bytes(self) -> int:
         """Bytes one rank copies from host memory to the compute device per step (see [Note: PCIe
         traffic per step])."""
         total = 0 if self.params_tier == "device" else self.pb * self.gathered_numel
-        if self.params_tier == "device" and self.opt_tier != "device":
-            total += self.pb * self.trainable_numel     # the update's new compute copies
+        if self.params_tier == "device":
+            total += self.pb * self.trainable_off_device()     # the host update's new compute copies
         return total
 
     def device_to_host_bytes(self) -> int:
         """Bytes one rank copies from the compute device to host memory per step."""
-        total = 0 if self.opt_tier == "device" else self.pb * self.trainable_numel   # gradient shards
-        if self.opt_tier == "device" and self.params_tier != "device":
-            total += self.pb * self.trainable_numel     # the update's new compute copies
+        total = self.pb * self.trainable_off_device()   # gradient shards of the states off the device
+        if self.params_tier != "device":
+            total += self.pb * self.trainable_on("device")     # the device update's new compute copies
         return total
 
     def all_gather_bytes(self) -> int:
@@ -383,21 +416,49 @@ class Layout:
         """Bytes one rank reads from NVMe per step (see [Note: NVMe traffic per step])."""
         total = self.read_nvme if self.params_tier == "nvme" else 0
         total -= self.fresh_bytes(paced)
-        if self.opt_tier == "nvme":
+        streamed = self.trainable_on("nvme")
+        if streamed:
             # master (or compute copy + remainder), m, v, gradient (none held in host memory)
             grads = 0 if self.grads_held else self.grad_bytes
-            total += (self.master_bytes + grads) * self.trainable_numel + self.moment_nbytes()
+            total += (self.master_bytes + grads) * streamed + self.moment_nbytes("nvme")
             if self.split_master:
-                total += self.pb * self.trainable_numel     # the compute copies the masters are joined from
+                total += self.pb * streamed     # the compute copies the masters are joined from
         return total
 
     def nvme_write_bytes(self) -> int:
         """Bytes one rank writes to NVMe per step (see [Note: NVMe traffic per step])."""
         total = 0
-        if self.opt_tier == "nvme":
+        streamed = self.trainable_on("nvme")
+        if streamed:
             if not self.grads_held:
-                total += self.grad_bytes * self.trainable_numel  # gradients, as reduce-scattered
-            total += self.master_bytes * self.trainable_numel + self.moment_nbytes()  # master (remainder), m, v
+                total += self.grad_bytes * streamed  # gradients, as reduce-scattered
+            total += self.master_bytes * streamed + self.moment_nbytes("nvme")  # master (remainder), m, v
         if self.params_tier == "nvme":
             total += self.rewrite_nvme
         return total
+
+
+def _state_numel(shards: list[tuple[int, bool]], cfg: "Config", base: str, structured: bool) -> dict[str, tuple[int, int]]:
+    """Elements (all, of groups that train) of the optimizer states in each tier that holds some, fastest first:
+    the engine's cuts at group boundaries ([Note: optimizer states over tiers] in infinity/optim/tier_split.py),
+    or, for a bare parameter count (one group standing for many), the shares themselves."""
+    total = sum(n for n, _ in shards)
+    trainable = sum(n for n, trains in shards if trains)
+    device, host = cfg.tiers.optimizer_device_share, cfg.tiers.optimizer_host_share
+    if not (device or host):
+        return {base: (total, trainable)}
+    out: dict[str, list[int]] = {}
+    if structured:
+        cuts = cut_groups([n for n, _ in shards], device, host)
+        for index, (n, trains) in enumerate(shards):
+            counts = out.setdefault(group_kind(cuts, base, index), [0, 0])
+            counts[0] += n
+            counts[1] += n if trains else 0
+    else:
+        for tier, low, high in (("device", 0.0, device), ("host", device, device + host), (base, device + host, 1.0)):
+            part = (round(high * total) - round(low * total), round(high * trainable) - round(low * trainable))
+            counts = out.setdefault(tier, [0, 0])
+            counts[0] += part[0]
+            counts[1] += part[1]
+    order = ("device", "host", "nvme")
+    return {tier: (n, t) for tier, (n, t) in sorted(out.items(), key=lambda kv: order.index(kv[0])) if n}
