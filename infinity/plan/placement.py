@@ -3,23 +3,29 @@
 [Note: auto placement]
 Two searches over the step-time model ([Note: step-time model] in infinity/plan/step_model.py):
 
-* ``best_split``: per slice of sub-groups ([Note: placements]), fastest tier first. Device memory
-  left after activations goes to compute copies of ``a`` slices and optimizer states of ``b`` slices
-  (their update on the device: the same AdamW, exact), host memory to copies of ``c`` and states of
-  ``d`` more, the rest to NVMe; the fastest tiers hold the same slices (a slice with its states on the
-  device has its copy there too when it can). Every ``a``, and every ``b`` up to what fits beside
-  it, is tried: the device need not be filled with states, since a host update that runs beside the
-  forward can cost the step less than the same update on the device, which holds up compute. For each
-  ``c`` the host takes as many state slices as fit: host memory is never left with room for a slice
-  that NVMe then holds. Among those the fastest predicted step wins. Tests enumerate every placement
-  of the slices over the nine (params, optimizer) pairs and check that none that fits predicts a
-  faster step.
-* ``best_uniform``: the engine holds all of a rank's optimizer states in one tier and all compute copies
-  in one tier (``infinity/optim/flat_state.py``), so ``tiers = "auto"`` resolves to the fastest
-  predicted pair that fits; ``infinity-plan`` prints both, and the gap is what a per-sub-group
-  split in the engine would gain.
+* ``best_runnable``: what the engine runs. All compute copies in one tier (``tiers.params``) and the
+  optimizer states over ``slices`` slices, fastest tier first: ``b`` slices on the device, ``d`` in host
+  memory, the rest on NVMe ([Note: optimizer states over tiers] in infinity/optim/tier_split.py: the
+  first groups' states on the device, stepped inside ``opt.step()``; the next ones' in host memory and
+  the rest's on NVMe, stepped as the uniform host or NVMe optimizer is, beside the next forward where
+  the engine overlaps it). Every params tier and every ``(b, d)`` is tried, uniform pairs among them
+  (``b`` or ``d`` or the rest the whole); the device need not be filled with states, since a host
+  update beside the forward can cost the step less than the same update on the device, which holds
+  up compute. A split is predicted and checked for room as its config's plan, cut at group
+  boundaries as the engine cuts, so the fit that construction checks is the one the search saw.
+  ``tiers = "auto"`` resolves to the fastest that fits: ``tiers.params``, ``tiers.optimizer`` (the
+  slowest tier holding states) and the shares ``b / slices`` and ``d / slices``.
+* ``best_split``: per slice of sub-groups ([Note: placements]), the compute copies split too, which
+  the engine cannot run yet. Device memory left after activations goes to compute copies of ``a``
+  slices and optimizer states of ``b`` slices, host memory to copies of ``c`` and states of ``d``
+  more, the rest to NVMe; the fastest tiers hold the same slices. Every ``a``, and every ``b`` up to
+  what fits beside it, is tried; for each ``c`` the host takes as many state slices as fit. Tests
+  enumerate every ``(a, b, c, d)`` and check that none that fits predicts a faster step. (Not every
+  placement over the nine pairs: with the states split, the device share's update is its own phase
+  (the engine's), and which copies its slices sit beside can matter; this search keeps the shape.) ``infinity-plan`` reports it only when it beats the runnable
+  choice (by ``SPLIT_GAIN``): the gap is what splitting the compute copies in the engine would gain.
 
-Ties go to the pair with fewer bytes off the device (device before host before NVMe).
+Ties go to the placement with fewer bytes off the device (device before host before NVMe).
 """
 from __future__ import annotations
 
@@ -32,18 +38,22 @@ from typing import TYPE_CHECKING
 from infinity.plan.census import take_census
 from infinity.plan.errors import PlanError
 from infinity.plan.machine import MachineProfile, Workload
-from infinity.plan.step_model import PAIRS, Placement, StepModel, StepPrediction
+from infinity.plan.step_model import PAIRS, TIERS, Placement, StepModel, StepPrediction, splits_allowed
 
 if TYPE_CHECKING:
     from infinity.config import Config
 
 AUTO = "auto"
 DEFAULT_SLICES = 16
+# How much faster a split of the compute copies must predict the step to be reported beside the choice.
+SPLIT_GAIN = 1e-3
+# The tiers keys a decision sets, which rank 0 broadcasts (``resolve_at_init``).
+_DECIDED = ("params", "optimizer", "optimizer_device_share", "optimizer_host_share")
 
 
 def best_split(model: StepModel, slices: int = DEFAULT_SLICES) -> StepPrediction | None:
-    """The fastest fitting placement that fills faster tiers first (see [Note: auto placement]); None when
-    nothing fits."""
+    """The fastest fitting placement that fills faster tiers first, compute copies split too (see [Note: auto
+    placement]); None when nothing fits."""
     best: StepPrediction | None = None
     budget = model.budget()
     for a in range(slices, -1, -1):
@@ -51,7 +61,7 @@ def best_split(model: StepModel, slices: int = DEFAULT_SLICES) -> StepPrediction
         for b, c in itertools.product(range(most if most is not None else -1, -1, -1), range(slices - a, -1, -1)):
             for d in range(slices - b, -1, -1):
                 placement = Placement.from_counts(slices, (a, c), (b, d))
-                if not runnable(model, placement) or not fits(model, placement, budget):
+                if not allowed_cells(model, placement) or not fits(model, placement, budget):
                     continue
                 prediction = model.predict(placement)
                 if best is None or prediction.step_s < best.step_s * (1 - 1e-12):
@@ -60,9 +70,19 @@ def best_split(model: StepModel, slices: int = DEFAULT_SLICES) -> StepPrediction
     return best
 
 
-def runnable(model: StepModel, placement: Placement) -> bool:
+def allowed_cells(model: StepModel, placement: Placement) -> bool:
     """Whether every pair of the placement is one the engine allows under the config."""
     return all(pair in model.pairs for pair, _ in placement.cells)
+
+
+def runnable(model: StepModel, placement: Placement) -> bool:
+    """Whether the engine runs the placement: one params tier, pairs it allows, and the optimizer states in one
+    tier or split as the config lets them be ([Note: optimizer states over tiers] in
+    infinity/optim/tier_split.py: not with the delayed update nor the update during backward)."""
+    if placement.params_tier is None or not allowed_cells(model, placement):
+        return False
+    split = len({o for (_, o), _ in placement.cells}) > 1
+    return not split or splits_allowed(model.cfg)
 
 
 def fits(model: StepModel, placement: Placement, budget: dict[str, float]) -> bool:
@@ -74,7 +94,7 @@ def _device_fits(model: StepModel, slices: int, a: int, b: int, budget: dict[str
     is (with the CPU as compute device, device and host share one budget)."""
     host = not model.profile.has_nvme
     placement = Placement.from_counts(slices, (a, slices - a if host else 0), (b, slices - b if host else 0))
-    if not runnable(model, placement):
+    if not allowed_cells(model, placement):
         return False
     return model.need(placement)["device"] <= budget["device"]
 
@@ -87,6 +107,41 @@ def all_placements(slices: int, pairs=PAIRS):
         yield Placement(slices, tuple(zip(pairs, counts)))
 
 
+def runnable_placements(model: StepModel, slices: int = DEFAULT_SLICES, params: str = AUTO,
+                        optimizer: str = AUTO):
+    """Every placement the engine runs that ``params`` / ``optimizer`` allow ("auto": any), fastest tiers
+    first: one params tier, the optimizer states over ``slices`` slices (device, host, NVMe); a fixed
+    optimizer tier keeps the config's own shares."""
+    shares = model.cfg.tiers.optimizer_device_share, model.cfg.tiers.optimizer_host_share
+    for p in TIERS:
+        if params not in (AUTO, p):
+            continue
+        if optimizer != AUTO:
+            placement = Placement.of_tiers(p, optimizer, *shares)
+            if runnable(model, placement):
+                yield placement
+            continue
+        for b in range(slices, -1, -1):
+            for d in range(slices - b, -1, -1):
+                placement = Placement(slices, (((p, "device"), b), ((p, "host"), d), ((p, "nvme"), slices - b - d)))
+                if runnable(model, placement):
+                    yield placement
+
+
+def best_runnable(model: StepModel, params: str = AUTO, optimizer: str = AUTO,
+                  slices: int = DEFAULT_SLICES) -> StepPrediction | None:
+    """The fastest fitting placement the engine runs (see [Note: auto placement]); None when none fits."""
+    best: StepPrediction | None = None
+    budget = model.budget()
+    for placement in runnable_placements(model, slices, params, optimizer):
+        if not fits(model, placement, budget):
+            continue
+        prediction = model.predict(placement)
+        if best is None or prediction.step_s < best.step_s * (1 - 1e-12):
+            best = prediction
+    return best
+
+
 def uniform_predictions(model: StepModel, params: str = AUTO, optimizer: str = AUTO) -> list[StepPrediction]:
     """The prediction of every pair the engine runs that ``params`` / ``optimizer`` allow ("auto": any)."""
     return [model.predict(Placement.uniform(p, o)) for p, o in PAIRS
@@ -94,7 +149,7 @@ def uniform_predictions(model: StepModel, params: str = AUTO, optimizer: str = A
 
 
 def best_uniform(model: StepModel, params: str = AUTO, optimizer: str = AUTO) -> StepPrediction | None:
-    """The fastest fitting pair (see [Note: auto placement]); None when none fits."""
+    """The fastest fitting uniform pair; None when none fits."""
     fitting = [p for p in uniform_predictions(model, params, optimizer) if p.fits]
     return min(fitting, key=lambda p: p.step_s) if fitting else None
 
@@ -106,23 +161,31 @@ class AutoDecision:
     Attributes
     ----------
     chosen : StepPrediction
-        The pair the engine will run.
+        The placement the engine will run: one params tier, the optimizer states in one tier or split.
     split : StepPrediction or None
-        The best per-sub-group placement (not run by the engine yet), for comparison.
+        The best placement with the compute copies split too (not run by the engine yet), when it predicts
+        a faster step than ``chosen``.
     candidates : tuple of StepPrediction
-        Every pair considered, fitting or not.
+        Every uniform pair considered, fitting or not.
     """
 
     chosen: StepPrediction
     split: StepPrediction | None
     candidates: tuple[StepPrediction, ...]
 
+    def tiers(self) -> dict[str, object]:
+        """The ``tiers`` keys the chosen placement sets: params, optimizer and the optimizer's shares."""
+        placement = self.chosen.placement
+        optimizer, device, host = placement.optimizer_tiers()
+        return {"params": placement.params_tier, "optimizer": optimizer, "optimizer_device_share": device,
+                "optimizer_host_share": host}
+
     def summary(self) -> str:
         c = self.chosen
         line = (f"auto placement: {c.placement.describe()} (predicted step {c.step_s:.3f} s, bound by "
                 f"{c.governing})")
-        if self.split is not None and self.split.step_s < c.step_s * 0.999:
-            line += (f"; a per-sub-group split ({self.split.placement.describe()}) would predict "
+        if self.split is not None:
+            line += (f"; with the compute copies split too ({self.split.placement.describe()}) it would predict "
                      f"{self.split.step_s:.3f} s, which the engine cannot run yet")
         return line
 
@@ -131,12 +194,14 @@ def decide(model: StepModel, params: str = AUTO, optimizer: str = AUTO,
            slices: int = DEFAULT_SLICES) -> AutoDecision:
     """Choose the tiers ``auto`` stands for; a PlanError names every pair's shortfall when none fits."""
     candidates = uniform_predictions(model, params, optimizer)
-    chosen = best_uniform(model, params, optimizer)
+    chosen = best_runnable(model, params, optimizer, slices)
     if chosen is None:
         lines = [f"  {p.placement.describe()}: " + "; ".join(p.shortfalls()) for p in candidates]
         raise PlanError("tiers \"auto\": no placement fits this machine "
                         f"({model.profile.name}):\n" + "\n".join(lines))
     split = best_split(model, slices) if params == optimizer == AUTO else None
+    if split is not None and not split.step_s < chosen.step_s * (1 - SPLIT_GAIN):
+        split = None
     return AutoDecision(chosen=chosen, split=split, candidates=tuple(candidates))
 
 
@@ -185,11 +250,13 @@ def default_workload(cfg: "Config") -> Workload:
     return Workload(activation_bytes=int(cfg.activations.checkpoint_nbytes) if on_device else 0)
 
 
-def predict_uniform(cfg: "Config", census, world_size: int, local_ranks: int, machine: object,
-                    workload: Workload | None = None) -> StepPrediction:
-    """The predicted step of ``cfg``'s own tiers on ``machine`` (a profile or a profile file)."""
+def predict_configured(cfg: "Config", census, world_size: int, local_ranks: int, machine: object,
+                       workload: Workload | None = None) -> StepPrediction:
+    """The predicted step of ``cfg``'s own tiers (its optimizer shares too) on ``machine`` (a profile or a
+    profile file)."""
     model = StepModel(census, cfg, world_size, _machine(cfg, machine, local_ranks), workload or default_workload(cfg))
-    return model.predict(Placement.uniform(cfg.tiers.params, cfg.tiers.optimizer))
+    t = cfg.tiers
+    return model.predict(Placement.of_tiers(t.params, t.optimizer, t.optimizer_device_share, t.optimizer_host_share))
 
 
 def _machine(cfg: "Config", machine: object, local_ranks: int) -> MachineProfile:
@@ -224,7 +291,7 @@ def resolve_at_init(cfg: "Config", model: object, machine: object, group=None) -
         try:
             resolved, decision = resolve_auto(cfg, model, world_size=world, local_ranks=_local_ranks(world),
                                               machine=machine)
-            outcome = ("ok", resolved.tiers.params, resolved.tiers.optimizer, decision)
+            outcome = ("ok", {key: getattr(resolved.tiers, key) for key in _DECIDED}, decision)
         except PlanError as exc:
             outcome = ("error", str(exc))
         except Exception as exc:        # a probe, a profile file, the cache: every rank must hear of it
@@ -241,8 +308,8 @@ def resolve_at_init(cfg: "Config", model: object, machine: object, group=None) -
         outcome = box[0]
     if outcome[0] != "ok":
         raise ConfigError(outcome[1], key)
-    _, params, optimizer, decision = outcome
-    resolved = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, params=params, optimizer=optimizer))
+    _, tiers, decision = outcome
+    resolved = dataclasses.replace(cfg, tiers=dataclasses.replace(cfg.tiers, **tiers))
     import logging
 
     logging.getLogger("infinity").info("%s", decision.summary())
@@ -258,13 +325,14 @@ def _local_ranks(world: int) -> int:
 
 
 def resolve_tiers(cfg: "Config", decision: AutoDecision) -> "Config":
-    """``cfg`` with its "auto" tiers replaced by the decision's pair."""
-    params, optimizer = decision.chosen.placement.pair
-    tiers = cfg.tiers
-    return dataclasses.replace(cfg, tiers=dataclasses.replace(
-        tiers, params=params if tiers.params == AUTO else tiers.params,
-        optimizer=optimizer if tiers.optimizer == AUTO else tiers.optimizer))
+    """``cfg`` with its "auto" tiers replaced by the decision's: ``tiers.params``, and for an "auto" optimizer
+    ``tiers.optimizer`` with ``optimizer_device_share`` and ``optimizer_host_share``."""
+    chosen, tiers = decision.tiers(), cfg.tiers
+    changes = {key: value for key, value in chosen.items()
+               if getattr(tiers, "optimizer" if key.startswith("optimizer") else key) == AUTO}
+    return dataclasses.replace(cfg, tiers=dataclasses.replace(tiers, **changes))
 
 
-__all__ = ["AUTO", "AutoDecision", "all_placements", "best_split", "best_uniform", "decide", "default_workload", "predict_uniform", "resolve_at_init", "resolve_auto", "resolve_tiers",
-           "fits", "runnable", "uniform_predictions"]
+__all__ = ["AUTO", "AutoDecision", "all_placements", "allowed_cells", "best_runnable", "best_split", "best_uniform",
+           "decide", "default_workload", "fits", "predict_configured", "resolve_at_init", "resolve_auto",
+           "resolve_tiers", "runnable", "runnable_placements", "uniform_predictions"]

@@ -96,6 +96,9 @@ class PlanSettings:
         Bytes per element of ``dtype``.
     params_tier, optimizer_tier : str
         ``tiers.params`` and ``tiers.optimizer``.
+    optimizer_device_share, optimizer_host_share : float
+        ``tiers.optimizer_device_share`` and ``tiers.optimizer_host_share`` (the optimizer states split
+        over tiers: [Note: optimizer states over tiers] in infinity/optim/tier_split.py).
     compute_device : str
         ``cpu`` or ``cuda`` (``tiers.device`` with ``auto`` resolved on this machine).
     nvme_paths : tuple of str
@@ -119,6 +122,8 @@ class PlanSettings:
     host_budget: int
     stage: int = 3
     nvme_direct: bool = True
+    optimizer_device_share: float = 0.0
+    optimizer_host_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -342,7 +347,7 @@ class Plan:
             "step_time_lower_bound_s": self.step_time_lower_bound_s,
             "prediction": None if self.prediction is None else self.prediction.to_dict(),
             "auto": None if self.auto is None else {
-                "chosen": self.auto.chosen.placement.pair, "summary": self.auto.summary(),
+                "chosen": self.auto.tiers(), "summary": self.auto.summary(),
                 "split": None if self.auto.split is None else self.auto.split.to_dict(),
                 "candidates": [c.to_dict() for c in self.auto.candidates]},
             "fit": None
@@ -425,7 +430,7 @@ def plan(
         raise PlanError(f"precision.dtype must be one of {list(DTYPE_BYTES)}, got {dtype!r}")
     param_bytes = DTYPE_BYTES[dtype]
     census = take_census(model_or_num_params, cfg, param_bytes)
-    from infinity.plan.placement import predict_uniform, resolve_auto
+    from infinity.plan.placement import predict_configured, resolve_auto
 
     cfg, decision = resolve_auto(cfg, census, world_size=ranks, local_ranks=local, machine=machine,
                                  workload=workload)
@@ -443,6 +448,8 @@ def plan(
         host_budget=int(cfg.tiers.host_budget),
         stage=int(cfg.partition.stage),
         nvme_direct=bool(cfg.aio.direct),
+        optimizer_device_share=float(cfg.tiers.optimizer_device_share),
+        optimizer_host_share=float(cfg.tiers.optimizer_host_share),
     )
     shards = ShardSizes(
         shard_numel=layout.shard_numel,
@@ -467,7 +474,7 @@ def plan(
         bandwidth=bandwidth,
         auto=decision,
         prediction=decision.chosen if decision is not None else
-        None if machine is None else predict_uniform(cfg, census, ranks, local, machine, workload),
+        None if machine is None else predict_configured(cfg, census, ranks, local, machine, workload),
     )
     disk = result.prediction.machine if result.prediction is not None else None
     if bandwidth is None and disk is not None and disk.disk_read_gbps > 0 and disk.disk_write_gbps > 0:

@@ -22,7 +22,7 @@ def render_plan(plan) -> str:
         f"Plan for {plan.source}: {format_count(plan.num_params)} parameters, "
         f"world size {ranks} ({where})",
         f"precision {st.dtype} ({st.param_bytes} bytes/element); params in "
-        f"{st.params_tier}, optimizer in {st.optimizer_tier}{paths}; compute device "
+        f"{st.params_tier}, optimizer in {_optimizer_tiers(st)}{paths}; compute device "
         f"{st.compute_device}",
         f"Every rank holds the same bytes: each group's shard is padded to a multiple of "
         f"{SHARD_ALIGN_NUMEL} elements ({sh.shard_numel:,} elements per rank, "
@@ -75,6 +75,13 @@ def render_plan(plan) -> str:
     return "\n".join(lines)
 
 
+def _optimizer_tiers(st) -> str:
+    """``tiers.optimizer``, with the shares kept in faster tiers when the states are split over tiers."""
+    shares = [f"{share:g} on the device" for share in (st.optimizer_device_share,) if share]
+    shares += [f"{share:g} in host memory" for share in (st.optimizer_host_share,) if share]
+    return st.optimizer_tier + (f" ({', '.join(shares)} of it)" if shares else "")
+
+
 def _step_time_line(plan) -> str:
     bound = plan.step_time_lower_bound_s
     if bound == 0.0:
@@ -104,7 +111,7 @@ def prediction_lines(prediction, auto=None) -> list[str]:
         return []
     p = prediction
     lines = ["", f"Placement: {p.placement.describe()}" + (" (tiers \"auto\")" if auto is not None else "")]
-    phases = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in p.phases.items())
+    phases = ", ".join(f"{name.replace('_', ' ')} {seconds:.3f} s" for name, seconds in p.phases.items())
     lines.append(f"Predicted step: {p.step_s:.3f} s ({p.schedule}; phases alone: {phases})")
     terms = ", ".join(f"{_TERM_NAMES[k]} {v:.3f} s" for k, v in p.bound_terms.items())
     lines.append(f"Bound: {p.bound_s:.3f} s, governed by {_TERM_NAMES[p.governing]} ({terms})")
@@ -115,10 +122,14 @@ def prediction_lines(prediction, auto=None) -> list[str]:
         params, optimizer = c.placement.pair
         lines.append(f"{params:<8}{optimizer:<11}{'yes' if c.fits else 'no':<6}{c.step_s:>10.3f}  "
                      f"{_TERM_NAMES[c.governing]}")
+    if p.placement.pair is None:
+        lines.append("The optimizer states are split over tiers ([Note: optimizer states over tiers]): the "
+                     "device share is stepped inside opt.step(), the rest as the uniform optimizer of its tier.")
     split = auto.split
-    if split is not None and split.step_s < p.step_s * 0.999:
-        lines.append(f"Per sub-group, {split.placement.describe()} would predict {split.step_s:.3f} s "
-                     "(the engine holds each kind of state in one tier, so it runs the pair above)")
+    if split is not None:
+        lines.append(f"With the compute copies split too, {split.placement.describe()} would predict "
+                     f"{split.step_s:.3f} s (the engine holds every compute copy in one tier, so it runs the "
+                     "placement above)")
     return lines
 
 

@@ -4,15 +4,17 @@
 Sub-groups of one rank's flat shard are alike, so a placement is a count, not a list: the shard is cut
 into ``slices`` equal slices (each some whole sub-groups; a slice stands for its share of every group),
 and each slice puts its compute copies in one tier and its optimizer states (fp32 master, Adam m and v,
-gradient) in one tier: ``cells[(params tier, optimizer tier)]`` counts the slices of each pair. A uniform
-placement, the only kind the engine runs today (one ``tiers.params`` and one ``tiers.optimizer`` per run,
-``infinity/optim/flat_state.py`` holds every sub-group's states in one tier), has all slices in one
-cell.
+gradient) in one tier: ``cells[(params tier, optimizer tier)]`` counts the slices of each pair. The
+engine runs the placements with one params tier (``tiers.params``): the states in one tier, or split over
+tiers by ``tiers.optimizer_device_share`` / ``optimizer_host_share`` ([Note: optimizer states over tiers]
+in infinity/optim/tier_split.py), device slices first, then host, then ``tiers.optimizer``.
 
 [Note: step-time model]
-Bytes and traffic of a cell are its share of the uniform plan of that pair (``infinity.plan.layout``:
-[Note: where each byte lives], [Note: PCIe traffic per step], [Note: NVMe traffic per step]), so the
-model of a uniform placement is exactly what ``infinity-plan`` counts. Buffers that exist once per rank
+Bytes and traffic of a placement the engine runs are the plan of its config (``infinity.plan.layout``:
+[Note: where each byte lives], [Note: PCIe traffic per step], [Note: NVMe traffic per step]; a split cut
+at group boundaries as the engine cuts), so the model of such a placement is exactly what
+``infinity-plan`` counts. Those of any other placement's cell are its share of the uniform plan of that
+pair. Buffers that exist once per rank
 (I/O pool, sub-group buffers, staging, the gathered working set) are taken once, at the largest size any
 present pair needs. The step has three phases; each is a window in which every resource works at once,
 so a window takes as long as its busiest resource:
@@ -28,6 +30,11 @@ so a window takes as long as its busiest resource:
   bandwidth, whichever is longer; the machine's ranks share it); optimizer states and rewritten
   compute copies to and from NVMe; new compute copies across the link where copy and states are on
   different sides.
+* device update, with the states split over tiers: the device share's AdamW (at
+  ``device_update_params_per_s``), its new compute copies to host memory or NVMe when the copies are
+  not on the device. The engine steps it inside ``opt.step()`` before handing the rest on
+  (``UpdateScheduler``'s device lane, infinity/optim/scheduler.py), so it is a window of its own in
+  every schedule, added to the step; the "update" phase is then the host and NVMe shares' alone.
 
 Resources: compute, host->device link, device->host link, host update, disk (reads / read rate +
 writes / write rate, shared by the machine's ranks), and with ``interconnect_gbps`` in the profile the
@@ -100,10 +107,36 @@ class Placement:
             counts[pair] = counts.get(pair, 0) + 1
         return cls(slices, tuple(counts.items()))
 
+    @classmethod
+    def of_tiers(cls, params: str, optimizer: str, device_share: float = 0.0, host_share: float = 0.0,
+                 slices: int = 10**6) -> "Placement":
+        """A config's tiers as a placement: the compute copies in ``params``, the optimizer states split by the
+        shares ([Note: optimizer states over tiers] in infinity/optim/tier_split.py), to ``1 / slices``."""
+        if not (device_share or host_share):
+            return cls.uniform(params, optimizer)
+        device = round(device_share * slices)
+        host = round((device_share + host_share) * slices) - device
+        return cls(slices, (((params, "device"), device), ((params, "host"), host),
+                            ((params, optimizer), slices - device - host)))
+
     @property
     def pair(self) -> tuple[str, str] | None:
         """(params, optimizer) tiers when uniform, else None."""
         return self.cells[0][0] if len(self.cells) == 1 else None
+
+    @property
+    def params_tier(self) -> str | None:
+        """The one tier of every compute copy (the engine runs only such placements), else None."""
+        tiers = {p for (p, _), _ in self.cells}
+        return tiers.pop() if len(tiers) == 1 else None
+
+    def optimizer_tiers(self) -> tuple[str, float, float]:
+        """``(tiers.optimizer, tiers.optimizer_device_share, tiers.optimizer_host_share)`` of this placement's
+        optimizer states: the slowest tier holding any, and the shares of the faster ones before it."""
+        base = next(t for t in reversed(TIERS) if self.share(optimizer=t))
+        device = self.share(optimizer="device") if base != "device" else 0.0
+        host = self.share(optimizer="host") if base == "nvme" else 0.0
+        return base, device, host
 
     def share(self, params: str | None = None, optimizer: str | None = None) -> float:
         """Fraction of the shard whose copies (or states) are in the given tiers."""
@@ -112,8 +145,10 @@ class Placement:
     def describe(self) -> str:
         if self.pair is not None:
             return f"params {self.pair[0]}, optimizer {self.pair[1]}"
-        params = " / ".join(f"{t} {self.share(params=t):.0%}" for t in TIERS if self.share(params=t))
-        states = " / ".join(f"{t} {self.share(optimizer=t):.0%}" for t in TIERS if self.share(optimizer=t))
+        params = self.params_tier or " / ".join(f"{t} {self.share(params=t):.0%}" for t in TIERS
+                                                if self.share(params=t))
+        states = " / ".join(f"{t} {self.share(optimizer=t):.1%}".replace(".0%", "%") for t in TIERS
+                            if self.share(optimizer=t))
         return f"params {params}, optimizer {states}"
 
 
@@ -127,14 +162,15 @@ class PairCosts:
 
     state: dict[str, float]           # tier -> bytes of model states
     buffers: dict[str, dict[str, int]]   # tier -> row key -> bytes of buffers held once per rank
-    h2d: tuple[float, float, float]   # forward, backward, update
-    d2h: tuple[float, float, float]
-    nvme_read: tuple[float, float, float]
-    nvme_write: tuple[float, float, float]
-    collectives: tuple[float, float, float]   # bytes one rank sends in all-gathers and reduce-scatters
+    h2d: tuple[float, ...]            # forward, backward, update, device update (a split store's device share)
+    d2h: tuple[float, ...]
+    nvme_read: tuple[float, ...]
+    nvme_write: tuple[float, ...]
+    collectives: tuple[float, ...]    # bytes one rank sends in all-gathers and reduce-scatters
     host_elements: float              # elements the host AdamW steps
     host_bytes: float                 # bytes the host update pass moves through memory
     device_elements: float            # elements AdamW steps on the device
+    lane: bool = False                # the device elements are stepped apart, inside opt.step() (a split store)
 
 
 @dataclass(frozen=True)
@@ -214,10 +250,13 @@ class StepModel:
         self.pb = cfg.precision.itemsize
         self.pairs = {pair: self.pair_costs(*pair) for pair in PAIRS if allowed(cfg, *pair)}
         self.num_params = census.num_params
+        self._runnable: dict[tuple, PairCosts] = {}
 
-    def pair_costs(self, params: str, optimizer: str) -> PairCosts:
-        """The uniform plan of (params, optimizer), split by phase (see [Note: step-time model])."""
-        cfg = with_tiers(self.cfg, params, optimizer)
+    def pair_costs(self, params: str, optimizer: str, device_share: float = 0.0,
+                   host_share: float = 0.0) -> PairCosts:
+        """The plan of these tiers (uniform, or the optimizer states split by the shares), split by phase (see
+        [Note: step-time model])."""
+        cfg = with_tiers(self.cfg, params, optimizer, device_share, host_share)
         layout = Layout(self.census, cfg, self.world_size, self.pb)
         state = {tier: 0.0 for tier in TIERS}
         buffers: dict[str, dict[str, int]] = {tier: {} for tier in TIERS}
@@ -227,28 +266,49 @@ class StepModel:
             else:
                 buffers[row.tier][row.key] = row.nbytes
         t, pb = layout.trainable_numel, self.pb
+        off, on = layout.trainable_off_device(), layout.trainable_on("device")
+        # A split store steps its device share apart, inside opt.step() ([Note: optimizer states over tiers]
+        # in infinity/optim/tier_split.py): that share's update traffic goes to the fourth phase.
+        lane = layout.split_states
         fetched = pb * layout.gathered_numel if params != "device" else 0.0
         fetch_fwd = fetched * max(0.0, 1 - layout.shard_numel / max(1, layout.gathered_numel))
         h2d_update = layout.host_to_device_bytes() - fetched
-        d2h_grads = pb * t if optimizer != "device" else 0.0
-        d2h_update = layout.device_to_host_bytes() - d2h_grads
+        d2h_grads = pb * off
+        d2h_update = layout.device_to_host_bytes() - d2h_grads     # the device update's new compute copies
         read_params = (layout.read_nvme - layout.fresh_bytes()) if params == "nvme" else 0.0
         read_fwd = read_params * max(0.0, 1 - layout.compute_nvme / max(1, layout.read_nvme))
-        grads_written = layout.grad_bytes * t if optimizer == "nvme" and not layout.grads_held else 0.0
+        grads_written = layout.grad_bytes * layout.trainable_on("nvme") if not layout.grads_held else 0.0
+        # Compute copies the device share's update rewrites on NVMe.
+        lane_write = layout.rewrite_nvme * on / max(1, t) if lane and params == "nvme" else 0.0
         mom = layout.moments.bytes_per_element()
-        host_elements = t if optimizer != "device" else 0.0
         gathered_fwd = layout.all_gather_bytes() * max(0.0, 1 - layout.shard_numel / max(1, layout.gathered_numel))
         # The pass reads master, m, v and gradient and writes master, m, v and the new compute copy.
-        host_bytes = host_elements * (2 * (FP32_BYTES + 2 * mom) + layout.grad_bytes + pb)
+        host_bytes = off * (2 * (FP32_BYTES + 2 * mom) + layout.grad_bytes + pb)
+        lane_d2h = d2h_update if lane else 0.0
         return PairCosts(
             state=state, buffers=buffers,
-            h2d=(fetch_fwd, fetched - fetch_fwd, h2d_update),
-            d2h=(0.0, d2h_grads, d2h_update),
-            nvme_read=(read_fwd, read_params - read_fwd, layout.nvme_read_bytes() - read_params),
-            nvme_write=(0.0, grads_written, layout.nvme_write_bytes() - grads_written),
-            collectives=(gathered_fwd, layout.all_gather_bytes() - gathered_fwd + layout.reduce_scatter_bytes(), 0.0),
-            host_elements=host_elements, host_bytes=host_bytes,
-            device_elements=t if optimizer == "device" else 0.0)
+            h2d=(fetch_fwd, fetched - fetch_fwd, h2d_update, 0.0),
+            d2h=(0.0, d2h_grads, d2h_update - lane_d2h, lane_d2h),
+            nvme_read=(read_fwd, read_params - read_fwd, layout.nvme_read_bytes() - read_params, 0.0),
+            nvme_write=(0.0, grads_written, layout.nvme_write_bytes() - grads_written - lane_write, lane_write),
+            collectives=(gathered_fwd, layout.all_gather_bytes() - gathered_fwd + layout.reduce_scatter_bytes(),
+                         0.0, 0.0),
+            host_elements=off, host_bytes=host_bytes, device_elements=on, lane=lane)
+
+    def costs(self, placement: Placement) -> list[tuple[PairCosts, float, bool]]:
+        """``(costs, weight, to the device lane)`` of the placement's parts. A placement the engine runs (one
+        params tier) is one part, the plan of its config (the states cut at group boundaries as the engine
+        cuts them); any other is its cells, each its share of a uniform pair's plan, the device states' update
+        apart when the states are in several tiers (as a split store steps them)."""
+        params = placement.params_tier
+        mixed = len({o for (_, o), _ in placement.cells}) > 1
+        if params is not None and (splits_allowed(self.cfg) or not mixed):
+            tiers = (params, *placement.optimizer_tiers())
+            if tiers not in self._runnable:
+                self._runnable[tiers] = self.pair_costs(*tiers)
+            return [(self._runnable[tiers], 1.0, False)]
+        return [(self.pairs[pair], n / placement.slices, mixed and pair[1] == "device")
+                for pair, n in placement.cells]
 
     def budget(self) -> dict[str, float]:
         prof = self.profile
@@ -264,10 +324,9 @@ class StepModel:
         """Bytes per tier on the machine: host and NVMe for all its ranks, device per device."""
         per_rank = {tier: 0.0 for tier in TIERS}
         buffers: dict[str, dict[str, int]] = {tier: {} for tier in TIERS}
-        for pair, n in placement.cells:
-            costs = self.pairs[pair]
+        for costs, share, _ in self.costs(placement):
             for tier in TIERS:
-                per_rank[tier] += costs.state[tier] * n / placement.slices
+                per_rank[tier] += costs.state[tier] * share
                 for key, nbytes in costs.buffers[tier].items():
                     buffers[tier][key] = max(buffers[tier].get(key, 0), nbytes)
         for tier in TIERS:
@@ -281,34 +340,34 @@ class StepModel:
         return need
 
     def usage(self, placement: Placement) -> list[dict[str, float]]:
-        """Seconds each resource is busy in each phase (forward, backward, update)."""
+        """Seconds each resource is busy in each phase (forward, backward, update, device update)."""
         prof, wl = self.profile, self.workload
         flops = self.num_params * wl.tokens
-        compute = (2 * flops / prof.device_flops, (4 + 2 * wl.recompute) * flops / prof.device_flops, 0.0)
+        compute = (2 * flops / prof.device_flops, (4 + 2 * wl.recompute) * flops / prof.device_flops, 0.0, 0.0)
         if wl.compute_s:
             share = 4 if wl.recompute else 3
-            compute = (wl.compute_s / share, wl.compute_s * (share - 1) / share, 0.0)
-        out = []
-        for phase in range(3):
-            use = dict.fromkeys(RESOURCES, 0.0)
+            compute = (wl.compute_s / share, wl.compute_s * (share - 1) / share, 0.0, 0.0)
+        out = [dict.fromkeys(RESOURCES, 0.0) for _ in range(4)]
+        disk = [[0.0, 0.0] for _ in range(4)]
+        for phase, use in enumerate(out):
             use["compute"] = compute[phase]
-            read = write = 0.0
-            for pair, n in placement.cells:
-                c, share = self.pairs[pair], n / placement.slices
+        for c, share, to_lane in self.costs(placement):
+            for phase in range(4):
+                into = 3 if to_lane and phase == 2 else phase
+                use = out[into]
                 use["host_to_device"] += share * c.h2d[phase] / (prof.h2d_gbps * 1e9)
                 use["device_to_host"] += share * c.d2h[phase] / (prof.d2h_gbps * 1e9)
-                read += share * c.nvme_read[phase]
                 if prof.interconnect_gbps:
                     use["interconnect"] += share * c.collectives[phase] / (prof.interconnect_gbps * 1e9)
-                write += share * c.nvme_write[phase]
-                if phase == 2:
-                    use["compute"] += share * c.device_elements / prof.device_update_params_per_s
-                    host = prof.ranks * share * max(c.host_elements / prof.host_adam_params_per_s,
-                                                    c.host_bytes / (prof.host_memory_gbps * 1e9))
-                    use["compute" if prof.unified else "host_update"] += host
+                disk[into][0] += share * c.nvme_read[phase]
+                disk[into][1] += share * c.nvme_write[phase]
+            out[3 if c.lane or to_lane else 2]["compute"] += share * c.device_elements / prof.device_update_params_per_s
+            host = prof.ranks * share * max(c.host_elements / prof.host_adam_params_per_s,
+                                            c.host_bytes / (prof.host_memory_gbps * 1e9))
+            out[2]["compute" if prof.unified else "host_update"] += host
+        for use, (read, write) in zip(out, disk):
             if read or write:
                 use["nvme"] = prof.ranks * (read / _rate(prof.disk_read_gbps) + write / _rate(prof.disk_write_gbps))
-            out.append(use)
         return out
 
     def schedule(self, placement: Placement) -> str:
@@ -326,17 +385,22 @@ class StepModel:
 
     def predict(self, placement: Placement) -> StepPrediction:
         """The predicted step of ``placement`` (see [Note: step-time model])."""
-        fwd, bwd, upd = self.usage(placement)
+        fwd, bwd, upd, lane = self.usage(placement)
         window = lambda *uses: max(sum(u[r] for u in uses) for r in RESOURCES)   # noqa: E731
         schedule = self.schedule(placement)
         step = {"sequential": lambda: window(fwd) + window(bwd) + window(upd),
                 "update beside forward": lambda: window(fwd, upd) + window(bwd),
                 "update beside backward": lambda: window(fwd) + window(bwd, upd),
                 "update beside the whole step": lambda: window(fwd, bwd, upd)}[schedule]()
-        terms = {r: fwd[r] + bwd[r] + upd[r] for r in RESOURCES}
+        # A split store's device share is stepped inside opt.step(), before the rest is handed on.
+        step += window(lane)
+        terms = {r: fwd[r] + bwd[r] + upd[r] + lane[r] for r in RESOURCES}
         need, budget = self.need(placement), self.budget()
+        phases = {"forward": window(fwd), "backward": window(bwd), "update": window(upd)}
+        if any(lane.values()):
+            phases["device_update"] = window(lane)
         return StepPrediction(
-            placement=placement, phases={"forward": window(fwd), "backward": window(bwd), "update": window(upd)},
+            placement=placement, phases=phases,
             schedule=schedule, step_s=step, bound_terms=terms, governing=max(terms, key=terms.get),
             need=need, budget=budget, fits=all(need[t] <= budget[t] for t in TIERS), machine=self.profile)
 
@@ -355,16 +419,28 @@ def allowed(cfg: "Config", params: str, optimizer: str) -> bool:
     return True
 
 
-def with_tiers(cfg: "Config", params: str, optimizer: str) -> "Config":
-    """``cfg`` with these tiers (a placeholder NVMe path when it names none: the plan only counts bytes)."""
+def splits_allowed(cfg: "Config") -> bool:
+    """Whether the engine splits the optimizer states over tiers under ``cfg``'s other settings ([Note: optimizer
+    states over tiers] in infinity/optim/tier_split.py): not with the delayed update nor the update during
+    backward, which take one tier."""
+    return not (cfg.dpu.enabled or cfg.optimizer.update_in_backward)
+
+
+def with_tiers(cfg: "Config", params: str, optimizer: str, device_share: float = 0.0,
+               host_share: float = 0.0) -> "Config":
+    """``cfg`` with these tiers and optimizer shares (a placeholder NVMe path when it names none: the plan only
+    counts bytes)."""
     tiers = cfg.tiers
     paths = tiers.nvme_path
     if "nvme" in (params, optimizer) and not paths:
         paths = (PLACEHOLDER_NVME,)
-    if (tiers.params, tiers.optimizer, tiers.nvme_path) == (params, optimizer, paths):
+    wanted = (params, optimizer, device_share, host_share, paths)
+    if (tiers.params, tiers.optimizer, tiers.optimizer_device_share, tiers.optimizer_host_share,
+            tiers.nvme_path) == wanted:
         return cfg
-    return dataclasses.replace(cfg, tiers=dataclasses.replace(tiers, params=params, optimizer=optimizer,
-                                                              nvme_path=paths))
+    return dataclasses.replace(cfg, tiers=dataclasses.replace(
+        tiers, params=params, optimizer=optimizer, optimizer_device_share=device_share,
+        optimizer_host_share=host_share, nvme_path=paths))
 
 
-__all__ = ["PAIRS", "Placement", "StepModel", "StepPrediction", "allowed", "with_tiers"]
+__all__ = ["PAIRS", "Placement", "StepModel", "StepPrediction", "allowed", "splits_allowed", "with_tiers"]
