@@ -67,3 +67,43 @@ def test_a_placement_rank_0_cannot_decide_is_an_error_on_every_rank(tmp_path):
     said = run_ranks(_rank_0_fails, 2, tmp_path)
     assert said[0] is not None and said[0] == said[1], said
     assert "tiers.params" in said[0]
+
+
+_AUTO_SPLIT = {"tiers": {"params": "auto", "optimizer": "auto"}, "precision": {"dtype": "float32"},
+               "partition": {"sub_group_size": 4096}, "prefetch": {"device_bytes": "256KiB"}}
+
+
+def _auto_split(rank, world, workdir):
+    """Rank 0's profile has room on its device for part of the states only (and a slow host Adam): it splits
+    them. Rank 1's would keep them all on its device; it runs rank 0's split, shares and all."""
+    size = _size()
+    if rank == 0:
+        box = MachineProfile(name="rank 0", device_bytes=int(0.4 * 2**20), host_bytes=2**30,
+                             host_adam_params_per_s=1e6)
+    else:
+        box = MachineProfile(name="rank 1", device_bytes=0, host_bytes=4 * 2**30, unified=True)
+    _, alone = resolve_auto(load_config(_AUTO_SPLIT), size, world_size=world, machine=box)
+    torch.manual_seed(0)
+    with infinity.Init(_AUTO_SPLIT, model=size, machine=box) as init:
+        model = TinyGPT()
+    opt = infinity.AdamW(model, lr=1e-2)
+    losses = []
+    for idx, tgt in batches(2, 2, seed=rank):
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    t = init.config.tiers
+    kinds = sorted(infinity.stats(model)["optimizer_tiers"])
+    infinity.release(model)
+    return ((t.params, t.optimizer, t.optimizer_device_share, t.optimizer_host_share), alone.tiers(), kinds,
+            init.placement.tiers(), losses)
+
+
+def test_every_rank_runs_rank_0s_split_of_the_optimizer_states(tmp_path):
+    (ran0, own0, kinds0, decided0, _), (ran1, own1, kinds1, decided1, losses1) = run_ranks(_auto_split, 2, tmp_path)
+    assert own0["optimizer_device_share"] > 0 and own1["optimizer_device_share"] == 0
+    assert ran0 == ran1 == tuple(own0.values()) and decided0 == decided1 == own0
+    assert kinds0 == kinds1 == ["device", "host"]
+    assert all(torch.isfinite(torch.tensor(losses1)))
