@@ -170,6 +170,7 @@ class Layout:
         self.gathered_numel = 0  # shard elements gathered per step (forward + backward; persistent once)
         self.rewrite_nvme = 0  # compute-copy bytes of trainable groups, rewritten by the update
         self.rewrite_shards: list[int] = []   # the same, per group
+        self.rewrite_groups: list[int] = []   # the index of each of those groups
         self.largest_shard = 0
         self.largest_name: str | None = None
         self.largest_numel: int | None = None
@@ -199,6 +200,7 @@ class Layout:
                 self.trainable_padded_numel += padded
                 self.rewrite_nvme += on_disk
                 self.rewrite_shards.append(on_disk)
+                self.rewrite_groups.append(len(shards) - 1)
                 self.largest_trainable_numel = max(self.largest_trainable_numel, padded)
                 self.largest_trainable_shard = max(self.largest_trainable_shard, shard)
             if census.structured and (self.largest_numel is None or padded > self.largest_numel):
@@ -208,7 +210,8 @@ class Layout:
         # Elements (all, trainable) of the optimizer states per tier, fastest first (see [Note: where each
         # byte lives]): one tier, or split over tiers by the config's shares.
         self.split_states = bool(cfg.tiers.optimizer_device_share or cfg.tiers.optimizer_host_share)
-        self.state_numel = _state_numel(shards, cfg, self.opt_tier, census.structured)
+        self.group_kinds = _group_kinds(shards, cfg, self.opt_tier) if census.structured else None
+        self.state_numel = _state_numel(shards, cfg, self.opt_tier, self.group_kinds)
         # The tier of the first group's states: with a split store its kind sets the gradients' dtype.
         fastest = next(iter(self.state_numel), self.opt_tier)
         # See [Note: split master] in infinity/optim/split_master.py and [Note: compact gradients]
@@ -407,10 +410,13 @@ class Layout:
                 and cfg.prefetch.enabled and self.structured):
             return 0
         arena = read_ahead_arena_nbytes(cfg.prefetch.nvme_bytes, self.compute_shards)
-        ended = min(arena, self.rewrite_nvme)
+        # A split store's device share is stepped inside opt.step() and offers no fresh shards.
+        offered = [shard for shard, g in zip(self.rewrite_shards, self.rewrite_groups)
+                   if self.group_kinds is None or self.group_kinds[g] != "device"]
+        ended = min(arena, sum(offered))
         if not paced or not overlapped:     # the update during backward has ended before the forward
             return ended
-        return max(ended, sum(shard for shard in self.rewrite_shards if shard <= arena))
+        return max(ended, sum(shard for shard in offered if shard <= arena))
 
     def nvme_read_bytes(self, paced: bool = True) -> int:
         """Bytes one rank reads from NVMe per step (see [Note: NVMe traffic per step])."""
@@ -438,20 +444,30 @@ class Layout:
         return total
 
 
-def _state_numel(shards: list[tuple[int, bool]], cfg: "Config", base: str, structured: bool) -> dict[str, tuple[int, int]]:
+def _group_kinds(shards: list[tuple[int, bool]], cfg: "Config", base: str) -> list[str] | None:
+    """The tier of each group's optimizer states, cut at group boundaries as the engine cuts ([Note: optimizer
+    states over tiers] in infinity/optim/tier_split.py); None when they are in one tier."""
+    device, host = cfg.tiers.optimizer_device_share, cfg.tiers.optimizer_host_share
+    if not (device or host):
+        return None
+    cuts = cut_groups([n for n, _ in shards], device, host)
+    return [group_kind(cuts, base, index) for index in range(len(shards))]
+
+
+def _state_numel(shards: list[tuple[int, bool]], cfg: "Config", base: str,
+                 kinds: list[str] | None) -> dict[str, tuple[int, int]]:
     """Elements (all, of groups that train) of the optimizer states in each tier that holds some, fastest first:
-    the engine's cuts at group boundaries ([Note: optimizer states over tiers] in infinity/optim/tier_split.py),
-    or, for a bare parameter count (one group standing for many), the shares themselves."""
+    by each group's tier (``kinds``), or, for a bare parameter count (one group standing for many, no kinds),
+    by the shares themselves."""
     total = sum(n for n, _ in shards)
     trainable = sum(n for n, trains in shards if trains)
     device, host = cfg.tiers.optimizer_device_share, cfg.tiers.optimizer_host_share
     if not (device or host):
         return {base: (total, trainable)}
     out: dict[str, list[int]] = {}
-    if structured:
-        cuts = cut_groups([n for n, _ in shards], device, host)
-        for index, (n, trains) in enumerate(shards):
-            counts = out.setdefault(group_kind(cuts, base, index), [0, 0])
+    if kinds is not None:
+        for kind, (n, trains) in zip(kinds, shards):
+            counts = out.setdefault(kind, [0, 0])
             counts[0] += n
             counts[1] += n if trains else 0
     else:

@@ -77,9 +77,9 @@ def render_plan(plan) -> str:
 
 def _optimizer_tiers(st) -> str:
     """``tiers.optimizer``, with the shares kept in faster tiers when the states are split over tiers."""
-    shares = [f"{share:g} on the device" for share in (st.optimizer_device_share,) if share]
-    shares += [f"{share:g} in host memory" for share in (st.optimizer_host_share,) if share]
-    return st.optimizer_tier + (f" ({', '.join(shares)} of it)" if shares else "")
+    shares = [f"{share:.1%} on the device" for share in (st.optimizer_device_share,) if share]
+    shares += [f"{share:.1%} in host memory" for share in (st.optimizer_host_share,) if share]
+    return f"{', '.join(shares)}, the rest in {st.optimizer_tier}" if shares else st.optimizer_tier
 
 
 def _step_time_line(plan) -> str:
