@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from infinity.errors import EngineError
+
 KINDS = ("device", "host", "nvme")
 
 
@@ -72,7 +74,7 @@ def sub_tiers(layout, cuts: tuple[int, int] | None, by_name: dict, base: str) ->
     kinds = [group_kind(cuts, base, pieces[0].group_index) for pieces in layout.pieces_of_sub]
     for sub, pieces in enumerate(layout.pieces_of_sub):
         if any(group_kind(cuts, base, p.group_index) != kinds[sub] for p in pieces):
-            raise AssertionError(f"sub-group {sub} straddles a tier cut (internal error: the layout has no break there)")
+            raise EngineError(f"sub-group {sub} straddles a tier cut (internal error: the layout has no break there)")
     return [by_name[k] for k in kinds]
 
 

@@ -49,12 +49,21 @@ def config(tmp_path, params, states, device_share=0.0, host_share=0.0, dtype="fl
     return cfg
 
 
-def make(tmp_path, *split, freeze_norm=False, **kw):
+def make(tmp_path, *split, freeze_norm=False, freeze=None, **kw):
+    """The engine's model and a plain one alike; ``freeze(model)`` runs inside ``infinity.Init``."""
     torch.manual_seed(0)
     with infinity.Init(config(tmp_path, *split, **kw)):
         model = Tiny(freeze_norm)
+        if freeze is not None:
+            freeze(model)
     torch.manual_seed(0)
     return model, Tiny(freeze_norm)
+
+
+def freeze_first_block_and_norm(model) -> None:
+    """Groups frozen among the first (in a device or host share) and the last (in ``tiers.optimizer``)."""
+    model.blocks[0].requires_grad_(False)
+    model.ln_f.requires_grad_(False)
 
 
 def uniform(split):
@@ -173,15 +182,17 @@ def test_frozen_groups_keep_the_cuts(tmp_path, when, split):
     data = batches(3)
     runs = []
     for s in (split, uniform(split)):
-        model, _ = make(tmp_path, *s, freeze_norm=when == "inside-init")
+        model, _ = make(tmp_path, *s, freeze=freeze_first_block_and_norm if when == "inside-init" else None)
         if when == "after-init":
-            model.ln_f.requires_grad_(False)
+            freeze_first_block_and_norm(model)
         store = engine_of(model).store
         opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
         assert (engine_of(model).store is not store) == (when == "after-init")     # rebuilt, frozen apart
         if s is split:
             assert_cut(model, *split[2:], split[1])
-            assert engine_of(model).store.dormant      # the frozen norm's sub-group holds masters only
+            store = engine_of(model).store
+            # The frozen groups' sub-groups hold masters only, in the share tier and in tiers.optimizer.
+            assert {store.sub_tiers[sub].kind for sub in store.dormant} >= {kinds(model)[0], split[1]}
         runs.append((train(model, data, opt)[0], gathered(model)))
         infinity.release(model)
     assert runs[0][0] == runs[1][0]
@@ -191,7 +202,8 @@ def test_frozen_groups_keep_the_cuts(tmp_path, when, split):
 @pytest.mark.parametrize("split", [SPLITS[0], SPLITS[2]], ids=ident)
 def test_a_non_finite_gradient_skips_the_step_in_every_tier(tmp_path, split):
     model, ref = make(tmp_path, *split)
-    opt, _, out, _ = run_schedule(model, ref, 4, warmup=10 ** 6, clip=0.5, skip_at=(1,))
+    with pytest.warns(RuntimeWarning, match="non-finite gradient .* skipped its update"):
+        opt, _, out, _ = run_schedule(model, ref, 4, warmup=10 ** 6, clip=0.5, skip_at=(1,))
     assert all(d <= TOL and l <= 1e-5 for d, l in out), out
     assert opt.stats()["skipped_steps"] == 1
     assert gathered_diff(model, ref) <= TOL
@@ -342,9 +354,11 @@ def test_the_device_shares_update_moves_no_nvme_bytes(tmp_path, monkeypatch):
 
 
 # -- 7. stage 2 ---------------------------------------------------------------------------------------------------
-def test_stage_2_with_a_device_share_trains_as_torch(tmp_path):
-    model, ref = make(tmp_path, "device", "host", 0.5, 0.0, partition={"stage": 2})
+@pytest.mark.parametrize("split", [("device", "host", 0.5, 0.0), ("device", "nvme", 0.3, 0.4)], ids=ident)
+def test_stage_2_with_a_device_share_trains_as_torch(tmp_path, split):
+    model, ref = make(tmp_path, *split, partition={"stage": 2})
     opt, _, out, _ = run_schedule(model, ref, 4, warmup=10 ** 6, clip=0.5, lr_at=lambda k: 1e-2 * 0.8 ** k)
     assert all(d <= TOL and l <= 1e-5 for d, l in out), out
+    assert_cut(model, *split[2:], split[1])
     assert opt.stats()["device_share_seconds"] > 0
     assert gathered_diff(model, ref) <= TOL
