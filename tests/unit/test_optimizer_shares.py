@@ -230,25 +230,35 @@ def test_state_dict_round_trip_and_equal_to_the_uniform_runs(tmp_path):
             assert torch.equal(x, y), state
 
 
-@pytest.mark.parametrize("saved,loaded", [("split", "uniform"), ("uniform", "split")])
-def test_checkpoint_moves_between_split_and_uniform_runs(tmp_path, saved, loaded):
-    split = ("nvme", "nvme", 0.3, 0.4)
+@pytest.mark.parametrize("saved,loaded,state_dtype", [("split", "uniform", "fp32"), ("uniform", "split", "fp32"),
+                                                       ("split", "uniform", "int8"), ("uniform", "split", "int8")])
+def test_checkpoint_moves_between_split_and_uniform_runs(tmp_path, saved, loaded, state_dtype):
+    split = ("nvme", "nvme", 0.3, 0.4) if state_dtype == "fp32" else ("nvme", "nvme", 0.0, 0.5)
     pick = {"split": split, "uniform": uniform(split)}
     data = batches(5)
-    straight, _ = make(tmp_path, *uniform(split))
-    expected = train(straight, data)[0]
-    expected_params = gathered(straight)
-    infinity.release(straight)
-    model, _ = make(tmp_path, *pick[saved])
-    first, opt = train(model, data[:2])
-    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
-    infinity.release(model)
-    resumed, _ = make(tmp_path, *pick[loaded])
-    ropt = infinity.AdamW(resumed, lr=1e-2, weight_decay=0.1)
-    infinity.load_checkpoint(tmp_path / "ckpt", resumed, ropt)
-    assert first + train(resumed, data[2:], ropt)[0] == expected
-    assert_same(gathered(resumed), expected_params)
-    infinity.release(resumed)
+
+    def resumed(saved, loaded):
+        model, _ = make(tmp_path, *pick[saved], optimizer={"state_dtype": state_dtype})
+        first, opt = train(model, data[:2])
+        infinity.save_checkpoint(tmp_path / f"ckpt-{saved}-{loaded}", model, opt)
+        infinity.release(model)
+        model, _ = make(tmp_path, *pick[loaded], optimizer={"state_dtype": state_dtype})
+        opt = infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
+        infinity.load_checkpoint(tmp_path / f"ckpt-{saved}-{loaded}", model, opt)
+        out = first + train(model, data[2:], opt)[0], gathered(model)
+        infinity.release(model)
+        return out
+
+    losses, params = resumed(saved, loaded)
+    # As a uniform run resumed from a uniform run's checkpoint (int8 moments are encoded again by a load).
+    ref_losses, ref_params = resumed("uniform", "uniform")
+    assert losses == ref_losses
+    assert_same(params, ref_params)
+    if state_dtype == "fp32":   # and as the run never interrupted
+        straight, _ = make(tmp_path, *uniform(split))
+        assert train(straight, data)[0] == losses
+        assert_same(gathered(straight), params)
+        infinity.release(straight)
 
 
 # -- 4. compressed moments ---------------------------------------------------------------------------------------
