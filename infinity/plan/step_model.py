@@ -33,8 +33,10 @@ so a window takes as long as its busiest resource:
 * device update, with the states split over tiers: the device share's AdamW (at
   ``device_update_params_per_s``), its new compute copies to host memory or NVMe when the copies are
   not on the device. The engine steps it inside ``opt.step()`` before handing the rest on
-  (``UpdateScheduler``'s device lane, infinity/optim/scheduler.py), so it is a window of its own in
-  every schedule, added to the step; the "update" phase is then the host and NVMe shares' alone.
+  (``UpdateScheduler``'s device lane, infinity/optim/scheduler.py; the lane's pass waits for its
+  copies' CUDA events, so the host share's update starts after the device's ends), so it is a window
+  of its own in every schedule, added to the step; the "update" phase is then the host and NVMe
+  shares' alone.
 
 Resources: compute, host->device link, device->host link, host update, disk (reads / read rate +
 writes / write rate, shared by the machine's ranks), and with ``interconnect_gbps`` in the profile the
