@@ -22,13 +22,23 @@ from infinity.optim.background import UpdateWorkerError
 from tests.support.tiny_gpt import TinyGPT, batches
 
 
-def _config(tmp_path, dtype, dpu=False):
+# The optimizer states split over tiers ([Note: optimizer states over tiers] in infinity/optim/tier_split.py):
+# the first groups' on the device (the CPU's memory here, stepped inside opt.step()), the next in host memory,
+# the rest on NVMe; and a host share alone, whose bf16 gradients widen to fp32 as on NVMe (a device share keeps
+# fp32 gradients from the start).
+SPLIT = {"params": "host", "optimizer_device_share": 0.3, "optimizer_host_share": 0.3}
+HOST_SHARE = {"optimizer_host_share": 0.5}
+
+
+def _config(tmp_path, dtype, dpu=False, tiers=None):
+    """The NVMe preset's tiers in ``dtype`` (``tiers``: keys that replace them), or the host preset ``dtype``
+    names."""
     nvme = tmp_path / "nvme"
     nvme.mkdir(parents=True, exist_ok=True)
     if dtype in infinity.config.presets():     # a host preset: nothing on NVMe, its own precision
         return infinity.load_config(dtype, overrides={"partition": {"sub_group_size": 4096}})
     return {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(nvme),
-                      "pool_buffer_size": "256KiB", "pool_buffers": 4},
+                      "pool_buffer_size": "256KiB", "pool_buffers": 4, **(tiers or {})},
             "partition": {"sub_group_size": 4096}, "precision": {"dtype": dtype},
             "prefetch": {"nvme_bytes": "1MiB"}, "aio": {"engine": "threads"},
             "dpu": {"enabled": dpu, "warmup_steps": 0}}
@@ -56,12 +66,12 @@ class _Fault:
         return wrapped
 
 
-def _train(tmp_path, dtype, fault=None, where=None, save=None, at_step=1, dpu=False):
+def _train(tmp_path, dtype, fault=None, where=None, save=None, at_step=1, dpu=False, tiers=None):
     """Three steps of two micro-batches; ``where(engine, fault)`` installs ``fault`` for the first try of
     step ``at_step``, which is redone after ``opt.zero_grad()``. Returns the weights, the error seen and the
     calls."""
     torch.manual_seed(0)
-    with infinity.Init(_config(tmp_path, dtype, dpu)):
+    with infinity.Init(_config(tmp_path, dtype, dpu, tiers)):
         model = TinyGPT(d=48)
     engine = registry.engine_of(model, "test")
     opt = infinity.AdamW(model, lr=1e-2)
@@ -135,23 +145,26 @@ def _fault_points(total: int) -> list[int]:
     return sorted({k for k in (1, 2, 3, 4, total) if k <= total} | set(range(_OFFSET, total, _STRIDE)))
 
 
-@pytest.mark.parametrize("kind", ["disk full at a new key", "I/O error at a write", "disk full, DPU"])
+@pytest.mark.parametrize("kind", ["disk full at a new key", "I/O error at a write", "disk full, DPU",
+                                  "disk full, states split", "I/O error at a write, states split"])
 def test_a_fault_while_gradients_widen_loses_nothing_at_every_call(tmp_path, kind):
     """bf16, states on NVMe, several sub-groups: the first step with two micro-batches moves the gradient keys
     to fp32. A failure at any new key or write of that move used to leave the store with keys freed and not
     replaced ('unknown key' at every later call); now the keys widened so far are narrowed back, and the step
     redone after zero_grad() trains exactly as without the fault (the calls of ``_fault_points``)."""
     dpu = "DPU" in kind     # its spare set of gradient keys widens first, and back
-    reference, _, _ = _train(tmp_path / "ref", "bfloat16", dpu=dpu)
+    tiers = HOST_SHARE if "split" in kind else None     # keys widen in host memory and on NVMe
+    reference, _, _ = _train(tmp_path / "ref", "bfloat16", dpu=dpu, tiers=tiers)
     error = OSError(errno.ENOSPC, "No space left on device") if kind.startswith("disk") else \
         OSError(errno.EIO, "Input/output error")
     where = _allocations if kind.startswith("disk") else _grad_writes
     counting = _Fault(10 ** 9, error)
-    _train(tmp_path / "count", "bfloat16", counting, where, at_step=0, dpu=dpu)
+    _train(tmp_path / "count", "bfloat16", counting, where, at_step=0, dpu=dpu, tiers=tiers)
     assert counting.calls >= 4, f"only {counting.calls} fault points"
     for k in _fault_points(counting.calls):
         fault = _Fault(k, error)
-        got, said, calls = _train(tmp_path / f"k{k}", "bfloat16", fault, where, at_step=0, dpu=dpu)   # step 0 widens
+        got, said, calls = _train(tmp_path / f"k{k}", "bfloat16", fault, where, at_step=0, dpu=dpu,
+                                  tiers=tiers)   # step 0 widens
         assert fault.fired, (k, counting.calls)
         assert said is not None and str(error.strerror) in str(said), (k, said)
         assert _same(got, reference), f"{kind} at call {k} of {counting.calls} changed the weights"
@@ -192,14 +205,16 @@ def _engine_hooks(engine, fault):
     engine.on_group_grads = fault.wrap(engine.on_group_grads)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "offload-host", "offload-optimizer"])
-def test_ctrl_c_at_every_engine_hook_of_a_step_loses_nothing(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,tiers", [("float32", None), ("bfloat16", None), ("offload-host", None),
+                                         ("offload-optimizer", None), ("float32", SPLIT)],
+                         ids=["float32", "bfloat16", "offload-host", "offload-optimizer", "float32-states-split"])
+def test_ctrl_c_at_every_engine_hook_of_a_step_loses_nothing(tmp_path, dtype, tiers):
     """KeyboardInterrupt raised at engine hooks of a step in turn (``_fault_points``) (forward, backward, gradient hand-off):
     a save right after it works, and after opt.zero_grad() the redone step trains exactly as without it.
-    The nvme preset in fp32 and bf16, and the host presets (``dtype`` names them)."""
-    reference, _, _ = _train(tmp_path / "ref", dtype)
+    The nvme preset in fp32 and bf16, the host presets (``dtype`` names them), and the states split over tiers."""
+    reference, _, _ = _train(tmp_path / "ref", dtype, tiers=tiers)
     counting = _Fault(10 ** 9, KeyboardInterrupt())
-    _train(tmp_path / "count", dtype, counting, _engine_hooks)
+    _train(tmp_path / "count", dtype, counting, _engine_hooks, tiers=tiers)
     assert counting.calls >= 12, f"only {counting.calls} fault points"
     for k in _fault_points(counting.calls):
 
@@ -207,7 +222,7 @@ def test_ctrl_c_at_every_engine_hook_of_a_step_loses_nothing(tmp_path, dtype):
             infinity.save_checkpoint(tmp_path / "ckpt", model, opt, keep=1)
 
         fault = _Fault(k, KeyboardInterrupt())
-        got, said, calls = _train(tmp_path / f"k{k}", dtype, fault, _engine_hooks, save)
+        got, said, calls = _train(tmp_path / f"k{k}", dtype, fault, _engine_hooks, save, tiers=tiers)
         assert fault.fired, (k, counting.calls)
         assert isinstance(said, KeyboardInterrupt), (k, said)
         assert _same(got, reference), f"Ctrl-C at engine hook {k} of {counting.calls} changed the weights"
@@ -215,12 +230,13 @@ def test_ctrl_c_at_every_engine_hook_of_a_step_loses_nothing(tmp_path, dtype):
 
 # -- every I/O call of a step, at the tier ------------------------------------------------------------------
 
-def _tier_calls(engine, fault):
+def _tier_calls(engine, fault, every_tier=False):
     """Every reservation, read and write of the NVMe tier: parameters, masters, moments, gradients and, with
-    activations offloaded to NVMe, the checkpointed activations (their tier writes into the same files)."""
-    tier = engine.tiers.nvme_tier
-    for name in ("allocate", "read", "write"):
-        setattr(tier, name, fault.wrap(getattr(tier, name)))
+    activations offloaded to NVMe, the checkpointed activations (their tier writes into the same files).
+    ``every_tier``: those of the device and host tiers too (the optimizer states split over the three)."""
+    for tier in (engine.tiers.device_tier, engine.tiers.host_tier, engine.tiers.nvme_tier)[0 if every_tier else 2:]:
+        for name in ("allocate", "read", "write"):
+            setattr(tier, name, fault.wrap(getattr(tier, name)))
 
 
 def _run_through(tmp_path, dtype, fault, overrides, at_step=1):
@@ -240,7 +256,7 @@ def _run_through(tmp_path, dtype, fault, overrides, at_step=1):
     engine = registry.engine_of(model, "test")
     opt = infinity.AdamW(model, lr=1e-2)
     if fault is not None:
-        _tier_calls(engine, fault)
+        _tier_calls(engine, fault, overrides.get("_every_tier", False))
     data = batches(6, 4)
     said, restored, tries, saved = None, 0, 0, False
     while opt.step_count < 3:
@@ -282,6 +298,7 @@ def _run_through(tmp_path, dtype, fault, overrides, at_step=1):
     ("nvme, bf16, activations on NVMe", "bfloat16", {"activations": {"offload": "nvme", "min_nbytes": 1024}}),
     ("nvme, bf16, one micro-batch", "bfloat16", {"_micro": 1}),
     ("nvme, fp32, DPU", "float32", {"dpu": {"enabled": True, "warmup_steps": 0}}),
+    ("states split device/host/nvme, every tier's calls", "float32", {"tiers": SPLIT, "_every_tier": True}),
 ])
 def test_an_io_error_at_every_tier_call_of_a_step_is_named_and_loses_nothing(tmp_path, name, dtype, overrides):
     """EIO at the k-th reservation, read or write of the NVMe tier during a step (forward reads, gradient writes,
