@@ -17,7 +17,7 @@ from infinity.plan.census import ModelCensus
 from infinity.plan.layout import Layout, shard_numel
 from infinity.prefetch.prefetcher import read_ahead_arena_nbytes
 from infinity.plan.machine import MachineProfile, Workload
-from infinity.plan.placement import decide, resolve_auto
+from infinity.plan.placement import SPLIT_WORTH, decide, resolve_auto
 from infinity.plan.shapes import KNOWN_SHAPES, known_census
 from infinity.plan.step_model import TIERS, Placement, StepModel
 from tests.unit.test_plan_auto import CFG, PROFILES, WORKLOAD, _fits, _model
@@ -45,10 +45,14 @@ def test_auto_runs_the_fastest_runnable_placement_that_fits(profile, model_name)
     assert chosen.placement.params_tier is not None and chosen.fits and _fits(model, chosen.placement)
     # The decision is a config the engine takes.
     load_config(CFG, overrides={"tiers": decision.tiers()})
-    faster = [p for p in _runnable(model, SLICES)
-              if _fits(model, p) and model.predict(p).step_s < chosen.step_s * (1 - 1e-9)]
+    # A split is taken only when it is worth its second tier: SPLIT_WORTH shorter than the best uniform pair.
+    bar = chosen.step_s * (1 - SPLIT_WORTH if chosen.placement.pair is not None else 1 - 1e-9)
+    faster = [p for p in _runnable(model, SLICES) if _fits(model, p) and model.predict(p).step_s < bar]
     assert not faster, (f"{chosen.placement.describe()} predicts {chosen.step_s:.4f} s but {faster[0].describe()} "
                         f"fits and predicts {model.predict(faster[0]).step_s:.4f} s")
+    faster_uniform = [p for p in _runnable(model, SLICES) if p.pair is not None and _fits(model, p)
+                      and model.predict(p).step_s < chosen.step_s * (1 - 1e-9)]
+    assert not faster_uniform, faster_uniform[0].describe()
     if decision.split is not None:      # reported only when it beats what the engine runs
         assert decision.split.placement.params_tier is None and decision.split.step_s < chosen.step_s
 
