@@ -263,6 +263,24 @@ def test_checkpoint_moves_between_split_and_uniform_runs(tmp_path, saved, loaded
         infinity.release(straight)
 
 
+def test_a_checkpoint_from_before_the_first_step_restarts_a_trained_split_run(tmp_path):
+    """Its moments were never stepped (the manifest says so): the load must clear those the split run's device and
+    host shares hold in memory, as well as the NVMe share's."""
+    split = ("device", "nvme", 0.3, 0.4)
+    model, _ = make(tmp_path, *uniform(split))
+    infinity.save_checkpoint(tmp_path / "ckpt", model, infinity.AdamW(model, lr=1e-2, weight_decay=0.1))
+    infinity.release(model)
+    fresh, _ = make(tmp_path, *split)
+    expected = train(fresh, batches(2, seed=5))[0], gathered(fresh)
+    infinity.release(fresh)
+    model, _ = make(tmp_path, *split)
+    _, opt = train(model, batches(3))
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert train(model, batches(2, seed=5), opt)[0] == expected[0]
+    assert_same(gathered(model), expected[1])
+    infinity.release(model)
+
+
 # -- 4. compressed moments ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("state_dtype", ["int8", "bf16"])
 def test_compressed_moments_in_a_host_and_nvme_split(tmp_path, state_dtype):
