@@ -22,7 +22,7 @@ def render_plan(plan) -> str:
         f"Plan for {plan.source}: {format_count(plan.num_params)} parameters, "
         f"world size {ranks} ({where})",
         f"precision {st.dtype} ({st.param_bytes} bytes/element); params in "
-        f"{st.params_tier}, optimizer in {_optimizer_tiers(st)}{paths}; compute device "
+        f"{st.params_tier}, optimizer {_optimizer_tiers(st)}{paths}; compute device "
         f"{st.compute_device}",
         f"Every rank holds the same bytes: each group's shard is padded to a multiple of "
         f"{SHARD_ALIGN_NUMEL} elements ({sh.shard_numel:,} elements per rank, "
@@ -79,7 +79,7 @@ def _optimizer_tiers(st) -> str:
     """``tiers.optimizer``, with the shares kept in faster tiers when the states are split over tiers."""
     shares = [f"{share:.1%} on the device" for share in (st.optimizer_device_share,) if share]
     shares += [f"{share:.1%} in host memory" for share in (st.optimizer_host_share,) if share]
-    return f"{', '.join(shares)}, the rest in {st.optimizer_tier}" if shares else st.optimizer_tier
+    return f"{', '.join(shares)}, the rest in {st.optimizer_tier}" if shares else f"in {st.optimizer_tier}"
 
 
 def _step_time_line(plan) -> str:
