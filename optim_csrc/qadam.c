@@ -352,19 +352,37 @@ __attribute__((target("avx2,fma,f16c"))) static void run_int8_fast_avx2(const Jo
 #undef V8
 
 /* [Note: the int8 block in AVX-512]
- * The AVX2 block's arithmetic, 16 elements to a vector: the same operations in the same order on the same
- * values (no fused multiply-adds), so the same bits (tests/unit/test_compressed_copies.py compares every
- * variant with the portable C). Loop 1 decodes 16 codes at a time (F16C on a 512-bit register); loop 2
- * narrows the codes with vpmovwb (each at most 0xFF) instead of packing pairs. Blocks whose scales are
- * not plain take the AVX2 block's loop 2 (encode_any_avx2) on the same scratch. On a Zen 4 (AMD EPYC,
- * family 25 model 17), whose 512-bit operations take one scheduler entry each, issued in two halves:
- * 1.28 ns per element against the AVX2 block's 1.49 (1 thread, 16Ki elements in cache, min of 7
- * alternated runs), and in the engine step at 100M on 2 threads 1.11-1.37 G params/s against
- * 0.98-1.25. */
+ * The AVX2 block's arithmetic, 16 elements to a vector: the same operations on the same values (no fused
+ * multiply-adds), so the same bits (tests/unit/test_compressed_copies.py compares every variant with the
+ * portable C). Loop 1 decodes 16 codes at a time (F16C on a 512-bit register); loop 2 narrows the codes
+ * with vpmovwb (each at most 0xFF) instead of packing pairs. Blocks whose scales are not plain take the
+ * AVX2 block's loop 2 (encode_any_avx2) on the same scratch.
+ *
+ * Loop 1 of block k runs in the same loop as loop 2 of block k - 2 (a run of full blocks, three scratches
+ * taking turns): a block's maxima and scales are ready a block before its loop 2 needs them, where each
+ * block's loop 2 waited for its own reductions and scalar divisions, and the loop's other arithmetic
+ * overlaps the square roots and divisions. Nothing changes but the order: loop 1 of block k reads block
+ * k's codes, old scales and weights only, which loop 2 of blocks before it does not write. The scratch
+ * rows are staggered modulo 4096 bytes (Scratch512). Three operations go, with the same bits: m's code
+ * is decoded with one multiplication by 256 dm instead of two (the products are the same real number
+ * rounded once: 256 x and 256 dm are exact; a block whose 256 dm would overflow keeps the two), the
+ * gradient is not multiplied by a grad_mul of 1 (g * 1 is g; the first operation that uses either
+ * quiets a signalling NaN alike), and a positive w's code is raised to 1 by a compare and a masked move
+ * (encode_plain_16 says why that is encode_plain_avx2's).
+ * On a Zen 4 (AMD EPYC, family 25 model 17; 512-bit operations take one scheduler entry each, issued in
+ * two halves), 1 thread, 64Ki elements in cache, min of 36 alternated runs of a C harness, ns per
+ * element, before and after: blocks of 64 0.749 and 0.633, of 256 0.565 and 0.526, of 2048 0.515 and
+ * 0.495. The same loop with the scratches 8 KiB apart (every load 4K-aliasing the store before it) and
+ * loop 2 one block behind instead of two measured no faster than before. */
 #define V16(x) _mm512_set1_ps(x)
 #define AVX512_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
-typedef struct { float fm[MAX_BLOCK], fw[MAX_BLOCK]; } Scratch512;
+/* The pipeline's three scratches, each m's and w's: six rows whose starts differ by 256 bytes modulo
+ * 4096, so that loop 1 storing into one and loop 2 loading from another at the same element never look
+ * alike to the store-to-load forwarding check (4K aliasing: the rows 8 KiB apart made every such load
+ * wait on the store). */
+#define SCRATCH_ROW (MAX_BLOCK + 64)
+typedef struct { float row[6][SCRATCH_ROW]; } Scratch512;
 
 /* The bf16 words of 16 floats (round to nearest even, a NaN as 0xFFFF: to_bf16's). */
 AVX512_ATTR static inline __m256i to_bf16_v16(__m512 x) {
@@ -376,104 +394,179 @@ AVX512_ATTR static inline __m256i to_bf16_v16(__m512 x) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-/* Loop 2 of a block with plain scales (encode_plain_avx2's arithmetic and checks), 16 elements at a time. */
-__attribute__((always_inline)) AVX512_ATTR static inline void encode_plain_avx512(
-        const Job *j, Hyper h, int64_t b0, int64_t len, const float *fm, const float *fw, uint16_t *out,
-        float qm8, float qw, const int decoupled) {
-    uint8_t *restrict mc = j->m + b0, *restrict vc = j->v + b0;
-    float *restrict p = j->p + b0;
-    const __m512 qm = V16(qm8), qwv = V16(qw), up = V16(0x1p126f), smallest = V16(0x1p-18f);
-    const __m512 decay = V16(h.decay), step_size = V16(h.step_size), inv_bc2 = V16(h.inv_bc2_sqrt), eps = V16(h.eps);
-    const __m256i low15 = _mm256_set1_epi16(0x7FFF), half = _mm256_set1_epi16(32), k7f = _mm256_set1_epi16(0x7F);
-    const __m256i top_w = _mm256_set1_epi16(0xFF), bit7 = _mm256_set1_epi16(0x80);
-    for (int64_t t = 0; t < len; t += 16) {
-        __m512 x = _mm512_load_ps(fm + t), w = _mm512_load_ps(fw + t);
-        __m512 pv = _mm512_loadu_ps(p + t);
-        __m512 pi = decoupled ? _mm512_mul_ps(pv, decay) : pv;
-        __m512 pn = _mm512_sub_ps(pi, _mm512_div_ps(_mm512_mul_ps(step_size, x),
-                                                    _mm512_add_ps(_mm512_mul_ps(w, inv_bc2), eps)));
-        _mm512_storeu_ps(p + t, pn);
-        if (out != NULL) _mm256_storeu_si256((__m256i *)(out + t), to_bf16_v16(pn));
-        __m256i fm16 = _mm512_cvtps_ph(_mm512_mul_ps(x, qm), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        __m512 u = _mm512_mul_ps(w, qwv);
-        __m256i fw16 = _mm512_cvtps_ph(_mm512_max_ps(u, _mm512_min_ps(_mm512_mul_ps(u, up), smallest)),
-                                       _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        __m256i cm = _mm256_min_epu16(_mm256_srli_epi16(_mm256_add_epi16(_mm256_and_si256(fm16, low15), half), 6), k7f);
-        cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_and_si256(_mm256_srli_epi16(fm16, 8),
-                                                                   _mm256_add_epi16(cm, k7f)), bit7));
-        __m256i cw = _mm256_min_epu16(_mm256_srli_epi16(_mm256_add_epi16(fw16, half), 6), top_w);
-        _mm_storeu_si128((__m128i *)(mc + t), _mm256_cvtepi16_epi8(cm));
-        _mm_storeu_si128((__m128i *)(vc + t), _mm256_cvtepi16_epi8(cw));
-    }
+/* The arrays of the block at b0, in locals: the compiler reloads nothing from the Job that the code stores
+ * (bytes) might alias. */
+typedef struct { float *p; const float *g; const uint16_t *g16; uint8_t *mc, *vc; } BlockPtrs;
+
+static inline BlockPtrs block_ptrs(const Job *j, int64_t b0) {
+    BlockPtrs b = {j->p + b0, j->g16 != NULL ? NULL : j->g + b0, j->g16 != NULL ? j->g16 + b0 : NULL, j->m + b0,
+                   j->v + b0};
+    return b;
 }
 
-/* int8_block_fast_avx2 with 16-element vectors (see [Note: the int8 block in AVX-512]); full blocks whose
- * length is a multiple of 16. */
-__attribute__((always_inline)) AVX512_ATTR static inline void int8_block_fast_avx512(
-        const Job *j, Hyper h, int64_t k, int *cur, Scratch512 *sc, const int g16, const int decoupled) {
-    const int64_t b0 = k * j->block, len = j->block;
-    float *restrict fm = sc->fm, *restrict fw = sc->fw;
-    const uint8_t *restrict mc = j->m + b0, *restrict vc = j->v + b0;
-    const float *restrict p = j->p + b0;
-    uint16_t *restrict out = block_out(j, b0, len, cur);
-    const float inv_top = 1.0f / CODE_TOP;
-    const __m512 dm = V16(j->ms[k] * inv_top), dw = V16(j->vs[k] * inv_top);
-    const __m512 b1 = V16(h.b1), b2 = V16(h.b2), c1 = V16(1.0f - h.b1), c2 = V16(1.0f - h.b2), gmul = V16(h.gmul);
-    const __m512 wd = V16(h.wd), up8 = V16(256.0f);
+/* Loop 1 on 16 elements at t of block b (dm = m's scale / CODE_TOP, dm8 = 256 dm where fold, dw = w's
+ * scale / CODE_TOP): decode, the new m and w = sqrt(v) into fm, fw, their magnitudes' maxima into *im, *iw.
+ * fold is the same for a whole block (the loop is unswitched on it). */
+__attribute__((always_inline)) AVX512_ATTR static inline void decode_step_16(
+        Hyper h, BlockPtrs b, int64_t t, int fold, __m512 dm8, __m512 dm, __m512 dw, float *fm, float *fw, __m512i *im,
+        __m512i *iw, const int g16, const int decoupled, const int unit_gmul) {
+    const __m256i m_bits = _mm256_set1_epi16((short)0x9FFF);   /* see int8_block_fast_avx2 */
     const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-    const __m256i m_bits = _mm256_set1_epi16((short)0x9FFF);
-    __m512i im = _mm512_setzero_si512(), iw = _mm512_setzero_si512();
-    for (int64_t t = 0; t < len; t += 16) {
-        __m256i hm = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(mc + t))), 6),
-                                      m_bits);
-        __m256i hw = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(vc + t))), 6);
-        __m512 m = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtph_ps(hm), up8), dm);
-        __m512 wo = _mm512_mul_ps(_mm512_cvtph_ps(hw), dw);
-        __m512 g;
-        if (g16)
-            g = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(j->g16 + b0 + t))), 16));
-        else
-            g = _mm512_loadu_ps(j->g + b0 + t);
-        __m512 gi = decoupled ? _mm512_mul_ps(g, gmul)
-                              : _mm512_add_ps(_mm512_mul_ps(g, gmul), _mm512_mul_ps(wd, _mm512_loadu_ps(p + t)));
-        __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, m), _mm512_mul_ps(c1, gi));
-        __m512 vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_mul_ps(wo, wo)), _mm512_mul_ps(_mm512_mul_ps(c2, gi), gi));
-        __m512 wi = _mm512_sqrt_ps(vi);
-        _mm512_store_ps(fm + t, mi);
-        _mm512_store_ps(fw + t, wi);
-        im = _mm512_max_epi32(im, _mm512_and_si512(_mm512_castps_si512(mi), abs_mask));
-        iw = _mm512_max_epi32(iw, _mm512_and_si512(_mm512_castps_si512(wi), abs_mask));
-    }
-    int32_t am_i = _mm512_reduce_max_epi32(im), aw_i = _mm512_reduce_max_epi32(iw);     /* >= 0: from 0 */
-    float am = as_float(am_i), aw = as_float(aw_i);
-    if (am_i <= 0x7A800000 && (am_i == 0 || am_i >= 0x00800000) && aw_i < 0x7F800000)
-        encode_plain_avx512(j, h, b0, len, fm, fw, out, (am > 0.0f ? CODE_TOP / am : 0.0f) * (1.0f / 256.0f),
-                            aw > 0.0f ? CODE_TOP / aw : 0.0f, decoupled);
+    __m256i hm = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b.mc + t))), 6),
+                                  m_bits);
+    __m256i hw = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b.vc + t))), 6);
+    __m512 m = fold ? _mm512_mul_ps(_mm512_cvtph_ps(hm), dm8) : _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtph_ps(hm), V16(256.0f)), dm);
+    __m512 wo = _mm512_mul_ps(_mm512_cvtph_ps(hw), dw);
+    __m512 g;
+    if (g16)
+        g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b.g16 + t))), 16));
     else
-        encode_any_avx2(j, h, b0, len, fm, fw, out, am, aw, decoupled);
-    if (j->nsegs && out == NULL) write_copies_avx512(j, b0, b0 + len, cur);
-    j->ms[k] = am;
-    j->vs[k] = aw;
+        g = _mm512_loadu_ps(b.g + t);
+    __m512 gs = unit_gmul ? g : _mm512_mul_ps(g, V16(h.gmul));
+    __m512 gi = decoupled ? gs : _mm512_add_ps(gs, _mm512_mul_ps(V16(h.wd), _mm512_loadu_ps(b.p + t)));
+    __m512 mi = _mm512_add_ps(_mm512_mul_ps(V16(h.b1), m), _mm512_mul_ps(V16(1.0f - h.b1), gi));
+    __m512 vi = _mm512_add_ps(_mm512_mul_ps(V16(h.b2), _mm512_mul_ps(wo, wo)),
+                              _mm512_mul_ps(_mm512_mul_ps(V16(1.0f - h.b2), gi), gi));
+    __m512 wi = _mm512_sqrt_ps(vi);
+    _mm512_store_ps(fm + t, mi);
+    _mm512_store_ps(fw + t, wi);
+    *im = _mm512_max_epi32(*im, _mm512_and_si512(_mm512_castps_si512(mi), abs_mask));
+    *iw = _mm512_max_epi32(*iw, _mm512_and_si512(_mm512_castps_si512(wi), abs_mask));
+}
+
+/* Loop 2 of a block with plain scales (encode_plain_avx2's arithmetic and checks) on 16 elements at t of
+ * block b: the weights' update and bf16 copies (out, or none), the codes. qm8 = qm / 256. */
+__attribute__((always_inline)) AVX512_ATTR static inline void encode_plain_16(
+        Hyper h, BlockPtrs b, int64_t t, const float *fm, const float *fw, uint16_t *out, __m512 qm8, __m512 qw,
+        const int decoupled) {
+    const __m256i low15 = _mm256_set1_epi16(0x7FFF), half = _mm256_set1_epi16(32), k7f = _mm256_set1_epi16(0x7F);
+    const __m256i top_w = _mm256_set1_epi16(0xFF), bit7 = _mm256_set1_epi16(0x80);
+    __m512 x = _mm512_load_ps(fm + t), w = _mm512_load_ps(fw + t);
+    __m512 pv = _mm512_loadu_ps(b.p + t);
+    __m512 pi = decoupled ? _mm512_mul_ps(pv, V16(h.decay)) : pv;
+    __m512 pn = _mm512_sub_ps(pi, _mm512_div_ps(_mm512_mul_ps(V16(h.step_size), x),
+                                                _mm512_add_ps(_mm512_mul_ps(w, V16(h.inv_bc2_sqrt)), V16(h.eps))));
+    _mm512_storeu_ps(b.p + t, pn);
+    if (out != NULL) _mm256_storeu_si256((__m256i *)(out + t), to_bf16_v16(pn));
+    __m256i fm16 = _mm512_cvtps_ph(_mm512_mul_ps(x, qm8), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m256i fw16 = _mm512_cvtps_ph(_mm512_mul_ps(w, qw), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m256i cm = _mm256_min_epu16(_mm256_srli_epi16(_mm256_add_epi16(_mm256_and_si256(fm16, low15), half), 6), k7f);
+    cm = _mm256_or_si256(cm, _mm256_and_si256(_mm256_and_si256(_mm256_srli_epi16(fm16, 8),
+                                                               _mm256_add_epi16(cm, k7f)), bit7));
+    __m256i cw = _mm256_min_epu16(_mm256_srli_epi16(_mm256_add_epi16(fw16, half), 6), top_w);
+    /* a positive w never codes 0: 1 there. encode_plain_avx2 raises w qw to the smallest code's value
+     * instead, which codes 1 exactly where this code is 0 and w > 0 (u > 0 exactly when w > 0: w qw is at
+     * least 2^-137.6, see there), and changes no other code; a compare and a masked move where that took
+     * three floating-point operations. */
+    __mmask16 raise = _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_GT_OQ) &
+                      _mm256_cmpeq_epi16_mask(cw, _mm256_setzero_si256());
+    cw = _mm256_mask_mov_epi16(cw, raise, _mm256_set1_epi16(1));
+    _mm_storeu_si128((__m128i *)(b.mc + t), _mm256_cvtepi16_epi8(cm));
+    _mm_storeu_si128((__m128i *)(b.vc + t), _mm256_cvtepi16_epi8(cw));
+}
+
+/* A block's maxima as loop 1 leaves them, and whether they are plain scales (see int8_block_fast_avx2):
+ * finite, am 0 or in [2^-126, 2^118] (a NaN or an infinity anywhere in the block makes its scale one). */
+typedef struct { int32_t am_i, aw_i; } Maxima;
+
+static inline int plain_scales(Maxima a) {
+    return a.am_i <= 0x7A800000 && (a.am_i == 0 || a.am_i >= 0x00800000) && a.aw_i < 0x7F800000;
+}
+
+/* Loop 1 of block k into fm, fw (with loop 2 of another block when the caller fuses them): its maxima. */
+#define DECODE_LOOP(k, fm, fw, body_extra)                                                                      \
+    do {                                                                                                        \
+        const float inv_top_ = 1.0f / CODE_TOP;                                                                 \
+        const float dm_ = j->ms[k] * inv_top_;                                                                  \
+        const int fold_ = !(isfinite(dm_) && !isfinite(dm_ * 256.0f));                                         \
+        const __m512 dm8_ = V16(dm_ * 256.0f), dmv_ = V16(dm_), dw_ = V16(j->vs[k] * inv_top_);               \
+        const BlockPtrs db_ = block_ptrs(j, (k) * len);                                                         \
+        __m512i im_ = _mm512_setzero_si512(), iw_ = _mm512_setzero_si512();                                     \
+        for (int64_t t = 0; t < len; t += 16) {                                                                 \
+            decode_step_16(h, db_, t, fold_, dm8_, dmv_, dw_, fm, fw, &im_, &iw_, g16, decoupled, unit_gmul);    \
+            body_extra;                                                                                         \
+        }                                                                                                       \
+        decoded.am_i = _mm512_reduce_max_epi32(im_);   /* >= 0: from 0 */                                       \
+        decoded.aw_i = _mm512_reduce_max_epi32(iw_);                                                            \
+    } while (0)
+
+/* Blocks [k0, k1), each full and fast (see run_int8_fast_avx512), pipelined as [Note: the int8 block in
+ * AVX-512] says: loop 1 of block k in the same loop as loop 2 of block k - 2 (three scratches), so that a
+ * block's maxima and scales are ready a block before loop 2 needs them. g16, decoupled and unit_gmul are
+ * constants where run_int8_fast_avx512 calls it: one loop without branches each. */
+__attribute__((always_inline)) AVX512_ATTR static inline void int8_run_avx512(
+        const Job *j, Hyper h, int64_t k0, int64_t k1, int *cur, Scratch512 *sc, const int g16, const int decoupled,
+        const int unit_gmul) {
+    const int64_t len = j->block;
+    Maxima found[3] = {{0, 0}, {0, 0}, {0, 0}};
+    for (int64_t k = k0; k < k1 + 2; k++) {
+        const int64_t e = k - 2;       /* the block loop 2 finishes in this round, if any */
+        const int decode = k < k1, encode = e >= k0;
+        float *nfm = sc->row[2 * (k % 3)], *nfw = sc->row[2 * (k % 3) + 1];
+        Maxima decoded = {0, 0};
+        if (!encode) {
+            DECODE_LOOP(k, nfm, nfw, (void)0);
+            found[k % 3] = decoded;
+            continue;
+        }
+        const Maxima a = found[e % 3];
+        const float *fm = sc->row[2 * (e % 3)], *fw = sc->row[2 * (e % 3) + 1];
+        const float am = as_float(a.am_i), aw = as_float(a.aw_i);
+        const BlockPtrs eb = block_ptrs(j, e * len);
+        uint16_t *out = block_out(j, e * len, len, cur);
+        if (plain_scales(a)) {
+            const __m512 qm8 = V16((am > 0.0f ? CODE_TOP / am : 0.0f) * (1.0f / 256.0f));
+            const __m512 qw = V16(aw > 0.0f ? CODE_TOP / aw : 0.0f);
+            if (decode) {
+                DECODE_LOOP(k, nfm, nfw, encode_plain_16(h, eb, t, fm, fw, out, qm8, qw, decoupled));
+                found[k % 3] = decoded;
+            } else {
+                for (int64_t t = 0; t < len; t += 16) encode_plain_16(h, eb, t, fm, fw, out, qm8, qw, decoupled);
+            }
+        } else {
+            encode_any_avx2(j, h, e * len, len, fm, fw, out, am, aw, decoupled);
+            if (decode) {
+                DECODE_LOOP(k, nfm, nfw, (void)0);
+                found[k % 3] = decoded;
+            }
+        }
+        if (j->nsegs && out == NULL) write_copies_avx512(j, e * len, e * len + len, cur);
+        j->ms[e] = am;
+        j->vs[e] = aw;
+    }
+}
+#undef DECODE_LOOP
+
+/* Whether block k takes the fast blocks: whole inside [lo, hi), its length a multiple of 16. */
+static inline int fast_block(const Job *j, int64_t k) {
+    int64_t b0 = k * j->block;
+    return j->block % 16 == 0 && b0 >= j->lo && b0 + j->block <= j->hi && b0 + j->block <= j->n;
 }
 
 AVX512_ATTR static void run_int8_fast_avx512(const Job *j) {
     Hyper h = hyper_of(j);
     Scratch512 sc __attribute__((aligned(64)));
     Scratch_avx512 portable __attribute__((aligned(64)));
+    const int g16 = j->g16 != NULL, unit = h.gmul == 1.0f;
     int cur = 0;
-    for (int64_t k = j->first_block; k < j->last_block; k++) {
-        int64_t b0 = k * j->block;
-        if (!(j->block % 16 == 0 && b0 >= j->lo && b0 + j->block <= j->hi && b0 + j->block <= j->n))
+    for (int64_t k = j->first_block; k < j->last_block;) {
+        if (!fast_block(j, k)) {
             int8_block_avx512(j, h, k, &cur, &portable);
-        else if (j->g16 != NULL && h.decoupled)
-            int8_block_fast_avx512(j, h, k, &cur, &sc, 1, 1);
-        else if (j->g16 != NULL)
-            int8_block_fast_avx512(j, h, k, &cur, &sc, 1, 0);
-        else if (h.decoupled)
-            int8_block_fast_avx512(j, h, k, &cur, &sc, 0, 1);
-        else
-            int8_block_fast_avx512(j, h, k, &cur, &sc, 0, 0);
+            k++;
+            continue;
+        }
+        int64_t k1 = k + 1;
+        while (k1 < j->last_block && fast_block(j, k1)) k1++;
+        /* one loop without branches per variant */
+        if (g16 && h.decoupled && unit) int8_run_avx512(j, h, k, k1, &cur, &sc, 1, 1, 1);
+        else if (g16 && h.decoupled) int8_run_avx512(j, h, k, k1, &cur, &sc, 1, 1, 0);
+        else if (g16 && unit) int8_run_avx512(j, h, k, k1, &cur, &sc, 1, 0, 1);
+        else if (g16) int8_run_avx512(j, h, k, k1, &cur, &sc, 1, 0, 0);
+        else if (h.decoupled && unit) int8_run_avx512(j, h, k, k1, &cur, &sc, 0, 1, 1);
+        else if (h.decoupled) int8_run_avx512(j, h, k, k1, &cur, &sc, 0, 1, 0);
+        else if (unit) int8_run_avx512(j, h, k, k1, &cur, &sc, 0, 0, 1);
+        else int8_run_avx512(j, h, k, k1, &cur, &sc, 0, 0, 0);
+        k = k1;
     }
 }
 #undef V16
