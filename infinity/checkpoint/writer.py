@@ -276,8 +276,8 @@ def _rank_spans(engine) -> dict[str, list]:
     resting = MasterSource(store.resting) if store.resting is not None else None
 
     def span(state: str, sub: int, n: int):
-        if state in _MOMENTS and (not store.moments_initialized or sub in store.dormant):
-            return ZeroSpan(n * 4)      # never stepped, or dormant ([Note: dormant sub-groups] in flat_state.py)
+        if state in _MOMENTS and (sub in store.dormant or not (store.moments_initialized or store.in_place_of(sub))):
+            return ZeroSpan(n * 4)      # never stepped (streamed keys), or dormant ([Note: dormant sub-groups] in flat_state.py)
         if state == "master" and source is not None:     # joined from compute copy and remainder
             return TierSpan(source, sub, 0, n * 4)
         if state == "master" and resting is not None and store.resting.keys[sub] is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from infinity.errors import EngineError
+from infinity.optim import tier_split
 
 _HUGE = 1e30
 _STATES = ("grad", "master", "exp_avg", "exp_avg_sq")
@@ -90,7 +91,8 @@ class NonFiniteSteps:
                 bad.append(f"parameters (tier {tiers.params})")
             for state in _STATES:
                 if _broken(store.read_state_shard(state, group.index)):
-                    bad.append(f"{'gradient' if state == 'grad' else state} (tier {tiers.optimizer})")
+                    tier = tier_split.group_tier(store, group.index).kind   # states split over tiers: each group's own
+                    bad.append(f"{'gradient' if state == 'grad' else state} (tier {tier})")
             if bad:
                 names = ", ".join(s.name for s in group.slots[:3]) + (", ..." if len(group.slots) > 3 else "")
                 found.append(f"group {group.name!r} [{names}]: {', '.join(bad)}")
