@@ -40,7 +40,11 @@ __attribute__((always_inline)) KERNEL_ATTR static inline void KERNEL(bf16_span)(
         Hyper h, int64_t len, uint32_t base, float *restrict p, const float *restrict g, uint16_t *restrict m16,
         uint16_t *restrict v16, uint32_t sm, uint32_t sv, const int decoupled) {
     float c1 = 1.0f - h.b1, c2 = 1.0f - h.b2;
-    for (int64_t i = 0; i < len; i++) {
+    /* i in 32 bits (len <= CHUNK), and the hashed index (base + i) INDEX_MUL stepped by INDEX_MUL: 32-bit
+     * induction variables, where a 64-bit index was stepped in 64-bit lanes, narrowed and multiplied each
+     * iteration (0.549 -> 0.471 ns per element, 1 thread, 64Ki elements in cache, AVX-512 on a Zen 4) */
+    uint32_t index_mul = base * INDEX_MUL;
+    for (uint32_t i = 0; i < (uint32_t)len; i++, index_mul += INDEX_MUL) {
         float mo = as_float((int32_t)((uint32_t)m16[i] << 16)), vo = as_float((int32_t)((uint32_t)v16[i] << 16));
         float pi = decoupled ? p[i] * h.decay : p[i];
         float gi = decoupled ? g[i] * h.gmul : g[i] * h.gmul + h.wd * p[i];
@@ -48,8 +52,8 @@ __attribute__((always_inline)) KERNEL_ATTR static inline void KERNEL(bf16_span)(
         float vi = h.b2 * vo + c2 * gi * gi;
         float wi = sqrtf(vi);
         p[i] = pi - h.step_size * mi / (wi * h.inv_bc2_sqrt + h.eps);
-        m16[i] = (uint16_t)bf16_sr(mi, sm, base + (uint32_t)i);
-        v16[i] = (uint16_t)bf16_sr(vi, sv, base + (uint32_t)i);
+        m16[i] = (uint16_t)bf16_sr(mi, sm, index_mul);
+        v16[i] = (uint16_t)bf16_sr(vi, sv, index_mul);
     }
 }
 

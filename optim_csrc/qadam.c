@@ -74,9 +74,11 @@ static inline __attribute__((always_inline)) uint32_t mix(uint32_t h) {
     return h;
 }
 
-/* bf16 with stochastic rounding: add 16 random bits below the kept ones, then truncate. */
-static inline __attribute__((always_inline)) uint32_t bf16_sr(float x, uint32_t seed, uint32_t index) {
-    uint32_t r = mix((index * 0x9E3779B1u) ^ seed) & 0xFFFFu;
+/* bf16 with stochastic rounding: add 16 random bits below the kept ones, then truncate. The random bits
+ * hash the element index times INDEX_MUL (bf16_span steps that product by INDEX_MUL per element). */
+#define INDEX_MUL 0x9E3779B1u
+static inline __attribute__((always_inline)) uint32_t bf16_sr(float x, uint32_t seed, uint32_t index_mul) {
+    uint32_t r = mix(index_mul ^ seed) & 0xFFFFu;
     return ((uint32_t)as_int(x) + r) >> 16;
 }
 
