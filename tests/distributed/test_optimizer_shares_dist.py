@@ -10,19 +10,29 @@ Checkpoint files do not record tiers: a checkpoint saved by 2 split ranks must l
 and one saved by 2 uniform ranks into 2 split ranks, each continuing bit for bit as the run it was saved
 from (every rank draws the same batches, as in tests/distributed/test_checkpoint_dist.py, so a 2-rank run
 follows the 1-rank trajectory exactly).
+
+A failed allocation, read or write of one rank's tiers in the update (the device, host and NVMe shares,
+the overlapped part included) is heard on every rank; all load the checkpoint saved before the step (or
+redo it after ``zero_grad()``) and end as the run that never failed. (A failure on one rank in the middle of
+backward is not among them: the other rank is then in its next reduce-scatter, see the test's docstring.)
 """
 from __future__ import annotations
 
+import errno
 import os
 
 import torch
 import torch.distributed as dist
 
 import infinity
+from infinity import registry
+from infinity.optim.background import UpdateWorkerError
+from infinity.runtime.ranks import RanksFailedError
 from tests.distributed.test_checkpoint_dist import (assert_equal_dicts, build, gathered, one_thread,  # noqa: F401
                                                     seed_all, shards, train)
 from tests.support.ranks import run_ranks
 from tests.support.tiny_gpt import TinyGPT, batches
+from tests.unit.test_step_faults import SPLIT, _Fault, _fault_points, _tier_calls
 
 STEPS = 12
 LOCAL_BATCH = 2
@@ -140,3 +150,86 @@ def test_checkpoints_load_between_split_and_uniform_states_across_world_sizes(tm
     assert opt.step_count == K and torch.equal(model.pos_scale, torch.full((16, 1), 0.5))
     assert train(model, opt, N) == results[0]["losses"], "2 split -> 1 uniform: the losses differ"
     assert_equal_dicts(gathered(model), results[0]["params"], "params after 2 split -> 1 uniform")
+
+
+# -- a failed tier call in one rank's update ------------------------------------------------------------------
+
+def _run_with_fault(rank, workdir, tag, k):
+    """Three steps of two micro-batches (this rank's half of each), the states split over the three tiers; on
+    rank 1 the ``k``-th allocation, read or write of any tier during step 1's update (``opt.step()`` and the
+    overlapped part, waited for) fails. Every rank hears of a failure (a flag all-reduced after each try):
+    all load the checkpoint saved before the step when any rank's states are damaged, else all call
+    ``zero_grad()``, and redo. Returns the calls counted on this rank, the weights and what happened."""
+    nvme = os.path.join(workdir, f"nvme-fault-{tag}")
+    os.makedirs(nvme, exist_ok=True)
+    cfg = {"tiers": {"nvme_path": nvme, "pool_buffer_size": "256KiB", "pool_buffers": 4, "optimizer": "nvme",
+                     **SPLIT},
+           "partition": {"sub_group_size": 4096}, "aio": {"engine": "threads"}}
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = TinyGPT()
+    opt = infinity.AdamW(model, lr=1e-2)
+    fault = _Fault(k if rank == 1 else 10 ** 9, OSError(errno.EIO, "Input/output error (injected)"))
+    _tier_calls(registry.engine_of(model, "test"), fault, every_tier=True)
+    data, events, tries = batches(6, 4), [], 0
+    ckpt = os.path.join(workdir, f"before-{tag}")
+    while opt.step_count < 3:
+        step = opt.step_count
+        if step == 1 and tries == 1:
+            infinity.save_checkpoint(ckpt, model, opt, keep=1)
+        tries += 1
+        assert tries < 6, f"no progress: {events}"
+        failed = 0
+        try:
+            for mb in range(2):
+                x, y = data[2 * step + mb]
+                model(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]).backward()
+            fault.armed = step == 1 and not fault.fired
+            opt.step()
+            opt.synchronize()
+        except (OSError, infinity.errors.EngineError, UpdateWorkerError, RanksFailedError) as exc:
+            events.append(f"{type(exc).__name__}: {exc}")
+            failed = 1
+        finally:
+            fault.armed = False
+        flags = torch.tensor([failed, int(registry.engine_of(model, "test").damaged is not None)])
+        dist.all_reduce(flags)
+        if flags[1]:
+            infinity.load_checkpoint(ckpt, model, opt)
+            events.append("loaded")
+        elif flags[0]:
+            events.append("redone")
+        opt.zero_grad()
+    with infinity.gathered(model):
+        weights = [p.detach().clone() for p in model.parameters()]
+    infinity.release(model)
+    return fault.calls, weights, events
+
+
+def _fault_ranks(rank, world, workdir):
+    calls, reference, _ = _run_with_fault(rank, workdir, "count", 10 ** 9)
+    total = torch.tensor([calls if rank == 1 else 0])
+    dist.all_reduce(total)
+    out = {"total": int(total), "runs": []}
+    for k in _fault_points(int(total)):
+        _, weights, events = _run_with_fault(rank, workdir, f"k{k}", k)
+        out["runs"].append((k, all(torch.equal(a, b) for a, b in zip(weights, reference)), events))
+    return out
+
+
+def test_a_failed_tier_call_in_one_ranks_update_is_recovered_on_every_rank(tmp_path):
+    """EIO at the k-th allocation, read or write of rank 1's device, host or NVMe tier in step 1's update, for the
+    k of ``_fault_points`` (INFINITY_TEST_ALL_FAULTS=1: each): rank 1 names the failure, every rank loads the
+    checkpoint saved before the step (or redoes it after ``zero_grad()``), and both end with the weights of the
+    run that never failed, every collective still the same on both ranks. The fault is armed from ``opt.step()``
+    on: a gradient write failing on one rank in backward leaves the other in its next reduce-scatter (the
+    collective ledger says so; NCCL would hang), for split and uniform tiers alike."""
+    results = run_ranks(_fault_ranks, 2, tmp_path)
+    total = results[0]["total"]
+    assert total >= 20, f"only {total} tier calls in rank 1's update"
+    for rank, result in enumerate(results):
+        for k, same, events in result["runs"]:
+            assert events, f"rank {rank}: nothing failed at call {k} of {total}"
+            if rank == 1:
+                assert "Input/output error (injected)" in events[0], (k, events)
+            assert same, f"rank {rank}: EIO at rank 1's tier call {k} of {total} changed the weights ({events})"
