@@ -100,17 +100,21 @@ class DelayedUpdate(BackgroundUpdate):
             for i in range(self.store.layout.num_subs):
                 keys.append(None if i in self.store.dormant else self._grad_key(i, dtype))
         except BaseException:   # the disk full half-way: the keys made so far are given back
-            for key in keys:
-                if key is not None:
-                    self.store.tier.free(key)
+            self._free(keys)
             raise
         return keys
 
     def _grad_key(self, sub: int, dtype: torch.dtype) -> int:
         zeros = torch.zeros(self.store.layout.sub_ranges[sub][1], dtype=dtype)
         key = allocate_key(self.store, "grad", zeros.numel() * zeros.element_size(), f"grad-next:sub{sub}", sub)
-        self.store.tier.write(key, zeros).wait()
+        self.store.sub_tiers[sub].write(key, zeros).wait()
         return key
+
+    def _free(self, keys) -> None:
+        """Give back a set of gradient keys (each in its sub-group's tier, where ``allocate_key`` put it)."""
+        for sub, key in enumerate(keys):
+            if key is not None:
+                self.store.sub_tiers[sub].free(key)
 
     def _wake_spare(self, sub: int):
         """A dormant sub-group gets its keys in the store: the spare set gets one too. Returns what
@@ -118,7 +122,7 @@ class DelayedUpdate(BackgroundUpdate):
         self._spare_grad_keys[sub] = self._grad_key(sub, self.store.grad_dtype)
 
         def undo() -> None:
-            self.store.tier.free(self._spare_grad_keys[sub])
+            self.store.sub_tiers[sub].free(self._spare_grad_keys[sub])
             self._spare_grad_keys[sub] = None
         return undo
 
@@ -129,15 +133,11 @@ class DelayedUpdate(BackgroundUpdate):
         self.wait()
         dtype = self.store.grad_dtype
         old, self._spare_grad_keys = self._spare_grad_keys, self._grad_keys(torch.float32)
-        for key in old:
-            if key is not None:
-                self.store.tier.free(key)
+        self._free(old)
 
         def undo() -> None:     # the store's widening failed: the spare set goes back to its dtype
             wide, self._spare_grad_keys = self._spare_grad_keys, []
-            for key in wide:
-                if key is not None:
-                    self.store.tier.free(key)
+            self._free(wide)
             self._spare_grad_keys = self._grad_keys(dtype)
         return undo
 
