@@ -18,14 +18,15 @@ KERNEL_ATTR static void KERNEL(to_bf16)(const float *restrict p, uint16_t *restr
     }
 }
 
-/* The bf16 copies of the stepped elements [x, y) of the sub-group (p its master) into the job's
- * output segments that hold them; *cur is the first segment not wholly before x (this worker's
+/* The copies of the stepped elements [x, y) of the sub-group (p its master) into the job's output
+ * segments that hold them (bf16, or the fp32 values with segs_fp32); *cur is the first segment not wholly before x (this worker's
  * calls come in increasing x). */
 KERNEL_ATTR static void KERNEL(write_copies)(const Job *j, int64_t x, int64_t y, int *cur) {
     while (*cur < j->nsegs && j->segs[*cur].end <= x) (*cur)++;
     for (int s = *cur; s < j->nsegs && j->segs[s].start < y; s++) {
         int64_t a = j->segs[s].start > x ? j->segs[s].start : x, b = j->segs[s].end < y ? j->segs[s].end : y;
-        if (a < b) KERNEL(to_bf16)(j->p + a, j->segs[s].out + (a - j->segs[s].start), b - a);
+        if (a < b && j->segs_fp32) memcpy(j->segs[s].out32 + (a - j->segs[s].start), j->p + a, (size_t)(b - a) * sizeof(float));
+        else if (a < b) KERNEL(to_bf16)(j->p + a, j->segs[s].out + (a - j->segs[s].start), b - a);
     }
 }
 

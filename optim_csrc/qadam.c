@@ -41,8 +41,9 @@
 #define MAX_THREADS 256
 #define CODE_TOP 1.9375f
 
-/* Elements [start, end) of a sub-group whose new bf16 copies go to out (element start at out[0]). */
-typedef struct { int64_t start, end; uint16_t *out; } Seg;
+/* Elements [start, end) of a sub-group whose new copies go to out (bf16) or out32 (fp32), element start at
+ * index 0 (one of the two per call, the other NULL). */
+typedef struct { int64_t start, end; uint16_t *out; float *out32; } Seg;
 
 typedef struct {
     int mode, decoupled;
@@ -55,12 +56,13 @@ typedef struct {
     int64_t first_block, last_block;  /* [first, last) this worker steps */
     /* The gradient as bf16 words (g16, else g). MODE_FP32: the bf16 or fp32 copy of the new weights (out16, out32,
      * none), the constants as torch's fused kernel rounds them from double (T). Compressed modes: the
-     * bf16 copies of the stepped elements, into nsegs sorted, disjoint segments (segs). */
+     * copies of the stepped elements (bf16, or fp32 with segs_fp32), into nsegs sorted, disjoint segments
+     * (segs). */
     const uint16_t *g16;
     uint16_t *out16;
     float *out32;
     const Seg *segs;
-    int nsegs;
+    int nsegs, segs_fp32;
     struct { float b1c, b2, b2c, eps, decay, wd, step_size, bc2_sqrt, scale; int has_scale; } T;
     /* MODE_COPY, MODE_TRIAD: a = b, a = b + s c, over doubles */
     double *sa; const double *sb, *sc; double s;
@@ -178,7 +180,7 @@ __attribute__((target("avx2,fma"))) static inline __m128i to_bf16_v(__m256 x) {
 /* Where the bf16 copies of block [b0, b0 + len) go when one output segment holds it whole; NULL when
  * there are none or write_copies must split it. Advances *cur as write_copies does. */
 static inline uint16_t *block_out(const Job *j, int64_t b0, int64_t len, int *cur) {
-    if (!j->nsegs) return NULL;
+    if (!j->nsegs || j->segs_fp32) return NULL;     /* fp32 copies: write_copies, the block still in cache */
     while (*cur < j->nsegs && j->segs[*cur].end <= b0) (*cur)++;
     if (*cur < j->nsegs && j->segs[*cur].start <= b0 && b0 + len <= j->segs[*cur].end)
         return j->segs[*cur].out + (b0 - j->segs[*cur].start);
@@ -767,7 +769,7 @@ static int check_span(const char *fn, const char *name, unsigned long long addr,
 
 /* outs: a sequence of (start, end, address) with lo <= start < end <= hi, sorted and disjoint, into
  * a new array of *count segments (NULL with *count 0 for none; NULL with an exception set on error). */
-static Seg *parse_segments(PyObject *outs, long long lo, long long hi, int *count) {
+static Seg *parse_segments(PyObject *outs, long long lo, long long hi, int fp32, int *count) {
     *count = 0;
     if (outs == NULL || outs == Py_None) return NULL;
     PyObject *seq = PySequence_Fast(outs, "qadam.step: outs must be a sequence of (start, end, address)");
@@ -791,8 +793,10 @@ static Seg *parse_segments(PyObject *outs, long long lo, long long hi, int *coun
                          "overlaps another or leaves [%lld, %lld), or its address is 0", i, a, b, lo, hi);
             goto fail;
         }
-        if (check_span("qadam.step", "an output segment's address", addr, 0, b - a, 2, 0) < 0) goto fail;
-        segs[i].start = a; segs[i].end = b; segs[i].out = (uint16_t *)(uintptr_t)addr;
+        if (check_span("qadam.step", "an output segment's address", addr, 0, b - a, fp32 ? 4 : 2, 0) < 0) goto fail;
+        segs[i].start = a; segs[i].end = b;
+        segs[i].out = fp32 ? NULL : (uint16_t *)(uintptr_t)addr;
+        segs[i].out32 = fp32 ? (float *)(uintptr_t)addr : NULL;
         prev = b;
     }
     Py_DECREF(seq);
@@ -805,14 +809,15 @@ fail:
 }
 
 static PyObject *qadam_step(PyObject *self, PyObject *args) {
-    int mode, decoupled, threads, g_bf16 = 0;
+    int mode, decoupled, threads, g_bf16 = 0, outs_fp32 = 0;
     long long n, lo, hi, block, step;
     unsigned long long p, g, m, v, ms, vs;
     unsigned int seed;
     double lr, b1, b2, eps, wd, gmul;
     PyObject *outs = NULL;
-    if (!PyArg_ParseTuple(args, "iLLLLKKKKKKLddddddpIi|pO", &mode, &n, &lo, &hi, &block, &p, &g, &m, &v, &ms, &vs,
-                          &step, &lr, &b1, &b2, &eps, &wd, &gmul, &decoupled, &seed, &threads, &g_bf16, &outs))
+    if (!PyArg_ParseTuple(args, "iLLLLKKKKKKLddddddpIi|pOp", &mode, &n, &lo, &hi, &block, &p, &g, &m, &v, &ms, &vs,
+                          &step, &lr, &b1, &b2, &eps, &wd, &gmul, &decoupled, &seed, &threads, &g_bf16, &outs,
+                          &outs_fp32))
         return NULL;
     if (mode != MODE_BF16 && mode != MODE_INT8) {
         PyErr_Format(PyExc_ValueError, "qadam.step: mode %d is not 1 (bf16) or 2 (int8)", mode);
@@ -847,7 +852,8 @@ static PyObject *qadam_step(PyObject *self, PyObject *args) {
     if (mode == MODE_INT8 && (check_span(fn, "m_scales", ms, first, last, 4, 1) < 0 ||
                               check_span(fn, "v_scales", vs, first, last, 4, 1) < 0))
         return NULL;
-    Seg *segs = parse_segments(outs, lo, hi, &base.nsegs);
+    Seg *segs = parse_segments(outs, lo, hi, outs_fp32, &base.nsegs);
+    base.segs_fp32 = outs_fp32;
     if (segs == NULL && PyErr_Occurred()) return NULL;
     base.segs = segs;
     run_threaded(&base, threads);
@@ -1069,9 +1075,9 @@ static PyMethodDef methods[] = {
      "threads the call starts and joins); with a name, use it (tests)"},
     {"step", qadam_step, METH_VARARGS,
      "step(mode, n, lo, hi, block, p, g, m, v, m_scales, v_scales, step, lr, beta1, beta2, eps, weight_decay, "
-     "grad_mul, decoupled, seed, threads, g_bf16=False, outs=None): Adam over elements [lo, hi) of a sub-group "
-     "with compressed moments, the gradient fp32 or bf16 words, the new weights' bf16 copies written into outs' "
-     "(start, end, address) segments"},
+     "grad_mul, decoupled, seed, threads, g_bf16=False, outs=None, outs_fp32=False): Adam over elements [lo, hi) "
+     "of a sub-group with compressed moments, the gradient fp32 or bf16 words, the new weights' copies (bf16, or "
+     "fp32 with outs_fp32) written into outs' (start, end, address) segments"},
     {"step_fp32", qadam_step_fp32, METH_VARARGS,
      "step_fp32(lo, hi, p, g, g_bf16, m, v, out, step, lr, beta1, beta2, eps, weight_decay, grad_scale, decoupled, "
      "threads, out_fp32=False): torch's fused Adam(W) over fp32 states, the gradient read as fp32 or bf16 and the "
@@ -1096,8 +1102,8 @@ PyMODINIT_FUNC PyInit__qadam(void) {
         return NULL;
     }
     PyObject *mod = PyModule_Create(&module);
-    /* 1: step() takes g_bf16 and outs (an older build refuses them). */
-    if (mod != NULL && PyModule_AddIntConstant(mod, "STEP_COPIES", 1) < 0) { Py_DECREF(mod); return NULL; }
+    /* 1: step() takes g_bf16 and outs (an older build refuses them); 2: and outs_fp32. */
+    if (mod != NULL && PyModule_AddIntConstant(mod, "STEP_COPIES", 2) < 0) { Py_DECREF(mod); return NULL; }
     /* 1: step_fp32() takes out_fp32 (the copy in fp32). */
     if (mod != NULL && PyModule_AddIntConstant(mod, "STEP_FP32_COPIES", 1) < 0) { Py_DECREF(mod); return NULL; }
     return mod;

@@ -47,9 +47,11 @@ and re-encoded whole, its other elements unchanged up to the new scale.
 With bf16 compute the kernel also reads the gradient as it is stored (bf16, widened in registers) and
 writes the stepped elements' bf16 compute copies while the block is in cache (``copies``); the update
 pass ([Note: the update pass] in infinity/optim/update.py) would otherwise widen the gradient into an
-fp32 buffer first and convert the masters into the copies after, two more passes over memory. On AVX2
-the int8 blocks are hand-written ([Note: the int8 block in AVX2] in optim_csrc/qadam.c), with the
-portable loops' bits.
+fp32 buffer first and convert the masters into the copies after, two more passes over memory. With
+fp32 compute and the parameters in host memory it writes the fp32 copies the same way, into the
+shards themselves (a copy of the masters after the step read and wrote 8 more bytes a parameter, and
+the line's write-allocate read). On AVX2 the int8 blocks are hand-written
+([Note: the int8 block in AVX2] in optim_csrc/qadam.c), with the portable loops' bits.
 """
 from __future__ import annotations
 
@@ -89,6 +91,11 @@ def copies_native() -> bool:
     """Whether the C kernel's compressed step reads bf16 gradients and writes bf16 copies (a build
     older than that has not)."""
     return _qadam is not None and getattr(_qadam, "STEP_COPIES", 0) >= 1
+
+
+def copies_fp32_native() -> bool:
+    """Whether the C kernel's compressed step writes fp32 copies too (a build older than that does not)."""
+    return _qadam is not None and getattr(_qadam, "STEP_COPIES", 0) >= 2
 
 
 def fused_fp32_copies_native() -> bool:
@@ -333,8 +340,10 @@ class MomentStep:
                                "`python setup.py build_ext --inplace` or `pip install -e .`)")
         self.fmt = fmt
         self.native = native() if use_native is None else use_native
-        # Whether calls may pass bf16 gradients and copies to write (the torch twin converts them).
+        # Whether calls may pass bf16 gradients and copies to write (the torch twin converts them), and
+        # fp32 copies.
         self.copies = copies_native() or not self.native
+        self.copies_fp32 = copies_fp32_native() or not self.native
 
     def __call__(self, master: torch.Tensor, grad: torch.Tensor, m_raw: torch.Tensor, v_raw: torch.Tensor,
                  lo: int, hi: int, hyper: AdamHyper, seed: int, copies: Sequence[tuple] = ()) -> None:
@@ -343,7 +352,7 @@ class MomentStep:
         ``m_raw``/``v_raw`` its moments' raw bytes. ``copies``: ``(start, end, out)`` with ``out`` a
         contiguous bf16 tensor of ``end - start`` elements, sorted, disjoint and within [lo, hi): each
         receives the new weights of [start, end) in bf16 (rounded to nearest even), written while the
-        kernel has them in cache."""
+        kernel has them in cache; or every ``out`` fp32, receiving the new weights themselves."""
         numel = master.numel()
         if grad.dtype not in (torch.float32, torch.bfloat16) or (grad.dtype == torch.bfloat16 and not self.copies):
             raise TypeError(f"MomentStep: a {grad.dtype} gradient (fp32, or bf16 with a kernel that reads it)")
@@ -365,12 +374,17 @@ class MomentStep:
                 _qadam.step(*args)
                 return
             outs = []
+            fp32 = bool(copies) and copies[0][2].dtype == torch.float32
+            if fp32 and not self.copies_fp32:
+                raise RuntimeError("MomentStep: this build of infinity.optim._qadam writes no fp32 copies (rebuild "
+                                   "it: `python setup.py build_ext --inplace`)")
+            want, name = (torch.float32, "fp32") if fp32 else (torch.bfloat16, "bf16")
             for a, b, out in copies:
-                if out.dtype != torch.bfloat16 or out.numel() != b - a or not out.is_contiguous():
-                    raise ValueError(f"MomentStep: the copy of [{a}, {b}) must be {b - a} contiguous bf16 "
-                                     f"elements, not {out.dtype} {tuple(out.shape)}")
+                if out.dtype != want or out.numel() != b - a or not out.is_contiguous():
+                    raise ValueError(f"MomentStep: the copy of [{a}, {b}) must be {b - a} contiguous {name} "
+                                     f"elements (all copies of a call one dtype), not {out.dtype} {tuple(out.shape)}")
                 outs.append((a, b, out.data_ptr()))
-            _qadam.step(*args, grad.dtype == torch.bfloat16, outs)
+            _qadam.step(*args, grad.dtype == torch.bfloat16, outs, *((True,) if fp32 else ()))
         else:
             step_torch(self.fmt, master, grad.float(), m_raw, v_raw, lo, hi, hyper, seed)
             for a, b, out in copies:

@@ -168,9 +168,11 @@ class UpdatePass:
         else:
             native = self.moment_step.native and moments.copies_native()
         # fp32 compute with the parameters in host memory: the C pass writes the new weights into their
-        # shards too, while in cache, instead of a copy of the masters afterwards (fp32 states).
-        fp32_in_place = (self.states_on == "host" and self.shards.kind == "host" and self.moment_step is None
-                         and self.shards.dtype == torch.float32 and native and moments.fused_fp32_copies_native())
+        # shards too, while in cache, instead of a copy of the masters afterwards (fp32 states, or compressed
+        # ones whose kernel writes fp32 copies).
+        fp32_copies = moments.fused_fp32_copies_native() if self.moment_step is None else moments.copies_fp32_native()
+        fp32_in_place = (self.states_on == "host" and self.shards.kind == "host" and self.shards.dtype == torch.float32
+                         and native and fp32_copies)
         self.fused = (converts and native and self.shards.dtype == torch.bfloat16) or fp32_in_place
         # fp32 moments in host memory whose copies the pass does not write: still stepped by the C pass,
         # the copies written after ([Note: host Adam kernel]).

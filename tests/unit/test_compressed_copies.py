@@ -21,16 +21,17 @@ def _hyper(step: int, decoupled: bool = True) -> AdamHyper:
                      grad_mul=0.5)
 
 
-def _run(fmt: MomentFormat, native: bool, with_copies: bool, n: int, calls: list, segments: list):
-    """Master, moments and copies after three steps over ``calls`` (lists of [lo, hi)); the gradient
-    passed as bf16 with copies of ``segments`` written by the kernel, or widened to fp32 and the
-    copies converted afterwards."""
+def _run(fmt: MomentFormat, native: bool, with_copies: bool, n: int, calls: list, segments: list,
+         copy_dtype: torch.dtype = torch.bfloat16):
+    """Master, moments and copies (``copy_dtype``) after three steps over ``calls`` (lists of [lo, hi));
+    the gradient passed as bf16 with copies of ``segments`` written by the kernel, or widened to fp32 and
+    the copies converted afterwards."""
     gen = torch.Generator().manual_seed(3)
     p = torch.randn(n, generator=gen)
     g = (torch.randn(n, generator=gen) * 1e-2).bfloat16()
     m = torch.zeros(fmt.nbytes(n), dtype=torch.uint8)
     v = torch.zeros(fmt.nbytes(n), dtype=torch.uint8)
-    outs = {seg: torch.full((seg[1] - seg[0],), 7.0, dtype=torch.bfloat16) for seg in segments}
+    outs = {seg: torch.full((seg[1] - seg[0],), 7.0, dtype=copy_dtype) for seg in segments}
     step = MomentStep(fmt, use_native=native)
     for k in range(1, 4):
         for lo, hi in calls:
@@ -82,8 +83,8 @@ def test_bad_copy_segments_are_refused_naming_them():
         step(p, g, m, v, 0, 1000, _hyper(1), 1, [(100, 200, out), (50, 150, out)])
     with pytest.raises(ValueError, match=r"segment 0 \[900, 1000\).*leaves \[0, 800\)"):
         step(p, g, m, v, 0, 800, _hyper(1), 1, [(900, 1000, out)])
-    with pytest.raises(ValueError, match=r"copy of \[0, 100\) must be 100 contiguous bf16"):
-        step(p, g, m, v, 0, 800, _hyper(1), 1, [(0, 100, torch.zeros(100))])
+    with pytest.raises(ValueError, match=r"copy of \[100, 200\) must be 100 contiguous bf16"):
+        step(p, g, m, v, 0, 800, _hyper(1), 1, [(0, 100, out), (100, 200, torch.zeros(100))])
     with pytest.raises(TypeError, match="float16 gradient"):
         step(p, g.half(), m, v, 0, 800, _hyper(1), 1)
     assert not p.any() and not m.any(), "a refused call changes nothing"
@@ -113,6 +114,7 @@ def _train(tmp_path, monkeypatch, preset: str, fused: bool, sections: dict):
 @pytest.mark.parametrize("preset, sections", [
     ("offload-optimizer", {"dpu": {"overlap": False}}),                     # compact bf16 gradients
     ("offload-host", {}),                                                   # copies written in place
+    ("offload-host", {"precision": {"dtype": "float32"}}),                  # fp32 copies written in place
     ("offload-host", {"partition": {"sub_group_size": 6144}, "optimizer": {"state_block_size": 64}}),
     ("nvme", {"dpu": {"overlap": False}}),                                  # split masters, streamed
     ("nvme", {}),                                                           # overlapped with the forward
@@ -169,3 +171,20 @@ def test_every_compiled_variant_gives_the_same_bits(isa, fmt, with_copies):
         assert all(torch.equal(a, b) for a, b in zip(reference[3], got[3])), name
     with pytest.raises(ValueError, match="sse9 is no instruction set here"):
         isa("sse9")
+
+
+@pytest.mark.skipif(not moments.copies_fp32_native(), reason="this build of the C kernel writes no fp32 copies")
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.dtype}-{f.block_size}")
+def test_the_kernel_writes_fp32_copies_of_the_weights_it_steps(isa, fmt):
+    # fp32 compute with the parameters in host memory: the copies are the new masters themselves, bit for
+    # bit, on every compiled variant, and the step is the one without copies.
+    n = 70_000
+    calls = [(50, 33_333), (33_333, 69_990)]
+    segments = [(60, 61), (100, 900), (900, 1_000), (3_000, 33_333), (33_333, 33_400), (40_001, 69_990)]
+    for name in ["base", *_variants()]:
+        isa(name)
+        plain = _run(fmt, True, False, n, calls, segments, torch.float32)
+        fused = _run(fmt, True, True, n, calls, segments, torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(plain[:3], fused[:3])), name
+        for (a, b), copy in zip(segments, fused[3]):
+            assert torch.equal(copy.view(torch.int32), fused[0][a:b].view(torch.int32)), name
