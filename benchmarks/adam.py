@@ -27,6 +27,9 @@ together, ours runs in a second phase against its own triad:
   ``[optimizer] state_dtype`` "bf16" / "int8" (same sub-group size), stepped by the compressed
   kernel (``infinity.optim.moments``); their rows give the bytes they move (bf16 24, int8 about 20
   with the compute copy) and their rate against the fp32 engine step's (``x fp32 ours``);
+- ``ours (engine step, params in host memory)`` and its bf16 and int8 states twins (``--state-dtypes``
+  fp32-host, bf16-host, int8-host): the same steps with ``tiers.params`` "host": the kernel writes the
+  fp32 copies into the shards in its pass (no copy after it);
 - ``ours (engine step, bf16 compute)``: fp32 states, bf16 compute copies (``[precision] dtype``
   "bfloat16", as GPU training runs), stepped by the fused C pass that reads the bf16 gradient and
   writes the bf16 copy in the same pass; ``..., torch kernel``: the same model stepped by torch's
@@ -182,35 +185,44 @@ class _Stack(nn.Module):
 # compressed one with the gradient widened before and the copies converted after), bytes a parameter the
 # step moves: master and gradient read, master written (12), m and v read and written (16 fp32, 8 bf16,
 # 4 and their scales int8), the compute copy written (4; with bf16 compute the gradient read is 2 and
-# the copy 2, put in place 2 + 2)).
+# the copy 2, put in place 2 + 2), tiers.params: "device" (the copies go to the compute device's tier
+# after the kernel: on a GPU the host->device copy, here a memcpy), or "host" (the shards in host
+# memory: the kernel writes the fp32 copies into them in its pass)).
 _INT8_MV = 4 + 4 * 4 / 256
 OURS_ROWS = {
-    "fp32": ("ours (engine step)", "fp32", "float32", True, 32),
-    "fp32-torch": ("ours (engine step, torch kernel)", "fp32", "float32", False, 32),
-    "bf16": ("ours (engine step, bf16 states)", "bf16", "float32", True, 24),
-    "int8": ("ours (engine step, int8 states)", "int8", "float32", True, 16 + _INT8_MV),
-    "bf16-compute": ("ours (engine step, bf16 compute)", "fp32", "bfloat16", True, 32),
-    "bf16-compute-torch": ("ours (engine step, bf16 compute, torch kernel)", "fp32", "bfloat16", False, 32),
-    "int8-bf16-compute": ("ours (engine step, int8 states, bf16 compute)", "int8", "bfloat16", True, 16 + _INT8_MV),
+    "fp32": ("ours (engine step)", "fp32", "float32", True, 32, "device"),
+    "fp32-torch": ("ours (engine step, torch kernel)", "fp32", "float32", False, 32, "device"),
+    "bf16": ("ours (engine step, bf16 states)", "bf16", "float32", True, 24, "device"),
+    "int8": ("ours (engine step, int8 states)", "int8", "float32", True, 16 + _INT8_MV, "device"),
+    "bf16-compute": ("ours (engine step, bf16 compute)", "fp32", "bfloat16", True, 32, "device"),
+    "bf16-compute-torch": ("ours (engine step, bf16 compute, torch kernel)", "fp32", "bfloat16", False, 32, "device"),
+    "int8-bf16-compute": ("ours (engine step, int8 states, bf16 compute)", "int8", "bfloat16", True, 16 + _INT8_MV,
+                          "device"),
     "int8-bf16-compute-passes": ("ours (engine step, int8 states, bf16 compute, 3 passes)", "int8", "bfloat16",
-                                 False, 16 + _INT8_MV),
+                                 False, 16 + _INT8_MV, "device"),
+    "fp32-host": ("ours (engine step, params in host memory)", "fp32", "float32", True, 32, "host"),
+    "bf16-host": ("ours (engine step, bf16 states, params in host memory)", "bf16", "float32", True, 24, "host"),
+    "int8-host": ("ours (engine step, int8 states, params in host memory)", "int8", "float32", True,
+                  16 + _INT8_MV, "host"),
 }
 _BYTES_OF = {row[0]: row[4] for row in OURS_ROWS.values()}
-# The row each engine-step row is compared with: fp32 states with the same compute dtype.
-_REFERENCE_OF = {row[0]: OURS_ROWS["bf16-compute" if row[2] == "bfloat16" else "fp32"][0]
+# The row each engine-step row is compared with: fp32 states with the same compute dtype and parameter tier.
+_REFERENCE_OF = {row[0]: OURS_ROWS["bf16-compute" if row[2] == "bfloat16" else
+                                   "fp32-host" if row[5] == "host" else "fp32"][0]
                  for row in OURS_ROWS.values()}
 
 
-def ours_step(n: int, workdir: str, state_dtype: str = "fp32", compute: str = "float32", c_pass: bool = True):
+def ours_step(n: int, workdir: str, state_dtype: str = "fp32", compute: str = "float32", c_pass: bool = True,
+              params: str = "device"):
     """``infinity.AdamW.step`` on Linear layers of about ``n`` parameters, all states on the host, the
-    compute copies in ``compute``; ``c_pass`` False steps fp32 states with torch's kernel (and a
-    conversion for bf16 copies) instead of the fused C pass ([Note: the fused fp32 step] in
+    compute copies in ``compute`` on the ``params`` tier; ``c_pass`` False steps fp32 states with torch's
+    kernel (and a conversion for bf16 copies) instead of the fused C pass ([Note: the fused fp32 step] in
     optim_csrc/qadam.c)."""
     import infinity
 
     d = max(64, min(4096, int(n ** 0.5) // 64 * 64))
     layers = max(1, round(n / (d * d + d)))
-    cfg = {"tiers": {"params": "device", "optimizer": "host", "device": "cpu", "nvme_path": workdir},
+    cfg = {"tiers": {"params": params, "optimizer": "host", "device": "cpu", "nvme_path": workdir},
            "optimizer": {"state_dtype": state_dtype}, "precision": {"dtype": compute},
            "dpu": {"overlap": False}}
     with infinity.Init(cfg):
@@ -312,7 +324,9 @@ def main(argv=None) -> dict:
                          "bf16-compute-torch: the same by torch's kernel and a conversion; int8-bf16-compute: "
                          "int8 states, bf16 compute copies, the kernel reading the bf16 gradient and writing "
                          "the copies; int8-bf16-compute-passes: the same with the gradient widened before "
-                         "and the copies converted after")
+                         "and the copies converted after; fp32-host, bf16-host, int8-host: fp32, bf16 or int8 "
+                         "states with the parameters in host memory (tiers.params host), the kernel writing "
+                         "the fp32 copies into them")
     ap.add_argument("--kernels", default=",".join(KERNEL_ROWS),
                     help=f"the C kernels called directly over one flat sub-group, from {', '.join(KERNEL_ROWS)} "
                          "(empty: none)")
@@ -377,8 +391,9 @@ def main(argv=None) -> dict:
                     gc.collect()
                 keep = []
                 for dtype in dtypes:
-                    name, state_dtype, compute, one_pass, _ = OURS_ROWS[dtype]
-                    phase[name], counts["ours"], kept = ours_step(n, workdir, state_dtype, compute, c_pass=one_pass)
+                    name, state_dtype, compute, one_pass, _, params = OURS_ROWS[dtype]
+                    phase[name], counts["ours"], kept = ours_step(n, workdir, state_dtype, compute, c_pass=one_pass,
+                                                                  params=params)
                     keep.append(kept)
                 run_phase(phase, args.repeats, raw)
                 del phase, keep, triad, stream
