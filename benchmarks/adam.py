@@ -283,6 +283,41 @@ def kernel_step(shared: Shared, kind: str):
     return step
 
 
+BEFORE = " [before]"
+
+
+def load_build(path: str):
+    """An older build of infinity.optim._qadam, from its shared object at ``path`` (``--before``)."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader("_qadam", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("_qadam", path, loader=loader))
+    loader.exec_module(module)
+    return module
+
+
+def built_with(module, make):
+    """``make()`` (a row's step, or a tuple that starts with it, or why not) with ``module`` as the kernels'
+    extension (``infinity.optim.moments._qadam``: the update pass picks its path when built), and the step
+    running with it too."""
+    from infinity.optim import moments
+
+    def swapped(fn):
+        saved, moments._qadam = moments._qadam, module
+        try:
+            return fn()
+        finally:
+            moments._qadam = saved
+
+    got = swapped(make)
+    if isinstance(got, str):
+        return got
+    step = got[0] if isinstance(got, tuple) else got
+    with_module = lambda: swapped(step)  # noqa: E731
+    return (with_module, *got[1:]) if isinstance(got, tuple) else with_module
+
+
 def ours_name(state_dtype: str) -> str:
     return OURS_ROWS[state_dtype][0]
 
@@ -332,6 +367,9 @@ def main(argv=None) -> dict:
                          "(empty: none)")
     ap.add_argument("--stream-numel", default="0", help="doubles in each array of the C triad and copy "
                     "(0: 4x the last-level caches' bytes, as STREAM asks: arrays of 4x the cache each)")
+    ap.add_argument("--before", help="an older build of infinity.optim._qadam (its .so, copied aside before "
+                    "rebuilding): every kernel and engine-step row also runs with it as '<row> [before]', "
+                    "alternated with the build in use, so that a change is measured before and after in one run")
     ap.add_argument("--json", help="write settings, machine and raw samples here")
     args = ap.parse_args(argv)
     unknown = [k for k in args.kernels.split(",") if k and k not in KERNEL_ROWS]
@@ -343,6 +381,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
+    before = load_build(args.before) if args.before else None
     sizes = [parse_count(s) for s in args.sizes.split(",")]
     llc = llc_nbytes()
     stream_numel = parse_count(args.stream_numel) or 4 * llc // 8
@@ -357,6 +396,7 @@ def main(argv=None) -> dict:
             # that fits in half the free memory.
             dtypes = [d for d in args.state_dtypes.split(",") if d] if "ours" not in skip else []
             ours_nbytes = sum({"fp32": 20, "bf16": 16, "int8": 14}[OURS_ROWS[d][1]] for d in dtypes)
+            ours_nbytes *= 2 if before else 1
             together = (16 + ours_nbytes) * n < psutil.virtual_memory().available // 2
             for _ in range(args.rounds):
                 triad, counts["triad"] = triad_step(n)
@@ -383,6 +423,8 @@ def main(argv=None) -> dict:
                         notes[KERNEL_ROWS[kind][0]] = got
                     else:
                         phase[KERNEL_ROWS[kind][0]] = got
+                        if before is not None:
+                            phase[KERNEL_ROWS[kind][0] + BEFORE] = built_with(before, lambda: kernel_step(shared, kind))
                 if not together:
                     run_phase(phase, args.repeats, raw)
                     del shared
@@ -392,9 +434,13 @@ def main(argv=None) -> dict:
                 keep = []
                 for dtype in dtypes:
                     name, state_dtype, compute, one_pass, _, params = OURS_ROWS[dtype]
-                    phase[name], counts["ours"], kept = ours_step(n, workdir, state_dtype, compute, c_pass=one_pass,
-                                                                  params=params)
+                    def make():
+                        return ours_step(n, workdir, state_dtype, compute, c_pass=one_pass, params=params)
+                    phase[name], counts["ours"], kept = make()
                     keep.append(kept)
+                    if before is not None:
+                        phase[name + BEFORE], _, kept = built_with(before, make)
+                        keep.append(kept)
                 run_phase(phase, args.repeats, raw)
                 del phase, keep, triad, stream
                 shared = None
@@ -431,6 +477,7 @@ def stream_summary(raw: dict, numel: int) -> dict:
 
 def row_bytes(name: str) -> float:
     """Bytes a row reads and writes per parameter it steps."""
+    name = name.removesuffix(BEFORE)
     if name.startswith("ours"):
         return _BYTES_OF[name]
     return KERNEL_BYTES.get(name, ADAM_BYTES)
@@ -486,7 +533,8 @@ def print_table(n: int, raw: dict, notes: dict, counts: dict, together: bool) ->
         rate = count / med
         # Side by side in the same phase: the ratio of medians to the engine step's with fp32 states
         # and the same compute dtype.
-        ref = raw.get(_REFERENCE_OF[name]) if mine else None
+        base = name.removesuffix(BEFORE)
+        ref = raw.get(_REFERENCE_OF[base] + name[len(base):]) if mine else None
         ratio = f"{statistics.median(ref) / med:12.2f}" if mine and ref else ""
         print(f"{name:56} {med:9.4f} {rate / 1e9:11.2f} {rate * nbytes / 1e9:11.1f} "
               f"{100 * rate * nbytes / triad_bw:12.0f} {b / rate:8.2f} {ratio}")
