@@ -253,6 +253,12 @@ class Resume:
                     f"{where}: config {section}.{key} is {now.get(section, {}).get(key)!r} and the checkpoint was "
                     f"saved with {saved_config.get(section, {}).get(key)!r}; the swap files are reused where they "
                     "lie, so it must be the same")
+        for key in ("optimizer_device_share", "optimizer_host_share"):
+            if now.get("tiers", {}).get(key):   # saved in place only with every state on NVMe: no shares
+                raise CheckpointMismatchError(
+                    f"{where}: config tiers.{key} is {now['tiers'][key]!r}, and a checkpoint in place holds every "
+                    "optimizer state on NVMe, where the save left it; resume with both shares 0 (a later ordinary "
+                    "checkpoint can move to a split run)")
         self.rank = rank
         swap = self.saved.rank_manifest(rank)["swap"]
         named = rank if process_rank is None else process_rank

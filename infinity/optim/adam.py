@@ -116,7 +116,7 @@ class _OffloadAdam(torch.optim.Optimizer):
             if self._updates.delay is not None and ranges.training - self._updates.delay.trainable:
                 raise EngineError(f"{self._name}.add_param_group: with dpu.enabled the parameters an optimizer "
                                   "steps are fixed at its construction; pass every group to the constructor")
-            self._updates.update.ranges = ranges
+            self._updates.set_ranges(ranges)
             if self._in_backward is not None:
                 self._in_backward.refresh(ranges.trainable)
         steps: dict[str, int] = {}

@@ -180,7 +180,8 @@ def relayout_frozen(engine, who: str) -> bool:
     except _Reencoded:
         kept = (f"its moments, loaded before it, are stored as {old.moment_format.dtype} and would be encoded "
                 "again (not exact)")
-    except (MemoryError, HostAllocatorError) as exc:     # a full tier, or unpinnable memory: the old store is whole
+    except (MemoryError, HostAllocatorError, torch.OutOfMemoryError) as exc:     # a full tier (the device's too,
+        # with a device share), or unpinnable memory: the old store is whole
         kept = f"it needs both layouts in the tier for a moment ({exc})"
     except BaseException as exc:    # raised below, once the other ranks know: every rank raises
         failed = exc

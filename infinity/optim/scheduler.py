@@ -199,6 +199,12 @@ class UpdateScheduler:
             self.stats.add_device_share(time.perf_counter() - t0)
         return dataclasses.replace(job, updated=job.updated - on_device)
 
+    def set_ranges(self, ranges) -> None:
+        """Which elements the updates change, from now on (``add_param_group``): every lane's."""
+        for lane in (self.update, self.device_lane):
+            if lane is not None:
+                lane.ranges = ranges
+
     def after_load(self) -> None:
         """States were loaded: gathered copies are stale."""
         self._after_update()

@@ -178,7 +178,10 @@ class UpdatePass:
         # the copies written after ([Note: host Adam kernel]).
         self.c_kernel = self.states_on == "host" and self.moment_step is None and moments.fused_native()
         # The C pass writes copies of parameters in host memory in place (``ParamShards.update_place``).
-        if converts and not (self.fused and self.shards.kind == "host"):
+        # States on the device, copies on NVMe: the NVMe tier writes from host memory only, so the new copies
+        # go down into the staging first (a blocking copy: the pass is synchronous anyway).
+        self.through_host = self.states_on == "device" and self.shards.kind == "nvme"
+        if (converts and not (self.fused and self.shards.kind == "host")) or self.through_host:
             nbytes = 2 * store.layout.sub_group_size * torch.empty((), dtype=self.shards.dtype).element_size()
             self.staging = Arena(allocator.empty, nbytes, name="compute-copy-staging")
         self._staged: collections.deque = collections.deque()    # (write future, loan) not yet given back
@@ -317,7 +320,7 @@ class UpdatePass:
                 key, piece.group_offset + a - piece.sub_offset, b - a)
             if place is not None:
                 values, loan = place, _IN_PLACE
-            elif master is not None and (master.dtype == dtype or self.staging is None):
+            elif master is not None and not self.through_host and (master.dtype == dtype or self.staging is None):
                 values = master[a:b].to(dtype)     # the master itself (fp32), or on the device
             else:
                 loan = self._stage((b - a) * self._itemsize)
@@ -329,10 +332,12 @@ class UpdatePass:
     def _issue_copies(self, job: StepJob, staged: list, writes: list, by_group: dict | None) -> None:
         """Start writing the filled ``staged`` compute copies into their keys (see ``_write_compute_copies``)."""
         for piece, a, _, key, values, loan in staged:
+            in_staging = loan is not None and loan is not _IN_PLACE    # host memory, wherever the states are
             fut = self.shards.write_updated(self.groups[piece.group_index], key, values,
-                                            piece.group_offset + a - piece.sub_offset, source=self.states_on,
+                                            piece.group_offset + a - piece.sub_offset,
+                                            source="host" if in_staging else self.states_on,
                                             offer_fresh=job.offer_fresh, in_place=loan is _IN_PLACE)
-            if loan is not None and loan is not _IN_PLACE:
+            if in_staging:
                 self._staged.append((fut, loan))
             if not fut.done():
                 writes.append((fut, values))

@@ -319,10 +319,13 @@ class Layout:
         # bf16 copies of parameters in host memory are written in place by the C pass ([Note: the fused
         # fp32 step] in optim_csrc/qadam.c): no staging. (A build without the C extension stages them.)
         in_place = self.params_tier == "host" and dtype == "bfloat16"
-        if self.trainable_off_device() and dtype != "float32" and not in_place:
+        # States on the device with the copies on NVMe: the new copies come down into the staging first.
+        through_host = self.params_tier == "nvme" and self.trainable_on("device")
+        if (self.trainable_off_device() and dtype != "float32" and not in_place) or through_host:
             sub = min(max(SHARD_ALIGN_NUMEL, round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL)),
                       max(self.shard_numel, SHARD_ALIGN_NUMEL))
-            yield PlanRow("compute_copy_staging", f"new compute copies converted from the fp32 master "
+            yield PlanRow("compute_copy_staging", f"new compute copies converted from the fp32 master, or on their way "
+                          f"from the device to NVMe "
                           f"(2 sub-groups x {sub:,} elements, {dtype})", "host", 2 * sub * pb)
         widened = self.widened_numel
         if (widened and cfg.precision.cpu_linear == "float32" and dtype != "float32"

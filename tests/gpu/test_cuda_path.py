@@ -23,7 +23,8 @@ PRESETS = ["device", "offload-optimizer", "offload-host", "nvme"]
 # a preset, then tiers keys. The device share is stepped on the GPU inside opt.step(), the rest on the host.
 SPLITS = ["offload-host:optimizer_device_share=0.5",
           "nvme:params=device+optimizer_device_share=0.3+optimizer_host_share=0.3",
-          "nvme:optimizer_host_share=0.5"]
+          "nvme:optimizer_host_share=0.5",
+          "nvme:optimizer_device_share=0.3"]    # copies on NVMe written from the device share through host memory
 SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
 
 

@@ -392,3 +392,56 @@ def test_stage_2_with_a_device_share_trains_as_torch(tmp_path, split):
     assert_cut(model, *split[2:], split[1])
     assert opt.stats()["device_share_seconds"] > 0
     assert gathered_diff(model, ref) <= TOL
+
+
+# -- what review found ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("split", [("device", "host", 0.5, 0.0), ("host", "nvme", 0.3, 0.4)], ids=ident)
+def test_a_param_group_added_later_is_stepped_in_the_device_share_too(tmp_path, split):
+    """``add_param_group`` gives every lane the new ranges: the first block (in the device share) joined later
+    trains as in the uniform run (it stayed at its initial values, silently, when only the host lane knew)."""
+    runs = []
+    for s in (split, uniform(split)):
+        model, _ = make(tmp_path, *s)
+        first = list(model.blocks[0].parameters())
+        rest = [p for p in model.parameters() if all(p is not q for q in first)]
+        opt = infinity.AdamW(rest, lr=1e-2, weight_decay=0.1)
+        opt.add_param_group({"params": first})
+        losses, _ = train(model, batches(3), opt)
+        runs.append((losses, gathered(model)))
+        infinity.release(model)
+    assert runs[0][0] == runs[1][0]
+    assert_same(runs[0][1], runs[1][1])
+
+
+def test_the_device_share_writes_copies_on_nvme_from_host_memory(tmp_path, monkeypatch):
+    """The NVMe tier writes from host memory only (on a GPU a device tensor fails there): the device share's new
+    compute copies go down into the pinned staging first, then to their NVMe keys as host writes."""
+    from infinity.runtime.datapath import DataPath
+
+    model, _ = make(tmp_path, "nvme", "host", 0.5, 0.0, dtype="bfloat16")
+    writes = []
+    write = DataPath.write
+
+    def seen(self, tier, key, src, offset=0, source="host"):
+        writes.append((tier.kind, source))
+        return write(self, tier, key, src, offset, source=source)
+
+    monkeypatch.setattr(DataPath, "write", seen)
+    train(model, [(i, t) for i, t in batches(2)])[1].synchronize()
+    assert ("nvme", "host") in writes and ("nvme", "device") not in writes, sorted(set(writes))
+
+
+def test_a_checkpoint_in_place_resumes_only_without_shares(tmp_path):
+    from infinity.checkpoint.errors import CheckpointMismatchError
+
+    cfg = config(tmp_path, "nvme", "nvme")
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = Tiny()
+    _, opt = train(model, batches(1))
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt, in_place=True)
+    infinity.release(model)
+    cfg["tiers"]["optimizer_host_share"] = 0.5
+    with pytest.raises(CheckpointMismatchError, match=r"tiers.optimizer_host_share is 0.5.*resume with both shares 0"):
+        with infinity.Init(cfg, resume=tmp_path / "ckpt"):
+            Tiny()
