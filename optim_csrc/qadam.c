@@ -180,10 +180,19 @@ __attribute__((target("avx2,fma"))) static inline __m128i to_bf16_v(__m256 x) {
 /* Where the bf16 copies of block [b0, b0 + len) go when one output segment holds it whole; NULL when
  * there are none or write_copies must split it. Advances *cur as write_copies does. */
 static inline uint16_t *block_out(const Job *j, int64_t b0, int64_t len, int *cur) {
-    if (!j->nsegs || j->segs_fp32) return NULL;     /* fp32 copies: write_copies, the block still in cache */
+    if (!j->nsegs || j->segs_fp32) return NULL;     /* fp32 copies: block_out32 */
     while (*cur < j->nsegs && j->segs[*cur].end <= b0) (*cur)++;
     if (*cur < j->nsegs && j->segs[*cur].start <= b0 && b0 + len <= j->segs[*cur].end)
         return j->segs[*cur].out + (b0 - j->segs[*cur].start);
+    return NULL;
+}
+
+/* block_out for fp32 copies (segs_fp32): where the block's fp32 copies go when one segment holds it whole. */
+static inline float *block_out32(const Job *j, int64_t b0, int64_t len, int *cur) {
+    if (!j->nsegs || !j->segs_fp32) return NULL;
+    while (*cur < j->nsegs && j->segs[*cur].end <= b0) (*cur)++;
+    if (*cur < j->nsegs && j->segs[*cur].start <= b0 && b0 + len <= j->segs[*cur].end)
+        return j->segs[*cur].out32 + (b0 - j->segs[*cur].start);
     return NULL;
 }
 
@@ -441,7 +450,8 @@ __attribute__((always_inline)) AVX512_ATTR static inline void decode_step_16(
 /* Loop 2 of a block with plain scales (encode_plain_avx2's arithmetic and checks) on 16 elements at t of
  * block b: the weights' update and bf16 copies (out, or none), the codes. qm8 = qm / 256. */
 __attribute__((always_inline)) AVX512_ATTR static inline void encode_plain_16(
-        Hyper h, BlockPtrs b, int64_t t, const float *fm, const float *fw, uint16_t *out, __m512 qm8, __m512 qw,
+        Hyper h, BlockPtrs b, int64_t t, const float *fm, const float *fw, uint16_t *out, float *out32, __m512 qm8,
+        __m512 qw,
         const int decoupled) {
     const __m256i low15 = _mm256_set1_epi16(0x7FFF), half = _mm256_set1_epi16(32), k7f = _mm256_set1_epi16(0x7F);
     const __m256i top_w = _mm256_set1_epi16(0xFF), bit7 = _mm256_set1_epi16(0x80);
@@ -452,6 +462,7 @@ __attribute__((always_inline)) AVX512_ATTR static inline void encode_plain_16(
                                                 _mm512_add_ps(_mm512_mul_ps(w, V16(h.inv_bc2_sqrt)), V16(h.eps))));
     _mm512_storeu_ps(b.p + t, pn);
     if (out != NULL) _mm256_storeu_si256((__m256i *)(out + t), to_bf16_v16(pn));
+    if (out32 != NULL) _mm512_storeu_ps(out32 + t, pn);
     __m256i fm16 = _mm512_cvtps_ph(_mm512_mul_ps(x, qm8), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     __m256i fw16 = _mm512_cvtps_ph(_mm512_mul_ps(w, qw), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     __m256i cm = _mm256_min_epu16(_mm256_srli_epi16(_mm256_add_epi16(_mm256_and_si256(fm16, low15), half), 6), k7f);
@@ -518,14 +529,17 @@ __attribute__((always_inline)) AVX512_ATTR static inline void int8_run_avx512(
         const float am = as_float(a.am_i), aw = as_float(a.aw_i);
         const BlockPtrs eb = block_ptrs(j, e * len);
         uint16_t *out = block_out(j, e * len, len, cur);
-        if (plain_scales(a)) {
+        float *out32 = block_out32(j, e * len, len, cur);
+        const int plain = plain_scales(a);
+        if (plain) {
             const __m512 qm8 = V16((am > 0.0f ? CODE_TOP / am : 0.0f) * (1.0f / 256.0f));
             const __m512 qw = V16(aw > 0.0f ? CODE_TOP / aw : 0.0f);
             if (decode) {
-                DECODE_LOOP(k, nfm, nfw, encode_plain_16(h, eb, t, fm, fw, out, qm8, qw, decoupled));
+                DECODE_LOOP(k, nfm, nfw, encode_plain_16(h, eb, t, fm, fw, out, out32, qm8, qw, decoupled));
                 found[k % 3] = decoded;
             } else {
-                for (int64_t t = 0; t < len; t += 16) encode_plain_16(h, eb, t, fm, fw, out, qm8, qw, decoupled);
+                for (int64_t t = 0; t < len; t += 16)
+                    encode_plain_16(h, eb, t, fm, fw, out, out32, qm8, qw, decoupled);
             }
         } else {
             encode_any_avx2(j, h, e * len, len, fm, fw, out, am, aw, decoupled);
@@ -534,7 +548,8 @@ __attribute__((always_inline)) AVX512_ATTR static inline void int8_run_avx512(
                 found[k % 3] = decoded;
             }
         }
-        if (j->nsegs && out == NULL) write_copies_avx512(j, e * len, e * len + len, cur);
+        /* copies not written from the registers: split blocks, and fp32 ones of a block encode_any_avx2 took */
+        if (j->nsegs && out == NULL && (out32 == NULL || !plain)) write_copies_avx512(j, e * len, e * len + len, cur);
         j->ms[e] = am;
         j->vs[e] = aw;
     }
