@@ -482,19 +482,23 @@ class DataPath:
 
     def write(self, tier, key: int, src: torch.Tensor, offset: int = 0, source: str = "host"):
         """Start ``tier.write`` of ``src``, which lives on ``source`` ("host" or "device")."""
-        self._book(source, tier.kind, src)
-        if self.late_polls is not None and tier.kind == "device" and source == "host" and not self.is_cuda:
-            # On a GPU this is a host->device copy pending on an event: held late like the others.
+        # Into a host tier's pinned keys from the device: pooled, whatever memory the source is.
+        self._book(source, tier.kind, src, pooled=True if (source, tier.kind) == ("device", "host") else None)
+        crossing = {("host", "device"): "host_to_device", ("device", "host"): "device_to_host"}.get((source, tier.kind))
+        if self.late_polls is not None and crossing is not None and not self.is_cuda:
+            # On a GPU this is a copy across the link pending on an event (a device share's new compute copies
+            # into host-memory shards, an update's into device shards): held late like the others.
             data = byte_view(src, f"{tier.kind} tier write source")
-            copy = self._copy("host_to_device", tier.place(key, offset, data.numel()), data, None)
+            copy = self._copy(crossing, tier.place(key, offset, data.numel()), data, None)
             return _LateWrite(copy, data.numel())
         return tier.write(key, src, offset)
 
-    def _book(self, src: str, dst: str, tensor: torch.Tensor) -> None:
+    def _book(self, src: str, dst: str, tensor: torch.Tensor, pooled: bool | None = None) -> None:
         direction = DIRECTIONS.get((src, dst))
         if direction is not None:
             host_side = direction in ("host_to_device", "device_to_host")
-            pooled = self.allocator.owns(tensor) if host_side else True
+            if pooled is None:
+                pooled = self.allocator.owns(tensor) if host_side else True
             self.ledger.copy(direction, tensor.numel() * tensor.element_size(), pooled)
 
     def per_parameter_call(self) -> None:
