@@ -62,8 +62,10 @@ def sub_groups(store, grad_keys: Sequence[int], changed: Sequence[bool], grads: 
 
 def _in_place(store, grad_keys, subs: list[int], compact: bool = False):
     writes: list = []
+    marks: list[int] = []
     try:
         for sub in subs:
+            _retire(writes, marks)
             tier = store.sub_tiers[sub]
             st = {s: store.view(s, sub) for s in MOMENTS}
             numel = store.layout.sub_ranges[sub][1]
@@ -89,6 +91,20 @@ def _in_place(store, grad_keys, subs: list[int], compact: bool = False):
         raise
     for fut, _ in writes:
         fut.wait()
+
+
+def _retire(writes: list, marks: list[int], depth: int = 2) -> None:
+    """Keep the caller's transfers of at most ``depth`` sub-groups in flight: wait for older ones and let
+    their sources go (a device share's new compute copies are tensors of their own, one per piece; held
+    to the end of the pass, they would cost the whole share's copies in device memory at once)."""
+    marks.append(len(writes))
+    if len(marks) <= depth:
+        return
+    cut = marks[-depth - 1]
+    for fut, _ in writes[:cut]:
+        fut.wait()
+    del writes[:cut]
+    marks[:] = [m - cut for m in marks[-depth:]]
 
 
 def _streamed(store, grad_keys, changed: Sequence[bool], grads: dict | None = None, compact: bool = False):

@@ -445,3 +445,34 @@ def test_a_checkpoint_in_place_resumes_only_without_shares(tmp_path):
     with pytest.raises(CheckpointMismatchError, match=r"tiers.optimizer_host_share is 0.5.*resume with both shares 0"):
         with infinity.Init(cfg, resume=tmp_path / "ckpt"):
             Tiny()
+
+
+def test_the_device_shares_copies_are_let_go_two_sub_groups_behind(tmp_path, monkeypatch):
+    """The device lane's new compute copies (tensors of their own, in the device's memory) are waited for and
+    dropped two sub-groups behind the update: held to the end of the pass, the whole share's copies would sit
+    in device memory at once."""
+    from infinity.optim import pipeline
+
+    held = {}
+    passes = pipeline.sub_groups
+
+    def watched(store, grad_keys, changed, grads=None, compact=False, streamed=True):
+        lens = held.setdefault(streamed, [])
+        for sub, st, writes in passes(store, grad_keys, changed, grads, compact, streamed):
+            lens.append(len(writes))
+            yield sub, st, writes
+
+    monkeypatch.setattr(pipeline, "sub_groups", watched)
+    runs = {}
+    for bounded in (True, False):
+        if not bounded:
+            monkeypatch.setattr(pipeline, "_retire", lambda writes, marks, depth=2: None)
+        held.clear()
+        model, _ = make(tmp_path, "host", "nvme", 0.9, 0.0, dtype="bfloat16")
+        train(model, batches(1))[1].synchronize()
+        infinity.release(model)
+        runs[bounded] = list(held[False])
+    unbounded = runs[False]
+    assert len(unbounded) >= 4 and unbounded == sorted(unbounded) and unbounded[-1] > 0, runs
+    per_sub = max(b - a for a, b in zip([0] + unbounded, unbounded))
+    assert max(runs[True]) <= 2 * per_sub < unbounded[-1], runs
