@@ -65,6 +65,7 @@ def build_store(engine, layout: FlatLayout, dormant) -> OptimizerStateStore:
     coordinator, tiers, config = engine.coordinator, engine.tiers, engine.config
     copies = dormant_copies = None
     cuts = tier_split.cuts_for(config, [g.shard_numel for g in coordinator.groups])
+    _warn_empty_shares(config, cuts, coordinator.groups)
     per_sub = tier_split.sub_tiers(layout, cuts, tiers.by_name, config.tiers.optimizer)
     kinds = (coordinator.dtype, tiers.params.kind, tiers.optimizer.kind)
     if per_sub is not None:     # split over tiers: fp32 masters ([Note: optimizer states over tiers])
@@ -80,6 +81,21 @@ def build_store(engine, layout: FlatLayout, dormant) -> OptimizerStateStore:
                                moment_format=MomentFormat(config.optimizer.state_dtype,
                                                           config.optimizer.state_block_size),
                                dormant=dormant, dormant_copies=dormant_copies)
+
+
+def _warn_empty_shares(config, cuts, groups) -> None:
+    """A share the rounding to group boundaries left without a group is said, not silent."""
+    if cuts is None:
+        return
+    t, total = config.tiers, sum(g.shard_numel for g in groups)
+    d, h = cuts
+    for key, share, at, empty in (("optimizer_device_share", t.optimizer_device_share, 0, d == 0),
+                                  ("optimizer_host_share", t.optimizer_host_share, d, h == d)):
+        if share > 0 and empty and at < len(groups):
+            _warn(f"tiers.{key} = {share:g} holds no parameter group: its {share * total:,.0f} of this rank's "
+                  f"{total:,} elements are fewer than half of the group at its cut ({groups[at].shard_numel:,} "
+                  f"elements), and the states are cut at group boundaries; raise it, or leave it 0 "
+                  f"(infinity.stats(model)['optimizer_tiers'] says what each tier got)")
 
 
 class _Reencoded(Exception):

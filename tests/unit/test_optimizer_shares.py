@@ -476,3 +476,11 @@ def test_the_device_shares_copies_are_let_go_two_sub_groups_behind(tmp_path, mon
     assert len(unbounded) >= 4 and unbounded == sorted(unbounded) and unbounded[-1] > 0, runs
     per_sub = max(b - a for a, b in zip([0] + unbounded, unbounded))
     assert max(runs[True]) <= 2 * per_sub < unbounded[-1], runs
+
+
+def test_a_share_too_small_for_any_group_is_said(tmp_path):
+    with pytest.warns(RuntimeWarning, match=r"tiers.optimizer_device_share = 0.001 holds no parameter group: its "
+                                            r"[\d,]+ of this rank's [\d,]+ elements are fewer than half") as said:
+        model, _ = make(tmp_path, "host", "nvme", 0.001, 0.5)
+    assert [str(w.message).split(" =")[0] for w in said] == ["tiers.optimizer_device_share"]
+    assert set(tier_split.shares(engine_of(model).store)) == {"host", "nvme"}
