@@ -10,8 +10,11 @@ sub-groups of states, whatever the model size. Sub-groups an update does not
 change are neither read nor written, except in the first pass, which writes every
 sub-group's (zero) moments so that their keys hold data (dormant ones have none).
 With the states split over tiers ([Note: optimizer states over tiers] in infinity/optim/tier_split.py)
-one pass visits the sub-groups in memory, then the streamed ones, each in order: the tiers hold
-consecutive runs of sub-groups, fastest first, so the pass still goes up the sub-groups.
+one pass visits both the sub-groups in memory and the streamed ones, each run in order, the first
+streamed reads issued before any step: while a streamed sub-group's reads are in flight, the pass steps
+sub-groups in memory, so the update takes the longer of the two, not their sum. The sub-groups are then
+not stepped in order (the ones in memory, fastest tier first, come first in the model): whoever reports
+progress to a next forward reports the stepped prefix (``UpdatePass``).
 
 What the room may touch: the store's keys, buffers and tiers; nothing of the engine.
 """
@@ -54,10 +57,30 @@ def sub_groups(store, grad_keys: Sequence[int], changed: Sequence[bool], grads: 
     the streamed ones, their first pass included, to the pass over the rest: it would stream every one of
     them once more, inside ``opt.step()``.
     """
-    yield from _in_place(store, grad_keys, [sub for sub, c in enumerate(changed) if c and store.in_place_of(sub)],
+    in_place = _in_place(store, grad_keys, [sub for sub, c in enumerate(changed) if c and store.in_place_of(sub)],
                          compact)
-    if store.streamed_subs and streamed:
-        yield from _streamed(store, grad_keys, changed, grads, compact)
+    if not (store.streamed_subs and streamed):
+        yield from in_place
+        return
+    stream = _streamed(store, grad_keys, changed, grads, compact)
+    try:
+        for sub, st, writes in stream:
+            if sub is not None:
+                yield sub, st, writes
+                continue
+            # The stream waits for the reads ``st`` next: step sub-groups in memory until they have landed.
+            while in_place is not None and not all(fut.done() for fut in st):
+                item = next(in_place, None)
+                if item is None:
+                    in_place = None
+                else:
+                    yield item
+        if in_place is not None:
+            yield from in_place
+    finally:    # a pass closed early (its caller failed): each waits for what it issued, and neither outlives it
+        stream.close()
+        if in_place is not None:
+            in_place.close()
 
 
 def _in_place(store, grad_keys, subs: list[int], compact: bool = False):
@@ -144,6 +167,7 @@ def _streamed(store, grad_keys, changed: Sequence[bool], grads: dict | None = No
         for i, sub in enumerate(subs):
             slot = i % 2
             tier = store.sub_tiers[sub]
+            yield None, reads[slot], None       # about to wait for them (``sub_groups`` steps others meanwhile)
             for fut in reads[slot]:
                 fut.wait()
             if i + 1 < len(subs):

@@ -484,3 +484,36 @@ def test_a_share_too_small_for_any_group_is_said(tmp_path):
         model, _ = make(tmp_path, "host", "nvme", 0.001, 0.5)
     assert [str(w.message).split(" =")[0] for w in said] == ["tiers.optimizer_device_share"]
     assert set(tier_split.shares(engine_of(model).store)) == {"host", "nvme"}
+
+
+def test_the_host_share_is_stepped_while_the_nvme_shares_reads_are_in_flight(tmp_path, monkeypatch):
+    """One pass steps the sub-groups in memory while the streamed ones' reads are in flight (the update takes the
+    longer of the two, not their sum), and reports to the next forward only the stepped prefix."""
+    from infinity.optim import pipeline
+    from infinity.optim.background import BackgroundUpdate
+
+    orders, reported = [], []
+    passes = pipeline.sub_groups
+
+    def watched(store, grad_keys, changed, grads=None, compact=False, streamed=True):
+        order = []
+        orders.append((order, [store.in_place_of(s) for s in range(len(changed))], list(changed)))
+        for item in passes(store, grad_keys, changed, grads, compact, streamed):
+            order.append(item[0])
+            yield item
+
+    sub_done = BackgroundUpdate.sub_done
+    monkeypatch.setattr(pipeline, "sub_groups", watched)
+    monkeypatch.setattr(BackgroundUpdate, "sub_done", lambda self, sub, w=None: (
+        reported.append((self._running, sub)), sub_done(self, sub, w))[1])
+    model, _ = make(tmp_path, "host", "nvme", 0.0, 0.6)
+    train(model, batches(3))[1].synchronize()
+    interleaved = 0
+    for order, in_place, changed in orders:
+        assert sorted(order) == [s for s, c in enumerate(changed) if c or not in_place[s]]
+        first_streamed = next(i for i, s in enumerate(order) if not in_place[s])
+        interleaved += any(in_place[s] for s in order[first_streamed:])
+    assert interleaved, orders
+    for job in {id(job): job for job, _ in reported}.values():      # never a sub-group before one still to come
+        subs = [sub for j, sub in reported if j is job]
+        assert subs == sorted(subs), reported
