@@ -87,14 +87,16 @@ def _warn_empty_shares(config, cuts, groups) -> None:
     """A share the rounding to group boundaries left without a group is said, not silent."""
     if cuts is None:
         return
-    t, total = config.tiers, sum(g.shard_numel for g in groups)
-    d, h = cuts
-    for key, share, at, empty in (("optimizer_device_share", t.optimizer_device_share, 0, d == 0),
-                                  ("optimizer_host_share", t.optimizer_host_share, d, h == d)):
-        if share > 0 and empty and at < len(groups):
-            _warn(f"tiers.{key} = {share:g} holds no parameter group: its {share * total:,.0f} of this rank's "
-                  f"{total:,} elements are fewer than half of the group at its cut ({groups[at].shard_numel:,} "
-                  f"elements), and the states are cut at group boundaries; raise it, or leave it 0 "
+    t, d, h = config.tiers, *cuts
+    total = sum(g.shard_numel for g in groups)
+    for key, share, empty, at in (("optimizer_device_share", t.optimizer_device_share, d == 0, 0),
+                                  ("optimizer_host_share", t.optimizer_host_share, h == d, d)):
+        if share > 0 and empty:
+            where = (f"the group there has {groups[at].shard_numel:,} elements" if at < len(groups)
+                     else "the shares before it took every group")
+            _warn(f"tiers.{key} = {share:g} holds no parameter group: the states are cut at group boundaries, "
+                  f"each cut at the one nearest its share of this rank's {total:,} elements, and both of its cuts "
+                  f"fell on the same boundary ({where}); raise it, or leave it 0 "
                   f"(infinity.stats(model)['optimizer_tiers'] says what each tier got)")
 
 

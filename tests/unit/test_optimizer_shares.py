@@ -452,6 +452,9 @@ def test_the_device_shares_copies_are_let_go_two_sub_groups_behind(tmp_path, mon
     dropped two sub-groups behind the update: held to the end of the pass, the whole share's copies would sit
     in device memory at once."""
     from infinity.optim import pipeline
+    from infinity.runtime.datapath import LATE_COPIES_ENV
+
+    monkeypatch.setenv(LATE_COPIES_ENV, "1000")    # copies a GPU has not finished when the pass moves on
 
     held = {}
     passes = pipeline.sub_groups
@@ -478,12 +481,15 @@ def test_the_device_shares_copies_are_let_go_two_sub_groups_behind(tmp_path, mon
     assert max(runs[True]) <= 2 * per_sub < unbounded[-1], runs
 
 
-def test_a_share_too_small_for_any_group_is_said(tmp_path):
-    with pytest.warns(RuntimeWarning, match=r"tiers.optimizer_device_share = 0.001 holds no parameter group: its "
-                                            r"[\d,]+ of this rank's [\d,]+ elements are fewer than half") as said:
-        model, _ = make(tmp_path, "host", "nvme", 0.001, 0.5)
-    assert [str(w.message).split(" =")[0] for w in said] == ["tiers.optimizer_device_share"]
-    assert set(tier_split.shares(engine_of(model).store)) == {"host", "nvme"}
+@pytest.mark.parametrize("shares, key, kinds", [((0.001, 0.5), "device", {"host", "nvme"}),
+                                                 ((0.3, 0.001), "host", {"device", "nvme"})])
+def test_a_share_too_small_for_any_group_is_said(tmp_path, shares, key, kinds):
+    with pytest.warns(RuntimeWarning, match=rf"tiers.optimizer_{key}_share = 0.001 holds no parameter group: the "
+                                            r"states are cut at group boundaries.*both of its cuts fell on the same "
+                                            r"boundary \(the group there has [\d,]+ elements\)") as said:
+        model, _ = make(tmp_path, "host", "nvme", *shares)
+    assert [str(w.message).split(" =")[0] for w in said] == [f"tiers.optimizer_{key}_share"]
+    assert set(tier_split.shares(engine_of(model).store)) == kinds
 
 
 def test_the_host_share_is_stepped_while_the_nvme_shares_reads_are_in_flight(tmp_path, monkeypatch):
@@ -491,6 +497,9 @@ def test_the_host_share_is_stepped_while_the_nvme_shares_reads_are_in_flight(tmp
     longer of the two, not their sum), and reports to the next forward only the stepped prefix."""
     from infinity.optim import pipeline
     from infinity.optim.background import BackgroundUpdate
+    from infinity.runtime.datapath import LATE_COPIES_ENV
+
+    monkeypatch.setenv(LATE_COPIES_ENV, "1000")    # reads a disk has not finished when the pass would wait
 
     orders, reported = [], []
     passes = pipeline.sub_groups
