@@ -10,11 +10,10 @@ sub-groups of states, whatever the model size. Sub-groups an update does not
 change are neither read nor written, except in the first pass, which writes every
 sub-group's (zero) moments so that their keys hold data (dormant ones have none).
 With the states split over tiers ([Note: optimizer states over tiers] in infinity/optim/tier_split.py)
-one pass visits both the sub-groups in memory and the streamed ones, each run in order, the first
-streamed reads issued before any step: while a streamed sub-group's reads are in flight, the pass steps
-sub-groups in memory, so the update takes the longer of the two, not their sum. The sub-groups are then
-not stepped in order (the ones in memory, fastest tier first, come first in the model): whoever reports
-progress to a next forward reports the stepped prefix (``UpdatePass``).
+one pass visits the sub-groups in memory, then the streamed ones, in order (the tiers hold consecutive runs
+of sub-groups, fastest first, so the pass still goes up the sub-groups, and a next forward gets the first
+groups first); the first two streamed sub-groups' reads are issued before the first step, so that they land
+while the sub-groups in memory are stepped.
 
 What the room may touch: the store's keys, buffers and tiers; nothing of the engine.
 """
@@ -65,16 +64,11 @@ def sub_groups(store, grad_keys: Sequence[int], changed: Sequence[bool], grads: 
     stream = _streamed(store, grad_keys, changed, grads, compact)
     try:
         for sub, st, writes in stream:
-            if sub is not None:
-                yield sub, st, writes
+            if sub is None:     # the first streamed reads are in flight: step the sub-groups in memory meanwhile
+                yield from in_place
+                in_place = None
                 continue
-            # The stream waits for the reads ``st`` next: step sub-groups in memory until they have landed.
-            while in_place is not None and not all(fut.done() for fut in st):
-                item = next(in_place, None)
-                if item is None:
-                    in_place = None
-                else:
-                    yield item
+            yield sub, st, writes
         if in_place is not None:
             yield from in_place
     finally:    # a pass closed early (its caller failed): each waits for what it issued, and neither outlives it
@@ -162,15 +156,16 @@ def _streamed(store, grad_keys, changed: Sequence[bool], grads: dict | None = No
                 reads[slot].append(io.read(tier, key, buf))
 
     try:
+        for i in range(min(2, len(subs))):     # both sets of buffers are free: fill both
+            issue_reads(i)
         if subs:
-            issue_reads(0)
+            yield None, None, None      # the first reads are issued (``sub_groups`` steps those in memory now)
         for i, sub in enumerate(subs):
             slot = i % 2
             tier = store.sub_tiers[sub]
-            yield None, reads[slot], None       # about to wait for them (``sub_groups`` steps others meanwhile)
             for fut in reads[slot]:
                 fut.wait()
-            if i + 1 < len(subs):
+            if 0 < i < len(subs) - 1:
                 issue_reads(i + 1)
             numel = layout.sub_ranges[sub][1]
             st = {s: bufs[slot][s][:stored_len(store.moment_format, s, numel)] for s in STATES}

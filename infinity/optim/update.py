@@ -112,25 +112,6 @@ def chunk_numel() -> int:
     return CHUNK_NUMEL if torch.get_num_threads() == 1 else _WHOLE
 
 
-class _Prefix:
-    """The last sub-group of the stepped prefix of ``changed`` (ascending), as sub-groups are stepped in any
-    order (a split store's pass steps those in memory while the streamed ones' reads are in flight; see
-    [Note: pipelined sub-groups] in infinity/optim/pipeline.py): a next forward may fetch a group once every
-    sub-group up to its last is stepped, so progress never claims one still to come."""
-
-    def __init__(self, changed: list[int]) -> None:
-        self.changed, self.done, self.next, self.last = changed, set(), 0, -1
-
-    def add(self, sub: int) -> int:
-        self.done.add(sub)
-        while self.next < len(self.changed) and self.changed[self.next] in self.done:
-            self.next += 1
-        # All changed ones stepped: unchanged ones visited after (a first pass's zero moments) count too.
-        upto = self.changed[self.next] - 1 if self.next < len(self.changed) else max(self.changed[-1:] + [sub])
-        self.last = max(self.last, upto)
-        return self.last
-
-
 def _hyper_set(hyper: dict, job: StepJob, index: int) -> dict:
     """The kernel's keyword arguments for the job's ``index``-th set of hyper-parameters."""
     if not job.hypers:
@@ -237,7 +218,6 @@ class UpdatePass:
         chunk = chunk_numel()
         copies: list = []
         by_group: dict[int, list] | None = {} if job.overlapped else None     # what a fetch waits for
-        stepped = _Prefix([sub for sub in range(num_subs) if spans[sub]])
         try:
             for sub, st, writes in passes:
                 states = (st["master"], st["grad"], st["exp_avg"], st["exp_avg_sq"])
@@ -273,7 +253,7 @@ class UpdatePass:
                     # The next forward may fetch this sub-group's groups: it waits for the host or NVMe
                     # writes, and orders its stream after the device copies (see [Note: device copies
                     # of an overlapped update] in infinity/optim/background.py).
-                    self.progress.sub_done(stepped.add(sub), by_group)
+                    self.progress.sub_done(sub, by_group)
                     by_group = {}
                 writes.extend(copies)
                 copies = []

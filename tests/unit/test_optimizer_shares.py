@@ -492,37 +492,36 @@ def test_a_share_too_small_for_any_group_is_said(tmp_path, shares, key, kinds):
     assert set(tier_split.shares(engine_of(model).store)) == kinds
 
 
-def test_the_host_share_is_stepped_while_the_nvme_shares_reads_are_in_flight(tmp_path, monkeypatch):
-    """One pass steps the sub-groups in memory while the streamed ones' reads are in flight (the update takes the
-    longer of the two, not their sum), and reports to the next forward only the stepped prefix."""
+def test_the_host_share_is_stepped_while_the_nvme_shares_first_reads_are_in_flight(tmp_path, monkeypatch):
+    """One pass issues the first streamed sub-groups' reads, then steps the sub-groups in memory (the reads land
+    meanwhile), then the streamed ones: in order, the first groups first, for a next forward that fetches in
+    model order."""
     from infinity.optim import pipeline
-    from infinity.optim.background import BackgroundUpdate
-    from infinity.runtime.datapath import LATE_COPIES_ENV
 
-    monkeypatch.setenv(LATE_COPIES_ENV, "1000")    # reads a disk has not finished when the pass would wait
+    model, _ = make(tmp_path, "host", "nvme", 0.0, 0.6)
+    store = engine_of(model).store
+    passes, read = pipeline.sub_groups, store.io.read
+    streamed_keys = {key for keys in store.keys.values() for sub, key in enumerate(keys) if not store.in_place_of(sub)}
+    runs: list[list] = []
 
-    orders, reported = [], []
-    passes = pipeline.sub_groups
+    def reading(tier, key, *args, **kw):
+        if key in streamed_keys and tier.kind == "nvme" and runs:
+            runs[-1].append("read")
+        return read(tier, key, *args, **kw)
 
-    def watched(store, grad_keys, changed, grads=None, compact=False, streamed=True):
-        order = []
-        orders.append((order, [store.in_place_of(s) for s in range(len(changed))], list(changed)))
-        for item in passes(store, grad_keys, changed, grads, compact, streamed):
-            order.append(item[0])
+    def watched(*args, **kw):
+        runs.append([])
+        for item in passes(*args, **kw):
+            runs[-1].append(item[0])
             yield item
 
-    sub_done = BackgroundUpdate.sub_done
+    monkeypatch.setattr(store.io, "read", reading)
     monkeypatch.setattr(pipeline, "sub_groups", watched)
-    monkeypatch.setattr(BackgroundUpdate, "sub_done", lambda self, sub, w=None: (
-        reported.append((self._running, sub)), sub_done(self, sub, w))[1])
-    model, _ = make(tmp_path, "host", "nvme", 0.0, 0.6)
     train(model, batches(3))[1].synchronize()
-    interleaved = 0
-    for order, in_place, changed in orders:
-        assert sorted(order) == [s for s, c in enumerate(changed) if c or not in_place[s]]
-        first_streamed = next(i for i, s in enumerate(order) if not in_place[s])
-        interleaved += any(in_place[s] for s in order[first_streamed:])
-    assert interleaved, orders
-    for job in {id(job): job for job, _ in reported}.values():      # never a sub-group before one still to come
-        subs = [sub for j, sub in reported if j is job]
-        assert subs == sorted(subs), reported
+    in_memory = {s for s in range(len(store.sub_tiers)) if store.in_place_of(s)}
+    assert len(runs) == 3 and in_memory
+    for run in runs:
+        steps = [x for x in run if x != "read"]
+        assert steps == sorted(steps) and in_memory <= set(steps) and len(steps) > len(in_memory), run
+        first = run.index(min(in_memory))
+        assert "read" in run[:first], f"the sub-groups in memory were stepped before any streamed read: {run}"
