@@ -36,7 +36,11 @@ so a window takes as long as its busiest resource:
   (``UpdateScheduler``'s device lane, infinity/optim/scheduler.py; the lane's pass waits for its
   copies' CUDA events, so the host share's update starts after the device's ends), so it is a window
   of its own in every schedule, added to the step; the "update" phase is then the host and NVMe
-  shares' alone.
+  shares' alone. Within it the host share is counted beside the NVMe share's traffic, as one window;
+  the engine steps the host share while only the first two streamed sub-groups' reads land
+  ([Note: pipelined sub-groups] in infinity/optim/pipeline.py), so where the host share's AdamW is
+  longer than those reads the window is short by the difference (at 13B on one 80 GB GPU, auto's split
+  steps ~8 G host elements, about a second beside a disk-bound update of tens of seconds).
 
 Resources: compute, host->device link, device->host link, host update, disk (reads / read rate +
 writes / write rate, shared by the machine's ranks), and with ``interconnect_gbps`` in the profile the
