@@ -112,8 +112,9 @@ def _in_place(store, grad_keys, subs: list[int], compact: bool = False):
 
 def _retire(writes: list, marks: list[int], depth: int = 2) -> None:
     """Before a sub-group is stepped, keep the caller's transfers of at most the ``depth`` sub-groups before
-    it in flight: wait for older ones and let their sources go (a device share's new compute copies are tensors of their own, one per piece; held
-    to the end of the pass, they would cost the whole share's copies in device memory at once)."""
+    it in flight: wait for older ones and let their sources go (a device share's new compute copies are
+    tensors of their own, one per piece; held to the end of the pass, they would cost the whole share's
+    copies in device memory at once)."""
     marks.append(len(writes))
     if len(marks) <= depth:
         return
