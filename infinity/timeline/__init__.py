@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
 from torch import nn
 
 from infinity import registry
@@ -57,7 +58,9 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None, mac
         probes.
     workload:
         The step's work for the compute term: an ``infinity.plan.Workload`` or the tokens of one step
-        (batch x sequence); None: ``Workload()``'s 16384 tokens.
+        (batch x sequence); None: the token ids the block's first forward of ``model`` is given (its
+        ``input_ids``, else its first integer tensor argument), or ``Workload()``'s 16384 tokens when it is
+        given none.
 
     Examples
     --------
@@ -70,6 +73,13 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None, mac
     timeline = Timeline()
     phases = predicted_phases(engine, nvme_bandwidth, machine, workload)    # before the step: no part of it
     probes = Probes(engine, timeline)
+    seen: list[int | None] = []
+
+    def take(_, args, kwargs) -> None:
+        if not seen:
+            seen.append(_tokens(args, kwargs))
+
+    hook = model.register_forward_pre_hook(take, with_kwargs=True) if workload is None else None
     try:
         probes.install()        # inside: what a failed install put on comes off again
         start = timeline.now()
@@ -85,11 +95,26 @@ def trace(model: nn.Module, path: str | os.PathLike, *, nvme_bandwidth=None, mac
         if engine.optimizer is not None:
             engine.optimizer.updates.wait_running(report=False)    # no worker inside a probe as it comes off
         probes.remove()
+        if hook is not None:
+            hook.remove()
+    if seen and seen[0]:    # the step's own tokens (the plan above was made with the default's)
+        phases = predicted_phases(engine, nvme_bandwidth, machine, seen[0])
     for phase in phases:
         timeline.plan(phase.name, start + phase.start_s * 1e6, phase.seconds * 1e6, phase.args)
     timeline.meta.update(step_us=end - start, rank=engine.ranks.rank, world_size=engine.ranks.world_size,
                          nvme_in_flight_at_end=in_flight)
     timeline.write(str(path).replace("{rank}", str(engine.ranks.global_rank)))
+
+
+def _tokens(args, kwargs) -> int | None:
+    """The tokens of a forward's input: its ``input_ids``, else its first integer tensor argument."""
+    ids = kwargs.get("input_ids")
+    candidates = [ids] if torch.is_tensor(ids) else [*args, *kwargs.values()]
+    for value in candidates:
+        if torch.is_tensor(value) and not value.is_floating_point() and not value.is_complex() \
+                and value.dtype != torch.bool:
+            return value.numel()
+    return None
 
 
 __all__ = ["Timeline", "trace"]

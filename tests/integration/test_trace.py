@@ -121,6 +121,25 @@ def test_with_a_machine_profile_the_plan_track_has_the_predicted_phases(tmp_path
     assert mark["ts"] == pytest.approx(fwd["ts"] + mark["args"]["step_s"] * 1e6, abs=0.002)
 
 
+def test_without_a_workload_the_plan_track_takes_the_steps_tokens(tmp_path):
+    """The plan's compute term is the traced step's (its first forward's token ids, 4 x 32), not
+    ``Workload()``'s 16384 tokens; the hook that saw them is gone after the block."""
+    model, shape = build(tmp_path / "nvme", "nvme", n_layer=1)
+    opt, step = _stepper(model, shape)
+    step()
+    step()
+    path = tmp_path / "step.json"
+    before = _installed(model)
+    with infinity.trace(model, path, machine=PROFILE):
+        step()
+    opt.synchronize()
+    assert _installed(model) == before
+    infinity.release(model)
+    events = json.loads(path.read_text())["traceEvents"]
+    mark = {e["name"].split()[1]: e for e in events if e.get("cat") == "plan"}["step"]
+    assert mark["ph"] == "i" and mark["args"]["tokens"] == 128
+
+
 def test_reads_end_before_compute_and_gradients_land_before_their_update(traced):
     events = traced[0]["traceEvents"]
     reads = _spans(events, "nvme read")
