@@ -49,7 +49,12 @@ forward, and reduce-scatters, in the backward: [Note: communication volume] in i
 ([Note: update modes] in infinity/optim/scheduler.py): the overlapped update (``dpu.overlap``; when
 the pass touches NVMe or, on a GPU, host states) runs beside the next forward, so update and forward
 are one window; the update during backward joins the backward's window; DPU runs it beside the whole
-next iteration (one window); otherwise the three follow each other. With the CPU as compute device the
+next iteration (one window); otherwise the three follow each other. The update beside the forward
+goes up the sub-groups as the forward goes up the groups, and a group's forward waits for its
+sub-group: the window is at least the update alone plus the forward of the groups in its last
+sub-group (their share of the forward counted as their share of the rank's elements), which
+matters where the update is the longer and sub-groups are few (a small model on the CPU: 4M-element
+sub-groups of a 16M model leave a quarter of the forward after the update). With the CPU as compute device the
 host update runs on the cores that compute: both count on the compute resource.
 
 The bound (shared/DESIGN.md, "Placement and the bound") is one window of everything: no schedule
@@ -376,6 +381,13 @@ class StepModel:
                 use["nvme"] = prof.ranks * (read / _rate(prof.disk_read_gbps) + write / _rate(prof.disk_write_gbps))
         return out
 
+    @property
+    def last_sub_share(self) -> float:
+        """The share of a rank's elements in the update's last sub-group: the forward of those groups
+        cannot start before the update ends."""
+        per_rank = max(1.0, self.num_params / self.world_size)
+        return min(1.0, int(self.cfg.partition.sub_group_size) / per_rank)
+
     def schedule(self, placement: Placement) -> str:
         """Which phases share a window ([Note: update modes] in infinity/optim/scheduler.py)."""
         cfg = self.cfg
@@ -395,7 +407,8 @@ class StepModel:
         window = lambda *uses: max(sum(u[r] for u in uses) for r in RESOURCES)   # noqa: E731
         schedule = self.schedule(placement)
         step = {"sequential": lambda: window(fwd) + window(bwd) + window(upd),
-                "update beside forward": lambda: window(fwd, upd) + window(bwd),
+                "update beside forward": lambda: max(window(fwd, upd), window(upd) + window(fwd) * self.last_sub_share)
+                + window(bwd),
                 "update beside backward": lambda: window(fwd) + window(bwd, upd),
                 "update beside the whole step": lambda: window(fwd, bwd, upd)}[schedule]()
         # A split store's device share is stepped inside opt.step(), before the rest is handed on.
