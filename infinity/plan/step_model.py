@@ -54,8 +54,8 @@ goes up the sub-groups as the forward goes up the groups, and a group's forward 
 sub-group: the window is at least the update alone plus the forward of the groups in its last
 sub-group (their share of the forward counted as their share of the rank's elements), which
 matters where the update is the longer and sub-groups are few (a small model on the CPU: 4M-element
-sub-groups of a 16M model leave a quarter of the forward after the update). With the CPU as compute device the
-host update runs on the cores that compute: both count on the compute resource.
+sub-groups of a 16M model leave a quarter of the forward after the update). With the CPU as compute
+device the host update runs on the cores that compute: both count on the compute resource.
 
 The bound (shared/DESIGN.md, "Placement and the bound") is one window of everything: no schedule
 beats the busiest resource's total. The governing term is that resource.
@@ -406,9 +406,9 @@ class StepModel:
         fwd, bwd, upd, lane = self.usage(placement)
         window = lambda *uses: max(sum(u[r] for u in uses) for r in RESOURCES)   # noqa: E731
         schedule = self.schedule(placement)
+        chased = window(upd) + window(fwd) * self.last_sub_share    # the last sub-group's groups wait for it
         step = {"sequential": lambda: window(fwd) + window(bwd) + window(upd),
-                "update beside forward": lambda: max(window(fwd, upd), window(upd) + window(fwd) * self.last_sub_share)
-                + window(bwd),
+                "update beside forward": lambda: max(window(fwd, upd), chased) + window(bwd),
                 "update beside backward": lambda: window(fwd) + window(bwd, upd),
                 "update beside the whole step": lambda: window(fwd, bwd, upd)}[schedule]()
         # A split store's device share is stepped inside opt.step(), before the rest is handed on.
