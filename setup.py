@@ -14,7 +14,8 @@ setup(
             "tiers._aio",
             sources=["aio_csrc/aio.c"],
             # aio.c #includes these; listing them makes build_ext rebuild when only a header changed.
-            depends=["aio_csrc/ring.h", "aio_csrc/requests.h", "aio_csrc/engines.h", "aio_csrc/lifecycle.h"],
+            depends=["aio_csrc/ring.h", "aio_csrc/requests.h", "aio_csrc/engines.h", "aio_csrc/lifecycle.h",
+                     "aio_csrc/methods.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             libraries=["pthread"],
         ),
