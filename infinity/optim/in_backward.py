@@ -22,12 +22,29 @@ as it would after reading them. Held sub-groups are those with a gradient but no
 stepped: with backward in reverse flat order, about one or two at a time, plus those
 of groups whose gradient comes last (a tied embedding keeps its sub-group open).
 
+With the optimizer states split over tiers ([Note: optimizer states over tiers] in
+infinity/optim/tier_split.py) the host and NVMe shares' sub-groups are stepped here as they
+complete, the NVMe share's gradients held as above, the host share's in their accumulators;
+the device share's wait for ``opt.step()``, which steps them on the compute device before
+the rest (the device's update is short, and the next forward needs those groups first):
+their gradients are added on the device and never land here.
+
 The hyper-parameters are read from ``param_groups`` when the first sub-group is
 stepped, during backward of step t. A torch learning-rate scheduler changes ``lr``
 after ``opt.step()``, so these are the values ``opt.step()`` of step t would read;
 changing ``param_groups`` between ``backward()`` and ``opt.step()`` is too late (it
 applies from the next step, and ``opt.step()`` raises, naming the key, when it sees
 that the values differ).
+
+A backward cut short (an error in the model, a failed read, Ctrl-C) after sub-groups were
+stepped leaves the step half applied: redone, those sub-groups would be stepped twice; finished
+by ``opt.step()``, the rest would be stepped with part of its gradients. Neither trains as the
+run would have, so the states are marked damaged, naming the key, when the engine closes that
+backward (the next forward, ``opt.step()`` or ``zero_grad()``, [Note: aborted backward] in
+infinity/runtime/engine.py); ``zero_grad()`` then drops the gradients, and a checkpoint load is
+the way on. So too when ``opt.step()`` finds a non-finite gradient or an edited ``.grad`` after
+sub-groups were stepped, or the worker failed. Cut short before any sub-group was stepped, the
+step is redone after ``zero_grad()`` as with the ordinary update.
 
 Exact (losses equal to the ordinary update's) or refused, naming the key:
 ``dpu.enabled``, float16 loss scaling and ``tiers.optimizer = "device"`` at config time;
@@ -54,7 +71,8 @@ KEY = "optimizer.update_in_backward"
 
 
 class HeldGrads:
-    """Gradient shards of sub-groups not stepped yet, in host memory (states on NVMe).
+    """Gradient shards of streamed sub-groups not stepped yet, in host memory (states on NVMe; a split store's
+    sub-groups in memory take theirs into their accumulators).
 
     Parameters
     ----------
@@ -153,6 +171,7 @@ class InBackwardUpdate:
         self.pending = _Pending()          # sub-groups queued and not done yet
         self._failure: BaseException | None = None
         self.damaged = damage(engine)      # a failed step marks the states damaged when it is reported
+        self.is_damaged = lambda: bool(engine.damaged)
         self._stream = None
         self.stepped: set[int] = set()     # sub-groups stepped (or queued) since the last step
         self._partial: set[int] = set()    # groups some parameter of which had no gradient
@@ -299,10 +318,14 @@ class InBackwardUpdate:
                                   f"opt.step(); with {KEY} = true the step reads them during backward (change "
                                   "them after opt.step(), as learning-rate schedulers do)")
         if stepped and clip_coef is not None:
+            self.damaged(f"{what}: {len(stepped)} sub-groups were stepped during backward ({KEY} = true) with "
+                         "gradients edited after it")
             raise EngineError(f"{what}: the gradients were scaled after backward (.grad edited or clipped); with "
                               f"{KEY} = true sub-groups are stepped during backward, so they cannot be; set the "
                               "key to false")
         if stepped and nonfinite:
+            self.damaged(f"{what}: {len(stepped)} sub-groups were stepped during backward ({KEY} = true) with a "
+                         "non-finite gradient")
             raise EngineError(f"{what}: a gradient is inf/NaN, but {len(stepped)} sub-groups were already stepped "
                               f"during backward ({KEY} = true), so the step cannot be skipped; reload a checkpoint, "
                               "and set the key to false to have such steps skipped")
@@ -313,7 +336,7 @@ class InBackwardUpdate:
 
     def reset(self, what: str) -> None:
         """After ``opt.step()``, or at ``zero_grad`` (refused when sub-groups were stepped since the step)."""
-        if what and self.stepped:
+        if what and self.stepped and not self.is_damaged():   # damaged: the states are reloaded anyway
             raise EngineError(f"{what}: {len(self.stepped)} sub-groups were already stepped during backward "
                               f"({KEY} = true); call opt.step() before zero_grad() (or set the key to false to "
                               "throw gradients away)")
@@ -325,6 +348,17 @@ class InBackwardUpdate:
         self._hyper = None
         if self.held is not None:
             self.held.subs.clear()
+
+    def cut_short(self) -> None:
+        """The backward ended by an exception ([Note: aborted backward] in infinity/runtime/engine.py): sub-groups
+        already stepped in it leave the states damaged (a failure of the worker's is part of the same damage)."""
+        if not self.stepped:
+            return
+        self.pending.wait()
+        self._failure = None
+        self.damaged(f"a backward was cut short after {len(self.stepped)} sub-groups had been stepped during it "
+                     f"({KEY} = true): parameters, master weights and Adam moments are partly updated, and "
+                     "neither redoing the step nor finishing it trains as intended")
 
     def _before_zero_grad(self) -> None:
         """The store's gradients are dropped (``model.zero_grad()`` too): refused once sub-groups were stepped."""

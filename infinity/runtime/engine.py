@@ -399,12 +399,12 @@ class Engine:
         would in plain PyTorch.
         """
         if self._backward_active and torch._C._current_graph_task_id() == -1:
-            self._end_backward()
+            self._end_backward(cut_short=True)
 
-    def _end_backward(self) -> None:
+    def _end_backward(self, cut_short: bool = False) -> None:
         self._backwards_ended[0] += 1
         self._arrivals.flush()      # groups short of a gradient (a parameter unused in this backward)
-        self.reducer.finish_backward()
+        self.reducer.finish_backward(cut_short)
         if self.optimizer is not None:      # after the engine's own collectives, on every rank
             self.optimizer.unmanaged.end_backward()
         self._holds.clear()

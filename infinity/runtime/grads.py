@@ -526,9 +526,14 @@ class GradReducer:
         if wait:
             self.datapath.settle(wait=True)
 
-    def finish_backward(self) -> None:
-        """End of a backward pass: autograd is done with every group taken."""
-        self._let_go()
+    def finish_backward(self, cut_short: bool = False) -> None:
+        """End of a backward pass: autograd is done with every group taken. ``cut_short``: an exception ended
+        it ([Note: aborted backward] in infinity/runtime/engine.py), which the watcher is told."""
+        try:
+            self._let_go()
+        finally:
+            if cut_short and self.watcher is not None:
+                self.watcher.cut_short()
 
     def pending(self) -> bool:
         """Whether groups taken in this backward are still held for autograd."""

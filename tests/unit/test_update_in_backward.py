@@ -225,3 +225,70 @@ def test_a_non_finite_gradient_after_stepped_sub_groups_is_refused(tmp_path):
     with pytest.raises(EngineError, match="inf/NaN.*already stepped.*update_in_backward"):
         opt.step()
     infinity.release(model)
+
+
+def _interrupted_run(tmp_path, cut):
+    """Three steps; in step 1, ``cut`` (``"ctrl-c"``: a KeyboardInterrupt in the model's backward once the
+    update has stepped sub-groups; ``"inf"``: an inf gradient in the tied weight, found by ``opt.step()``),
+    then what the error asks: load the checkpoint saved before the step, and redo it."""
+    model = _engine("nvme", tmp_path / "swap", True, "bfloat16")
+    engine = registry.engine_of(model, "test")
+    opt = infinity.AdamW(model, lr=1e-2)
+    data = batches(3, 4)
+    fired = []
+
+    def interrupt(grad):
+        if not fired and opt._in_backward.stepped:      # some sub-groups are stepped already
+            fired.append(True)
+            raise KeyboardInterrupt
+        return grad
+
+    hook = None
+    step = 0
+    while step < 3:
+        x, y = data[step]
+        if step == 1 and not fired:
+            infinity.save_checkpoint(tmp_path / "before", model, opt, keep=1)
+            if cut == "ctrl-c":
+                hook = model.blocks[0].mlp[0].weight.register_hook(interrupt)
+            else:
+                hook = model.wte.weight.register_hook(lambda g: fired.append(True) or g * float("inf"))
+        try:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+        except (KeyboardInterrupt, EngineError) as exc:
+            hook.remove()
+            opt.zero_grad()     # drops the gradients: the states are damaged, nothing to refuse
+            with pytest.raises(EngineError, match="update_in_backward.*load a checkpoint"):
+                model(x, y)
+            infinity.load_checkpoint(tmp_path / "before", model, opt)
+            said = exc
+    with infinity.gathered(model):
+        weights = [p.detach().float().clone() for p in model.parameters()]
+    infinity.release(model)
+    return weights, said if fired else None
+
+
+@pytest.mark.parametrize("cut", ["ctrl-c", "inf"])
+def test_a_step_cut_short_after_stepped_sub_groups_is_damaged_and_a_load_trains_on_exactly(tmp_path, cut):
+    """Half of a step applied cannot be redone (stepped twice) nor finished (the rest with part of its gradients):
+    the states are damaged, zero_grad() drops the gradients, a checkpoint load and the redone step end as the
+    run that was never cut."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "swap").mkdir()
+    (tmp_path / "b" / "swap").mkdir()
+    model = _engine("nvme", tmp_path / "a" / "swap", True, "bfloat16")
+    opt = infinity.AdamW(model, lr=1e-2)
+    for x, y in batches(3, 4):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    with infinity.gathered(model):
+        reference = [p.detach().float().clone() for p in model.parameters()]
+    infinity.release(model)
+    got, said = _interrupted_run(tmp_path / "b", cut)
+    assert said is not None
+    assert all(torch.equal(a, b) for a, b in zip(got, reference))
