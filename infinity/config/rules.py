@@ -62,9 +62,6 @@ def _check_optimizer_shares(cfg) -> None:
         raise ConfigError(f"the rest of the optimizer states stay in tiers.optimizer = {json.dumps(t.optimizer)}; a "
                           "host share needs them on \"nvme\" (with \"host\" the whole of them is in host memory "
                           "already)", "tiers.optimizer_host_share")
-    if cfg.optimizer.update_in_backward:
-        raise ConfigError("the update during backward steps the states of one tier; with the optimizer states "
-                          "split over tiers use the ordinary step (set optimizer.update_in_backward = false)", key)
     if cfg.dpu.enabled:
         raise ConfigError("the delayed update keeps a second gradient buffer in one tier; with the optimizer "
                           "states split over tiers set dpu.enabled = false (the host share's update still "

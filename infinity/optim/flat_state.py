@@ -213,8 +213,9 @@ class OptimizerStateStore:
         # device by the gradient reducer); zero_grad resets it with the accumulator.
         self.book = None
         # With the update during backward ([Note: update during backward] in infinity/optim/in_backward.py):
-        # the gradients held in host memory instead of the NVMe key (``HeldGrads``, streamed stores), and
-        # what refuses a second gradient of a group before the step.
+        # the gradients of streamed sub-groups held in host memory instead of their NVMe keys (``HeldGrads``;
+        # those in memory arrive in their accumulators as always), and what refuses a second gradient of a
+        # group before the step.
         self.held = None
         self.refuse_second_grad = None
         self.before_zero_grad = None
@@ -349,7 +350,7 @@ class OptimizerStateStore:
                 dst.zero_()
             elif state == "grad" and group_index not in self.grad_written:
                 dst.zero_()
-            elif state == "grad" and self.held is not None:
+            elif state == "grad" and self.held is not None and not self.in_place_of(piece.sub_index):
                 self.held.read(piece, dst)
             elif state == "grad" and self.grad_dtype != torch.float32:
                 compact = aligned_empty(piece.numel * self.grad_dtype.itemsize).view(self.grad_dtype)  # no I/O pool
@@ -420,7 +421,7 @@ class OptimizerStateStore:
             self.wake(p.sub_index for p in self.layout.pieces_of_group[group_index])
         if not first and self.refuse_second_grad is not None:
             self.refuse_second_grad(group_index)
-        if self.held is not None:
+        if self.held is not None and not self.in_place_of(self.layout.pieces_of_group[group_index][0].sub_index):
             self.held.accumulate(group_index, shard_grad)
             self.grad_written.add(group_index)
             return []

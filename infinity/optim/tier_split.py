@@ -15,8 +15,10 @@ The cuts come from the shard lengths alone, which every rank has alike, so all r
 Each sub-group's tier decides how it is stepped (``UpdatePass`` runs one lane per kind: device, or host
 for host memory and NVMe) and how its gradient arrives. Checkpoint files do not record tiers: a split run
 loads a uniform run's checkpoint and the other way round. A split store keeps fp32 masters and fp32
-gradients when a share is on the device; the delayed update, the update during backward and checkpoints in
-place take one tier and are refused with a split.
+gradients when a share is on the device; the delayed update and checkpoints in place take one tier and are
+refused with a split. The update during backward steps the host and NVMe shares' sub-groups as their gradients
+complete, and leaves the device share to ``opt.step()`` ([Note: update during backward] in
+infinity/optim/in_backward.py).
 
 What the room may touch: shard lengths and the config's shares; the tiers only by kind.
 """

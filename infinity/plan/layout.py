@@ -226,7 +226,8 @@ class Layout:
         # over tiers keeps them fp32.
         self.frozen_master_bytes = (2 if cfg.precision.dtype == "bfloat16" and self.opt_tier in ("host", "nvme")
                                     and not self.split_states else self.master_bytes)
-        # [Note: update during backward] in infinity/optim/in_backward.py: gradients held in host memory.
+        # [Note: update during backward] in infinity/optim/in_backward.py: the NVMe share's gradients held in
+        # host memory (a split store's shares in memory take theirs into their accumulators).
         self.grads_held = cfg.optimizer.update_in_backward and self.opt_tier == "nvme"
 
     @property
@@ -285,11 +286,12 @@ class Layout:
             per = (8 if self.split_master else 0) + (FP32_BYTES if self.grad_bytes != FP32_BYTES else 0)
             yield PlanRow("optimizer_scratch", f"joined fp32 masters / widened gradients of the "
                           f"sub-group being stepped ({per} bytes x {sub:,} elements)", "host", per * sub)
-        if self.grads_held and t:
+        streamed = self.trainable_on("nvme")
+        if self.grads_held and streamed:
             sub = min(round_up(int(cfg.partition.sub_group_size), SHARD_ALIGN_NUMEL),
-                      max(t, SHARD_ALIGN_NUMEL))
+                      max(streamed, SHARD_ALIGN_NUMEL))
             # Two sub-groups filling, and the largest group's, should its gradient come last (a tied weight).
-            held = min(t, 2 * sub + round_up(self.largest_trainable_shard, sub))
+            held = min(streamed, 2 * sub + round_up(self.largest_trainable_shard, sub))
             yield PlanRow("held_grads", f"gradients held in host memory until their sub-group is stepped "
                           f"(update during backward: two sub-groups of {sub:,} elements and the largest "
                           "group's)", "host", self.grad_bytes * held)

@@ -83,7 +83,7 @@ def allowed_cells(model: StepModel, placement: Placement) -> bool:
 def runnable(model: StepModel, placement: Placement) -> bool:
     """Whether the engine runs the placement: one params tier, pairs it allows, and the optimizer states in one
     tier or split as the config lets them be ([Note: optimizer states over tiers] in
-    infinity/optim/tier_split.py: not with the delayed update nor the update during backward)."""
+    infinity/optim/tier_split.py: not with the delayed update)."""
     if placement.params_tier is None or not allowed_cells(model, placement):
         return False
     split = len({o for (_, o), _ in placement.cells}) > 1

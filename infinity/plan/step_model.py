@@ -440,9 +440,8 @@ def allowed(cfg: "Config", params: str, optimizer: str) -> bool:
 
 def splits_allowed(cfg: "Config") -> bool:
     """Whether the engine splits the optimizer states over tiers under ``cfg``'s other settings ([Note: optimizer
-    states over tiers] in infinity/optim/tier_split.py): not with the delayed update nor the update during
-    backward, which take one tier."""
-    return not (cfg.dpu.enabled or cfg.optimizer.update_in_backward)
+    states over tiers] in infinity/optim/tier_split.py): not with the delayed update, which takes one tier."""
+    return not cfg.dpu.enabled
 
 
 def with_tiers(cfg: "Config", params: str, optimizer: str, device_share: float = 0.0,

@@ -310,15 +310,13 @@ def test_compressed_moments_are_refused_with_a_device_share(tmp_path):
 @pytest.mark.parametrize("split,sections,key,words", [
     (("device", "nvme", 0.5, 0.0), {"dpu": {"enabled": True}}, "tiers.optimizer_device_share", "dpu.enabled"),
     (("device", "nvme", 0.0, 0.5), {"dpu": {"enabled": True}}, "tiers.optimizer_host_share", "dpu.enabled"),
-    (("device", "host", 0.5, 0.0), {"optimizer": {"update_in_backward": True}}, "tiers.optimizer_device_share",
-     "update_in_backward"),
     (("device", "device", 0.5, 0.0), {}, "tiers.optimizer_device_share", "already the device"),
     (("device", "auto", 0.5, 0.0), {}, "tiers.optimizer_device_share", "chooses the shares itself"),
     (("device", "auto", 0.0, 0.5), {}, "tiers.optimizer_host_share", "chooses the shares itself"),
     (("device", "host", 0.0, 0.5), {}, "tiers.optimizer_host_share", "needs them on \"nvme\""),
     (("device", "nvme", 0.6, 0.5), {}, "tiers.optimizer_host_share", "more than the whole"),
     (("device", "nvme", 1.5, 0.0), {}, "tiers.optimizer_device_share", ""),
-], ids=["dpu-device", "dpu-host", "in-backward", "optimizer-device", "auto-device", "auto-host", "host-with-host",
+], ids=["dpu-device", "dpu-host", "optimizer-device", "auto-device", "auto-host", "host-with-host",
         "sum", "range"])
 def test_what_a_split_cannot_run_with_is_refused_naming_the_key(tmp_path, split, sections, key, words):
     with pytest.raises(ConfigError, match=rf"^{key}: .*{words}") as err:

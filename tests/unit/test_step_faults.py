@@ -299,6 +299,9 @@ def _run_through(tmp_path, dtype, fault, overrides, at_step=1):
     ("nvme, bf16, one micro-batch", "bfloat16", {"_micro": 1}),
     ("nvme, fp32, DPU", "float32", {"dpu": {"enabled": True, "warmup_steps": 0}}),
     ("states split device/host/nvme, every tier's calls", "float32", {"tiers": SPLIT, "_every_tier": True}),
+    ("nvme, bf16, update during backward", "bfloat16", {"optimizer": {"update_in_backward": True}, "_micro": 1}),
+    ("states split device/host/nvme, update during backward, every tier's calls", "float32",
+     {"tiers": SPLIT, "_every_tier": True, "optimizer": {"update_in_backward": True}, "_micro": 1}),
 ])
 def test_an_io_error_at_every_tier_call_of_a_step_is_named_and_loses_nothing(tmp_path, name, dtype, overrides):
     """EIO at the k-th reservation, read or write of the NVMe tier during a step (forward reads, gradient writes,
