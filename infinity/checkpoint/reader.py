@@ -112,6 +112,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, *, trus
     except BaseException:
         undo.restore(opt)
         raise
+    # From the first byte written the states are a mixture until the load is through; so also for the load's own
+    # zero_grad(), which drops a half-applied update during backward with the gradients ([Note: update during
+    # backward] in infinity/optim/in_backward.py).
+    engine.damaged = f"loading checkpoint {where} did not finish"
     try:
         extra = load.apply()
     except BaseException as exc:

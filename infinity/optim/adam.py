@@ -164,13 +164,14 @@ class _OffloadAdam(torch.optim.Optimizer):
         # Rank-local failures (a damaged engine, a cut swap file, a background update that failed here) stop
         # every rank before the step's first collective: [Note: failing together] in infinity/runtime/ranks.py.
         with engine.ranks.together(f"{self._name}.step()"):
+            # First: closing a backward cut short may find it half applied (the update during backward).
+            engine.recover_aborted_backward()
             engine.check_intact(f"{self._name}.step()")
             if self._calls == 0:
                 refuse_trainer_checkpoints(self._name)     # [Note: Trainer's checkpoints] in infinity/optim/checks.py
             param_groups.check_options(self.param_groups, f"{self._name}.step()")
             engine.tiers.check()    # the update reads every state: no swap file may have been cut under it
             self._updates.begin_step()      # reports a failed delayed update; waits for an overlapped one
-        engine.recover_aborted_backward()
         if engine.backward_running:
             raise EngineError(f"{self._name}.step() called while a backward pass is still running")
 

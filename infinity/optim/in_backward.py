@@ -355,10 +355,11 @@ class InBackwardUpdate:
         if not self.stepped:
             return
         self.pending.wait()
-        self._failure = None
-        self.damaged(f"a backward was cut short after {len(self.stepped)} sub-groups had been stepped during it "
-                     f"({KEY} = true): parameters, master weights and Adam moments are partly updated, and "
-                     "neither redoing the step nor finishing it trains as intended")
+        failed, self._failure = self._failure, None
+        also = f"; the update itself failed too: {failed!r}" if failed is not None else ""
+        self.damaged(f"a backward was cut short after {len(self.stepped)} sub-groups of this step had been stepped "
+                     f"during backward ({KEY} = true): parameters, master weights and Adam moments are partly "
+                     f"updated, and neither redoing the step nor finishing it trains as intended{also}")
 
     def _before_zero_grad(self) -> None:
         """The store's gradients are dropped (``model.zero_grad()`` too): refused once sub-groups were stepped."""

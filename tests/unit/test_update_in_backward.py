@@ -228,11 +228,12 @@ def test_a_non_finite_gradient_after_stepped_sub_groups_is_refused(tmp_path):
 
 
 def _interrupted_run(tmp_path, cut):
-    """Three steps; in step 1, ``cut`` (``"ctrl-c"``: a KeyboardInterrupt in the model's backward once the
-    update has stepped sub-groups; ``"inf"``: an inf gradient in the tied weight, found by ``opt.step()``),
-    then what the error asks: load the checkpoint saved before the step, and redo it."""
+    """Three steps; in step 1, ``cut``, then what the error asks (load the checkpoint saved before the step) and the
+    step redone. ``"ctrl-c"``: a KeyboardInterrupt in the model's backward once the update has stepped sub-groups,
+    then ``zero_grad()``; ``"ctrl-c-step"``: the same, then ``opt.step()``, which must refuse to finish the half
+    step; ``"inf"``: an inf gradient in the tied weight, found by ``opt.step()``; ``"reload"``: no error, the
+    checkpoint loaded after a whole backward, in place of ``opt.step()``."""
     model = _engine("nvme", tmp_path / "swap", True, "bfloat16")
-    engine = registry.engine_of(model, "test")
     opt = infinity.AdamW(model, lr=1e-2)
     data = batches(3, 4)
     fired = []
@@ -243,16 +244,22 @@ def _interrupted_run(tmp_path, cut):
             raise KeyboardInterrupt
         return grad
 
-    hook = None
+    hook, said = None, None
     step = 0
     while step < 3:
         x, y = data[step]
         if step == 1 and not fired:
             infinity.save_checkpoint(tmp_path / "before", model, opt, keep=1)
-            if cut == "ctrl-c":
+            if cut.startswith("ctrl-c"):
                 hook = model.blocks[0].mlp[0].weight.register_hook(interrupt)
-            else:
+            elif cut == "inf":
                 hook = model.wte.weight.register_hook(lambda g: fired.append(True) or g * float("inf"))
+            else:
+                model(x, y).backward()
+                assert opt._in_backward.stepped
+                fired.append(True)
+                infinity.load_checkpoint(tmp_path / "before", model, opt)   # a whole load: nothing damaged after
+                said = "reloaded"
         try:
             model(x, y).backward()
             opt.step()
@@ -260,6 +267,11 @@ def _interrupted_run(tmp_path, cut):
             step += 1
         except (KeyboardInterrupt, EngineError) as exc:
             hook.remove()
+            calls = opt.step_count
+            if cut == "ctrl-c-step":
+                with pytest.raises(EngineError, match="update_in_backward.*load a checkpoint"):
+                    opt.step()
+                assert opt.step_count == calls
             opt.zero_grad()     # drops the gradients: the states are damaged, nothing to refuse
             with pytest.raises(EngineError, match="update_in_backward.*load a checkpoint"):
                 model(x, y)
@@ -271,11 +283,11 @@ def _interrupted_run(tmp_path, cut):
     return weights, said if fired else None
 
 
-@pytest.mark.parametrize("cut", ["ctrl-c", "inf"])
+@pytest.mark.parametrize("cut", ["ctrl-c", "ctrl-c-step", "inf", "reload"])
 def test_a_step_cut_short_after_stepped_sub_groups_is_damaged_and_a_load_trains_on_exactly(tmp_path, cut):
     """Half of a step applied cannot be redone (stepped twice) nor finished (the rest with part of its gradients):
-    the states are damaged, zero_grad() drops the gradients, a checkpoint load and the redone step end as the
-    run that was never cut."""
+    the states are damaged, opt.step() refuses, zero_grad() drops the gradients, a checkpoint load and the redone
+    step end as the run that was never cut. A load after a whole backward drops its stepped sub-groups too."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     (tmp_path / "a" / "swap").mkdir()
