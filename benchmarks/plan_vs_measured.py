@@ -19,9 +19,10 @@ made from the plain step measured beside it, and the median of those is reported
 benchmarks/prefetch.py). The profile is this
 machine's, probed once and cached ([Note: machine probes] in infinity/plan/probes.py), or ``--machine``;
 the disk rates come from ``--bench-json`` (``infinity-bench nvme --json``). ``auto`` is resolved by
-``Init("auto", model=census, machine=profile)`` as a user would. A preset may carry ``tiers`` keys after a
-colon, ``nvme:params=host+optimizer_host_share=0.5``: the optimizer states split over tiers ([Note: optimizer
-states over tiers] in infinity/optim/tier_split.py), measured and predicted like the presets.
+``Init("auto", model=census, machine=profile)`` as a user would. A preset may carry keys after a colon,
+bare ones of ``tiers``, others as ``section.key``: ``nvme:params=host+optimizer_host_share=0.5`` (the optimizer
+states split over tiers, [Note: optimizer states over tiers] in infinity/optim/tier_split.py), with
+``+optimizer.update_in_backward=true`` the update during backward; measured and predicted like the presets.
 
     python benchmarks/plan_vs_measured.py --sizes 4M,8M,16M --bench-json nvme.json --json out.json
 """
@@ -50,26 +51,31 @@ from infinity.tiling.widened import widen_linears, widened_linear
 PRESETS = ("device", "offload-optimizer", "offload-host", "nvme", "auto")
 
 
-def tier_keys(spec: str) -> tuple[str, dict]:
-    """``preset[:key=value+...]`` as the preset's name and its ``tiers`` keys (numbers where they parse)."""
+def preset_keys(spec: str) -> tuple[str, dict]:
+    """``preset[:key=value+...]`` as the preset's name and its keys by section: a bare key is a ``tiers`` key,
+    ``section.key`` any other (numbers and true/false where they parse)."""
     name, _, rest = spec.partition(":")
-    keys = {}
+    keys: dict[str, dict] = {"tiers": {}}
     for item in filter(None, rest.split("+")):
         key, _, value = item.partition("=")
+        section, _, key = key.rpartition(".")
         try:
-            keys[key] = float(value)
+            parsed = float(value)
         except ValueError:
-            keys[key] = value
+            parsed = {"true": True, "false": False}.get(value, value)
+        keys.setdefault(section or "tiers", {})[key] = parsed
     return name, keys
 
 
 def build(preset: str, shape, meta, profile, args, nvme_dir: str):
     """The engine model of ``preset`` and its optimizer, its census and config (tiers as Init resolved them)."""
-    name, tiers = tier_keys(preset)
-    overrides = {"tiers": {"device": "cpu", "nvme_path": nvme_dir, **tiers}, "precision": {"cpu_linear": "float32"},
+    name, keys = preset_keys(preset)
+    overrides = {"tiers": {"device": "cpu", "nvme_path": nvme_dir}, "precision": {"cpu_linear": "float32"},
                  "partition": {"sub_group_size": args.sub_group_size}}
     if args.schedule == "sequential":
         overrides["dpu"] = {"overlap": False}
+    for section, values in keys.items():
+        overrides.setdefault(section, {}).update(values)
     cfg = load_config(name, overrides=overrides)
     census = take_census(meta, cfg, cfg.precision.itemsize)
     torch.manual_seed(0)

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING
 from infinity.plan.census import take_census
 from infinity.plan.errors import PlanError
 from infinity.plan.machine import MachineProfile, Workload
-from infinity.plan.step_model import PAIRS, TIERS, Placement, StepModel, StepPrediction, splits_allowed
+from infinity.plan.step_model import (PAIRS, TIERS, Placement, StepModel, StepPrediction, splits_allowed,
+                                      uniform_allowed)
 
 if TYPE_CHECKING:
     from infinity.config import Config
@@ -76,7 +77,11 @@ def best_split(model: StepModel, slices: int = DEFAULT_SLICES) -> StepPrediction
 
 
 def allowed_cells(model: StepModel, placement: Placement) -> bool:
-    """Whether every pair of the placement is one the engine allows under the config."""
+    """Whether every pair of the placement is one the engine allows under the config, and the optimizer states,
+    when in one tier, a tier it keeps them all in."""
+    tiers = {o for (_, o), _ in placement.cells}
+    if len(tiers) == 1 and not uniform_allowed(model.cfg, next(iter(tiers))):
+        return False
     return all(pair in model.pairs for pair, _ in placement.cells)
 
 
@@ -150,7 +155,8 @@ def best_runnable(model: StepModel, params: str = AUTO, optimizer: str = AUTO,
 def uniform_predictions(model: StepModel, params: str = AUTO, optimizer: str = AUTO) -> list[StepPrediction]:
     """The prediction of every pair the engine runs that ``params`` / ``optimizer`` allow ("auto": any)."""
     return [model.predict(Placement.uniform(p, o)) for p, o in PAIRS
-            if (p, o) in model.pairs and params in (AUTO, p) and optimizer in (AUTO, o)]
+            if (p, o) in model.pairs and uniform_allowed(model.cfg, o) and params in (AUTO, p)
+            and optimizer in (AUTO, o)]
 
 
 def best_uniform(model: StepModel, params: str = AUTO, optimizer: str = AUTO) -> StepPrediction | None:

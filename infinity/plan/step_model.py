@@ -54,8 +54,13 @@ goes up the sub-groups as the forward goes up the groups, and a group's forward 
 sub-group: the window is at least the update alone plus the forward of the groups in its last
 sub-group (their share of the forward counted as their share of the rank's elements), which
 matters where the update is the longer and sub-groups are few (a small model on the CPU: 4M-element
-sub-groups of a 16M model leave a quarter of the forward after the update). With the CPU as compute
-device the host update runs on the cores that compute: both count on the compute resource.
+sub-groups of a 16M model leave a quarter of the forward after the update). The update during backward
+steps each sub-group once backward has produced its gradients, the model's last sub-group first: it
+starts no sooner than the backward of that sub-group's groups, and the sub-group backward reaches last
+(the model's first groups, which the next forward needs first) is stepped after the backward ends, so
+the window is at least either of those plus the rest of the update (a model of one sub-group steps it
+all after backward). With the CPU as compute device the host update runs on the cores that compute:
+both count on the compute resource.
 
 The bound (shared/DESIGN.md, "Placement and the bound") is one window of everything: no schedule
 beats the busiest resource's total. The governing term is that resource.
@@ -406,10 +411,13 @@ class StepModel:
         fwd, bwd, upd, lane = self.usage(placement)
         window = lambda *uses: max(sum(u[r] for u in uses) for r in RESOURCES)   # noqa: E731
         schedule = self.schedule(placement)
-        chased = window(upd) + window(fwd) * self.last_sub_share    # the last sub-group's groups wait for it
+        share = self.last_sub_share
+        chased = window(upd) + window(fwd) * share    # the last sub-group's groups wait for it
+        # Stepped as backward completes sub-groups: from the first one's gradients to after the last one's.
+        chasing = max(window(bwd) * share + window(upd), window(bwd) + window(upd) * share)
         step = {"sequential": lambda: window(fwd) + window(bwd) + window(upd),
                 "update beside forward": lambda: max(window(fwd, upd), chased) + window(bwd),
-                "update beside backward": lambda: window(fwd) + window(bwd, upd),
+                "update beside backward": lambda: window(fwd) + max(window(bwd, upd), chasing),
                 "update beside the whole step": lambda: window(fwd, bwd, upd)}[schedule]()
         # A split store's device share is stepped inside opt.step(), before the rest is handed on.
         step += window(lane)
@@ -433,9 +441,15 @@ def allowed(cfg: "Config", params: str, optimizer: str) -> bool:
     """Whether the engine runs this (params, optimizer) pair under ``cfg``'s other settings."""
     if int(cfg.partition.stage) < 3 and params != "device":
         return False
-    if optimizer == "device" and (cfg.optimizer.state_dtype != "fp32" or cfg.optimizer.update_in_backward):
+    if optimizer == "device" and cfg.optimizer.state_dtype != "fp32":
         return False
     return True
+
+
+def uniform_allowed(cfg: "Config", optimizer: str) -> bool:
+    """Whether the engine keeps all the optimizer states in ``optimizer`` under ``cfg``: not on the device with the
+    update during backward, which runs the host optimizer (a device share it leaves to ``opt.step()``)."""
+    return not (optimizer == "device" and cfg.optimizer.update_in_backward)
 
 
 def splits_allowed(cfg: "Config") -> bool:
@@ -456,9 +470,15 @@ def with_tiers(cfg: "Config", params: str, optimizer: str, device_share: float =
     if (tiers.params, tiers.optimizer, tiers.optimizer_device_share, tiers.optimizer_host_share,
             tiers.nvme_path) == wanted:
         return cfg
-    return dataclasses.replace(cfg, tiers=dataclasses.replace(
-        tiers, params=params, optimizer=optimizer, optimizer_device_share=device_share,
-        optimizer_host_share=host_share, nvme_path=paths))
+    changes = {"tiers": dataclasses.replace(tiers, params=params, optimizer=optimizer,
+                                            optimizer_device_share=device_share, optimizer_host_share=host_share,
+                                            nvme_path=paths)}
+    if optimizer == "device" and cfg.optimizer.update_in_backward:
+        # The device cells of a split, counted alone: the update during backward leaves a device share to
+        # opt.step(), so their plan is the ordinary step's (all of the states there is refused: uniform_allowed).
+        changes["optimizer"] = dataclasses.replace(cfg.optimizer, update_in_backward=False)
+    return dataclasses.replace(cfg, **changes)
 
 
-__all__ = ["PAIRS", "Placement", "StepModel", "StepPrediction", "allowed", "splits_allowed", "with_tiers"]
+__all__ = ["PAIRS", "Placement", "StepModel", "StepPrediction", "allowed", "splits_allowed", "uniform_allowed",
+           "with_tiers"]

@@ -138,6 +138,29 @@ def test_collectives_are_what_the_plan_sends_over_the_interconnect():
     assert alone.bound_terms["interconnect"] == 0 and alone.bound_terms["nvme"] == got.bound_terms["nvme"]
 
 
+@pytest.mark.parametrize("sub_group_size", [2**20, 2**26, 2**31])
+def test_the_update_during_backward_waits_for_its_first_sub_group_and_steps_its_last_after(sub_group_size):
+    """States in host memory, stepped during backward: the update starts after the backward of the model's last
+    sub-group and steps its first one after the backward; so one sub-group (all of a 1B model) is the
+    sequential step, and finer ones approach the backward and the update in one window."""
+    census = ModelCensus.from_num_params(10**9)
+    cfg = load_config({"tiers": {"params": "device", "optimizer": "host"}, "optimizer": {"update_in_backward": True},
+                       "partition": {"sub_group_size": sub_group_size}})
+    prof = MachineProfile(name="hand", device_bytes=1e12, host_bytes=1e12, device_flops=1e14, h2d_gbps=20.0,
+                          d2h_gbps=20.0, host_adam_params_per_s=2e9, host_memory_gbps=100.0)
+    model = StepModel(census, cfg, 1, prof, Workload(tokens=4096))
+    got = model.predict(Placement.uniform("device", "host"))
+    fwd, bwd, upd = (got.phases[k] for k in ("forward", "backward", "update"))
+    share = min(1.0, sub_group_size / 10**9)
+    assert got.schedule == "update beside backward"
+    assert got.step_s >= fwd + max(bwd * share + upd, bwd + upd * share) * (1 - 1e-12)
+    assert got.step_s <= fwd + bwd + upd
+    if share == 1.0:
+        assert got.step_s == pytest.approx(fwd + bwd + upd, rel=1e-12)
+    else:
+        assert got.step_s < fwd + bwd + upd
+
+
 def test_the_step_by_hand_with_the_update_beside_the_forward():
     """fp32, params on the device, states on NVMe: the update overlaps the next forward, so the step is
     max(forward compute, the update's NVMe time, its copies, the update then its last sub-group's forward)

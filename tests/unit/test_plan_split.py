@@ -33,18 +33,28 @@ def _runnable(model: StepModel, slices: int):
             if device + host <= slices:
                 cells = (((params, "device"), device), ((params, "host"), host),
                          ((params, "nvme"), slices - device - host))
+                # The update during backward runs the host optimizer: never all of the states on the device.
+                if model.cfg.optimizer.update_in_backward and device == slices:
+                    continue
                 if all(pair in model.pairs for pair, n in cells if n):
                     yield Placement(slices, cells)
 
 
-@pytest.mark.parametrize("profile,model_name", list(itertools.product(PROFILES, KNOWN_SHAPES)))
-def test_auto_runs_the_fastest_runnable_placement_that_fits(profile, model_name):
-    model = _model(profile, model_name)
+# With the update during backward too: the engine steps a split's host and NVMe shares during backward and its
+# device share in opt.step(), so auto may choose a device share, never all of the states on the device.
+IN_BACKWARD = load_config("auto", nvme_path="/nonexistent/infinity-plan",
+                          overrides={"optimizer": {"update_in_backward": True}})
+
+
+@pytest.mark.parametrize("profile,model_name,cfg", [(p, m, c) for p, m in itertools.product(PROFILES, KNOWN_SHAPES)
+                                                    for c in (CFG, IN_BACKWARD)])
+def test_auto_runs_the_fastest_runnable_placement_that_fits(profile, model_name, cfg):
+    model = _model(profile, model_name, cfg=cfg)
     decision = decide(model, slices=SLICES)
     chosen = decision.chosen
     assert chosen.placement.params_tier is not None and chosen.fits and _fits(model, chosen.placement)
     # The decision is a config the engine takes.
-    load_config(CFG, overrides={"tiers": decision.tiers()})
+    load_config(cfg, overrides={"tiers": decision.tiers()})
     # A split is taken only when it is worth its second tier: SPLIT_WORTH shorter than the best uniform pair.
     bar = chosen.step_s * (1 - SPLIT_WORTH if chosen.placement.pair is not None else 1 - 1e-9)
     faster = [p for p in _runnable(model, SLICES) if _fits(model, p) and model.predict(p).step_s < bar]
@@ -66,6 +76,17 @@ def test_a_split_wins_where_the_states_do_not_fit_the_device():
     uniform = min(c.step_s for c in decision.candidates if c.fits)
     assert decision.chosen.step_s < uniform / 3
     assert "device_update" in decision.chosen.phases
+
+
+def test_with_the_update_during_backward_a_split_keeps_its_device_share():
+    """13B on one 80 GB GPU, the update during backward: auto still keeps a share of the states on the device (stepped
+    inside opt.step()) and one in host memory, and predicts a shorter step than the overlapped one."""
+    with_key = decide(_model("1x80GB", "llama-13b", cfg=IN_BACKWARD), slices=16)
+    without = decide(_model("1x80GB", "llama-13b"), slices=16)
+    tiers = with_key.tiers()
+    assert tiers["optimizer_device_share"] > 0 and tiers["optimizer_host_share"] > 0
+    assert with_key.chosen.schedule == "update beside backward" and "device_update" in with_key.chosen.phases
+    assert with_key.chosen.step_s < without.chosen.step_s
 
 
 def test_the_device_share_is_stepped_before_the_forward():
