@@ -458,7 +458,9 @@ class OptimizerConfig(Section):
     """Step each sub-group of the host optimizer (`partition.sub_group_size` elements) on a background thread
     as soon as backward has produced all of its gradients, while the rest of backward computes; `opt.step()`
     then steps only what is left. With states on NVMe the gradients stay in host memory and never go to the
-    disk. Results are identical to the ordinary step; what cannot be exact is refused: with `dpu.enabled`,
+    disk. With the states split over tiers (`tiers.optimizer_device_share`, `tiers.optimizer_host_share`) the
+    device share is stepped inside `opt.step()`. Results are identical to the ordinary step; what cannot be
+    exact is refused: with `dpu.enabled`,
     float16 or `tiers.optimizer = "device"` here, and at the call `clip_grad_norm_`, a second backward before
     `opt.step()` (accumulation), an edit of `.grad`, or a non-finite gradient once a sub-group was stepped.
     Learning rates are read during backward: change them after `opt.step()`, as schedulers do."""
