@@ -173,6 +173,8 @@ def check_ready(engine, opt, what: str, damaged_ok: bool = False):
         engine.tiers.check()        # a swap file cut under the run: said so, not a short read mid-save
     if opt is not None:
         opt.synchronize()
+        if not damaged_ok:      # a save: not of half a step (a load drops one)
+            opt.updates.refuse_half_step(what)
     return opt
 
 

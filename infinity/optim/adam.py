@@ -76,6 +76,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         if engine.config.optimizer.update_in_backward:
             self._in_backward = InBackwardUpdate(self, engine, update.run, self._job_in_backward,
                                                  self._ranges.trainable)
+            self._updates.in_backward = self._in_backward
         # Parameters added after Init (peft's adapters): torch's Adam(W) beside ([Note: unmanaged parameters]).
         # Built last: its hooks must not outlive a constructor that raises.
         self.unmanaged = UnmanagedAdam(self._name, self._decoupled, self.param_groups, engine)
@@ -142,7 +143,8 @@ class _OffloadAdam(torch.optim.Optimizer):
 
         With DPU this waits for the background step and publishes it, so the next
         forward uses the newest parameters (the delay restarts from there). With the
-        overlapped step (``dpu.overlap``) it waits for the update to finish.
+        overlapped step (``dpu.overlap``) it waits for the update to finish; with the
+        update during backward, for the sub-groups it is stepping.
         """
         self._updates.synchronize()
 
@@ -325,6 +327,10 @@ class _OffloadAdam(torch.optim.Optimizer):
         Does not wait for a background step: that step reads its own gradient buffer.
         """
         self.engine.recover_aborted_backward()
+        # Every rank calls it, also after a backward cut short, which may leave one rank's states damaged (a half
+        # update during backward) and not another's: the next forward agrees first, as after a step ([Note:
+        # failing together] in infinity/runtime/ranks.py; a step sets it anyway, so no extra collective then).
+        self.engine.agree_at_forward = True
         self.engine.reducer.settle(drop=True)
         if self._in_backward is not None:
             self._in_backward.reset(f"{self._name}.zero_grad()")

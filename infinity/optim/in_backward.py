@@ -336,11 +336,16 @@ class InBackwardUpdate:
 
     def reset(self, what: str) -> None:
         """After ``opt.step()``, or at ``zero_grad`` (refused when sub-groups were stepped since the step)."""
-        if what and self.stepped and not self.is_damaged():   # damaged: the states are reloaded anyway
+        damaged = self.is_damaged()     # the states are reloaded anyway: nothing to refuse, nothing to report
+        if what and self.stepped and not damaged:
             raise EngineError(f"{what}: {len(self.stepped)} sub-groups were already stepped during backward "
                               f"({KEY} = true); call opt.step() before zero_grad() (or set the key to false to "
                               "throw gradients away)")
-        self.wait()
+        if damaged:
+            self.pending.wait()
+            self._failure = None
+        else:
+            self.wait()
         self.stepped.clear()
         self._partial.clear()
         self._taken.clear()

@@ -57,6 +57,8 @@ class UpdateScheduler:
         self.coordinator = engine.coordinator
         self.update = update
         self.device_lane = device_lane
+        # The update during backward ([Note: update during backward] in infinity/optim/in_backward.py), or None.
+        self.in_backward = None
         self.what = what
         self.stats = UpdateStats()
         self.warmup_steps = dpu.warmup_steps
@@ -127,13 +129,24 @@ class UpdateScheduler:
             self.background.wait_idle()
 
     def synchronize(self) -> None:
-        """Wait for the running update; with DPU publish it (the delay restarts from there)."""
+        """Wait for the running update; with DPU publish it (the delay restarts from there). Sub-groups the update
+        during backward is stepping are waited for too; a failure of theirs is reported where the step is."""
+        if self.in_backward is not None:
+            self.in_backward.pending.wait()
         if self.delay is not None:
             self._publish(self.delay.wait())
         elif self.overlap is not None:
             self.overlap.wait()
 
     # -- one step ------------------------------------------------------------------------------------
+    def refuse_half_step(self, what: str) -> None:
+        """A save between a backward and ``opt.step()`` after the update during backward stepped sub-groups would
+        keep half a step (resumed, they would be stepped twice): refused, saying how to go on."""
+        stepped = self.in_backward.stepped if self.in_backward is not None else ()
+        if stepped:
+            raise EngineError(f"{what}: {len(stepped)} sub-groups of this step were already stepped during backward "
+                              "(optimizer.update_in_backward = true), the rest not: call opt.step() first, then save")
+
     def begin_step(self) -> None:
         """``opt.step()`` starts: report a failed delayed update; wait for an overlapped one."""
         if self.delay is not None:

@@ -399,9 +399,6 @@ class Engine:
         would in plain PyTorch.
         """
         if self._backward_active and torch._C._current_graph_task_id() == -1:
-            # The ranks may leave it in different states (a half-applied update on one, not on another): the
-            # next forward agrees first, as after a step ([Note: failing together] in infinity/runtime/ranks.py).
-            self.agree_at_forward = True
             self._end_backward(cut_short=True)
 
     def _end_backward(self, cut_short: bool = False) -> None:

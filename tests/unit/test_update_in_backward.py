@@ -304,3 +304,40 @@ def test_a_step_cut_short_after_stepped_sub_groups_is_damaged_and_a_load_trains_
     got, said = _interrupted_run(tmp_path / "b", cut)
     assert said is not None
     assert all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
+def test_a_save_of_half_a_step_is_refused_and_a_load_waits_for_the_update(tmp_path, monkeypatch):
+    """Between a backward and opt.step() the update during backward has stepped some sub-groups: a save would keep
+    half a step (stepped twice on resume), so it is refused naming the key; a load drops the half step, after the
+    worker, slowed here, has finished writing the states it was stepping (before, its writes could land after
+    the load's)."""
+    import time
+
+    from infinity.optim.in_backward import InBackwardUpdate
+
+    (tmp_path / "swap").mkdir()
+    model = _engine("nvme", tmp_path / "swap", True, "bfloat16")
+    opt = infinity.AdamW(model, lr=1e-2)
+    (x0, y0), (x1, y1) = batches(2, 4)
+    model(x0, y0).backward()
+    opt.step()
+    opt.zero_grad()
+    infinity.save_checkpoint(tmp_path / "after-1", model, opt, keep=1)
+    with infinity.gathered(model):
+        saved = [p.detach().float().clone() for p in model.parameters()]
+    work = InBackwardUpdate.work
+
+    def slow(self, job, ready):
+        time.sleep(0.05)
+        return work(self, job, ready)
+
+    monkeypatch.setattr(InBackwardUpdate, "work", slow)
+    model(x1, y1).backward()
+    with pytest.raises(EngineError, match="save_checkpoint: .* stepped during backward.*update_in_backward.*opt.step"):
+        infinity.save_checkpoint(tmp_path / "half", model, opt, keep=1)
+    assert not (tmp_path / "half").exists() or not any((tmp_path / "half").iterdir())
+    infinity.load_checkpoint(tmp_path / "after-1", model, opt)
+    assert opt._in_backward.pending._count == 0 and not opt._in_backward.stepped
+    with infinity.gathered(model):
+        assert all(torch.equal(a, p.detach().float()) for a, p in zip(saved, model.parameters()))
+    infinity.release(model)
