@@ -43,11 +43,17 @@ def _cuda_batches(n: int):
     return [(idx.cuda(), tgt.cuda()) for idx, tgt in batches(n, 2)]
 
 
-@pytest.mark.parametrize("preset", PRESETS + SPLITS)
-def test_every_preset_trains_like_plain_torch_on_the_gpu(tmp_path, preset):
+# The update during backward with splits: its worker's stream, held NVMe-share gradients, the device share in
+# opt.step() ([Note: update during backward] in infinity/optim/in_backward.py).
+IN_BACKWARD = [(split, {"optimizer": {"update_in_backward": True}}) for split in SPLITS[1:3]]
+
+
+@pytest.mark.parametrize("preset,sections", [(p, {}) for p in PRESETS + SPLITS] + IN_BACKWARD,
+                         ids=PRESETS + SPLITS + [f"{s}+update_in_backward" for s, _ in IN_BACKWARD])
+def test_every_preset_trains_like_plain_torch_on_the_gpu(tmp_path, preset, sections):
     # fp32 compute on both sides (the presets compute in bf16): differences are the engine's, not rounding.
     torch.manual_seed(0)
-    with infinity.Init(_config(tmp_path, preset, precision={"dtype": "float32"})):
+    with infinity.Init(_config(tmp_path, preset, precision={"dtype": "float32"}, **sections)):
         model = TinyGPT()
     torch.manual_seed(0)
     ref = TinyGPT().cuda()
