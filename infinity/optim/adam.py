@@ -357,6 +357,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         scaler = self.engine.loss_scaler
         if self._in_backward is not None:
             out["in_backward_subs"] = self._in_backward.subs_stepped
+            out["in_backward_wait_seconds"] = self._in_backward.waited_s
         out.update(steps=self.step_count, calls=self._calls,
                    loss_scale=scaler.as_dict() if scaler is not None else None)
         return out

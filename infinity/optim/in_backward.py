@@ -20,7 +20,12 @@ are held in host memory in the dtype the gradient key would store them in (the s
 rounding), from their arrival until the sub-group is stepped, and the pass widens them
 as it would after reading them. Held sub-groups are those with a gradient but not yet
 stepped: with backward in reverse flat order, about one or two at a time, plus those
-of groups whose gradient comes last (a tied embedding keeps its sub-group open).
+of groups whose gradient comes last (a tied embedding keeps its sub-group open). Where
+backward outruns the update (a disk-bound one beside a fast GPU backward), sub-groups
+queued for the worker keep theirs too: before a new buffer is taken, backward waits for
+the worker while held and queued gradients would pass two sub-groups and the largest
+group's, the ``held_grads`` row of infinity-plan (``stats()["in_backward_wait_seconds"]``
+says how long it waited).
 
 With the optimizer states split over tiers ([Note: optimizer states over tiers] in
 infinity/optim/tier_split.py) the host and NVMe shares' sub-groups are stepped here as they
@@ -58,6 +63,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 
 import torch
@@ -83,6 +89,8 @@ class HeldGrads:
     def __init__(self, store) -> None:
         self.store = store
         self.subs: dict[int, torch.Tensor] = {}
+        # ``room(nbytes)``: called before a new buffer is taken, with what would then be held; it may wait.
+        self.room = None
 
     def accumulate(self, group_index: int, shard: torch.Tensor) -> None:
         layout = self.store.layout
@@ -90,6 +98,8 @@ class HeldGrads:
             buf = self.subs.get(piece.sub_index)
             if buf is None:
                 numel = layout.sub_ranges[piece.sub_index][1]
+                if self.room is not None:
+                    self.room(self.bytes_held() + numel * self.store.grad_dtype.itemsize)
                 buf = self.subs[piece.sub_index] = torch.zeros(numel, dtype=self.store.grad_dtype)
             buf[piece.sub_offset:piece.sub_offset + piece.numel].copy_(
                 shard[piece.group_offset:piece.group_offset + piece.numel])
@@ -111,26 +121,38 @@ class HeldGrads:
 
 
 class _Pending:
-    """A count of queued jobs the main thread can wait on, kept apart from the optimizer so that the worker
-    can count a job done after it has let go of the optimizer."""
+    """A count of queued jobs and of the gradient bytes they hold, which the main thread can wait on, kept apart
+    from the optimizer so that the worker can count a job done after it has let go of the optimizer."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._count = 0
+        self.nbytes = 0
 
-    def add(self) -> None:
+    def add(self, nbytes: int = 0) -> None:
         with self._cond:
             self._count += 1
+            self.nbytes += nbytes
 
-    def done(self) -> None:
+    def done(self, nbytes: int = 0) -> None:
         with self._cond:
             self._count -= 1
+            self.nbytes -= nbytes
             self._cond.notify_all()
 
     def wait(self) -> None:
         with self._cond:
             while self._count:
                 self._cond.wait()
+
+    def wait_room(self, held: int, budget: int) -> bool:
+        """Until the queued jobs' gradient bytes and ``held`` fit ``budget``, or none is queued; whether it waited."""
+        waited = False
+        with self._cond:
+            while self._count and self.nbytes + held > budget:
+                waited = True
+                self._cond.wait()
+        return waited
 
 
 class InBackwardUpdate:
@@ -160,6 +182,9 @@ class InBackwardUpdate:
         self.device = engine.device
         self.run = run
         self.held = None if self.store.in_place else HeldGrads(self.store)
+        if self.held is not None:
+            self.held.room = self._room
+        self.waited_s = 0.0     # backward's waits for room for held gradients
         self.store.held = self.held
         self.store.refuse_second_grad = self._refuse_second
         self.store.before_zero_grad = self._before_zero_grad
@@ -230,6 +255,18 @@ class InBackwardUpdate:
                 continue
             self._submit(sub)
 
+    def _room(self, held: int) -> None:
+        """A held gradient buffer is about to be taken, ``held`` bytes with it: backward waits for the worker while
+        they and the gradients of sub-groups queued for it would pass what infinity-plan counts (two sub-groups
+        and the largest group's), so that a backward faster than the update does not end up holding the whole
+        NVMe share's gradients in host memory (see [Note: update during backward])."""
+        layout = self.store.layout
+        sub = layout.sub_group_size
+        budget = (2 * sub + -(-max(layout.shard_numels) // sub) * sub) * self.store.grad_dtype.itemsize
+        t0 = time.perf_counter()
+        if self.pending.wait_room(held, budget):
+            self.waited_s += time.perf_counter() - t0
+
     def _refuse_second(self, group_index: int) -> None:
         raise EngineError(f"a second gradient for group {group_index} before opt.step(): {KEY} = true steps "
                           "each sub-group as soon as its gradients are in, so gradients cannot be accumulated "
@@ -249,13 +286,14 @@ class InBackwardUpdate:
         if self.device.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device.device))
-        self.pending.add()
+        nbytes = sum(t.numel() * t.element_size() for t in grads.values()) if grads else 0
+        self.pending.add(nbytes)
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="infinity-update-in-backward", daemon=True,
                                             args=(self._queue, weakref.ref(self)))
             self._thread.start()
             close_at_exit(self)
-        self._queue.put((job, ready))
+        self._queue.put((job, ready, nbytes))
 
     @staticmethod
     def _loop(jobs: queue.Queue, owner_ref) -> None:
@@ -271,13 +309,15 @@ class InBackwardUpdate:
             if item is None or owner is None:
                 return
             pending = owner.pending
+            job, ready, nbytes = item
             try:
-                owner.work(*item)
+                owner.work(job, ready)
             finally:
-                # Counted done only once this thread holds neither the optimizer nor the job: a model
-                # dropped right after ``opt.step()`` returns is collected at once, its engine with it.
-                del owner, item
-                pending.done()
+                # Counted done only once this thread holds neither the optimizer nor the job (nor its held
+                # gradients): a model dropped right after ``opt.step()`` returns is collected at once, its
+                # engine with it.
+                del owner, item, job, ready
+                pending.done(nbytes)
 
     def work(self, job: StepJob, ready) -> None:
         """One sub-group on the worker thread; a failure is kept for ``wait``."""

@@ -341,3 +341,48 @@ def test_a_save_of_half_a_step_is_refused_and_a_load_waits_for_the_update(tmp_pa
     with infinity.gathered(model):
         assert all(torch.equal(a, p.detach().float()) for a, p in zip(saved, model.parameters()))
     infinity.release(model)
+
+
+def test_a_backward_faster_than_the_update_holds_no_more_gradients_than_the_plan(tmp_path, monkeypatch):
+    """The worker slowed (a disk-bound update beside a fast backward): the gradients held in host memory and those of
+    sub-groups queued for the worker stay within infinity-plan's held_grads row (two sub-groups and the largest
+    group's) because backward waits for room, where before they grew to the whole model's; the results are the
+    ordinary step's still."""
+    import time
+
+    from infinity.optim.in_backward import HeldGrads, InBackwardUpdate
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = _train("nvme", tmp_path / "a", False, "bfloat16")
+    work, accumulate = InBackwardUpdate.work, HeldGrads.accumulate
+    peak, owners = [0], []
+
+    def slow(self, job, ready):
+        time.sleep(0.01)
+        return work(self, job, ready)
+
+    def watched(self, group_index, shard):
+        accumulate(self, group_index, shard)
+        peak[0] = max(peak[0], self.bytes_held() + owners[0].pending.nbytes)
+
+    monkeypatch.setattr(InBackwardUpdate, "work", slow)
+    monkeypatch.setattr(HeldGrads, "accumulate", watched)
+    init = InBackwardUpdate.__init__
+
+    def remembered(self, *args):
+        init(self, *args)
+        owners.append(self)
+
+    monkeypatch.setattr(InBackwardUpdate, "__init__", remembered)
+    early = _train("nvme", tmp_path / "b", True, "bfloat16")
+    assert early[0] == plain[0]
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(x, y) for x, y in zip(plain[1][name], early[1][name])), name
+    store = owners[0].store
+    layout = store.layout
+    sub = layout.sub_group_size
+    budget = (2 * sub + -(-max(layout.shard_numels) // sub) * sub) * store.grad_dtype.itemsize
+    whole = sum(layout.shard_numels) * store.grad_dtype.itemsize
+    assert 0 < peak[0] <= budget < whole / 3, (peak[0], budget, whole)
+    assert early[2]["in_backward_wait_seconds"] > 0
