@@ -23,6 +23,7 @@ from infinity.registry import engine_of
 from tests.unit.test_dpu import TOL, batches, gathered_diff, run_schedule
 from tests.unit.test_optimizer_shares import assert_cut, assert_same, gathered, ident, kinds, make
 from tests.unit.test_overlap_step import slow_update  # noqa: F401 (a fixture)
+from tests.unit.test_update_in_backward import assert_ranks_match, rank_steps, scheduled_steps
 
 IN_BACKWARD = {"update_in_backward": True}
 # (params, optimizer, device share, host share)
@@ -48,16 +49,7 @@ class _SubsStepped:
 def _train(model, data, opt=None):
     """Plain steps, a learning-rate schedule, no clipping (refused with the update during backward)."""
     opt = opt or infinity.AdamW(model, lr=1e-2, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8)
-    losses = []
-    for idx, tgt in data:
-        loss = model(idx, tgt)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return losses, opt
+    return scheduled_steps(model, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8), data), opt
 
 
 # -- 1. bit for bit the ordinary step of the same split, fp32 and bf16 compute ------------------------------------
@@ -175,24 +167,10 @@ def _rank_run(rank, world, workdir):
         root = pathlib.Path(workdir) / f"rank{rank}-{early}"
         root.mkdir()
         model, _ = make(root, "host", "nvme", 0.3, 0.4, optimizer={"update_in_backward": early})
-        opt = infinity.AdamW(model, lr=1e-2)
-        losses = []
-        for i in range(3):
-            idx, tgt = batches(3 * world)[i * world + rank]
-            loss = model(idx, tgt)
-            loss.backward()
-            losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
-        masters = [t.clone() for t in opt.state_dict()["shards"]["master"]]
-        out.append((losses, masters, opt.stats().get("in_backward_subs", 0)))
-        infinity.release(model)
+        out.append(rank_steps(model, rank, world, batches(3 * world)))
     return out
 
 
 def test_two_ranks_match_the_ordinary_step(tmp_path):
     from tests.support.ranks import run_ranks
-    for plain, early in run_ranks(_rank_run, 2, tmp_path):
-        assert early[0] == plain[0]
-        assert all(torch.equal(a, b) for a, b in zip(plain[1], early[1]))
-        assert early[2] > 0
+    assert_ranks_match(run_ranks(_rank_run, 2, tmp_path))

@@ -27,20 +27,26 @@ def _engine(preset: str, swap, in_backward: bool, dtype: str, extra=None):
     return model
 
 
-def _train(preset, swap, in_backward, dtype, steps=3, state_dtype="fp32"):
-    model = _engine(preset, swap, in_backward, dtype, {"optimizer": {"state_dtype": state_dtype}})
-    decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
-    rest = [p for _, p in model.named_parameters() if p.dim() < 2]
-    opt = infinity.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
+def scheduled_steps(model, opt, sched, data) -> list[float]:
+    """One step per batch of ``data``, the scheduler stepped after each (no clipping: refused with the key); the
+    losses."""
     losses = []
-    for x, y in batches(steps, 4):
+    for x, y in data:
         loss = model(x, y)
         loss.backward()
         losses.append(loss.item())
         opt.step()
         sched.step()
         opt.zero_grad()
+    return losses
+
+
+def _train(preset, swap, in_backward, dtype, steps=3, state_dtype="fp32"):
+    model = _engine(preset, swap, in_backward, dtype, {"optimizer": {"state_dtype": state_dtype}})
+    decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for _, p in model.named_parameters() if p.dim() < 2]
+    opt = infinity.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    losses = scheduled_steps(model, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7), batches(steps, 4))
     stats = opt.stats()
     shards = deepcopy(opt.state_dict()["shards"])
     infinity.release(model)
@@ -193,27 +199,40 @@ def _rank_run(rank, world, workdir):
         swap = f"{workdir}/swap-{in_backward}-{rank}"
         os.makedirs(swap)
         model = _engine("nvme", swap, in_backward, "bfloat16")
-        opt = infinity.AdamW(model, lr=1e-2)
-        losses = []
-        for i in range(2):
-            x, y = batches(2 * world, 4)[i * world + rank]
-            loss = model(x, y)
-            loss.backward()
-            losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
-        masters = [t.clone() for t in opt.state_dict()["shards"]["master"]]
-        out.append((losses, masters, opt.stats().get("in_backward_subs", 0)))
-        infinity.release(model)
+        out.append(rank_steps(model, rank, world, batches(2 * world, 4)))
     return out
+
+
+def rank_steps(model, rank: int, world: int, data) -> tuple:
+    """This rank's steps over ``data`` (``world`` batches a step, one each): its losses, its master shards and the
+    sub-groups stepped during backward; the model is released after."""
+    opt = infinity.AdamW(model, lr=1e-2)
+    losses = []
+    for i in range(len(data) // world):
+        x, y = data[i * world + rank]
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    masters = [t.clone() for t in opt.state_dict()["shards"]["master"]]
+    stepped = opt.stats().get("in_backward_subs", 0)
+    infinity.release(model)
+    return losses, masters, stepped
+
+
+def assert_ranks_match(results) -> None:
+    """Each rank's (ordinary, during backward) runs of ``rank_steps``: the same losses and masters, and sub-groups
+    stepped during backward."""
+    for plain, early in results:
+        assert early[0] == plain[0]
+        assert all(torch.equal(a, b) for a, b in zip(plain[1], early[1]))
+        assert early[2] > 0
 
 
 def test_two_ranks_match_the_ordinary_step(tmp_path):
     from tests.support.ranks import run_ranks
-    for (plain, early) in run_ranks(_rank_run, 2, tmp_path):
-        assert early[0] == plain[0]
-        assert all(torch.equal(a, b) for a, b in zip(plain[1], early[1]))
-        assert early[2] > 0
+    assert_ranks_match(run_ranks(_rank_run, 2, tmp_path))
 
 
 def test_a_non_finite_gradient_after_stepped_sub_groups_is_refused(tmp_path):
