@@ -205,6 +205,8 @@ class _OffloadAdam(torch.optim.Optimizer):
                                           "backward with gradients the ranks may have reduced into each other")
                 raise
             if local is not None:
+                if self._in_backward is not None:   # sub-groups stepped during backward: half a step, damaged
+                    self._in_backward.cut_short(f"{self._name}.step() failed ({local!r})")
                 raise local
             nonfinite = nonfinite or self.unmanaged.nonfinite()
             self._calls += 1
@@ -331,9 +333,9 @@ class _OffloadAdam(torch.optim.Optimizer):
         # update during backward) and not another's: the next forward agrees first, as after a step ([Note:
         # failing together] in infinity/runtime/ranks.py; a step sets it anyway, so no extra collective then).
         self.engine.agree_at_forward = True
-        self.engine.reducer.settle(drop=True)
-        if self._in_backward is not None:
+        if self._in_backward is not None:   # refuses before anything is dropped
             self._in_backward.reset(f"{self._name}.zero_grad()")
+        self.engine.reducer.settle(drop=True)
         self.store.zero_grad()
         self.unmanaged.zero_grad(set_to_none)
         self._checks.reset()

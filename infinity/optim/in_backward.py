@@ -25,7 +25,9 @@ backward outruns the update (a disk-bound one beside a fast GPU backward), sub-g
 queued for the worker keep theirs too: before a new buffer is taken, backward waits for
 the worker while held and queued gradients would pass two sub-groups and the largest
 group's, the ``held_grads`` row of infinity-plan (``stats()["in_backward_wait_seconds"]``
-says how long it waited).
+says how long it waited, in backward and in ``opt.step()``'s last hand-offs). Sub-groups of
+a group with a parameter that got no gradient stay held until ``opt.step()`` and are not in
+that row; where they pass it, each new buffer waits until the queue is empty, never longer.
 
 With the optimizer states split over tiers ([Note: optimizer states over tiers] in
 infinity/optim/tier_split.py) the host and NVMe shares' sub-groups are stepped here as they
@@ -281,19 +283,26 @@ class InBackwardUpdate:
             self.coordinator.shards.reset_fresh(outlive_backward=self.datapath.phase == "backward")
         grads = self.held.take([sub]) if self.held is not None else None
         job = self.job_for(sub, self.waits[sub], grads, self._hyper)
-        self.stepped.add(sub)
         ready = None
         if self.device.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device.device))
         nbytes = sum(t.numel() * t.element_size() for t in grads.values()) if grads else 0
         self.pending.add(nbytes)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="infinity-update-in-backward", daemon=True,
-                                            args=(self._queue, weakref.ref(self)))
-            self._thread.start()
-            close_at_exit(self)
-        self._queue.put((job, ready, nbytes))
+        try:
+            if self._thread is None:
+                thread = threading.Thread(target=self._loop, name="infinity-update-in-backward", daemon=True,
+                                          args=(self._queue, weakref.ref(self)))
+                thread.start()
+                self._thread = thread
+                close_at_exit(self)
+            self._queue.put((job, ready, nbytes))
+        except BaseException:   # not queued (no thread, Ctrl-C): counted out, its gradients held again
+            self.pending.done(nbytes)
+            if grads:
+                self.held.subs.update(grads)
+            raise
+        self.stepped.add(sub)
 
     @staticmethod
     def _loop(jobs: queue.Queue, owner_ref) -> None:
@@ -394,17 +403,18 @@ class InBackwardUpdate:
         if self.held is not None:
             self.held.subs.clear()
 
-    def cut_short(self) -> None:
-        """The backward ended by an exception ([Note: aborted backward] in infinity/runtime/engine.py): sub-groups
-        already stepped in it leave the states damaged (a failure of the worker's is part of the same damage)."""
+    def cut_short(self, what: str = "a backward was cut short") -> None:
+        """The backward ended by an exception ([Note: aborted backward] in infinity/runtime/engine.py), or
+        ``opt.step()`` failed before its update (``what`` says which): sub-groups already stepped leave the states
+        damaged (a failure of the worker's is part of the same damage)."""
         if not self.stepped:
             return
         self.pending.wait()
         failed, self._failure = self._failure, None
         also = f"; the update itself failed too: {failed!r}" if failed is not None else ""
-        self.damaged(f"a backward was cut short after {len(self.stepped)} sub-groups of this step had been stepped "
-                     f"during backward ({KEY} = true): parameters, master weights and Adam moments are partly "
-                     f"updated, and neither redoing the step nor finishing it trains as intended{also}")
+        self.damaged(f"{what} after {len(self.stepped)} sub-groups of this step had been stepped during backward "
+                     f"({KEY} = true): parameters, master weights and Adam moments are partly updated, and neither "
+                     f"redoing the step nor finishing it trains as intended{also}")
 
     def _before_zero_grad(self) -> None:
         """The store's gradients are dropped (``model.zero_grad()`` too): refused once sub-groups were stepped."""

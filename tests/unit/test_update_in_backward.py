@@ -250,8 +250,10 @@ def _interrupted_run(tmp_path, cut):
     """Three steps; in step 1, ``cut``, then what the error asks (load the checkpoint saved before the step) and the
     step redone. ``"ctrl-c"``: a KeyboardInterrupt in the model's backward once the update has stepped sub-groups,
     then ``zero_grad()``; ``"ctrl-c-step"``: the same, then ``opt.step()``, which must refuse to finish the half
-    step; ``"inf"``: an inf gradient in the tied weight, found by ``opt.step()``; ``"reload"``: no error, the
-    checkpoint loaded after a whole backward, in place of ``opt.step()``."""
+    step; ``"inf"``: an inf gradient in the tied weight, found by ``opt.step()``; ``"ctrl-c-in-step"``: a
+    KeyboardInterrupt in ``opt.step()`` once the gradients are handed over (there it may wait for room for held
+    gradients); ``"reload"``: no error, the checkpoint loaded after a whole backward, in place of
+    ``opt.step()``."""
     model = _engine("nvme", tmp_path / "swap", True, "bfloat16")
     opt = infinity.AdamW(model, lr=1e-2)
     data = batches(3, 4)
@@ -269,11 +271,11 @@ def _interrupted_run(tmp_path, cut):
         x, y = data[step]
         if step == 1 and not fired:
             infinity.save_checkpoint(tmp_path / "before", model, opt, keep=1)
-            if cut.startswith("ctrl-c"):
+            if cut in ("ctrl-c", "ctrl-c-step"):
                 hook = model.blocks[0].mlp[0].weight.register_hook(interrupt)
             elif cut == "inf":
                 hook = model.wte.weight.register_hook(lambda g: fired.append(True) or g * float("inf"))
-            else:
+            elif cut == "reload":
                 model(x, y).backward()
                 assert opt._in_backward.stepped
                 fired.append(True)
@@ -281,6 +283,8 @@ def _interrupted_run(tmp_path, cut):
                 said = "reloaded"
         try:
             model(x, y).backward()
+            if cut == "ctrl-c-in-step" and step == 1 and not fired:
+                hook = _InterruptStep(registry.engine_of(model, "test"), fired)
             opt.step()
             opt.zero_grad()
             step += 1
@@ -302,7 +306,26 @@ def _interrupted_run(tmp_path, cut):
     return weights, said if fired else None
 
 
-@pytest.mark.parametrize("cut", ["ctrl-c", "ctrl-c-step", "inf", "reload"])
+class _InterruptStep:
+    """A KeyboardInterrupt in ``opt.step()`` after its last gradient hand-offs (where it may have waited for room for
+    held gradients), once; ``remove()`` takes it out."""
+
+    def __init__(self, engine, fired) -> None:
+        self.face, self.before_step = engine.grad_face, engine.grad_face.before_step
+
+        def before_step(*args, **kwargs):
+            if not fired:
+                fired.append(True)
+                raise KeyboardInterrupt
+            return self.before_step(*args, **kwargs)
+
+        self.face.before_step = before_step
+
+    def remove(self) -> None:
+        self.face.before_step = self.before_step
+
+
+@pytest.mark.parametrize("cut", ["ctrl-c", "ctrl-c-step", "inf", "ctrl-c-in-step", "reload"])
 def test_a_step_cut_short_after_stepped_sub_groups_is_damaged_and_a_load_trains_on_exactly(tmp_path, cut):
     """Half of a step applied cannot be redone (stepped twice) nor finished (the rest with part of its gradients):
     the states are damaged, opt.step() refuses, zero_grad() drops the gradients, a checkpoint load and the redone
