@@ -460,10 +460,10 @@ class OptimizerConfig(Section):
     then steps only what is left. With states on NVMe the gradients stay in host memory and never go to the
     disk. With the states split over tiers (`tiers.optimizer_device_share`, `tiers.optimizer_host_share`) the
     device share is stepped inside `opt.step()`. Results are identical to the ordinary step; what cannot be
-    exact is refused: with `dpu.enabled`,
-    float16 or `tiers.optimizer = "device"` here, and at the call `clip_grad_norm_`, a second backward before
-    `opt.step()` (accumulation), an edit of `.grad`, or a non-finite gradient once a sub-group was stepped.
-    Learning rates are read during backward: change them after `opt.step()`, as schedulers do."""
+    exact is refused: with `dpu.enabled`, float16 or `tiers.optimizer = "device"` here, and at the call
+    `clip_grad_norm_`, a second backward before `opt.step()` (accumulation), an edit of `.grad`, or a
+    non-finite gradient once a sub-group was stepped. Learning rates are read during backward: change them
+    after `opt.step()`, as schedulers do."""
 
     def _check(self) -> None:
         self._within("state_block_size", 32, 2048, "a block shares one 4-byte scale per moment, which costs "
