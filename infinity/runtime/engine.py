@@ -115,6 +115,7 @@ class Engine:
             self._unhooked = False      # the idle modules' forward hooks are gone (hooks.unhook_idle)
             self._backward_active = False
             self._backwards_ended = [0]    # backwards that ended (hooks.watch_backward fires once per one)
+            self._end_stages_done = 0       # of the running backward's end ([Note: a resumable end of backward])
             self._step_started = None
             self.agree_at_forward = True   # the next forward agrees on the rank-local checks (a step ended)
             # Why the states are a mixture no step may train on, or None ([Note: a load is all or
@@ -343,6 +344,7 @@ class Engine:
                 raise EngineError(_CREATE_GRAPH)
             self.grad_face.before_backward()    # zero_grad() through .grad, then autograd writes None .grad
             self._backward_active = True
+            self._end_stages_done = 0
             self.datapath.set_phase("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self.prefetcher is not None:
@@ -402,15 +404,38 @@ class Engine:
             self._end_backward(cut_short=True)
 
     def _end_backward(self, cut_short: bool = False) -> None:
-        self._backwards_ended[0] += 1
-        self._arrivals.flush()      # groups short of a gradient (a parameter unused in this backward)
-        self.reducer.finish_backward(cut_short)
-        if self.optimizer is not None:      # after the engine's own collectives, on every rank
-            self.optimizer.unmanaged.end_backward()
-        self._holds.clear()
-        self.coordinator.end_backward()
-        if self.activations is not None:
-            self.activations.end_backward()
+        """The backward is over (autograd's queued callback, or ``recover_aborted_backward``): run the stages
+        of its end not done yet, in order.
+
+        [Note: a resumable end of backward]
+        The end of a backward first issues collectives, in the same place on every rank (the hand-over of
+        groups short of a gradient; the unmanaged parameters' all-reduce, [Note: unmanaged parameters] in
+        infinity/optim/unmanaged.py), then does rank-local work that may fail (releasing the groups held for
+        backward: tier I/O). A failure there raises on that rank alone and leaves its backward open for the
+        next ``step()``, ``zero_grad()`` or forward to close. Run again from the top, the end would issue its
+        collectives a second time on that rank alone: collectives no other rank joins (a hang, or the next
+        step's paired with the wrong ones). So each stage runs once per backward: the count of stages done,
+        reset when a backward starts, makes a later call retry the stage that failed and skip those done.
+        The gradients are then reduced and kept as on the other ranks, and the step goes on as theirs does
+        (``cut_short`` reaches the reducer only if its stage is still to run: after it, nothing was cut short).
+        """
+        def count() -> None:        # watch_backward's hooks fire once per backward that ended
+            self._backwards_ended[0] += 1
+
+        optimizer, activations = self.optimizer, self.activations
+        stages = (count,
+                  self._arrivals.flush,     # groups short of a gradient (a parameter unused in this backward)
+                  lambda: self.reducer.finish_backward(cut_short),
+                  # after the engine's own collectives, on every rank
+                  optimizer.unmanaged.end_backward if optimizer is not None else None,
+                  self._holds.clear,
+                  self.coordinator.end_backward,
+                  activations.end_backward if activations is not None else None)
+        while self._end_stages_done < len(stages):
+            stage = stages[self._end_stages_done]
+            if stage is not None:
+                stage()
+            self._end_stages_done += 1
         self._backward_active = False
         self.datapath.set_phase("idle")
         if not self.device.is_cuda:

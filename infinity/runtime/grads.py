@@ -528,7 +528,8 @@ class GradReducer:
 
     def finish_backward(self, cut_short: bool = False) -> None:
         """End of a backward pass: autograd is done with every group taken. ``cut_short``: an exception ended
-        it ([Note: aborted backward] in infinity/runtime/engine.py), which the watcher is told."""
+        it ([Note: aborted backward] in infinity/runtime/engine.py), which the watcher is told. Issues no
+        collective and adds no gradient: a second call finds nothing left to let go."""
         try:
             self._let_go()
         finally:

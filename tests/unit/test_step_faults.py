@@ -346,3 +346,72 @@ def test_a_step_after_a_failed_hand_off_is_refused_until_zero_grad(tmp_path):
     model(x, y).backward()
     opt.step()
     infinity.release(model)
+
+
+class _Adapted(torch.nn.Module):
+    """A layer built in Init and an adapter added after it (``lora``: unmanaged, [Note: unmanaged parameters] in
+    infinity/optim/unmanaged.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x))
+        return self.outer(h + self.lora(h)).pow(2).mean()
+
+
+def _adapted_steps(fault: bool):
+    """Two steps of a model with an adapter added after Init; with ``fault``, the release of the groups held for
+    the second backward (``coordinator.end_backward``, after the end's collectives) fails once with EIO, and
+    ``opt.step()`` goes on. Returns the weights, the error and the calls of each stage of that backward's end."""
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
+                        "precision": {"dtype": "float32"}}):
+        model = _Adapted()
+    torch.manual_seed(1)
+    model.lora = torch.nn.Linear(8, 8)
+    engine = registry.engine_of(model, "test")
+    opt = infinity.AdamW(model, lr=1e-2)
+    calls = {"finish_backward": 0, "unmanaged": 0, "coordinator": 0}
+    armed = [False]
+
+    def counted(name, fn, fails=False):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            if fails and armed[0]:
+                armed[0] = False
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            return fn(*args, **kwargs)
+        return wrapped
+
+    engine.reducer.finish_backward = counted("finish_backward", engine.reducer.finish_backward)
+    opt.unmanaged.end_backward = counted("unmanaged", opt.unmanaged.end_backward)
+    engine.coordinator.end_backward = counted("coordinator", engine.coordinator.end_backward, fails=True)
+    said = None
+    for i, x in enumerate(torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2))):
+        if i == 1:
+            armed[0] = fault
+            calls.update(dict.fromkeys(calls, 0))
+        try:
+            model(x).backward()
+        except OSError as exc:
+            said = exc
+        opt.step()
+        opt.zero_grad()
+    weights = [v.clone() for v in infinity.state_dict(model).values()]
+    infinity.release(model)
+    return weights, said, calls
+
+
+def test_an_end_of_backward_that_fails_after_its_collectives_goes_on_from_the_stage_that_failed():
+    """The end of a backward ran again from the top when a late stage (the release of the held groups: tier I/O)
+    had failed: on several ranks its collectives, the reducer's and the unmanaged parameters' all-reduce, were
+    issued a second time on that rank alone ([Note: a resumable end of backward] in infinity/runtime/engine.py).
+    Now opt.step() retries only the stage that failed, and trains as a run without the fault."""
+    reference, _, clean = _adapted_steps(fault=False)
+    got, said, calls = _adapted_steps(fault=True)
+    assert said is not None and "injected" in str(said), said
+    assert clean == {"finish_backward": 1, "unmanaged": 1, "coordinator": 1}, clean
+    assert calls == {"finish_backward": 1, "unmanaged": 1, "coordinator": 2}, calls
+    assert _same(got, reference)
