@@ -328,11 +328,12 @@ class _OffloadAdam(torch.optim.Optimizer):
 
         Does not wait for a background step: that step reads its own gradient buffer.
         """
-        self.engine.recover_aborted_backward()
         # Every rank calls it, also after a backward cut short, which may leave one rank's states damaged (a half
         # update during backward) and not another's: the next forward agrees first, as after a step ([Note:
         # failing together] in infinity/runtime/ranks.py; a step sets it anyway, so no extra collective then).
+        # Set before the backward is closed, which may fail on one rank alone: every rank's forward agrees.
         self.engine.agree_at_forward = True
+        self.engine.recover_aborted_backward()
         if self._in_backward is not None:   # refuses before anything is dropped
             self._in_backward.reset(f"{self._name}.zero_grad()")
         self.engine.reducer.settle(drop=True)

@@ -246,7 +246,6 @@ class Engine:
                 raise EngineError(_CREATE_GRAPH)
             if torch.jit.is_tracing():
                 raise EngineError(TORCHSCRIPT)
-            self.recover_aborted_backward()
             self._begin_forward(module)
             if not self._backward_active:      # a forward inside backward recomputes for it
                 self.datapath.set_phase("forward")
@@ -318,6 +317,8 @@ class Engine:
         agree = self.agree_at_forward and self.ranks.world_size > 1
         self.agree_at_forward = False
         with self.ranks.together("the forward") if agree else contextlib.nullcontext():
+            # Closing a backward cut short may fail on one rank alone (its end's tier I/O): inside the agreement.
+            self.recover_aborted_backward()
             self.check_intact("forward")
             self.tiers.check()      # before the step's reads: [Note: checking a live swap file] in tiers/swapfile.py
             if self._updates is not None:

@@ -217,11 +217,14 @@ class _Adapted(torch.nn.Module):
         return self.outer(h + self.lora(h)).pow(2).mean()
 
 
-def _end_fails_on_rank_zero(rank, world, workdir):
-    """Four steps; at steps 1 and 2 the release of the groups held for backward (``coordinator.end_backward``,
-    after the end's collectives) fails once on rank 0 with EIO. Step 1: rank 0 catches it and every rank steps
-    (the gradients are whole). Step 2: the ranks learn of it (an all-reduce of the user's), zero_grad() and redo
-    the step. Returns the errors rank 0 saw, the final weights and their largest difference from plain torch."""
+def _end_fails_on_rank_zero(rank, world, workdir, scenario):
+    """Four steps in which the release of the groups held for backward (``coordinator.end_backward``, after the
+    end's collectives) fails on rank 0 with EIO. ``"carry on"``: once at steps 1 and 2; step 1: rank 0 catches it
+    and every rank steps (the gradients are whole); step 2: the ranks learn of it (an all-reduce of the user's),
+    zero_grad() and redo the step. ``"again"``: three times at step 1, at the backward's end, then at the retries
+    of rank 0's zero_grad() and of its next forward, which every rank calls; then every rank zero_grad()s and
+    redoes the step. Returns the errors each rank saw, the final weights and their largest difference from
+    plain torch."""
     import torch.distributed as dist
     from infinity.registry import engine_of
 
@@ -240,26 +243,36 @@ def _end_fails_on_rank_zero(rank, world, workdir):
     engine = engine_of(model)
     opt = infinity.AdamW(model, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    release, armed, said = engine.coordinator.end_backward, [False], []
+    release, armed, said = engine.coordinator.end_backward, [0], []
 
     def failing():
         if armed[0]:
-            armed[0] = False
+            armed[0] -= 1
             raise OSError(errno.EIO, "Input/output error (injected)")
         release()
+
+    def noted(call, *errors) -> float:
+        try:
+            call()
+        except errors as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+            return 1.0
+        return 0.0
 
     engine.coordinator.end_backward = failing
     data = torch.randn(4, 4 * world, 8, generator=torch.Generator().manual_seed(2))
     for i, x in enumerate(data):
+        mine = x[4 * rank:4 * rank + 4]
+        if scenario == "again" and i == 1:
+            armed[0] = 3 if rank == 0 else 0
+            noted(lambda: model(mine).backward(), OSError)
+            noted(opt.zero_grad, OSError)       # rank 0 alone: its retry fails again
+            noted(lambda: model(mine), OSError, RanksFailedError)      # and again, inside the forward's agreement
+            opt.zero_grad()
         for attempt in range(2):
-            armed[0] = rank == 0 and i in (1, 2) and attempt == 0
-            failed = 0.0
-            try:
-                model(x[4 * rank:4 * rank + 4]).backward()
-            except OSError as exc:
-                said.append(str(exc))
-                failed = 1.0
-            if i == 2:      # the ranks agree on a redo, as a DDP user's loop would
+            armed[0] = int(scenario == "carry on" and rank == 0 and i in (1, 2) and attempt == 0)
+            failed = noted(lambda: model(mine).backward(), OSError)
+            if scenario == "carry on" and i == 2:      # the ranks agree on a redo, as a DDP user's loop would
                 flag = torch.tensor([failed])
                 dist.all_reduce(flag)
                 if flag.item() > 0:
@@ -282,9 +295,23 @@ def test_an_end_of_backward_that_fails_on_one_rank_after_its_collectives_does_no
     whole end again, the reducer's hand-over and the adapter's all-reduce included, which rank 1 never issues
     (the collective ledger refuses the mismatch; NCCL would hang). Now it goes on from the stage that failed:
     the ranks' collectives stay the same, and both train on as plain torch does, with the same weights."""
-    (said0, got0, error0), (said1, got1, error1) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path,
+    (said0, got0, error0), (said1, got1, error1) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "carry on",
                                                               collective_timeout=60)
     assert len(said0) == 2 and all("injected" in s for s in said0), said0
     assert said1 == []
+    assert all(torch.equal(got0[k], got1[k]) for k in got0)
+    assert max(error0, error1) <= 1e-6, (error0, error1)
+
+
+def test_closing_a_backward_that_fails_again_on_one_rank_keeps_the_ranks_together(tmp_path):
+    """Rank 0's end of backward fails, then so do its retries in zero_grad() and in the next forward. The
+    zero_grad() of every rank makes that forward agree first, rank 0's included (its zero_grad() raised before it
+    said so), and the forward's retry runs inside the agreement: every rank raises there (the collective ledger
+    refused the mismatch when rank 0 alone skipped the agreement, or failed outside it). Then every rank's
+    zero_grad() closes it and the step redone trains as plain torch."""
+    (said0, got0, error0), (said1, got1, error1) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "again",
+                                                              collective_timeout=60)
+    assert [s.split(":")[0] for s in said0] == ["OSError"] * 3 and all("injected" in s for s in said0), said0
+    assert len(said1) == 1 and said1[0].startswith("RanksFailedError: rank 1: rank(s) [0] failed in the forward"), said1
     assert all(torch.equal(got0[k], got1[k]) for k in got0)
     assert max(error0, error1) <= 1e-6, (error0, error1)
