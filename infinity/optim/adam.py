@@ -168,7 +168,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         with engine.ranks.together(f"{self._name}.step()"):
             # First: closing a backward cut short may find it half applied (the update during backward).
             engine.recover_aborted_backward()
-            engine.check_intact(f"{self._name}.step()")
+            engine.check_intact(f"{self._name}.step()", grads=True)
             if self._calls == 0:
                 refuse_trainer_checkpoints(self._name)     # [Note: Trainer's checkpoints] in infinity/optim/checks.py
             param_groups.check_options(self.param_groups, f"{self._name}.step()")
@@ -331,16 +331,24 @@ class _OffloadAdam(torch.optim.Optimizer):
         # Every rank calls it, also after a backward cut short, which may leave one rank's states damaged (a half
         # update during backward) and not another's: the next forward agrees first, as after a step ([Note:
         # failing together] in infinity/runtime/ranks.py; a step sets it anyway, so no extra collective then).
-        # Set before the backward is closed, which may fail on one rank alone: every rank's forward agrees.
-        self.engine.agree_at_forward = True
-        self.engine.recover_aborted_backward()
+        # Set before the backward is closed, which may fail on one rank alone: every rank's forward agrees, and
+        # refuses there while this rank's gradients, not cleared, would be trained on (the others' were).
+        engine = self.engine
+        engine.agree_at_forward = True
+        try:
+            engine.recover_aborted_backward()
+        except BaseException as exc:
+            engine.clear_owed = (f"{self._name}.zero_grad() raised before it cleared this rank's gradients "
+                                 f"({exc!r}); call {self._name}.zero_grad() again")
+            raise
         if self._in_backward is not None:   # refuses before anything is dropped
             self._in_backward.reset(f"{self._name}.zero_grad()")
-        self.engine.reducer.settle(drop=True)
+        engine.reducer.settle(drop=True)
         self.store.zero_grad()
         self.unmanaged.zero_grad(set_to_none)
         self._checks.reset()
-        self.engine.grad_face.forget(keep_zeros=not set_to_none)
+        engine.grad_face.forget(keep_zeros=not set_to_none)
+        engine.clear_owed = None
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip this step's gradients by their global L2 norm (applied by the step, DPU included)."""

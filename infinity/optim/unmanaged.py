@@ -17,7 +17,7 @@ On several ranks each rank holds its own copy, so their gradients are averaged o
 DDP averages them: a post-accumulate hook notes that one of them got a gradient in this backward (and makes
 sure the engine's end-of-backward runs, as an engine module's backward hook would), and the engine's end of
 that backward (``Engine._end_backward``, one per backward, reentrant checkpoints' nested ones included, run
-once also when a later stage fails: [Note: a resumable end of backward] in infinity/runtime/engine.py)
+once also when a later stage fails: [Note: a resumable end of backward] in infinity/runtime/backward_end.py)
 sums all of them in one all-reduce, in the optimizer's parameter order, after its own hand-over: the same
 place in every rank's sequence of collectives. A parameter without a gradient on a rank adds zeros there
 (DDP's ``find_unused_parameters``), and one that has none on any rank keeps ``None`` (a flag per parameter

@@ -29,6 +29,7 @@ from infinity.optim.torch_guard import TorchOptimizerGuard
 from infinity.param_group import ParamGroup, ParamState
 from infinity.prefetch import Prefetcher
 from infinity.runtime.activations import ActivationOffload
+from infinity.runtime.backward_end import BackwardEnd
 from infinity.runtime.backward_holds import BackwardHolds
 from infinity.runtime.coordinator import Coordinator, gather_rest
 from infinity.runtime.datapath import DataPath, late_copy_polls, with_per_parameter
@@ -115,12 +116,15 @@ class Engine:
             self._unhooked = False      # the idle modules' forward hooks are gone (hooks.unhook_idle)
             self._backward_active = False
             self._backwards_ended = [0]    # backwards that ended (hooks.watch_backward fires once per one)
-            self._end_stages_done = 0       # of the running backward's end ([Note: a resumable end of backward])
+            self._end = BackwardEnd()       # the running backward's end ([Note: a resumable end of backward])
             self._step_started = None
             self.agree_at_forward = True   # the next forward agrees on the rank-local checks (a step ended)
             # Why the states are a mixture no step may train on, or None ([Note: a load is all or
             # nothing] in infinity/checkpoint/reader.py); check_intact refuses while it is set.
             self.damaged: str | None = None
+            # Why this rank's gradients must be cleared before a forward or a step trains on them, or None
+            # (an opt.zero_grad() that raised before it cleared them); check_intact(grads=True) refuses.
+            self.clear_owed: str | None = None
             self._foreign = ForeignParamWatch(self.coordinator.group_of, self.on_foreign_use)
             self._arrivals = GradArrivals(self)     # gradients of the groups armed for the coming backward
             several = self.ranks.world_size > 1     # [Note: handed over in order] in infinity/runtime/grads.py
@@ -221,10 +225,13 @@ class Engine:
         self._arrivals.remove()
         self.step_stats = []
 
-    def check_intact(self, what: str) -> None:
-        """Refuse ``what`` while the states are damaged (a load failed half-way), saying how to recover."""
+    def check_intact(self, what: str, grads: bool = False) -> None:
+        """Refuse ``what`` while the states are damaged (a load failed half-way), or with ``grads`` while a
+        clear of the gradients is owed, saying how to recover."""
         if self.damaged:
             raise EngineError(f"{what}: refused because {self.damaged}")
+        if grads and self.clear_owed:
+            raise EngineError(f"{what}: refused because {self.clear_owed}")
 
     @property
     def backward_running(self) -> bool:
@@ -315,14 +322,14 @@ class Engine:
         # one order] in infinity/runtime/coordinator.py), so every rank runs one: it agrees on the rank-local
         # checks first ([Note: failing together] in infinity/runtime/ranks.py).
         agree = self.agree_at_forward and self.ranks.world_size > 1
-        self.agree_at_forward = False
         with self.ranks.together("the forward") if agree else contextlib.nullcontext():
             # Closing a backward cut short may fail on one rank alone (its end's tier I/O): inside the agreement.
             self.recover_aborted_backward()
-            self.check_intact("forward")
+            self.check_intact("forward", grads=True)
             self.tiers.check()      # before the step's reads: [Note: checking a live swap file] in tiers/swapfile.py
             if self._updates is not None:
                 self._updates.before_forward()
+        self.agree_at_forward = False       # after the agreement: a forward that failed in it agrees again
         if self._step_started is None:
             self._step_started = time.perf_counter()
         if self.prefetcher is not None:
@@ -340,12 +347,16 @@ class Engine:
             raise EngineError("backward through a graph of a model released (infinity.release) after its forward: "
                               "the engine's tiers and gradients are gone, so nothing can be computed or stored; "
                               "call backward (and opt.step()) before infinity.release(model)")
+        if self._backward_active and self._end.failed:
+            # A new backward (retain_graph, a second loss) before anything closed the last one, whose end failed
+            # ([Note: a resumable end of backward] in infinity/runtime/backward_end.py): that one finishes first.
+            self._end_backward(cut_short=True)
         if not self._backward_active:
             if torch.is_grad_enabled():     # autograd records the backward itself: create_graph=True
                 raise EngineError(_CREATE_GRAPH)
             self.grad_face.before_backward()    # zero_grad() through .grad, then autograd writes None .grad
             self._backward_active = True
-            self._end_stages_done = 0
+            self._end.begin()
             self.datapath.set_phase("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             if self.prefetcher is not None:
@@ -406,19 +417,7 @@ class Engine:
 
     def _end_backward(self, cut_short: bool = False) -> None:
         """The backward is over (autograd's queued callback, or ``recover_aborted_backward``): run the stages
-        of its end not done yet, in order.
-
-        [Note: a resumable end of backward]
-        The end of a backward first issues collectives, in the same place on every rank (the hand-over of
-        groups short of a gradient; the unmanaged parameters' all-reduce, [Note: unmanaged parameters] in
-        infinity/optim/unmanaged.py), then does rank-local work that may fail (releasing the groups held for
-        backward: tier I/O). A failure there raises on that rank alone and leaves its backward open for the
-        next ``step()``, ``zero_grad()`` or forward to close. Run again from the top, the end would issue its
-        collectives a second time on that rank alone: collectives no other rank joins (a hang, or the next
-        step's paired with the wrong ones). So each stage runs once per backward: the count of stages done,
-        reset when a backward starts, makes a later call retry the stage that failed and skip those done.
-        The gradients are then reduced and kept as on the other ranks, and the step goes on as theirs does
-        (``cut_short`` reaches the reducer only if its stage is still to run: after it, nothing was cut short).
+        of its end not done yet, in order ([Note: a resumable end of backward] in infinity/runtime/backward_end.py).
         """
         def count() -> None:        # watch_backward's hooks fire once per backward that ended
             self._backwards_ended[0] += 1
@@ -432,11 +431,7 @@ class Engine:
                   self._holds.clear,
                   self.coordinator.end_backward,
                   activations.end_backward if activations is not None else None)
-        while self._end_stages_done < len(stages):
-            stage = stages[self._end_stages_done]
-            if stage is not None:
-                stage()
-            self._end_stages_done += 1
+        self._end.run(stages)
         self._backward_active = False
         self.datapath.set_phase("idle")
         if not self.device.is_cuda:

@@ -2,7 +2,7 @@
 backward's collectives: that rank alone raises, and carries on without issuing them again.
 
 See [Note: failing together] in infinity/runtime/ranks.py and [Note: a resumable end of backward] in
-infinity/runtime/engine.py. The collective ledger (tests/support/ledger.py)
+infinity/runtime/backward_end.py. The collective ledger (tests/support/ledger.py)
 checks that the ranks' collectives stay the same throughout, and its timeout would name a rank left waiting.
 """
 from __future__ import annotations
@@ -221,11 +221,14 @@ def _end_fails_on_rank_zero(rank, world, workdir, scenario):
     """Four steps in which the release of the groups held for backward (``coordinator.end_backward``, after the
     end's collectives) fails on rank 0 with EIO. ``"carry on"``: once at steps 1 and 2; step 1: rank 0 catches it
     and every rank steps (the gradients are whole); step 2: the ranks learn of it (an all-reduce of the user's),
-    zero_grad() and redo the step. ``"again"``: three times at step 1, at the backward's end, then at the retries
-    of rank 0's zero_grad() and of its next forward, which every rank calls; then every rank zero_grad()s and
-    redoes the step. Returns the errors each rank saw, the final weights and their largest difference from
+    zero_grad() and redo the step. ``"again"``: four times at step 1, at the backward's end, then at the retries
+    of rank 0's zero_grad() and of its next two forwards, which every rank calls; then every rank zero_grad()s
+    and redoes the step. ``"owed"``: twice, so the retry in the first forward succeeds. ``"twice"``: once at
+    step 1, whose loss every rank then backpropagates a second time (``retain_graph``) and steps on, as torch's
+    reference does. Returns the errors each rank saw, the final weights and their largest difference from
     plain torch."""
     import torch.distributed as dist
+    from infinity.errors import EngineError
     from infinity.registry import engine_of
 
     def adapter(net):
@@ -263,13 +266,23 @@ def _end_fails_on_rank_zero(rank, world, workdir, scenario):
     data = torch.randn(4, 4 * world, 8, generator=torch.Generator().manual_seed(2))
     for i, x in enumerate(data):
         mine = x[4 * rank:4 * rank + 4]
-        if scenario == "again" and i == 1:
-            armed[0] = 3 if rank == 0 else 0
+        if scenario in ("again", "owed") and i == 1:
+            armed[0] = (4 if scenario == "again" else 2) if rank == 0 else 0
             noted(lambda: model(mine).backward(), OSError)
             noted(opt.zero_grad, OSError)       # rank 0 alone: its retry fails again
-            noted(lambda: model(mine), OSError, RanksFailedError)      # and again, inside the forward's agreement
+            # again inside the forward's agreement, or it is closed there and the clear zero_grad() owes is refused
+            for _ in range(2 if scenario == "again" else 1):     # a forward that failed agrees again
+                noted(lambda: model(mine), OSError, EngineError, RanksFailedError)
             opt.zero_grad()
-        for attempt in range(2):
+        twice = scenario == "twice" and i == 1
+        if twice:
+            armed[0] = int(rank == 0)
+            loss = model(mine)
+            noted(lambda: loss.backward(retain_graph=True), OSError)
+            loss.backward()     # before anything closed the first backward, whose end failed on rank 0
+            opt.step()
+            opt.zero_grad()
+        for attempt in range(0 if twice else 2):
             armed[0] = int(scenario == "carry on" and rank == 0 and i in (1, 2) and attempt == 0)
             failed = noted(lambda: model(mine).backward(), OSError)
             if scenario == "carry on" and i == 2:      # the ranks agree on a redo, as a DDP user's loop would
@@ -282,6 +295,8 @@ def _end_fails_on_rank_zero(rank, world, workdir, scenario):
             opt.zero_grad()
             break
         ref_loss = sum(ref(x[4 * r:4 * r + 4]) for r in range(world)) / world
+        if twice:
+            ref_loss.backward(retain_graph=True)
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -304,14 +319,40 @@ def test_an_end_of_backward_that_fails_on_one_rank_after_its_collectives_does_no
 
 
 def test_closing_a_backward_that_fails_again_on_one_rank_keeps_the_ranks_together(tmp_path):
-    """Rank 0's end of backward fails, then so do its retries in zero_grad() and in the next forward. The
-    zero_grad() of every rank makes that forward agree first, rank 0's included (its zero_grad() raised before it
-    said so), and the forward's retry runs inside the agreement: every rank raises there (the collective ledger
-    refused the mismatch when rank 0 alone skipped the agreement, or failed outside it). Then every rank's
-    zero_grad() closes it and the step redone trains as plain torch."""
+    """Rank 0's end of backward fails, then so do its retries in zero_grad() and in the next two forwards. The
+    zero_grad() of every rank makes the forward agree first, rank 0's included (its zero_grad() raised before it
+    said so), the forward's retry runs inside the agreement, and a forward that failed there agrees again: every
+    rank raises at both (the collective ledger refused the mismatch when rank 0 alone skipped the agreement, or
+    failed outside it). Then every rank's zero_grad() closes it and the step redone trains as plain torch."""
     (said0, got0, error0), (said1, got1, error1) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "again",
                                                               collective_timeout=60)
-    assert [s.split(":")[0] for s in said0] == ["OSError"] * 3 and all("injected" in s for s in said0), said0
+    assert [s.split(":")[0] for s in said0] == ["OSError"] * 4 and all("injected" in s for s in said0), said0
+    assert len(said1) == 2 and all(s.startswith("RanksFailedError: rank 1: rank(s) [0] failed in the forward")
+                                   for s in said1), said1
+    assert all(torch.equal(got0[k], got1[k]) for k in got0)
+    assert max(error0, error1) <= 1e-6, (error0, error1)
+
+
+def test_a_zero_grad_that_failed_on_one_rank_is_owed_before_the_next_forward(tmp_path):
+    """Rank 0's zero_grad() fails to close its backward, so its gradients stay where rank 1's are dropped; the
+    forward's retry then closes it. Trained on, rank 0's old gradients would be reduced into the next step's:
+    the forward refuses on every rank, inside its agreement, until zero_grad() is called again."""
+    (said0, got0, error0), (said1, got1, error1) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "owed",
+                                                              collective_timeout=60)
+    assert [s.split(":")[0] for s in said0] == ["OSError", "OSError", "EngineError"], said0
+    assert "refused because infinity.AdamW.zero_grad() raised before it cleared this rank's gradients" in said0[2], said0
     assert len(said1) == 1 and said1[0].startswith("RanksFailedError: rank 1: rank(s) [0] failed in the forward"), said1
+    assert all(torch.equal(got0[k], got1[k]) for k in got0)
+    assert max(error0, error1) <= 1e-6, (error0, error1)
+
+
+def test_a_second_backward_after_an_end_that_failed_on_one_rank_runs_its_own_end(tmp_path):
+    """retain_graph: rank 0's first end fails after its collectives, and the second backward starts before
+    anything closed it. It used to skip the second end's collectives on rank 0 (the count of stages done was
+    the first one's); now the first end finishes first, and both ranks step as torch does."""
+    (said0, got0, error0), (said1, got1, error1) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "twice",
+                                                              collective_timeout=60)
+    assert len(said0) == 1 and "injected" in said0[0], said0
+    assert said1 == []
     assert all(torch.equal(got0[k], got1[k]) for k in got0)
     assert max(error0, error1) <= 1e-6, (error0, error1)

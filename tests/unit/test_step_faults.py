@@ -407,7 +407,7 @@ def _adapted_steps(fault: bool):
 def test_an_end_of_backward_that_fails_after_its_collectives_goes_on_from_the_stage_that_failed():
     """The end of a backward ran again from the top when a late stage (the release of the held groups: tier I/O)
     had failed: on several ranks its collectives, the reducer's and the unmanaged parameters' all-reduce, were
-    issued a second time on that rank alone ([Note: a resumable end of backward] in infinity/runtime/engine.py).
+    issued a second time on that rank alone ([Note: a resumable end of backward] in infinity/runtime/backward_end.py).
     Now opt.step() retries only the stage that failed, and trains as a run without the fault."""
     reference, _, clean = _adapted_steps(fault=False)
     got, said, calls = _adapted_steps(fault=True)
