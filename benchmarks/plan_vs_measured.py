@@ -3,8 +3,8 @@
 For each size (a GPT of about that many parameters, ``shape_for_params``) and each preset, the model is
 built under ``infinity.Init`` with the CPU as compute device (bf16 compute copies, linear layers widened
 to fp32: ``precision.cpu_linear = "float32"``, the rate the FLOP probe measures; the tied head through
-``widened_linear``); all of them and a plain PyTorch copy (bf16, its linear layers widened the same way)
-are trained side by side, step by step in turn (so each sees the same machine load), each
+``widened_linear``); all of them and a plain PyTorch copy in each run's compute dtype (bf16, its linear
+layers widened the same way; fp32 for the `device` preset, whose precision is fp32) are trained side by side, step by step in turn (so each sees the same machine load), each
 engine step timed from the forward to the end of its update (``opt.synchronize()``; ``dpu.overlap`` is
 off, since an update left running would overlap the next run's step, not its own model's forward: the
 model predicts the sequential schedule the run has). ``--schedule engine`` measures the presets as shipped
@@ -97,13 +97,25 @@ def _plain_step(plain, batch) -> float:
     return time.perf_counter() - start
 
 
+def _plain_model(shape, dtype: str):
+    """A plain PyTorch copy of the GPT in compute dtype ``dtype``, computing as the engine's runs do (linear
+    layers in a 2-byte dtype widened: ``precision.cpu_linear = "float32"``)."""
+    torch.manual_seed(0)
+    plain = GPT(shape, linear=widened_linear).to(getattr(torch, dtype))
+    widen_linears([plain])      # the engine's compute policy, in plain PyTorch
+    return plain
+
+
 def interleaved(runs, plain, shape, args):
     """Step by step, each run in turn, every step synchronized: each sees the same load (the plain compute
-    included). Returns each run's step times and the plain times beside them (the same list for all)."""
+    included). ``plain``: each run's plain model (one per compute dtype). Returns each run's step times and
+    the plain times beside them (one list per plain model)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
-    plains: list[float] = []
+    plains: dict[int, list[float]] = {id(m): [] for m in plain.values()}
+    models = {id(m): m for m in plain.values()}
     for batch in _batches(shape, args):
-        plains.append(_plain_step(plain, batch))
+        for key, model in models.items():
+            plains[key].append(_plain_step(model, batch))
         for preset, (model, opt, *_) in runs.items():
             start = time.perf_counter()
             model(batch[:, :-1], batch[:, 1:]).backward()
@@ -112,16 +124,18 @@ def interleaved(runs, plain, shape, args):
             opt.synchronize()
             times[preset].append(time.perf_counter() - start)
     return ({k: v[args.warmup:] for k, v in times.items()},
-            dict.fromkeys(runs, plains[args.warmup:]))
+            {k: plains[id(plain[k])][args.warmup:] for k in runs})
 
 
 def blocks(runs, plain, shape, args):
     """Each run alone, as the engine schedules it (an overlapped update beside the next forward): steps timed
     from one iteration's start to the next, the last up to the end of its update, between two blocks of
-    plain steps whose medians' mean is its compute."""
+    plain steps (of ``plain[preset]``) whose medians' mean is its compute."""
     times: dict[str, list[float]] = {}
     plains: dict[str, list[float]] = {}
+    reference = plain
     for preset, (model, opt, *_) in runs.items():
+        plain = reference[preset]
         before = [_plain_step(plain, b) for b in _batches(shape, args)][args.warmup:]
         starts = []
         for batch in _batches(shape, args):
@@ -155,9 +169,9 @@ def run(args, argv) -> dict:
         for i, preset in enumerate(args.presets.split(",")):   # each run its own swap directory
             os.makedirs(where := os.path.join(nvme_dir, f"{size}-{i}"), exist_ok=True)
             runs[preset] = build(preset, shape, meta, profile, args, where)
-        torch.manual_seed(0)
-        plain = GPT(shape, linear=widened_linear).to(torch.bfloat16)
-        widen_linears([plain])      # the engine's compute policy, in plain PyTorch
+        dtypes = {preset: run[4].precision.dtype for preset, run in runs.items()}
+        models = {dtype: _plain_model(shape, dtype) for dtype in sorted(set(dtypes.values()))}
+        plain = {preset: models[dtype] for preset, dtype in dtypes.items()}
         timed = interleaved if args.schedule == "sequential" else blocks
         times, plain_times = timed(runs, plain, shape, args)
         for preset, (model, opt, census, cfg, resolved) in runs.items():
@@ -179,6 +193,7 @@ def run(args, argv) -> dict:
                          "predicted_s": predicted.step_s, "measured_s": measured, "ratio": measured / predicted.step_s,
                          "paired_ratio": paired, "compute_s": compute_s, "governing": predicted.governing,
                          "schedule": predicted.schedule, "phases_s": predicted.phases, "steps_s": steps,
+                         "compute_dtype": dtypes[preset],
                          "plain_s": plains, "shares": {"device": t.optimizer_device_share, "host": t.optimizer_host_share},
                          "nvme_bytes_per_param": ledger.get("nvme_read", 0) + ledger.get("nvme_written", 0)})
             print(f"{size:>6} {preset:<18} {tiers[0]:>6}/{tiers[1]:<10} predicted {predicted.step_s:8.3f} s  "

@@ -23,10 +23,13 @@ def test_plan_vs_measured_smoke(tmp_path, monkeypatch, capsys):
                                "device_flops": 1e10, "host_adam_params_per_s": 1e8}))
     out = tmp_path / "out.json"
     result = _bench().main(["--sizes", "2e5", "--vocab", "256", "--seq", "16", "--batch", "1", "--steps", "2",
-                            "--warmup", "0", "--presets", "offload-host,auto", "--machine", str(box),
+                            "--warmup", "0", "--presets", "offload-host,auto,device", "--machine", str(box),
                             "--workdir", str(tmp_path), "--json", str(out)])
     rows = result["rows"]
-    assert [r["preset"] for r in rows] == ["offload-host", "auto"]
+    assert [r["preset"] for r in rows] == ["offload-host", "auto", "device"]
+    # Each run's compute term is a plain model in its own compute dtype: the device preset's is fp32.
+    assert [r["compute_dtype"] for r in rows] == ["bfloat16", "bfloat16", "float32"]
+    assert rows[0]["plain_s"] == rows[1]["plain_s"] != rows[2]["plain_s"]
     for row in rows:
         assert len(row["steps_s"]) == 2 and row["measured_s"] > 0 and row["compute_s"] > 0
         assert row["ratio"] == row["measured_s"] / row["predicted_s"] and row["paired_ratio"] > 0
