@@ -332,14 +332,14 @@ class _OffloadAdam(torch.optim.Optimizer):
         # update during backward) and not another's: the next forward agrees first, as after a step ([Note:
         # failing together] in infinity/runtime/ranks.py; a step sets it anyway, so no extra collective then).
         # Set before the backward is closed, which may fail on one rank alone: every rank's forward agrees, and
-        # refuses there while this rank's gradients, not cleared, would be trained on (the others' were).
+        # there finishes this clear, which the others did ([Note: a resumable end of backward]).
         engine = self.engine
         engine.agree_at_forward = True
         try:
             engine.recover_aborted_backward()
         except BaseException as exc:
             engine.clear_owed = (f"{self._name}.zero_grad() raised before it cleared this rank's gradients "
-                                 f"({exc!r}); call {self._name}.zero_grad() again")
+                                 f"({exc!r}); call {self._name}.zero_grad() again", set_to_none)
             raise
         if self._in_backward is not None:   # refuses before anything is dropped
             self._in_backward.reset(f"{self._name}.zero_grad()")

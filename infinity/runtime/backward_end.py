@@ -25,8 +25,11 @@ class BackwardEnd:
     ``step()`` and in the forward it runs inside their agreement ([Note: failing together] in
     infinity/runtime/ranks.py), so every rank raises; an ``opt.zero_grad()`` that fails there has left
     this rank's gradients uncleared where the others' are cleared, and owes the clear
-    (``Engine.clear_owed``): the next forward and step refuse, inside their agreement, until a
-    ``zero_grad()`` clears them, so no rank trains on gradients the others dropped.
+    (``Engine.clear_owed``): the next forward, which every rank's ``zero_grad()`` made agree first, runs
+    it inside the agreement (what every rank asked for), and a ``step()`` before refuses, so no rank
+    trains on gradients the others dropped. Where the retry that starts a new backward fails again, that
+    backward raises on this rank alone and the others wait in its collectives, as for any error raised
+    inside one rank's backward (an out-of-memory in the model's own backward: NCCL's timeout ends it).
     """
 
     def __init__(self) -> None:

@@ -122,9 +122,9 @@ class Engine:
             # Why the states are a mixture no step may train on, or None ([Note: a load is all or
             # nothing] in infinity/checkpoint/reader.py); check_intact refuses while it is set.
             self.damaged: str | None = None
-            # Why this rank's gradients must be cleared before a forward or a step trains on them, or None
-            # (an opt.zero_grad() that raised before it cleared them); check_intact(grads=True) refuses.
-            self.clear_owed: str | None = None
+            # An opt.zero_grad() that raised before it cleared this rank's gradients: (why, its set_to_none), or
+            # None. The next forward clears them; check_intact(grads=True) refuses a step before.
+            self.clear_owed: tuple[str, bool] | None = None
             self._foreign = ForeignParamWatch(self.coordinator.group_of, self.on_foreign_use)
             self._arrivals = GradArrivals(self)     # gradients of the groups armed for the coming backward
             several = self.ranks.world_size > 1     # [Note: handed over in order] in infinity/runtime/grads.py
@@ -230,8 +230,8 @@ class Engine:
         clear of the gradients is owed, saying how to recover."""
         if self.damaged:
             raise EngineError(f"{what}: refused because {self.damaged}")
-        if grads and self.clear_owed:
-            raise EngineError(f"{what}: refused because {self.clear_owed}")
+        if grads and self.clear_owed is not None:
+            raise EngineError(f"{what}: refused because {self.clear_owed[0]}")
 
     @property
     def backward_running(self) -> bool:
@@ -323,9 +323,12 @@ class Engine:
         # checks first ([Note: failing together] in infinity/runtime/ranks.py).
         agree = self.agree_at_forward and self.ranks.world_size > 1
         with self.ranks.together("the forward") if agree else contextlib.nullcontext():
-            # Closing a backward cut short may fail on one rank alone (its end's tier I/O): inside the agreement.
+            # Closing a backward cut short may fail on one rank alone (its end's tier I/O): inside the agreement,
+            # as is the clear every rank asked for and this one's zero_grad() did not finish.
             self.recover_aborted_backward()
-            self.check_intact("forward", grads=True)
+            if self.clear_owed is not None and self.optimizer is not None:
+                self.optimizer.zero_grad(self.clear_owed[1])
+            self.check_intact("forward")
             self.tiers.check()      # before the step's reads: [Note: checking a live swap file] in tiers/swapfile.py
             if self._updates is not None:
                 self._updates.before_forward()

@@ -223,7 +223,8 @@ def _end_fails_on_rank_zero(rank, world, workdir, scenario):
     and every rank steps (the gradients are whole); step 2: the ranks learn of it (an all-reduce of the user's),
     zero_grad() and redo the step. ``"again"``: four times at step 1, at the backward's end, then at the retries
     of rank 0's zero_grad() and of its next two forwards, which every rank calls; then every rank zero_grad()s
-    and redoes the step. ``"owed"``: twice, so the retry in the first forward succeeds. ``"twice"``: once at
+    and redoes the step. ``"owed"``: twice, then every rank goes on to the next step as if nothing had
+    failed (its forward, backward, step and zero_grad()), with the same batch. ``"twice"``: once at
     step 1, whose loss every rank then backpropagates a second time (``retain_graph``) and steps on, as torch's
     reference does. Returns the errors each rank saw, the final weights and their largest difference from
     plain torch."""
@@ -270,10 +271,10 @@ def _end_fails_on_rank_zero(rank, world, workdir, scenario):
             armed[0] = (4 if scenario == "again" else 2) if rank == 0 else 0
             noted(lambda: model(mine).backward(), OSError)
             noted(opt.zero_grad, OSError)       # rank 0 alone: its retry fails again
-            # again inside the forward's agreement, or it is closed there and the clear zero_grad() owes is refused
-            for _ in range(2 if scenario == "again" else 1):     # a forward that failed agrees again
-                noted(lambda: model(mine), OSError, EngineError, RanksFailedError)
-            opt.zero_grad()
+            if scenario == "again":    # and again in the forward's agreement; a forward that failed agrees again
+                for _ in range(2):
+                    noted(lambda: model(mine), OSError, EngineError, RanksFailedError)
+                opt.zero_grad()
         twice = scenario == "twice" and i == 1
         if twice:
             armed[0] = int(rank == 0)
@@ -333,15 +334,14 @@ def test_closing_a_backward_that_fails_again_on_one_rank_keeps_the_ranks_togethe
     assert max(error0, error1) <= 1e-6, (error0, error1)
 
 
-def test_a_zero_grad_that_failed_on_one_rank_is_owed_before_the_next_forward(tmp_path):
-    """Rank 0's zero_grad() fails to close its backward, so its gradients stay where rank 1's are dropped; the
-    forward's retry then closes it. Trained on, rank 0's old gradients would be reduced into the next step's:
-    the forward refuses on every rank, inside its agreement, until zero_grad() is called again."""
+def test_a_zero_grad_that_failed_on_one_rank_is_finished_by_the_next_forward(tmp_path):
+    """Rank 0's zero_grad() fails to close its backward, so its gradients stay where rank 1's are dropped, and
+    the loop goes on. Trained on, rank 0's old gradients would be reduced into the next step's (its weights
+    drift from torch's): the next forward, agreed on by every rank, finishes the clear first."""
     (said0, got0, error0), (said1, got1, error1) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "owed",
                                                               collective_timeout=60)
-    assert [s.split(":")[0] for s in said0] == ["OSError", "OSError", "EngineError"], said0
-    assert "refused because infinity.AdamW.zero_grad() raised before it cleared this rank's gradients" in said0[2], said0
-    assert len(said1) == 1 and said1[0].startswith("RanksFailedError: rank 1: rank(s) [0] failed in the forward"), said1
+    assert [s.split(":")[0] for s in said0] == ["OSError", "OSError"] and all("injected" in s for s in said0), said0
+    assert said1 == []
     assert all(torch.equal(got0[k], got1[k]) for k in got0)
     assert max(error0, error1) <= 1e-6, (error0, error1)
 
