@@ -332,7 +332,8 @@ class _OffloadAdam(torch.optim.Optimizer):
         # update during backward) and not another's: the next forward agrees first, as after a step ([Note:
         # failing together] in infinity/runtime/ranks.py; a step sets it anyway, so no extra collective then).
         # Set before the backward is closed, which may fail on one rank alone: every rank's forward agrees, and
-        # there finishes this clear, which the others did ([Note: a resumable end of backward]).
+        # there finishes this clear, which the others did ([Note: a resumable end of backward] in
+        # infinity/runtime/backward_end.py).
         engine = self.engine
         engine.agree_at_forward = True
         try:
