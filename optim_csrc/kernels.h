@@ -225,15 +225,47 @@ KERNEL_ATTR static void KERNEL(fp32_span)(const Job *j, int64_t len, float *rest
     }
 }
 
+/* The common case of a bf16 compute dtype, fused: AdamW (or no decay) with lerp's small-weight form, the
+ * gradient as bf16 words and no scale, the copy as bf16: the gradient widened as it is loaded and the new
+ * weights narrowed as they are stored, in the step's loop, where staging each chunk through a float
+ * buffer and an int buffer took two more loops over it. The same operations on the same values as
+ * fp32_span and to_bf16, so the same bits. */
+KERNEL_ATTR static void KERNEL(fp32_span_bf16)(const Job *j, int64_t len, float *restrict p,
+                                               const uint16_t *restrict g16, float *restrict m, float *restrict v,
+                                               uint16_t *restrict o) {
+    const float b1c = j->T.b1c, b2 = j->T.b2, b2c = j->T.b2c, eps = j->T.eps;
+    const float step_size = j->T.step_size, bc2_sqrt = j->T.bc2_sqrt;
+    const float d = j->decoupled ? j->T.decay : 1.0f;
+    for (int64_t t = 0; t < len; t++) {
+        float gi = as_float((int32_t)((uint32_t)g16[t] << 16)), pi = p[t] * d, mo = m[t];
+        float mi = fmaf(b1c, gi - mo, mo);
+        float vi = fmaf(b2c * gi, gi, v[t] * b2);
+        m[t] = mi;
+        v[t] = vi;
+        float pn = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+        p[t] = pn;
+        uint32_t u = (uint32_t)as_int(pn);
+        uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        o[t] = (uint16_t)((pn != pn) ? 0xFFFFu : r);
+    }
+}
+
 KERNEL_ATTR static void KERNEL(run_fp32)(const Job *j) {
     int64_t a = j->first_block * j->block, b = j->last_block * j->block;
     if (a < j->lo) a = j->lo;
     if (b > j->hi) b = j->hi;
     const float scale = j->T.scale;
+    /* fp32_span's second loop, with its inputs and outputs in bf16 */
+    const int fused = j->g16 != NULL && j->out16 != NULL && !j->T.has_scale && fabsf(j->T.b1c) < 0.5f &&
+                      (j->decoupled || j->wd == 0.0f);
     float gbuf[CHUNK];
     for (int64_t c0 = a; c0 < b; c0 += CHUNK) {
         int64_t len = b - c0 < CHUNK ? b - c0 : CHUNK;
         float *restrict p = j->p + c0;
+        if (fused) {
+            KERNEL(fp32_span_bf16)(j, len, p, j->g16 + c0, (float *)j->m + c0, (float *)j->v + c0, j->out16 + c0);
+            continue;
+        }
         const float *g = j->g + c0;
         if (j->g16 != NULL) {
             const uint16_t *restrict g16 = j->g16 + c0;

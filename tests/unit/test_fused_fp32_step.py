@@ -49,15 +49,47 @@ def test_the_c_pass_is_torchs_fused_kernel_bit_for_bit(decoupled, weight_decay, 
         assert torch.equal(out, p.bfloat16()), "the copy is round-to-nearest-even, as .to(torch.bfloat16)"
 
 
-def test_a_nan_weight_stays_nan_in_its_copy():
+@pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
+@pytest.mark.parametrize("g_bf16", [False, True])     # True: the fused bf16 loop (fp32_span_bf16 in kernels.h)
+def test_every_compiled_variant_is_torchs_kernel_bit_for_bit(isa, g_bf16):
+    """Each compiled copy of the pass (the portable C, AVX2, AVX-512: ``_qadam.isa``) gives torch's bits,
+    so that a run resumed on another machine continues as it would have."""
+    try:
+        moments._qadam.isa(isa)
+    except ValueError:
+        pytest.skip(f"{isa} is no instruction set here")
+    try:
+        n = 16 * 1000 + 16
+        p, g, m, v = _states(n, seed=5)
+        if g_bf16:
+            g = g.bfloat16().float()
+        ours = [t.clone() for t in (p, g, m, v)]
+        grad = ours[1].bfloat16() if g_bf16 else ours[1]
+        out = torch.zeros(n, dtype=torch.bfloat16)
+        for step in (1, 2):
+            torch._fused_adamw_([p], [g], [m], [v], [], [torch.full((), float(step))], lr=1e-3, beta1=0.9,
+                                beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
+                                grad_scale=None, found_inf=None)
+            moments.fused_fp32_step(n, ours[0].data_ptr(), grad.data_ptr(), g_bf16, ours[2].data_ptr(),
+                                    ours[3].data_ptr(), out.data_ptr(), step, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.0, True, 2)
+            assert torch.equal(ours[0], p) and torch.equal(ours[2], m) and torch.equal(ours[3], v), (isa, step)
+            assert torch.equal(out, p.bfloat16()), (isa, step)
+    finally:
+        moments._qadam.isa("auto")
+
+
+@pytest.mark.parametrize("g_bf16", [False, True])     # True: the fused bf16 loop (fp32_span_bf16 in kernels.h)
+def test_a_nan_weight_stays_nan_in_its_copy(g_bf16):
     n = 64
     p = torch.zeros(n)
     g = torch.zeros(n)
     g[:8] = float("nan")
     g[8:16] = float("inf")
+    if g_bf16:
+        g = g.bfloat16()
     m, v = torch.zeros(n), torch.zeros(n)
     out = torch.zeros(n, dtype=torch.bfloat16)
-    moments.fused_fp32_step(n, p.data_ptr(), g.data_ptr(), False, m.data_ptr(), v.data_ptr(), out.data_ptr(), 1,
+    moments.fused_fp32_step(n, p.data_ptr(), g.data_ptr(), g_bf16, m.data_ptr(), v.data_ptr(), out.data_ptr(), 1,
                             1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0, True, 1)
     assert p[:16].isnan().all() and out[:16].isnan().all()
     assert torch.equal(out[16:], p[16:].bfloat16())
