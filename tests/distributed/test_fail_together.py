@@ -15,6 +15,7 @@ import torch
 
 import infinity
 from infinity.runtime.ranks import RanksFailedError
+from tests.support.adapted import adapted
 from tests.support.ranks import run_ranks
 from tests.support.tiny_gpt import TinyGPT, batches
 
@@ -204,19 +205,6 @@ def test_a_relayout_that_fails_on_one_rank_stops_every_rank(tmp_path):
     assert said0.startswith("other: rank 0: another rank failed while"), said0
 
 
-class _Adapted(torch.nn.Module):
-    """A layer built in Init and an adapter added after it (``lora``: unmanaged, averaged over the ranks in one
-    all-reduce at the end of each backward: [Note: unmanaged parameters] in infinity/optim/unmanaged.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner, self.outer = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
-
-    def forward(self, x):
-        h = torch.tanh(self.inner(x))
-        return self.outer(h + self.lora(h)).pow(2).mean()
-
-
 def _end_fails_on_rank_zero(rank, world, workdir, scenario):
     """Four steps in which the release of the groups held for backward (``coordinator.end_backward``, after the
     end's collectives) fails on rank 0 with EIO. ``"carry on"``: once at steps 1 and 2; step 1: rank 0 catches it
@@ -232,18 +220,7 @@ def _end_fails_on_rank_zero(rank, world, workdir, scenario):
     from infinity.errors import EngineError
     from infinity.registry import engine_of
 
-    def adapter(net):
-        torch.manual_seed(1)
-        net.lora = torch.nn.Linear(8, 8)
-
-    torch.manual_seed(0)
-    ref = _Adapted()
-    adapter(ref)
-    torch.manual_seed(0)
-    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
-                        "precision": {"dtype": "float32"}}):
-        model = _Adapted()
-    adapter(model)
+    ref, model = adapted(engine=False), adapted(engine=True)
     engine = engine_of(model)
     opt = infinity.AdamW(model, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import infinity
+from tests.support.adapted import adapted
 from tests.support.ranks import run_ranks
 from tests.support.tiny_gpt import TinyGPT, batches
 
@@ -258,43 +259,16 @@ def test_an_argument_every_layer_shares_does_not_hold_the_layers_to_the_end(tmp_
             assert waiting <= 1, (stage, rank, waiting)
 
 
-class _Adapted(torch.nn.Module):
-    """Two layers built in Init; adapters added after it (peft's get_peft_model does so), one used only where
-    ``extra`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner, self.outer = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
-
-    def forward(self, x, extra: bool = False):
-        h = torch.tanh(self.inner(x))
-        h = h + self.lora(h)
-        if extra:
-            h = h + self.extra(h)
-        return self.outer(h).pow(2).mean()
-
-
 def _adapters_after_init(rank, world, workdir, clip_with):
     """Parameters added after Init are averaged over the ranks as DDP averages them ([Note: unmanaged
     parameters]): ``.grad`` after backward is the mean (torch's clip_grad_norm_ sees it; infinity's counts it
     once, not once per rank), one used on rank 0 only is averaged with zeros, a backward cut short by an error
     on every rank leaves the next one averaged; the base is the engine's as ever. Before, a world size above 1
     was refused."""
-    def adapters(net):
-        torch.manual_seed(1)
-        net.lora, net.extra = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
     def fail(grad):
         raise RuntimeError("a hook failed")
 
-    torch.manual_seed(0)
-    ref = _Adapted()
-    adapters(ref)
-    torch.manual_seed(0)
-    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
-                        "precision": {"dtype": "float32"}}):
-        model = _Adapted()
-    adapters(model)
+    ref, model = adapted(engine=False, extra=True), adapted(engine=True, extra=True)
     opt = infinity.AdamW(model, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     data = torch.randn(3, 4 * world, 8, generator=torch.Generator().manual_seed(2))

@@ -19,6 +19,7 @@ import infinity
 from infinity import registry
 from infinity.optim import delayed, flat_state
 from infinity.optim.background import UpdateWorkerError
+from tests.support.adapted import adapted
 from tests.support.tiny_gpt import TinyGPT, batches
 
 
@@ -348,29 +349,11 @@ def test_a_step_after_a_failed_hand_off_is_refused_until_zero_grad(tmp_path):
     infinity.release(model)
 
 
-class _Adapted(torch.nn.Module):
-    """A layer built in Init and an adapter added after it (``lora``: unmanaged, [Note: unmanaged parameters] in
-    infinity/optim/unmanaged.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner, self.outer = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
-
-    def forward(self, x):
-        h = torch.tanh(self.inner(x))
-        return self.outer(h + self.lora(h)).pow(2).mean()
-
-
 def _adapted_steps(fault: bool):
     """Two steps of a model with an adapter added after Init; with ``fault``, the release of the groups held for
     the second backward (``coordinator.end_backward``, after the end's collectives) fails once with EIO, and
     ``opt.step()`` goes on. Returns the weights, the error and the calls of each stage of that backward's end."""
-    torch.manual_seed(0)
-    with infinity.Init({"tiers": {"params": "host", "optimizer": "host", "device": "cpu"},
-                        "precision": {"dtype": "float32"}}):
-        model = _Adapted()
-    torch.manual_seed(1)
-    model.lora = torch.nn.Linear(8, 8)
+    model = adapted(engine=True)
     engine = registry.engine_of(model, "test")
     opt = infinity.AdamW(model, lr=1e-2)
     calls = {"finish_backward": 0, "unmanaged": 0, "coordinator": 0}
