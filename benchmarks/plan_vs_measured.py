@@ -4,8 +4,8 @@ For each size (a GPT of about that many parameters, ``shape_for_params``) and ea
 built under ``infinity.Init`` with the CPU as compute device (bf16 compute copies, linear layers widened
 to fp32: ``precision.cpu_linear = "float32"``, the rate the FLOP probe measures; the tied head through
 ``widened_linear``); all of them and a plain PyTorch copy in each run's compute dtype (bf16, its linear
-layers widened the same way; fp32 for the `device` preset, whose precision is fp32) are trained side by side, step by step in turn (so each sees the same machine load), each
-engine step timed from the forward to the end of its update (``opt.synchronize()``; ``dpu.overlap`` is
+layers widened the same way; fp32 for the `device` preset, whose precision is fp32) are trained side by
+side, step by step in turn (so each sees the same machine load), each engine step timed from the forward to the end of its update (``opt.synchronize()``; ``dpu.overlap`` is
 off, since an update left running would overlap the next run's step, not its own model's forward: the
 model predicts the sequential schedule the run has). ``--schedule engine`` measures the presets as shipped
 instead (the overlapped update where they use it), each run alone, timed from one iteration's start to the
@@ -106,16 +106,15 @@ def _plain_model(shape, dtype: str):
     return plain
 
 
-def interleaved(runs, plain, shape, args):
+def interleaved(runs, plain_of, shape, args):
     """Step by step, each run in turn, every step synchronized: each sees the same load (the plain compute
-    included). ``plain``: each run's plain model (one per compute dtype). Returns each run's step times and
-    the plain times beside them (one list per plain model)."""
+    included). ``plain_of``: each run's plain model (one per compute dtype, shared by the runs in it). Returns
+    each run's step times and the times of its plain model's steps beside them."""
     times: dict[str, list[float]] = {name: [] for name in runs}
-    plains: dict[int, list[float]] = {id(m): [] for m in plain.values()}
-    models = {id(m): m for m in plain.values()}
+    plains = {id(m): (m, []) for m in plain_of.values()}
     for batch in _batches(shape, args):
-        for key, model in models.items():
-            plains[key].append(_plain_step(model, batch))
+        for model, taken in plains.values():
+            taken.append(_plain_step(model, batch))
         for preset, (model, opt, *_) in runs.items():
             start = time.perf_counter()
             model(batch[:, :-1], batch[:, 1:]).backward()
@@ -124,18 +123,17 @@ def interleaved(runs, plain, shape, args):
             opt.synchronize()
             times[preset].append(time.perf_counter() - start)
     return ({k: v[args.warmup:] for k, v in times.items()},
-            {k: plains[id(plain[k])][args.warmup:] for k in runs})
+            {k: plains[id(plain_of[k])][1][args.warmup:] for k in runs})
 
 
-def blocks(runs, plain, shape, args):
+def blocks(runs, plain_of, shape, args):
     """Each run alone, as the engine schedules it (an overlapped update beside the next forward): steps timed
     from one iteration's start to the next, the last up to the end of its update, between two blocks of
-    plain steps (of ``plain[preset]``) whose medians' mean is its compute."""
+    plain steps (of its plain model, ``plain_of[preset]``) whose medians' mean is its compute."""
     times: dict[str, list[float]] = {}
     plains: dict[str, list[float]] = {}
-    reference = plain
     for preset, (model, opt, *_) in runs.items():
-        plain = reference[preset]
+        plain = plain_of[preset]
         before = [_plain_step(plain, b) for b in _batches(shape, args)][args.warmup:]
         starts = []
         for batch in _batches(shape, args):
@@ -171,9 +169,9 @@ def run(args, argv) -> dict:
             runs[preset] = build(preset, shape, meta, profile, args, where)
         dtypes = {preset: run[4].precision.dtype for preset, run in runs.items()}
         models = {dtype: _plain_model(shape, dtype) for dtype in sorted(set(dtypes.values()))}
-        plain = {preset: models[dtype] for preset, dtype in dtypes.items()}
+        plain_of = {preset: models[dtype] for preset, dtype in dtypes.items()}
         timed = interleaved if args.schedule == "sequential" else blocks
-        times, plain_times = timed(runs, plain, shape, args)
+        times, plain_times = timed(runs, plain_of, shape, args)
         for preset, (model, opt, census, cfg, resolved) in runs.items():
             plains = plain_times[preset]
             compute_s = statistics.median(plains) if args.compute == "measured" else 0.0
