@@ -9,11 +9,7 @@ KERNEL_ATTR static void KERNEL(to_bf16)(const float *restrict p, uint16_t *restr
     uint32_t obuf[CHUNK];
     for (int64_t c0 = 0; c0 < len; c0 += CHUNK) {
         int64_t n = len - c0 < CHUNK ? len - c0 : CHUNK;
-        for (int64_t t = 0; t < n; t++) {
-            uint32_t u = (uint32_t)as_int(p[c0 + t]);
-            uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-            obuf[t] = (p[c0 + t] != p[c0 + t]) ? 0xFFFFu : r;
-        }
+        for (int64_t t = 0; t < n; t++) obuf[t] = bf16_rne(p[c0 + t]);
         for (int64_t t = 0; t < n; t++) o[c0 + t] = (uint16_t)obuf[t];
     }
 }
@@ -244,9 +240,7 @@ KERNEL_ATTR static void KERNEL(fp32_span_bf16)(const Job *j, int64_t len, float 
         v[t] = vi;
         float pn = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
         p[t] = pn;
-        uint32_t u = (uint32_t)as_int(pn);
-        uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-        o[t] = (uint16_t)((pn != pn) ? 0xFFFFu : r);
+        o[t] = (uint16_t)bf16_rne(pn);
     }
 }
 

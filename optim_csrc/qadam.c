@@ -70,6 +70,11 @@ typedef struct {
 
 static inline __attribute__((always_inline)) float as_float(int32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline __attribute__((always_inline)) int32_t as_int(float f) { int32_t u; memcpy(&u, &f, 4); return u; }
+/* The bf16 word of x: round to nearest even; a NaN becomes 0xFFFF, a NaN, as torch's vector conversion makes it. */
+static inline __attribute__((always_inline)) uint32_t bf16_rne(float x) {
+    uint32_t u = (uint32_t)as_int(x);
+    return (x != x) ? 0xFFFFu : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
 
 static inline __attribute__((always_inline)) uint32_t mix(uint32_t h) {
     h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
