@@ -110,30 +110,6 @@ def triad_step(n: int):
     return (lambda: torch.add(b, c, alpha=3.0, out=a)), n
 
 
-def llc_nbytes() -> int:
-    """The last-level caches' bytes, all instances together (sysfs; 32 MiB where it says nothing)."""
-    root, seen = "/sys/devices/system/cpu", {}
-    try:
-        cpus = [d for d in os.listdir(root) if d.startswith("cpu") and d[3:].isdigit()]
-        for cpu in cpus:
-            base = f"{root}/{cpu}/cache"
-            for index in os.listdir(base) if os.path.isdir(base) else ():
-                def read(name: str) -> str:
-                    with open(f"{base}/{index}/{name}") as f:
-                        return f.read().strip()
-                if read("type") == "Instruction":
-                    continue
-                size = read("size")
-                nbytes = int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]] if size[-1] in "KM" else int(size)
-                seen[(int(read("level")), read("shared_cpu_list"))] = nbytes
-    except (OSError, ValueError, KeyError):
-        seen = {}
-    if not seen:
-        return 32 << 20
-    top = max(level for level, _ in seen)
-    return sum(nbytes for (level, _), nbytes in seen.items() if level == top)
-
-
 def stream_steps(numel: int):
     """STREAM's triad and copy in C over ``numel`` doubles an array, on the kernels' threads, or why not."""
     try:
@@ -294,6 +270,9 @@ def load_build(path: str):
     loader = importlib.machinery.ExtensionFileLoader("_qadam", path)
     module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("_qadam", path, loader=loader))
     loader.exec_module(module)
+    if hasattr(module, "stream_copies"):      # as infinity.optim.moments sets the build in use
+        from infinity.optim.moments import last_level_cache_nbytes
+        module.stream_copies(2 * last_level_cache_nbytes())
     return module
 
 
@@ -383,7 +362,9 @@ def main(argv=None) -> dict:
     skip = set(filter(None, args.skip.split(",")))
     before = load_build(args.before) if args.before else None
     sizes = [parse_count(s) for s in args.sizes.split(",")]
-    llc = llc_nbytes()
+    from infinity.optim.moments import last_level_cache_nbytes
+
+    llc = last_level_cache_nbytes()
     stream_numel = parse_count(args.stream_numel) or 4 * llc // 8
     results = {"settings": vars(args), "machine": {**machine(), "llc_bytes": llc}, "sizes": {}}
     with tempfile.TemporaryDirectory() as workdir:

@@ -2,15 +2,21 @@
  * KERNEL(name) and KERNEL_ATTR defined (see there). Plain C loops that gcc vectorizes; each but
  * bf16_span (which says why) mixes no byte or 16-bit stores with float arithmetic (those are widened
  * or narrowed in loops of their own), or gcc would vectorize at the narrow width. */
-/* bf16 words of p[0, len): round to nearest even; a NaN becomes 0xFFFF, a NaN, as torch's vector
+/* bf16 words of p[0, len) into o: round to nearest even; a NaN becomes 0xFFFF, a NaN, as torch's vector
  * conversion makes it. Through an int32 buffer: a loop that mixes float arithmetic with 16-bit
- * stores is vectorized at the narrow width. */
-KERNEL_ATTR static void KERNEL(to_bf16)(const float *restrict p, uint16_t *restrict o, int64_t len) {
+ * stores is vectorized at the narrow width. Past the caches when the job streams. */
+KERNEL_ATTR static void KERNEL(to_bf16)(const Job *j, const float *restrict p, uint16_t *restrict o, int64_t len) {
     uint32_t obuf[CHUNK];
+    uint16_t o16[CHUNK];
     for (int64_t c0 = 0; c0 < len; c0 += CHUNK) {
         int64_t n = len - c0 < CHUNK ? len - c0 : CHUNK;
         for (int64_t t = 0; t < n; t++) obuf[t] = bf16_rne(p[c0 + t]);
-        for (int64_t t = 0; t < n; t++) o[c0 + t] = (uint16_t)obuf[t];
+        if (!j->stream) {
+            for (int64_t t = 0; t < n; t++) o[c0 + t] = (uint16_t)obuf[t];
+            continue;
+        }
+        for (int64_t t = 0; t < n; t++) o16[t] = (uint16_t)obuf[t];
+        store_past_cache(o + c0, o16, (size_t)n * sizeof(uint16_t));
     }
 }
 
@@ -21,8 +27,8 @@ KERNEL_ATTR static void KERNEL(write_copies)(const Job *j, int64_t x, int64_t y,
     while (*cur < j->nsegs && j->segs[*cur].end <= x) (*cur)++;
     for (int s = *cur; s < j->nsegs && j->segs[s].start < y; s++) {
         int64_t a = j->segs[s].start > x ? j->segs[s].start : x, b = j->segs[s].end < y ? j->segs[s].end : y;
-        if (a < b && j->segs_fp32) memcpy(j->segs[s].out32 + (a - j->segs[s].start), j->p + a, (size_t)(b - a) * sizeof(float));
-        else if (a < b) KERNEL(to_bf16)(j->p + a, j->segs[s].out + (a - j->segs[s].start), b - a);
+        if (a < b && j->segs_fp32) put_copy(j, j->segs[s].out32 + (a - j->segs[s].start), j->p + a, (size_t)(b - a) * sizeof(float));
+        else if (a < b) KERNEL(to_bf16)(j, j->p + a, j->segs[s].out + (a - j->segs[s].start), b - a);
     }
 }
 
@@ -253,11 +259,14 @@ KERNEL_ATTR static void KERNEL(run_fp32)(const Job *j) {
     const int fused = j->g16 != NULL && j->out16 != NULL && !j->T.has_scale && fabsf(j->T.b1c) < 0.5f &&
                       (j->decoupled || j->wd == 0.0f);
     float gbuf[CHUNK];
+    uint16_t o16[CHUNK];    /* a streaming job's copy, in cache before it goes out */
     for (int64_t c0 = a; c0 < b; c0 += CHUNK) {
         int64_t len = b - c0 < CHUNK ? b - c0 : CHUNK;
         float *restrict p = j->p + c0;
         if (fused) {
-            KERNEL(fp32_span_bf16)(j, len, p, j->g16 + c0, (float *)j->m + c0, (float *)j->v + c0, j->out16 + c0);
+            uint16_t *o = j->stream ? o16 : j->out16 + c0;
+            KERNEL(fp32_span_bf16)(j, len, p, j->g16 + c0, (float *)j->m + c0, (float *)j->v + c0, o);
+            if (j->stream) store_past_cache(j->out16 + c0, o16, (size_t)len * sizeof(uint16_t));
             continue;
         }
         const float *g = j->g + c0;
@@ -272,7 +281,7 @@ KERNEL_ATTR static void KERNEL(run_fp32)(const Job *j) {
             g = gbuf;
         }
         KERNEL(fp32_span)(j, len, p, g, (float *)j->m + c0, (float *)j->v + c0);
-        if (j->out16 != NULL) KERNEL(to_bf16)(p, j->out16 + c0, len);
-        if (j->out32 != NULL) memcpy(j->out32 + c0, p, (size_t)len * sizeof(float));   /* still in cache */
+        if (j->out16 != NULL) KERNEL(to_bf16)(j, p, j->out16 + c0, len);
+        if (j->out32 != NULL) put_copy(j, j->out32 + c0, p, (size_t)len * sizeof(float));   /* p still in cache */
     }
 }

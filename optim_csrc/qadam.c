@@ -63,6 +63,7 @@ typedef struct {
     float *out32;
     const Seg *segs;
     int nsegs, segs_fp32;
+    int stream;           /* copies stored past the caches (see [Note: copies past the caches]) */
     struct { float b1c, b2, b2c, eps, decay, wd, step_size, bc2_sqrt, scale; int has_scale; } T;
     /* MODE_COPY, MODE_TRIAD: a = b, a = b + s c, over doubles */
     double *sa; const double *sb, *sc; double s;
@@ -119,6 +120,53 @@ static inline __attribute__((always_inline)) Hyper hyper_of(const Job *j) {
 }
 
 #define CHUNK 1024
+
+/* [Note: copies past the caches]
+ * A compute copy the pass writes (into the staging a device or NVMe copy is made from, or the parameters'
+ * shards in host memory) is not read again before the pass has gone through the rest of its call, so
+ * when the call's arrays are larger than the last-level caches, the copy's lines are gone from them when
+ * anything reads it (the DMA of a device copy reads memory anyway). Plain stores to such lines first read
+ * them from memory (write-allocate): 2 bytes a parameter more on the bus for a bf16 copy, 4 for an fp32
+ * one, on a pass that the bus bounds. Non-temporal stores write whole lines without that read. A call
+ * whose arrays fit in the caches keeps plain stores: there the copy would be read from the cache, and
+ * non-temporal stores took 1.3-2x the time of the pass at 1M parameters (2-core Zen VM, 32 MiB L3).
+ * Which calls stream is set from Python (stream_copies(), infinity/optim/moments.py: twice the last-level
+ * caches' bytes). Each worker fences its non-temporal stores (run) before its job counts as done. */
+static long long stream_min_bytes = 64LL << 20;     /* < 0: never */
+
+/* Whether a call over `elements`, moving `bytes_per_element` (its states, gradient and copy), with copies
+ * to write, stores them past the caches. */
+static int stream_call(long long elements, long long bytes_per_element, int has_copies) {
+    return has_copies && stream_min_bytes >= 0 && elements * bytes_per_element >= stream_min_bytes;
+}
+
+/* memcpy(dst, src, n) with the whole 64-byte lines of dst written by non-temporal stores (SSE2, every
+ * x86-64); the partial lines at either end by plain ones. memcpy elsewhere. */
+static inline void store_past_cache(void *dst, const void *src, size_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    char *d = (char *)dst;
+    const char *s = (const char *)src;
+    size_t head = (64 - ((uintptr_t)d & 63)) & 63;
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    size_t lines = n & ~(size_t)63;
+    for (size_t i = 0; i < lines; i += 64)
+        for (size_t k = 0; k < 64; k += 16)
+            _mm_stream_si128((__m128i *)(d + i + k), _mm_loadu_si128((const __m128i *)(s + i + k)));
+    memcpy(d + lines, s + lines, n - lines);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+/* A copy's bytes from src (in cache) into dst: past the caches when the job streams. */
+static inline void put_copy(const Job *j, void *dst, const void *src, size_t n) {
+    if (j->stream) store_past_cache(dst, src, n);
+    else memcpy(dst, src, n);
+}
 
 /* [Note: one kernel per instruction set] The loops are compiled three times: for AVX-512 with
  * 512-bit vectors (gcc prefers 256-bit ones unless told), for AVX2, and for any x86-64; the first the
@@ -639,7 +687,7 @@ static void run_stream(const Job *j) {
         for (int64_t i = a; i < b; i++) x[i] = y[i] + s * z[i];
 }
 
-static void run(const Job *j) {
+static void run_kernel(const Job *j) {
     if (j->mode == MODE_COPY || j->mode == MODE_TRIAD) {
         run_stream(j);
         return;
@@ -659,6 +707,15 @@ static void run(const Job *j) {
         if (j->mode == MODE_FP32) run_fp32_base(j); else if (j->mode == MODE_INT8) run_int8_base(j);
         else run_bf16_base(j);
     }
+}
+
+/* One worker's job; its non-temporal stores, if any, fenced before it counts as done (the caller reads
+ * or hands the copies to a DMA after the join). */
+static void run(const Job *j) {
+    run_kernel(j);
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (j->stream) _mm_sfence();
+#endif
 }
 
 /* [Note: the kernels' worker threads]
@@ -876,6 +933,9 @@ static PyObject *qadam_step(PyObject *self, PyObject *args) {
     base.segs_fp32 = outs_fp32;
     if (segs == NULL && PyErr_Occurred()) return NULL;
     base.segs = segs;
+    /* p and the moments (bf16: 2 + 2 bytes; int8: 1 + 1), the gradient, the copy */
+    base.stream = stream_call(hi - lo, 4 + (mode == MODE_INT8 ? 2 : 4) + (g_bf16 ? 2 : 4) + (outs_fp32 ? 4 : 2),
+                              base.nsegs > 0);
     run_threaded(&base, threads);
     PyMem_Free(segs);
     Py_RETURN_NONE;
@@ -918,6 +978,7 @@ static PyObject *qadam_step_fp32(PyObject *self, PyObject *args) {
     if (g_bf16) base.g16 = (const uint16_t *)(uintptr_t)g; else base.g = (const float *)(uintptr_t)g;
     base.m = (uint8_t *)(uintptr_t)m; base.v = (uint8_t *)(uintptr_t)v;
     if (out_fp32) base.out32 = (float *)(uintptr_t)out; else base.out16 = (uint16_t *)(uintptr_t)out;
+    base.stream = stream_call(hi - lo, 12 + (g_bf16 ? 2 : 4) + (out_fp32 ? 4 : 2), out != 0);
     double bc1 = 1.0 - pow(b1, (double)step), bc2 = 1.0 - pow(b2, (double)step);
     base.T.b1c = (float)(1.0 - b1);
     base.T.b2 = (float)b2;
@@ -1066,6 +1127,19 @@ static PyObject *qadam_isa(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(isa_names[isa_in_use()]);
 }
 
+/* stream_copies(nbytes=None): the least bytes a call moves for its copies to be stored past the caches
+ * (see [Note: copies past the caches]; < 0: never); with nbytes, set it. */
+static PyObject *qadam_stream_copies(PyObject *self, PyObject *args) {
+    PyObject *arg = Py_None;
+    if (!PyArg_ParseTuple(args, "|O", &arg)) return NULL;
+    if (arg != Py_None) {
+        long long nbytes = PyLong_AsLongLong(arg);
+        if (nbytes == -1 && PyErr_Occurred()) return NULL;
+        stream_min_bytes = nbytes;
+    }
+    return PyLong_FromLongLong(stream_min_bytes);
+}
+
 /* workers(name=None): what runs a call's threads ("openmp": the calling thread's OpenMP team; "threads":
  * threads the call starts and joins); with a name, use that from now on ("openmp" only where a runtime
  * was found). For tests. */
@@ -1093,6 +1167,9 @@ static PyMethodDef methods[] = {
     {"workers", qadam_workers, METH_VARARGS,
      "workers(name=None): what runs a call's threads (openmp: the calling thread's OpenMP team; threads: "
      "threads the call starts and joins); with a name, use it (tests)"},
+    {"stream_copies", qadam_stream_copies, METH_VARARGS,
+     "stream_copies(nbytes=None): the least bytes a call moves (states, gradient, copy) for its copies to be "
+     "written by non-temporal stores; with nbytes (< 0: never), set it"},
     {"step", qadam_step, METH_VARARGS,
      "step(mode, n, lo, hi, block, p, g, m, v, m_scales, v_scales, step, lr, beta1, beta2, eps, weight_decay, "
      "grad_mul, decoupled, seed, threads, g_bf16=False, outs=None, outs_fp32=False): Adam over elements [lo, hi) "

@@ -10,6 +10,7 @@ import torch
 from infinity.optim import moments
 from infinity.optim.moments import AdamHyper, MomentFormat, MomentStep
 from tests.support.gpt_runs import trained
+from tests.support.kernels import HOW, copies_stored
 
 pytestmark = pytest.mark.skipif(not moments.copies_native(), reason="the C kernel is not built")
 
@@ -31,7 +32,10 @@ def _run(fmt: MomentFormat, native: bool, with_copies: bool, n: int, calls: list
     g = (torch.randn(n, generator=gen) * 1e-2).bfloat16()
     m = torch.zeros(fmt.nbytes(n), dtype=torch.uint8)
     v = torch.zeros(fmt.nbytes(n), dtype=torch.uint8)
-    outs = {seg: torch.full((seg[1] - seg[0],), 7.0, dtype=copy_dtype) for seg in segments}
+    # each copy an element into a buffer of its own, one element beside it at either end (not a cache
+    # line's address: the kernel's stores past the caches write partial lines apart)
+    padded = {seg: torch.full((seg[1] - seg[0] + 2,), 7.0, dtype=copy_dtype) for seg in segments}
+    outs = {seg: buf[1:-1] for seg, buf in padded.items()}
     step = MomentStep(fmt, use_native=native)
     for k in range(1, 4):
         for lo, hi in calls:
@@ -42,13 +46,16 @@ def _run(fmt: MomentFormat, native: bool, with_copies: bool, n: int, calls: list
                 step(p, g.float(), m, v, lo, hi, _hyper(k, decoupled=k != 2), 11 * k)
                 for a, b, out in mine:
                     out.copy_(p[a:b])
+    assert all(buf[0] == 7 and buf[-1] == 7 for buf in padded.values()), "a copy wrote beside its elements"
     return p, m, v, [outs[seg] for seg in segments]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.dtype}-{f.block_size}")
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_kernel_reads_bf16_gradients_and_writes_the_copies_it_steps(fmt, threads):
-    # Calls that cut blocks, segments that cut blocks and calls, elements never stepped.
+@pytest.mark.parametrize("stored", HOW)
+def test_the_kernel_reads_bf16_gradients_and_writes_the_copies_it_steps(fmt, threads, stored):
+    # Calls that cut blocks, segments that cut blocks and calls, elements never stepped; the copies
+    # stored in the cache or past it.
     n = 70_000
     calls = [(50, 33_333), (33_333, 69_990)]
     segments = [(60, 61), (100, 900), (900, 1_000), (3_000, 33_333), (33_333, 33_400), (40_001, 69_990)]
@@ -56,7 +63,8 @@ def test_the_kernel_reads_bf16_gradients_and_writes_the_copies_it_steps(fmt, thr
     torch.set_num_threads(threads)
     try:
         widened = _run(fmt, True, False, n, calls, segments)
-        fused = _run(fmt, True, True, n, calls, segments)
+        with copies_stored(stored):
+            fused = _run(fmt, True, True, n, calls, segments)
         twin = _run(fmt, False, True, n, calls, segments)
     finally:
         torch.set_num_threads(before)
@@ -175,16 +183,18 @@ def test_every_compiled_variant_gives_the_same_bits(isa, fmt, with_copies):
 
 @pytest.mark.skipif(not moments.copies_fp32_native(), reason="this build of the C kernel writes no fp32 copies")
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.dtype}-{f.block_size}")
-def test_the_kernel_writes_fp32_copies_of_the_weights_it_steps(isa, fmt):
+@pytest.mark.parametrize("stored", HOW)
+def test_the_kernel_writes_fp32_copies_of_the_weights_it_steps(isa, fmt, stored):
     # fp32 compute with the parameters in host memory: the copies are the new masters themselves, bit for
-    # bit, on every compiled variant, and the step is the one without copies.
+    # bit, on every compiled variant, stored in the cache or past it, and the step is the one without copies.
     n = 70_000
     calls = [(50, 33_333), (33_333, 69_990)]
     segments = [(60, 61), (100, 900), (900, 1_000), (3_000, 33_333), (33_333, 33_400), (40_001, 69_990)]
     for name in ["base", *_variants()]:
         isa(name)
         plain = _run(fmt, True, False, n, calls, segments, torch.float32)
-        fused = _run(fmt, True, True, n, calls, segments, torch.float32)
+        with copies_stored(stored):
+            fused = _run(fmt, True, True, n, calls, segments, torch.float32)
         assert all(torch.equal(a, b) for a, b in zip(plain[:3], fused[:3])), name
         for (a, b), copy in zip(segments, fused[3]):
             assert torch.equal(copy.view(torch.int32), fused[0][a:b].view(torch.int32)), name

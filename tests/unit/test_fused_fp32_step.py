@@ -9,6 +9,7 @@ import torch
 from infinity.optim import moments
 from infinity.optim.update import UpdatePass
 from tests.support.gpt_runs import trained
+from tests.support.kernels import HOW, copies_stored
 
 pytestmark = pytest.mark.skipif(not moments.fused_native(), reason="the C kernel is not built")
 
@@ -51,9 +52,12 @@ def test_the_c_pass_is_torchs_fused_kernel_bit_for_bit(decoupled, weight_decay, 
 
 @pytest.mark.parametrize("isa", ["base", "avx2", "avx512"])
 @pytest.mark.parametrize("g_bf16", [False, True])     # True: the fused bf16 loop (fp32_span_bf16 in kernels.h)
-def test_every_compiled_variant_is_torchs_kernel_bit_for_bit(isa, g_bf16):
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("stored", HOW)
+def test_every_compiled_variant_is_torchs_kernel_bit_for_bit(isa, g_bf16, copy_dtype, stored):
     """Each compiled copy of the pass (the portable C, AVX2, AVX-512: ``_qadam.isa``) gives torch's bits,
-    so that a run resumed on another machine continues as it would have."""
+    so that a run resumed on another machine continues as it would have; the copy stored in the cache or
+    past it, at an address that is not a cache line's, nothing written beside it."""
     try:
         moments._qadam.isa(isa)
     except ValueError:
@@ -65,15 +69,19 @@ def test_every_compiled_variant_is_torchs_kernel_bit_for_bit(isa, g_bf16):
             g = g.bfloat16().float()
         ours = [t.clone() for t in (p, g, m, v)]
         grad = ours[1].bfloat16() if g_bf16 else ours[1]
-        out = torch.zeros(n, dtype=torch.bfloat16)
+        padded = torch.full((n + 4,), 7.0, dtype=copy_dtype)
+        out = padded[3:3 + n]       # 6 or 12 bytes into a line, ending inside one
         for step in (1, 2):
             torch._fused_adamw_([p], [g], [m], [v], [], [torch.full((), float(step))], lr=1e-3, beta1=0.9,
                                 beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
                                 grad_scale=None, found_inf=None)
-            moments.fused_fp32_step(n, ours[0].data_ptr(), grad.data_ptr(), g_bf16, ours[2].data_ptr(),
-                                    ours[3].data_ptr(), out.data_ptr(), step, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.0, True, 2)
+            with copies_stored(stored):
+                moments.fused_fp32_step(n, ours[0].data_ptr(), grad.data_ptr(), g_bf16, ours[2].data_ptr(),
+                                        ours[3].data_ptr(), out.data_ptr(), step, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.0,
+                                        True, 2, out_fp32=copy_dtype == torch.float32)
             assert torch.equal(ours[0], p) and torch.equal(ours[2], m) and torch.equal(ours[3], v), (isa, step)
-            assert torch.equal(out, p.bfloat16()), (isa, step)
+            assert torch.equal(out, p.to(copy_dtype)), (isa, step)
+            assert padded[:3].eq(7).all() and padded[-1] == 7, "only the copy's own elements are written"
     finally:
         moments._qadam.isa("auto")
 
@@ -133,3 +141,25 @@ def test_an_engine_stepping_with_the_c_pass_trains_exactly_as_with_torchs_kernel
     assert fused[2] > 0 and plain[2] == 0, "the first run steps with the C pass, the second without"
     assert fused[0] == plain[0]
     assert all(torch.equal(a, b) for a, b in zip(fused[1], plain[1]))
+
+
+@pytest.mark.parametrize("preset, sections", [
+    ("offload-optimizer", {"dpu": {"overlap": False}}),     # bf16 copies into the staging
+    ("offload-host", {"precision": {"dtype": "float32"}}),  # fp32 copies into the host shards
+    ("nvme", {}),                                           # bf16 copies staged for NVMe, overlapped
+])
+def test_copies_stored_past_the_caches_train_exactly_as_cached_ones(tmp_path, monkeypatch, preset, sections):
+    """The stores a large call makes ([Note: copies past the caches] in optim_csrc/qadam.c), here on the
+    tiny GPT's small calls: the same losses and weights as torch's kernel and a conversion."""
+    with copies_stored("streamed"):
+        streamed = _train(tmp_path, monkeypatch, preset, True, sections)
+    plain = _train(tmp_path, monkeypatch, preset, False, sections)
+    assert streamed[2] > 0 and plain[2] == 0
+    assert streamed[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(streamed[1], plain[1]))
+
+
+def test_calls_larger_than_twice_the_caches_store_their_copies_past_them():
+    if not hasattr(moments._qadam, "stream_copies"):
+        pytest.skip("this build of the C kernel has no stores past the caches")
+    assert moments._qadam.stream_copies() == 2 * moments.last_level_cache_nbytes() > 0
