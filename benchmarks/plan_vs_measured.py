@@ -18,7 +18,10 @@ probed matmul rate (``--compute flops``). Beside the ratio of medians, each step
 made from the plain step measured beside it, and the median of those is reported ([Note: paired ratios] in
 benchmarks/prefetch.py). The profile is this
 machine's, probed once and cached ([Note: machine probes] in infinity/plan/probes.py), or ``--machine``;
-the disk rates come from ``--bench-json`` (``infinity-bench nvme --json``). ``auto`` is resolved by
+the disk rates come from ``--bench-json`` (``infinity-bench nvme --json``). With ``--disk-beside`` the disk is
+measured again just before and just after each run that uses it (the whole side-by-side block of a size,
+sequentially; each run, as shipped) and that run is predicted with the mean of the two: the disk swings
+30-50% from minute to minute, and a rate read minutes before says little about a 2-second run. ``auto`` is resolved by
 ``Init("auto", model=census, machine=profile)`` as a user would. A preset may carry keys after a colon,
 bare ones of ``tiers``, others as ``section.key``: ``nvme:params=host+optimizer_host_share=0.5`` (the optimizer
 states split over tiers, [Note: optimizer states over tiers] in infinity/optim/tier_split.py), with
@@ -31,7 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import dataclasses
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +48,7 @@ from infinity.config import load_config
 from infinity.examples.gpt import GPT, shape_for_params
 from infinity.examples.train_gpt import machine, provenance
 from infinity.plan import plan
+from infinity.plan.bandwidth import Bandwidth
 from infinity.plan.census import take_census
 from infinity.plan.machine import MachineProfile, Workload
 from infinity.plan.units import parse_count
@@ -82,6 +88,33 @@ def build(preset: str, shape, meta, profile, args, nvme_dir: str):
     with infinity.Init(cfg, model=census, machine=profile) as init:
         model = GPT(shape, linear=widened_linear)
     return model, infinity.AdamW(model, lr=1e-4), census, cfg, init.config
+
+
+def disk_now(path: str, size: str = "256MiB") -> Bandwidth:
+    """The disk's read and write rates at ``path`` measured now: ``infinity-bench nvme`` over ``size`` with the
+    settings the runs' NVMe tier uses here (8 MiB blocks, 4 threads), about 4 s."""
+    with tempfile.TemporaryDirectory(dir=path) as where:
+        out = os.path.join(where, "disk.json")
+        subprocess.run([sys.executable, "-c", "import sys; from infinity.cli.bench import main; sys.exit(main())",
+                        "nvme", "--path", where, "--size", size, "--block-sizes", "8MiB", "--queue-depths", "32",
+                        "--threads", "4", "--engines", "threads", "--repeats", "2", "--no-baselines",
+                        "--no-progress", "--json", out], check=True, stdout=subprocess.DEVNULL)
+        return Bandwidth.from_bench_json(out)
+
+
+def disk_beside(profile: MachineProfile, path: str, measure):
+    """``measure()``'s result, and ``profile`` with the disk rates measured just before and after it (their
+    means) and the two readings."""
+    before = disk_now(path)
+    result = measure()
+    after = disk_now(path)
+    read, write = (before.read_gbps + after.read_gbps) / 2, (before.write_gbps + after.write_gbps) / 2
+    readings = {"read_gbps": [before.read_gbps, after.read_gbps], "write_gbps": [before.write_gbps, after.write_gbps]}
+    return result, dataclasses.replace(profile, disk_read_gbps=read, disk_write_gbps=write), readings
+
+
+def _uses_disk(resolved) -> bool:
+    return "nvme" in (resolved.tiers.params, resolved.tiers.optimizer)
 
 
 def _batches(shape, args):
@@ -170,12 +203,31 @@ def run(args, argv) -> dict:
         dtypes = {preset: run[4].precision.dtype for preset, run in runs.items()}
         models = {dtype: _plain_model(shape, dtype) for dtype in sorted(set(dtypes.values()))}
         plain_of = {preset: models[dtype] for preset, dtype in dtypes.items()}
-        timed = interleaved if args.schedule == "sequential" else blocks
-        times, plain_times = timed(runs, plain_of, shape, args)
+        # each run's profile and disk readings: the disk measured beside it with --disk-beside
+        profiles, disks = {preset: profile for preset in runs}, {preset: None for preset in runs}
+        beside = [p for p, r in runs.items() if args.disk_beside and _uses_disk(r[4])]
+        if args.schedule == "sequential":
+            if beside:
+                (times, plain_times), near, readings = disk_beside(profile, nvme_dir,
+                                                                   lambda: interleaved(runs, plain_of, shape, args))
+                profiles.update(dict.fromkeys(beside, near))
+                disks.update(dict.fromkeys(beside, readings))
+            else:
+                times, plain_times = interleaved(runs, plain_of, shape, args)
+        else:
+            times, plain_times = {}, {}
+            for preset in runs:
+                alone = lambda: blocks({preset: runs[preset]}, plain_of, shape, args)   # noqa: E731
+                if preset in beside:
+                    (t, pt), profiles[preset], disks[preset] = disk_beside(profile, nvme_dir, alone)
+                else:
+                    t, pt = alone()
+                times.update(t)
+                plain_times.update(pt)
         for preset, (model, opt, census, cfg, resolved) in runs.items():
             plains = plain_times[preset]
             compute_s = statistics.median(plains) if args.compute == "measured" else 0.0
-            predict = lambda compute: plan(census, cfg, machine=profile, check_fit=False,   # noqa: E731
+            predict = lambda compute: plan(census, cfg, machine=profiles[preset], check_fit=False,  # noqa: E731
                                            workload=Workload(tokens=args.batch * args.seq, compute_s=compute)).prediction
             predicted = predict(compute_s)
             steps = times[preset]
@@ -191,12 +243,14 @@ def run(args, argv) -> dict:
                          "predicted_s": predicted.step_s, "measured_s": measured, "ratio": measured / predicted.step_s,
                          "paired_ratio": paired, "compute_s": compute_s, "governing": predicted.governing,
                          "schedule": predicted.schedule, "phases_s": predicted.phases, "steps_s": steps,
-                         "compute_dtype": dtypes[preset],
+                         "compute_dtype": dtypes[preset], "disk_beside": disks[preset],
                          "plain_s": plains, "shares": {"device": t.optimizer_device_share, "host": t.optimizer_host_share},
                          "nvme_bytes_per_param": ledger.get("nvme_read", 0) + ledger.get("nvme_written", 0)})
             print(f"{size:>6} {preset:<18} {tiers[0]:>6}/{tiers[1]:<10} predicted {predicted.step_s:8.3f} s  "
                   f"measured {measured:8.3f} s  ratio {rows[-1]['ratio']:5.2f}  paired {paired:5.2f}  "
-                  f"({predicted.governing}; compute {compute_s:.3f} s)", flush=True)
+                  f"({predicted.governing}; compute {compute_s:.3f} s"
+                  + (f"; disk read {profiles[preset].disk_read_gbps:.2f}, write {profiles[preset].disk_write_gbps:.2f}"
+                     " GB/s beside" if disks[preset] else "") + ")", flush=True)
             infinity.release(model)
     return {"provenance": {**provenance("benchmarks/plan_vs_measured.py", argv, measured_on := machine()),
                            "load_average": measured_on["load_average"]}, "settings": vars(args), "profile": profile.to_dict(), "rows": rows}
@@ -221,6 +275,9 @@ def main(argv=None) -> dict:
                          "alone between two blocks of plain steps")
     ap.add_argument("--machine", help="a machine profile file (default: this machine, probed and cached)")
     ap.add_argument("--bench-json", help="an infinity-bench nvme --json result for the disk rates")
+    ap.add_argument("--disk-beside", action="store_true",
+                    help="measure the disk just before and after each run that uses it (sequential: the side-by-side "
+                         "block) and predict the run with those rates (about 8 s a run)")
     ap.add_argument("--workdir", help="directory for the NVMe files (default: a temporary one)")
     ap.add_argument("--json", help="write the settings, the profile and every sample here")
     argv = sys.argv[1:] if argv is None else argv

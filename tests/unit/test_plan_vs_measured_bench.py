@@ -51,3 +51,23 @@ def test_plan_vs_measured_engine_schedule_smoke(tmp_path, monkeypatch):
     (row,) = result["rows"]
     assert len(row["steps_s"]) == 2 and len(row["plain_s"]) == 2 and row["paired_ratio"] == row["ratio"]
     assert row["predicted_s"] >= row["compute_s"] > 0
+
+
+def test_disk_beside_predicts_each_nvme_run_with_the_disk_measured_around_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINITY_DEVICE", "cpu")
+    bench = _bench()
+    measured = bench.disk_now(str(tmp_path), size="16MiB")     # infinity-bench itself, on a small file
+    assert measured.read_gbps > 0 and measured.write_gbps > 0
+    readings = iter([(1.0, 2.0), (3.0, 4.0)])
+    monkeypatch.setattr(bench, "disk_now", lambda path: bench.Bandwidth(*next(readings), source="test"))
+    box = tmp_path / "box.json"
+    box.write_text(json.dumps({"name": "test box", "device_bytes": 0, "host_bytes": 4 * 2**30, "unified": True,
+                               "nvme_bytes": 1e12, "disk_read_gbps": 0.001, "disk_write_gbps": 0.001}))
+    result = bench.main(["--sizes", "2e5", "--vocab", "256", "--seq", "16", "--batch", "1", "--steps", "2",
+                         "--warmup", "1", "--presets", "offload-host,nvme", "--schedule", "engine", "--disk-beside",
+                         "--machine", str(box), "--workdir", str(tmp_path)])
+    host, nvme = result["rows"]
+    assert host["disk_beside"] is None, "a run without NVMe is predicted with the profile's disk"
+    assert nvme["disk_beside"] == {"read_gbps": [1.0, 3.0], "write_gbps": [2.0, 4.0]}
+    # at 1 MB/s the profile's disk would make the step seconds long; the readings beside it make it short
+    assert nvme["predicted_s"] < 1.0 and next(readings, None) is None
