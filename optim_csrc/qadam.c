@@ -131,8 +131,12 @@ static inline __attribute__((always_inline)) Hyper hyper_of(const Job *j) {
  * whose arrays fit in the caches keeps plain stores: there the copy would be read from the cache, and
  * non-temporal stores took 1.3-2x the time of the pass at 1M parameters (2-core Zen VM, 32 MiB L3).
  * Which calls stream is set from Python (stream_copies(), infinity/optim/moments.py: twice the last-level
- * caches' bytes). Each worker fences its non-temporal stores (run) before its job counts as done. */
+ * caches the process may run on), against an estimate of the call's arrays (its elements times the bytes of
+ * their states, gradient and copy). Each worker fences its non-temporal stores (run) before its job counts
+ * as done. The copies the hand-written int8 blocks store from registers (update_8, encode_plain_16,
+ * encode_any_avx2) stay plain stores: those blocks are bound by the cores, not the bus. */
 static long long stream_min_bytes = 64LL << 20;     /* < 0: never */
+static long long streamed_calls = 0;                /* calls that streamed, for tests (under the GIL) */
 
 /* Whether a call over `elements`, moving `bytes_per_element` (its states, gradient and copy), with copies
  * to write, stores them past the caches. */
@@ -936,6 +940,7 @@ static PyObject *qadam_step(PyObject *self, PyObject *args) {
     /* p and the moments (bf16: 2 + 2 bytes; int8: 1 + 1), the gradient, the copy */
     base.stream = stream_call(hi - lo, 4 + (mode == MODE_INT8 ? 2 : 4) + (g_bf16 ? 2 : 4) + (outs_fp32 ? 4 : 2),
                               base.nsegs > 0);
+    streamed_calls += base.stream;
     run_threaded(&base, threads);
     PyMem_Free(segs);
     Py_RETURN_NONE;
@@ -998,6 +1003,7 @@ static PyObject *qadam_step_fp32(PyObject *self, PyObject *args) {
         check_span(fn, "m", m, lo, hi, 4, 1) < 0 || check_span(fn, "v", v, lo, hi, 4, 1) < 0 ||
         (out != 0 && check_span(fn, "out", out, lo, hi, out_fp32 ? 4 : 2, 1) < 0))
         return NULL;
+    streamed_calls += base.stream;
     run_threaded(&base, threads);
     Py_RETURN_NONE;
 }
@@ -1129,6 +1135,12 @@ static PyObject *qadam_isa(PyObject *self, PyObject *args) {
 
 /* stream_copies(nbytes=None): the least bytes a call moves for its copies to be stored past the caches
  * (see [Note: copies past the caches]; < 0: never); with nbytes, set it. */
+/* streamed_calls() -> count: the calls of step and step_fp32 so far that stored their copies past the
+ * caches (tests). */
+static PyObject *qadam_streamed_calls(PyObject *self, PyObject *args) {
+    return PyLong_FromLongLong(streamed_calls);
+}
+
 static PyObject *qadam_stream_copies(PyObject *self, PyObject *args) {
     PyObject *arg = Py_None;
     if (!PyArg_ParseTuple(args, "|O", &arg)) return NULL;
@@ -1170,6 +1182,8 @@ static PyMethodDef methods[] = {
     {"stream_copies", qadam_stream_copies, METH_VARARGS,
      "stream_copies(nbytes=None): the least bytes a call moves (states, gradient, copy) for its copies to be "
      "written by non-temporal stores; with nbytes (< 0: never), set it"},
+    {"streamed_calls", qadam_streamed_calls, METH_NOARGS,
+     "streamed_calls() -> count: the calls so far that stored their copies past the caches (tests)"},
     {"step", qadam_step, METH_VARARGS,
      "step(mode, n, lo, hi, block, p, g, m, v, m_scales, v_scales, step, lr, beta1, beta2, eps, weight_decay, "
      "grad_mul, decoupled, seed, threads, g_bf16=False, outs=None, outs_fp32=False): Adam over elements [lo, hi) "

@@ -79,10 +79,13 @@ _MASK32 = 0xFFFFFFFF
 
 
 def last_level_cache_nbytes() -> int:
-    """The last-level caches' bytes, every instance together (sysfs; 32 MiB where it says nothing)."""
+    """The bytes of the last-level caches of the CPUs this process may run on, every instance together
+    (sysfs; 32 MiB where it says nothing)."""
     root, seen = "/sys/devices/system/cpu", {}
     try:
-        for cpu in (d for d in os.listdir(root) if d.startswith("cpu") and d[3:].isdigit()):
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [
+            int(d[3:]) for d in os.listdir(root) if d.startswith("cpu") and d[3:].isdigit()]
+        for cpu in (f"cpu{i}" for i in cpus):
             base = f"{root}/{cpu}/cache"
             for index in os.listdir(base) if os.path.isdir(base) else ():
                 def read(name: str) -> str:
@@ -93,7 +96,7 @@ def last_level_cache_nbytes() -> int:
                 size = read("size")
                 nbytes = int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]] if size[-1] in "KM" else int(size)
                 seen[(int(read("level")), read("shared_cpu_list"))] = nbytes
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, IndexError):
         seen = {}
     if not seen:
         return 32 << 20

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
+
 from infinity.optim import moments
 
 HOW = ("cached", "streamed")
@@ -15,6 +17,8 @@ def copies_stored(how: str):
     """Every call of the C kernels inside stores its copies ``how`` (see the module docstring)."""
     qadam = moments._qadam
     if qadam is None or not hasattr(qadam, "stream_copies"):
+        if how == "streamed":
+            pytest.skip("this build of the C kernel stores no copies past the caches")
         yield
         return
     saved = qadam.stream_copies()

@@ -160,6 +160,51 @@ def test_copies_stored_past_the_caches_train_exactly_as_cached_ones(tmp_path, mo
 
 
 def test_calls_larger_than_twice_the_caches_store_their_copies_past_them():
-    if not hasattr(moments._qadam, "stream_copies"):
+    qadam = moments._qadam
+    if not hasattr(qadam, "stream_copies"):
         pytest.skip("this build of the C kernel has no stores past the caches")
-    assert moments._qadam.stream_copies() == 2 * moments.last_level_cache_nbytes() > 0
+    assert qadam.stream_copies() == 2 * moments.last_level_cache_nbytes() > 0
+    saved = qadam.stream_copies()
+
+    def streams(call, n: int) -> bool:
+        before = qadam.streamed_calls()
+        call(n)
+        return qadam.streamed_calls() - before == 1
+
+    def fused(g_dtype, copy_dtype):
+        def call(n):
+            p, g, m, v = _states(n, seed=1)
+            grad = g.to(g_dtype)
+            out = None if copy_dtype is None else torch.empty(n, dtype=copy_dtype)
+            moments.fused_fp32_step(n, p.data_ptr(), grad.data_ptr(), g_dtype == torch.bfloat16, m.data_ptr(),
+                                    v.data_ptr(), 0 if out is None else out.data_ptr(), 1, 1e-3, 0.9, 0.999, 1e-8,
+                                    0.0, 0.0, True, 1, out_fp32=copy_dtype == torch.float32)
+        return call
+
+    def compressed(fmt, copy_dtype):
+        def call(n):
+            p, g, _, _ = _states(n, seed=1)
+            m, v = (torch.zeros(fmt.nbytes(n), dtype=torch.uint8) for _ in range(2))
+            outs = [] if copy_dtype is None else [(0, n, torch.empty(n, dtype=copy_dtype))]
+            hyper = moments.AdamHyper(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                                      decoupled=True, grad_mul=1.0)
+            moments.MomentStep(fmt, use_native=True)(p, g.bfloat16(), m, v, 0, n, hyper, 1, outs)
+        return call
+
+    # each entry point's bytes an element: the states, the gradient, the copy (none: nothing to stream)
+    cases = [(fused(torch.bfloat16, torch.bfloat16), 12 + 2 + 2), (fused(torch.float32, torch.float32), 12 + 4 + 4),
+             (compressed(moments.MomentFormat("bf16"), torch.bfloat16), 4 + 4 + 2 + 2),
+             (compressed(moments.MomentFormat("int8", 256), torch.float32), 4 + 2 + 2 + 4),
+             (fused(torch.float32, None), None), (compressed(moments.MomentFormat("bf16"), None), None)]
+    try:
+        for call, per_element in cases:
+            qadam.stream_copies(4096 * 16)
+            if per_element is None:
+                assert not streams(call, 1 << 16), "a call without copies has nothing to stream"
+                continue
+            qadam.stream_copies(4096 * per_element)
+            assert streams(call, 4096) and not streams(call, 4095), per_element
+            qadam.stream_copies(-1)
+            assert not streams(call, 1 << 16), "never, below 0"
+    finally:
+        qadam.stream_copies(saved)
