@@ -285,8 +285,9 @@ class GradFace:
         engine = self.engine
         # A collective (every rank's shards), which user code may call on one rank only: [Note: collectives
         # user code calls] in infinity/runtime/ranks.py.
-        engine.ranks.arrive(f"the {p:g}-norm of engine gradients (param.grad.norm(), clip_grad_norm_)")
-        engine.recover_aborted_backward()
+        what = f"the {p:g}-norm of engine gradients (param.grad.norm(), clip_grad_norm_)"
+        engine.ranks.arrive(what)
+        _close_backward_together(engine, what)
         engine.reducer.settle()
         store = engine.store
         part = torch.zeros(len(self.slots), dtype=torch.float64)
@@ -338,9 +339,12 @@ class GradFace:
     def _edit_stored(self, group_indices, edit) -> None:
         """Rewrite the stored gradient of each slot of ``group_indices`` through ``edit(slot index, values)``."""
         engine = self.engine
-        if engine.reducer.reduces_on_settle:     # stage 1: settling reduce-scatters (else all of it is local)
-            engine.ranks.arrive("a change of engine gradients (param.grad.clamp_(), clip_grad_value_)")
-        engine.recover_aborted_backward()
+        what = "a change of engine gradients (param.grad.clamp_(), clip_grad_value_)"
+        if engine.reducer.reduces_on_settle:     # stage 1: settling reduce-scatters
+            engine.ranks.arrive(what)
+            _close_backward_together(engine, what)
+        else:       # all of it rank-local: a failure here reaches the others at the step's agreement
+            engine.recover_aborted_backward()
         engine.reducer.settle()
         store = engine.store
         for gi in sorted(group_indices & store.grad_written):
@@ -376,6 +380,14 @@ class GradFace:
         return (f"{what} on the .grad of {self.names[token.param_index]!r}: infinity keeps this gradient as fp32 "
                 "shards over ranks and tiers, never whole; torch.nn.utils.clip_grad_norm_, clip_grad_value_, "
                 ".norm(), zero_grad() and the infinity optimizer work on it")
+
+
+def _close_backward_together(engine, what: str) -> None:
+    """Close a backward cut short (``recover_aborted_backward``) in an agreement of every rank: that may fail on one
+    rank alone (its end of backward failed there, and the retry's tier I/O fails again), and the others would go on
+    to the collectives ``what`` issues next ([Note: failing together] in infinity/runtime/ranks.py)."""
+    with engine.ranks.together(what):
+        engine.recover_aborted_backward()
 
 
 def _clamped(x: torch.Tensor, lo, hi, clamp: bool) -> torch.Tensor:

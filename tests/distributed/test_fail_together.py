@@ -214,8 +214,10 @@ def _end_fails_on_rank_zero(rank, world, workdir, scenario):
     and redoes the step. ``"owed"``: twice, then every rank goes on to the next step as if nothing had
     failed (its forward, backward, step and zero_grad()), with the same batch. ``"twice"``: once at
     step 1, whose loss every rank then backpropagates a second time (``retain_graph``) and steps on, as torch's
-    reference does. Returns the errors each rank saw, the final weights and their largest difference from
-    plain torch."""
+    reference does. ``"norm"``: twice at step 1, at the backward's end and at the retry in rank 0's
+    ``torch.nn.utils.clip_grad_norm_``, which every rank calls; then every rank calls it again and steps.
+    Returns the errors each rank saw, the final weights, their largest difference from plain torch, and the
+    gradient norms taken with torch's reference's beside them."""
     import torch.distributed as dist
     from infinity.errors import EngineError
     from infinity.registry import engine_of
@@ -224,7 +226,7 @@ def _end_fails_on_rank_zero(rank, world, workdir, scenario):
     engine = engine_of(model)
     opt = infinity.AdamW(model, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    release, armed, said = engine.coordinator.end_backward, [0], []
+    release, armed, said, norms = engine.coordinator.end_backward, [0], [], []
 
     def failing():
         if armed[0]:
@@ -252,6 +254,12 @@ def _end_fails_on_rank_zero(rank, world, workdir, scenario):
                 for _ in range(2):
                     noted(lambda: model(mine), OSError, EngineError, RanksFailedError)
                 opt.zero_grad()
+        if scenario == "norm" and i == 1:
+            armed[0] = 2 if rank == 0 else 0
+            noted(lambda: model(mine).backward(), OSError)
+            clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # noqa: E731
+            noted(clip, OSError, RanksFailedError)      # rank 0's retry fails again, in the agreement
+            norms.append(float(clip()))
         twice = scenario == "twice" and i == 1
         if twice:
             armed[0] = int(rank == 0)
@@ -260,7 +268,7 @@ def _end_fails_on_rank_zero(rank, world, workdir, scenario):
             loss.backward()     # before anything closed the first backward, whose end failed on rank 0
             opt.step()
             opt.zero_grad()
-        for attempt in range(0 if twice else 2):
+        for attempt in range(0 if twice or norms and i == 1 else 2):
             armed[0] = int(scenario == "carry on" and rank == 0 and i in (1, 2) and attempt == 0)
             failed = noted(lambda: model(mine).backward(), OSError)
             if scenario == "carry on" and i == 2:      # the ranks agree on a redo, as a DDP user's loop would
@@ -276,11 +284,15 @@ def _end_fails_on_rank_zero(rank, world, workdir, scenario):
         if twice:
             ref_loss.backward(retain_graph=True)
         ref_loss.backward()
+        if norms and i == 1:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)))
+            opt.step()
+            opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
     got, want = infinity.state_dict(model), ref.state_dict()
     infinity.release(model)
-    return said, got, max(float((got[k] - want[k]).abs().max()) for k in want)
+    return said, got, max(float((got[k] - want[k]).abs().max()) for k in want), norms
 
 
 def test_an_end_of_backward_that_fails_on_one_rank_after_its_collectives_does_not_issue_them_again(tmp_path):
@@ -288,7 +300,7 @@ def test_an_end_of_backward_that_fails_on_one_rank_after_its_collectives_does_no
     whole end again, the reducer's hand-over and the adapter's all-reduce included, which rank 1 never issues
     (the collective ledger refuses the mismatch; NCCL would hang). Now it goes on from the stage that failed:
     the ranks' collectives stay the same, and both train on as plain torch does, with the same weights."""
-    (said0, got0, error0), (said1, got1, error1) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "carry on",
+    (said0, got0, error0, _), (said1, got1, error1, _) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "carry on",
                                                               collective_timeout=60)
     assert len(said0) == 2 and all("injected" in s for s in said0), said0
     assert said1 == []
@@ -302,7 +314,7 @@ def test_closing_a_backward_that_fails_again_on_one_rank_keeps_the_ranks_togethe
     said so), the forward's retry runs inside the agreement, and a forward that failed there agrees again: every
     rank raises at both (the collective ledger refused the mismatch when rank 0 alone skipped the agreement, or
     failed outside it). Then every rank's zero_grad() closes it and the step redone trains as plain torch."""
-    (said0, got0, error0), (said1, got1, error1) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "again",
+    (said0, got0, error0, _), (said1, got1, error1, _) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "again",
                                                               collective_timeout=60)
     assert [s.split(":")[0] for s in said0] == ["OSError"] * 4 and all("injected" in s for s in said0), said0
     assert len(said1) == 2 and all(s.startswith("RanksFailedError: rank 1: rank(s) [0] failed in the forward")
@@ -315,7 +327,7 @@ def test_a_zero_grad_that_failed_on_one_rank_is_finished_by_the_next_forward(tmp
     """Rank 0's zero_grad() fails to close its backward, so its gradients stay where rank 1's are dropped, and
     the loop goes on. Trained on, rank 0's old gradients would be reduced into the next step's (its weights
     drift from torch's): the next forward, agreed on by every rank, finishes the clear first."""
-    (said0, got0, error0), (said1, got1, error1) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "owed",
+    (said0, got0, error0, _), (said1, got1, error1, _) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "owed",
                                                               collective_timeout=60)
     assert [s.split(":")[0] for s in said0] == ["OSError", "OSError"] and all("injected" in s for s in said0), said0
     assert said1 == []
@@ -327,9 +339,24 @@ def test_a_second_backward_after_an_end_that_failed_on_one_rank_runs_its_own_end
     """retain_graph: rank 0's first end fails after its collectives, and the second backward starts before
     anything closed it. It used to skip the second end's collectives on rank 0 (the count of stages done was
     the first one's); now the first end finishes first, and both ranks step as torch does."""
-    (said0, got0, error0), (said1, got1, error1) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "twice",
+    (said0, got0, error0, _), (said1, got1, error1, _) = run_ranks(_end_fails_on_rank_zero, 2, tmp_path, "twice",
                                                               collective_timeout=60)
     assert len(said0) == 1 and "injected" in said0[0], said0
     assert said1 == []
+    assert all(torch.equal(got0[k], got1[k]) for k in got0)
+    assert max(error0, error1) <= 1e-6, (error0, error1)
+
+
+def test_a_gradient_norm_whose_close_of_backward_fails_again_on_one_rank_keeps_the_ranks_together(tmp_path):
+    """Rank 0's end of backward fails, then so does its retry in torch.nn.utils.clip_grad_norm_, which every rank
+    calls: the retry runs in an agreement, so every rank raises there (rank 0 alone raised, and rank 1's
+    all-reduce of the norm met rank 0's next collective instead: the ledger refused it). Called again, the norm
+    is torch's on both ranks, and the step trains as plain torch."""
+    (said0, got0, error0, norms0), (said1, got1, error1, norms1) = run_ranks(
+        _end_fails_on_rank_zero, 2, tmp_path, "norm", collective_timeout=60)
+    assert [s.split(":")[0] for s in said0] == ["OSError"] * 2 and all("injected" in s for s in said0), said0
+    assert len(said1) == 1 and said1[0].startswith("RanksFailedError: rank 1: rank(s) [0] failed in the 2-norm"), said1
+    for ours, torchs in (norms0, norms1):
+        assert abs(ours - torchs) <= 1e-5 * torchs, (ours, torchs)
     assert all(torch.equal(got0[k], got1[k]) for k in got0)
     assert max(error0, error1) <= 1e-6, (error0, error1)
