@@ -32,9 +32,9 @@ states split over tiers, [Note: optimizer states over tiers] in infinity/optim/t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import dataclasses
 import statistics
 import subprocess
 import sys
@@ -114,7 +114,7 @@ def disk_beside(profile: MachineProfile, path: str, measure):
 
 
 def _uses_disk(resolved) -> bool:
-    return "nvme" in (resolved.tiers.params, resolved.tiers.optimizer)
+    return "nvme" in (resolved.tiers.params, resolved.tiers.optimizer, resolved.activations.offload)
 
 
 def _batches(shape, args):
@@ -224,10 +224,11 @@ def run(args, argv) -> dict:
                     t, pt = alone()
                 times.update(t)
                 plain_times.update(pt)
-        for preset, (model, opt, census, cfg, resolved) in runs.items():
+        for preset, (model, opt, census, _, resolved) in runs.items():
             plains = plain_times[preset]
             compute_s = statistics.median(plains) if args.compute == "measured" else 0.0
-            predict = lambda compute: plan(census, cfg, machine=profiles[preset], check_fit=False,  # noqa: E731
+            # the tiers Init resolved (``auto`` resolved again with a profile of another disk might differ)
+            predict = lambda compute: plan(census, resolved, machine=profiles[preset], check_fit=False,  # noqa: E731
                                            workload=Workload(tokens=args.batch * args.seq, compute_s=compute)).prediction
             predicted = predict(compute_s)
             steps = times[preset]

@@ -339,6 +339,9 @@ class GradFace:
     def _edit_stored(self, group_indices, edit) -> None:
         """Rewrite the stored gradient of each slot of ``group_indices`` through ``edit(slot index, values)``."""
         engine = self.engine
+        # First: a failure below leaves the cached norms of the gradients before the change, on this rank alone
+        # (the others clear theirs), and a norm read from them would skip the collectives the others issue.
+        self._norms.clear()
         what = "a change of engine gradients (param.grad.clamp_(), clip_grad_value_)"
         if engine.reducer.reduces_on_settle:     # stage 1: settling reduce-scatters
             engine.ranks.arrive(what)

@@ -263,7 +263,13 @@ class Ranks:
             yield
         except BaseException as exc:
             error = exc
-        failed = self.failed_ranks(error is not None)
+        try:
+            failed = self.failed_ranks(error is not None)
+        except BaseException as exc:
+            if error is None:
+                raise
+            error.add_note(f"rank {self.rank}: then telling the other ranks failed too: {exc!r}")
+            raise error from None
         if error is not None:
             raise error
         if failed:
