@@ -151,3 +151,21 @@ def test_a_rank_stuck_outside_collectives_fails_the_call_by_its_deadline(tmp_pat
     monkeypatch.setattr(pool, "CALL_TIMEOUT_S", 8.0)     # rank 0 is done well before, even on a loaded machine
     with pytest.raises(AssertionError, match=r"rank\(s\) \[1\] did not finish within 8 s"):
         run_ranks(_stuck_outside_collectives, 2, tmp_path)
+
+
+def test_a_rank_that_cannot_tell_the_others_of_its_failure_raises_its_own_error(monkeypatch):
+    """ranks.together(): the block failed here, then the agreement failed too (a peer gone): the rank's own error
+    is what it raises, with a note of the agreement's; with no error of its own, the agreement's."""
+    ranks = Ranks()
+
+    def gone(failed: bool):
+        raise RuntimeError("peer gone")
+
+    monkeypatch.setattr(ranks, "failed_ranks", gone)
+    with pytest.raises(ValueError, match="own") as info:
+        with ranks.together("the step"):
+            raise ValueError("own")
+    assert "then telling the other ranks failed too: RuntimeError('peer gone')" in " ".join(info.value.__notes__)
+    with pytest.raises(RuntimeError, match="peer gone"):
+        with ranks.together("the step"):
+            pass
