@@ -209,3 +209,32 @@ def test_opt_zero_grad_clears_gradients_left_inside_gathered_too(tmp_path):
     ref_losses, _ = _train(ref, ref_opt, data[1:], micro=1, zero=lambda m, o: o.zero_grad())
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
     assert _max_param_diff(model, ref) <= 1e-5
+
+
+def test_a_clamp_that_fails_forgets_the_norms_taken_before_it(tmp_path, monkeypatch):
+    """A norm is cached until the gradients change; a clamp_ that fails half-way (a tier write) may have changed
+    some of them, and with ranks, a rank that read its cached norm would skip the collectives the others issue:
+    the next norm is taken again."""
+    from infinity.registry import engine_of
+
+    model, _ = engine_and_plain(_cfg("host", "host", tmp_path))
+    infinity.AdamW(model, lr=1e-2)
+    idx, tgt = batches(1, 2)[0]
+    model(idx, tgt).backward()
+    engine = engine_of(model)
+    p = next(q for q in model.parameters() if q.requires_grad)
+    before = float(p.grad.norm())
+    taken = []
+    arrive = engine.ranks.arrive
+    monkeypatch.setattr(engine.ranks, "arrive", lambda what: (taken.append(what), arrive(what)))
+    assert float(p.grad.norm()) == before and taken == [], "a second norm is read from the cache"
+
+    def cut(*args, **kwargs):
+        raise OSError("injected: the tier write failed")
+
+    monkeypatch.setattr(engine.store, "write_state_shard", cut)
+    with pytest.raises(OSError, match="injected"):
+        p.grad.clamp_(-1e-9, 1e-9)
+    monkeypatch.undo()
+    monkeypatch.setattr(engine.ranks, "arrive", lambda what: (taken.append(what), arrive(what)))
+    assert float(p.grad.norm()) == before and len(taken) == 1, "taken again, not read from the cache"
