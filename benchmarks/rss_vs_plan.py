@@ -31,17 +31,16 @@ PRESETS = ("device", "offload-optimizer", "offload-host", "nvme", "auto")
 
 
 def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    from tiling import status_bytes
+
+    return status_bytes(field)
 
 
 def _reset_peak() -> None:
-    """Start VmHWM again from the resident set now (Linux: clear_refs 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    from tiling import reset_peak_rss
+
+    if not reset_peak_rss():
+        raise RuntimeError("/proc/self/clear_refs refused: the peak resident set cannot be measured per run")
 
 
 def _shape(size: str, args):

@@ -79,7 +79,8 @@ class GatheredPeak:
             h.remove()
 
 
-def _status(field: str) -> int:
+def status_bytes(field: str) -> int:
+    """A byte count of /proc/self/status (VmRSS, VmHWM, ...)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -87,7 +88,8 @@ def _status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
+    """Start VmHWM again from the resident set now (Linux: clear_refs 5); whether it could."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -130,10 +132,10 @@ def run_mode(args, tiles: int) -> dict:
     for _ in range(args.warmup):
         step()
     peak.peak = 0
-    exact = _reset_peak_rss()
-    rss0 = _status("VmRSS")
+    exact = reset_peak_rss()
+    rss0 = status_bytes("VmRSS")
     times = [step() for _ in range(args.iters)]
-    rss_growth = _status("VmHWM") - rss0 if exact else None
+    rss_growth = status_bytes("VmHWM") - rss0 if exact else None
     stats = infinity.stats(model)
     return {"tiles": tiles, "tile_nbytes": tile if tiles else None, "build_seconds": build_s,
             "seconds": times, "peak_gathered_bytes": peak.peak, "peak_rss_growth_bytes": rss_growth,

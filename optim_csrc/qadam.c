@@ -1135,12 +1135,6 @@ static PyObject *qadam_isa(PyObject *self, PyObject *args) {
 
 /* stream_copies(nbytes=None): the least bytes a call moves for its copies to be stored past the caches
  * (see [Note: copies past the caches]; < 0: never); with nbytes, set it. */
-/* streamed_calls() -> count: the calls of step and step_fp32 so far that stored their copies past the
- * caches (tests). */
-static PyObject *qadam_streamed_calls(PyObject *self, PyObject *args) {
-    return PyLong_FromLongLong(streamed_calls);
-}
-
 static PyObject *qadam_stream_copies(PyObject *self, PyObject *args) {
     PyObject *arg = Py_None;
     if (!PyArg_ParseTuple(args, "|O", &arg)) return NULL;
@@ -1150,6 +1144,12 @@ static PyObject *qadam_stream_copies(PyObject *self, PyObject *args) {
         stream_min_bytes = nbytes;
     }
     return PyLong_FromLongLong(stream_min_bytes);
+}
+
+/* streamed_calls() -> count: the calls of step and step_fp32 so far that stored their copies past the
+ * caches (tests). */
+static PyObject *qadam_streamed_calls(PyObject *self, PyObject *args) {
+    return PyLong_FromLongLong(streamed_calls);
 }
 
 /* workers(name=None): what runs a call's threads ("openmp": the calling thread's OpenMP team; "threads":
