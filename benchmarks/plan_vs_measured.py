@@ -17,7 +17,7 @@ shared CPU the FLOP rate of a large matmul says little about a small model's ste
 probed matmul rate (``--compute flops``). Beside the ratio of medians, each step is divided by the prediction
 made from the plain step measured beside it, and the median of those is reported ([Note: paired ratios] in
 benchmarks/prefetch.py). The profile is this
-machine's, probed once and cached ([Note: machine probes] in infinity/plan/probes.py), or ``--machine``;
+machine's, probed at the start of the run ([Note: machine probes] in infinity/plan/probes.py), or ``--machine``;
 the disk rates come from ``--bench-json`` (``infinity-bench nvme --json``). With ``--disk-beside`` the disk is
 measured again just before and just after each run that uses it (the whole side-by-side block of a size,
 sequentially; each run, as shipped) and that run is predicted with the mean of the two: the disk swings
@@ -190,7 +190,8 @@ def run(args, argv) -> dict:
     if args.machine:
         profile = MachineProfile.from_file(args.machine)
     else:
-        profile = machine_profile("cpu", "bfloat16", nvme_paths=(nvme_dir,), bench_json=args.bench_json)
+        # probed now, beside the runs (a cached probe may be from a busier hour: [Note: machine probes])
+        profile = machine_profile("cpu", "bfloat16", nvme_paths=(nvme_dir,), bench_json=args.bench_json, refresh=True)
     rows = []
     for size in args.sizes.split(","):
         shape = shape_for_params(parse_count(size, "--sizes"), vocab_size=args.vocab, seq_len=args.seq)

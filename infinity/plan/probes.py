@@ -10,6 +10,14 @@ infinity-bench JSON] in infinity/plan/bandwidth.py), and are kept with the rest.
 ``~/.cache/infinity/machine.json`` under a key of hostname, CPU model, GPU name and compute dtype, so
 later runs probe nothing; memory sizes (device, host available, NVMe free) are read fresh each time,
 since they change between runs. Tests never probe: they give a ``MachineProfile``.
+
+A probe taken while other work loads the cores reads the machine slower than it is, and the cache kept
+it for every later run: one taken during a test suite on a 2-core VM read the host AdamW at 0.33 G
+params/s and the matmul at 33 GFLOP/s where the quiet machine gives 1.8-2.1 and 160-190, so the step model
+took the update for five times its time. So each probe records the load per core it ran beside (the
+one-minute load average over the cores this process may use), and a cached probe taken at a load of
+``BUSY`` or more is taken again once the load is under it; one taken on a busy machine is kept while
+the machine stays busy (a probe then would read no better).
 """
 from __future__ import annotations
 
@@ -27,6 +35,8 @@ from infinity.plan.bandwidth import Bandwidth
 from infinity.plan.machine import MachineProfile
 
 CACHE_PATH = Path.home() / ".cache" / "infinity" / "machine.json"
+BUSY = 0.5
+"""Load per core at which a probe counts as taken beside other work (see [Note: machine probes])."""
 _PROBE_NUMEL = 1 << 24          # 16Mi fp32 elements per AdamW pass (256 MiB of states): past any CPU cache
 _COPY_BYTES = 64 << 20
 
@@ -43,6 +53,15 @@ def machine_key(device: str, dtype: str) -> str:
         pass
     gpu = torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else "no gpu"
     return f"{socket.gethostname()} | {cpu} | {gpu} | {device} {dtype}"
+
+
+def load_per_core() -> float:
+    """The one-minute load average over the cores this process may run on (0 where unknown)."""
+    try:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return os.getloadavg()[0] / max(1, cores)
+    except OSError:
+        return 0.0
 
 
 def _timed(fn, seconds: float, sync=lambda: None) -> float:
@@ -103,7 +122,7 @@ def _write_cache(path: Path, data: dict) -> None:
 
 def machine_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tuple[str, ...] = (),
                     host_budget: int = 0, bench_json: str | Path | None = None, cache: Path | None = CACHE_PATH,
-                    seconds: float = 0.2, refresh: bool = False) -> MachineProfile:
+                    seconds: float = 0.2, refresh: bool = False, keep_busy: bool = False) -> MachineProfile:
     """This machine's profile: rates from the cache (probed and cached when missing), sizes read now.
 
     Parameters
@@ -122,14 +141,17 @@ def machine_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tupl
         The cache file; None probes without reading or writing one.
     refresh : bool
         Probe again and replace the cached rates (a probe taken while other jobs loaded the machine
-        reads it slower than it is; the disk rates are kept).
+        reads it slower than it is; the disk rates are kept). A cached probe that recorded a load of
+        ``BUSY`` per core or more is taken again by itself once the load is lower, unless ``keep_busy``.
     """
     key = machine_key(device, dtype)
     data = _read_cache(cache) if cache is not None else {}
     entry = dict(data[key]) if isinstance(data.get(key), dict) else None     # a copy: compared with the cached one
-    if refresh or entry is None or not isinstance(entry.get("rates"), dict):
+    load = load_per_core()
+    busy_then = not keep_busy and entry is not None and float(entry.get("load_per_core", 0.0)) >= BUSY > load
+    if refresh or busy_then or entry is None or not isinstance(entry.get("rates"), dict):
         entry = {**(entry or {}), "rates": probe_rates(device, dtype, seconds),
-                 "probed": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                 "probed": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_per_core": round(load, 2)}
     if bench_json is not None:
         bw = Bandwidth.from_bench_json(bench_json)
         entry["disk"] = {"disk_read_gbps": bw.read_gbps, "disk_write_gbps": bw.write_gbps, "source": bw.source}
@@ -158,7 +180,8 @@ def cached_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tuple
     entry = _read_cache(cache).get(machine_key(device, dtype))
     if not isinstance(entry, dict) or not isinstance(entry.get("rates"), dict):
         return None
-    return machine_profile(device, dtype, ranks=ranks, nvme_paths=nvme_paths, host_budget=host_budget, cache=cache)
+    return machine_profile(device, dtype, ranks=ranks, nvme_paths=nvme_paths, host_budget=host_budget, cache=cache,
+                           keep_busy=True)
 
 
 __all__ = ["CACHE_PATH", "cached_profile", "machine_key", "machine_profile", "probe_rates"]

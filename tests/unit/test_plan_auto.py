@@ -355,6 +355,30 @@ def test_probes_are_cached_per_machine_and_take_the_disk_from_a_bench_file(tmp_p
     assert len(calls) == 2 and fresh.device_flops == 9e10 and fresh.disk_read_gbps == 2.5
 
 
+def test_a_probe_taken_on_a_busy_machine_is_taken_again_once_it_is_quiet(tmp_path, monkeypatch):
+    from infinity.plan import probes
+
+    cache = tmp_path / "machine.json"
+    calls, load = [], [0.9]
+    quiet = {"h2d_gbps": 20.0, "d2h_gbps": 18.0, "host_memory_gbps": 40.0, "host_adam_params_per_s": 2e9,
+             "device_flops": 1.7e11, "device_update_params_per_s": 2e9}
+    monkeypatch.setattr(probes, "load_per_core", lambda: load[0])
+    monkeypatch.setattr(probes, "probe_rates", lambda *a, **k: calls.append(load[0]) or {
+        k: v / (5 if load[0] >= probes.BUSY else 1) for k, v in quiet.items()})
+    busy = probes.machine_profile("cpu", "bfloat16", cache=cache)
+    assert busy.host_adam_params_per_s == 4e8 and json.loads(cache.read_text())[
+        probes.machine_key("cpu", "bfloat16")]["load_per_core"] == 0.9
+    assert probes.machine_profile("cpu", "bfloat16", cache=cache).host_adam_params_per_s == 4e8
+    assert calls == [0.9], "still busy: the cached probe is kept (a probe now would read no better)"
+    load[0] = 0.1
+    assert probes.cached_profile("cpu", "bfloat16", cache=cache).host_adam_params_per_s == 4e8
+    assert calls == [0.9], "cached_profile never probes"
+    again = probes.machine_profile("cpu", "bfloat16", cache=cache)
+    assert calls == [0.9, 0.1] and again.host_adam_params_per_s == 2e9 and again.device_flops == 1.7e11
+    assert probes.machine_profile("cpu", "bfloat16", cache=cache).host_adam_params_per_s == 2e9
+    assert calls == [0.9, 0.1], "a probe taken on a quiet machine is kept"
+
+
 def test_the_cached_profile_is_read_without_probing_or_is_none(tmp_path, monkeypatch):
     from infinity.plan import probes
 
