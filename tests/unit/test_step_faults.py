@@ -162,13 +162,20 @@ def test_a_fault_while_gradients_widen_loses_nothing_at_every_call(tmp_path, kin
     counting = _Fault(10 ** 9, error)
     _train(tmp_path / "count", "bfloat16", counting, where, at_step=0, dpu=dpu, tiers=tiers)
     assert counting.calls >= 4, f"only {counting.calls} fault points"
-    for k in _fault_points(counting.calls):
+    points, fired = _fault_points(counting.calls), 0
+    for k in points:
         fault = _Fault(k, error)
         got, said, calls = _train(tmp_path / f"k{k}", "bfloat16", fault, where, at_step=0, dpu=dpu,
                                   tiers=tiers)   # step 0 widens
-        assert fault.fired, (k, counting.calls)
+        if not fault.fired:
+            # An overlapped update's writes count while the step is armed: how many of them come before the next
+            # step disarms it depends on the threads, so a run may make fewer calls than the counting run did.
+            assert fault.calls < k, (k, fault.calls, counting.calls)
+            continue
+        fired += 1
         assert said is not None and str(error.strerror) in str(said), (k, said)
         assert _same(got, reference), f"{kind} at call {k} of {counting.calls} changed the weights"
+    assert fired >= len(points) - 1, f"{fired} of {len(points)} fault points fired"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
