@@ -43,10 +43,10 @@ from infinity.runtime.hooks import (GradArrivals, install_hooks, install_release
 from infinity.runtime.ranks import Ranks
 from infinity.runtime.shards import DemandStaging, ParamShards
 from infinity.runtime.tier_set import TierSet
-from tiers.host_alloc import trim_c_heap
+from tiers.host_alloc import HeapTrimmer
 
-# With the CPU as compute device, the C heap's free bytes above which a backward's end gives them
-# back (see [Note: the C heap] in tiers/host_alloc.py).
+# With the CPU as compute device, the C heap's free bytes above which a backward's end may give them
+# back (see [Note: the C heap] and [Note: trimming once per growth] in tiers/host_alloc.py).
 _HEAP_SLACK = 256 << 20
 
 
@@ -117,6 +117,7 @@ class Engine:
             self._backward_active = False
             self._backwards_ended = [0]    # backwards that ended (hooks.watch_backward fires once per one)
             self._end = BackwardEnd()       # the running backward's end ([Note: a resumable end of backward])
+            self._heap = HeapTrimmer(_HEAP_SLACK)   # CPU compute: [Note: trimming once per growth] in tiers/host_alloc.py
             self._step_started = None
             self.agree_at_forward = True   # the next forward agrees on the rank-local checks (a step ended)
             # Why the states are a mixture no step may train on, or None ([Note: a load is all or
@@ -438,7 +439,7 @@ class Engine:
         self._backward_active = False
         self.datapath.set_phase("idle")
         if not self.device.is_cuda:
-            trim_c_heap(_HEAP_SLACK)
+            self._heap.end_of_step()
         if self.prefetcher is not None:
             self.prefetcher.end_backward()
 
