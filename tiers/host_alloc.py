@@ -94,10 +94,16 @@ def trim_c_heap(min_free: int = 0) -> bool:
     backward when the heap holds more than a few hundred MiB free; its own buffers never
     come from this heap (tiers/arena.py, tiers/pool.py). Returns whether it trimmed.
     """
-    if _LIBC is None or (min_free and _LIBC.mallinfo2().fordblks <= min_free):
+    free = c_heap_free()
+    if free is None or (min_free and free <= min_free):
         return False
     _LIBC.malloc_trim(0)
     return True
+
+
+def c_heap_free() -> int | None:
+    """The C heap's free bytes (glibc's ``mallinfo2().fordblks``), or None where it cannot say."""
+    return None if _LIBC is None else _LIBC.mallinfo2().fordblks
 
 
 class HeapTrimmer:
@@ -121,12 +127,9 @@ class HeapTrimmer:
 
     def end_of_step(self) -> bool:
         """Trim if the heap has grown (see the class docstring); returns whether it trimmed."""
-        if _LIBC is None:
+        free = c_heap_free()
+        if free is None or not trim_c_heap(max(self.slack, self.trimmed_at * 5 // 4)):
             return False
-        free = _LIBC.mallinfo2().fordblks
-        if free <= self.slack or free <= self.trimmed_at * 5 // 4:
-            return False
-        _LIBC.malloc_trim(0)
         self.trimmed_at = free
         return True
 
