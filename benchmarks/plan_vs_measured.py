@@ -20,7 +20,8 @@ benchmarks/prefetch.py). The profile is this
 machine's, probed at the start of the run ([Note: machine probes] in infinity/plan/probes.py), or ``--machine``;
 the disk rates come from ``--bench-json`` (``infinity-bench nvme --json``). With ``--disk-beside`` the disk is
 measured again just before and just after each run that uses it (the whole side-by-side block of a size,
-sequentially; each run, as shipped) and that run is predicted with the mean of the two: the disk swings
+sequentially; each run, as shipped), with that run's own ``[aio]`` settings (engine, block size, depth,
+threads, O_DIRECT or buffered), and that run is predicted with the mean of the two: the disk swings
 30-50% from minute to minute, and a rate read minutes before says little about a 2-second run. ``auto`` is resolved by
 ``Init("auto", model=census, machine=profile)`` as a user would. A preset may carry keys after a colon,
 bare ones of ``tiers``, others as ``section.key``: ``nvme:params=host+optimizer_host_share=0.5`` (the optimizer
@@ -45,6 +46,7 @@ import torch
 
 import infinity
 from infinity.config import load_config
+from infinity.config.sections import AioConfig
 from infinity.examples.gpt import GPT, shape_for_params
 from infinity.examples.train_gpt import machine, provenance
 from infinity.plan import plan
@@ -53,6 +55,7 @@ from infinity.plan.census import take_census
 from infinity.plan.machine import MachineProfile, Workload
 from infinity.plan.units import parse_count
 from infinity.tiling.widened import widen_linears, widened_linear
+from tiers.aio import AioHandle
 
 PRESETS = ("device", "offload-optimizer", "offload-host", "nvme", "auto")
 
@@ -90,27 +93,41 @@ def build(preset: str, shape, meta, profile, args, nvme_dir: str):
     return model, infinity.AdamW(model, lr=1e-4), census, cfg, init.config
 
 
-def disk_now(path: str, size: str = "256MiB") -> Bandwidth:
+def disk_now(path: str, aio=None, size: str = "256MiB") -> Bandwidth:
     """The disk's read and write rates at ``path`` measured now: ``infinity-bench nvme`` over ``size`` with the
-    settings the runs' NVMe tier uses here (8 MiB blocks, 4 threads), about 4 s."""
+    settings a run's NVMe tier uses (``aio``, its resolved ``[aio]`` section: engine, block size, queue depth,
+    threads, O_DIRECT or buffered; the defaults without one), about 4 s."""
+    aio = aio if aio is not None else AioConfig()
+    with AioHandle(aio.block_size, aio.queue_depth, aio.threads, aio.engine, aio.direct) as handle:
+        engine = handle.engine                       # "auto" as the tier's handle resolves it on this kernel
     with tempfile.TemporaryDirectory(dir=path) as where:
         out = os.path.join(where, "disk.json")
         subprocess.run([sys.executable, "-c", "import sys; from infinity.cli.bench import main; sys.exit(main())",
-                        "nvme", "--path", where, "--size", size, "--block-sizes", "8MiB", "--queue-depths", "32",
-                        "--threads", "4", "--engines", "threads", "--repeats", "2", "--no-baselines",
-                        "--no-progress", "--json", out], check=True, stdout=subprocess.DEVNULL)
+                        "nvme", "--path", where, "--size", size, "--block-sizes", str(aio.block_size),
+                        "--queue-depths", str(aio.queue_depth), "--threads", str(aio.threads), "--engines", engine,
+                        "--repeats", "2", "--no-baselines", "--no-progress", "--json", out]
+                       + ([] if aio.direct else ["--buffered"]), check=True, stdout=subprocess.DEVNULL)
         return Bandwidth.from_bench_json(out)
 
 
-def disk_beside(profile: MachineProfile, path: str, measure):
-    """``measure()``'s result, and ``profile`` with the disk rates measured just before and after it (their
-    means) and the two readings."""
-    before = disk_now(path)
+def _aio_key(aio) -> tuple:
+    return (aio.engine, aio.block_size, aio.queue_depth, aio.threads, aio.direct)
+
+
+def disk_beside(profile: MachineProfile, path: str, measure, aios=(None,)):
+    """``measure()``'s result, and for each of ``aios`` (the ``[aio]`` sections of the runs measured; a run
+    is predicted with the disk its own settings see) ``profile`` with the disk rates measured with them just
+    before and after ``measure()`` (their means) and the two readings, keyed by ``_aio_key``."""
+    aios = list({_aio_key(a): a for a in (a if a is not None else AioConfig() for a in aios)}.values())
+    before = [disk_now(path, aio) for aio in aios]
     result = measure()
-    after = disk_now(path)
-    read, write = (before.read_gbps + after.read_gbps) / 2, (before.write_gbps + after.write_gbps) / 2
-    readings = {"read_gbps": [before.read_gbps, after.read_gbps], "write_gbps": [before.write_gbps, after.write_gbps]}
-    return result, dataclasses.replace(profile, disk_read_gbps=read, disk_write_gbps=write), readings
+    after = [disk_now(path, aio) for aio in aios]
+    near = {}
+    for aio, b, a in zip(aios, before, after):
+        read, write = (b.read_gbps + a.read_gbps) / 2, (b.write_gbps + a.write_gbps) / 2
+        readings = {"read_gbps": [b.read_gbps, a.read_gbps], "write_gbps": [b.write_gbps, a.write_gbps]}
+        near[_aio_key(aio)] = (dataclasses.replace(profile, disk_read_gbps=read, disk_write_gbps=write), readings)
+    return result, near
 
 
 def _uses_disk(resolved) -> bool:
@@ -209,10 +226,11 @@ def run(args, argv) -> dict:
         beside = [p for p, r in runs.items() if args.disk_beside and _uses_disk(r[4])]
         if args.schedule == "sequential":
             if beside:
-                (times, plain_times), near, readings = disk_beside(profile, nvme_dir,
-                                                                   lambda: interleaved(runs, plain_of, shape, args))
-                profiles.update(dict.fromkeys(beside, near))
-                disks.update(dict.fromkeys(beside, readings))
+                (times, plain_times), near = disk_beside(profile, nvme_dir,
+                                                         lambda: interleaved(runs, plain_of, shape, args),
+                                                         [runs[p][4].aio for p in beside])
+                for p in beside:
+                    profiles[p], disks[p] = near[_aio_key(runs[p][4].aio)]
             else:
                 times, plain_times = interleaved(runs, plain_of, shape, args)
         else:
@@ -220,7 +238,8 @@ def run(args, argv) -> dict:
             for preset in runs:
                 alone = lambda: blocks({preset: runs[preset]}, plain_of, shape, args)   # noqa: E731
                 if preset in beside:
-                    (t, pt), profiles[preset], disks[preset] = disk_beside(profile, nvme_dir, alone)
+                    (t, pt), near = disk_beside(profile, nvme_dir, alone, [runs[preset][4].aio])
+                    profiles[preset], disks[preset] = near[_aio_key(runs[preset][4].aio)]
                 else:
                     t, pt = alone()
                 times.update(t)

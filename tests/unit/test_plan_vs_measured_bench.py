@@ -59,7 +59,7 @@ def test_disk_beside_predicts_each_nvme_run_with_the_disk_measured_around_it(tmp
     measured = bench.disk_now(str(tmp_path), size="16MiB")     # infinity-bench itself, on a small file
     assert measured.read_gbps > 0 and measured.write_gbps > 0
     readings = iter([(1.0, 2.0), (3.0, 4.0)])
-    monkeypatch.setattr(bench, "disk_now", lambda path: bench.Bandwidth(*next(readings), source="test"))
+    monkeypatch.setattr(bench, "disk_now", lambda path, aio=None: bench.Bandwidth(*next(readings), source="test"))
     box = tmp_path / "box.json"
     box.write_text(json.dumps({"name": "test box", "device_bytes": 0, "host_bytes": 4 * 2**30, "unified": True,
                                "nvme_bytes": 1e12, "disk_read_gbps": 0.001, "disk_write_gbps": 0.001}))
@@ -71,3 +71,29 @@ def test_disk_beside_predicts_each_nvme_run_with_the_disk_measured_around_it(tmp
     assert nvme["disk_beside"] == {"read_gbps": [1.0, 3.0], "write_gbps": [2.0, 4.0]}
     # at 1 MB/s the profile's disk would make the step seconds long; the readings beside it make it short
     assert nvme["predicted_s"] < 1.0 and next(readings, None) is None
+
+
+def test_disk_beside_measures_with_each_runs_own_aio_settings(tmp_path, monkeypatch):
+    """Two NVMe runs side by side with different ``[aio]`` block sizes: the disk is measured with each run's
+    settings before and after the block, and each run is predicted with the readings of its own settings."""
+    monkeypatch.setenv("INFINITY_DEVICE", "cpu")
+    bench = _bench()
+    calls = []
+
+    def disk_now(path, aio=None):
+        calls.append(aio.block_size)
+        rate = {2**20: 1.0, 8 * 2**20: 2.0}[aio.block_size] + len(calls) / 100    # each reading its own
+        return bench.Bandwidth(rate, 2 * rate, source="test")
+
+    monkeypatch.setattr(bench, "disk_now", disk_now)
+    box = tmp_path / "box.json"
+    box.write_text(json.dumps({"name": "test box", "device_bytes": 0, "host_bytes": 4 * 2**30, "unified": True,
+                               "nvme_bytes": 1e12, "disk_read_gbps": 0.001, "disk_write_gbps": 0.001}))
+    result = bench.main(["--sizes", "2e5", "--vocab", "256", "--seq", "16", "--batch", "1", "--steps", "2",
+                         "--warmup", "1", "--presets", "nvme,nvme:aio.block_size=1MiB", "--disk-beside",
+                         "--machine", str(box), "--workdir", str(tmp_path)])
+    assert sorted(calls) == [2**20, 2**20, 8 * 2**20, 8 * 2**20], "each setting before and after the block"
+    eight, one = result["rows"]
+    assert [round(r) for r in eight["disk_beside"]["read_gbps"]] == [2, 2]
+    assert [round(r) for r in one["disk_beside"]["read_gbps"]] == [1, 1]
+    assert eight["disk_beside"]["write_gbps"] == [2 * r for r in eight["disk_beside"]["read_gbps"]]
