@@ -287,9 +287,24 @@ class GradFace:
         # user code calls] in infinity/runtime/ranks.py.
         what = f"the {p:g}-norm of engine gradients (param.grad.norm(), clip_grad_norm_)"
         engine.ranks.arrive(what)
-        _close_backward_together(engine, what)
-        engine.reducer.settle()
-        store = engine.store
+        settle_reduces = engine.reducer.reduces_on_settle
+        if settle_reduces:      # stage 1: settling reduce-scatters, which every rank must reach
+            _close_backward_together(engine, what)
+            engine.reducer.settle()
+
+        def local() -> torch.Tensor:    # a failure here rides on the norm's own all-reduce
+            if not settle_reduces:      # stages 2-3: closing and settling are rank-local
+                engine.recover_aborted_backward()
+                engine.reducer.settle()
+            return self._local_norms(p)
+
+        part = engine.ranks.reduce_together(what, local, len(self.slots), "max" if math.isinf(p) else "sum")
+        return part if math.isinf(p) else part.pow(1.0 / p)
+
+    def _local_norms(self, p: float) -> torch.Tensor:
+        """This rank's share of each slot's ``p``-norm (its p-th power; the maximum for the inf-norm), read from
+        the stored gradient shards (tier I/O, which may fail)."""
+        store = self.engine.store
         part = torch.zeros(len(self.slots), dtype=torch.float64)
         by_group: dict[int, list[int]] = {}
         for i, (g, _) in enumerate(self.slots):
@@ -305,12 +320,7 @@ class GradFace:
                     continue
                 x = shard[a:b].abs()
                 part[i] = x.max() if math.isinf(p) else (x.pow(p).sum() if p != 2 else torch.dot(x, x))
-        on_device = part.to(engine.device.device)
-        if math.isinf(p):
-            engine.ranks.all_reduce_max(on_device)
-            return on_device.cpu()
-        engine.ranks.all_reduce_sum(on_device)
-        return on_device.cpu().pow(1.0 / p)
+        return part
 
     def scale(self, token: ShardedGrad, factor) -> ShardedGrad:
         """``grad.mul_(factor)``: remembered, applied by the next ``opt.step()``."""

@@ -37,7 +37,9 @@ backward), they run inside ``Ranks.together(what)``: one small all-reduce after 
 tells every rank whether any failed, and all raise together, so the recovery an
 error advises (``infinity.load_checkpoint`` on every rank) can run. Refusals between the step's
 agreement and its exchange (no gradients, stray ``.grad`` tokens) ride on the exchange's own
-all-reduce instead (``GradientChecks.exchange(failed=...)``).
+all-reduce instead (``GradientChecks.exchange(failed=...)``), and a gradient norm's rank-local
+part (reading the stored shards; at stages 2-3 closing a backward cut short too) on the norm's
+(``Ranks.reduce_together``): no collective added for the agreement.
 
 [Note: collectives user code calls]
 Some engine operations are collectives that a user may well call on one rank only, as with
@@ -55,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -263,8 +266,36 @@ class Ranks:
             yield
         except BaseException as exc:
             error = exc
+        self._settle(error, lambda: self.failed_ranks(error is not None), what)
+
+    def reduce_together(self, what: str, local: Callable[[], torch.Tensor], numel: int,
+                        op: str = "sum") -> torch.Tensor:
+        """``local()`` (rank-local work, a float64 vector of ``numel``), summed (``op="max"``: the maximum) over
+        the ranks in one all-reduce that also carries each rank's failure flag: if ``local()`` raised on any
+        rank, every rank raises as with ``together``, with no collective of its own ([Note: failing
+        together])."""
+        error, values = None, None
         try:
-            failed = self.failed_ranks(error is not None)
+            values = local()
+        except BaseException as exc:
+            error = exc
+        if values is None:
+            values = torch.zeros(numel, dtype=torch.float64)
+        flags = torch.zeros(self.world_size, dtype=torch.float64)
+        flags[self.rank] = 1.0 if error is not None else 0.0
+        both = torch.cat([values.reshape(-1).to(torch.float64), flags]).to(self.device)
+
+        def reduce() -> list[int]:
+            (self.all_reduce_max if op == "max" else self.all_reduce_sum)(both)
+            return [r for r, f in enumerate(both[numel:].tolist()) if f > 0]
+
+        self._settle(error, reduce, what)
+        return both[:numel].cpu()
+
+    def _settle(self, error: BaseException | None, agree: Callable[[], list[int]], what: str) -> None:
+        """Raise as ``together`` says, after ``agree()`` told which ranks failed."""
+        try:
+            failed = agree()
         except BaseException as exc:
             if error is None:
                 raise

@@ -157,6 +157,63 @@ def test_a_gradient_norm_taken_on_one_rank_says_so_and_issues_no_collective(tmp_
     assert max(worst0, worst1) <= 1e-5, (worst0, worst1)
 
 
+def _norm_read_fails_on_one_rank(rank, world, workdir, stage):
+    """Rank 1's read of a stored gradient shard fails inside ``clip_grad_norm_`` (tier I/O, rank-local); then every
+    rank takes the norm again and steps. Returns what each call said, the collectives the failed norm issued, and
+    the largest difference from plain torch (norms and weights)."""
+    from infinity.registry import engine_of
+
+    nvme = os.path.join(workdir, f"nvme-{stage}")
+    os.makedirs(nvme, exist_ok=True)
+    cfg = {"tiers": {"params": "device", "optimizer": "nvme" if stage == 3 else "host", "nvme_path": nvme},
+           "partition": {"stage": stage}, "precision": {"dtype": "float32"}}
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = TinyGPT()
+    engine = engine_of(model)
+    opt = infinity.AdamW(model, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    worst = 0.0
+    for i, (idx, tgt) in enumerate(batches(3, 4)):
+        model(idx[2 * rank:2 * rank + 2], tgt[2 * rank:2 * rank + 2]).backward()
+        ref(idx, tgt).backward()
+        if i == 1:
+            undo = _fail_on(rank, engine.store, "read_state_shard")
+            before = engine.ranks.comm.calls_so_far()
+            try:
+                said = _outcome(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5), Cut)
+            finally:
+                undo()
+            issued = engine.ranks.comm.calls_so_far() - before
+        if i >= 1:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+            worst = max(worst, abs(norm - ref_norm) / ref_norm)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            worst = max([worst] + [float((p - q).abs().max()) for p, q in zip(_weights(model), ref.parameters())])
+    infinity.release(model)
+    return said, issued, worst
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_gradient_norm_whose_read_fails_on_one_rank_fails_on_every_rank(tmp_path, stage):
+    """The read of a gradient shard fails on rank 1 alone: its failure rides on the norm's own all-reduce, so rank
+    0 raises too instead of waiting in that all-reduce for ever; called again, the norm is torch's. At stages 2-3
+    the norm issues that one all-reduce and nothing more."""
+    (said0, issued0, worst0), (said1, issued1, worst1) = run_ranks(
+        _norm_read_fails_on_one_rank, 2, tmp_path, stage, collective_timeout=60)
+    assert said1 == "own: rank 1: injected failure in read_state_shard", said1
+    assert said0.startswith("other: rank 0: rank(s) [1] failed in the 2-norm of engine gradients"), said0
+    assert issued0 == issued1 and (stage == 1 or issued0 == 1), (issued0, issued1)
+    assert max(worst0, worst1) <= 1e-5, (worst0, worst1)
+
+
 def _refused_on_one_rank(rank, world, workdir):
     """After the backward, rank 1 alone clears one parameter's .grad (a partial clear, refused by the step)."""
     from infinity.errors import EngineError
