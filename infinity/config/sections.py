@@ -519,7 +519,9 @@ class ActivationsConfig(Section):
     checkpoint_nbytes: Bytes = 0
     """Bytes of checkpointed activations one rank holds at the end of a forward (for a transformer with
     every block checkpointed: blocks x batch x sequence x hidden x dtype bytes). Only sizes the budget
-    check and `infinity-plan` (which cannot know the batch); 0 leaves them out. After a step,
+    check, `infinity-plan` and "auto" tiers (which cannot know the batch); 0 leaves them out of the first
+    two, and "auto" then keeps a quarter of a GPU's free memory for them ([Note: activations before the
+    first step] in infinity/plan/placement.py). After a step,
     `infinity.stats(model)["activations"]["checkpoint_nbytes"]` is the measured value."""
 
     def _check(self) -> None:

@@ -178,8 +178,14 @@ class Workload:
     """Tokens one rank processes per step (micro-batch x sequence; one micro-batch per step)."""
 
     activation_bytes: int = 0
-    """Device bytes activations take at their peak (``activations.checkpoint_nbytes``, or measured in the
-    first step): device memory the placement cannot use."""
+    """Device bytes activations take at their peak (``activations.checkpoint_nbytes``, or
+    ``infinity.stats(model)["activations"]["checkpoint_nbytes"]`` after a step): device memory the placement
+    cannot use."""
+
+    activation_share: float = 0.0
+    """Where ``activation_bytes`` is 0: the share of a separate device's memory (a GPU's; not a CPU "device",
+    which is host memory) kept for activations all the same, which are not known before a step (see [Note:
+    activations before the first step] in infinity/plan/placement.py)."""
 
     recompute: bool = False
     """Activation checkpointing: backward runs the forward again (2 x params x tokens more FLOPs)."""
@@ -197,6 +203,10 @@ class Workload:
         if isinstance(self.activation_bytes, bool) or not isinstance(self.activation_bytes, int) \
                 or self.activation_bytes < 0:
             raise PlanError(f"activation_bytes must be a whole number of bytes >= 0, got {self.activation_bytes!r}")
+        if isinstance(self.activation_share, bool) or not isinstance(self.activation_share, (int, float)) \
+                or not 0 <= self.activation_share < 1:
+            raise PlanError(f"activation_share must be a share of device memory in [0, 1), got "
+                            f"{self.activation_share!r}")
         if not isinstance(self.recompute, bool):
             raise PlanError(f"recompute must be true or false, got {self.recompute!r}")
 

@@ -25,6 +25,17 @@ Two searches over the step-time model ([Note: step-time model] in infinity/plan/
   (the engine's), and which copies its slices sit beside can matter; this search keeps the shape.) ``infinity-plan`` reports it only when it beats the runnable
   choice (by ``SPLIT_GAIN``): the gap is what splitting the compute copies in the engine would gain.
 
+[Note: activations before the first step]
+``auto`` is resolved in ``infinity.Init``, before any step: the activations' peak on the device is
+not known yet (it depends on the batch, the sequence and the checkpointing the training loop chooses).
+Counted as nothing, the placement fills a GPU with states and the first forward runs out of memory
+(GPT 6.7B on an 80 GB H100 at 2 x 1024 tokens: states and buffers chosen at 82 GB, activations 9-12 GB
+more). So where ``activations.checkpoint_nbytes`` is not given and activations stay on the device,
+``ACTIVATION_SHARE`` (a quarter) of the GPU's free memory is kept for them, and the decision says so;
+``activations.checkpoint_nbytes`` (the measured ``infinity.stats(model)["activations"]
+["checkpoint_nbytes"]`` of an earlier run, or an estimate) replaces it. A CPU "device" is host memory,
+whose budget is what the machine has available: nothing is set aside there.
+
 Ties go to the placement with fewer bytes off the device (device before host before NVMe). A split of
 the optimizer states is chosen over the fastest uniform pair that fits only when it predicts a step at
 least ``SPLIT_WORTH`` (5%) shorter: the model's predictions are good to about 15% (docs/benchmarks/
@@ -53,6 +64,9 @@ DEFAULT_SLICES = 16
 # How much faster a split of the compute copies must predict the step to be reported beside the choice.
 SPLIT_GAIN = 1e-3
 SPLIT_WORTH = 0.05
+# The share of a GPU's free memory kept for activations when their size is not given ([Note: activations
+# before the first step]).
+ACTIVATION_SHARE = 0.25
 # The tiers keys a decision sets, which rank 0 broadcasts (``resolve_at_init``).
 _DECIDED = ("params", "optimizer", "optimizer_device_share", "optimizer_host_share")
 
@@ -183,6 +197,8 @@ class AutoDecision:
     chosen: StepPrediction
     split: StepPrediction | None
     candidates: tuple[StepPrediction, ...]
+    activation_reserve: float = 0.0
+    reserve_assumed: bool = False
 
     def tiers(self) -> dict[str, object]:
         """The ``tiers`` keys the chosen placement sets: params, optimizer and the optimizer's shares."""
@@ -198,6 +214,9 @@ class AutoDecision:
         if self.split is not None:
             line += (f"; with the compute copies split too ({self.split.placement.describe()}) it would predict "
                      f"{self.split.step_s:.3f} s, which the engine cannot run yet")
+        if self.reserve_assumed:
+            line += (f"; {self.activation_reserve / 2**30:.1f} GiB of device memory kept for activations (a "
+                     f"{ACTIVATION_SHARE:g} share: set activations.checkpoint_nbytes to what a step holds)")
         return line
 
 
@@ -218,7 +237,10 @@ def decide(model: StepModel, params: str = AUTO, optimizer: str = AUTO,
     if split is not None and (split.placement.params_tier is not None or not split.step_s < chosen.step_s * (
             1 - (SPLIT_WORTH if chosen.placement.pair is not None else SPLIT_GAIN))):
         split = None    # one the engine runs, or not worth more than what it runs
-    return AutoDecision(chosen=chosen, split=split, candidates=tuple(candidates))
+    wl = model.workload
+    return AutoDecision(chosen=chosen, split=split, candidates=tuple(candidates),
+                        activation_reserve=model.activation_reserve,
+                        reserve_assumed=not wl.activation_bytes and model.activation_reserve > 0)
 
 
 def resolve_auto(cfg: "Config", model: object, *, world_size: int = 1, local_ranks: int | None = None,
@@ -261,9 +283,12 @@ def resolve_auto(cfg: "Config", model: object, *, world_size: int = 1, local_ran
 
 
 def default_workload(cfg: "Config") -> Workload:
-    """``Workload()`` with ``activations.checkpoint_nbytes`` taking device memory when activations stay there."""
-    on_device = cfg.activations.offload == "none"
-    return Workload(activation_bytes=int(cfg.activations.checkpoint_nbytes) if on_device else 0)
+    """``Workload()`` with ``activations.checkpoint_nbytes`` taking device memory when activations stay there,
+    or, not given, ``ACTIVATION_SHARE`` of a GPU's (see [Note: activations before the first step])."""
+    if cfg.activations.offload != "none":
+        return Workload()
+    given = int(cfg.activations.checkpoint_nbytes)
+    return Workload(activation_bytes=given, activation_share=0.0 if given else ACTIVATION_SHARE)
 
 
 def predict_configured(cfg: "Config", census, world_size: int, local_ranks: int, machine: object,

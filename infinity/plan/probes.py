@@ -8,8 +8,9 @@ the model's linear layers run in, and a large host memory copy (bandwidth counts
 written). Disk rates come from an ``infinity-bench nvme --json`` file when one is given ([Note: reading
 infinity-bench JSON] in infinity/plan/bandwidth.py), and are kept with the rest. The rates are cached in
 ``~/.cache/infinity/machine.json`` under a key of hostname, CPU model, GPU name and compute dtype, so
-later runs probe nothing; memory sizes (device, host available, NVMe free) are read fresh each time,
-since they change between runs. Tests never probe: they give a ``MachineProfile``.
+later runs probe nothing; memory sizes (device free, host available, NVMe free) are read fresh each
+time, since they change between runs (the device's free memory counts what this process's caching
+allocator holds unused: it is this run's to use). Tests never probe: they give a ``MachineProfile``.
 
 A probe taken while other work loads the cores reads the machine slower than it is, and the cache kept
 it for every later run: one taken during a test suite on a 2-core VM read the host AdamW at 0.33 G
@@ -75,6 +76,13 @@ def _timed(fn, seconds: float, sync=lambda: None) -> float:
         sync()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _device_free_bytes() -> float:
+    """The current GPU's memory this process can still use: free on the device, and what its own caching
+    allocator holds reserved but unused (another process's, and the CUDA context, are not ours)."""
+    free, _ = torch.cuda.mem_get_info()
+    return float(free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
 
 
 def probe_rates(device: str, dtype: str, seconds: float = 0.2) -> dict[str, float]:
@@ -161,7 +169,7 @@ def machine_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tupl
     import psutil
 
     host = float(host_budget or psutil.virtual_memory().available)
-    device_bytes = float(torch.cuda.mem_get_info()[1]) if device == "cuda" and torch.cuda.is_available() else 0.0
+    device_bytes = _device_free_bytes() if device == "cuda" and torch.cuda.is_available() else 0.0
     disk = entry.get("disk") or {}
     nvme = float(sum(shutil.disk_usage(p).free for p in nvme_paths if os.path.isdir(p))) if disk else 0.0
     return MachineProfile(

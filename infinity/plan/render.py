@@ -130,6 +130,10 @@ def prediction_lines(prediction, auto=None) -> list[str]:
         lines.append(f"With the compute copies split too, {split.placement.describe()} would predict "
                      f"{split.step_s:.3f} s (the engine holds every compute copy in one tier, so it runs the "
                      "placement above)")
+    if auto.reserve_assumed:
+        lines.append(f"{auto.activation_reserve / 2**30:.1f} GiB of device memory kept for activations, which are "
+                     "not known before a step: --activation-bytes (activations.checkpoint_nbytes) says how much a "
+                     "step holds")
     return lines
 
 

@@ -338,6 +338,14 @@ class StepModel:
         nvme = float(prof.nvme_bytes) if self.cfg.tiers.nvme_path else 0.0
         return {"device": device, "host": host, "nvme": nvme}
 
+    @property
+    def activation_reserve(self) -> float:
+        """Device bytes per device kept for activations: the workload's, or its share of a GPU's memory."""
+        wl, prof = self.workload, self.profile
+        if wl.activation_bytes or prof.unified:
+            return float(wl.activation_bytes)
+        return wl.activation_share * float(prof.device_bytes)
+
     def need(self, placement: Placement) -> dict[str, float]:
         """Bytes per tier on the machine: host and NVMe for all its ranks, device per device."""
         per_rank = {tier: 0.0 for tier in TIERS}
@@ -349,7 +357,7 @@ class StepModel:
                     buffers[tier][key] = max(buffers[tier].get(key, 0), nbytes)
         for tier in TIERS:
             per_rank[tier] += sum(buffers[tier].values())
-        per_rank["device"] += self.workload.activation_bytes
+        per_rank["device"] += self.activation_reserve
         ranks = self.profile.ranks
         need = {"device": per_rank["device"], "host": per_rank["host"] * ranks, "nvme": per_rank["nvme"] * ranks}
         if self.profile.unified:     # the device is host memory: one budget for both

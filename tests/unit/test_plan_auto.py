@@ -417,3 +417,38 @@ def test_a_placement_counts_its_slices():
                                                                (("nvme", "host"), 1))
     with pytest.raises(PlanError, match="must count its 3 slices"):
         Placement(3, ((("device", "device"), 2),))
+
+
+def test_auto_keeps_a_share_of_a_gpu_for_activations_it_cannot_know_yet():
+    """Resolved at Init, before any step: without ``activations.checkpoint_nbytes`` a quarter of a GPU's memory
+    is kept for activations (GPT 6.7B on an 80 GB GPU filled it with states to 82 GB, and the first forward's
+    9-12 GB would not have fit); given, the bytes given are kept instead. A CPU device keeps nothing apart."""
+    from infinity.plan.placement import ACTIVATION_SHARE
+
+    gpu = MachineProfile(**PROFILES["1x80GB"])
+    _, kept = resolve_auto(CFG, 6.7e9, machine=gpu)
+    assert kept.reserve_assumed and kept.activation_reserve == ACTIVATION_SHARE * 80e9
+    assert kept.chosen.need["device"] <= 80e9 and "GiB of device memory kept for activations" in kept.summary()
+    states = kept.chosen.need["device"] - kept.activation_reserve
+    assert states <= (1 - ACTIVATION_SHARE) * 80e9
+    given = load_config(CFG, overrides={"activations": {"checkpoint_nbytes": "2GB"}})
+    _, told = resolve_auto(given, 6.7e9, machine=gpu)
+    assert not told.reserve_assumed and told.activation_reserve == 2e9 and "kept for" not in told.summary()
+    assert told.chosen.need["device"] - 2e9 > states, "the room the reserve kept goes to states when told less"
+    offloaded = load_config(CFG, overrides={"activations": {"offload": "host"}})
+    assert resolve_auto(offloaded, 6.7e9, machine=gpu)[1].activation_reserve == 0
+    cpu = MachineProfile(**{**PROFILES["1x80GB"], "unified": True, "device_bytes": 0})
+    assert resolve_auto(CFG, 1.3e9, machine=cpu)[1].activation_reserve == 0
+    with pytest.raises(PlanError, match="activation_share"):
+        Workload(activation_share=1.0)
+
+
+def test_the_gpu_probe_counts_free_memory_and_this_process_allocators_unused_cache(monkeypatch):
+    import torch
+
+    from infinity.plan import probes
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (30e9, 80e9))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 12e9)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2e9)
+    assert probes._device_free_bytes() == 40e9     # another process's 40 GB and our live 2 GB are not ours
