@@ -120,8 +120,9 @@ def prediction_lines(prediction, auto=None) -> list[str]:
     lines.append(f"{'params':<8}{'optimizer':<11}{'fits':<6}{'step s':>10}  governed by")
     for c in auto.candidates:
         params, optimizer = c.placement.pair
-        lines.append(f"{params:<8}{optimizer:<11}{'yes' if c.fits else 'no':<6}{c.step_s:>10.3f}  "
-                     f"{_TERM_NAMES[c.governing]}")
+        # a tier with no measured rate (a disk without infinity-bench figures) takes "forever"
+        step = f"{c.step_s:>10.3f}" if c.step_s < 1e9 else f"{'no rate':>10}"
+        lines.append(f"{params:<8}{optimizer:<11}{'yes' if c.fits else 'no':<6}{step}  {_TERM_NAMES[c.governing]}")
     if p.placement.pair is None:
         lines.append("The optimizer states are split over tiers ([Note: optimizer states over tiers]): the "
                      "device share is stepped inside opt.step(), the rest as the uniform optimizer of its tier.")
