@@ -150,13 +150,15 @@ def machine_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tupl
     refresh : bool
         Probe again and replace the cached rates (a probe taken while other jobs loaded the machine
         reads it slower than it is; the disk rates are kept). A cached probe that recorded a load of
-        ``BUSY`` per core or more is taken again by itself once the load is lower, unless ``keep_busy``.
+        ``BUSY`` per core or more, or none (cached by an earlier version), is taken again by itself once the
+        load is lower, unless ``keep_busy``.
     """
     key = machine_key(device, dtype)
     data = _read_cache(cache) if cache is not None else {}
     entry = dict(data[key]) if isinstance(data.get(key), dict) else None     # a copy: compared with the cached one
     load = load_per_core()
-    busy_then = not keep_busy and entry is not None and float(entry.get("load_per_core", 0.0)) >= BUSY > load
+    # A probe cached before probes recorded their load is as doubtful as a busy one (the one that read 5x low had none).
+    busy_then = not keep_busy and entry is not None and float(entry.get("load_per_core", BUSY)) >= BUSY > load
     if refresh or busy_then or entry is None or not isinstance(entry.get("rates"), dict):
         entry = {**(entry or {}), "rates": probe_rates(device, dtype, seconds),
                  "probed": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_per_core": round(load, 2)}

@@ -328,7 +328,7 @@ def test_probes_are_cached_per_machine_and_take_the_disk_from_a_bench_file(tmp_p
     rates = {"h2d_gbps": 7.0, "d2h_gbps": 6.0, "host_memory_gbps": 11.0, "host_adam_params_per_s": 3e8,
              "device_flops": 5e10, "device_update_params_per_s": 3e8}
     key = probes.machine_key("cpu", "bfloat16")
-    cache.write_text(json.dumps({key: {"rates": rates}, "another box | cpu": {"rates": {}}}))
+    cache.write_text(json.dumps({key: {"rates": rates, "load_per_core": 0.1}, "another box | cpu": {"rates": {}}}))
 
     def no_probing(*args, **kwargs):
         raise AssertionError("a cached machine was probed again")
@@ -377,6 +377,12 @@ def test_a_probe_taken_on_a_busy_machine_is_taken_again_once_it_is_quiet(tmp_pat
     assert calls == [0.9, 0.1] and again.host_adam_params_per_s == 2e9 and again.device_flops == 1.7e11
     assert probes.machine_profile("cpu", "bfloat16", cache=cache).host_adam_params_per_s == 2e9
     assert calls == [0.9, 0.1], "a probe taken on a quiet machine is kept"
+    key = probes.machine_key("cpu", "bfloat16")
+    old = json.loads(cache.read_text())
+    del old[key]["load_per_core"]       # cached before probes recorded their load
+    cache.write_text(json.dumps(old))
+    assert probes.machine_profile("cpu", "bfloat16", cache=cache).host_adam_params_per_s == 2e9
+    assert calls == [0.9, 0.1, 0.1] and json.loads(cache.read_text())[key]["load_per_core"] == 0.1
 
 
 def test_the_cached_profile_is_read_without_probing_or_is_none(tmp_path, monkeypatch):
