@@ -287,15 +287,18 @@ class GradFace:
         # user code calls] in infinity/runtime/ranks.py.
         what = f"the {p:g}-norm of engine gradients (param.grad.norm(), clip_grad_norm_)"
         engine.ranks.arrive(what)
-        settle_reduces = engine.reducer.reduces_on_settle
-        if settle_reduces:      # stage 1: settling reduce-scatters, which every rank must reach
+        # Stage 1 (world > 1): settling reduce-scatters the whole gradients, which no rank may skip because its
+        # close of a backward cut short failed: that close agrees first. At stages 2-3 closing is rank-local,
+        # unless the backward was cut short before its end's collectives, on every rank, which then all issue
+        # them in the same order here. A failure after the collectives rides on the norm's own all-reduce.
+        defers = engine.reducer.defer
+        if defers:
             _close_backward_together(engine, what)
-            engine.reducer.settle()
 
-        def local() -> torch.Tensor:    # a failure here rides on the norm's own all-reduce
-            if not settle_reduces:      # stages 2-3: closing and settling are rank-local
+        def local() -> torch.Tensor:
+            if not defers:
                 engine.recover_aborted_backward()
-                engine.reducer.settle()
+            engine.reducer.settle()
             return self._local_norms(p)
 
         part = engine.ranks.reduce_together(what, local, len(self.slots), "max" if math.isinf(p) else "sum")

@@ -481,9 +481,8 @@ class GradReducer:
 
     @property
     def reduces_on_settle(self) -> bool:
-        """Whether ``settle()`` may issue collectives (stage 1 at world > 1: the whole gradients not reduced
-        yet). The same on every rank, whatever each holds, so that a branch on it is taken by all together."""
-        return self.defer
+        """Whether ``settle()`` would issue collectives (stage 1's whole gradients, not reduced yet)."""
+        return bool(self._waiting)
 
     def settle(self, wait: bool = True, reduce: bool = True, drop: bool = False) -> None:
         """Add the downloaded shards whose copies are done into the store (all of them, with ``wait``).

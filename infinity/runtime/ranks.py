@@ -38,8 +38,10 @@ tells every rank whether any failed, and all raise together, so the recovery an
 error advises (``infinity.load_checkpoint`` on every rank) can run. Refusals between the step's
 agreement and its exchange (no gradients, stray ``.grad`` tokens) ride on the exchange's own
 all-reduce instead (``GradientChecks.exchange(failed=...)``), and a gradient norm's rank-local
-part (reading the stored shards; at stages 2-3 closing a backward cut short too) on the norm's
-(``Ranks.reduce_together``): no collective added for the agreement.
+part (settling and reading the stored shards; at stages 2-3 closing a backward whose end failed
+after its collectives too) on the norm's (``Ranks.reduce_together``): no collective added for the
+agreement. (A failure between two collectives, part-way through a sequence of reduce-scatters,
+still parts the ranks: no agreement after it can reach a rank waiting in the next one.)
 
 [Note: collectives user code calls]
 Some engine operations are collectives that a user may well call on one rank only, as with

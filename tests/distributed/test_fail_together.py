@@ -157,9 +157,10 @@ def test_a_gradient_norm_taken_on_one_rank_says_so_and_issues_no_collective(tmp_
     assert max(worst0, worst1) <= 1e-5, (worst0, worst1)
 
 
-def _norm_read_fails_on_one_rank(rank, world, workdir, stage):
-    """Rank 1's read of a stored gradient shard fails inside ``clip_grad_norm_`` (tier I/O, rank-local); then every
-    rank takes the norm again and steps. Returns what each call said, the collectives the failed norm issued, and
+def _norm_read_fails_on_one_rank(rank, world, workdir, stage, where):
+    """Rank 1's read of a stored gradient shard (``where`` "read_state_shard"), or its settling of the gradients
+    after stage 1's reduce-scatters ("settle": the data path's wait for their writes), fails inside
+    ``clip_grad_norm_`` (rank-local); then every rank takes the norm again and steps. Returns what each call said, the collectives the failed norm issued, and
     the largest difference from plain torch (norms and weights)."""
     from infinity.registry import engine_of
 
@@ -180,7 +181,8 @@ def _norm_read_fails_on_one_rank(rank, world, workdir, stage):
         model(idx[2 * rank:2 * rank + 2], tgt[2 * rank:2 * rank + 2]).backward()
         ref(idx, tgt).backward()
         if i == 1:
-            undo = _fail_on(rank, engine.store, "read_state_shard")
+            undo = _fail_on(rank, engine.store, where) if where == "read_state_shard" else \
+                _fail_on(rank, engine.datapath, where)
             before = engine.ranks.comm.calls_so_far()
             try:
                 said = _outcome(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5), Cut)
@@ -201,14 +203,14 @@ def _norm_read_fails_on_one_rank(rank, world, workdir, stage):
     return said, issued, worst
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_gradient_norm_whose_read_fails_on_one_rank_fails_on_every_rank(tmp_path, stage):
-    """The read of a gradient shard fails on rank 1 alone: its failure rides on the norm's own all-reduce, so rank
-    0 raises too instead of waiting in that all-reduce for ever; called again, the norm is torch's. At stages 2-3
-    the norm issues that one all-reduce and nothing more."""
+@pytest.mark.parametrize("stage, where", [(1, "read_state_shard"), (3, "read_state_shard"), (1, "settle")])
+def test_a_gradient_norm_whose_read_fails_on_one_rank_fails_on_every_rank(tmp_path, stage, where):
+    """The read of a gradient shard, or stage 1's settling after its reduce-scatters, fails on rank 1 alone: its
+    failure rides on the norm's own all-reduce, so rank 0 raises too instead of waiting in that all-reduce for
+    ever; called again, the norm is torch's. At stages 2-3 the norm issues that one all-reduce and nothing more."""
     (said0, issued0, worst0), (said1, issued1, worst1) = run_ranks(
-        _norm_read_fails_on_one_rank, 2, tmp_path, stage, collective_timeout=60)
-    assert said1 == "own: rank 1: injected failure in read_state_shard", said1
+        _norm_read_fails_on_one_rank, 2, tmp_path, stage, where, collective_timeout=60)
+    assert said1 == f"own: rank 1: injected failure in {where}", said1
     assert said0.startswith("other: rank 0: rank(s) [1] failed in the 2-norm of engine gradients"), said0
     assert issued0 == issued1 and (stage == 1 or issued0 == 1), (issued0, issued1)
     assert max(worst0, worst1) <= 1e-5, (worst0, worst1)
