@@ -16,6 +16,7 @@ the problem, no traceback unless ``--debug``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -176,15 +177,13 @@ def _prediction_inputs(args: argparse.Namespace, config) -> dict:
     """``machine`` and ``workload`` for ``plan``: the profile file, or this machine probed (``--probe``; "auto"
     tiers probe without it), and the tokens and recompute of ``--tokens`` / ``--recompute``."""
     from infinity.plan import PlanError, resolve_config
-    from infinity.plan.machine import Workload
     from infinity.plan.placement import default_workload
 
     if args.machine and (args.probe or args.reprobe):
         raise PlanError("give --machine or --probe/--reprobe, not both")
     cfg = resolve_config(config)
     try:
-        workload = Workload(tokens=args.tokens, recompute=args.recompute,
-                            activation_bytes=default_workload(cfg).activation_bytes)
+        workload = dataclasses.replace(default_workload(cfg), tokens=args.tokens, recompute=args.recompute)
     except PlanError as exc:
         raise PlanError(f"--tokens: {exc}") from None
     if args.machine:

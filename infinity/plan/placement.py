@@ -31,7 +31,9 @@ not known yet (it depends on the batch, the sequence and the checkpointing the t
 Counted as nothing, the placement fills a GPU with states and the first forward runs out of memory
 (GPT 6.7B on an 80 GB H100 at 2 x 1024 tokens: states and buffers chosen at 82 GB, activations 9-12 GB
 more). So where ``activations.checkpoint_nbytes`` is not given and activations stay on the device,
-``ACTIVATION_SHARE`` (a quarter) of the GPU's free memory is kept for them, and the decision says so;
+``ACTIVATION_SHARE`` (a quarter) of the GPU's free memory is kept for them, and the decision says so
+(free memory: another process's share is not ours; on several ranks rank 0 decides for the GPU with the
+least free, ``least_free_device_bytes``);
 ``activations.checkpoint_nbytes`` (the measured ``infinity.stats(model)["activations"]
 ["checkpoint_nbytes"]`` of an earlier run, or an estimate) replaces it. A CPU "device" is host memory,
 whose budget is what the machine has available: nothing is set aside there.
@@ -231,6 +233,11 @@ def decide(model: StepModel, params: str = AUTO, optimizer: str = AUTO,
         chosen = uniform    # a split must be worth its second tier (see [Note: auto placement])
     if chosen is None:
         lines = [f"  {p.placement.describe()}: " + "; ".join(p.shortfalls()) for p in candidates]
+        wl = model.workload
+        if not wl.activation_bytes and model.activation_reserve:
+            lines.append(f"  (each device need counts {model.activation_reserve / 2**30:.1f} GiB kept for "
+                         f"activations, a {wl.activation_share:g} share of the device's free memory: "
+                         "activations.checkpoint_nbytes says how much a step holds)")
         raise PlanError("tiers \"auto\": no placement fits this machine "
                         f"({model.profile.name}):\n" + "\n".join(lines))
     split = best_split(model, slices) if params == optimizer == AUTO else None
@@ -284,11 +291,13 @@ def resolve_auto(cfg: "Config", model: object, *, world_size: int = 1, local_ran
 
 def default_workload(cfg: "Config") -> Workload:
     """``Workload()`` with ``activations.checkpoint_nbytes`` taking device memory when activations stay there,
-    or, not given, ``ACTIVATION_SHARE`` of a GPU's (see [Note: activations before the first step])."""
+    or, not given and tiers "auto" to decide, ``ACTIVATION_SHARE`` of a GPU's (see [Note: activations before
+    the first step]; tiers given are planned as they are, their fit counting what the config says)."""
     if cfg.activations.offload != "none":
         return Workload()
     given = int(cfg.activations.checkpoint_nbytes)
-    return Workload(activation_bytes=given, activation_share=0.0 if given else ACTIVATION_SHARE)
+    deciding = AUTO in (cfg.tiers.params, cfg.tiers.optimizer)
+    return Workload(activation_bytes=given, activation_share=ACTIVATION_SHARE if deciding and not given else 0.0)
 
 
 def predict_configured(cfg: "Config", census, world_size: int, local_ranks: int, machine: object,
@@ -328,8 +337,18 @@ def resolve_at_init(cfg: "Config", model: object, machine: object, group=None) -
     rank = dist.get_rank(group) if distributed else 0
     key = "tiers.params" if cfg.tiers.params == AUTO else "tiers.optimizer"
     outcome: tuple = ("error", "auto placement was not decided on rank 0")
+    device = None
+    if world > 1 and dist.get_backend(group) == "nccl":   # this rank's GPU, not whatever device is current
+        import torch
+
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    # Each rank's GPU may have another share free (another process on it): rank 0 decides for the least.
+    on_gpu = device is not None and machine is None and cfg.tiers.compute_device() == "cuda"
+    least_free = least_free_device_bytes(group, device) if on_gpu else None
     if rank == 0:
         try:
+            if least_free is not None:
+                machine = dataclasses.replace(_machine(cfg, None, _local_ranks(world)), device_bytes=least_free)
             resolved, decision = resolve_auto(cfg, model, world_size=world, local_ranks=_local_ranks(world),
                                               machine=machine)
             outcome = ("ok", {key: getattr(resolved.tiers, key) for key in _DECIDED}, decision)
@@ -339,11 +358,6 @@ def resolve_at_init(cfg: "Config", model: object, machine: object, group=None) -
             outcome = ("error", f"auto placement failed on rank 0: {exc!r}")
     if world > 1:
         box = [outcome]
-        device = None
-        if dist.get_backend(group) == "nccl":   # this rank's GPU, not whatever device the thread has current
-            import torch
-
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0,
                                    group=group, device=device)
         outcome = box[0]
@@ -355,6 +369,28 @@ def resolve_at_init(cfg: "Config", model: object, machine: object, group=None) -
 
     logging.getLogger("infinity").info("%s", decision.summary())
     return resolved, decision
+
+
+def least_free_device_bytes(group, device) -> float | None:
+    """The least GPU memory free on any rank of ``group`` (one all-reduce on ``device``, every rank calls it);
+    None when some rank could not read its own."""
+    import torch
+    import torch.distributed as dist
+
+    from infinity.plan.probes import device_free_bytes
+
+    try:
+        if device is not None and device.type == "cuda":
+            with torch.cuda.device(device):
+                free = device_free_bytes()
+        else:
+            free = device_free_bytes()
+    except Exception:       # said by the decision's own probe on rank 0; here every rank must still reduce
+        free = -1.0
+    least = torch.tensor([free], dtype=torch.float64, device=device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=group)
+    value = float(least.item())
+    return value if value >= 0 else None
 
 
 def _local_ranks(world: int) -> int:
@@ -375,5 +411,5 @@ def resolve_tiers(cfg: "Config", decision: AutoDecision) -> "Config":
 
 
 __all__ = ["AUTO", "AutoDecision", "all_placements", "allowed_cells", "best_runnable", "best_split", "best_uniform",
-           "decide", "default_workload", "fits", "predict_configured", "resolve_at_init", "resolve_auto",
-           "resolve_tiers", "runnable", "runnable_placements", "uniform_predictions"]
+           "decide", "default_workload", "fits", "least_free_device_bytes", "predict_configured", "resolve_at_init",
+           "resolve_auto", "resolve_tiers", "runnable", "runnable_placements", "uniform_predictions"]

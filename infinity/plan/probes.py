@@ -78,7 +78,7 @@ def _timed(fn, seconds: float, sync=lambda: None) -> float:
     return best
 
 
-def _device_free_bytes() -> float:
+def device_free_bytes() -> float:
     """The current GPU's memory this process can still use: free on the device, and what its own caching
     allocator holds reserved but unused (another process's, and the CUDA context, are not ours)."""
     free, _ = torch.cuda.mem_get_info()
@@ -171,7 +171,7 @@ def machine_profile(device: str, dtype: str, *, ranks: int = 1, nvme_paths: tupl
     import psutil
 
     host = float(host_budget or psutil.virtual_memory().available)
-    device_bytes = _device_free_bytes() if device == "cuda" and torch.cuda.is_available() else 0.0
+    device_bytes = device_free_bytes() if device == "cuda" and torch.cuda.is_available() else 0.0
     disk = entry.get("disk") or {}
     nvme = float(sum(shutil.disk_usage(p).free for p in nvme_paths if os.path.isdir(p))) if disk else 0.0
     return MachineProfile(

@@ -107,3 +107,23 @@ def test_every_rank_runs_rank_0s_split_of_the_optimizer_states(tmp_path):
     assert ran0 == ran1 == tuple(own0.values()) and decided0 == decided1 == own0
     assert kinds0 == kinds1 == ["device", "host"]
     assert all(torch.isfinite(torch.tensor(losses1)))
+
+
+def _least_free(rank, world, workdir, fails):
+    from infinity.plan import placement, probes
+
+    def free() -> float:
+        if fails and rank == 1:
+            raise RuntimeError("CUDA error: unknown (injected)")
+        return (40e9, 25e9)[rank]      # another process holds part of rank 1's GPU
+
+    probes.device_free_bytes = free
+    return placement.least_free_device_bytes(None, None)
+
+
+def test_auto_decides_for_the_gpu_with_the_least_free_memory(tmp_path):
+    """Rank 0 decides for every rank: with its own GPU's free memory it would place states that do not fit a rank
+    whose GPU another process shares. Every rank reads its own and rank 0 gets the least (None when one rank
+    cannot read its own; that rank must still take part, or the others would wait in the all-reduce)."""
+    assert run_ranks(_least_free, 2, tmp_path, False) == [25e9, 25e9]
+    assert run_ranks(_least_free, 2, tmp_path, True) == [None, None]

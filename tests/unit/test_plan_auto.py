@@ -12,7 +12,7 @@ from infinity.config import ConfigError, load_config
 from infinity.plan import PlanError, plan
 from infinity.plan.census import ModelCensus
 from infinity.plan.machine import MachineProfile, Workload
-from infinity.plan.placement import best_split, decide, resolve_auto
+from infinity.plan.placement import best_split, decide, default_workload, resolve_auto
 from infinity.plan.shapes import KNOWN_SHAPES, known_census
 from infinity.plan.step_model import PAIRS, RESOURCES, TIERS, Placement, StepModel
 
@@ -307,11 +307,16 @@ def test_infinity_plan_prints_the_placement_phases_and_governing_term(capsys, tm
     assert main(["model", "--params", "7B", "--config", "auto", "--set", "tiers.nvme_path=/nonexistent/x",
                  "--machine", str(box), "--tokens", "8192", "--no-check"]) == 0
     out = capsys.readouterr().out
+    # as Init("auto") decides: a quarter of the GPU kept for activations not given
     decision = decide(StepModel(ModelCensus.from_num_params(7 * 10**9), CFG, 1, MachineProfile(**PROFILES["1x24GB"]),
-                                Workload(tokens=8192)), slices=16)
+                                Workload(tokens=8192, activation_share=0.25)), slices=16)
     assert f"Placement: {decision.chosen.placement.describe()} (tiers \"auto\")" in out
     assert f"Predicted step: {decision.chosen.step_s:.3f} s" in out
     assert "governed by" in out and out.count("\n") > 20
+    assert "5.6 GiB of device memory kept for activations" in out
+    assert main(["model", "--params", "7B", "--config", "auto", "--set", "tiers.nvme_path=/nonexistent/x",
+                 "--machine", str(box), "--activation-bytes", "2GiB", "--no-check"]) == 0
+    assert "kept for activations" not in capsys.readouterr().out
     # A fixed preset with a profile: the same lines, without the candidates.
     assert main(["model", "--params", "7B", "--config", "offload-host", "--machine", str(box), "--no-check",
                  "--json"]) == 0
@@ -447,6 +452,10 @@ def test_auto_keeps_a_share_of_a_gpu_for_activations_it_cannot_know_yet():
     assert resolve_auto(CFG, 1.3e9, machine=cpu)[1].activation_reserve == 0
     with pytest.raises(PlanError, match="activation_share"):
         Workload(activation_share=1.0)
+    # tiers given are planned as they are: their fit counts what the config says, nothing guessed
+    assert default_workload(load_config("offload-host")).activation_share == 0
+    with pytest.raises(PlanError, match=r"(?s)no placement fits.*18\.6 GiB kept for activations, a 0\.25 share"):
+        resolve_auto(load_config("auto"), known_census("llama-70b"), machine=gpu)
 
 
 def test_the_gpu_probe_counts_free_memory_and_this_process_allocators_unused_cache(monkeypatch):
@@ -457,4 +466,4 @@ def test_the_gpu_probe_counts_free_memory_and_this_process_allocators_unused_cac
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (30e9, 80e9))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 12e9)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2e9)
-    assert probes._device_free_bytes() == 40e9     # another process's 40 GB and our live 2 GB are not ours
+    assert probes.device_free_bytes() == 40e9     # another process's 40 GB and our live 2 GB are not ours
