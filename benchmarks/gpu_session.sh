@@ -74,7 +74,7 @@ phase() {   # phase NAME SECONDS COMMAND...: run it bounded, keep its output, sa
   local t0=$SECONDS start
   echo "===== $name (bound $limit s): $*" >>"$log"
   start=$(stat -c %s "$log")
-  timeout "$limit" "$@" >>"$log" 2>&1
+  timeout -k 10 "$limit" "$@" >>"$log" 2>&1   # -k: a child that ignores SIGTERM is killed 10 s later
   local rc=$? part
   part=$(tail -c +"$((start + 1))" "$log" | tail -n 15)
   echo "== $name: exit $rc after $((SECONDS - t0)) s (bound $limit s)" | tee -a "$log"
