@@ -23,6 +23,14 @@ tier are read and the differences become one record in ``engine.step_stats``
   that had to be fetched (not persistent, not already gathered for another user),
   how many the prefetcher had read or gathered ahead, or kept for reuse; ``late``
   counts the hits whose read was still in flight when asked for;
+- ``device_peak_over_start`` (a GPU only): the most device memory the step allocated above
+  what was allocated when it began (activations, and the step's gathered parameters and
+  gradient buckets), read from CUDA's peak counter without resetting it (a user's
+  ``torch.cuda.max_memory_allocated()`` stays theirs); None where an earlier, higher peak
+  hides the step's. After the first step of tiers "auto" chosen without
+  ``activations.checkpoint_nbytes``, the ``infinity`` logger says how it compares with the
+  share of the device the choice kept for activations ([Note: activations before the first
+  step] in infinity/plan/placement.py);
 - ``tiers``: bytes read and written per tier in the step's wall time and the rates
   achieved over it (decimal GB/s), plus ``bytes_read`` / ``bytes_written`` / ``GBps``
   summed over tiers. An overlapped update runs across the boundary, so these bytes
@@ -38,6 +46,7 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
 from torch import nn
 
 from infinity import registry
@@ -67,6 +76,7 @@ class StepTelemetry:
         self.logger = logger or logging.getLogger("infinity")
         self.step: int | None = None
         self.last: dict | None = None
+        self._memory0: tuple[int, int] | None = None
         self._t0 = 0.0
         self._fetch0: dict = {}
         self._tiers0: dict = {}
@@ -105,6 +115,7 @@ class StepTelemetry:
         self._reset_counts()
         self._fetch0 = self._fetch_counters()
         self._tiers0 = self._tier_counters()
+        self._memory0 = device_memory(self.engine.datapath)
         self._t0 = time.perf_counter()
 
     def end_step(self, extra: dict | None = None) -> dict | None:
@@ -122,7 +133,26 @@ class StepTelemetry:
             del records[:-MAX_RECORDS]
         if self.log_every and (record["step"] + 1) % self.log_every == 0:
             self.logger.info(summary_line(record))
+        if record["step"] == 0:
+            self._weigh_the_reserve(record)
         return record
+
+    def _weigh_the_reserve(self, record: dict) -> None:
+        """After the first step: the device memory it took against what "auto" kept for activations."""
+        decision, peak = self.engine.placement, record.get("device_peak_over_start")
+        if decision is None or not decision.reserve_assumed or peak is None:
+            return
+        kept, gib = decision.activation_reserve, 2**30
+        if peak > kept:
+            self.logger.warning(
+                f"infinity: the first step took {peak / gib:.1f} GiB of device memory above its start, more than the "
+                f"{kept / gib:.1f} GiB that tiers \"auto\" kept for activations: a larger batch may run out of device "
+                f"memory; give activations.checkpoint_nbytes = {int(peak)} so that the placement leaves room for them")
+        elif peak < kept / 2:
+            self.logger.info(
+                f"infinity: tiers \"auto\" kept {kept / gib:.1f} GiB of device memory for activations and the first "
+                f"step took {peak / gib:.1f} GiB above its start: with activations.checkpoint_nbytes = {int(peak)} "
+                "the placement may put more states on the device")
 
     def current(self) -> dict | None:
         """The running step's figures so far (None between steps)."""
@@ -175,8 +205,19 @@ class StepTelemetry:
             "GBps": (total_read + total_written) / seconds / GB,
             "tiers": tiers,
         }
+        if self._memory0 is not None:
+            allocated0, peak0 = self._memory0
+            _, peak = device_memory(self.engine.datapath)
+            record["device_peak_over_start"] = peak - allocated0 if peak > peak0 else None
         record.update(extra)
         return record
+
+
+def device_memory(datapath) -> tuple[int, int] | None:
+    """``(allocated, peak allocated)`` bytes on the engine's GPU; None on a CPU device."""
+    if not datapath.is_cuda:
+        return None
+    return torch.cuda.memory_allocated(datapath.device), torch.cuda.max_memory_allocated(datapath.device)
 
 
 def summary_line(record: dict) -> str:

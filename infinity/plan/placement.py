@@ -34,8 +34,10 @@ more). So where ``activations.checkpoint_nbytes`` is not given and activations s
 ``ACTIVATION_SHARE`` (a quarter) of the GPU's free memory is kept for them, and the decision says so
 (free memory: another process's share is not ours; on several ranks rank 0 decides for the GPU with the
 least free, ``least_free_device_bytes``);
-``activations.checkpoint_nbytes`` (the measured ``infinity.stats(model)["activations"]
-["checkpoint_nbytes"]`` of an earlier run, or an estimate) replaces it. A CPU "device" is host memory,
+``activations.checkpoint_nbytes`` replaces it: an estimate, or measured in the first step, after which
+the ``infinity`` logger compares the device memory the step took above its start (``infinity.stats(model)
+["steps"][0]["device_peak_over_start"]``, which counts the step's gathered parameters and gradient
+buckets too, so it errs on the large side) with what was kept, and gives the figure for the next run. A CPU "device" is host memory,
 whose budget is what the machine has available: nothing is set aside there.
 
 Ties go to the placement with fewer bytes off the device (device before host before NVMe). A split of

@@ -135,6 +135,7 @@ class Engine:
             self._arrivals.by_call = several and config.partition.stage == 3   # [Note: handed over at the call's end]
             self._holds = BackwardHolds(self.coordinator, self._arrivals.armed)     # frozen groups' release in backward
             self.step_stats: list[dict] = []
+            self.placement = None     # what tiers "auto" chose (infinity.plan.placement.AutoDecision), or None
             self.grad_face: GradFace | None = None      # what torch sees as .grad (made in finalize)
             self.loss_scaler = LossScaler.for_precision(config.precision)     # fp16 only
             self._at_collection: list[weakref.finalize] = []    # what the model's collection undoes

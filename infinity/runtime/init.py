@@ -169,6 +169,7 @@ class Init:
                 getattr(c.__dict__.get("__init__"), "infinity_init", False) for c in (nn.Linear,)):
             raise RuntimeError("infinity.Init is already active; nested Init contexts are not supported")
         self.engine = Engine(self.config, self.group, resume=self.resume)
+        self.engine.placement = self.placement
         try:
             self.partitioner = Partitioner(self.engine)
             self._gate = _Gate(self._build)     # one per entry: an exited context's wrappers keep theirs, emptied
