@@ -23,11 +23,12 @@ tier are read and the differences become one record in ``engine.step_stats``
   that had to be fetched (not persistent, not already gathered for another user),
   how many the prefetcher had read or gathered ahead, or kept for reuse; ``late``
   counts the hits whose read was still in flight when asked for;
-- ``device_peak_over_start`` (a GPU only): the most device memory the step allocated above
-  what was allocated when it began (activations, and the step's gathered parameters and
-  gradient buckets), read from CUDA's peak counter without resetting it (a user's
-  ``torch.cuda.max_memory_allocated()`` stays theirs); None where an earlier, higher peak
-  hides the step's. After the first step of tiers "auto" chosen without
+- ``device_transient_peak`` (a GPU only): the most device memory the step held above what
+  stayed allocated after it (activations, and whatever else it freed by its end; buffers it
+  made and kept, such as stage 1's whole gradients, are not counted), read from CUDA's peak
+  counter without resetting it (a user's ``torch.cuda.max_memory_allocated()`` stays
+  theirs); None where an earlier, higher peak hides the step's. After the first training
+  step (the first record closed after an optimizer step) of tiers "auto" chosen without
   ``activations.checkpoint_nbytes``, the ``infinity`` logger says how it compares with the
   share of the device the choice kept for activations ([Note: activations before the first
   step] in infinity/plan/placement.py);
@@ -77,6 +78,7 @@ class StepTelemetry:
         self.step: int | None = None
         self.last: dict | None = None
         self._memory0: tuple[int, int] | None = None
+        self._weighed = False       # the first training step was weighed against "auto"'s guess
         self._t0 = 0.0
         self._fetch0: dict = {}
         self._tiers0: dict = {}
@@ -133,26 +135,31 @@ class StepTelemetry:
             del records[:-MAX_RECORDS]
         if self.log_every and (record["step"] + 1) % self.log_every == 0:
             self.logger.info(summary_line(record))
-        if record["step"] == 0:
+        optimizer = self.engine.optimizer
+        if not self._weighed and optimizer is not None and optimizer.step_count >= 1:
+            self._weighed = True    # the first training step: forwards before the optimizer (eval, generate) are not
             self._weigh_the_reserve(record)
         return record
 
     def _weigh_the_reserve(self, record: dict) -> None:
-        """After the first step: the device memory it took against what "auto" kept for activations."""
-        decision, peak = self.engine.placement, record.get("device_peak_over_start")
+        """After the first training step: the device memory it held against what "auto" kept for activations."""
+        decision, peak = self.engine.placement, record.get("device_transient_peak")
         if decision is None or not decision.reserve_assumed or peak is None:
             return
         kept, gib = decision.activation_reserve, 2**30
+        ranks = self.engine.ranks
+        who = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""
         if peak > kept:
             self.logger.warning(
-                f"infinity: the first step took {peak / gib:.1f} GiB of device memory above its start, more than the "
-                f"{kept / gib:.1f} GiB that tiers \"auto\" kept for activations: a larger batch may run out of device "
-                f"memory; give activations.checkpoint_nbytes = {int(peak)} so that the placement leaves room for them")
-        elif peak < kept / 2:
+                f"infinity: {who}the first training step held {peak / gib:.1f} GiB of device memory above what it "
+                f"kept, more than the {kept / gib:.1f} GiB that tiers \"auto\" kept for activations: a larger batch "
+                f"may run out of device memory; give activations.checkpoint_nbytes = {int(peak)} so that the "
+                "placement leaves room for them")
+        elif peak < kept / 2 and ranks.rank == 0:
             self.logger.info(
                 f"infinity: tiers \"auto\" kept {kept / gib:.1f} GiB of device memory for activations and the first "
-                f"step took {peak / gib:.1f} GiB above its start: with activations.checkpoint_nbytes = {int(peak)} "
-                "the placement may put more states on the device")
+                f"training step held {peak / gib:.1f} GiB above what it kept: with activations.checkpoint_nbytes = "
+                f"{int(peak)} the placement may put more states on the device")
 
     def current(self) -> dict | None:
         """The running step's figures so far (None between steps)."""
@@ -206,9 +213,9 @@ class StepTelemetry:
             "tiers": tiers,
         }
         if self._memory0 is not None:
-            allocated0, peak0 = self._memory0
-            _, peak = device_memory(self.engine.datapath)
-            record["device_peak_over_start"] = peak - allocated0 if peak > peak0 else None
+            _, peak0 = self._memory0
+            allocated, peak = device_memory(self.engine.datapath)
+            record["device_transient_peak"] = peak - allocated if peak > peak0 else None
         record.update(extra)
         return record
 

@@ -290,7 +290,8 @@ class GradFace:
         # Stage 1 (world > 1): settling reduce-scatters the whole gradients, which no rank may skip because its
         # close of a backward cut short failed: that close agrees first. At stages 2-3 closing is rank-local,
         # unless the backward was cut short before its end's collectives, on every rank, which then all issue
-        # them in the same order here. A failure after the collectives rides on the norm's own all-reduce.
+        # them in the same order here. A failure after the collectives rides on the norm's own all-reduce (one
+        # before or between them still parts the ranks: [Note: failing together] in infinity/runtime/ranks.py).
         defers = engine.reducer.defer
         if defers:
             _close_backward_together(engine, what)
@@ -356,7 +357,9 @@ class GradFace:
         # (the others clear theirs), and a norm read from them would skip the collectives the others issue.
         self._norms.clear()
         what = "a change of engine gradients (param.grad.clamp_(), clip_grad_value_)"
-        if engine.reducer.reduces_on_settle:     # stage 1: settling reduce-scatters
+        # Stage 1's whole gradients waiting reduce-scatter when settled, and a backward cut short reduces what it
+        # took when closed: collectives, which every rank must reach together.
+        if engine.reducer.reduces_on_settle or engine.backward_running:
             engine.ranks.arrive(what)
             _close_backward_together(engine, what)
         else:       # all of it rank-local: a failure here reaches the others at the step's agreement

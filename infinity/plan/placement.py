@@ -35,9 +35,10 @@ more). So where ``activations.checkpoint_nbytes`` is not given and activations s
 (free memory: another process's share is not ours; on several ranks rank 0 decides for the GPU with the
 least free, ``least_free_device_bytes``);
 ``activations.checkpoint_nbytes`` replaces it: an estimate, or measured in the first step, after which
-the ``infinity`` logger compares the device memory the step took above its start (``infinity.stats(model)
-["steps"][0]["device_peak_over_start"]``, which counts the step's gathered parameters and gradient
-buckets too, so it errs on the large side) with what was kept, and gives the figure for the next run. A CPU "device" is host memory,
+the ``infinity`` logger compares the device memory the first training step held above what it kept
+(its record's ``device_transient_peak`` in ``infinity.stats(model)["steps"]``: activations, and the
+gathered parameters and gradient buckets it freed, so it errs on the large side) with what was kept,
+and gives the figure for the next run. A CPU "device" is host memory,
 whose budget is what the machine has available: nothing is set aside there.
 
 Ties go to the placement with fewer bytes off the device (device before host before NVMe). A split of
@@ -339,14 +340,12 @@ def resolve_at_init(cfg: "Config", model: object, machine: object, group=None) -
     rank = dist.get_rank(group) if distributed else 0
     key = "tiers.params" if cfg.tiers.params == AUTO else "tiers.optimizer"
     outcome: tuple = ("error", "auto placement was not decided on rank 0")
-    device = None
-    if world > 1 and dist.get_backend(group) == "nccl":   # this rank's GPU, not whatever device is current
-        import torch
-
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    nccl = world > 1 and dist.get_backend(group) == "nccl"
+    on_gpu = world > 1 and cfg.tiers.compute_device() == "cuda"
+    gpu = _rank_gpu() if nccl or on_gpu else None
+    device = gpu if nccl else None      # what the collectives below carry their tensors on
     # Each rank's GPU may have another share free (another process on it): rank 0 decides for the least.
-    on_gpu = device is not None and machine is None and cfg.tiers.compute_device() == "cuda"
-    least_free = least_free_device_bytes(group, device) if on_gpu else None
+    least_free = least_free_device_bytes(group, gpu, device) if on_gpu and machine is None else None
     if rank == 0:
         try:
             if least_free is not None:
@@ -373,17 +372,27 @@ def resolve_at_init(cfg: "Config", model: object, machine: object, group=None) -
     return resolved, decision
 
 
-def least_free_device_bytes(group, device) -> float | None:
-    """The least GPU memory free on any rank of ``group`` (one all-reduce on ``device``, every rank calls it);
-    None when some rank could not read its own."""
+def _rank_gpu():
+    """This rank's GPU: ``LOCAL_RANK``'s where the process sees several, else the current one (one visible
+    device per process, ``CUDA_VISIBLE_DEVICES`` set per rank), as the engine's device check takes it."""
+    import torch
+
+    local = os.environ.get("LOCAL_RANK", "")
+    index = int(local) if local.isdigit() and int(local) < torch.cuda.device_count() else torch.cuda.current_device()
+    return torch.device("cuda", index)
+
+
+def least_free_device_bytes(group, gpu, device=None) -> float | None:
+    """The least memory free on the ranks' GPUs (``gpu``: this rank's), in one all-reduce on ``device`` (None:
+    the CPU) that every rank of ``group`` calls; None when some rank could not read its own."""
     import torch
     import torch.distributed as dist
 
     from infinity.plan.probes import device_free_bytes
 
     try:
-        if device is not None and device.type == "cuda":
-            with torch.cuda.device(device):
+        if gpu is not None:
+            with torch.cuda.device(gpu):
                 free = device_free_bytes()
         else:
             free = device_free_bytes()

@@ -40,8 +40,9 @@ agreement and its exchange (no gradients, stray ``.grad`` tokens) ride on the ex
 all-reduce instead (``GradientChecks.exchange(failed=...)``), and a gradient norm's rank-local
 part (settling and reading the stored shards; at stages 2-3 closing a backward whose end failed
 after its collectives too) on the norm's (``Ranks.reduce_together``): no collective added for the
-agreement. (A failure between two collectives, part-way through a sequence of reduce-scatters,
-still parts the ranks: no agreement after it can reach a rank waiting in the next one.)
+agreement. (A failure before or between collectives that only some of the ranks then skip, part-way
+through stage 1's reduce-scatters or through the end of a backward that every rank was cut short in,
+still parts the ranks: no agreement after it can reach a rank waiting in one of them.)
 
 [Note: collectives user code calls]
 Some engine operations are collectives that a user may well call on one rank only, as with

@@ -118,7 +118,7 @@ def _least_free(rank, world, workdir, fails):
         return (40e9, 25e9)[rank]      # another process holds part of rank 1's GPU
 
     probes.device_free_bytes = free
-    return placement.least_free_device_bytes(None, None)
+    return placement.least_free_device_bytes(None, None, None)
 
 
 def test_auto_decides_for_the_gpu_with_the_least_free_memory(tmp_path):

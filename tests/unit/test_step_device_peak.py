@@ -19,14 +19,18 @@ from tests.support.tiny_gpt import TinyGPT, batches
 GiB = 2**30
 
 
-def _train(monkeypatch, readings, placement, steps=3):
-    """Train ``steps`` steps with CUDA's (allocated, peak) counters read from ``readings`` in turn."""
+def _train(monkeypatch, readings, placement, steps=3, evaluate_first=False):
+    """Train ``steps`` steps with CUDA's (allocated, peak) counters read from ``readings`` in turn (after a
+    forward without gradients before the optimizer exists, ``evaluate_first``: a step of its own)."""
     it = itertools.chain(readings, itertools.repeat(readings[-1]))     # then steady
     monkeypatch.setattr(telemetry, "device_memory", lambda datapath: next(it))
     torch.manual_seed(0)
     with infinity.Init({"tiers": {"params": "device", "optimizer": "host"}, "precision": {"dtype": "float32"}}):
         model = TinyGPT()
     engine_of(model).placement = placement
+    if evaluate_first:
+        with torch.no_grad():
+            model(*batches(1, 2)[0])
     opt = infinity.AdamW(model, lr=1e-2)
     for idx, tgt in batches(steps, 2):
         model(idx, tgt).backward()
@@ -40,14 +44,14 @@ def _train(monkeypatch, readings, placement, steps=3):
 @pytest.mark.parametrize("peak, said", [(12 * GiB, "more than the 10.0 GiB"), (2 * GiB, "may put more states"),
                                         (7 * GiB, None)])
 def test_the_first_step_is_weighed_against_the_share_auto_kept_for_activations(monkeypatch, caplog, peak, said):
-    kept = types.SimpleNamespace(reserve_assumed=True, activation_reserve=10 * GiB)
-    start = 30 * GiB    # allocated when step 0 began; the peak so far was construction's, lower
-    readings = [(start, start), (0, start + peak),                         # step 0: begins, is recorded
-                (start, start + peak), (0, start + peak)]                  # step 1: hidden by step 0's peak
+    guess = types.SimpleNamespace(reserve_assumed=True, activation_reserve=10 * GiB)
+    start, kept = 30 * GiB, 31 * GiB    # allocated when step 0 began and after it (buffers it made and kept)
+    readings = [(start, start), (kept, kept + peak),                       # step 0: begins, is recorded
+                (kept, kept + peak), (kept, kept + peak)]                  # step 1: hidden by step 0's peak
     with caplog.at_level(logging.INFO, logger="infinity"):
-        records = _train(monkeypatch, readings, kept)
-    assert records[0]["device_peak_over_start"] == peak
-    assert records[1]["device_peak_over_start"] is None, "a step under an earlier peak cannot be told"
+        records = _train(monkeypatch, readings, guess)
+    assert records[0]["device_transient_peak"] == peak
+    assert records[1]["device_transient_peak"] is None, "a step under an earlier peak cannot be told"
     messages = [r.getMessage() for r in caplog.records if "kept" in r.getMessage()]
     if said is None:
         assert messages == [], "within what was kept: nothing to say"
@@ -73,5 +77,18 @@ def test_a_cpu_device_records_no_device_peak():
         model(idx, tgt).backward()
         opt.step()
         opt.zero_grad()
-    assert "device_peak_over_start" not in infinity.stats(model)["steps"][0]
+    assert "device_transient_peak" not in infinity.stats(model)["steps"][0]
     infinity.release(model)
+
+
+def test_a_forward_before_the_optimizer_is_not_the_step_weighed(monkeypatch, caplog):
+    """An evaluation (or generate()) before the optimizer exists is a step of its own, with a small peak: the
+    first training step is the one weighed."""
+    guess = types.SimpleNamespace(reserve_assumed=True, activation_reserve=10 * GiB)
+    readings = [(0, 0), (0, GiB),                   # the evaluation: 1 GiB, would say "more states fit"
+                (0, GiB), (0, 12 * GiB)]            # the first training step: 12 GiB, more than kept
+    with caplog.at_level(logging.INFO, logger="infinity"):
+        records = _train(monkeypatch, readings, guess, evaluate_first=True)
+    assert [r["device_transient_peak"] for r in records[:2]] == [GiB, 12 * GiB]
+    (message,) = [r.getMessage() for r in caplog.records if "kept" in r.getMessage()]
+    assert "more than the 10.0 GiB" in message
