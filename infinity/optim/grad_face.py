@@ -357,9 +357,9 @@ class GradFace:
         # (the others clear theirs), and a norm read from them would skip the collectives the others issue.
         self._norms.clear()
         what = "a change of engine gradients (param.grad.clamp_(), clip_grad_value_)"
-        # Stage 1's whole gradients waiting reduce-scatter when settled, and a backward cut short reduces what it
-        # took when closed: collectives, which every rank must reach together.
-        if engine.reducer.reduces_on_settle or engine.backward_running:
+        # Stage 1's whole gradients waiting reduce-scatter when settled: collectives, which every rank must reach
+        # together. (A backward cut short leaves no .grad to change until something closes it.)
+        if engine.reducer.reduces_on_settle:
             engine.ranks.arrive(what)
             _close_backward_together(engine, what)
         else:       # all of it rank-local: a failure here reaches the others at the step's agreement
