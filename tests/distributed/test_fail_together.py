@@ -107,22 +107,27 @@ def _weights(model):
         return [p.detach().clone() for p in model.parameters()]
 
 
-def _norm_on_rank_zero(rank, world, workdir, stage):
-    from infinity.errors import EngineError
-    from infinity.registry import engine_of
-
+def _beside_torch(workdir, stage, params, optimizer):
+    """An engine TinyGPT (fp32, ``stage``, its tiers, NVMe under ``workdir``) and its AdamW, beside torch's same
+    model and AdamW."""
     nvme = os.path.join(workdir, f"nvme-{stage}")
     os.makedirs(nvme, exist_ok=True)
-    cfg = {"tiers": {"params": "device" if stage == 1 else "nvme", "optimizer": "host", "nvme_path": nvme},
+    cfg = {"tiers": {"params": params, "optimizer": optimizer, "nvme_path": nvme},
            "partition": {"stage": stage}, "precision": {"dtype": "float32"}}
     torch.manual_seed(0)
     ref = TinyGPT()
     torch.manual_seed(0)
     with infinity.Init(cfg):
         model = TinyGPT()
+    return model, infinity.AdamW(model, lr=1e-2), ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+
+def _norm_on_rank_zero(rank, world, workdir, stage):
+    from infinity.errors import EngineError
+    from infinity.registry import engine_of
+
+    model, opt, ref, ref_opt = _beside_torch(workdir, stage, "device" if stage == 1 else "nvme", "host")
     engine_of(model).ranks.arrival_timeout_s = 2.0
-    opt = infinity.AdamW(model, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     said, worst = "no error", 0.0
     for i, (idx, tgt) in enumerate(batches(3, 4)):
         model(idx[2 * rank:2 * rank + 2], tgt[2 * rank:2 * rank + 2]).backward()
@@ -164,18 +169,8 @@ def _norm_read_fails_on_one_rank(rank, world, workdir, stage, where):
     the largest difference from plain torch (norms and weights)."""
     from infinity.registry import engine_of
 
-    nvme = os.path.join(workdir, f"nvme-{stage}")
-    os.makedirs(nvme, exist_ok=True)
-    cfg = {"tiers": {"params": "device", "optimizer": "nvme" if stage == 3 else "host", "nvme_path": nvme},
-           "partition": {"stage": stage}, "precision": {"dtype": "float32"}}
-    torch.manual_seed(0)
-    ref = TinyGPT()
-    torch.manual_seed(0)
-    with infinity.Init(cfg):
-        model = TinyGPT()
+    model, opt, ref, ref_opt = _beside_torch(workdir, stage, "device", "nvme" if stage == 3 else "host")
     engine = engine_of(model)
-    opt = infinity.AdamW(model, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     worst = 0.0
     for i, (idx, tgt) in enumerate(batches(3, 4)):
         model(idx[2 * rank:2 * rank + 2], tgt[2 * rank:2 * rank + 2]).backward()
