@@ -187,8 +187,7 @@ class BackgroundUpdate:
         self._failure: tuple[StepJob, BaseException] | None = None
         self._stream = None  # the worker's CUDA stream, made on first use
         self.worker_threads: int | None = None
-        self._last_sub = [max((p.sub_index for p in pieces), default=-1)
-                          for pieces in store.layout.pieces_of_group]
+        self._subs_of = [sorted({p.sub_index for p in pieces}) for pieces in store.layout.pieces_of_group]
         weakref.finalize(self, self._queue.put, _STOP)
         close_at_exit(self)
 
@@ -218,8 +217,17 @@ class BackgroundUpdate:
         job = self._running
         if job is None or group.index not in job.updated:
             return True
-        return self._last_sub[group.index] <= self._done_sub and all(
+        return self._last_stepped(job, group.index) <= self._done_sub and all(
             f.done() or _on_device(f) for f in self._writes_of(group))
+
+    def _last_stepped(self, job: StepJob, index: int) -> int:
+        """The last sub-group of group ``index`` that ``job`` steps; -1 for none: the rest of an update during
+        backward steps only the sub-groups backward left, and the groups stepped then (their writes waited
+        for by ``opt.step()``) are final before it starts."""
+        subs = self._subs_of[index]
+        if job.subs is None:
+            return subs[-1] if subs else -1
+        return max((sub for sub in subs if sub in job.subs), default=-1)
 
     def wait_ready(self, group) -> float:
         """Block until :meth:`ready`; returns the seconds waited. Raises if the job failed."""
@@ -229,7 +237,7 @@ class BackgroundUpdate:
         t0 = time.perf_counter()
         with self._progress:
             while self._running is not None and group.index in self._running.updated \
-                    and self._last_sub[group.index] > self._done_sub:
+                    and self._last_stepped(self._running, group.index) > self._done_sub:
                 self._progress.wait()
             writes = self._writes_of(group) if self._running is not None else []
         for fut in writes:

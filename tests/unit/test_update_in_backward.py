@@ -428,3 +428,54 @@ def test_a_backward_faster_than_the_update_holds_no_more_gradients_than_the_plan
     whole = sum(layout.shard_numels) * store.grad_dtype.itemsize
     assert 0 < peak[0] <= budget < whole / 3, (peak[0], budget, whole)
     assert early[2]["in_backward_wait_seconds"] > 0
+
+
+class _WithSpare(TinyGPT):
+    """A parameter the forward never uses: its sub-group waits for ``opt.step()``, which steps it as the rest."""
+
+    def __init__(self):
+        super().__init__(d=48)
+        self.spare = torch.nn.Linear(48, 48)
+
+
+def test_the_rest_of_the_update_holds_back_only_the_groups_it_steps(tmp_path, monkeypatch):
+    """With the update overlapped, ``opt.step()`` hands the sub-groups backward left to the background worker. A
+    group stepped during backward is final by then (``opt.step()`` waited for it): the next forward may take it
+    while the rest runs, and only groups with a piece in the sub-groups still to step wait (they waited for the
+    whole job before). The job is held at its first sub-group here, so the answer cannot come from its end."""
+    import threading
+
+    from infinity.optim.background import BackgroundUpdate
+
+    gate, announce = threading.Event(), BackgroundUpdate.sub_done
+
+    def held(self, sub, copy_writes=None):
+        gate.wait(30.0)
+        announce(self, sub, copy_writes)
+
+    monkeypatch.setattr(BackgroundUpdate, "sub_done", held)
+    cfg = infinity.load_config("nvme", overrides={
+        "tiers": {"nvme_path": str(tmp_path)}, "partition": {"sub_group_size": 4096},
+        "precision": {"dtype": "float32"}, "optimizer": {"update_in_backward": True}})
+    torch.manual_seed(0)
+    with infinity.Init(cfg):
+        model = _WithSpare()
+    opt = infinity.AdamW(model, lr=1e-2)
+    engine = registry.engine_of(model)
+    (x, y), = batches(1, 4)
+    try:
+        model(x, y).backward()
+        opt.step()
+        overlap = opt.updates.overlap
+        job = overlap._running      # the rest of the update, held at its first sub-group
+        assert job is not None and job.subs, "the spare's sub-group is left for opt.step()"
+        pieces = engine.store.layout.pieces_of_group
+        verdicts = {g.index: (overlap.ready(g), not any(p.sub_index in job.subs for p in pieces[g.index]))
+                    for g in engine.coordinator.groups if g.index in job.updated}
+        assert all(ready == final for ready, final in verdicts.values()), verdicts
+        assert any(final for _, final in verdicts.values()) and not all(final for _, final in verdicts.values())
+    finally:
+        gate.set()
+    opt.zero_grad()
+    opt.synchronize()
+    infinity.release(model)
