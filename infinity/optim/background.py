@@ -16,7 +16,9 @@ the job to the background worker and returns. The job writes the compute copies 
 place, in sub-group order (the order of group creation, close to the forward's), and
 reports each stepped sub-group with the futures of its compute-copy writes
 (``BackgroundUpdate.sub_done``). The coordinator's fetch of a group waits until every
-sub-group holding it was stepped and those writes landed (``update_gate``); reads ahead
+sub-group holding it that the job steps was stepped and those writes landed (``update_gate``;
+the rest of an update during backward steps only the sub-groups backward left, and those
+stepped during backward are final before it starts); reads ahead
 skip a group not ready yet and try again at the next walk, so the compute thread only
 ever waits for the group it needs now. Each fetch sees the new values, so results equal
 the synchronous step's bit for bit (tests/unit/test_overlap_step.py). The first gradient
