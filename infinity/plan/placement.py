@@ -236,10 +236,9 @@ def decide(model: StepModel, params: str = AUTO, optimizer: str = AUTO,
         chosen = uniform    # a split must be worth its second tier (see [Note: auto placement])
     if chosen is None:
         lines = [f"  {p.placement.describe()}: " + "; ".join(p.shortfalls()) for p in candidates]
-        wl = model.workload
-        if not wl.activation_bytes and model.activation_reserve:
+        if _guessed(model):
             lines.append(f"  (each device need counts {model.activation_reserve / 2**30:.1f} GiB kept for "
-                         f"activations, a {wl.activation_share:g} share of the device's free memory: "
+                         f"activations, a {model.workload.activation_share:g} share of the device's free memory: "
                          "activations.checkpoint_nbytes says how much a step holds)")
         raise PlanError("tiers \"auto\": no placement fits this machine "
                         f"({model.profile.name}):\n" + "\n".join(lines))
@@ -247,10 +246,13 @@ def decide(model: StepModel, params: str = AUTO, optimizer: str = AUTO,
     if split is not None and (split.placement.params_tier is not None or not split.step_s < chosen.step_s * (
             1 - (SPLIT_WORTH if chosen.placement.pair is not None else SPLIT_GAIN))):
         split = None    # one the engine runs, or not worth more than what it runs
-    wl = model.workload
     return AutoDecision(chosen=chosen, split=split, candidates=tuple(candidates),
-                        activation_reserve=model.activation_reserve,
-                        reserve_assumed=not wl.activation_bytes and model.activation_reserve > 0)
+                        activation_reserve=model.activation_reserve, reserve_assumed=_guessed(model))
+
+
+def _guessed(model: StepModel) -> bool:
+    """Whether ``model`` keeps device memory for activations whose size it was not told."""
+    return not model.workload.activation_bytes and model.activation_reserve > 0
 
 
 def resolve_auto(cfg: "Config", model: object, *, world_size: int = 1, local_ranks: int | None = None,

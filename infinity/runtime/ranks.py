@@ -269,7 +269,7 @@ class Ranks:
             yield
         except BaseException as exc:
             error = exc
-        self._settle(error, lambda: self.failed_ranks(error is not None), what)
+        self._raise_agreed(error, lambda: self.failed_ranks(error is not None), what)
 
     def reduce_together(self, what: str, local: Callable[[], torch.Tensor], numel: int,
                         op: str = "sum") -> torch.Tensor:
@@ -292,10 +292,10 @@ class Ranks:
             (self.all_reduce_max if op == "max" else self.all_reduce_sum)(both)
             return [r for r, f in enumerate(both[numel:].tolist()) if f > 0]
 
-        self._settle(error, reduce, what)
+        self._raise_agreed(error, reduce, what)
         return both[:numel].cpu()
 
-    def _settle(self, error: BaseException | None, agree: Callable[[], list[int]], what: str) -> None:
+    def _raise_agreed(self, error: BaseException | None, agree: Callable[[], list[int]], what: str) -> None:
         """Raise as ``together`` says, after ``agree()`` told which ranks failed."""
         try:
             failed = agree()
