@@ -29,6 +29,7 @@ from infinity.optim.scheduler import UpdateScheduler
 from infinity.optim.shard_states import ShardStates
 from infinity.optim.unmanaged import UnmanagedAdam
 from infinity.optim.update import update_lanes
+from infinity.runtime.ranks import RanksFailedError
 
 
 class _Released:
@@ -181,11 +182,9 @@ class _OffloadAdam(torch.optim.Optimizer):
         try:
             local = None    # a refusal of this rank's: the exchange's all-reduce tells the others
             try:
-                if engine.reducer.faulted:
-                    raise EngineError(f"{self._name}.step(): a gradient hand-off of this step failed (the error "
-                                      "raised then says why), so part of its gradients may be in the store twice "
-                                      "or not at all; call opt.zero_grad() and redo the step")
-                engine.reducer.settle()     # shards still on their way to the host are added now
+                # Shards still on their way to the host are added now; after a failed hand-off (this step's
+                # gradients not whole here) it raises, after stage 1's reduce-scatters that every rank issues.
+                engine.reducer.settle()
                 engine.grad_face.before_step()
                 if not self.store.has_grad and not self.unmanaged.has_grad():
                     raise EngineError(f"{self._name}.step() called before backward(): there are no gradients "
@@ -203,6 +202,10 @@ class _OffloadAdam(torch.optim.Optimizer):
                     self._in_backward.wait()
                     self._updates.damaged(f"{len(self._in_backward.stepped)} sub-groups were stepped during "
                                           "backward with gradients the ranks may have reduced into each other")
+                raise
+            except RanksFailedError as exc:     # another rank refused it: no rank applies it, and here too
+                if self._in_backward is not None:   # sub-groups stepped during backward are half a step
+                    self._in_backward.cut_short(f"{self._name}.step() failed on another rank ({exc})")
                 raise
             if local is not None:
                 if self._in_backward is not None:   # sub-groups stepped during backward: half a step, damaged

@@ -107,16 +107,19 @@ class GradientChecks:
         ranks (their gradients are the same on every rank: divided by the world size)."""
         # A collective user code may call on one rank only: [Note: collectives user code calls].
         self.ranks.arrive("infinity.clip_grad_norm_")
-        # The shards still on their way reach the store first (stage 1: the whole gradients their owners): a
-        # norm of the stored sum (micro-batches accumulated) must not leave out a copy that has not run yet.
-        self.reducer.settle()
-        book = self.reducer.book
-        norm_sq = book.norm_sq if book.exact else self.store.grad_norm_sq()
-        norm_sq = norm_sq.reshape(1).to(self.datapath.device, copy=True)
-        if extra_norm_sq:
-            norm_sq += extra_norm_sq
-        self.ranks.all_reduce_sum(norm_sq)
-        total = math.sqrt(self.datapath.scalar(norm_sq))
+
+        def local() -> torch.Tensor:
+            # The shards still on their way reach the store first (stage 1: the whole gradients their owners): a
+            # norm of the stored sum (micro-batches accumulated) must not leave out a copy that has not run yet.
+            # Settling and reading the stored sum are this rank's alone and may fail (tier I/O, a hand-off that
+            # failed): the failure rides on the sum's all-reduce ([Note: failing together]).
+            self.reducer.settle()
+            book = self.reducer.book
+            norm_sq = book.norm_sq if book.exact else self.store.grad_norm_sq()
+            return norm_sq.reshape(1).to(torch.float64) + extra_norm_sq
+
+        norm_sq = self.ranks.reduce_together("infinity.clip_grad_norm_", local, 1)
+        total = math.sqrt(float(norm_sq[0]))
         if self.loss_scaler is not None:
             total = self.loss_scaler.unscaled_norm(total)
         coef = max_norm / (total + 1e-6)

@@ -252,8 +252,8 @@ class GradFace:
         engine = self.engine
         if engine.optimizer is not None:
             engine.optimizer.zero_grad()
-        else:
-            engine.reducer.settle()
+        else:       # a clear: the shards on their way are dropped, not added
+            engine.reducer.settle(drop=True)
             engine.store.zero_grad()
             self.forget()
         return True
@@ -290,8 +290,9 @@ class GradFace:
         # Stage 1 (world > 1): settling reduce-scatters the whole gradients, which no rank may skip because its
         # close of a backward cut short failed: that close agrees first. At stages 2-3 closing is rank-local,
         # unless the backward was cut short before its end's collectives, on every rank, which then all issue
-        # them in the same order here. A failure after the collectives rides on the norm's own all-reduce (one
-        # before or between them still parts the ranks: [Note: failing together] in infinity/runtime/ranks.py).
+        # them in the same order here. A failure after the collectives rides on the norm's own all-reduce, and a
+        # hand-off's between them waits for it ([Note: a hand-off that fails on one rank] in
+        # infinity/runtime/grads.py).
         defers = engine.reducer.defer
         if defers:
             _close_backward_together(engine, what)

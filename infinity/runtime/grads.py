@@ -37,10 +37,12 @@ once per step, when the step (or a clip, or ``zero_grad``) first asks for the gr
 from __future__ import annotations
 
 import collections
+import traceback
 
 import torch
 from torch import nn
 
+from infinity.errors import EngineError
 from infinity.param_group import ParamGroup, ParamState
 from infinity.runtime.reduce_buckets import ReduceBuckets
 from tiers.arena import Arena
@@ -159,6 +161,22 @@ class _Kept:
         pass
 
 
+# [Note: a hand-off that fails on one rank]
+# Handing a shard over to the optimizer is this rank's alone and may fail: the accumulator's key widened on a full
+# disk, an NVMe write, host memory that cannot be had. Raised there, on several ranks, the failure leaves the
+# others in the collectives this rank then skips: the rest of the backward's reduce-scatters (and at stage 3 its
+# all-gathers), the rest of stage 1's reduce-scatters in the step, or the end of a backward cut short that every
+# rank closes. They wait for ever on NCCL, or pair the collective with another one. So on several ranks the
+# reducer keeps the failure (an ``Exception``: Ctrl-C still raises at once) as ``lost``, its traceback as text
+# (its frames would keep the backward's tensors), and goes on: once a hand-off failed (``faulted``), each later
+# group is still reduce-scattered in its place and nothing more of the step is sent, since its gradients are not
+# whole here anyway. ``settle()``, which whatever reads the gradients calls, raises after its own collectives
+# (stage 1's) while ``faulted``; the step, a gradient norm and ``infinity.clip_grad_norm_`` call it inside their
+# agreement, so this rank raises and the others ``RanksFailedError`` ([Note: failing together] in
+# infinity/runtime/ranks.py). ``zero_grad()`` drops it with the gradients and the step is redone; with the update
+# during backward, sub-groups stepped before it leave every rank's states damaged, as any step refused on one
+# rank does: load a checkpoint. One rank raises at once, as before. Left: a failure before a group's own
+# reduce-scatter (its bucket's memory), which still raises in that rank's backward, as any error there does.
 class GradReducer:
     """Turns per-parameter gradients into accumulated fp32 gradient shards.
 
@@ -214,6 +232,8 @@ class GradReducer:
         # A hand-off failed in this step (an I/O error, the disk full, Ctrl-C): part of its gradients may be in
         # the store; ``opt.step()`` refuses until ``zero_grad()`` (``settle(drop=True)``) clears them.
         self.faulted = False
+        # On several ranks, that failure, kept for the next agreement: [Note: a hand-off that fails on one rank].
+        self.lost: Exception | None = None
 
     def attach(self, store) -> None:
         """The groups are final and ``store`` accumulates their gradients from now on."""
@@ -387,7 +407,9 @@ class GradReducer:
     def _reduce(self, group: ParamGroup, flat: torch.Tensor, memory) -> None:
         shard = group.shard_of(flat)
         self.ranks.reduce_scatter_mean(shard, flat)
-        self._add_norm(shard)
+        if self.faulted:        # in its place among the collectives; nothing more is sent
+            self._release_after(memory, None)
+            return
         if group.index in self.store.grad_written or self._sent_groups[group.index]:
             self.book.exact = False     # a second micro-batch: the norm of the sum is not the sum of norms
         self._send(group, shard, memory)
@@ -413,12 +435,13 @@ class GradReducer:
     def _send(self, group: ParamGroup, shard: torch.Tensor, device_memory):
         """The shard to the optimizer's accumulator: in place on the device, or downloaded to the host.
 
-        Returns the download's event (None when nothing left the device): ``shard``'s memory is
-        read until then. A failure on the way (the disk full while gradient keys widen, an I/O error)
-        gives the bucket back once the data path has no copy reading it."""
+        Its squared norm is added to the book first. Returns the download's event (None when nothing left
+        the device): ``shard``'s memory is read until then. A failure on the way (the disk full while gradient
+        keys widen, an I/O error) gives the bucket back once the data path has no copy reading it."""
         store = self.store
-        handed, issued, host = False, [], None
+        handed, issued, host, done = False, [], None, None
         try:
+            self._add_norm(shard)
             if _states_tier(store, group).kind == "device":
                 store.accumulate_grad(group.index, shard)
                 handed = True
@@ -443,15 +466,18 @@ class GradReducer:
             self._release_after(device_memory, done)
             self._sent.append((group.index, host, done, group.shard_numel, group.dtype))
             self._sent_groups[group.index] += 1
-        except BaseException:
-            self.faulted = True
+        except BaseException as exc:
             if not handed:
                 _wait_quietly(self.datapath, issued)      # downloads already reading the bucket
                 self._release_after(device_memory, None)
                 if host is not None:
                     host.release()
-            raise
-        self.settle(wait=False)
+            _keep_on_several(self, exc)
+            return done if handed else None
+        try:
+            self.settle(wait=False)
+        except BaseException as exc:
+            _keep_on_several(self, exc)
         return done
 
     def land_direct(self) -> None:
@@ -475,9 +501,10 @@ class GradReducer:
             whole = self._whole[group]
             shard = group.shard_of(whole)
             self.ranks.reduce_scatter_mean(shard, whole)
-            self._add_norm(shard)
-            self._read_until[group] = self._send(group, shard, _Kept())
-        self.settle(wait=False, reduce=False)
+            if not self.faulted:    # else in its place among the collectives, and nothing more is sent
+                self._read_until[group] = self._send(group, shard, _Kept())
+        if not self.faulted:
+            self.settle(wait=False, reduce=False)
 
     @property
     def reduces_on_settle(self) -> bool:
@@ -499,13 +526,16 @@ class GradReducer:
                     host.release()
             self._sent_groups.clear()
             self._waiting = []
-            self.faulted = False
+            self.faulted, self.lost = False, None
             self.datapath.settle(wait=True)
             return
         if wait and reduce and self._waiting:
             self.reduce_whole()
+        if wait and self.faulted:      # after the collectives: every rank has issued them
+            raise hand_off_refusal(self)
         sent, self._sent, left = self._sent, [], []
         for i, (index, host, done, numel, dtype) in enumerate(sent):
+            added = False
             try:
                 if not done.query():
                     if not wait:
@@ -515,13 +545,14 @@ class GradReducer:
                 if host is not None:    # else written in place already
                     writes = self.store.accumulate_grad(index, host.tensor.view(dtype)[:numel])
                     self.datapath.when_done(_Landed(writes), host.release)   # NVMe writes still read it
-            except BaseException:       # this shard and the rest stay on their way (``settle(drop=True)`` drops them)
-                self._sent = left + sent[i:]
+                added = True
+                self._sent_groups[index] -= 1
+                if self.watcher is not None:
+                    self.watcher.landed(index)
+            except BaseException:       # the rest stay on their way (``settle(drop=True)`` drops them), this one too
+                self._sent = left + sent[i + added:]    # unless it was added (its buffer is given back already)
                 self.faulted = True
                 raise
-            self._sent_groups[index] -= 1
-            if self.watcher is not None:
-                self.watcher.landed(index)
         self._sent = left
         if wait:
             self.datapath.settle(wait=True)
@@ -539,6 +570,29 @@ class GradReducer:
     def pending(self) -> bool:
         """Whether groups taken in this backward are still held for autograd."""
         return bool(self._stale)
+
+
+def _keep_on_several(reducer: GradReducer, exc: BaseException) -> None:
+    """A hand-off failed: raise ``exc``, or on several ranks keep it in ``reducer.lost`` ([Note: a hand-off that
+    fails on one rank]): where it was raised as text, since its frames would keep the backward's tensors."""
+    reducer.faulted = True
+    if reducer.ranks.world_size == 1 or not isinstance(exc, Exception):
+        raise exc
+    exc.add_note("raised at (kept for the ranks' next agreement):\n" + "".join(traceback.format_tb(exc.__traceback__)))
+    reducer.lost = exc.with_traceback(None)
+
+
+def hand_off_refusal(reducer: GradReducer) -> EngineError:
+    """What ``settle`` raises after a hand-off failed: this step's gradients are not whole on this rank."""
+    lost, redo = reducer.lost, "call opt.zero_grad() and redo the step"
+    error = EngineError(
+        "a gradient hand-off of this step failed (the error raised then says why), so part of its gradients may be "
+        f"in the store twice or not at all; {redo}" if lost is None else
+        f"rank {reducer.ranks.rank}: handing a gradient shard over to the optimizer failed during this step "
+        f"({lost!r}); the other ranks' collectives went on, so none waits, but this rank's gradients of the step "
+        f"are lost: {redo}")
+    error.__cause__ = lost
+    return error
 
 
 def _states_tier(store, group: ParamGroup):

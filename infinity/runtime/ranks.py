@@ -40,9 +40,11 @@ agreement and its exchange (no gradients, stray ``.grad`` tokens) ride on the ex
 all-reduce instead (``GradientChecks.exchange(failed=...)``), and a gradient norm's rank-local
 part (settling and reading the stored shards; at stages 2-3 closing a backward whose end failed
 after its collectives too) on the norm's (``Ranks.reduce_together``): no collective added for the
-agreement. (A failure before or between collectives that only some of the ranks then skip, part-way
-through stage 1's reduce-scatters or through the end of a backward that every rank was cut short in,
-still parts the ranks: no agreement after it can reach a rank waiting in one of them.)
+agreement. A failure between collectives that only some of the ranks would then skip cannot be agreed
+on after them: no agreement reaches a rank waiting in one of them. Where it is a gradient's hand-off
+(part-way through a backward's reduce-scatters, stage 1's in the step, or the end of a backward that
+every rank was cut short in), the failing rank issues the rest and raises at the next agreement
+([Note: a hand-off that fails on one rank] in infinity/runtime/grads.py).
 
 [Note: collectives user code calls]
 Some engine operations are collectives that a user may well call on one rank only, as with
@@ -286,7 +288,8 @@ class Ranks:
             values = torch.zeros(numel, dtype=torch.float64)
         flags = torch.zeros(self.world_size, dtype=torch.float64)
         flags[self.rank] = 1.0 if error is not None else 0.0
-        both = torch.cat([values.reshape(-1).to(torch.float64), flags]).to(self.device)
+        # Values on the device stay there (no host wait before the all-reduce); the flags join them.
+        both = torch.cat([values.reshape(-1).to(self.device, torch.float64), flags.to(self.device)])
 
         def reduce() -> list[int]:
             (self.all_reduce_max if op == "max" else self.all_reduce_sum)(both)

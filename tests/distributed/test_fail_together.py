@@ -107,13 +107,15 @@ def _weights(model):
         return [p.detach().clone() for p in model.parameters()]
 
 
-def _beside_torch(workdir, stage, params, optimizer):
-    """An engine TinyGPT (fp32, ``stage``, its tiers, NVMe under ``workdir``) and its AdamW, beside torch's same
-    model and AdamW."""
+def _beside_torch(workdir, stage, params, optimizer, extra=None):
+    """An engine TinyGPT (fp32, ``stage``, its tiers, NVMe under ``workdir``, ``extra`` config sections) and its
+    AdamW, beside torch's same model and AdamW."""
     nvme = os.path.join(workdir, f"nvme-{stage}")
     os.makedirs(nvme, exist_ok=True)
     cfg = {"tiers": {"params": params, "optimizer": optimizer, "nvme_path": nvme},
            "partition": {"stage": stage}, "precision": {"dtype": "float32"}}
+    for section, keys in (extra or {}).items():
+        cfg.setdefault(section, {}).update(keys)
     torch.manual_seed(0)
     ref = TinyGPT()
     torch.manual_seed(0)
@@ -257,6 +259,84 @@ def test_a_relayout_that_fails_on_one_rank_stops_every_rank(tmp_path):
     said0, said1 = run_ranks(_relayout_fails_on_one_rank, 2, tmp_path, fresh=True, collective_timeout=60)
     assert said1 == "own: rank 1: injected failure building the new layout", said1
     assert said0.startswith("other: rank 0: another rank failed while"), said0
+
+
+def _hand_off_fails_on_one_rank(rank, world, workdir, stage, where):
+    """Three steps beside torch's; at step 1 the disk fills on rank 1 while a gradient shard is added to its NVMe
+    accumulator (the second addition of the step: groups are handed over before it and after it). The step's
+    ``opt.step()`` (``where="step"``) or ``opt.clip_grad_norm_`` (``"clip"``) tells every rank; each zero_grad()s
+    and redoes the step; ``"in backward"``: with the update during backward (small sub-groups), rank 0 has stepped
+    sub-groups when the step is refused, which leaves its states damaged: the next forward refuses on every rank,
+    each loads the checkpoint saved before the step and redoes it. ``"host"`` and ``"device"``: the optimizer's
+    states in host memory (the shard downloaded straight into the accumulator: the second such download fails) or
+    on the device (added there), ``opt.step()`` refusing. Returns what each call said, whether the failure was reached and the
+    weights' largest difference from torch's."""
+    from infinity.errors import EngineError
+    from infinity.registry import engine_of
+
+    extra = {"optimizer": {"update_in_backward": True}, "partition": {"sub_group_size": 4096}} \
+        if where == "in backward" else None
+    optimizer = where if where in ("host", "device") else "nvme"
+    model, opt, ref, ref_opt = _beside_torch(workdir, stage, "device" if stage < 3 else "nvme", optimizer, extra)
+    store, armed, said, worst = engine_of(model).store, [0], [], 0.0
+    name = "direct_grad" if where == "host" else "accumulate_grad"
+    hand = getattr(store, name)
+
+    def full_disk(*args, **kwargs):
+        armed[0] -= 1
+        if armed[0] == 0:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return hand(*args, **kwargs)
+
+    setattr(store, name, full_disk)
+    call = (lambda: opt.clip_grad_norm_(1.0)) if where == "clip" else opt.step
+    ckpt = os.path.join(workdir, "before")
+    for i, (idx, tgt) in enumerate(batches(3, 4)):
+        mine = idx[2 * rank:2 * rank + 2], tgt[2 * rank:2 * rank + 2]
+        armed[0] = 2 if i == 1 and rank == 1 else 0
+        if i == 1 and where == "in backward":
+            infinity.save_checkpoint(ckpt, model, opt)
+        model(*mine).backward()     # rank 1's backward goes on with its collectives
+        if i == 1:
+            said.append(_outcome(call, EngineError))
+            opt.zero_grad()
+            if where == "in backward":
+                said.append(_outcome(lambda: model(*mine), EngineError))    # damaged: refused until a load
+                infinity.load_checkpoint(ckpt, model, opt)
+            model(*mine).backward()
+        if where == "clip":
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        ref(idx, tgt).backward()
+        if where == "clip":
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            worst = max([worst] + [float((p - q).abs().max()) for p, q in zip(_weights(model), ref.parameters())])
+    infinity.release(model)
+    return said, armed[0] < 0, worst
+
+
+@pytest.mark.parametrize("stage, where", [(1, "step"), (2, "step"), (3, "step"), (1, "clip"), (3, "clip"),
+                                          (3, "in backward"), (2, "host"), (3, "device")])
+def test_a_gradient_hand_off_that_fails_on_one_rank_stops_every_rank_at_the_next_agreement(tmp_path, stage, where):
+    """Without [Note: a hand-off that fails on one rank], rank 1 raised in its backward (stage 1: in its step,
+    between the reduce-scatters) and rank 0 waited in the next reduce-scatter until gloo's timeout. Now rank 1
+    issues every collective rank 0 does (the ledger compares them), both raise at the next agreement, and the
+    redone step trains as torch does."""
+    (said0, _, worst0), (said1, failed1, worst1) = run_ranks(
+        _hand_off_fails_on_one_rank, 2, tmp_path, stage, where, collective_timeout=60)
+    assert failed1, "the injected failure was not reached"
+    mine, theirs = said1[0], said0[0]
+    assert mine.startswith("own: ") and "rank 1: handing a gradient shard over to the optimizer failed" in mine \
+        and "No space left on device (injected)" in mine, mine
+    assert theirs.startswith("other: rank 0: "), theirs
+    if where == "in backward":      # rank 0 stepped sub-groups during backward: damaged; its forward refuses on both
+        assert said0[1].startswith("own: ") and "load a checkpoint" in said0[1], said0
+        assert said1[1].startswith("other: rank 1: rank(s) [0] failed in the forward"), said1
+    assert max(worst0, worst1) <= 1e-5, (worst0, worst1)
 
 
 def _end_fails_on_rank_zero(rank, world, workdir, scenario):
