@@ -11,6 +11,15 @@ class EngineError(RuntimeError):
     """The model was used in a way the engine does not support; the message says how to fix it."""
 
 
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``: Python 3.10 has no notes, and keeps it in ``__notes__`` (shown from 3.11 on), so
+    that an error path never fails on the interpreter's version."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
+
+
 def released_message(what: str) -> str:
     """The message of any use of a model, or of its optimizer, after ``infinity.release(model)``."""
     return (f"{what}: this model's engine was released by infinity.release(model) (its shards, swap files and "

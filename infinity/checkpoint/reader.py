@@ -48,7 +48,7 @@ from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, pl
 from infinity.checkpoint.staging import StagedSubGroups
 from infinity.checkpoint.stream import Run, StreamIO, _Done, read_runs
 from infinity.checkpoint.writer import check_ready, model_buffers, names_by_param
-from infinity.errors import EngineError
+from infinity.errors import EngineError, add_note
 from infinity.optim.moments import write_moments
 
 _F32 = 4
@@ -141,9 +141,9 @@ def _check_swap_files(engine) -> None:
     try:
         engine.tiers.check()
     except OSError as exc:
-        exc.add_note("infinity.load_checkpoint: nothing was loaded; a damaged swap file cannot take the load. "
-                     "Call infinity.release(model), build the model again inside infinity.Init (new swap files), "
-                     "then load the checkpoint into it")
+        add_note(exc, "infinity.load_checkpoint: nothing was loaded; a damaged swap file cannot take the load. "
+                      "Call infinity.release(model), build the model again inside infinity.Init (new swap files), "
+                      "then load the checkpoint into it")
         raise
 
 

@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from infinity.errors import EngineError
+from infinity.errors import EngineError, add_note
 from infinity.optim import compact_grads, pipeline, split_master
 from infinity.optim.flat_layout import FlatLayout
 from infinity.optim.moments import MomentFormat, read_moments, write_moments
@@ -287,9 +287,9 @@ class OptimizerStateStore:
                 step_back()
             for (_, sub), key in fresh.items():
                 self.sub_tiers[sub].free(key)
-            exc.add_note(f"infinity: while giving sub-group(s) {subs} their optimizer states (nothing kept): groups "
-                         "frozen when infinity.Init exited (or when the optimizer was created) get Adam moments and "
-                         "gradients when they first train or load moments, beyond what infinity-plan counted")
+            add_note(exc, f"infinity: while giving sub-group(s) {subs} their optimizer states (nothing kept): groups "
+                          "frozen when infinity.Init exited (or when the optimizer was created) get Adam moments and "
+                          "gradients when they first train or load moments, beyond what infinity-plan counted")
             raise
         for (s, sub), key in fresh.items():
             if s == "remainder":

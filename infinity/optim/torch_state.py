@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from infinity.errors import EngineError
+from infinity.errors import EngineError, add_note
 from infinity.optim.flat_state import MOMENTS
 from infinity.optim.param_groups import check_hyper
 
@@ -85,7 +85,7 @@ def load(who: str, decoupled: bool, engine, store, param_groups: list[dict], nam
         store.wake({p.sub_index for (key, gi), shard in shards.items() for p in store.layout.pieces_of_group[gi]
                     if shard[p.group_offset:p.group_offset + p.numel].any()})
     except BaseException as exc:
-        exc.add_note(f"{what}: nothing was loaded")
+        add_note(exc, f"{what}: nothing was loaded")
         raise
     for (key, gi), shard in shards.items():
         store.write_state_shard(key, gi, shard)

@@ -17,6 +17,8 @@ import re
 
 import torch
 
+from infinity.errors import add_note
+
 _DTYPE_MISMATCH = re.compile(r"same dtype|scalar type|should be the same|expected .*dtype", re.I)
 _TORCH_NAMES = {torch.bfloat16: ("BFloat16", "bfloat16"), torch.float16: ("Half", "float16")}
 
@@ -30,7 +32,7 @@ def explain_dtype_mismatch(error, dtype: torch.dtype) -> None:
     if not any(n in str(error) for n in names) or any("infinity" in n for n in getattr(error, "__notes__", ())):
         return
     name = names[1]
-    error.add_note(
+    add_note(error,
         f"infinity: this model computes in {name} ([precision] dtype = \"{name}\", as in every preset): its "
         f"parameters are {name} in forward and backward, as after model.to(torch.{name}), and a tensor of "
         f"another dtype met one of them. Give floating-point inputs in {name} (`x.to(torch.{name})`; token "
