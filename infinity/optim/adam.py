@@ -337,21 +337,31 @@ class _OffloadAdam(torch.optim.Optimizer):
         # Set before the backward is closed, which may fail on one rank alone: every rank's forward agrees, and
         # there finishes this clear, which the others did ([Note: a resumable end of backward] in
         # infinity/runtime/backward_end.py).
+        # So is a clear that fails part-way (a gradient write that cannot be flushed): owed, not half done here
+        # while the others train on.
         engine = self.engine
         engine.agree_at_forward = True
+
+        def owed(exc: BaseException) -> None:
+            engine.clear_owed = (f"{self._name}.zero_grad() raised before it cleared this rank's gradients "
+                                 f"({exc!r}); call {self._name}.zero_grad() again", set_to_none)
+
         try:
             engine.recover_aborted_backward()
         except BaseException as exc:
-            engine.clear_owed = (f"{self._name}.zero_grad() raised before it cleared this rank's gradients "
-                                 f"({exc!r}); call {self._name}.zero_grad() again", set_to_none)
+            owed(exc)
             raise
         if self._in_backward is not None:   # refuses before anything is dropped
             self._in_backward.reset(f"{self._name}.zero_grad()")
-        engine.reducer.settle(drop=True)
-        self.store.zero_grad()
-        self.unmanaged.zero_grad(set_to_none)
-        self._checks.reset()
-        engine.grad_face.forget(keep_zeros=not set_to_none)
+        try:
+            engine.reducer.settle(drop=True)
+            self.store.zero_grad()
+            self.unmanaged.zero_grad(set_to_none)
+            self._checks.reset()
+            engine.grad_face.forget(keep_zeros=not set_to_none)
+        except BaseException as exc:
+            owed(exc)
+            raise
         engine.clear_owed = None
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

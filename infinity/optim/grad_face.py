@@ -34,6 +34,7 @@ optimizer (its ``zero_grad``).
 """
 from __future__ import annotations
 
+
 import math
 import weakref
 
@@ -365,7 +366,15 @@ class GradFace:
             _close_backward_together(engine, what)
         else:       # all of it rank-local: a failure here reaches the others at the step's agreement
             engine.recover_aborted_backward()
-        engine.reducer.settle()
+        try:
+            engine.reducer.settle()
+        except EngineError:
+            if engine.reducer.lost is None:
+                raise
+            # A hand-off failed on this rank of several (in the backward or just now): nothing to edit, and the
+            # step refuses on every rank, which raising alone here would leave waiting in its agreement ([Note: a
+            # hand-off that fails on one rank] in infinity/runtime/grads.py).
+            return
         store = engine.store
         for gi in sorted(group_indices & store.grad_written):
             shard = store.read_state_shard("grad", gi)

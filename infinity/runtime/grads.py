@@ -42,7 +42,7 @@ import traceback
 import torch
 from torch import nn
 
-from infinity.errors import EngineError
+from infinity.errors import EngineError, add_note
 from infinity.param_group import ParamGroup, ParamState
 from infinity.runtime.reduce_buckets import ReduceBuckets
 from tiers.arena import Arena
@@ -162,21 +162,20 @@ class _Kept:
 
 
 # [Note: a hand-off that fails on one rank]
-# Handing a shard over to the optimizer is this rank's alone and may fail: the accumulator's key widened on a full
-# disk, an NVMe write, host memory that cannot be had. Raised there, on several ranks, the failure leaves the
-# others in the collectives this rank then skips: the rest of the backward's reduce-scatters (and at stage 3 its
-# all-gathers), the rest of stage 1's reduce-scatters in the step, or the end of a backward cut short that every
-# rank closes. They wait for ever on NCCL, or pair the collective with another one. So on several ranks the
-# reducer keeps the failure (an ``Exception``: Ctrl-C still raises at once) as ``lost``, its traceback as text
-# (its frames would keep the backward's tensors), and goes on: once a hand-off failed (``faulted``), each later
-# group is still reduce-scattered in its place and nothing more of the step is sent, since its gradients are not
-# whole here anyway. ``settle()``, which whatever reads the gradients calls, raises after its own collectives
-# (stage 1's) while ``faulted``; the step, a gradient norm and ``infinity.clip_grad_norm_`` call it inside their
-# agreement, so this rank raises and the others ``RanksFailedError`` ([Note: failing together] in
-# infinity/runtime/ranks.py). ``zero_grad()`` drops it with the gradients and the step is redone; with the update
-# during backward, sub-groups stepped before it leave every rank's states damaged, as any step refused on one
-# rank does: load a checkpoint. One rank raises at once, as before. Left: a failure before a group's own
-# reduce-scatter (its bucket's memory), which still raises in that rank's backward, as any error there does.
+# Handing a shard over to the optimizer is this rank's alone and may fail (the accumulator's key widened on a full
+# disk, an NVMe write, host memory). Raised there, on several ranks, it leaves the others in the collectives this
+# rank then skips: the rest of the backward's reduce-scatters (at stage 3 its all-gathers too), the rest of stage
+# 1's in the step, or the end of a backward cut short that every rank closes: on NCCL they wait for ever, or pair
+# the collective with another one. So on several ranks the reducer keeps the first failure (an ``Exception``:
+# Ctrl-C still raises at once) as ``lost``, its traceback as text (its frames would hold the backward's tensors),
+# and goes on: while ``faulted``, each later group is still reduce-scattered in its place and nothing more of the
+# step is sent (its gradients are not whole here anyway), and ``settle()``, which whatever reads the gradients
+# calls, raises after its own collectives (stage 1's). The step, a gradient norm and ``clip_grad_norm_`` call it
+# inside their agreement: this rank raises, the others ``RanksFailedError`` ([Note: failing together] in
+# infinity/runtime/ranks.py); ``clamp_`` edits nothing. ``zero_grad()`` drops it and the step is redone (with the
+# update during backward, sub-groups stepped before it leave the states damaged: load a checkpoint). One rank
+# raises at once. Left: a failure before a group's own reduce-scatter (its bucket's memory) raises in that
+# rank's backward, as any error there does.
 class GradReducer:
     """Turns per-parameter gradients into accumulated fp32 gradient shards.
 
@@ -230,10 +229,9 @@ class GradReducer:
         # shard is in the store): the update during backward (infinity/optim/in_backward.py), or None.
         self.watcher = None
         # A hand-off failed in this step (an I/O error, the disk full, Ctrl-C): part of its gradients may be in
-        # the store; ``opt.step()`` refuses until ``zero_grad()`` (``settle(drop=True)``) clears them.
-        self.faulted = False
-        # On several ranks, that failure, kept for the next agreement: [Note: a hand-off that fails on one rank].
-        self.lost: Exception | None = None
+        # the store; ``opt.step()`` refuses until ``zero_grad()`` (``settle(drop=True)``) clears them. ``lost``:
+        # on several ranks, the failure kept for their next agreement ([Note: a hand-off that fails on one rank]).
+        self.faulted, self.lost = False, None
 
     def attach(self, store) -> None:
         """The groups are final and ``store`` accumulates their gradients from now on."""
@@ -549,10 +547,10 @@ class GradReducer:
                 self._sent_groups[index] -= 1
                 if self.watcher is not None:
                     self.watcher.landed(index)
-            except BaseException:       # the rest stay on their way (``settle(drop=True)`` drops them), this one too
-                self._sent = left + sent[i + added:]    # unless it was added (its buffer is given back already)
-                self.faulted = True
-                raise
+            except BaseException as exc:    # the rest stay on their way, this one unless added (its buffer is
+                self._sent = left + sent[i + added:]    # given back then): ``settle(drop=True)`` drops them
+                _keep_on_several(self, exc)
+                raise hand_off_refusal(self) from None
         self._sent = left
         if wait:
             self.datapath.settle(wait=True)
@@ -578,7 +576,9 @@ def _keep_on_several(reducer: GradReducer, exc: BaseException) -> None:
     reducer.faulted = True
     if reducer.ranks.world_size == 1 or not isinstance(exc, Exception):
         raise exc
-    exc.add_note("raised at (kept for the ranks' next agreement):\n" + "".join(traceback.format_tb(exc.__traceback__)))
+    if reducer.lost is not None:    # the first one says why (later ones: its refusal, raised again)
+        return
+    add_note(exc, "raised at (kept for the ranks' agreement):\n" + "".join(traceback.format_tb(exc.__traceback__)))
     reducer.lost = exc.with_traceback(None)
 
 

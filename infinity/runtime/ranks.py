@@ -67,7 +67,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from infinity.errors import EngineError
+from infinity.errors import EngineError, add_note
 from infinity.runtime.datapath import StepLedger
 
 # torch 2.13 renamed the flat collectives (``all_gather_into_tensor`` and ``reduce_scatter_tensor``
@@ -286,10 +286,10 @@ class Ranks:
             error = exc
         if values is None:
             values = torch.zeros(numel, dtype=torch.float64)
-        flags = torch.zeros(self.world_size, dtype=torch.float64)
+        flags = torch.zeros(self.world_size, dtype=torch.float64, device=self.device)
         flags[self.rank] = 1.0 if error is not None else 0.0
-        # Values on the device stay there (no host wait before the all-reduce); the flags join them.
-        both = torch.cat([values.reshape(-1).to(self.device, torch.float64), flags.to(self.device)])
+        # Values on the device stay there: no host wait before the all-reduce (one after it, reading the flags).
+        both = torch.cat([values.reshape(-1).to(self.device, torch.float64), flags])
 
         def reduce() -> list[int]:
             (self.all_reduce_max if op == "max" else self.all_reduce_sum)(both)
@@ -305,7 +305,7 @@ class Ranks:
         except BaseException as exc:
             if error is None:
                 raise
-            error.add_note(f"rank {self.rank}: then telling the other ranks failed too: {exc!r}")
+            add_note(error, f"rank {self.rank}: then telling the other ranks failed too: {exc!r}")
             raise error from None
         if error is not None:
             raise error
