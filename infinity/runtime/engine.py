@@ -42,6 +42,7 @@ from infinity.runtime.hooks import (GradArrivals, install_hooks, install_release
                                     unhook_idle, watch_backward)
 from infinity.runtime.ranks import Ranks
 from infinity.runtime.shards import DemandStaging, ParamShards
+from infinity.runtime.synced_generate import sync_generate
 from infinity.runtime.tier_set import TierSet
 from tiers.host_alloc import HeapTrimmer
 
@@ -138,7 +139,7 @@ class Engine:
             self.placement = None     # what tiers "auto" chose (infinity.plan.placement.AutoDecision), or None
             self.grad_face: GradFace | None = None      # what torch sees as .grad (made in finalize)
             self.loss_scaler = LossScaler.for_precision(config.precision)     # fp16 only
-            self._at_collection: list[weakref.finalize] = []    # what the model's collection undoes
+            self._at_collection: list = []    # what the model's collection (or release) undoes
             self.released = False                       # infinity.release(model) ran (see [Note: releasing])
             self.param_names: dict = {}                 # param -> qualified name, for messages (set in finalize)
         except BaseException:
@@ -173,6 +174,9 @@ class Engine:
         # handle belong to the engine; they are closed when the model they serve is
         # collected (or by Engine.release), so a later model can reuse the directory.
         self._at_collection.append(weakref.finalize(roots[0], _close_parts, self.activations, self.tiers))
+        # transformers' generate, synced over the ranks where a forward is a collective ([Note: generating on
+        # several ranks] in infinity/runtime/synced_generate.py); release gives each root its own back.
+        self._at_collection += [s.remove for s in sync_generate(roots, self.ranks, self.config.partition.stage)]
 
     def attach_optimizer(self, optimizer, updates) -> None:
         """``optimizer`` steps this model; ``updates`` (its ``UpdateScheduler``) hears the lifecycle.
