@@ -151,12 +151,12 @@ class Trainer(transformers.Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not self._managed():
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        _infinity_dir(resume_from_checkpoint)   # checked now; loaded with the optimizer, which needs it
+        _infinity_dir(resume_from_checkpoint, self.model)   # checked now; loaded with the optimizer, which needs it
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not self._managed():
             return super()._load_optimizer_and_scheduler(checkpoint)
-        load_checkpoint(_infinity_dir(checkpoint), self.model)
+        load_checkpoint(_infinity_dir(checkpoint, self.model), self.model)
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
@@ -164,7 +164,7 @@ class Trainer(transformers.Trainer):
     def _load_best_model(self) -> None:
         if not self._managed():
             return super()._load_best_model()
-        load_checkpoint(_infinity_dir(self.state.best_model_checkpoint), self.model)
+        load_checkpoint(_infinity_dir(self.state.best_model_checkpoint, self.model), self.model)
 
 
 def _engine_model(model) -> bool:
@@ -223,13 +223,16 @@ def _adamw_kwargs(args) -> dict:
     return {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
 
 
-def _infinity_dir(checkpoint: str) -> str:
-    """``checkpoint``'s infinity directory; a clear error when the Trainer checkpoint has none."""
+def _infinity_dir(checkpoint: str, model) -> str:
+    """``checkpoint``'s infinity directory; a clear error when the Trainer checkpoint has none, on every rank
+    when one rank's disk lacks it (the load's collectives come next: [Note: failing together] in
+    infinity/runtime/ranks.py)."""
     path = os.path.join(checkpoint, SUBDIR)
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(
-            f"{checkpoint!r} has no {SUBDIR!r} directory: it was not written by infinity.Trainer (a plain "
-            "Trainer's checkpoint, or one saved with save_only_model=True, holds no optimizer states an "
-            "infinity model can resume from). Resume from a checkpoint infinity.Trainer saved, or load "
-            "weights with from_pretrained inside infinity.Init and start a new run")
+    with registry.engine_of(model).ranks.together(f"resuming from {checkpoint!r}"):
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(
+                f"{checkpoint!r} has no {SUBDIR!r} directory: it was not written by infinity.Trainer (a plain "
+                "Trainer's checkpoint, or one saved with save_only_model=True, holds no optimizer states an "
+                "infinity model can resume from). Resume from a checkpoint infinity.Trainer saved, or load "
+                "weights with from_pretrained inside infinity.Init and start a new run")
     return path

@@ -59,8 +59,9 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
     ...     sd = {k: v.clone() for k, v in model.state_dict().items()}
     """
     engine = registry.engine_of(model, "infinity.gathered")
-    if engine.optimizer is not None:
-        with engine.ranks.together("infinity.gathered"):   # before the gathers: [Note: failing together]
+    with engine.ranks.together("infinity.gathered"):   # before the gathers: [Note: failing together]
+        engine.tiers.check()    # a swap file cut under the run: said here, on every rank, not between the gathers
+        if engine.optimizer is not None:
             engine.optimizer.synchronize()
     coordinator = engine.coordinator
     groups = _groups_of(engine.coordinator, model)
@@ -73,7 +74,7 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
         yield model
         completed = True
     finally:
-        reshaped = []
+        reshaped, failed = [], None
         with torch.no_grad():
             for g in groups:
                 for slot in g.slots:    # a shape or dtype the group cannot hold: that parameter keeps its values
@@ -86,13 +87,31 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
                 current = g.flatten()
                 if modifier_rank is not None:
                     engine.ranks.broadcast(current, src=modifier_rank)
-                if not torch.equal(g.shard_of(current), snapshots[g]):
-                    engine.write_param_shard(g, current, snapshots[g])
+                if failed is None and not torch.equal(g.shard_of(current), snapshots[g]):
+                    try:
+                        engine.write_param_shard(g, current, snapshots[g])
+                    except Exception as exc:
+                        failed = _written_in_part(engine, g, exc, modifier_rank)
                 coordinator.unuse(g)
+        if modifier_rank is not None:   # the broadcasts are over on every rank: they raise together
+            with engine.ranks.together("infinity.gathered's write-back"):
+                if failed is not None:
+                    raise failed
         _discard_recordings(marks)
         engine.grad_face.stray += _stray_grads(model, groups)
         if completed:
             _refuse_new_shapes(coordinator, model, reshaped, unmanaged)
+
+
+def _written_in_part(engine, group, exc: Exception, modifier_rank: int | None) -> Exception:
+    """A write-back failed at ``group`` (tier I/O): the groups before it hold the block's values, the rest do not,
+    and this one may hold them in part. Raised at once without ``modifier_rank``; with it, after the broadcasts
+    every rank issues, the groups after it broadcast but not written. The states are damaged either way."""
+    engine.damaged = (f"infinity.gathered could not write the block's values back (group {group.name!r}: {exc!r}): "
+                      "the parameters and master weights hold them in part; load a checkpoint")
+    if modifier_rank is None:
+        raise exc
+    return exc
 
 
 def _recording_marks(engine) -> list:

@@ -517,6 +517,61 @@ def test_a_clear_that_fails_part_way_on_one_rank_is_finished_by_the_next_forward
     assert max(worst0, worst1) <= 1e-6, (worst0, worst1)
 
 
+def _write_back_fails_on_one_rank(rank, world, workdir):
+    """``infinity.gathered(model, modifier_rank=0)`` changes every weight; rank 1's write-back fails at the second
+    group it writes. Then each rank loads the checkpoint saved before and trains a step beside torch's."""
+    from infinity.errors import EngineError
+    from infinity.registry import engine_of
+
+    model, opt, ref, ref_opt = _beside_torch(workdir, 3, "nvme", "nvme")
+    engine, calls = engine_of(model), []
+    ckpt = os.path.join(workdir, "before")
+    infinity.save_checkpoint(ckpt, model, opt)
+    write = engine.write_param_shard
+
+    def failing(*args):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            raise Cut("rank 1: injected failure writing a group back")
+        return write(*args)
+
+    engine.write_param_shard = failing
+
+    def block():
+        with infinity.gathered(model, modifier_rank=0):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+
+    said = [_outcome(block, Cut)]
+    engine.write_param_shard = write
+    idx, tgt = batches(1, 4)[0]
+    said.append(_outcome(lambda: model(idx[2 * rank:2 * rank + 2], tgt[2 * rank:2 * rank + 2]), EngineError))
+    infinity.load_checkpoint(ckpt, model, opt)
+    model(idx[2 * rank:2 * rank + 2], tgt[2 * rank:2 * rank + 2]).backward()
+    opt.step()
+    ref(idx, tgt).backward()
+    ref_opt.step()
+    with torch.no_grad():
+        worst = max(float((p - q).abs().max()) for p, q in zip(_weights(model), ref.parameters()))
+    infinity.release(model)
+    return said, len(calls), worst
+
+
+def test_a_write_back_that_fails_on_one_rank_is_raised_on_every_rank_after_the_broadcasts(tmp_path):
+    """It raised on rank 1 between two groups' broadcasts, and rank 0 waited in the next one. Now rank 1 issues
+    every broadcast and both raise after them; rank 1's states are damaged (its next forward refuses, on both
+    ranks) until the load."""
+    (said0, calls0, worst0), (said1, calls1, worst1) = run_ranks(_write_back_fails_on_one_rank, 2, tmp_path,
+                                                                 collective_timeout=60)
+    assert said1[0] == "own: rank 1: injected failure writing a group back", said1
+    assert said0[0].startswith("other: rank 0: rank(s) [1] failed in infinity.gathered's write-back"), said0
+    assert said1[1].startswith("own: ") and "could not write the block's values back" in said1[1], said1
+    assert said0[1].startswith("other: rank 0: rank(s) [1] failed in "), said0
+    assert calls1 == 2 and calls0 > 2, (calls0, calls1)
+    assert max(worst0, worst1) <= 1e-6, (worst0, worst1)
+
+
 def test_a_second_backward_after_an_end_that_failed_on_one_rank_runs_its_own_end(tmp_path):
     """retain_graph: rank 0's first end fails after its collectives, and the second backward starts before
     anything closed it. It used to skip the second end's collectives on rank 0 (the count of stages done was
