@@ -90,28 +90,35 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
                 if failed is None and not torch.equal(g.shard_of(current), snapshots[g]):
                     try:
                         engine.write_param_shard(g, current, snapshots[g])
-                    except Exception as exc:
-                        failed = _written_in_part(engine, g, exc, modifier_rank)
+                    except Exception as exc:    # the rest are broadcast, not written: raised below, on every rank
+                        failed = _written_in_part(engine, g, exc)
                 coordinator.unuse(g)
-        if modifier_rank is not None:   # the broadcasts are over on every rank: they raise together
-            with engine.ranks.together("infinity.gathered's write-back"):
-                if failed is not None:
-                    raise failed
         _discard_recordings(marks)
         engine.grad_face.stray += _stray_grads(model, groups)
+        _write_back_agreed(engine, failed)
         if completed:
             _refuse_new_shapes(coordinator, model, reshaped, unmanaged)
 
 
-def _written_in_part(engine, group, exc: Exception, modifier_rank: int | None) -> Exception:
+def _written_in_part(engine, group, exc: Exception) -> Exception:
     """A write-back failed at ``group`` (tier I/O): the groups before it hold the block's values, the rest do not,
-    and this one may hold them in part. Raised at once without ``modifier_rank``; with it, after the broadcasts
-    every rank issues, the groups after it broadcast but not written. The states are damaged either way."""
+    and this one may hold them in part: the states are damaged."""
     engine.damaged = (f"infinity.gathered could not write the block's values back (group {group.name!r}: {exc!r}): "
                       "the parameters and master weights hold them in part; load a checkpoint")
-    if modifier_rank is None:
-        raise exc
     return exc
+
+
+def _write_back_agreed(engine, failed: Exception | None) -> None:
+    """Every rank raises when the write-back failed on one ([Note: failing together] in infinity/runtime/ranks.py;
+    with ``modifier_rank`` after the broadcasts every rank issued): one rank's states are damaged now, so the next
+    forward agrees first, where that rank's refusal reaches the others."""
+    try:
+        with engine.ranks.together("infinity.gathered's write-back"):
+            if failed is not None:
+                raise failed
+    except BaseException:
+        engine.agree_at_forward = True
+        raise
 
 
 def _recording_marks(engine) -> list:

@@ -517,8 +517,8 @@ def test_a_clear_that_fails_part_way_on_one_rank_is_finished_by_the_next_forward
     assert max(worst0, worst1) <= 1e-6, (worst0, worst1)
 
 
-def _write_back_fails_on_one_rank(rank, world, workdir):
-    """``infinity.gathered(model, modifier_rank=0)`` changes every weight; rank 1's write-back fails at the second
+def _write_back_fails_on_one_rank(rank, world, workdir, modifier):
+    """``infinity.gathered(model, modifier_rank=modifier)`` changes every weight; rank 1's write-back fails at the second
     group it writes. Then each rank loads the checkpoint saved before and trains a step beside torch's."""
     from infinity.errors import EngineError
     from infinity.registry import engine_of
@@ -538,7 +538,7 @@ def _write_back_fails_on_one_rank(rank, world, workdir):
     engine.write_param_shard = failing
 
     def block():
-        with infinity.gathered(model, modifier_rank=0):
+        with infinity.gathered(model, modifier_rank=modifier):
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
@@ -558,12 +558,14 @@ def _write_back_fails_on_one_rank(rank, world, workdir):
     return said, len(calls), worst
 
 
-def test_a_write_back_that_fails_on_one_rank_is_raised_on_every_rank_after_the_broadcasts(tmp_path):
-    """It raised on rank 1 between two groups' broadcasts, and rank 0 waited in the next one. Now rank 1 issues
-    every broadcast and both raise after them; rank 1's states are damaged (its next forward refuses, on both
-    ranks) until the load."""
+@pytest.mark.parametrize("modifier", [0, None])
+def test_a_write_back_that_fails_on_one_rank_is_raised_on_every_rank_after_the_broadcasts(tmp_path, modifier):
+    """With a modifier rank it raised on rank 1 between two groups' broadcasts, and rank 0 waited in the next
+    one; without, on rank 1 alone, whose damaged states then refused its next forward alone. Now rank 1 issues
+    every broadcast and both raise after them; rank 1's states are damaged, and its next forward refuses on both
+    ranks, until the load."""
     (said0, calls0, worst0), (said1, calls1, worst1) = run_ranks(_write_back_fails_on_one_rank, 2, tmp_path,
-                                                                 collective_timeout=60)
+                                                                 modifier, collective_timeout=60)
     assert said1[0] == "own: rank 1: injected failure writing a group back", said1
     assert said0[0].startswith("other: rank 0: rank(s) [1] failed in infinity.gathered's write-back"), said0
     assert said1[1].startswith("own: ") and "could not write the block's values back" in said1[1], said1
