@@ -107,6 +107,12 @@ def _weights(model):
         return [p.detach().clone() for p in model.parameters()]
 
 
+def _apart(model, ref) -> float:
+    """The largest difference between the engine model's weights and torch's reference's."""
+    with torch.no_grad():
+        return max(float((p - q).abs().max()) for p, q in zip(_weights(model), ref.parameters()))
+
+
 def _beside_torch(workdir, stage, params, optimizer, extra=None):
     """An engine TinyGPT (fp32, ``stage``, its tiers, NVMe under ``workdir``, ``extra`` config sections) and its
     AdamW, beside torch's same model and AdamW."""
@@ -144,8 +150,7 @@ def _norm_on_rank_zero(rank, world, workdir, stage):
         ref(idx, tgt).backward()
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)) if i == 2 else None
         ref_opt.step()
-        with torch.no_grad():
-            worst = max([worst] + [float((p - q).abs().max()) for p, q in zip(_weights(model), ref.parameters())])
+        worst = max(worst, _apart(model, ref))
         ref_opt.zero_grad()
         if norm is not None:        # every rank takes it: fine
             worst = max(worst, abs(norm - ref_norm) / ref_norm)
@@ -194,8 +199,7 @@ def _norm_read_fails_on_one_rank(rank, world, workdir, stage, where):
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-        with torch.no_grad():
-            worst = max([worst] + [float((p - q).abs().max()) for p, q in zip(_weights(model), ref.parameters())])
+        worst = max(worst, _apart(model, ref))
     infinity.release(model)
     return said, issued, worst
 
@@ -323,8 +327,7 @@ def _hand_off_fails_on_one_rank(rank, world, workdir, stage, where):
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ref_opt.step()
         ref_opt.zero_grad()
-        with torch.no_grad():
-            worst = max([worst] + [float((p - q).abs().max()) for p, q in zip(_weights(model), ref.parameters())])
+        worst = max(worst, _apart(model, ref))
     infinity.release(model)
     return said, bool(hit), worst
 
@@ -501,8 +504,7 @@ def _clear_fails_on_one_rank(rank, world, workdir):
         ref(idx, tgt).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        with torch.no_grad():
-            worst = max([worst] + [float((p - q).abs().max()) for p, q in zip(_weights(model), ref.parameters())])
+        worst = max(worst, _apart(model, ref))
     infinity.release(model)
     return said, worst
 
@@ -552,8 +554,7 @@ def _write_back_fails_on_one_rank(rank, world, workdir, modifier):
     opt.step()
     ref(idx, tgt).backward()
     ref_opt.step()
-    with torch.no_grad():
-        worst = max(float((p - q).abs().max()) for p, q in zip(_weights(model), ref.parameters()))
+    worst = _apart(model, ref)
     infinity.release(model)
     return said, len(calls), worst
 
