@@ -352,7 +352,11 @@ class _OffloadAdam(torch.optim.Optimizer):
             owed(exc)
             raise
         if self._in_backward is not None:   # refuses before anything is dropped
-            self._in_backward.reset(f"{self._name}.zero_grad()")
+            try:
+                self._in_backward.reset(f"{self._name}.zero_grad()")
+            except EngineError:     # refused, as it is on a rank whose backward ended: nothing owed, step first
+                engine.clear_owed = None
+                raise
         try:
             engine.reducer.settle(drop=True)
             self.store.zero_grad()

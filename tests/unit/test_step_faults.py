@@ -21,6 +21,8 @@ from infinity.optim import delayed, flat_state
 from infinity.optim.background import UpdateWorkerError
 from tests.support.adapted import adapted
 from tests.support.tiny_gpt import TinyGPT, batches
+from tests.unit.test_dpu import batches as dpu_batches
+from tests.unit.test_optimizer_shares import make
 
 
 # The optimizer states split over tiers ([Note: optimizer states over tiers] in infinity/optim/tier_split.py):
@@ -404,4 +406,51 @@ def test_an_end_of_backward_that_fails_after_its_collectives_goes_on_from_the_st
     assert said is not None and "injected" in str(said), said
     assert clean == {"finish_backward": 1, "unmanaged": 1, "coordinator": 1}, clean
     assert calls == {"finish_backward": 1, "unmanaged": 1, "coordinator": 2}, calls
+    assert _same(got, reference)
+
+
+def _in_backward_steps(tmp_path, fault: bool):
+    """Three steps with the update during backward; with ``fault``, the end of the second backward fails, after
+    sub-groups were stepped, and so does the close of it that the ``zero_grad()`` after it runs (a clear owed)."""
+    (tmp_path / str(fault)).mkdir()
+    model, _ = make(tmp_path / str(fault), "host", "nvme", 0.3, 0.4, optimizer={"update_in_backward": True})
+    engine = registry.engine_of(model, "test")
+    opt = infinity.AdamW(model, lr=1e-2)
+    fails, end_backward = [0], engine.coordinator.end_backward
+
+    def failing_end(*args, **kwargs):
+        if fails[0]:
+            fails[0] -= 1
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return end_backward(*args, **kwargs)
+
+    engine.coordinator.end_backward = failing_end
+    said = []
+    for i, (idx, tgt) in enumerate(dpu_batches(3)):
+        if i == 1 and fault:
+            fails[0] = 2
+            with pytest.raises(OSError, match="injected"):
+                model(idx, tgt).backward()
+            with pytest.raises(OSError, match="injected"):
+                opt.zero_grad()     # throwing the batch away: the close fails again, the clear is owed
+            with pytest.raises(infinity.errors.EngineError, match="already stepped during backward") as refused:
+                model(idx, tgt)     # the owed clear is refused, as a zero_grad() after a whole backward is
+            said.append(str(refused.value))
+        else:
+            model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+    weights = [v.clone() for v in infinity.state_dict(model).values()]
+    infinity.release(model)
+    return weights, said
+
+
+def test_an_owed_clear_refused_after_sub_groups_were_stepped_in_backward_leaves_the_step_to_finish(tmp_path):
+    """A clear owed (the close of a failed backward failed again in zero_grad()) met sub-groups stepped during that
+    backward: refused, as a zero_grad() before opt.step() is there, but the debt stayed, so every forward, step and
+    zero_grad() refused after it (and a load did not lift it): nothing could go on. A refused clear drops nothing;
+    now it owes nothing either, and opt.step() finishes the step as a run without the fault."""
+    reference, _ = _in_backward_steps(tmp_path, fault=False)
+    got, said = _in_backward_steps(tmp_path, fault=True)
+    assert said and "call opt.step() before zero_grad()" in said[0], said
     assert _same(got, reference)
