@@ -51,11 +51,23 @@ _BUILT_IN = {
 _ZERO_SCALARS = (
     ("stage3_prefetch_bucket_size", "prefetch_bucket_size", "prefetch.device_bytes", True),
     ("stage3_param_persistence_threshold", "param_persistence_threshold", "partition.persistence_threshold", False),
-    ("stage3_max_live_parameters", "max_live_parameters", "partition.max_live_parameters", False),
     ("stage3_max_reuse_distance", "max_reuse_distance", "prefetch.reuse_distance", True),
     ("sub_group_size", None, "partition.sub_group_size", False),
-    ("reduce_bucket_size", None, "partition.reduce_bucket_bytes", True),
 )
+
+# Bounds DeepSpeed lets the running module exceed, which infinity enforces: translated, a valid DeepSpeed config
+# would be refused by infinity.Init (a block larger than the bound). Reported, infinity's default kept.
+_SOFT_BOUNDS = {
+    "reduce_bucket_size": "DeepSpeed fills buckets of this many elements and reduces a larger parameter on its own; "
+                          "infinity reduce-scatters each group (a transformer block) whole, from one buffer that "
+                          "must hold the largest and by default holds two (partition.reduce_bucket_bytes = 0): "
+                          "kept that; set partition.reduce_bucket_bytes to bound it",
+    "stage3_max_live_parameters": "DeepSpeed still gathers the module that runs when this bound is reached; "
+                                  "infinity.Init refuses a partition.max_live_parameters below what the largest "
+                                  "module needs: kept 0 (no bound: gathers ahead are bounded by prefetch.device_bytes, "
+                                  "from stage3_prefetch_bucket_size); set partition.max_live_parameters to bound them",
+}
+_SOFT_BOUNDS["max_live_parameters"] = _SOFT_BOUNDS["stage3_max_live_parameters"]
 
 _PROGRAM_KEYS = {
     "optimizer": "create the optimizer in the program: infinity.AdamW(model, lr=...)",
@@ -63,6 +75,8 @@ _PROGRAM_KEYS = {
     "train_batch_size": "batch sizes belong to the program's data loader",
     "train_micro_batch_size_per_gpu": "batch sizes belong to the program's data loader",
     "gradient_accumulation_steps": "accumulate in the program: call opt.step() every N backward passes",
+    "gradient_clipping": "clip in the program: infinity.clip_grad_norm_(model, max_norm) before opt.step() (the "
+                         "Hugging Face Trainer: its max_grad_norm)",
 }
 _NO_EQUIVALENT = "no equivalent in infinity's config"
 
@@ -72,7 +86,7 @@ class _Translation:
 
     def __init__(self) -> None:
         self.ours: dict[str, dict[str, Any]] = {}
-        self.origin: dict[str, str] = {"tiers.nvme_path": "zero_optimization.offload_param.nvme_path"}
+        self.origin: dict[str, str] = {}
         self.skipped: list[str] = []
         self.itemsize = 4
 
@@ -103,7 +117,8 @@ class _Translation:
 
 
 def _section(data: Mapping[str, Any], name: str, where: str = "") -> Mapping[str, Any]:
-    body = data.get(name) or {}
+    body = data.get(name)
+    body = {} if body is None else body
     if not isinstance(body, Mapping):
         raise ConfigError(f"expected an object, got {body!r}", f"{where}{name}")
     return body
@@ -137,7 +152,10 @@ def _loss_scale(t: _Translation, key: str, value: object) -> None:
 
 def _precision(t: _Translation, data: Mapping[str, Any]) -> None:
     enabled = {}
-    for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+    if "bf16" in data and "bfloat16" in data:
+        raise ConfigError("bf16 and bfloat16 (its older name) are both given; keep bf16", "bfloat16")
+    bf16 = "bfloat16" if "bfloat16" in data else "bf16"
+    for name, dtype in ((bf16, "bfloat16"), ("fp16", "float16")):
         body = _section(data, name)
         for key, value in body.items():
             if name == "fp16" and key in _LOSS_SCALE_KEYS:
@@ -146,7 +164,8 @@ def _precision(t: _Translation, data: Mapping[str, Any]) -> None:
                 t.skip(f"{name}.{key}", _NO_EQUIVALENT)
         value = body.get("enabled", False)
         if value == "auto":
-            t.skip(f"{name}.enabled", "\"auto\" is filled in by the Hugging Face Trainer; kept float32")
+            t.skip(f"{name}.enabled", "\"auto\" is filled in by the Hugging Face Trainer; kept float32 (element "
+                   "counts that become bytes count 4 bytes each)")
         elif not isinstance(value, bool):
             raise ConfigError(f"expected true or false, got {value!r}", f"{name}.enabled")
         elif value:
@@ -167,18 +186,22 @@ def _offload(t: _Translation, zero: Mapping[str, Any], what: str, nvme_paths: li
         ds_key = f"{where}.{name}"
         if name == "device":
             device = "none" if value is None else str(value).lower()
-            if device in _OFFLOAD_DEVICE[what]:
-                t.put(our_tier, ds_key, _OFFLOAD_DEVICE[what][device])
-            elif what == "optimizer" and device == "none":
-                t.skip(ds_key, "\"none\": infinity's optimizer always steps on the host; kept \"host\"")
-            else:
+            if device not in _OFFLOAD_DEVICE[what]:
                 raise ConfigError(f"{value!r} is not allowed; expected one of {', '.join(map(repr, _OFFLOAD_DEVICE[what]))}", ds_key)
+            t.put(our_tier, ds_key, _OFFLOAD_DEVICE[what][device])
+            if device == "nvme":    # a missing path is named where the NVMe offload was asked for
+                t.origin.setdefault("tiers.nvme_path", f"{where}.nvme_path")
         elif name == "nvme_path":
-            for path in [value] if isinstance(value, str) else list(value or ()):
+            paths = [value] if isinstance(value, str) else value if value is None or isinstance(value, list) else None
+            if paths is None or not all(isinstance(path, str) for path in paths):
+                raise ConfigError(f"expected a path or a list of paths, got {value!r}", ds_key)
+            for path in paths:
                 if path not in nvme_paths:
                     nvme_paths.append(path)
             t.origin["tiers.nvme_path"] = ds_key
         elif name == "pin_memory":
+            if not isinstance(value, bool):
+                raise ConfigError(f"expected true or false, got {value!r}", ds_key)
             pins[ds_key] = value
         elif name == "ratio" and what == "optimizer":
             _ratio(t, ds_key, value)
@@ -194,6 +217,9 @@ def _offload(t: _Translation, zero: Mapping[str, Any], what: str, nvme_paths: li
                 t.put("tiers.pool_buffer_size", ds_key, nbytes)
         else:
             t.built_in_or_skip(ds_key, value)
+    if f"{where}.pin_memory" in pins and t.ours.get("tiers", {}).get(our_tier.split(".")[1]) in (None, "device"):
+        del pins[f"{where}.pin_memory"]     # nothing of it is offloaded, as DeepSpeed ignores it there
+        t.skip(f"{where}.pin_memory", "ignored: this offload's device is \"none\"")
 
 
 def _ratio(t: _Translation, ds_key: str, value: Any) -> None:
@@ -210,11 +236,21 @@ def _zero(t: _Translation, data: Mapping[str, Any]) -> None:
     nvme_paths: list[str] = []
     pins: dict[str, object] = {}
     handled = {"offload_param", "offload_optimizer"}
+    for legacy, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
+        if legacy in zero and section in zero:
+            raise ConfigError(f"given beside zero_optimization.{section}, its newer form (DeepSpeed refuses both); "
+                              f"keep {section}", f"zero_optimization.{legacy}")
+    if "stage" not in zero:
+        t.skip("zero_optimization.stage", "not given: DeepSpeed's default is 0 (plain data parallelism); "
+               "infinity partitions the optimizer states at least (stages 1, 2 and 3): kept stage 3")
     _offload(t, zero, "param", nvme_paths, pins)
     param_paths = list(nvme_paths)
     _offload(t, zero, "optimizer", nvme_paths, pins)
+    t.origin.setdefault("tiers.nvme_path", "zero_optimization.offload_param.nvme_path")
     if nvme_paths:
         t.put("tiers.nvme_path", t.origin["tiers.nvme_path"], nvme_paths)
+    if "tiers.optimizer" not in t.origin:      # no offload asked for: DeepSpeed keeps the states on the device
+        t.put("tiers.optimizer", "zero_optimization.offload_optimizer (not given)", "device")
     if param_paths and param_paths != nvme_paths:
         t.skip("zero_optimization.offload_param.nvme_path and zero_optimization.offload_optimizer.nvme_path",
                "differ; infinity has one tiers.nvme_path for every state: both kept, and parameters and "
@@ -228,6 +264,9 @@ def _zero(t: _Translation, data: Mapping[str, Any]) -> None:
         elif values == {False}:
             t.put("tiers.pin_memory", next(iter(pins)), "never")
     for ds_name, alias, our_key, to_bytes in _ZERO_SCALARS:
+        if ds_name in zero and alias in zero:
+            raise ConfigError(f"given beside zero_optimization.{alias}, its other name; keep one",
+                              f"zero_optimization.{ds_name}")
         for name in (ds_name, alias):
             if name in zero:
                 handled.add(name)
@@ -239,7 +278,10 @@ def _zero(t: _Translation, data: Mapping[str, Any]) -> None:
     for name, value in zero.items():
         if name in handled:
             continue
-        if name == "stage":
+        if name in _SOFT_BOUNDS:
+            if t.count(f"zero_optimization.{name}", value) is not None:     # "auto" is reported there
+                t.skip(f"zero_optimization.{name}", _SOFT_BOUNDS[name])
+        elif name == "stage":
             if value in (1, 2, 3) and not isinstance(value, bool):
                 t.put("partition.stage", "zero_optimization.stage", value)
             else:
@@ -337,7 +379,7 @@ def from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike) -> tuple[Co
         _activations(t, ds_config)
         t.ours.setdefault("partition", {}).setdefault("units", "auto")    # [Note: DeepSpeed translation]
         for name in ds_config:
-            if name not in ("bf16", "fp16", "zero_optimization", "aio", "activation_checkpointing"):
+            if name not in ("bf16", "bfloat16", "fp16", "zero_optimization", "aio", "activation_checkpointing"):
                 t.skip(name, _PROGRAM_KEYS.get(name, _NO_EQUIVALENT))
         config = load_config(t.ours)
     except ConfigError as exc:

@@ -26,11 +26,13 @@ def test_nvme_offload_needs_a_path_and_the_buffer_is_aligned():
 
 def test_deepspeed_cpu_checkpointing_is_host_offload_and_partitioning_is_reported():
     cfg, skipped = from_deepspeed({"activation_checkpointing": {"cpu_checkpointing": True,
-                                                                "partition_activations": True}})
+                                                                "partition_activations": True},
+                                   "zero_optimization": {"stage": 3}})
     assert cfg.activations.offload == "host"
     assert skipped == ["activation_checkpointing.partition_activations: partitioning activations over ranks "
                        "(P_a) needs tensor parallelism, which infinity does not have"]
-    cfg, skipped = from_deepspeed({"activation_checkpointing": {"cpu_checkpointing": False}})
+    cfg, skipped = from_deepspeed({"activation_checkpointing": {"cpu_checkpointing": False},
+                                   "zero_optimization": {"stage": 3}})
     assert cfg.activations.offload == "none" and skipped == []
 
 

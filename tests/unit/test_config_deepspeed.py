@@ -39,6 +39,7 @@ ZERO_INFINITY = {
     "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
             "overlap_events": True, "use_gds": False},
 }
+ZERO3 = {"zero_optimization": {"stage": 3}}    # beside a section under test: DeepSpeed's default stage is 0
 
 
 def test_realistic_zero_infinity_config(tmp_path):
@@ -52,11 +53,11 @@ def test_realistic_zero_infinity_config(tmp_path):
     assert cfg.precision.dtype == "bfloat16"
     assert (cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.threads) == (1 << 20, 8, 1)
     assert cfg.partition.persistence_threshold == 100_000
-    assert cfg.partition.max_live_parameters == 10**9
+    assert cfg.partition.max_live_parameters == 0     # DeepSpeed's bound is soft: reported, not enforced
     assert cfg.partition.sub_group_size == load_config().partition.sub_group_size    # 1e9: 16 GB a sub-group
     assert cfg.partition.units == ("auto",)
     assert cfg.prefetch.device_bytes == 2 * 10**7  # 1e7 bf16 elements
-    assert cfg.partition.reduce_bucket_bytes == 2 * 10**7
+    assert cfg.partition.reduce_bucket_bytes == 0     # a DeepSpeed bucket splits a larger parameter: reported
     assert cfg.prefetch.reuse_distance == 2 * 10**9
     assert sorted(line.split(":")[0] for line in skipped) == sorted([
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
@@ -64,7 +65,8 @@ def test_realistic_zero_infinity_config(tmp_path):
         "zero_optimization.overlap_comm",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
         "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_param.max_in_cpu",
-        "zero_optimization.sub_group_size",
+        "zero_optimization.sub_group_size", "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_max_live_parameters",
     ])
     assert "optimizer: create the optimizer in the program: infinity.AdamW(model, lr=...)" in skipped
     assert load_config(cfg.to_dict()) == cfg
@@ -80,7 +82,8 @@ def test_hugging_face_auto_values_keep_defaults_and_are_reported():
     assert cfg.prefetch.device_bytes == load_config().prefetch.device_bytes
     assert cfg.precision.loss_scale == "dynamic"
     assert skipped == [
-        "fp16.enabled: \"auto\" is filled in by the Hugging Face Trainer; kept float32",
+        "fp16.enabled: \"auto\" is filled in by the Hugging Face Trainer; kept float32 (element counts that become "
+        "bytes count 4 bytes each)",
         "zero_optimization.stage3_prefetch_bucket_size: \"auto\" is filled in by the Hugging Face Trainer; "
         "kept infinity's default",
         "zero_optimization.sub_group_size: 1e+09 elements would be 14.9 GiB of host memory per optimizer "
@@ -95,9 +98,10 @@ def test_the_translation_chooses_what_the_presets_do_where_deepspeed_has_no_key_
     preset = load_config("offload-optimizer")
     assert cfg.partition.units == preset.partition.units == ("auto",)     # one group per transformer block
     assert cfg.partition.sub_group_size == preset.partition.sub_group_size and skipped == []
-    small = from_deepspeed({"zero_optimization": {"sub_group_size": 1e6}})     # a choice to spend less: kept
-    assert small == (load_config({"partition": {"sub_group_size": 10**6, "units": "auto"}}), [])
-    large = from_deepspeed({"zero_optimization": {"sub_group_size": 2**26}})
+    small = from_deepspeed({"zero_optimization": {"stage": 3, "sub_group_size": 1e6}})     # a choice to spend less
+    assert small == (load_config({"partition": {"sub_group_size": 10**6, "units": "auto"},
+                                  "tiers": {"optimizer": "device"}}), [])
+    large = from_deepspeed({"zero_optimization": {"stage": 3, "sub_group_size": 2**26}})
     assert large[0].partition.sub_group_size == preset.partition.sub_group_size
     assert large[1][0].startswith("zero_optimization.sub_group_size: 6.71e+07 elements would be 1.0 GiB of host memory")
 
@@ -105,15 +109,16 @@ def test_the_translation_chooses_what_the_presets_do_where_deepspeed_has_no_key_
 def test_both_aio_thread_names():
     assert from_deepspeed({"aio": {"thread_count": 3}})[0].aio.threads == 3
     assert from_deepspeed({"aio": {"intra_op_parallelism": 6}})[0].aio.threads == 6
-    assert from_deepspeed({"aio": {"thread_count": 2, "intra_op_parallelism": 2}}) == (load_config({"aio": {"threads": 2}, "partition": {"units": "auto"}}), [])
-    cfg, skipped = from_deepspeed({"aio": {"thread_count": 1, "intra_op_parallelism": 8}})
+    assert from_deepspeed({"aio": {"thread_count": 2, "intra_op_parallelism": 2}, **ZERO3}) == (
+        load_config({"aio": {"threads": 2}, "partition": {"units": "auto"}, "tiers": {"optimizer": "device"}}), [])
+    cfg, skipped = from_deepspeed({"aio": {"thread_count": 1, "intra_op_parallelism": 8}, **ZERO3})
     assert cfg.aio.threads == 8
     assert skipped == ["aio.thread_count: 1 differs from aio.intra_op_parallelism (8), its newer name; "
                        "used intra_op_parallelism"]
 
 
 def test_aio_behaviour_keys_pass_when_they_match_and_are_reported_when_not():
-    _, skipped = from_deepspeed({"aio": {"single_submit": True, "overlap_events": False, "use_gds": True}})
+    _, skipped = from_deepspeed({"aio": {"single_submit": True, "overlap_events": False, "use_gds": True}, **ZERO3})
     assert [line.split(":")[0] for line in skipped] == ["aio.single_submit", "aio.overlap_events", "aio.use_gds"]
     assert "GPUDirect" in skipped[2]
 
@@ -170,13 +175,13 @@ def test_different_param_and_optimizer_nvme_paths_are_kept_and_reported():
 def test_fp16_loss_scaling_keys():
     cfg, skipped = from_deepspeed({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
                                             "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 0.5,
-                                            "consecutive_hysteresis": False}})
+                                            "consecutive_hysteresis": False}, **ZERO3})
     p = cfg.precision
     assert (p.dtype, p.loss_scale, p.initial_scale, p.growth_interval, p.hysteresis, p.min_scale) == (
         "float16", "dynamic", 4096.0, 500, 3, 0.5)
     assert skipped == []
     cfg, skipped = from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128, "consecutive_hysteresis": True,
-                                            "initial_scale_power": "auto"}})
+                                            "initial_scale_power": "auto"}, **ZERO3})
     assert cfg.precision.loss_scale == 128.0
     assert skipped == [
         "fp16.consecutive_hysteresis: True cannot be honoured: infinity forgets overflows only when the scale "
@@ -201,3 +206,76 @@ def test_zero_offload_ratio_keeps_the_rest_of_the_optimizer_states_on_the_device
         from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.5}}})
     with pytest.raises(ConfigError, match=r"^zero_optimization.offload_optimizer.ratio \(as tiers.optimizer_device_share\)"):
         from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "none", "ratio": 0.5}}})
+
+
+def test_deepspeed_defaults_are_deepspeeds_and_soft_bounds_do_not_refuse_a_valid_config(tmp_path):
+    """Where the DeepSpeed config is silent, DeepSpeed's defaults: no offload_optimizer keeps the optimizer states
+    on the device, a missing stage (0 there) is reported. Its soft bounds (a bucket size a larger parameter
+    exceeds, live parameters the running module exceeds) are reported, not made hard ones that infinity.Init
+    would refuse for a block larger than them."""
+    cfg, skipped = from_deepspeed({"zero_optimization": {"stage": 3}})
+    assert (cfg.tiers.params, cfg.tiers.optimizer, skipped) == ("device", "device", [])
+    cfg, skipped = from_deepspeed({"bf16": {"enabled": True}})
+    assert cfg.tiers.optimizer == "device" and cfg.precision.dtype == "bfloat16"
+    assert [line.split(":")[0] for line in skipped] == ["zero_optimization.stage"]
+    assert "DeepSpeed's default is 0" in skipped[0]
+    cfg, skipped = from_deepspeed({"zero_optimization": {"stage": 3, "cpu_offload": True}})
+    assert cfg.tiers.optimizer == "host"
+    ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 1e4, "stage3_max_live_parameters": 1e4,
+                                "offload_optimizer": {"device": "cpu"}}}
+    cfg, skipped = from_deepspeed(ds)
+    assert (cfg.partition.reduce_bucket_bytes, cfg.partition.max_live_parameters) == (0, 0)
+    assert [line.split(":")[0] for line in skipped] == ["zero_optimization.reduce_bucket_size",
+                                                        "zero_optimization.stage3_max_live_parameters"]
+    assert "partition.reduce_bucket_bytes" in skipped[0] and "partition.max_live_parameters" in skipped[1]
+    import torch
+    from torch import nn
+
+    import infinity
+    with infinity.Init(cfg):    # blocks of 65,792 elements, above both bounds: DeepSpeed trains this config
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    opt = infinity.AdamW(model, lr=1e-3)
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    infinity.release(model)
+
+
+@pytest.mark.parametrize("ds,message", [
+    ({"offload_param": {"device": "cpu", "nvme_path": 5}},
+     r"^zero_optimization.offload_param.nvme_path: expected a path or a list of paths, got 5"),
+    ({"offload_param": {"device": "cpu", "nvme_path": {"a": 1}}},
+     r"^zero_optimization.offload_param.nvme_path: expected a path or a list of paths"),
+    ({"offload_optimizer": {"device": "nvme"}},
+     r"^zero_optimization.offload_optimizer.nvme_path \(as tiers.nvme_path\): required"),
+    ({"offload_optimizer": {"device": "cpu", "pin_memory": "true"}},
+     r"^zero_optimization.offload_optimizer.pin_memory: expected true or false, got 'true'"),
+    ({"cpu_offload": True, "offload_optimizer": {"device": "none"}},
+     r"^zero_optimization.cpu_offload: given beside zero_optimization.offload_optimizer"),
+    ({"cpu_offload_params": True, "offload_param": {"device": "cpu"}},
+     r"^zero_optimization.cpu_offload_params: given beside zero_optimization.offload_param"),
+    ({"stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2},
+     r"^zero_optimization.stage3_prefetch_bucket_size: given beside zero_optimization.prefetch_bucket_size"),
+], ids=["path-int", "path-dict", "nvme-without-path", "pin-string", "cpu_offload-twice", "cpu_offload_params-twice",
+        "alias-twice"])
+def test_malformed_or_contradicting_deepspeed_keys_are_errors_naming_them(ds, message):
+    with pytest.raises(ConfigError, match=message):
+        from_deepspeed({"zero_optimization": {"stage": 3, **ds}})
+
+
+def test_older_names_pins_of_nothing_offloaded_and_clipping():
+    cfg, skipped = from_deepspeed({"bfloat16": {"enabled": True}, **ZERO3})    # DeepSpeed's older name of bf16
+    assert (cfg.precision.dtype, skipped) == ("bfloat16", [])
+    with pytest.raises(ConfigError, match=r"^bfloat16: bf16 and bfloat16 \(its older name\) are both given"):
+        from_deepspeed({"bfloat16": {"enabled": True}, "bf16": {"enabled": True}})
+    # DeepSpeed ignores pin_memory where nothing is offloaded: the real offload's false is honoured.
+    cfg, skipped = from_deepspeed({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "none", "pin_memory": True},
+        "offload_optimizer": {"device": "cpu", "pin_memory": False}}})
+    assert cfg.tiers.pin_memory == "never"
+    assert skipped == ["zero_optimization.offload_param.pin_memory: ignored: this offload's device is \"none\""]
+    _, skipped = from_deepspeed({"gradient_clipping": 1.0, **ZERO3})
+    assert skipped == ["gradient_clipping: clip in the program: infinity.clip_grad_norm_(model, max_norm) before "
+                       "opt.step() (the Hugging Face Trainer: its max_grad_norm)"]
+    for falsy in (False, 0, []):
+        with pytest.raises(ConfigError, match=r"^zero_optimization: expected an object"):
+            from_deepspeed({"zero_optimization": falsy})
