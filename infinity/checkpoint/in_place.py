@@ -68,6 +68,9 @@ def label(save_id: str) -> str:
     return f"ckpt-{save_id}"
 
 
+_CHOSEN = ', as tiers "auto" chose them: give tiers.params = tiers.optimizer = "nvme" to save in place'
+
+
 def check_can_save(engine) -> None:
     """Raise unless the engine's states can be saved in place (all on NVMe, not sealed already)."""
     t = engine.config.tiers
@@ -75,13 +78,13 @@ def check_can_save(engine) -> None:
         raise CheckpointError(
             "infinity.save_checkpoint(in_place=True): the optimizer states are split over tiers "
             f"(tiers.optimizer_device_share = {t.optimizer_device_share:g}, tiers.optimizer_host_share = "
-            f"{t.optimizer_host_share:g}): those in device or host memory are not in the swap files. Save an "
-            "ordinary checkpoint (in_place=False), or set both shares to 0")
+            f"{t.optimizer_host_share:g}{_CHOSEN if engine.placement is not None else ''}): those in device or host "
+            "memory are not in the swap files. Save an ordinary checkpoint (in_place=False), or set both shares to 0")
     if t.params != "nvme" or t.optimizer != "nvme":
         raise CheckpointError(
             "infinity.save_checkpoint(in_place=True): needs tiers.params and tiers.optimizer both 'nvme' (they are "
-            f"{t.params!r} and {t.optimizer!r}): states in host or device memory are not in the swap files. Save "
-            "an ordinary checkpoint (in_place=False)")
+            f"{t.params!r} and {t.optimizer!r}{_CHOSEN if engine.placement is not None else ''}): states in host or "
+            "device memory are not in the swap files. Save an ordinary checkpoint (in_place=False)")
     tier = engine.tiers.nvme_tier
     if tier.sealed is not None:
         raise CheckpointError(f"infinity.save_checkpoint: this model's swap files are already checkpoint "
@@ -236,6 +239,26 @@ class Resume:
                                   "and call infinity.load_checkpoint")
         self.id = self.saved.manifest["id"]
         self.rank = None
+
+    def resolve_auto(self, config):
+        """``config`` with its "auto" tiers as the save ran them ([Note: auto placement] in
+        infinity/plan/placement.py): a checkpoint in place holds every state on NVMe, where it lies, so that is
+        the one placement that resumes it. Decided from the manifest, alike on every rank (no collective): a
+        placement searched again (the machine's room and rates measured anew, the sealed files counted as used
+        disk) would choose others, which the resume must refuse."""
+        tiers = config.tiers
+        if "auto" not in (tiers.params, tiers.optimizer):
+            return config
+        saved = self.saved.manifest["config"]["tiers"]
+        chosen = {key: saved[key] for key in ("params", "optimizer") if getattr(tiers, key) == "auto"}
+        if "optimizer" in chosen:
+            chosen.update(optimizer_device_share=0.0, optimizer_host_share=0.0)
+        import logging
+
+        logging.getLogger("infinity").info(
+            "infinity.Init(resume=%r): tiers \"auto\" resumes the checkpoint in place as it was saved: %s", self.path,
+            ", ".join(f"tiers.{key} = {value!r}" for key, value in chosen.items()))
+        return dataclasses.replace(config, tiers=dataclasses.replace(tiers, **chosen))
 
     def files(self, config, rank: int, world_size: int, process_rank: int | None = None) -> list[str]:
         """The sealed files rank ``rank`` adopts, after checking that this run can take them over.

@@ -112,7 +112,8 @@ class Init:
     resume:
         A checkpoint saved with ``save_checkpoint(..., in_place=True)``: the model built takes over its
         sealed swap files instead of writing initial values (see [Note: checkpoints in place] in
-        infinity/checkpoint/in_place.py); call ``infinity.load_checkpoint(resume, model, opt)`` next.
+        infinity/checkpoint/in_place.py); call ``infinity.load_checkpoint(resume, model, opt)`` next. "auto"
+        tiers take the tiers the save ran (every state on NVMe), without searching.
     model:
         With ``tiers.params`` or ``tiers.optimizer`` "auto" (the ``auto`` preset): the model the placement
         is sized for, before it exists: a parameter count (``7e9``), a ``"package.module:callable"`` or a
@@ -139,14 +140,15 @@ class Init:
 
     def __init__(self, config: str | dict | Config | None = None, *, nvme_path=None, group=None,
                  resume=None, model=None, machine=None) -> None:
-        self.config, self.placement = resolve_at_init(load_config(config, nvme_path=nvme_path), model, machine,
-                                                      group)
-        self.group = group
+        config = load_config(config, nvme_path=nvme_path)
         self.resume = None
         if resume is not None:
             from infinity.checkpoint.in_place import Resume
 
             self.resume = Resume(resume)
+            config = self.resume.resolve_auto(config)   # "auto" resumes a checkpoint in place as it was saved
+        self.config, self.placement = resolve_at_init(config, model, machine, group)
+        self.group = group
         self.engine: Engine | None = None
         self.partitioner: Partitioner | None = None
         self._patched: list[tuple[type, object, object]] = []     # (class, its __init__, our wrapper)

@@ -331,3 +331,46 @@ def test_verifying_reads_only_the_files_the_checkpoint_sealed(tmp_path):
         assert "0x" not in str(info.value), str(info.value)
     edited(sealed)
     infinity.checkpoint.verify_checkpoint(version)
+
+
+def test_tiers_auto_resumes_a_checkpoint_in_place_as_it_was_saved(tmp_path):
+    """"auto" was decided before the checkpoint was opened, from this run's room and rates: on a machine with
+    more room it chose shares or tiers the resume then refused, with a fix an "auto" config cannot take (set the
+    shares: refused beside "auto"), and the sealed files counted as used disk. A checkpoint in place holds every
+    state on NVMe, where it lies: "auto" now resumes it so, without searching, and trains on exactly."""
+    from infinity.plan.machine import MachineProfile
+
+    (tmp_path / "ref").mkdir()
+    model, opt = _build(_config(tmp_path / "ref"))
+    reference = [_step(model, opt, i, torch.float32) for i in range(4)]
+    infinity.release(model)
+    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    nvme.mkdir()
+    cfg = _config(nvme)
+    model, opt = _build(cfg)
+    assert [_step(model, opt, i, torch.float32) for i in range(2)] == reference[:2]
+    infinity.save_checkpoint(ckpt, model, opt, in_place=True)
+    infinity.release(model)
+    roomy = MachineProfile(name="roomy", device_bytes=2**40, host_bytes=2**40, nvme_bytes=0, unified=True)
+    auto = {**cfg, "tiers": {**cfg["tiers"], "params": "auto", "optimizer": "auto"}}
+    with pytest.raises(CheckpointMismatchError, match=r"config tiers\.params is .device."):    # what "auto" chose: refused
+        with infinity.Init(infinity.plan.placement.resolve_auto(infinity.load_config(auto), 10**5,
+                                                                machine=roomy)[0], resume=ckpt):
+            Stack()
+    torch.manual_seed(0)
+    init = infinity.Init(auto, resume=ckpt, machine=roomy)    # no model= either: nothing is searched
+    with init:
+        model = Stack()
+    opt = infinity.AdamW(model, lr=1e-2)
+    t = init.config.tiers
+    assert (t.params, t.optimizer, t.optimizer_device_share, t.optimizer_host_share, init.placement) == (
+        "nvme", "nvme", 0.0, 0.0, None)
+    infinity.load_checkpoint(ckpt, model, opt)
+    assert [_step(model, opt, i, torch.float32) for i in (2, 3)] == reference[2:]
+    infinity.release(model)
+    with infinity.Init(auto, machine=roomy, model=10**5):     # a save in place refused says what to give
+        model = Stack()
+    opt = infinity.AdamW(model, lr=1e-2)
+    with pytest.raises(CheckpointError, match=r'as tiers "auto" chose them: give tiers.params = tiers.optimizer = "nvme"'):
+        infinity.save_checkpoint(tmp_path / "refused", model, opt, in_place=True)
+    infinity.release(model)
