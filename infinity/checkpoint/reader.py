@@ -132,6 +132,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, *, trus
                           "training or saving")
         raise
     engine.damaged = None
+    _steps_left_behind(engine, opt, load.saved.manifest, where)
     return extra
 
 
@@ -215,6 +216,7 @@ def _load_in_place(engine, model: nn.Module, opt, resume, where: str, trust_extr
     agree(engine.ranks, error, f"loading checkpoint in place {where} (the model stays untrainable until it loads)")
     resume.id = None        # loaded: the model trains from here
     engine.damaged = None
+    _steps_left_behind(engine, opt, resume.saved.manifest, where)
     return extra
 
 
@@ -464,6 +466,13 @@ def _fill_zeros(io, coordinator, store, layout, fills, staged: StagedSubGroups |
             futures = []
     for fut in futures:
         fut.wait()
+
+
+def _steps_left_behind(engine, opt, manifest: dict, where: str) -> None:
+    """A load into a model without an optimizer yet loads the moments (they are the engine's) but has nowhere to
+    put the step counts: said by the optimizer created next (``steps_not_loaded``), not left silent."""
+    step = int((manifest.get("optimizer") or {}).get("step", 0))
+    engine.steps_not_loaded = f"checkpoint {where} (step {step})" if opt is None and step else None
 
 
 def _restore_optimizer(opt, manifest: dict) -> None:

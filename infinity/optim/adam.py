@@ -57,6 +57,12 @@ class _OffloadAdam(torch.optim.Optimizer):
         refuse_trainer_checkpoints(self._name)     # [Note: Trainer's checkpoints] in infinity/optim/checks.py
         relayout_frozen(engine, self._name)     # [Note: frozen after Init] in infinity/optim/relayout.py
         warn_frozen_in_part(engine, self._name)
+        if engine.steps_not_loaded:
+            warnings.warn(f"{self._name}: {engine.steps_not_loaded} was loaded into this model before an optimizer "
+                          "existed: its Adam moments are loaded, but its step counts, hyper-parameters and loss scale "
+                          "had no optimizer to go to, so bias correction would start again from step 0 against "
+                          "trained moments. Load it again now: infinity.load_checkpoint(path, model, opt)",
+                          RuntimeWarning, stacklevel=3)
         self.store = engine.store
         self._ranges = None
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))

@@ -127,6 +127,7 @@ class Engine:
             # An opt.zero_grad() that raised before it cleared this rank's gradients: (why, its set_to_none), or
             # None. The next forward clears them; check_intact(grads=True) refuses a step before.
             self.clear_owed: tuple[str, bool] | None = None
+            self.steps_not_loaded: str | None = None   # a checkpoint loaded before the optimizer existed
             self._foreign = ForeignParamWatch(self.coordinator.group_of, self.on_foreign_use)
             self._arrivals = GradArrivals(self)     # gradients of the groups armed for the coming backward
             several = self.ranks.world_size > 1     # [Note: handed over in order] in infinity/runtime/grads.py

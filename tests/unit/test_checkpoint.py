@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import warnings
 import zipfile
 
 import numpy as np
@@ -205,6 +206,41 @@ def test_save_before_the_first_step_and_without_optimizer(tmp_path):
     a = train(model, opt, 2)
     seed_all(2)
     assert train(other, oopt, 2) == a
+
+
+def test_a_load_before_the_optimizer_exists_is_said_when_it_is_created(tmp_path):
+    """load_checkpoint(path, model) before infinity.AdamW: the moments (the engine's) were loaded and the step
+    counts had nowhere to go, silently: the optimizer created next stepped trained moments from step 0. Now
+    it says so and how to load them; a load with the optimizer restores everything, as before."""
+    model, opt = build(config(tmp_path, "a"))
+    seed_all(1)
+    train(model, opt, 3)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    torch.manual_seed(0)
+    with infinity.Init(config(tmp_path, "b")):
+        other = GPT()
+    infinity.load_checkpoint(tmp_path / "ckpt", other)
+    with pytest.warns(RuntimeWarning, match=r"ckpt \(step 3\) was loaded into this model before an optimizer "
+                                            r"existed.*infinity.load_checkpoint\(path, model, opt\)"):
+        oopt = infinity.AdamW(other, lr=1e-2, weight_decay=0.01)
+    assert oopt.step_count == 0
+    infinity.load_checkpoint(tmp_path / "ckpt", other, oopt)
+    assert oopt.step_count == 3
+    seed_all(2)
+    a = train(model, opt, 2)
+    seed_all(2)
+    assert train(other, oopt, 2) == a
+    infinity.release(model)
+    infinity.release(other)
+    torch.manual_seed(0)
+    with infinity.Init(config(tmp_path, "c")):     # a checkpoint saved before any step: nothing to say
+        fresh = GPT()
+    infinity.save_checkpoint(tmp_path / "early", fresh, None)
+    infinity.load_checkpoint(tmp_path / "early", fresh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        infinity.AdamW(fresh, lr=1e-2)
+    infinity.release(fresh)
 
 
 # -- the directory and its commit protocol -----------------------------------------------------------
