@@ -395,6 +395,10 @@ class GradFace:
         if not self.factors:
             return None
         values = {self.factors.get(i, 1.0) for i in self.tokens} or set(self.factors.values())
+        if any(v != v or abs(v) == math.inf for v in values):   # a non-finite norm: its step is skipped, not refused
+            self.factors.clear()
+            self._norms.clear()
+            return math.nan
         if len(values) != 1:
             raise EngineError("opt.step(): the gradients of some parameters were scaled (clip_grad_norm_ or "
                               "mul_) by other factors than the rest; with infinity clip all parameters together "

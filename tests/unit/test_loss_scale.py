@@ -1,6 +1,7 @@
 """fp16 dynamic loss scaling: overflowing steps are skipped, the scale backs off and grows again,
 and the steps taken match torch.amp.GradScaler on a plain fp32-master model."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -138,6 +139,44 @@ def test_clipping_sees_unscaled_gradients(tmp_path):
     ref_opt.step()
     for p, q in zip(after, ref.parameters()):
         assert torch.allclose(p, q.detach().half().float(), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_an_overflow_clipped_by_torch_is_skipped_as_without_clipping(tmp_path, dtype):
+    """A non-finite gradient norm made torch's clip_grad_norm_ give every parameter a NaN factor, and NaN is not
+    equal to NaN: opt.step() raised "scaled by other factors than the rest" where it skips the step (the
+    Hugging Face Trainer clips by default, so an fp16 overflow ended training). Now the step is skipped and
+    counted, and the next one trains as torch does."""
+    torch.manual_seed(2)
+    ref = _Net()
+    cfg = _fp16(tmp_path, {"params": "host"}) if dtype == "float16" else {"tiers": {"params": "host"}}
+    with infinity.Init(cfg):
+        model = _Net()
+    with infinity.gathered(model):
+        model.load_state_dict(ref.state_dict())
+    opt = infinity.AdamW(model, lr=1e-2)
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    (model(x, y) * float("nan")).backward()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).isnan()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # fp32 says each skipped step
+        opt.step()
+    opt.zero_grad()
+    assert (opt.step_count, opt.skipped_steps) == (0, 1)
+    model(x, y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    ref_model = copy.deepcopy(ref).half() if dtype == "float16" else copy.deepcopy(ref)
+    ref_model(x, y).backward()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for p, q in zip(ref.parameters(), ref_model.parameters()):
+        p.grad = q.grad.float()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    ref_opt.step()
+    with infinity.gathered(model):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(p.detach().float(), q.detach().to(p.dtype).float(), atol=1e-3)
+    infinity.release(model)
 
 
 def test_clip_grad_value_clamps_the_unscaled_gradient(tmp_path):
