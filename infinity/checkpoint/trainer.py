@@ -39,6 +39,7 @@ would do ([Note: unmanaged parameters] in infinity/optim/unmanaged.py).
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 
@@ -52,7 +53,7 @@ from infinity.checkpoint.errors import CheckpointNotFoundError
 from infinity.checkpoint.reader import load_checkpoint
 from infinity.checkpoint.writer import save_checkpoint
 from infinity.errors import EngineError
-from infinity.optim.adam import AdamW
+from infinity.optim.adam import Adam, AdamW
 from infinity.runtime.gathered import state_dict
 from infinity.runtime.hf_save import save_pretrained
 from infinity.runtime.peft_save import is_peft_model
@@ -104,6 +105,15 @@ class Trainer(transformers.Trainer):
             return prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
         self.accelerator.prepare_model = prepare_model
+        prepare_optimizer = self.accelerator.prepare_optimizer
+
+        def prepare_optimizer_(optimizer, device_placement=None):
+            prepared = prepare_optimizer(optimizer, device_placement=device_placement)
+            if isinstance(optimizer, (Adam, AdamW)):
+                _report_skipped_steps(prepared, optimizer)
+            return prepared
+
+        self.accelerator.prepare_optimizer = prepare_optimizer_
 
     def create_optimizer(self, model=None):
         """``transformers.Trainer.create_optimizer``, with ``infinity.AdamW`` for an engine model given no
@@ -165,6 +175,22 @@ class Trainer(transformers.Trainer):
         if not self._managed():
             return super()._load_best_model()
         load_checkpoint(_infinity_dir(self.state.best_model_checkpoint, self.model), self.model)
+
+
+def _report_skipped_steps(prepared, optimizer) -> None:
+    """The Trainer steps its learning-rate scheduler unless accelerate says the optimizer's step was skipped,
+    which accelerate learns only from its own GradScaler: infinity skips a step with a non-finite gradient
+    itself (fp16's overflows; [Note: loss scaling] in infinity/optim/loss_scale.py), and without this the
+    schedule went on past steps never taken (a warmup spent on skipped steps), where the Trainer's fp16 with
+    a GradScaler, and DeepSpeed's, hold it."""
+    step = prepared.step
+
+    def step_and_report(self, closure=None):
+        before = optimizer.skipped_steps
+        step(closure)
+        self._is_overflow = optimizer.skipped_steps > before   # what accelerate's step_was_skipped reads
+
+    prepared.step = types.MethodType(step_and_report, prepared)     # a method: torch's schedulers wrap it
 
 
 def _engine_model(model) -> bool:

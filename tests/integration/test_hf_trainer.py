@@ -38,11 +38,12 @@ class _Tokens(torch.utils.data.Dataset):
 
 
 def _args(out: str, **kw):
-    return transformers.TrainingArguments(
-        output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
-        learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-6, weight_decay=0.1,
-        max_grad_norm=0.5, warmup_steps=2, lr_scheduler_type="linear", logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True, **kw)
+    return transformers.TrainingArguments(**{
+        "output_dir": out, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": STEPS,
+        "learning_rate": 1e-2, "adam_beta1": 0.9, "adam_beta2": 0.98, "adam_epsilon": 1e-6, "weight_decay": 0.1,
+        "max_grad_norm": 0.5, "warmup_steps": 2, "lr_scheduler_type": "linear", "logging_steps": 1,
+        "save_strategy": "no", "report_to": [], "use_cpu": True, "seed": 0, "data_seed": 0, "disable_tqdm": True,
+        **kw})
 
 
 def _train(model, out: str, **trainer_kw):
@@ -141,3 +142,23 @@ def test_a_trainer_saving_only_its_best_model_without_evaluating_is_not_refused(
     trainer.train()
     assert trainer.state.global_step == STEPS
     infinity.release(model)
+
+
+def test_a_step_infinity_skips_does_not_advance_the_trainers_schedule(tmp_path):
+    """fp16's overflowing steps are skipped by infinity itself, and accelerate hears of a skipped step only from its
+    own GradScaler: the Trainer stepped its scheduler past steps never taken (a warmup spent on them). Now it
+    holds the schedule on every skipped step, as with the Trainer's fp16 GradScaler and with DeepSpeed, and the
+    clipping it does by default skips them too (max_grad_norm > 0: a NaN norm)."""
+    for clip in (0.0, 0.5):
+        torch.manual_seed(0)
+        with infinity.Init({"tiers": {"params": "host", "optimizer": "host"}, "partition": {"sub_group_size": 4096},
+                            "precision": {"dtype": "float16", "initial_scale": 2.0 ** 11, "hysteresis": 1}}):
+            model = transformers.GPT2LMHeadModel(_config())
+        trainer = infinity.Trainer(model=model, args=_args(str(tmp_path / f"out-{clip}"), max_grad_norm=clip),
+                                   train_dataset=_Tokens(4 * STEPS))
+        trainer.train()
+        opt = trainer.optimizer.optimizer
+        assert opt.skipped_steps >= 1 and opt.step_count >= 1, (opt.skipped_steps, opt.step_count)
+        assert opt.skipped_steps + opt.step_count == STEPS
+        assert trainer.lr_scheduler.last_epoch == opt.step_count     # one scheduler step a step taken
+        infinity.release(model)

@@ -153,6 +153,9 @@ _FOREIGN_PRIVATE = {
     # Whether torch.compile's tracer is at work where torch before 2.13 says is_compiling() is False:
     # its tracing context (infinity/runtime/placeholder.py).
     "_guards",
+    # accelerate's record that an optimizer's step was skipped (AcceleratedOptimizer.step_was_skipped), which it
+    # sets only from its own GradScaler: set from infinity's own skips (infinity/checkpoint/trainer.py).
+    "_is_overflow",
 }
 
 
