@@ -45,16 +45,16 @@ from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointMismatc
 from infinity.checkpoint.in_place import verify_sealed
 from infinity.checkpoint.manifest import STATE_FILES, dtype_of, itemsize, read_small_file
 from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, plan_shards
-from infinity.checkpoint.staging import StagedSubGroups
+from infinity.checkpoint.staging import StagedSubGroups, staging_for
 from infinity.checkpoint.stream import Run, StreamIO, _Done, read_runs
 from infinity.checkpoint.writer import check_ready, model_buffers, names_by_param
 from infinity.errors import EngineError, add_note
-from infinity.optim.moments import write_moments
 
 _F32 = 4
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, *, trust_extra: bool = False):
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, *, trust_extra: bool = False,
+                    weights_only: bool = False):
     """Load a checkpoint written by ``save_checkpoint`` into ``model`` and ``opt``; call on every rank.
 
     The checkpoint may have been saved with another world size (it is resharded) and
@@ -83,10 +83,15 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, *, trus
         your own class) raises ``CheckpointUntrustedError`` before anything is loaded, unless this is
         True: then it is unpickled in full, which runs whatever code the file names. Only for
         checkpoints you wrote yourself.
+    weights_only:
+        Load the model's values alone (parameters with their fp32 master weights, and buffers), as
+        ``model.load_state_dict`` would: the optimizer's moments, step counts and hyper-parameters, the RNG
+        states and ``extra`` stay as they are (the Trainer's ``load_best_model_at_end``; starting a new run
+        from a checkpoint's weights). Not for a checkpoint in place, which resumes whole.
 
     Returns
     -------
-    The ``extra`` this rank's counterpart passed to ``save_checkpoint`` (None if none).
+    The ``extra`` this rank's counterpart passed to ``save_checkpoint`` (None if none, or ``weights_only``).
 
     Examples
     --------
@@ -98,13 +103,16 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, *, trus
     where = os.fspath(path)
     resume = getattr(engine, "resume", None)
     if resume is not None and engine.damaged and resume.id is not None:
+        if weights_only:
+            raise CheckpointMismatchError(f"infinity.load_checkpoint({where!r}, weights_only=True): the model was built "
+                                          "to resume this checkpoint in place, which loads whole; drop weights_only")
         return _load_in_place(engine, model, opt, resume, where, trust_extra)
     error, load = None, None
     undo = _Undo(opt)
     engine.coordinator.release_all(include_persistent=True)
     try:
         _check_swap_files(engine)
-        load = _Verified(engine, model, opt, SavedCheckpoint(path), trust_extra)
+        load = _Verified(engine, model, opt, SavedCheckpoint(path), trust_extra, weights_only)
     except BaseException as exc:
         error = exc
     try:
@@ -132,7 +140,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, *, trus
                           "training or saving")
         raise
     engine.damaged = None
-    _steps_left_behind(engine, opt, load.saved.manifest, where)
+    if not weights_only:
+        _steps_left_behind(engine, opt, load.saved.manifest, where)
     return extra
 
 
@@ -302,14 +311,16 @@ class _Verified:
     nothing]).
     """
 
-    def __init__(self, engine, model: nn.Module, opt, saved: SavedCheckpoint, trust_extra: bool = False) -> None:
-        self.engine, self.opt, self.saved = engine, opt, saved
+    def __init__(self, engine, model: nn.Module, opt, saved: SavedCheckpoint, trust_extra: bool = False,
+                 weights_only: bool = False) -> None:
+        self.engine, self.opt, self.saved, self.weights_only = engine, opt, saved, weights_only
         manifest = saved.manifest
         saved.refuse_in_place("infinity.load_checkpoint")
         # Split masters and compressed moments are rebuilt as their sub-groups complete
         # ([Note: staged sub-groups] in staging.py).
-        self.staged = _staging(engine.store)
-        self.fills, self.files, self.runs = _plan(engine, model, saved, self.staged)
+        self.staged = staging_for(engine.store, weights_only)
+        self.fills, self.files, self.runs = _plan(engine, model, saved, self.staged,
+                                                  STATE_FILES[1:2] if weights_only else STATE_FILES[1:])
         self.buffers = model_buffers(model)
         _check_buffers(manifest, self.buffers)
         with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
@@ -321,11 +332,11 @@ class _Verified:
         self.rng = saved.rank_manifest(twin).get("rng")
         if not isinstance(self.rng, dict):
             raise CheckpointCorruptError(f"{saved.directory}: the manifest of rank {twin} has no RNG states")
-        record = saved.file(twin, "extra")
+        record = None if weights_only else saved.file(twin, "extra")
         self.extra = None
         if record is not None:
             self.extra = load_extra(read_small_file(saved.directory, record), saved.path_of(record), trust_extra)
-        if opt is not None:
+        if opt is not None and not weights_only:
             _restore_optimizer(opt, manifest)   # in memory only; _Undo puts it back on failure
 
     def apply(self):
@@ -335,14 +346,15 @@ class _Verified:
         with StreamIO(engine.config.aio, engine.config.checkpoint.buffer_size, engine.tiers.allocator) as io:
             try:
                 read_runs(io, self.files, self.runs)
-                _fill_zeros(io, coordinator, store, layout, self.fills, self.staged)
+                _fill_zeros(io, coordinator, store, layout, self.fills, self.staged,
+                            STATE_FILES[1:2] if self.weights_only else STATE_FILES[1:])
                 if self.staged is not None:
                     self.staged.finish()
             except BaseException:
                 if self.staged is not None:
                     self.staged.abandon()
                 raise
-        store.moments_initialized = True
+        store.moments_initialized = store.moments_initialized or not self.weights_only
         if self.opt is not None:
             self.opt.zero_grad()
         else:
@@ -350,52 +362,14 @@ class _Verified:
         with torch.no_grad():
             for name, value in self.buffer_values.items():
                 self.buffers[name].copy_(value)
-        unmanaged.apply(self.unmanaged, engine, self.model, self.opt)
-        rng.restore(self.rng)
+        unmanaged.apply(self.unmanaged, engine, self.model, None if self.weights_only else self.opt)
+        if not self.weights_only:
+            rng.restore(self.rng)
         return self.extra
 
 
-def _staging(store) -> StagedSubGroups | None:
-    """The states this load gathers per sub-group in host memory (None when the tier takes every byte as it comes)."""
-    sinks = {}
-    if store.split is not None:
-        sinks["master"] = store.split.write_sub     # writes the compute copies too
-    elif store.resting is not None:                 # dormant sub-groups' masters are split meanwhile
-        sinks["master"] = lambda sub, values: _write_masters(store, sub, values)
-    if store.moment_format.compressed:
-        for state in STATE_FILES[2:]:
-            sinks[state] = lambda sub, values, state=state: _encode(store, state, sub, values)
-    return StagedSubGroups([n for _, n in store.layout.sub_ranges], sinks) if sinks else None
-
-
-def _write_masters(store, sub: int, values: torch.Tensor) -> None:
-    """A complete sub-group's fp32 masters: split while it is dormant and stores them so ([Note: dormant
-    sub-groups] in infinity/optim/flat_state.py), else into its master key."""
-    if store.resting.keys[sub] is not None:
-        store.resting.write_sub(sub, values)
-    else:
-        store.sub_tiers[sub].write(store.keys["master"][sub], values).wait()
-
-
-# Elements of a gathered sub-group encoded at a time: the encoding's temporaries are several times
-# its input, so a whole 32Mi-element sub-group at once cost about 0.5 GB of host memory more.
-_ENCODE_NUMEL = 1 << 22
-
-
-def _encode(store, state: str, sub: int, values: torch.Tensor) -> None:
-    """Compressed moments of a complete sub-group, encoded in whole blocks of ``_ENCODE_NUMEL`` elements
-    (the int8 scales are per block, so the codes are those of one pass over the sub-group); zeros leave a
-    dormant sub-group dormant."""
-    if sub in store.dormant and not values.any():
-        return
-    store.wake([sub])
-    block = store.moment_format.block_size
-    step = max(block, _ENCODE_NUMEL // block * block)
-    for a in range(0, values.numel(), step):
-        write_moments(store, state, sub, a, values[a:a + step])
-
-
-def _plan(engine, model: nn.Module, saved: SavedCheckpoint, staged: StagedSubGroups | None = None):
+def _plan(engine, model: nn.Module, saved: SavedCheckpoint, staged: StagedSubGroups | None = None,
+          state_files=STATE_FILES[1:]):
     """The fills, the source files and the runs (with their destinations) that load this rank's shards.
 
     The parameters' runs come first in ``runs``, so ``read_runs`` reads the params file before the
@@ -425,7 +399,7 @@ def _plan(engine, model: nn.Module, saved: SavedCheckpoint, staged: StagedSubGro
     states = []
     for m in moves:
         flat = layout.group_starts[m.group] + m.dst_elem
-        for state in STATE_FILES[1:]:
+        for state in state_files:
             src = source(m.src_rank, state)
             for sub, within, n, rel in layout.sub_pieces(flat, m.numel):
                 states.append(Run(src, (m.src_elem + rel) * _F32, n * _F32,
@@ -442,7 +416,8 @@ def _state_dest(store, staged: StagedSubGroups | None, state: str, sub: int, wit
     return _StateDest(store.sub_tiers[sub], store.keys[state][sub], within * _F32)
 
 
-def _fill_zeros(io, coordinator, store, layout, fills, staged: StagedSubGroups | None = None) -> None:
+def _fill_zeros(io, coordinator, store, layout, fills, staged: StagedSubGroups | None = None,
+                state_files=STATE_FILES[1:]) -> None:
     """Padding of the new shards (no parameter covers it) is zero, as at partitioning."""
     zeros = io.zeros
     futures = []
@@ -453,7 +428,7 @@ def _fill_zeros(io, coordinator, store, layout, fills, staged: StagedSubGroups |
             futures.append(coordinator.shards.write(group, zeros[:n * _F32].view(torch.float32),
                                                    fill.dst_elem + start))
             flat = layout.group_starts[fill.group] + fill.dst_elem + start
-            for state in STATE_FILES[1:]:
+            for state in state_files:
                 for sub, within, m, rel in layout.sub_pieces(flat, n):
                     if staged is not None and staged.handles(state):
                         staged.pad(state, sub)      # the staged buffer is zeros already

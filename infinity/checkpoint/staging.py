@@ -29,6 +29,8 @@ from typing import Callable
 import torch
 
 from infinity.checkpoint.errors import CheckpointCorruptError
+from infinity.checkpoint.manifest import STATE_FILES
+from infinity.optim.moments import write_moments
 
 _F32 = 4
 
@@ -127,3 +129,44 @@ class StagedSubGroups:
         self._staged.clear()
         self._padded.clear()
         self._complete.clear()
+
+
+def staging_for(store, weights_only: bool = False) -> StagedSubGroups | None:
+    """The states a load gathers per sub-group in host memory (None when the tier takes every byte as it comes;
+    ``weights_only``: the masters alone are loaded)."""
+    sinks = {}
+    if store.split is not None:
+        sinks["master"] = store.split.write_sub     # writes the compute copies too
+    elif store.resting is not None:                 # dormant sub-groups' masters are split meanwhile
+        sinks["master"] = lambda sub, values: _write_masters(store, sub, values)
+    if store.moment_format.compressed and not weights_only:
+        for state in STATE_FILES[2:]:
+            sinks[state] = lambda sub, values, state=state: _encode(store, state, sub, values)
+    return StagedSubGroups([n for _, n in store.layout.sub_ranges], sinks) if sinks else None
+
+
+def _write_masters(store, sub: int, values: torch.Tensor) -> None:
+    """A complete sub-group's fp32 masters: split while it is dormant and stores them so ([Note: dormant
+    sub-groups] in infinity/optim/flat_state.py), else into its master key."""
+    if store.resting.keys[sub] is not None:
+        store.resting.write_sub(sub, values)
+    else:
+        store.sub_tiers[sub].write(store.keys["master"][sub], values).wait()
+
+
+# Elements of a gathered sub-group encoded at a time: the encoding's temporaries are several times
+# its input, so a whole 32Mi-element sub-group at once cost about 0.5 GB of host memory more.
+_ENCODE_NUMEL = 1 << 22
+
+
+def _encode(store, state: str, sub: int, values: torch.Tensor) -> None:
+    """Compressed moments of a complete sub-group, encoded in whole blocks of ``_ENCODE_NUMEL`` elements
+    (the int8 scales are per block, so the codes are those of one pass over the sub-group); zeros leave a
+    dormant sub-group dormant."""
+    if sub in store.dormant and not values.any():
+        return
+    store.wake([sub])
+    block = store.moment_format.block_size
+    step = max(block, _ENCODE_NUMEL // block * block)
+    for a in range(0, values.numel(), step):
+        write_moments(store, state, sub, a, values[a:a + step])

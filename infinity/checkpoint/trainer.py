@@ -12,7 +12,8 @@ rank (bounded host memory whatever the model's size) and the model's ``config.js
 its weights; ``infinity-consolidate checkpoint-N/infinity model.safetensors --safetensors``
 makes them one file. ``resume_from_checkpoint`` loads that directory with ``infinity.load_checkpoint`` once
 the optimizer exists (parameters, masters, moments, step count; onto any world size), and
-``load_best_model_at_end`` loads the best one the same way. ``trainer.save_model(dir)``,
+``load_best_model_at_end`` loads the best one's weights alone (``weights_only``, as the Trainer loads a plain
+model's: the optimizer and the RNG states go on as they are). ``trainer.save_model(dir)``,
 called by the user on every rank, writes ordinary weights with ``infinity.save_pretrained`` (each module's
 tensors written to the files as it is gathered; rank 0 writes), or for a model that is no transformers
 model the Trainer's own save of ``infinity.state_dict`` (gathered a module at a time, kept on rank 0). ``save_only_model=True``
@@ -174,7 +175,8 @@ class Trainer(transformers.Trainer):
     def _load_best_model(self) -> None:
         if not self._managed():
             return super()._load_best_model()
-        load_checkpoint(_infinity_dir(self.state.best_model_checkpoint, self.model), self.model)
+        # The weights alone, as the Trainer loads a plain model's: the optimizer and the RNG go on as they are.
+        load_checkpoint(_infinity_dir(self.state.best_model_checkpoint, self.model), self.model, weights_only=True)
 
 
 def _report_skipped_steps(prepared, optimizer) -> None:

@@ -156,8 +156,17 @@ def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path):
     trainer.args.greater_is_better = False  # the first evaluation's here: not the weights training ends with
     trainer.eval_dataset = _Tokens(4)
     trainer.train()
+    drawn = torch.rand(4)
     best = trainer.state.best_model_checkpoint
     assert best == str(tmp_path / "out" / f"checkpoint-{SAVE}"), best
+    # The weights alone, as the Trainer loads a plain model's: the optimizer's step count and learning rate are
+    # where training left them, and so are the RNG states (the whole load rolled them back to the best step).
+    opt = trainer.optimizer.optimizer
+    assert opt.step_count == trainer.state.global_step > SAVE
+    assert [g["lr"] for g in opt.param_groups] == trainer.lr_scheduler.get_last_lr()
+    saved_rng = torch.load(os.path.join(best, "rng_state.pth"), weights_only=False)["cpu"]
+    torch.set_rng_state(saved_rng)
+    assert not torch.equal(torch.rand(4), drawn)
     fresh = _model(str(tmp_path / "nvme-fresh"), "host")
     infinity.load_checkpoint(os.path.join(best, "infinity"), fresh)
     for p, q in zip(_weights(trainer.model), _weights(fresh)):

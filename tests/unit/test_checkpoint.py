@@ -542,3 +542,41 @@ def test_benchmark_smoke(tmp_path, capsys):
     # of states: a save that gathered them would pass 16 MiB.
     assert 0 <= sample["save_rss_peak"] - sample["save_rss_before"] <= 16 << 20
     assert os.listdir(tmp_path) == ["bench.json"]          # swap files and checkpoints removed
+
+
+@pytest.mark.parametrize("tiers,sections", [
+    (("host", "host"), {}),
+    (("nvme", "nvme"), {"precision": {"dtype": "bfloat16"}, "optimizer": {"state_dtype": "int8"}}),
+    (("host", "nvme"), {"precision": {"dtype": "bfloat16"}}),
+], ids=["host-fp32", "nvme-bf16-int8", "split-master-bf16"])
+def test_a_weights_only_load_takes_the_weights_and_leaves_the_optimizer_and_rng(tmp_path, tiers, sections):
+    """load_checkpoint(..., weights_only=True): the checkpoint's parameters and masters (as load_state_dict would
+    take them); moments, step counts, hyper-parameters and RNG states go on as they were, and training on from
+    there steps from the checkpoint's masters."""
+    cfg = config(tmp_path, "a", *tiers)
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    model, opt = build(cfg)
+    seed_all(1)
+    train(model, opt, 3)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt, extra={"at": 3})
+    saved_weights = [v.clone() for v in infinity.state_dict(model).values()]
+    train(model, opt, 2)
+    before = {state: [t.clone() for t in opt.state_dict()["shards"][state]] for state in ("exp_avg", "exp_avg_sq")}
+    for group in opt.param_groups:
+        group["lr"] = 1e-3     # a schedule's value, which the load must not take back
+    seed_all(7)
+    assert infinity.load_checkpoint(tmp_path / "ckpt", model, opt, weights_only=True) is None
+    drawn = torch.rand(3)
+    seed_all(7)
+    assert torch.equal(drawn, torch.rand(3))    # the RNG was not restored
+    assert all(torch.equal(a, b) for a, b in zip(infinity.state_dict(model).values(), saved_weights))
+    assert opt.step_count == 5 and all(g["lr"] == 1e-3 for g in opt.param_groups)
+    after = opt.state_dict()["shards"]
+    assert all(torch.equal(a, b) for state, values in before.items() for a, b in zip(values, after[state]))
+    assert any(t.abs().sum() > 0 for t in before["exp_avg"])
+    for group in opt.param_groups:
+        group["lr"] = 0.0       # a step writes the compute copies from the masters: those of the checkpoint
+    train(model, opt, 1)
+    assert all(torch.equal(a, b) for a, b in zip(infinity.state_dict(model).values(), saved_weights))
+    infinity.release(model)
