@@ -132,25 +132,49 @@ class Trainer(transformers.Trainer):
         if not self._managed():
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        model = self.accelerator.unwrap_model(self.model)
         if _internal_call and not self.args.save_only_model:
-            # A checkpoint: the weights are in the infinity directory written with the optimizer.
+            # A checkpoint: the weights are in the infinity directory written with the optimizer; beside it what
+            # the Trainer's own checkpoint holds besides the weights (the tokenizer: a checkpoint loads as a model).
             config = getattr(self.model, "config", None)
             if self.args.should_save and config is not None:
                 config.save_pretrained(output_dir)
+                generation = getattr(model, "generation_config", None)
+                if generation is not None and getattr(model, "can_generate", lambda: False)():
+                    generation.save_pretrained(output_dir)
+            self._save_beside_weights(output_dir)
             return
         # Every rank (the gathers are collectives), a module at a time: a model bigger than the device saves too,
         # and a transformers model's files are written as each module is gathered (bigger than host memory too).
-        model = self.accelerator.unwrap_model(self.model)
         if not isinstance(model, transformers.PreTrainedModel) and not is_peft_model(model):   # peft: its adapter
-            self._save(output_dir, state_dict=state_dict(self.model, rank0_only=True))
+            # Kept on every rank that writes (save_on_each_node: the first of each node), not on rank 0 alone.
+            whole = state_dict(self.model, rank0_only=not self.args.save_on_each_node)
+            self._save(output_dir, state_dict=whole)
             return
         save_pretrained(model, output_dir, is_main_process=self.args.should_save)    # save_on_each_node too
-        if self.args.should_save:       # what Trainer._save writes beside the weights
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            elif getattr(self.data_collator, "tokenizer", None) is not None:
-                self.data_collator.tokenizer.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        self._save_beside_weights(output_dir)
+
+    def _save_beside_weights(self, output_dir: str) -> None:
+        """What ``transformers.Trainer._save`` writes beside the weights: the tokenizer and the arguments."""
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def train(self, *args, **kwargs):
+        """``transformers.Trainer.train``; refuses first what could only fail after training."""
+        if self._managed() and self.args.save_only_model and self.args.load_best_model_at_end:
+            raise EngineError(
+                "infinity.Trainer: TrainingArguments(save_only_model=True, load_best_model_at_end=True): the best "
+                "checkpoint would hold a weights file, which a model built in infinity.Init takes only while it is "
+                "built, so the load at the end of training would fail after it. Drop save_only_model (each "
+                "checkpoint then holds an infinity directory, whose weights load_best_model_at_end loads), or "
+                "load_best_model_at_end")
+        return super().train(*args, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._managed():

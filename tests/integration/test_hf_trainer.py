@@ -20,9 +20,9 @@ pytest.importorskip("accelerate")
 STEPS = 6
 
 
-def _config():
+def _config(**kw):
     return transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **kw)
 
 
 class _Tokens(torch.utils.data.Dataset):

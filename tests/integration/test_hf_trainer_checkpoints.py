@@ -23,12 +23,12 @@ pytest.importorskip("accelerate")
 STEPS, SAVE = 6, 3
 
 
-def _model(nvme: str, tier: str):
+def _model(nvme: str, tier: str, **config):
     os.makedirs(nvme, exist_ok=True)
     torch.manual_seed(0)
     with infinity.Init({"tiers": {"params": tier, "optimizer": tier, "nvme_path": nvme},
                         "partition": {"sub_group_size": 4096}}):
-        return transformers.GPT2LMHeadModel(_config())
+        return transformers.GPT2LMHeadModel(_config(**config))
 
 
 def _trainer(model, out: str, steps: int = STEPS):
@@ -67,7 +67,9 @@ def _resume_matches_the_run_that_went_on(workdir: str, tier: str, rank: int = 0)
 
 def _check(result) -> None:
     assert result["steps"] == list(range(SAVE + 1, STEPS + 1)), result
-    assert {"config.json", "infinity", "scheduler.pt", "trainer_state.json"} <= set(result["written"]), result
+    # What the Trainer's own checkpoint holds besides the weights, so that it loads as a model would.
+    assert {"config.json", "generation_config.json", "infinity", "scheduler.pt", "trainer_state.json",
+            "training_args.bin"} <= set(result["written"]), result
     assert not any(name.endswith(".safetensors") for name in result["written"]), result
     assert result["logs"] <= 1e-6 and result["weights"] <= 1e-6, result
 
@@ -118,6 +120,19 @@ def test_save_only_model_checkpoints_hold_ordinary_weights(tmp_path):
     plain = transformers.GPT2LMHeadModel.from_pretrained(str(last))
     for p, q in zip(plain.parameters(), _weights(trainer.model)):
         assert torch.equal(p, q)
+    infinity.release(trainer.model)
+
+
+def test_save_only_model_with_load_best_model_at_end_is_refused_before_training(tmp_path):
+    """Its checkpoints hold weights files, which an engine model takes only while it is built: the load at the
+    end failed after the whole run (no TrainOutput, the last weights in place of the best). Refused first."""
+    trainer = _trainer(_model(str(tmp_path / "nvme"), "host"), str(tmp_path / "out"))
+    trainer.args.save_only_model, trainer.args.load_best_model_at_end = True, True
+    trainer.args.eval_strategy, trainer.args.eval_steps, trainer.args.metric_for_best_model = "steps", SAVE, "loss"
+    trainer.eval_dataset = _Tokens(4)
+    with pytest.raises(infinity.errors.EngineError, match=r"save_only_model=True, load_best_model_at_end=True"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not list((tmp_path / "out").glob("checkpoint-*"))
     infinity.release(trainer.model)
 
 
@@ -175,23 +190,53 @@ def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path):
     infinity.release(trainer.model)
 
 
-def _two_nodes(rank, world, workdir):
+class _Wrapped(torch.nn.Module):
+    """A model that is no transformers model (the Trainer saves its state dict itself)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, labels=None):
+        return self.inner(input_ids=input_ids, labels=labels)
+
+
+def _two_nodes(rank, world, workdir, wrapped=False):
     # Each rank the first of its "node" (LOCAL_RANK 0), each node with a disk of its own (a directory per rank).
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29542")
-    trainer = _trainer(_model(os.path.join(workdir, f"nvme{rank}"), "host"), os.path.join(workdir, "out"), steps=1)
+    model = _model(os.path.join(workdir, f"nvme{rank}"), "host", tie_word_embeddings=not wrapped)
+    if wrapped:     # untied: a tensor twice in a state dict is refused by safetensors (the plain Trainer's too)
+        model = _Wrapped(model)
+    trainer = _trainer(model, os.path.join(workdir, "out"), steps=1)
     trainer.args.save_on_each_node = True
     trainer.train()
     final = os.path.join(workdir, f"final{rank}")
     trainer.save_model(final)
+    keys = None
+    if wrapped:
+        from safetensors.torch import load_file
+        keys = len(load_file(os.path.join(final, "model.safetensors")))
     infinity.release(trainer.model)
-    return trainer.args.should_save, sorted(os.listdir(final))
+    return trainer.args.should_save, sorted(os.listdir(final)), keys
 
 
 def test_save_model_with_save_on_each_node_writes_the_weights_on_each_node(tmp_path):
-    for should_save, names in run_ranks(_two_nodes, 2, tmp_path):
+    for should_save, names, _ in run_ranks(_two_nodes, 2, tmp_path):
         assert should_save and names == ["config.json", "generation_config.json", "model.safetensors",
                                          "training_args.bin"]
+
+
+def _two_nodes_wrapped(rank, world, workdir):
+    return _two_nodes(rank, world, workdir, wrapped=True)
+
+
+def test_a_model_that_is_no_transformers_model_saves_whole_on_each_node(tmp_path):
+    """Its state dict was kept on rank 0 alone, and the first rank of every other node wrote an empty weights
+    file without a word."""
+    results = run_ranks(_two_nodes_wrapped, 2, tmp_path)
+    assert [r[2] for r in results] == [results[0][2]] * 2 and results[0][2] > 0, results
+    assert all(r[0] and "model.safetensors" in r[1] for r in results), results
 
 
 def _engine_of_one_rank(rank, world, workdir):
