@@ -42,6 +42,7 @@ from infinity.runtime.hooks import (GradArrivals, install_hooks, install_release
                                     unhook_idle, watch_backward)
 from infinity.runtime.ranks import Ranks
 from infinity.runtime.shards import DemandStaging, ParamShards
+from infinity.runtime.save_guard import guard_save_pretrained
 from infinity.runtime.synced_generate import sync_generate
 from infinity.runtime.tier_set import TierSet
 from tiers.host_alloc import HeapTrimmer
@@ -178,6 +179,8 @@ class Engine:
         # transformers' generate, synced over the ranks where a forward is a collective ([Note: generating on
         # several ranks] in infinity/runtime/synced_generate.py); release gives each root its own back.
         self._at_collection += [s.remove for s in sync_generate(roots, self.ranks, self.config.partition.stage)]
+        self._at_collection += [g.remove for g in guard_save_pretrained(roots, self.coordinator)]   # [Note: ...
+        # save_pretrained refused before it writes] in infinity/runtime/save_guard.py
 
     def attach_optimizer(self, optimizer, updates) -> None:
         """``optimizer`` steps this model; ``updates`` (its ``UpdateScheduler``) hears the lifecycle.

@@ -28,9 +28,17 @@ def test_save_pretrained_and_masters_against_the_plain_model(tmp_path, dtype):
     with infinity.Init({"tiers": {"params": "host"}, "precision": {"dtype": dtype}}):
         model = transformers.GPT2LMHeadModel(_config())
     assert model.num_parameters() == ref.num_parameters()
-    with pytest.raises(EngineError, match=r"'transformer\.wte\.weight'.*infinity\.gathered"):
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "config.json").write_text("{}")       # the user's: kept ([Note: save_pretrained
+    # refused before it writes] in infinity/runtime/save_guard.py)
+    with pytest.raises(EngineError, match=r"GPT2LMHeadModel.save_pretrained\(\).*Nothing was written.*"
+                                          r"infinity\.save_pretrained\(model, d\)"):
         model.save_pretrained(tmp_path / "outside")
-    assert not (tmp_path / "outside" / "model.safetensors").exists()
+    assert sorted(os.listdir(tmp_path / "outside")) == ["config.json"]
+    assert (tmp_path / "outside" / "config.json").read_text() == "{}"
+    with pytest.raises(EngineError, match=r"save_pretrained\(\).*Nothing was written"):
+        model.transformer.save_pretrained(tmp_path / "inner")     # a transformers module inside, too
+    assert not (tmp_path / "inner").exists()
 
     with infinity.gathered(model):
         model.save_pretrained(tmp_path / "inside")
