@@ -28,7 +28,7 @@ leaves them), and from then on it is an ordinary group with a temporary master k
 [Note: units]
 With ``partition.units`` a module whose class matches is partitioned as one group of every
 parameter under it, and it alone gathers and releases that group: its children get no group
-of their own (``_index_modules``), so their forward hooks find nothing to do and the engine's
+of their own (``close_groups``), so their forward hooks find nothing to do and the engine's
 host work per step follows the number of units, not of layers (a GPT block's six modules with
 parameters become one group). Its parameters are partitioned when the unit's outermost
 ``__init__`` returns: the layers built inside it wait for it (``Init._on_built``), whole, as
@@ -349,12 +349,8 @@ class Partitioner:
 
     # -- at the context's exit ---------------------------------------------------------------------
     def finish(self, roots: list[nn.Module]) -> OptimizerStateStore:
-        """Close construction: regroup (orphaned parameters, frozen ones), index modules, check the budget, build
-        the store."""
-        for root in roots:
-            self.partition_module(root)
-        self._regroup(roots)
-        self._index_modules(roots)
+        """Close construction after ``close_groups``: check the budget and build the store (each rank's own
+        work, no collective: ``infinity.Init`` runs it inside an agreement of the ranks)."""
         config = self.engine.config
         # Stages 1 and 2 keep whole parameters on every rank: each group is gathered once after an
         # update and kept (see [Note: ZeRO stages 1 and 2] in infinity/runtime/grads.py).
@@ -424,7 +420,12 @@ class Partitioner:
             g.index = i
         coordinator.groups[:] = kept
 
-    def _index_modules(self, roots: list[nn.Module]) -> None:
+    def close_groups(self, roots: list[nn.Module]) -> None:
+        """Close the groups: parameters left unpartitioned, regrouping (orphaned parameters, frozen ones), then
+        each module's groups. Every rank: the regrouping's broadcasts are collectives."""
+        for root in roots:
+            self.partition_module(root)
+        self._regroup(roots)
         named = {}
         units: dict[nn.Module, list[ParamGroup]] = {}
         for g in self.coordinator.groups:

@@ -218,7 +218,11 @@ class Init:
                 # [Note: widened linear layers] in infinity/tiling/widened.py
                 apply_cpu_linear(self.engine.config.precision.cpu_linear, self.engine.device.device,
                                  self.engine.dtype, roots)
-                self.engine.finalize(roots, self.partitioner.finish(roots))
+                self.partitioner.close_groups(roots)
+                # Each rank's own work from here (the budget, the store, its tier writes; a resume's adoption): a
+                # node short of room fails alone, and the others would go on to the optimizer's first collective.
+                with self.engine.ranks.together("infinity.Init's exit"):    # [Note: failing together]
+                    self.engine.finalize(roots, self.partitioner.finish(roots))
         except BaseException:
             self._abandon()
             raise

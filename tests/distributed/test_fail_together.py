@@ -600,3 +600,41 @@ def test_a_gradient_norm_whose_close_of_backward_fails_again_on_one_rank_keeps_t
         assert abs(ours - torchs) <= 1e-5 * torchs, (ours, torchs)
     assert all(torch.equal(got0[k], got1[k]) for k in got0)
     assert max(error0, error1) <= 1e-6, (error0, error1)
+
+
+def _init_exit_fails_on_one_rank(rank, world, workdir):
+    """Rank 1's node is short of host memory at infinity.Init's exit (its budget check refuses); then each rank
+    builds the model again, with room, and trains a step."""
+    from infinity.runtime import construction
+
+    nvme = os.path.join(workdir, f"nvme{rank}")
+    os.makedirs(nvme, exist_ok=True)
+    cfg = {"tiers": {"params": "nvme", "optimizer": "nvme", "nvme_path": nvme, "pool_buffer_size": "256KiB"}}
+    undo = _fail_on(rank, construction.Partitioner, "_check_budget")
+    torch.manual_seed(0)
+    try:
+        with infinity.Init(cfg):
+            TinyGPT()
+        first = "no error"
+    except Cut as exc:
+        first = f"own: {exc}"
+    except RanksFailedError as exc:
+        first = f"other: {exc}"
+    undo()
+    with infinity.Init(cfg):        # a retry in the same processes: the ranks' collectives still pair
+        model = TinyGPT()
+    opt = infinity.AdamW(model, lr=1e-2)
+    idx, tgt = batches(1, 4)[0]
+    model(idx, tgt).backward()
+    opt.step()
+    infinity.release(model)
+    return first
+
+
+def test_an_init_whose_exit_fails_on_one_rank_fails_on_every_rank(tmp_path):
+    """A node short of room at infinity.Init's exit (its budget, the store's allocations, its tier writes, a
+    resume's adoption) raised there alone: the other ranks left Init and waited in the optimizer's first
+    collective. Now every rank raises at the exit, and a retry pairs its collectives as a first build does."""
+    said0, said1 = run_ranks(_init_exit_fails_on_one_rank, 2, tmp_path, fresh=True, collective_timeout=60)
+    assert said1 == "own: rank 1: injected failure in _check_budget", said1
+    assert said0.startswith("other: rank 0: ") and "infinity.Init's exit" in said0, said0
