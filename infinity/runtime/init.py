@@ -381,7 +381,8 @@ class Init:
             self.partitioner.dematerialize(group)
 
 
-def from_pretrained(model_class, path, infinity_config=None, *, nvme_path=None, group=None, **kwargs):
+def from_pretrained(model_class, path, infinity_config=None, *, nvme_path=None, group=None, machine=None,
+                    **kwargs):
     """Load a Hugging Face model from a safetensors checkpoint straight into the engine's tiers.
 
     The same as ``with infinity.Init(infinity_config): model = model_class.from_pretrained(path, **kwargs)``:
@@ -401,6 +402,9 @@ def from_pretrained(model_class, path, infinity_config=None, *, nvme_path=None, 
         The NVMe tier's directory, as for ``infinity.Init``.
     group:
         The ``torch.distributed`` process group, as for ``infinity.Init``.
+    machine:
+        With "auto" tiers, the machine profile to place for, as for ``infinity.Init``; the placement is sized
+        for the model the checkpoint's config describes (built on the meta device first).
     **kwargs:
         Passed to ``from_pretrained`` (``config=``, ``revision=``, config attribute overrides, ...).
 
@@ -412,6 +416,25 @@ def from_pretrained(model_class, path, infinity_config=None, *, nvme_path=None, 
     """
     import transformers  # noqa: F401  (imported before Init opens, so Init routes its from_pretrained)
 
-    with Init(infinity_config, nvme_path=nvme_path, group=group):
+    config = load_config(infinity_config, nvme_path=nvme_path)
+    sized = None
+    if "auto" in (config.tiers.params, config.tiers.optimizer):     # [Note: auto placement]: sized for this model
+        sized = _on_meta(model_class, path, kwargs)
+    with Init(config, group=group, model=sized, machine=machine):
         model = model_class.from_pretrained(path, **kwargs)
     return model
+
+
+def _on_meta(model_class, path, kwargs):
+    """The model ``model_class.from_pretrained(path, **kwargs)`` builds, on the meta device (no memory)."""
+    import torch
+    import transformers
+
+    config = kwargs.get("config")
+    if config is None or isinstance(config, str):
+        hub = {k: kwargs[k] for k in ("revision", "trust_remote_code", "token", "cache_dir", "subfolder") if k in kwargs}
+        config = transformers.AutoConfig.from_pretrained(config or path, **hub)
+    with torch.device("meta"):
+        if hasattr(model_class, "from_config"):     # an auto class
+            return model_class.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False))
+        return model_class(config)

@@ -324,3 +324,23 @@ def test_a_cut_safetensors_file_is_named(tmp_path):
         f.truncate(os.path.getsize(os.path.join(checkpoint, victim)) - 1)
     with pytest.raises(EngineError, match=rf"{victim}.*the file is damaged"):
         infinity.from_pretrained(transformers.LlamaForCausalLM, checkpoint, _cfg(str(tmp_path)))
+
+
+@pytest.mark.parametrize("model_class", ["LlamaForCausalLM", "AutoModelForCausalLM"])
+def test_auto_tiers_are_sized_for_the_checkpoints_model(tmp_path, model_class):
+    """infinity.from_pretrained(cls, path, "auto") had no model to size the placement for, and always failed
+    naming Init(model=...), which it does not take. It is now sized for the model the checkpoint's config
+    describes (built on the meta device), and loads as transformers' own load does."""
+    from infinity.plan.machine import MachineProfile
+
+    checkpoint = _save(str(tmp_path / "ckpt"), _llama(), transformers.LlamaForCausalLM)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    cfg = _cfg(str(tmp_path))
+    cfg["tiers"].update(params="auto", optimizer="auto")
+    small = MachineProfile(name="small", device_bytes=0, host_bytes=2**30, nvme_bytes=2**34, unified=True,
+                           disk_read_gbps=2.0, disk_write_gbps=2.0)
+    model = infinity.from_pretrained(getattr(transformers, model_class), checkpoint, cfg, machine=small)
+    decision = registry.engine_of(model).placement
+    assert decision is not None and decision.chosen.placement.params_tier is not None
+    _check(_compare(model, ref))
+    infinity.release(model)
