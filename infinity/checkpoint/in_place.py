@@ -314,8 +314,8 @@ class Resume:
                 why = ("groups trainable at this model's Init exit were frozen, and never unfrozen, in the saving "
                        "run: freeze the same parameters inside infinity.Init, or resume from an ordinary checkpoint")
             raise CheckpointMismatchError(
-                f"infinity.Init(resume={self.path!r}): the model built does not have the checkpoint's states: in the "
-                f"checkpoint only: {missing[:6]}{' ...' if len(missing) > 6 else ''}; in the model only: "
+                f"infinity.Init(resume={self.path!r}): rank {self.rank}: the model built does not have the "
+                f"checkpoint's states: in the checkpoint only: {missing[:6]}{' ...' if len(missing) > 6 else ''}; in the model only: "
                 f"{unknown[:6]}{' ...' if len(unknown) > 6 else ''} ({why})")
         try:
             store.tier.settle({keys[r]: Placement(**{k: tuple(v) if isinstance(v, list) else v
