@@ -41,7 +41,8 @@ from infinity import registry
 from infinity.checkpoint import rng, unmanaged
 from infinity.checkpoint.agreement import agree
 from infinity.checkpoint.directory import SavedCheckpoint
-from infinity.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointUntrustedError
+from infinity.checkpoint.errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
+                                       CheckpointUntrustedError)
 from infinity.checkpoint.in_place import verify_sealed
 from infinity.checkpoint.manifest import STATE_FILES, dtype_of, itemsize, read_small_file
 from infinity.checkpoint.reshard import SavedLayout, TargetGroup, TargetSlot, plan_shards
@@ -98,9 +99,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, opt=None, *, trus
     >>> extra = infinity.load_checkpoint("ckpt", model, opt)   # doctest: +SKIP
     """
     engine = registry.engine_of(model, "infinity.load_checkpoint")
+    where = os.fspath(path)
     with engine.ranks.together("infinity.load_checkpoint"):     # [Note: failing together]
         opt = check_ready(engine, opt, "infinity.load_checkpoint", damaged_ok=True)
-    where = os.fspath(path)
+        if weights_only:
+            _refuse_weights_only(engine, opt, where)
     resume = getattr(engine, "resume", None)
     if resume is not None and engine.damaged and resume.id is not None:
         if weights_only:
@@ -441,6 +444,18 @@ def _fill_zeros(io, coordinator, store, layout, fills, staged: StagedSubGroups |
             futures = []
     for fut in futures:
         fut.wait()
+
+
+def _refuse_weights_only(engine, opt, where: str) -> None:
+    """A load of the weights alone leaves the optimizer's moments as they are: it cannot mend states damaged
+    (a step or a load that failed part-way), nor drop half a step taken during backward."""
+    what = f"infinity.load_checkpoint({where!r}, weights_only=True)"
+    if engine.damaged:
+        raise CheckpointError(f"{what}: the states are damaged ({engine.damaged}), and a load of the weights alone "
+                              "leaves the optimizer's moments as they are; load the checkpoint whole (without "
+                              "weights_only)")
+    if opt is not None:
+        opt.updates.refuse_half_step(what)
 
 
 def _steps_left_behind(engine, opt, manifest: dict, where: str) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import types
+import weakref
 
 import torch
 
@@ -111,7 +112,7 @@ class Trainer(transformers.Trainer):
         def prepare_optimizer_(optimizer, device_placement=None):
             prepared = prepare_optimizer(optimizer, device_placement=device_placement)
             if isinstance(optimizer, (Adam, AdamW)):
-                _report_skipped_steps(prepared, optimizer)
+                _report_skipped_steps(prepared)
             return prepared
 
         self.accelerator.prepare_optimizer = prepare_optimizer_
@@ -147,8 +148,8 @@ class Trainer(transformers.Trainer):
         # Every rank (the gathers are collectives), a module at a time: a model bigger than the device saves too,
         # and a transformers model's files are written as each module is gathered (bigger than host memory too).
         if not isinstance(model, transformers.PreTrainedModel) and not is_peft_model(model):   # peft: its adapter
-            # Kept on every rank that writes (save_on_each_node: the first of each node), not on rank 0 alone.
-            whole = state_dict(self.model, rank0_only=not self.args.save_on_each_node)
+            # Kept by the ranks that write (save_on_each_node: the first of each node), not by rank 0 alone.
+            whole = state_dict(self.model, keep=self.args.should_save)
             self._save(output_dir, state_dict=whole)
             return
         save_pretrained(model, output_dir, is_main_process=self.args.should_save)    # save_on_each_node too
@@ -203,20 +204,22 @@ class Trainer(transformers.Trainer):
         load_checkpoint(_infinity_dir(self.state.best_model_checkpoint, self.model), self.model, weights_only=True)
 
 
-def _report_skipped_steps(prepared, optimizer) -> None:
+def _report_skipped_steps(prepared) -> None:
     """The Trainer steps its learning-rate scheduler unless accelerate says the optimizer's step was skipped,
     which accelerate learns only from its own GradScaler: infinity skips a step with a non-finite gradient
     itself (fp16's overflows; [Note: loss scaling] in infinity/optim/loss_scale.py), and without this the
     schedule went on past steps never taken (a warmup spent on skipped steps), where the Trainer's fp16 with
     a GradScaler, and DeepSpeed's, hold it."""
-    step = prepared.step
+    base_step = type(prepared).step
 
     def step_and_report(self, closure=None):
-        before = optimizer.skipped_steps
-        step(closure)
-        self._is_overflow = optimizer.skipped_steps > before   # what accelerate's step_was_skipped reads
+        inner = self.optimizer
+        before = inner.skipped_steps
+        base_step(self, closure)
+        self._is_overflow = inner.skipped_steps > before   # what accelerate's step_was_skipped reads
 
-    prepared.step = types.MethodType(step_and_report, prepared)     # a method: torch's schedulers wrap it
+    # A method (torch's schedulers wrap it) bound to a proxy: held by the instance, it must not hold it back.
+    prepared.step = types.MethodType(step_and_report, weakref.proxy(prepared))
 
 
 def _engine_model(model) -> bool:

@@ -192,7 +192,8 @@ def _offload(t: _Translation, zero: Mapping[str, Any], what: str, nvme_paths: li
             if device == "nvme":    # a missing path is named where the NVMe offload was asked for
                 t.origin.setdefault("tiers.nvme_path", f"{where}.nvme_path")
         elif name == "nvme_path":
-            paths = [value] if isinstance(value, str) else value if value is None or isinstance(value, list) else None
+            paths = [] if value is None else [value] if isinstance(value, str) else value if isinstance(
+                value, (list, tuple)) else None     # DeepSpeed's default is null
             if paths is None or not all(isinstance(path, str) for path in paths):
                 raise ConfigError(f"expected a path or a list of paths, got {value!r}", ds_key)
             for path in paths:

@@ -145,7 +145,7 @@ class UpdateScheduler:
         stepped = self.in_backward.stepped if self.in_backward is not None else ()
         if stepped:
             raise EngineError(f"{what}: {len(stepped)} sub-groups of this step were already stepped during backward "
-                              "(optimizer.update_in_backward = true), the rest not: call opt.step() first, then save")
+                              "(optimizer.update_in_backward = true), the rest not: call opt.step() first")
 
     def begin_step(self) -> None:
         """``opt.step()`` starts: report a failed delayed update; wait for an overlapped one."""

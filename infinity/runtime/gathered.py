@@ -179,7 +179,8 @@ def _groups_of(coordinator, model) -> list:
     return seen
 
 
-def state_dict(model: nn.Module, *, rank0_only: bool = False, dtype: torch.dtype | None = None) -> dict:
+def state_dict(model: nn.Module, *, rank0_only: bool = False, dtype: torch.dtype | None = None,
+               keep: bool | None = None) -> dict:
     """``model.state_dict()``, every tensor a copy in host memory, gathered a module at a time (see [Note: a
     state dict a module at a time]): the compute device never holds more than the model's largest group.
 
@@ -193,13 +194,17 @@ def state_dict(model: nn.Module, *, rank0_only: bool = False, dtype: torch.dtype
         Only rank 0 keeps the copies; the others return an empty dict (host memory for one copy, not N).
     dtype:
         Floating-point tensors converted to it (the model's compute dtype otherwise).
+    keep:
+        Whether this rank keeps the copies, in place of ``rank0_only``'s choice (every rank still gathers):
+        the ranks that write, such as the first of each node with the Trainer's ``save_on_each_node``.
 
     Examples
     --------
     >>> model.save_pretrained("out", state_dict=infinity.state_dict(model))    # doctest: +SKIP
     """
     engine = registry.engine_of(model, "infinity.state_dict")
-    keep = not rank0_only or engine.ranks.rank == 0
+    if keep is None:
+        keep = not rank0_only or engine.ranks.rank == 0
     owner_of = {prefix + name: p for prefix, module in _prefixed(model)
                 for name, p in module.named_parameters(recurse=False)}
     copies: dict[int, torch.Tensor] = {}    # a parameter's host copy, by the parameter (tied weights: one)

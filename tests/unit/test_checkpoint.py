@@ -580,3 +580,41 @@ def test_a_weights_only_load_takes_the_weights_and_leaves_the_optimizer_and_rng(
     train(model, opt, 1)
     assert all(torch.equal(a, b) for a, b in zip(infinity.state_dict(model).values(), saved_weights))
     infinity.release(model)
+
+
+def test_a_weights_only_load_does_not_mend_damaged_states(tmp_path):
+    """The weights alone leave the moments as they are: over states a failed step left damaged it would have
+    cleared the damage and trained on those moments. Refused, naming the whole load; which then mends them."""
+    model, opt = build(config(tmp_path, "a"))
+    seed_all(1)
+    train(model, opt, 2)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    engine = infinity.registry.engine_of(model)
+    engine.damaged = "opt.step() call 3 failed part-way (injected): load a checkpoint"
+    with pytest.raises(infinity.checkpoint.CheckpointError, match=r"weights_only=True\): the states are damaged .*"
+                                                                    r"load the checkpoint whole"):
+        infinity.load_checkpoint(tmp_path / "ckpt", model, opt, weights_only=True)
+    assert engine.damaged
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert engine.damaged is None
+    infinity.release(model)
+
+
+def test_a_weights_only_load_does_not_drop_half_a_step_taken_in_backward(tmp_path):
+    """With the update during backward, sub-groups stepped before opt.step(): a whole load replaces their
+    moments too, the weights alone would leave half a step in them. Refused until the step is taken."""
+    cfg = config(tmp_path, "a", "host", "nvme")
+    cfg["optimizer"] = {"update_in_backward": True}
+    cfg["partition"]["sub_group_size"] = 1024
+    model, opt = build(cfg)
+    seed_all(1)
+    train(model, opt, 1)
+    infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    model(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))).backward()
+    assert opt.updates.in_backward.stepped
+    with pytest.raises(infinity.errors.EngineError, match=r"weights_only=True\): .* already stepped during backward"):
+        infinity.load_checkpoint(tmp_path / "ckpt", model, opt, weights_only=True)
+    opt.step()
+    opt.zero_grad()
+    infinity.load_checkpoint(tmp_path / "ckpt", model, opt, weights_only=True)
+    infinity.release(model)

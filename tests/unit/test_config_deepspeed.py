@@ -276,6 +276,9 @@ def test_older_names_pins_of_nothing_offloaded_and_clipping():
     _, skipped = from_deepspeed({"gradient_clipping": 1.0, **ZERO3})
     assert skipped == ["gradient_clipping: clip in the program: infinity.clip_grad_norm_(model, max_norm) before "
                        "opt.step() (the Hugging Face Trainer: its max_grad_norm)"]
+    cfg, skipped = from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
+                                                                                           "nvme_path": None}}})
+    assert (cfg.tiers.optimizer, cfg.tiers.nvme_path, skipped) == ("host", (), [])   # DeepSpeed's default: null
     for falsy in (False, 0, []):
         with pytest.raises(ConfigError, match=r"^zero_optimization: expected an object"):
             from_deepspeed({"zero_optimization": falsy})

@@ -291,15 +291,15 @@ def test_engine_without_the_extension_steps_with_the_torch_twin(tmp_path, monkey
     assert twin_losses == pytest.approx(native_losses, rel=1e-4)
 
 
-# A load encodes each gathered sub-group in pieces of whole blocks (infinity/checkpoint/reader.py):
+# A load encodes each gathered sub-group in pieces of whole blocks (infinity/checkpoint/staging.py):
 # one piece per 4096-element sub-group by default, 32 pieces of two 64-element blocks with 128.
 @pytest.mark.parametrize("encode_numel", [None, 128])
 def test_checkpoint_of_int8_states_resumes_and_consolidates_to_fp32(tmp_path, monkeypatch, encode_numel):
-    from infinity.checkpoint import reader
+    from infinity.checkpoint import staging
     from infinity.checkpoint.consolidate import consolidate
 
     if encode_numel is not None:
-        monkeypatch.setattr(reader, "_ENCODE_NUMEL", encode_numel)
+        monkeypatch.setattr(staging, "_ENCODE_NUMEL", encode_numel)
 
     model, opt, _, (x, y) = _small_run(tmp_path, "int8", "nvme", steps=4)
     infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
