@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import struct
 import time
 import zipfile
@@ -147,6 +148,9 @@ def _refuse_unwritable_output(out: str) -> None:
     parent = os.path.dirname(os.path.abspath(out))
     if os.path.isdir(out):
         raise CheckpointError(f"consolidate: the output {out} is a directory; give a file name")
+    if os.path.exists(out) and not os.path.islink(out) and not stat.S_ISREG(os.stat(out).st_mode):
+        # The output replaces what is there (a temporary file renamed over it): a device or a FIFO would go.
+        raise CheckpointError(f"consolidate: the output {out} exists and is not a regular file; give a file name")
     if not os.path.isdir(parent):
         raise CheckpointError(f"consolidate: the output's directory {parent} does not exist")
     if not os.access(parent, os.W_OK) or (os.path.exists(out) and not os.access(out, os.W_OK)):

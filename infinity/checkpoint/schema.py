@@ -158,7 +158,7 @@ def _check_groups(manifest: dict, top: _Field, world_size: int) -> None:
     groups = _list(top.get(manifest, "groups"), top.at("groups"))
     if len(starts) != len(groups):
         raise field.at("group_starts").fail(f"has {len(starts)} entries for {len(groups)} groups")
-    end = 0
+    end, named = 0, {}
     for gi, (start, group) in enumerate(zip(starts, groups)):
         gfield = top.at("groups").at(gi)
         _dict(group, gfield)
@@ -178,8 +178,13 @@ def _check_groups(manifest: dict, top: _Field, world_size: int) -> None:
         for pi, param in enumerate(params):
             pfield = gfield.at("params").at(pi)
             _dict(param, pfield)
-            if not _names(pfield.get(param, "names"), pfield.at("names")):
+            names = _names(pfield.get(param, "names"), pfield.at("names"))
+            if not names:
                 raise pfield.at("names").fail("is empty")
+            for name in names:      # one name for two parameters: one of them would be read as the other
+                if named.setdefault(name, (gi, pi)) != (gi, pi):
+                    raise pfield.at("names").fail(f"names {name!r}, which groups[{named[name][0]}].params"
+                                                  f"[{named[name][1]}] names too")
             count = _shape(pfield.get(param, "shape"), pfield.at("shape"))
             if _int(pfield.get(param, "numel"), pfield.at("numel")) != count:
                 raise pfield.at("numel").fail(f"is {param['numel']}, its shape holds {count}")

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from typing import Callable, NoReturn
 
 USAGE = 2
@@ -44,8 +46,20 @@ def run(prog: str, debug: bool, body: Callable[[], int], usage: tuple[type[BaseE
     """Run a command's ``body``; its errors become one line and an exit code (see [Note: command-line errors])."""
     from infinity.config import ConfigError
 
+    # A scheduler stops a job with SIGTERM: as Ctrl-C, so that a tool's cleanup (a bench's test file, a
+    # consolidation's temporary output) runs, and the exit says so (143).
+    def terminated(signum, frame):
+        raise _Terminated()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, terminated)
     try:
         return body()
+    except _Terminated:
+        if debug:
+            raise
+        print(f"{prog}: terminated", file=sys.stderr)
+        return 143
     except BrokenPipeError:
         # The reader went away (`... | head`): not an error of ours.
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (keeps interpreter exit quiet)
@@ -62,6 +76,10 @@ def run(prog: str, debug: bool, body: Callable[[], int], usage: tuple[type[BaseE
         hint = "" if wrong_input or _expected(exc) else f" ({type(exc).__name__}; --debug shows the traceback)"
         print(f"{prog}: error: {one_line(exc)}{hint}", file=sys.stderr)
         return USAGE if wrong_input else FAILURE
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the tool runs (a BaseException, as KeyboardInterrupt: ``except Exception`` lets it by)."""
 
 
 def _expected(exc: BaseException) -> bool:

@@ -169,3 +169,22 @@ def test_consolidate_onto_a_full_disk_names_the_file_the_bytes_and_cleans_up(tmp
     err = one_line_error(capsys, "infinity-consolidate")
     assert str(out) in err and "(ENOSPC)" in err and "the output needs" in err and "free" in err, err
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+def test_a_bench_stopped_by_sigterm_removes_its_test_file(tmp_path):
+    """A scheduler stops a job with SIGTERM, which skipped the bench's cleanup: its test file (2 GiB by default)
+    stayed on the disk. SIGTERM now unwinds as Ctrl-C does: the file goes, and the exit says so (143)."""
+    import signal
+    import time
+
+    bench = subprocess.Popen([sys.executable, "-m", "infinity.cli.bench", "nvme", "--path", str(tmp_path),
+                              "--size", "32MiB", "--repeats", "50", "--no-baselines", "--no-progress",
+                              "--engines", "threads"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith("infinity-bench-") for p in tmp_path.iterdir()):
+        assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
+        time.sleep(0.05)
+    bench.send_signal(signal.SIGTERM)
+    _, err = bench.communicate(timeout=60)
+    assert bench.returncode == 143 and "terminated" in err, (bench.returncode, err)
+    assert not list(tmp_path.iterdir())

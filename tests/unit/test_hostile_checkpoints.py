@@ -7,6 +7,7 @@ code does not run; only ``trust_extra=True`` unpickles it in full. Plain ``extra
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 import torch
@@ -274,4 +275,40 @@ def test_a_hyper_parameter_a_load_would_refuse_fails_the_save_and_one_it_takes_r
     with pytest.raises(infinity.checkpoint.CheckpointError, match=r"hyper-parameter 'schedule' .* cannot be "
                                                                   r"recorded: it holds list"):
         infinity.save_checkpoint(tmp_path / "ckpt2", model, opt)
+    infinity.release(model)
+
+
+def test_a_name_given_to_two_parameters_is_refused(tmp_path):
+    """A manifest naming one parameter twice (another's name given to a second, CRC recomputed) loaded and
+    consolidated with exit 0: the second's values under the first's name, the first's key missing. Refused."""
+    from infinity.checkpoint.consolidate import consolidate
+
+    model, opt = _trained(tmp_path)
+    version = infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+
+    def change(manifest):
+        manifest["groups"][-1]["params"][0]["names"] = list(manifest["groups"][0]["params"][0]["names"])
+
+    _edit(version, "manifest.json", change)
+    said = r"names '[^']+', which groups\[0\]\.params\[0\] names too"
+    for call in (lambda: infinity.load_checkpoint(version, model, opt),
+                 lambda: consolidate(version, str(tmp_path / "out.pt"))):
+        with pytest.raises(infinity.checkpoint.CheckpointCorruptError, match=said):
+            call()
+    assert not (tmp_path / "out.pt").exists()
+    infinity.release(model)
+
+
+def test_consolidating_onto_a_fifo_or_a_device_is_refused(tmp_path):
+    """The output is written to a temporary file renamed over OUT: a FIFO there became a regular file (as root, so
+    would /dev/null). Anything at OUT that is not a regular file is refused before anything is read."""
+    from infinity.checkpoint.consolidate import consolidate
+
+    model, opt = _trained(tmp_path)
+    version = infinity.save_checkpoint(tmp_path / "ckpt", model, opt)
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(infinity.checkpoint.CheckpointError, match=r"fifo.pt exists and is not a regular file"):
+        consolidate(version, str(fifo))
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     infinity.release(model)
