@@ -40,8 +40,6 @@ would do ([Note: unmanaged parameters] in infinity/optim/unmanaged.py).
 from __future__ import annotations
 
 import os
-import types
-import weakref
 
 import torch
 
@@ -56,6 +54,7 @@ from infinity.checkpoint.reader import load_checkpoint
 from infinity.checkpoint.writer import save_checkpoint
 from infinity.errors import EngineError
 from infinity.optim.adam import Adam, AdamW
+from infinity.optim.checks import report_skipped_steps
 from infinity.runtime.gathered import state_dict
 from infinity.runtime.hf_save import save_pretrained
 from infinity.runtime.peft_save import is_peft_model
@@ -112,7 +111,8 @@ class Trainer(transformers.Trainer):
         def prepare_optimizer_(optimizer, device_placement=None):
             prepared = prepare_optimizer(optimizer, device_placement=device_placement)
             if isinstance(optimizer, (Adam, AdamW)):
-                _report_skipped_steps(prepared)
+                report_skipped_steps(prepared)  # also without device placement ([Note: skipped steps under
+                # accelerate] in infinity/optim/checks.py)
             return prepared
 
         self.accelerator.prepare_optimizer = prepare_optimizer_
@@ -202,24 +202,6 @@ class Trainer(transformers.Trainer):
             return super()._load_best_model()
         # The weights alone, as the Trainer loads a plain model's: the optimizer and the RNG go on as they are.
         load_checkpoint(_infinity_dir(self.state.best_model_checkpoint, self.model), self.model, weights_only=True)
-
-
-def _report_skipped_steps(prepared) -> None:
-    """The Trainer steps its learning-rate scheduler unless accelerate says the optimizer's step was skipped,
-    which accelerate learns only from its own GradScaler: infinity skips a step with a non-finite gradient
-    itself (fp16's overflows; [Note: loss scaling] in infinity/optim/loss_scale.py), and without this the
-    schedule went on past steps never taken (a warmup spent on skipped steps), where the Trainer's fp16 with
-    a GradScaler, and DeepSpeed's, hold it."""
-    base_step = type(prepared).step
-
-    def step_and_report(self, closure=None):
-        inner = self.optimizer
-        before = inner.skipped_steps
-        base_step(self, closure)
-        self._is_overflow = inner.skipped_steps > before   # what accelerate's step_was_skipped reads
-
-    # A method (torch's schedulers wrap it) bound to a proxy: held by the instance, it must not hold it back.
-    prepared.step = types.MethodType(step_and_report, weakref.proxy(prepared))
 
 
 def _engine_model(model) -> bool:

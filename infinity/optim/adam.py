@@ -19,7 +19,7 @@ from torch import nn
 from infinity import registry
 from infinity.errors import EngineError, released_message
 from infinity.optim import param_groups, torch_state
-from infinity.optim.checks import GradientChecks, refuse_accelerate_load_state, refuse_trainer_checkpoints
+from infinity.optim.checks import GradientChecks, meet_accelerate_prepare, refuse_trainer_checkpoints
 from infinity.optim.in_backward import InBackwardUpdate
 from infinity.optim.job import StepJob
 from infinity.optim.nonfinite import NonFiniteSteps
@@ -425,7 +425,7 @@ class _OffloadAdam(torch.optim.Optimizer):
                 "loss_scale": self.engine.loss_scaler.as_dict() if self.engine.loss_scaler is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        refuse_accelerate_load_state()      # [Note: accelerate's load_state] in infinity/optim/checks.py
+        meet_accelerate_prepare()      # [Note: accelerate's load_state] in infinity/optim/checks.py
         groups = self.engine.coordinator.groups
         if torch_state.is_torch_state(state_dict):     # [Note: torch.optim state dicts]
             self.synchronize()

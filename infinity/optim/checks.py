@@ -15,6 +15,8 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import types
+import weakref
 
 import torch
 
@@ -180,9 +182,10 @@ def refuse_trainer_checkpoints(who: str) -> None:
         frame = frame.f_back
 
 
-def refuse_accelerate_load_state() -> None:
+def meet_accelerate_prepare() -> None:
     """Called by an infinity optimizer's ``load_state_dict``: when accelerate's ``prepare`` is the caller, give its
-    ``Accelerator`` a load-state pre-hook that refuses ``load_state`` on an engine model.
+    ``Accelerator`` a load-state pre-hook that refuses ``load_state`` on an engine model, and have the
+    ``AcceleratedOptimizer`` it builds report this optimizer's skipped steps (``report_skipped_steps``).
 
     [Note: accelerate's load_state]
     ``Accelerator.save_state`` is refused on an engine model ([Note: accelerate's save_state] in
@@ -199,6 +202,9 @@ def refuse_accelerate_load_state() -> None:
     frame = inspect.currentframe().f_back.f_back
     if frame is None or frame.f_globals.get("__name__") != "accelerate.optimizer":
         return
+    prepared = frame.f_locals.get("self")   # the AcceleratedOptimizer being built around this optimizer
+    if prepared is not None and hasattr(type(prepared), "step_was_skipped"):
+        report_skipped_steps(prepared)
     while frame is not None:
         if frame.f_globals.get("__name__") == "accelerate.accelerator" and frame.f_code.co_name == "prepare_optimizer":
             accelerator = frame.f_locals.get("self")
@@ -223,3 +229,28 @@ def _refuse_load_state(models: list, input_dir: str) -> None:
             "resume with infinity.load_checkpoint(dir, model, opt) from what infinity.save_checkpoint(dir, model, opt) "
             "wrote (weights, optimizer states, step count and RNG)"
             + (f": {str(input_dir)!r} is such a checkpoint" if holds else ""))
+
+
+def report_skipped_steps(prepared) -> None:
+    """Have accelerate's ``AcceleratedOptimizer`` say when the infinity optimizer it wraps skipped a step.
+
+    [Note: skipped steps under accelerate]
+    accelerate holds a prepared scheduler, and the Trainer its scheduler, on a step its ``step_was_skipped``
+    says was skipped, which it learns only from its own GradScaler. infinity skips a step with a non-finite
+    gradient itself (fp16's overflows: [Note: loss scaling] in infinity/optim/loss_scale.py), so without
+    this the schedule went on past steps never taken (a warmup spent on skipped steps), where a plain model
+    with accelerate's fp16 GradScaler, and DeepSpeed's, holds it. Once per ``AcceleratedOptimizer``.
+    """
+    if getattr(prepared.__dict__.get("step"), "reports_skips", False):
+        return
+    base_step = type(prepared).step
+
+    def step_and_report(self, closure=None):
+        inner = self.optimizer
+        before = inner.skipped_steps
+        base_step(self, closure)
+        self._is_overflow = inner.skipped_steps > before   # what accelerate's step_was_skipped reads
+
+    step_and_report.reports_skips = True
+    # A method (torch's schedulers wrap it) bound to a proxy: held by the instance, it must not hold it back.
+    prepared.step = types.MethodType(step_and_report, weakref.proxy(prepared))

@@ -121,3 +121,30 @@ def test_load_state_is_refused_naming_infinitys_checkpoints_before_reading_a_fil
         accelerator.load_state(str(tmp_path / "ckpt"))
     infinity.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
     assert _steps(model, opt, batches[2:]) == went_on
+
+
+def test_a_step_infinity_skips_holds_a_prepared_scheduler(tmp_path):
+    """A prepared scheduler holds on a step accelerate's step_was_skipped says was skipped, which it learns only
+    from its own GradScaler: fp16's overflowing steps, skipped by infinity itself, moved the warmup on. Now the
+    prepared optimizer says so ([Note: skipped steps under accelerate] in infinity/optim/checks.py)."""
+    tmp_path.mkdir(exist_ok=True)
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "host", "optimizer": "host"}, "partition": {"sub_group_size": 4096},
+                        "precision": {"dtype": "float16", "initial_scale": 2.0 ** 12, "hysteresis": 1}}):
+        model = TinyGPT()
+    opt = infinity.AdamW(model, lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    skipped = []
+    for i, (idx, tgt) in enumerate(_batches(6)):
+        loss = model(idx, tgt)
+        accelerator.backward(loss * float("inf") if i == 1 else loss)    # step 1 overflows whatever the scale
+        opt.step()
+        skipped.append(opt.step_was_skipped)
+        sched.step()
+        opt.zero_grad()
+    inner = opt.optimizer
+    assert skipped[1] and inner.skipped_steps == sum(skipped) >= 1, skipped
+    assert sched.scheduler.last_epoch == inner.step_count == 6 - sum(skipped)
+    infinity.release(model)
