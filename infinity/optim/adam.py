@@ -52,7 +52,10 @@ class _OffloadAdam(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         engine, groups = param_groups.resolve(params, self._name)
         if engine.optimizer is not None:
-            raise EngineError(f"{self._name}: this model already has an infinity optimizer; create one per model")
+            raise EngineError(f"{self._name}: this model already has an infinity optimizer, whose states are the "
+                              "engine's (one set per model): go on with it, opt.add_param_group(...) adding the "
+                              "parameters to train from now on (after peft's merge_and_unload, set_adapter or "
+                              "add_adapter too); infinity.release(model) lets both go")
         self.engine = engine
         refuse_trainer_checkpoints(self._name)     # [Note: Trainer's checkpoints] in infinity/optim/checks.py
         relayout_frozen(engine, self._name)     # [Note: frozen after Init] in infinity/optim/relayout.py

@@ -189,7 +189,7 @@ def meet_accelerate_prepare() -> None:
 
     [Note: accelerate's load_state]
     ``Accelerator.save_state`` is refused on an engine model ([Note: accelerate's save_state] in
-    infinity/runtime/engine.py), so no directory holds what ``load_state`` reads for it, and given the
+    infinity/runtime/save_guard.py), so no directory holds what ``load_state`` reads for it, and given the
     directory ``infinity.save_checkpoint`` wrote it stopped at its own "no such file" for
     ``pytorch_model.bin``, saying nothing of infinity. Loading through infinity instead is not possible:
     its pre-hooks may take a model out of its list, not an optimizer, which it would still read from

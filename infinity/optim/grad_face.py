@@ -116,7 +116,8 @@ def untaken(param) -> bool:
 _GRAD_SCALER = ("torch.amp.GradScaler unscaling the gradients of infinity parameters: infinity scales the loss "
                 "itself for fp16 ([precision] loss_scale, dynamic by default: a step whose gradients are not finite "
                 "is skipped and the scale lowered) and bf16 and fp32 need no scaling; drop the GradScaler and call "
-                "loss.backward() and opt.step()")
+                "loss.backward() and opt.step() (accelerate: drop Accelerator(mixed_precision='fp16'), which makes "
+                "one, and set [precision] dtype = \"float16\" in infinity's config)")
 _FOREACH = {torch._foreach_norm: torch.linalg.vector_norm, torch._foreach_mul_: torch.Tensor.mul_,
             torch._foreach_clamp_min_: torch.Tensor.clamp_min_, torch._foreach_clamp_max_: torch.Tensor.clamp_max_,
             torch._foreach_zero_: torch.Tensor.zero_}

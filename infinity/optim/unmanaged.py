@@ -71,6 +71,7 @@ class UnmanagedAdam:
         self.optimizer: torch.optim.Optimizer | None = None
         self.outer: list[int] = []      # per torch group, the index of its infinity param group
         self.hooks: list = []
+        self.frozen: list = []          # taken while frozen (torch hooks only a tensor that requires grad)
         self.arrived = False            # one of them got a gradient in the backward now running
         for index, group in enumerate(param_groups):
             self.add(index, group)
@@ -93,6 +94,17 @@ class UnmanagedAdam:
         else:
             self.optimizer.add_param_group(torch_group)
         self.outer.append(index)
+        self.frozen += [p for p in params if not p.requires_grad]    # hooked once a forward finds them trained
+        self._hook([p for p in params if p.requires_grad])
+
+    def hook_unfrozen(self) -> None:
+        """A forward starts: parameters taken while frozen (an adapter ``set_adapter`` left inactive) and trained
+        now get their hooks, before this forward's graph reaches them."""
+        if any(p.requires_grad for p in self.frozen):
+            self._hook([p for p in self.frozen if p.requires_grad])
+            self.frozen = [p for p in self.frozen if not p.requires_grad]
+
+    def _hook(self, params: list) -> None:
         self.hooks += [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
         if self.engine.loss_scaler is not None:
             self.hooks += [p.register_hook(self._unscale) for p in params]

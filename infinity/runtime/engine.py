@@ -42,7 +42,7 @@ from infinity.runtime.hooks import (GradArrivals, install_hooks, install_release
                                     unhook_idle, watch_backward)
 from infinity.runtime.ranks import Ranks
 from infinity.runtime.shards import DemandStaging, ParamShards
-from infinity.runtime.save_guard import guard_save_pretrained
+from infinity.runtime.save_guard import guard_save_pretrained, state_dict_refusal
 from infinity.runtime.synced_generate import sync_generate
 from infinity.runtime.tier_set import TierSet
 from tiers.host_alloc import HeapTrimmer
@@ -343,6 +343,8 @@ class Engine:
             if self._updates is not None:
                 self._updates.before_forward()
         self.agree_at_forward = False       # after the agreement: a forward that failed in it agrees again
+        if self.optimizer is not None:
+            self.optimizer.unmanaged.hook_unfrozen()
         if self._step_started is None:
             self._step_started = time.perf_counter()
         if self.prefetcher is not None:
@@ -463,15 +465,10 @@ class Engine:
         for name, p in module.named_parameters(recurse=False):
             group = self.coordinator.group_of.get(p)
             if group is not None and group.state is not ParamState.AVAILABLE:
-                if _on_stack("accelerate.accelerator", "save_state"):
-                    raise EngineError(ACCELERATE_SAVE_STATE)
-                if _on_stack("peft.utils.save_and_load", "get_peft_model_state_dict"):
-                    raise EngineError(PEFT_SAVE_PRETRAINED)
-                raise EngineError(
-                    f"state_dict(): parameter {prefix + name!r} is released (its values are shards over "
-                    "ranks and tiers); take it with infinity.state_dict(model) (a transformers model: "
-                    "infinity.save_pretrained(model, d)) or inside `with infinity.gathered(model):`, or "
-                    "save with infinity.save_checkpoint and infinity-consolidate")
+                refusal = state_dict_refusal(prefix + name)     # None: the keys alone are asked for
+                if refusal is not None:
+                    raise EngineError(refusal)
+                return
 
     def write_param_shard(self, group: ParamGroup, full: torch.Tensor, before: torch.Tensor) -> None:
         """Store new full values of a gathered group (``infinity.gathered`` write-back).
@@ -509,45 +506,6 @@ class Engine:
             "activations": self.activations.stats() if self.activations is not None else {"offload": "none"},
             "optimizer_tiers": tier_split.shares(self.store) if self.store is not None else None,
         }
-
-
-ACCELERATE_SAVE_STATE = (
-    "accelerator.save_state(): the model was built in infinity.Init, and accelerate saves a model through "
-    "model.state_dict() on every process, whole, before any hook of its own runs; an engine model's parameters and "
-    "optimizer states are shards over ranks and tiers, saved by infinity. No file was written. On every rank, save "
-    "with infinity.save_checkpoint(dir, model, opt) and resume with infinity.load_checkpoint(dir, model, opt) "
-    "(weights, optimizer states, step count and RNG); keep the scheduler's state_dict() beside them; "
-    "infinity-consolidate makes the weights one file")
-
-
-PEFT_SAVE_PRETRAINED = (
-    "PeftModel.save_pretrained(): the model was built in infinity.Init, and peft takes model.state_dict() whole, "
-    "on this process alone, to keep the adapter's entries; the base weights are shards over ranks and tiers. No "
-    "weights were written. On every rank, save with infinity.save_pretrained(model, d): it writes what "
-    "PeftModel.save_pretrained writes (adapter_model.safetensors, adapter_config.json), gathering only the "
-    "adapter; or, on every rank, model.save_pretrained(d, state_dict=infinity.state_dict(model)) (the whole "
-    "model copied to host memory first)")
-
-
-def _on_stack(module: str, function: str) -> bool:
-    """Whether ``function`` of ``module`` is on the stack: a library that takes ``model.state_dict()`` whole on
-    its way (accelerate's ``save_state``, [Note: accelerate's save_state]; peft's ``save_pretrained``, which
-    ``infinity.save_pretrained`` does instead). Looked at only on the error path.
-
-    [Note: accelerate's save_state]
-    ``Accelerator.save_state`` takes ``model.state_dict()`` of every prepared model first and calls
-    the hooks of ``register_save_state_pre_hook`` only after, with those state dicts, so no hook can
-    route an engine model to ``infinity.save_checkpoint`` instead. Its ``state_dict()`` is refused
-    as any other is (before_state_dict), and this names what a user of ``save_state`` does instead.
-    ``load_state`` is refused by a pre-hook before it reads a file ([Note: accelerate's load_state] in
-    infinity/optim/checks.py). Looked at only on that error path.
-    """
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _close_parts(activations, tiers) -> None:

@@ -160,6 +160,9 @@ class ReleasedParameter(nn.Parameter):
                 return shape if attribute == "shape" else len(shape)
             if func in _SHAPE_METHODS and param is args[0]:
                 return _shape_answer(func, _whole_shape(param), args[1:], kwargs)
+            if func is _T.detach and param is args[0] and keys_only_caller():
+                return func(*args, **kwargs)    # state_dict() for its keys alone ([Note: save_pretrained refused
+                # before it writes] in infinity/runtime/save_guard.py)
             if func in _CONVERSIONS and param is args[0]:
                 if func is _T.type and len(args) == 1 and not kwargs:
                     return func(*args)      # p.type(): the type's name, a description
@@ -518,3 +521,26 @@ ORIGINAL_OF: dict = {ReleasedParameter: nn.Parameter}
 # Every class whose instances are released placeholders.
 _RELEASED_TYPES: set = {ReleasedParameter, ReleasedJoin}
 _MAKING = threading.Lock()
+
+
+def keys_only_caller() -> bool:
+    """Whether the ``state_dict()`` under way is one of peft's that reads the keys alone (``_KEYS_ONLY``): its
+    ``detach()`` of a released parameter is let through ([Note: save_pretrained refused before it writes] in
+    infinity/runtime/save_guard.py)."""
+    return any(on_stack(module, function) for module, function in _KEYS_ONLY)
+
+
+# peft's calls of a module's state_dict() that read its keys and nothing else.
+_KEYS_ONLY = (("peft.utils.other", "adapter_state_dict"), ("peft.utils.other", "adapter_state_dict_load_map"),
+              ("peft.tuners.tuners_utils", "_remap_adapter_state_dict_for_load"))
+
+
+def on_stack(module: str, function: str) -> bool:
+    """Whether ``function`` of ``module`` is on the stack (which library's call reaches a released parameter);
+    looked at only on error paths."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
+            return True
+        frame = frame.f_back
+    return False

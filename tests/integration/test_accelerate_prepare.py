@@ -86,7 +86,7 @@ def test_saved_state_dict_holds_tensors_and_loads_back(tmp_path):
 
 def test_save_state_is_refused_naming_infinitys_checkpoints_which_take_the_prepared_pair(tmp_path):
     """accelerator.save_state failed on state_dict() with advice for taking weights, not for checkpointing
-    ([Note: accelerate's save_state] in infinity/runtime/engine.py); the checkpoint it names takes the
+    ([Note: accelerate's save_state] in infinity/runtime/save_guard.py); the checkpoint it names takes the
     prepared optimizer and resumes the run exactly."""
     batches = _batches(4)
     model, opt = _build(tmp_path / "nvme")
