@@ -84,6 +84,7 @@ def guard_save_pretrained(roots, coordinator) -> list[GuardedSave]:
             guards.append(GuardedSave(module, own, coordinator))
     return guards
 
+
 def state_dict_refusal(name: str) -> str | None:
     """What ``model.state_dict()`` of a released parameter (``name``) raises, naming the way for the caller on the
     stack; None where the caller asks for the keys alone and takes no value (peft finding an adapter's entries
