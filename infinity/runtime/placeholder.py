@@ -206,6 +206,8 @@ def _reason_on_path(func) -> str:
         if frame.f_code.co_name == "resize_token_embeddings":
             return _RESIZE_REASON
         module = frame.f_globals.get("__name__", "")
+        if frame.f_code.co_name in _PEFT_ADDING and module.startswith("peft."):
+            return _PEFT_ADDING_REASON
         for prefix, reason in _TOOL_REASONS:
             if module.startswith(prefix) and (prefix != _PARAMETRIZE or frame.f_code.co_name in _REGISTERING):
                 return reason   # (a parametrization registered is gathered with its module: reads are reads)
@@ -233,6 +235,13 @@ _TOOL_REASONS = (
     ("torch.nn.utils.spectral_norm", "torch.nn.utils.spectral_norm: " + _REPARAMETRIZED),
     ("torch.nn.utils.prune", "torch.nn.utils.prune: " + _REPARAMETRIZED),
 )
+# An adapter that copies or wraps base weights while peft adds it (modules_to_save and a SEQ_CLS head copy their
+# module, DoRA reads the weight's norm): LoRA alone adds plain parameters, which the engine takes after the block.
+_PEFT_ADDING = frozenset({"get_peft_model", "inject_adapter", "add_adapter"})
+_PEFT_ADDING_REASON = ("peft copies or reads a base weight while adding this adapter (modules_to_save, a sequence-"
+                       "classification head, DoRA), which a released parameter cannot give. Add the adapter inside "
+                       "the infinity.Init block, after the model is built or loaded there (get_peft_model there): "
+                       "its parameters are then the engine's")
 _RESIZE_REASON = ("resize_token_embeddings gives parameters new shapes, which a model's groups, shards and "
                   "optimizer states keep from the exit of its infinity.Init block on: call it inside that block, "
                   "after the model is built or loaded (from_pretrained there)")

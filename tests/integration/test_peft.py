@@ -329,3 +329,18 @@ def test_an_optimizer_over_an_inactive_adapter_hooks_it_when_it_trains(tmp_path)
         runs.append(losses)
         infinity.release(model)
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("extra", [{"modules_to_save": ["lm_head"]}, {"use_dora": True}], ids=["modules_to_save", "dora"])
+def test_an_adapter_that_reads_base_weights_added_after_init_names_the_init_block(tmp_path, extra):
+    """Added after the block, an adapter that copies or reads a base weight met the general refusal, which named
+    infinity.gathered; inside it the pickling or the exit refusal came instead. The way that works is adding it
+    inside the Init block (where it trains as peft's own), and that is what the refusal says now."""
+    torch.manual_seed(0)
+    with infinity.Init(_config(tmp_path)):
+        base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA))
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **extra)
+    with pytest.raises(EngineError, match=r"peft copies or reads a base weight while adding this adapter.*"
+                                          r"inside the infinity.Init block"):
+        peft.get_peft_model(base, config)
+    infinity.release(base)
