@@ -196,8 +196,10 @@ class _OffloadAdam(torch.optim.Optimizer):
                 engine.reducer.settle()
                 engine.grad_face.before_step()
                 if not self.store.has_grad and not self.unmanaged.has_grad():
-                    raise EngineError(f"{self._name}.step() called before backward(): there are no gradients "
-                                      "to apply (call loss.backward() first)")
+                    raise EngineError(f"{self._name}.step() called before backward(): no gradient of the "
+                                      "parameters it steps arrived since the last step or zero_grad() (call "
+                                      "loss.backward() first; a backward that reached only parameters outside this "
+                                      "optimizer, or frozen ones, gives none)")
                 if self._updates.delay is not None:
                     self._updates.delay.refuse_untracked(self._ranges.trainable & self.store.grad_written,
                                                          f"{self._name}.step()")
