@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import json
 import math
 import os
@@ -380,7 +381,8 @@ def _edited(out: Path, best: nv.Setting) -> Path:
             load_config(tmp)
     except Exception as e:
         tmp.unlink()
-        raise BenchError(f"--write-config {out}: the updated file would not load: {e}") from e
+        said = str(e).replace(str(tmp), str(out))      # the temporary copy is gone: the file the user named
+        raise BenchError(f"--write-config {out}: the updated file would not load: {said}") from e
     return tmp
 
 
@@ -448,6 +450,11 @@ def nvme(args: argparse.Namespace) -> int:
         progress.describe("laying out the file")
         nv.lay_out(file, size, not args.buffered, progress)
         samples = run_sweep(args, settings, file, progress)
+    except OSError as e:
+        if e.errno == errno.EINVAL and not args.buffered and "O_DIRECT" in str(e):
+            raise BenchError(f"--path {args.path}: its filesystem refuses O_DIRECT; measure it with --buffered (and "
+                             "give the engine [aio] direct = false there)") from e
+        raise
     finally:
         progress.close()
         if args.keep_file:

@@ -188,3 +188,25 @@ def test_a_bench_stopped_by_sigterm_removes_its_test_file(tmp_path):
     _, err = bench.communicate(timeout=60)
     assert bench.returncode == 143 and "terminated" in err, (bench.returncode, err)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_bench_on_a_filesystem_that_refuses_o_direct_names_buffered(tmp_path, monkeypatch, capsys):
+    """The error named the engine's config key and a test file already deleted, exit 1; it names the flag that
+    measures such a disk, as a usage error (exit 2), and leaves nothing behind."""
+    import errno as errno_mod
+
+    from infinity.cli import bench
+
+    real_open = os.open
+
+    def refusing(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno_mod.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    code = bench.main(["nvme", "--path", str(tmp_path), "--size", "16MiB", "--repeats", "1", "--no-baselines",
+                       "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "refuses O_DIRECT; measure it with --buffered" in err, (code, err)
+    assert not list(tmp_path.iterdir())
