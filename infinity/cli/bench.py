@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from infinity.cli.common import Parser, run
+from infinity.cli.common import Parser, run, write_text_atomic
 from infinity.config.sizes import format_size, parse_size
 from tiers import newfile
 
@@ -475,7 +475,7 @@ def nvme(args: argparse.Namespace) -> int:
             "fio_commands": {s.label(): {op: " ".join(nv.fio_command(file, size, op, s)) for op in ops} for s in settings}
             if args.compare_fio else None,
         }
-        Path(args.json).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        write_text_atomic(args.json, json.dumps(record, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     if args.write_config:
         print(f"wrote [aio] to {write_config(args.write_config, best)}")

@@ -87,3 +87,35 @@ def _expected(exc: BaseException) -> bool:
     from infinity.checkpoint.errors import CheckpointError
 
     return isinstance(exc, (CheckpointError, OSError))
+
+
+def check_output(path: str | None, option: str) -> None:
+    """Refuse an output file that cannot be written before the work that fills it, naming ``option``."""
+    if not path or path == "-":
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{option} {path}: not writable")
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary file beside it, renamed over it once written
+    (an interrupt or a full disk leaves the old file, and a symlink at ``path`` is replaced, not followed)."""
+    from tiers import newfile
+
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = newfile.create(directory, prefix=f".{os.path.basename(path)}.tmp-")
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

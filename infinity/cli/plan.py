@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from infinity.cli.common import Parser, run
+from infinity.cli.common import Parser, check_output, run, write_text_atomic
 
 PROG = "infinity-plan"
 
@@ -118,11 +118,13 @@ def _emit_json(data: object, dest: str) -> None:
     if dest == "-":
         print(text)
     else:
-        Path(dest).write_text(text + "\n")
+        write_text_atomic(dest, text + "\n")
 
 
 def _run_table(args: argparse.Namespace) -> int:
     from infinity.plan import render_zero_table, zero_table
+
+    check_output(args.json, "--json")
 
     rows = zero_table(
         _split(args.params, "--params"),
@@ -201,6 +203,8 @@ def _prediction_inputs(args: argparse.Namespace, config) -> dict:
 
 def _run_model(args: argparse.Namespace) -> int:
     from infinity.plan import Bandwidth, PlanError, plan
+
+    check_output(args.json, "--json")
 
     bandwidth: object = None
     if args.bench_json:

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from infinity.cli.common import Parser, UsageError, run
+from infinity.cli.common import Parser, UsageError, check_output, run, write_text_atomic
 from infinity.config.sizes import human_size
 from tiers import newfile
 
@@ -325,13 +325,14 @@ def _report(args: argparse.Namespace) -> int:
     if not Path(args.path).is_dir():
         what = "does not exist" if not os.path.lexists(args.path) else "is not a directory"
         raise UsageError(f"--path {args.path} {what}")
+    check_output(args.json, "--json")
     report = gather(args.path)
     if args.json == "-":
         print(json.dumps(report, indent=2))
         return 0
     print(render(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_text_atomic(args.json, json.dumps(report, indent=2) + "\n")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import json
 import subprocess
 import sys
 
@@ -210,3 +211,21 @@ def test_a_bench_on_a_filesystem_that_refuses_o_direct_names_buffered(tmp_path, 
     err = capsys.readouterr().err
     assert code == 2 and "refuses O_DIRECT; measure it with --buffered" in err, (code, err)
     assert not list(tmp_path.iterdir())
+
+
+def test_json_outputs_are_checked_first_and_written_whole(tmp_path, capsys):
+    """--json into a missing directory printed the whole table, then failed with a bare OS error (exit 1); and the
+    file was truncated before it was written, through a symlink at its name. Now it is refused first, naming
+    --json (exit 2), and written beside its name and renamed over it (the symlink replaced, not followed)."""
+    from infinity.cli import plan as plan_cli
+
+    code = plan_cli.main(["table", "--params", "1B", "--ranks", "1", "--json", str(tmp_path / "none" / "x.json")])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "--json" in err and "does not exist" in err, (code, out, err)
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target.json")
+    assert plan_cli.main(["table", "--params", "1B", "--ranks", "1", "--json", str(link)]) == 0
+    capsys.readouterr()
+    assert not link.is_symlink() and not (tmp_path / "target.json").exists()
+    assert json.loads(link.read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json"]
