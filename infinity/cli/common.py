@@ -44,15 +44,24 @@ def one_line(message: object) -> str:
 
 def run(prog: str, debug: bool, body: Callable[[], int], usage: tuple[type[BaseException], ...] = ()) -> int:
     """Run a command's ``body``; its errors become one line and an exit code (see [Note: command-line errors])."""
-    from infinity.config import ConfigError
-
     # A scheduler stops a job with SIGTERM: as Ctrl-C, so that a tool's cleanup (a bench's test file, a
     # consolidation's temporary output) runs, and the exit says so (143).
     def terminated(signum, frame):
         raise _Terminated()
 
+    previous = None
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, terminated)
+        previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        return _body(prog, debug, body, usage)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)      # a caller in the same process keeps its own
+
+
+def _body(prog: str, debug: bool, body: Callable[[], int], usage: tuple[type[BaseException], ...]) -> int:
+    from infinity.config import ConfigError
+
     try:
         return body()
     except _Terminated:
