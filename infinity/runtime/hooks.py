@@ -464,6 +464,11 @@ class _EngineHook:
     # for every module until dynamo's recompile limit).
     @torch.compiler.disable
     def __call__(self, *args):
+        if torch.is_inference_mode_enabled():
+            # A forward under torch.inference_mode: what the engine makes here (gathered groups, staging, arenas)
+            # outlives it, and an inference tensor refuses the in-place writes of every later step.
+            with torch.inference_mode(False):
+                return self.fn(*args)
         return self.fn(*args)
 
     @property

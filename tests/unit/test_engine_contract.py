@@ -440,3 +440,22 @@ def test_load_state_dict_with_assign_is_refused_before_any_parameter_is_replaced
     with infinity.gathered(model):
         assert all(torch.equal(v, values[k]) for k, v in model.state_dict().items())
     infinity.release(model)
+
+
+@pytest.mark.parametrize("params, optimizer", [("host", "host"), ("nvme", "nvme"), ("device", "host")])
+def test_a_first_forward_under_inference_mode_leaves_training_exact(tmp_path, params, optimizer):
+    """An evaluation before training under torch.inference_mode (Lightning's sanity check runs one): the buffers
+    the engine made there were inference tensors, and every later training forward, gathered and state_dict
+    raised torch's "Inplace update to inference tensor outside InferenceMode", for good. Now they are not."""
+    data = _data(4)
+    model, ref = _build(MLP, _cfg(params, optimizer, tmp_path))
+    opt = infinity.AdamW(model, lr=LR, weight_decay=WEIGHT_DECAY)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    with torch.inference_mode():
+        assert torch.equal(model(*data[0]), ref(*data[0]))
+        with infinity.gathered(model):
+            pass
+    _assert_parity(*_train_side_by_side(model, opt, ref, ref_opt, data[:2]))
+    with torch.inference_mode():
+        assert torch.allclose(model(*data[2]), ref(*data[2]), atol=LOSS_TOL)
+    _assert_parity(*_train_side_by_side(model, opt, ref, ref_opt, data[2:]))
