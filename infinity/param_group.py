@@ -216,6 +216,23 @@ class ParamGroup:
         self.full = None
         self.state = ParamState.NOT_AVAILABLE
 
+    def part_with_escaped(self) -> None:
+        """Before a release from ``infinity.gathered``: tensors made in the block that share the gathered memory
+        (a state dict taken there, ``p.data`` kept, a graph's saved weights) keep their values in memory of their
+        own, and this group takes new memory at its next gather ([Note: tensors that outlive a block] in
+        infinity/runtime/gathered.py)."""
+        flat = self._flat
+        if flat is None or self.memory is None or self.full is not flat or self.state is not ParamState.AVAILABLE:
+            return
+        storage = flat.untyped_storage()
+        mine = storage._cdata
+        views = self._views[1] if self._views is not None and self._views[0] is flat else ()
+        on_it = sum(1 for slot in self.slots if slot.param.untyped_storage()._cdata == mine)
+        held = 2 + len(views) + on_it      # the flat tensor, ``storage`` here, the cached views, the parameters
+        if torch._C._storage_Use_Count(mine) > held:
+            self.memory.give_away(flat)
+            self._flat, self._views = None, None
+
     def drop_views(self) -> None:
         """Parameters become empty placeholders that refuse reads (a released group, or one released with
         ``keep_views``; see [Note: released placeholders] in infinity/runtime/placeholder.py)."""

@@ -199,6 +199,23 @@ class GatherMemory:
         if loan is not None:        # else the group's stored shard: nothing to give back
             self.give_back(loan)
 
+    def give_away(self, flat: torch.Tensor) -> None:
+        """``flat``'s storage keeps its bytes, in memory of its own, for the tensors outside the engine that share
+        it; the memory lent to it comes back, and its group takes a new flat tensor at its next gather
+        ([Note: tensors that outlive a block] in infinity/runtime/gathered.py)."""
+        entry = self._lent.pop(id(flat), False)
+        if not self.lending:
+            if entry is False:      # resized for the group: its memory is theirs now (a stored shard keeps its own)
+                self._resized -= flat.untyped_storage().nbytes()
+            return
+        loan, _ = entry
+        storage = flat.untyped_storage()
+        own = torch.empty(storage.nbytes(), dtype=torch.uint8, device=self.device)
+        own.copy_(torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage))
+        storage._swap_data_ptr_(own.untyped_storage())     # theirs owns the copy; ``own`` the loan's pointer
+        if loan is not None:
+            self.give_back(loan)
+
     def give_back(self, loan) -> None:
         """Return a slice the compute stream may still be using (its kernels enqueued, not run).
 

@@ -18,6 +18,17 @@ tensor, which ``save_pretrained`` recognises as tied. Host memory holds the whol
 with ``rank0_only``); for a model bigger than that, ``infinity.save_pretrained`` writes each subtree's
 tensors to their files as it is gathered (infinity/runtime/hf_save.py), and ``infinity-consolidate`` writes
 a checkpoint's tensor by tensor.
+
+[Note: tensors that outlive a block]
+Tensors made inside ``gathered`` from the parameters share the gathered memory: ``sd = model.state_dict()``,
+``w = p.data``, a graph's saved weights. Released at the block's exit, that memory went back to the engine and
+theirs held nothing: reading them crashed the process, and ``torch.save(sd, f)`` after the block wrote empty
+storages without an error. So at the exit a group whose memory has users besides the engine's own (its flat
+tensor, its cached views, its parameters: the storage's use count says) leaves it to them, with a copy of its
+bytes in memory of their own (``GatherMemory.give_away``), and takes new memory at its next gather. They keep
+the values the block ended with, where a plain model's views would follow later updates too; one copy of
+those groups, only when something kept them. A tensor taken in a forward hook from a module's parameter
+outside ``gathered`` still shares memory released after that module's forward: clone it there.
 """
 from __future__ import annotations
 
@@ -92,6 +103,7 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
                         engine.write_param_shard(g, current, snapshots[g])
                     except Exception as exc:    # the rest are broadcast, not written: raised below, on every rank
                         failed = _written_in_part(engine, g, exc)
+                g.part_with_escaped()
                 coordinator.unuse(g)
         _discard_recordings(marks)
         engine.grad_face.stray += _stray_grads(model, groups)

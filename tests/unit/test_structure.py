@@ -156,6 +156,9 @@ _FOREIGN_PRIVATE = {
     # accelerate's record that an optimizer's step was skipped (AcceleratedOptimizer.step_was_skipped), which it
     # sets only from its own GradScaler: set from infinity's own skips (infinity/checkpoint/trainer.py).
     "_is_overflow",
+    # How many tensors share a gathered group's storage, so that those made inside infinity.gathered keep
+    # their memory at its exit (infinity/param_group.py): no public equivalent.
+    "_storage_Use_Count", "_cdata",
 }
 
 
