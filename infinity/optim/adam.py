@@ -140,7 +140,7 @@ class _OffloadAdam(torch.optim.Optimizer):
         self._param_steps.load(steps, self.step_count, "optimizer")
         clip_coef = getattr(self, "_checks", None) and self._checks.clip_coef
         self._checks = GradientChecks(self.store, engine.reducer, engine.ranks, slots, engine.datapath,
-                                      engine.loss_scaler)
+                                      engine.loss_scaler, engine.config.partition.stage)
         self._checks.clip_coef = clip_coef or None
 
     @property

@@ -44,7 +44,8 @@ class GradientChecks:
         fp16's ``LossScaler`` (the stored gradients are scaled by it; norms are reported unscaled), or None.
     """
 
-    def __init__(self, store, reducer, ranks, slots, datapath, loss_scaler=None) -> None:
+    def __init__(self, store, reducer, ranks, slots, datapath, loss_scaler=None, stage: int = 3) -> None:
+        self.stage = stage      # partition.stage: what a refusal of ranks that took other paths advises
         self.datapath = datapath
         self.loss_scaler = loss_scaler      # fp16: the stored gradients are scaled by it
         self.store = store
@@ -98,8 +99,13 @@ class GradientChecks:
             "some ranks and not on others (a branch taken on some ranks only) makes a rank hand its group over at "
             "the end of the backward instead of when the gradients arrive, and NCCL pairs collectives by order "
             "alone, so the gradients of this step may be mixed between groups. The step is not applied. Make every "
-            "rank use every trainable parameter in each forward (a branch not taken can add 0 * its output), or "
-            "freeze what some ranks do not use")
+            "rank call every module with trainable parameters in each forward (a branch not taken can call it on an "
+            "empty slice, or add 0 * its output), or freeze what some ranks do not use"
+            + ("; at partition.stage 3 every module a rank calls is gathered on every rank too (freezing does not "
+               "spare that): make the block whose modules ranks call differently (a mixture of experts, an early "
+               "exit) a unit of its own, partition.units = [\"ItsClass\"] (its groups are gathered and handed "
+               "over once per call of the block, which every rank makes), or train at stage 1 or 2"
+               if self.stage == 3 else ""))
 
     def clip_grad_norm_(self, max_norm: float, extra_norm_sq: float = 0.0) -> torch.Tensor:
         """The global L2 norm of this step's gradients; the update scales them to ``max_norm``.
