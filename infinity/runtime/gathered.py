@@ -27,11 +27,15 @@ storages without an error. So at the exit a group whose memory has users besides
 tensor, its cached views, its parameters: the storage's use count says) leaves it to them, with a copy of its
 bytes in memory of their own (``GatherMemory.give_away``), and takes new memory at its next gather. They keep
 the values the block ended with, where a plain model's views would follow later updates too; one copy of
-those groups, only when something kept them. A tensor taken in a forward hook from a module's parameter
-outside ``gathered`` still shares memory released after that module's forward: clone it there.
+those groups, only when something kept them (with no memory for the copy, a warning, and they go empty as
+before). A tensor taken in a forward hook from a module's parameter outside ``gathered`` still shares memory
+released after that module's forward: clone it there; so does a storage object kept alone
+(``p.untyped_storage()``), and, with a torch too old to lend memory, a group gathered in place (its stored
+shard itself, on one rank and the device tier), whose tensors then follow it.
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -103,7 +107,12 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
                         engine.write_param_shard(g, current, snapshots[g])
                     except Exception as exc:    # the rest are broadcast, not written: raised below, on every rank
                         failed = _written_in_part(engine, g, exc)
-                g.part_with_escaped()
+                try:
+                    g.part_with_escaped()
+                except (MemoryError, torch.OutOfMemoryError) as exc:     # no room for their copy: they go empty
+                    warnings.warn(f"infinity.gathered: no memory to keep the tensors taken inside the block from "
+                                  f"group {g.name!r} ({exc}); they are empty after it: clone what must outlive it",
+                                  RuntimeWarning, stacklevel=3)
                 coordinator.unuse(g)
         _discard_recordings(marks)
         engine.grad_face.stray += _stray_grads(model, groups)

@@ -70,7 +70,8 @@ _NORM_CHUNK = 1 << 20      # fp32 elements widened at a time for a CPU shard's n
 # At stage 3 the backward's all-gathers run between the reduce-scatters, so a group waiting its turn there
 # would move relative to them (and hold gathered parameters the next gather needs): see [Note: handed over at
 # the call's end]. What that leaves (a group several calls use, a call whose backward's end is not watched)
-# is detected: the book keeps, per group, where among this rank's collectives of the step it was handed over;
+# is detected: the book keeps, per group, where among this rank's collectives it was handed over, counted from
+# its backward's first hand-over (what a rank ran before alone, an evaluation after a step, shifts nothing);
 # the step's one all-reduce (``GradientChecks.exchange``) carries them with their negation, and when the
 # largest and the smallest differ anywhere every rank refuses the step alike, naming the group and the
 # parameters with a gradient on some ranks only, before anything is updated. A rank whose collectives no
@@ -94,28 +95,28 @@ _NORM_CHUNK = 1 << 20      # fp32 elements widened at a time for a CPU shard's n
 class GradientBook:
     """What arrived since ``zero_grad``, kept on the compute device: no host wait to update it.
 
-    ``arrived[1 + k]`` is 1.0 once the gradient of the k-th parameter (in group and slot
-    order) arrived on this rank (torch's ``.grad is not None``; see [Note: parameters without
-    a gradient] in infinity/optim/ranges.py); ``arrived[0]`` is left for the non-finite flag
-    of the step's single all-reduce. ``norm_sq`` is the running sum of the shards' squared
-    norms (fp32 dot products of at most 1Mi elements on the CPU), in float64; ``exact`` turns False
-    when a group received gradients twice (accumulation), where only the stored sum knows
-    the norm.
+    ``arrived[1 + k]`` is 1.0 once the gradient of the k-th parameter (in group and slot order) arrived on this
+    rank (torch's ``.grad is not None``; see [Note: parameters without a gradient] in infinity/optim/ranges.py);
+    ``arrived[0]`` is left for the non-finite flag of the step's single all-reduce. ``norm_sq`` is the running
+    sum of the shards' squared norms (fp32 dot products of at most 1Mi elements on the CPU), in float64;
+    ``exact`` turns False when a group received gradients twice (accumulation): only the stored sum knows it.
     """
 
     def __init__(self, nparams: int, device: torch.device) -> None:
         self.arrived = torch.zeros(1 + nparams, dtype=torch.float32, device=device)
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
         self.exact = True
-        # Per group index: where among this rank's collectives of the step its gradients were handed over
-        # (1 + the collectives before, summed over the step's backwards); see [Note: handed over in order].
+        # Per group index: where among this rank's collectives its gradients were handed over (1 + those since its
+        # backward's first hand-over, ``base``, summed over the step's backwards); [Note: handed over in order].
         self.handed_at: dict[int, int] = {}
+        self.base: int | None = None
 
     def reset(self) -> None:
         self.arrived.zero_()
         self.norm_sq.zero_()
         self.exact = True
         self.handed_at.clear()
+        self.base = None
 
     def flags(self, positions: torch.Tensor) -> torch.Tensor:
         """The non-finite flag, then whether each parameter at ``positions`` had a gradient (device)."""
@@ -135,10 +136,8 @@ def _wait_quietly(datapath, events) -> None:
 
 
 class _Landed:
-    """Tier writes as an event: done when all are (the host buffer they read may then be reused).
-
-    Waiting for it waits for I/O, not for the device: the data path does not count it.
-    """
+    """Tier writes as an event: done when all are (the host buffer they read may then be reused). Waiting for it
+    waits for I/O, not for the device: the data path does not count it."""
 
     __slots__ = ("futures",)
     on_device = False
@@ -189,10 +188,8 @@ class GradReducer:
         Moves the shards to the host and books them (``infinity.runtime.datapath.DataPath``).
     allocator:
         Host memory for the downloaded shards (``tiers.HostAllocator``).
-    stage:
-        ``partition.stage``.
-    bucket_nbytes:
-        ``partition.reduce_bucket_bytes`` (see [Note: gradient buckets] in infinity/runtime/reduce_buckets.py).
+    stage, bucket_nbytes:
+        ``partition.stage``; ``partition.reduce_bucket_bytes`` ([Note: gradient buckets] in reduce_buckets.py).
 
     The optimizer state store, which accumulates the shards, is attached once it exists.
     """
@@ -293,8 +290,9 @@ class GradReducer:
         """
         self._let_go()
         if self.ranks.world_size > 1:       # [Note: handed over in order]
-            book = self.book
-            book.handed_at[group.index] = book.handed_at.get(group.index, 0) + 1 + self.ranks.comm.calls_so_far()
+            book, calls = self.book, self.ranks.comm.calls_so_far()
+            book.base = calls if book.base is None else book.base
+            book.handed_at[group.index] = book.handed_at.get(group.index, 0) + 1 + calls - book.base
         if group.full_nbytes > self._bucket_nbytes or group.shard_nbytes > self._host_nbytes:
             self._grow_buckets(group)
         arrived = sum(grad is not None for grad in grads)
@@ -559,6 +557,8 @@ class GradReducer:
         """End of a backward pass: autograd is done with every group taken. ``cut_short``: an exception ended
         it ([Note: aborted backward] in infinity/runtime/engine.py), which the watcher is told. Issues no
         collective and adds no gradient: a second call finds nothing left to let go."""
+        if self.book is not None:
+            self.book.base = None       # the next backward counts from its own first hand-over
         try:
             self._let_go()
         finally:

@@ -466,8 +466,9 @@ class _EngineHook:
     def __call__(self, *args):
         if torch.is_inference_mode_enabled():
             # A forward under torch.inference_mode: what the engine makes here (gathered groups, staging, arenas)
-            # outlives it, and an inference tensor refuses the in-place writes of every later step.
-            with torch.inference_mode(False):
+            # outlives it, and an inference tensor refuses the in-place writes of every later step. Gradients
+            # stay off (leaving inference mode turns them on): the engine must not take it for a training forward.
+            with torch.inference_mode(False), torch.no_grad():
                 return self.fn(*args)
         return self.fn(*args)
 

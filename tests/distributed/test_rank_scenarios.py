@@ -370,3 +370,44 @@ def test_experts_routed_apart_at_stage_3_need_a_unit_and_the_refusal_says_so(tmp
         assert "partition.units" in said and "at partition.stage 3" in said, said
     for said, worst in run_ranks(_routed_apart, 2, tmp_path, ["_Experts"], collective_timeout=60):
         assert said == "no error" and worst < 1e-5, (said, worst)
+
+
+def _evaluated_on_rank_0(rank, world, workdir, stage):
+    """Three steps beside DDP (torch's AdamW over the ranks' mean gradient); after the first, rank 0 alone runs
+    a forward without gradients (an evaluation) before the next training forward."""
+    torch.manual_seed(0)
+    ref = _Routed()
+    torch.manual_seed(0)
+    with infinity.Init({"tiers": {"params": "device", "optimizer": "host"}, "partition": {"stage": stage},
+                        "precision": {"dtype": "float32"}}):
+        model = _Routed()
+    opt, ref_opt = infinity.AdamW(model, lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    xs = torch.randn(3, world, 4, 8, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        if step == 1 and rank == 0:
+            with torch.no_grad():
+                model(xs[step, rank][:2], (0, 1))
+        model(xs[step, rank], (0, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+        for r in range(world):
+            ref(xs[step, r], (0, 1)).backward()
+        for p in ref.parameters():
+            p.grad /= world
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with infinity.gathered(model):
+        worst = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+    infinity.release(model)
+    return worst
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_evaluation_on_one_rank_after_a_step_trains_on_as_ddp(tmp_path, stage):
+    """At stages 1 and 2 the first forward after a step gathers, and one rank's evaluation there pairs its
+    gathers with the others' next training forward, as designed; but each group's hand-over was placed among
+    the collectives counted from the step's first training forward, which that evaluation preceded on one rank
+    only, and the next opt.step() was refused on every rank as taking other paths. Placed from each backward's
+    first hand-over, the run trains as DDP."""
+    for worst in run_ranks(_evaluated_on_rank_0, 2, tmp_path, stage, collective_timeout=60):
+        assert worst < 1e-5, worst

@@ -459,3 +459,21 @@ def test_a_first_forward_under_inference_mode_leaves_training_exact(tmp_path, pa
     with torch.inference_mode():
         assert torch.allclose(model(*data[2]), ref(*data[2]), atol=LOSS_TOL)
     _assert_parity(*_train_side_by_side(model, opt, ref, ref_opt, data[2:]))
+
+
+def test_an_inference_mode_forward_is_no_training_forward_and_leaves_parameters_unfreezable(tmp_path):
+    """Leaving inference mode for the engine's own work turned gradients on: its hooks took an evaluation under
+    torch.inference_mode for a training forward (groups armed for a backward, recorded in the training trace).
+    And placeholders made there were inference tensors: requires_grad_ after it raised."""
+    model, _ = _build(MLP, _cfg("host", "host", tmp_path))
+    engine = infinity.registry.engine_of(model)
+    opt = infinity.AdamW(model, lr=LR)
+    with torch.inference_mode():
+        model(*_data(1)[0])
+        assert engine.prefetcher.lane == "inference"     # its own trace, not the training steps'
+        with infinity.gathered(model):
+            pass
+    model.requires_grad_(False)
+    model.requires_grad_(True)
+    model(*_data(1)[0]).backward()
+    opt.step()
