@@ -148,9 +148,6 @@ class ParamGroup:
         ``source``: the group's whole shard in the compute device's memory, to be used as the
         gathered tensor's memory itself (one rank, the device tier: no copy).
         """
-        if torch.is_inference_mode_enabled():   # the buffer outlives the block: never an inference tensor
-            with torch.inference_mode(False), torch.no_grad():
-                return self.flat_buffer(source)
         if self.memory is None:   # a group no coordinator owns (tests): plain memory of its own
             if self._flat is None:
                 self._flat = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
@@ -181,9 +178,6 @@ class ParamGroup:
 
     def to_available(self, full: torch.Tensor) -> None:
         """Point every parameter at its view of the gathered flat tensor."""
-        if torch.is_inference_mode_enabled():   # views kept for later gathers: not marked as made in it
-            with torch.inference_mode(False), torch.no_grad():
-                return self.to_available(full)
         self._expect(ParamState.INFLIGHT, to="AVAILABLE")
         self.full = full
         self.pending = None
@@ -236,9 +230,6 @@ class ParamGroup:
     def drop_views(self) -> None:
         """Parameters become empty placeholders that refuse reads (a released group, or one released with
         ``keep_views``; see [Note: released placeholders] in infinity/runtime/placeholder.py)."""
-        if torch.is_inference_mode_enabled():   # a placeholder made in it would refuse requires_grad_ after it
-            with torch.inference_mode(False), torch.no_grad():
-                return self.drop_views()
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for slot in self.slots:
             param = slot.param

@@ -44,6 +44,7 @@ from torch import nn
 from infinity import registry
 from infinity.errors import EngineError
 from infinity.optim.grad_face import untaken
+from infinity.runtime.hooks import engine_work
 
 
 @contextmanager
@@ -80,8 +81,9 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
             engine.optimizer.synchronize()
     coordinator = engine.coordinator
     groups = _groups_of(engine.coordinator, model)
-    coordinator.use(groups)
-    snapshots = {g: g.shard_of(g.full).clone() for g in groups}
+    with engine_work():     # [Note: the engine's work under inference mode] in infinity/runtime/hooks.py
+        coordinator.use(groups)
+        snapshots = {g: g.shard_of(g.full).clone() for g in groups}
     marks = _recording_marks(engine)
     unmanaged = _unmanaged(coordinator, model)      # held before the block: not this block's doing
     completed = False
@@ -90,7 +92,7 @@ def gathered(model: nn.Module, modifier_rank: int | None = None):
         completed = True
     finally:
         reshaped, failed = [], None
-        with torch.no_grad():
+        with torch.no_grad(), engine_work():
             for g in groups:
                 for slot in g.slots:    # a shape or dtype the group cannot hold: that parameter keeps its values
                     if slot.param.shape != slot.shape or slot.param.dtype != g.dtype:
@@ -296,10 +298,11 @@ class _Held:
         self.groups: list = []
 
     def only(self, groups: list) -> None:
-        for g in self.groups:
-            if g not in groups:
-                self.coordinator.unuse(g)
-        self.coordinator.use([g for g in groups if g not in self.groups])
+        with engine_work():     # [Note: the engine's work under inference mode] in infinity/runtime/hooks.py
+            for g in self.groups:
+                if g not in groups:
+                    self.coordinator.unuse(g)
+            self.coordinator.use([g for g in groups if g not in self.groups])
         self.groups = list(groups)
 
 

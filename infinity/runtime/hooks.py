@@ -25,6 +25,7 @@ gather: ``.data`` swaps keep a tensor's hooks.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -434,7 +435,7 @@ def install_hooks(root: nn.Module, lifecycle) -> HookHandles:
     handles: list[RemovableHandle] = []
     forward: dict = {}
     pre_forward = _EngineHook(lifecycle.pre_forward)    # (module, args, kwargs): may return new ones
-    post_forward = _EngineHook(lambda m, args, kwargs, out: lifecycle.post_forward(m, out, (args, kwargs)))
+    post_forward = _AfterForward(lifecycle.post_forward)
     for module in root.modules():
         forward[module] = [
             module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True),
@@ -464,11 +465,9 @@ class _EngineHook:
     # for every module until dynamo's recompile limit).
     @torch.compiler.disable
     def __call__(self, *args):
-        if torch.is_inference_mode_enabled():
-            # A forward under torch.inference_mode: what the engine makes here (gathered groups, staging, arenas)
-            # outlives it, and an inference tensor refuses the in-place writes of every later step. Gradients
-            # stay off (leaving inference mode turns them on): the engine must not take it for a training forward.
-            with torch.inference_mode(False), torch.no_grad():
+        inference = _INFERENCE[0] = torch.is_inference_mode_enabled()
+        if inference:
+            with engine_work():     # [Note: the engine's work under inference mode]
                 return self.fn(*args)
         return self.fn(*args)
 
@@ -485,6 +484,54 @@ class _EngineHook:
                           "to another process): its parameters are shards over ranks and tiers, and its hooks hold "
                           "the engine. Save model.state_dict() inside `with infinity.gathered(model):`, or use "
                           "infinity.save_checkpoint")
+
+
+class _AfterForward(_EngineHook):
+    """The engine's post-forward hook: ``post_forward(module, output, (args, kwargs))``, outside inference mode
+    when its forward's pre-forward hook found it on."""
+
+    __slots__ = ()
+
+    @torch.compiler.disable
+    def __call__(self, module, args, kwargs, output):
+        if _INFERENCE[0]:
+            with engine_work():
+                return self.fn(module, output, (args, kwargs))
+        return self.fn(module, output, (args, kwargs))
+
+
+# Whether the forward under way runs under torch.inference_mode, as its latest pre-forward hook found: its
+# post-forward hooks read it (no call of their own).
+_INFERENCE = [False]
+
+
+def engine_work():
+    """Where the engine's own work runs when the caller is in ``torch.inference_mode``.
+
+    [Note: the engine's work under inference mode]
+    What the engine makes while a forward (or ``infinity.gathered``, a state dict) runs under
+    ``torch.inference_mode`` outlives it: gathered groups and their views, placeholders, staging and arenas.
+    Made there they are inference tensors, which refuse the in-place writes of every later step ("Inplace
+    update to inference tensor outside InferenceMode"; an evaluation before training broke the model for
+    good) and ``requires_grad_``. So the engine's hooks and gathers leave inference mode for their own work,
+    with gradients kept off, as they are there (leaving it turns them on, and the engine would take the
+    evaluation for a training forward). One check a forward's pre-forward hook; ``gathered`` and the state
+    dict's walk check once per block and part.
+    """
+    return _OutsideInference() if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+
+
+class _OutsideInference:
+    __slots__ = ("modes",)
+
+    def __enter__(self):
+        self.modes = (torch.inference_mode(False), torch.no_grad())
+        for mode in self.modes:
+            mode.__enter__()
+
+    def __exit__(self, *exc):
+        for mode in reversed(self.modes):
+            mode.__exit__(*exc)
 
 
 def _frames():
