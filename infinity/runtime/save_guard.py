@@ -27,6 +27,7 @@ from torch import nn
 from infinity.errors import EngineError
 from infinity.param_group import ParamState
 from infinity.runtime.placeholder import keys_only_caller, on_stack
+from infinity.runtime.synced_generate import OnInstance
 
 _REFUSED = (
     "{cls}.save_pretrained(): the model was built in infinity.Init, and transformers saves it through "
@@ -36,31 +37,22 @@ _REFUSED = (
     "held in host memory)")
 
 
-class GuardedSave:
+def guarded(module: nn.Module, own, coordinator) -> OnInstance:
     """``module.save_pretrained`` refused while the module's parameters are released and no ``state_dict`` is
-    given; ``remove()`` gives ``module`` its class's back."""
+    given."""
+    ref = weakref.ref(module)      # the attribute must not keep its model, nor its engine, alive
+    engine_groups = weakref.ref(coordinator)
+    signature = inspect.signature(own)
 
-    def __init__(self, module: nn.Module, own, coordinator) -> None:
-        ref = self._module = weakref.ref(module)      # the attribute must not keep its model, nor its engine, alive
-        engine_groups = weakref.ref(coordinator)
-        signature = inspect.signature(own)
+    @functools.wraps(own)
+    def save_pretrained(*args, **kwargs):
+        module = ref()
+        given = signature.bind_partial(module, *args, **kwargs).arguments.get("state_dict")
+        if given is None and _released(module, engine_groups()):
+            raise EngineError(_REFUSED.format(cls=type(module).__name__))
+        return own(module, *args, **kwargs)
 
-        @functools.wraps(own)
-        def save_pretrained(*args, **kwargs):
-            module = ref()
-            given = signature.bind_partial(module, *args, **kwargs).arguments.get("state_dict")
-            if given is None and _released(module, engine_groups()):
-                raise EngineError(_REFUSED.format(cls=type(module).__name__))
-            return own(module, *args, **kwargs)
-
-        save_pretrained.__signature__ = inspect.signature(functools.partial(own, module))   # the bound method's
-        self._save = save_pretrained
-        module.__dict__["save_pretrained"] = save_pretrained
-
-    def remove(self) -> None:
-        module = self._module()
-        if module is not None and module.__dict__.get("save_pretrained") is self._save:
-            del module.__dict__["save_pretrained"]
+    return OnInstance(module, "save_pretrained", save_pretrained, own)
 
 
 def _released(module: nn.Module, coordinator) -> bool:
@@ -70,8 +62,8 @@ def _released(module: nn.Module, coordinator) -> bool:
     return any(groups[p].state is not ParamState.AVAILABLE for p in module.parameters() if p in groups)
 
 
-def guard_save_pretrained(roots, coordinator) -> list[GuardedSave]:
-    """A ``GuardedSave`` for each module under ``roots`` whose ``save_pretrained`` is transformers' own."""
+def guard_save_pretrained(roots, coordinator) -> list[OnInstance]:
+    """A guarded ``save_pretrained`` (``OnInstance``) for each module under ``roots`` whose ``save_pretrained`` is transformers' own."""
     guards, seen = [], set()
     for root in roots:
         for module in root.modules():
@@ -81,7 +73,7 @@ def guard_save_pretrained(roots, coordinator) -> list[GuardedSave]:
                     for c in type(module).__mro__):
                 continue
             seen.add(id(module))
-            guards.append(GuardedSave(module, own, coordinator))
+            guards.append(guarded(module, own, coordinator))
     return guards
 
 

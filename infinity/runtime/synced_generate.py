@@ -30,33 +30,40 @@ from torch import nn
 _KEY = "synced_gpus"
 
 
-class SyncedGenerate:
-    """``module.generate`` with ``synced_gpus`` True; ``remove()`` gives ``module`` its class's back."""
+class OnInstance:
+    """``function`` set as ``module.<name>`` on the instance, over its class's method ``own`` (its signature the
+    bound method's); ``remove()`` gives ``module`` its class's back, if it is still ``function``."""
 
-    def __init__(self, module: nn.Module, own) -> None:
-        ref = self._module = weakref.ref(module)      # the attribute must not keep its model alive
-        at = list(inspect.signature(own).parameters).index(_KEY) - 1    # its place among the arguments after self
-
-        @functools.wraps(own)
-        def generate(*args, **kwargs):
-            if len(args) > at:
-                args = (*args[:at], True, *args[at + 1:])
-            else:
-                kwargs[_KEY] = True
-            return own(ref(), *args, **kwargs)
-
-        generate.__signature__ = inspect.signature(functools.partial(own, module))     # the bound method's
-        self._generate = generate
-        module.__dict__["generate"] = generate
+    def __init__(self, module: nn.Module, name: str, function, own) -> None:
+        function.__signature__ = inspect.signature(functools.partial(own, module))
+        self._module = weakref.ref(module)      # the attribute must not keep its model alive
+        self._name, self._function = name, function
+        module.__dict__[name] = function
 
     def remove(self) -> None:
         module = self._module()
-        if module is not None and module.__dict__.get("generate") is self._generate:
-            del module.__dict__["generate"]
+        if module is not None and module.__dict__.get(self._name) is self._function:
+            del module.__dict__[self._name]
 
 
-def sync_generate(roots, ranks, stage: int) -> list[SyncedGenerate]:
-    """A ``SyncedGenerate`` for each module under ``roots`` whose ``generate`` takes ``synced_gpus``, where
+def synced(module: nn.Module, own) -> OnInstance:
+    """``module.generate`` with ``synced_gpus`` True."""
+    ref = weakref.ref(module)
+    at = list(inspect.signature(own).parameters).index(_KEY) - 1    # its place among the arguments after self
+
+    @functools.wraps(own)
+    def generate(*args, **kwargs):
+        if len(args) > at:
+            args = (*args[:at], True, *args[at + 1:])
+        else:
+            kwargs[_KEY] = True
+        return own(ref(), *args, **kwargs)
+
+    return OnInstance(module, "generate", generate, own)
+
+
+def sync_generate(roots, ranks, stage: int) -> list[OnInstance]:
+    """A synced ``generate`` (``OnInstance``) for each module under ``roots`` whose ``generate`` takes ``synced_gpus``, where
     [Note: generating on several ranks] asks for it."""
     if ranks.world_size == 1 or stage != 3 or ranks.world_size != dist.get_world_size():
         return []
@@ -65,7 +72,7 @@ def sync_generate(roots, ranks, stage: int) -> list[SyncedGenerate]:
         for module in root.modules():
             own = getattr(type(module), "generate", None)
             if callable(own) and "generate" not in vars(module) and _takes_sync(own):
-                out.append(SyncedGenerate(module, own))
+                out.append(synced(module, own))
     return out
 
 

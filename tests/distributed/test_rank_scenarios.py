@@ -59,6 +59,18 @@ def test_a_forward_with_gradients_and_no_backward_on_every_rank(tmp_path):
     assert max(run_ranks(_forward_without_backward, 2, tmp_path, collective_timeout=60)) <= 1e-5
 
 
+def _ddp_step(ref, ref_opt, world: int, loss_of) -> None:
+    """Torch DDP (find_unused_parameters) in one process: each rank's ``loss_of(rank)`` backward, the mean over the
+    ranks (zeros where a rank had no gradient), one step of ``ref_opt``."""
+    for r in range(world):
+        loss_of(r).backward()
+    for p in ref.parameters():
+        if p.grad is not None:
+            p.grad /= world
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 class _Gated(torch.nn.Module):
     """A weight, and a bias that only the ranks in ``users`` add: its gradient arrives on those alone."""
 
@@ -125,14 +137,7 @@ def _unused_on_some_ranks(rank, world, workdir, stage, in_backward=False):
         except EngineError as exc:
             infinity.release(model)
             return str(exc)
-        # Torch DDP (find_unused_parameters): the mean over ranks, zeros where a rank had no gradient.
-        for r in range(world):
-            ref.at(r)(inputs[step, r]).backward()
-        for p in ref.parameters():
-            if p.grad is not None:
-                p.grad /= world
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _ddp_step(ref, ref_opt, world, lambda r: ref.at(r)(inputs[step, r]))
         with infinity.gathered(model):
             for (name, mine), theirs in zip(model.named_parameters(), ref.parameters()):
                 worst = max(worst, (mine.detach() - theirs.detach()).abs().max().item())
@@ -349,13 +354,7 @@ def _routed_apart(rank, world, workdir, units):
             said = str(exc)
             break
         opt.zero_grad()
-        for r in range(world):
-            ref(xs[step, r], (r,)).backward()
-        for p in ref.parameters():
-            if p.grad is not None:
-                p.grad /= world
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _ddp_step(ref, ref_opt, world, lambda r: ref(xs[step, r], (r,)))
     with infinity.gathered(model):
         worst = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
     infinity.release(model)
@@ -390,12 +389,7 @@ def _evaluated_on_rank_0(rank, world, workdir, stage):
         model(xs[step, rank], (0, 1)).backward()
         opt.step()
         opt.zero_grad()
-        for r in range(world):
-            ref(xs[step, r], (0, 1)).backward()
-        for p in ref.parameters():
-            p.grad /= world
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _ddp_step(ref, ref_opt, world, lambda r: ref(xs[step, r], (0, 1)))
     with infinity.gathered(model):
         worst = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
     infinity.release(model)
